@@ -1,0 +1,307 @@
+//! The command line: `attnsweep train | eval | data`.
+
+use crate::checkpoint;
+use crate::config::Config;
+use crate::data::{self, SynthSpec};
+use crate::eval;
+use crate::train::{self, Built, TrainArgs};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "attnsweep",
+    version,
+    about = "Train, evaluate and sweep transformers that mix full, sliding-window, PPA and routed attention"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model from an experiment file (or the built-in defaults).
+    Train(TrainCmd),
+    /// Evaluate a trained run: loss, perplexity, bits per token, attention work, and loss per
+    /// dependency distance on the synthetic corpus.
+    Eval(EvalCmd),
+    /// Prepare token data sets.
+    #[command(subcommand)]
+    Data(DataCmd),
+}
+
+#[derive(Args)]
+struct ConfigArgs {
+    /// Experiment file (TOML with [model], [attention], [data], [train], [eval]); built-in
+    /// defaults when omitted.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Override one config value, e.g. --set attention.window=64 (repeatable; applied in
+    /// order after the file).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+}
+
+#[derive(Args)]
+struct TrainCmd {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Run directory: resolved config, logs, checkpoints and the final evaluation go here.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Continue the run in --out from its latest checkpoint (its saved config is used;
+    /// --set still applies on top of it).
+    #[arg(long)]
+    resume: bool,
+    /// Start from another run's weights (continued pretraining): a run directory, a
+    /// checkpoint directory or a .safetensors file. Parameters with matching names are loaded;
+    /// parameters the source lacks keep their initialisation.
+    #[arg(long, value_name = "PATH", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
+    /// Stop after this many steps (writing a checkpoint) without shortening the schedule;
+    /// continue later with --resume. For jobs cut into time slots.
+    #[arg(long, value_name = "STEP")]
+    stop_at_step: Option<usize>,
+    /// No progress bar or status lines.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+struct EvalCmd {
+    /// The run directory to evaluate (its config.toml describes the model).
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to evaluate instead of the run's latest checkpoint (checkpoint directory or
+    /// .safetensors file).
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Override a config value for this evaluation only, e.g. --set attention.method=swa
+    /// --set attention.window=32 evaluates a full-attention model with a window (SWA-ZS).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Output directory [default: <run>/eval, or <run>/eval-<overrides> when --set is given].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Split to evaluate.
+    #[arg(long, default_value = "val", value_parser = ["val", "train"])]
+    split: String,
+    /// Print nothing but errors.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Tokenise text files byte-level into train/val token shards plus meta.json.
+    Prepare(PrepareCmd),
+    /// Generate the synthetic long-tail dependency corpus (tokens plus each position's
+    /// dependency distance).
+    Synth(SynthCmd),
+}
+
+#[derive(Args)]
+struct PrepareCmd {
+    /// Text files; each becomes one document, separated by the end-of-document token 256.
+    #[arg(long, short, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Output directory (must not already hold a data set).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Fraction of the token stream (its end) held out as the validation split.
+    #[arg(long, default_value_t = 0.05)]
+    val_fraction: f64,
+    /// Tokens per shard file.
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_tokens: usize,
+}
+
+#[derive(Args)]
+struct SynthCmd {
+    /// Output directory (must not already hold a data set).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Seed of the filler language and of both splits.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
+    #[arg(long, default_value_t = 256)]
+    vocab_size: usize,
+    /// Distinct keys; a key is reused with a new value once its query has been asked.
+    #[arg(long, default_value_t = 24)]
+    n_keys: usize,
+    /// Distinct values.
+    #[arg(long, default_value_t = 32)]
+    n_values: usize,
+    /// Successors per token in the filler bigram model.
+    #[arg(long, default_value_t = 4)]
+    branch: usize,
+    /// Probability that a filler position starts a definition.
+    #[arg(long, default_value_t = 0.02)]
+    event_rate: f64,
+    /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
+    #[arg(long, default_value_t = 1.2)]
+    alpha: f64,
+    /// Shortest query-to-definition distance.
+    #[arg(long, default_value_t = 2)]
+    min_distance: usize,
+    /// Longest query-to-definition distance (normally the training sequence length).
+    #[arg(long, default_value_t = 256)]
+    max_distance: usize,
+    /// Tokens in the training split.
+    #[arg(long, default_value_t = 2_000_000)]
+    train_tokens: usize,
+    /// Tokens in the validation split.
+    #[arg(long, default_value_t = 100_000)]
+    val_tokens: usize,
+}
+
+pub fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Train(c) => {
+            let cfg = if c.resume {
+                anyhow::ensure!(
+                    c.config.config.is_none(),
+                    "--resume uses the run's saved config.toml; drop --config"
+                );
+                Config::load(Some(&c.out.join("config.toml")), &c.config.sets)?
+            } else {
+                Config::load(c.config.config.as_deref(), &c.config.sets)?
+            };
+            train::train(
+                cfg,
+                &TrainArgs {
+                    out: c.out,
+                    resume: c.resume,
+                    init_from: c.init_from,
+                    stop_at: c.stop_at_step,
+                    quiet: c.quiet,
+                },
+            )
+        }
+        Command::Eval(c) => run_eval(c),
+        Command::Data(DataCmd::Prepare(c)) => {
+            let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens)?;
+            eprintln!(
+                "wrote {} train and {} val tokens to {}",
+                meta.train_tokens,
+                meta.val_tokens,
+                c.out.display()
+            );
+            Ok(())
+        }
+        Command::Data(DataCmd::Synth(c)) => {
+            let spec = SynthSpec {
+                seed: c.seed,
+                vocab_size: c.vocab_size,
+                n_keys: c.n_keys,
+                n_values: c.n_values,
+                branch: c.branch,
+                event_rate: c.event_rate,
+                alpha: c.alpha,
+                min_distance: c.min_distance,
+                max_distance: c.max_distance,
+                train_tokens: c.train_tokens,
+                val_tokens: c.val_tokens,
+            };
+            let meta = data::synth(&spec, &c.out)?;
+            eprintln!(
+                "wrote {} train and {} val synthetic tokens to {}",
+                meta.train_tokens,
+                meta.val_tokens,
+                c.out.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn run_eval(c: EvalCmd) -> Result<()> {
+    let mut cfg = Config::load(Some(&c.run.join("config.toml")), &c.sets).with_context(|| {
+        format!(
+            "{} is not a run directory with a valid config.toml",
+            c.run.display()
+        )
+    })?;
+    let meta = train::resolve_with_data(&mut cfg)?;
+    let device = train::resolve_device(&cfg.train.device)?;
+    let weights = checkpoint::resolve_weights(c.ckpt.as_deref().unwrap_or(&c.run))?;
+    let built = Built::new(&cfg, device);
+    checkpoint::load_into(&built.params(), &weights, true)?;
+    let split = data::Split::open(&cfg.data.dir, &meta, &c.split)?;
+    let report = eval::evaluate(&built.model, &split, &cfg, &c.split, device)?;
+    let out = c.out.unwrap_or_else(|| {
+        if c.sets.is_empty() {
+            c.run.join("eval")
+        } else {
+            let tag: String = c
+                .sets
+                .join("_")
+                .chars()
+                .map(|ch| {
+                    if ch.is_ascii_alphanumeric() || ch == '.' || ch == '-' {
+                        ch
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            c.run.join(format!("eval-{tag}"))
+        }
+    });
+    eval::write_report(&out, &report, &cfg)?;
+    if !c.quiet {
+        println!(
+            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  attention density {:.4}  ({} tokens) -> {}",
+            c.split,
+            report.loss,
+            report.perplexity,
+            report.bits_per_token,
+            report.attention.density,
+            report.tokens,
+            out.display()
+        );
+        for b in &report.buckets {
+            println!(
+                "  {:>16}  {:>8} tokens  loss {:.4}",
+                b.bucket, b.tokens, b.loss
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn check(cmd: &clap::Command, path: &str) {
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            assert!(
+                arg.get_help().is_some_and(|h| h.to_string().len() > 10),
+                "{path} --{id} has no help text"
+            );
+        }
+        for sub in cmd.get_subcommands() {
+            assert!(
+                sub.get_about().is_some(),
+                "{path} {} has no description",
+                sub.get_name()
+            );
+            check(sub, &format!("{path} {}", sub.get_name()));
+        }
+    }
+
+    #[test]
+    fn help_explains_every_flag() {
+        Cli::command().debug_assert();
+        check(&Cli::command(), "attnsweep");
+    }
+}

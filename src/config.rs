@@ -1,0 +1,415 @@
+//! The experiment file: one TOML document with `[model]`, `[attention]`, `[data]`, `[train]`
+//! and `[eval]` sections. Every field has a default, unknown keys are errors, and every value
+//! is range-checked with a message naming its key. `--set section.key=value` overrides are
+//! applied to the TOML tree before it is parsed, so they obey exactly the same rules.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub attention: AttentionConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub eval: EvalConfig,
+}
+
+/// Field names follow the Hugging Face `config.json` of Llama-family models so a converted
+/// model's configuration carries over unchanged.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// 0 means "take it from the prepared data set"; the resolved config holds the real value.
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    /// 0 means hidden_size / num_attention_heads.
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub attention_bias: bool,
+    pub tie_word_embeddings: bool,
+    pub initializer_range: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            vocab_size: 0,
+            hidden_size: 128,
+            intermediate_size: 384,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 4,
+            head_dim: 0,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-5,
+            attention_bias: false,
+            tie_word_embeddings: true,
+            initializer_range: 0.02,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn head_dim(&self) -> usize {
+        if self.head_dim == 0 {
+            self.hidden_size / self.num_attention_heads.max(1)
+        } else {
+            self.head_dim
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Method {
+    Full,
+    Swa,
+    Ppa,
+    StaticHybrid,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttentionConfig {
+    pub method: Method,
+    /// Sliding-window size w: query i sees keys i-w+1..=i.
+    pub window: usize,
+    /// PPA power p in [0, 1].
+    pub ppa_power: f64,
+    /// static_hybrid: layers every-1, 2*every-1, ... are full, the rest use the window.
+    pub hybrid_every: usize,
+}
+
+impl Default for AttentionConfig {
+    fn default() -> Self {
+        AttentionConfig {
+            method: Method::Full,
+            window: 64,
+            ppa_power: 0.5,
+            hybrid_every: 4,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A directory written by `attnsweep data prepare` or `attnsweep data synth`.
+    pub dir: PathBuf,
+    pub seq_len: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            dir: PathBuf::new(),
+            seq_len: 256,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    Fp32,
+    Bf16,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub steps: usize,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    /// Cosine decay ends at lr * min_lr_ratio.
+    pub min_lr_ratio: f64,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub adam_eps: f64,
+    /// Global gradient-norm clip; 0 disables clipping.
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Compute dtype; parameters and optimizer state stay fp32.
+    pub dtype: Dtype,
+    /// "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+    pub device: String,
+    pub log_every: usize,
+    pub ckpt_every: usize,
+    /// How many step checkpoints to keep on disk (the newest ones).
+    pub keep_checkpoints: usize,
+    /// Validation loss every N steps (0: only at the end).
+    pub eval_every: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 1000,
+            batch_size: 16,
+            grad_accum: 1,
+            lr: 3e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 100,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+            seed: 1337,
+            dtype: Dtype::Fp32,
+            device: "auto".into(),
+            log_every: 10,
+            ckpt_every: 200,
+            keep_checkpoints: 2,
+            eval_every: 0,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    pub batch_size: usize,
+    /// At most this many batches of the validation split (0: all of it).
+    pub max_batches: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            batch_size: 16,
+            max_batches: 50,
+        }
+    }
+}
+
+fn check<T: PartialOrd + std::fmt::Display>(key: &str, v: T, lo: T, hi: T) -> Result<()> {
+    if v < lo || v > hi {
+        bail!("{key} = {v} is out of range: allowed {lo} ..= {hi}");
+    }
+    Ok(())
+}
+
+fn check_open_f(key: &str, v: f64, lo: f64, hi: f64) -> Result<()> {
+    if !(v > lo && v < hi) {
+        bail!("{key} = {v} is out of range: allowed strictly between {lo} and {hi}");
+    }
+    Ok(())
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        if m.vocab_size != 0 {
+            check("model.vocab_size", m.vocab_size, 2, 1 << 24)?;
+        }
+        check("model.hidden_size", m.hidden_size, 1, 65_536)?;
+        check("model.intermediate_size", m.intermediate_size, 1, 1 << 18)?;
+        check("model.num_hidden_layers", m.num_hidden_layers, 1, 1024)?;
+        check("model.num_attention_heads", m.num_attention_heads, 1, 1024)?;
+        check(
+            "model.num_key_value_heads",
+            m.num_key_value_heads,
+            1,
+            m.num_attention_heads,
+        )?;
+        if m.num_attention_heads % m.num_key_value_heads != 0 {
+            bail!(
+                "model.num_key_value_heads = {} must divide model.num_attention_heads = {}",
+                m.num_key_value_heads,
+                m.num_attention_heads
+            );
+        }
+        if m.head_dim == 0 && m.hidden_size % m.num_attention_heads != 0 {
+            bail!(
+                "model.hidden_size = {} is not divisible by model.num_attention_heads = {}; set model.head_dim",
+                m.hidden_size,
+                m.num_attention_heads
+            );
+        }
+        check("model.head_dim", m.head_dim(), 2, 1024)?;
+        if m.head_dim() % 2 != 0 {
+            bail!(
+                "model.head_dim = {} must be even (rotary embedding rotates pairs)",
+                m.head_dim()
+            );
+        }
+        check_open_f("model.rope_theta", m.rope_theta, 0.0, 1e12)?;
+        check_open_f("model.rms_norm_eps", m.rms_norm_eps, 0.0, 1.0)?;
+        check_open_f("model.initializer_range", m.initializer_range, 0.0, 10.0)?;
+
+        let a = &self.attention;
+        check("attention.window", a.window, 1, 1 << 30)?;
+        check("attention.ppa_power", a.ppa_power, 0.0, 1.0)?;
+        check("attention.hybrid_every", a.hybrid_every, 1, 1024)?;
+
+        check("data.seq_len", self.data.seq_len, 2, 1 << 22)?;
+
+        let t = &self.train;
+        check("train.steps", t.steps, 1, 1 << 40)?;
+        check("train.batch_size", t.batch_size, 1, 1 << 20)?;
+        check("train.grad_accum", t.grad_accum, 1, 1 << 16)?;
+        check_open_f("train.lr", t.lr, 0.0, 10.0)?;
+        check("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)?;
+        check("train.warmup_steps", t.warmup_steps, 0, t.steps)?;
+        check("train.weight_decay", t.weight_decay, 0.0, 10.0)?;
+        check("train.beta1", t.beta1, 0.0, 0.999_999)?;
+        check("train.beta2", t.beta2, 0.0, 0.999_999_999)?;
+        check_open_f("train.adam_eps", t.adam_eps, 0.0, 1.0)?;
+        check("train.grad_clip", t.grad_clip, 0.0, 1e6)?;
+        parse_device(&t.device).map(|_| ())?;
+        check("train.log_every", t.log_every, 1, 1 << 40)?;
+        check("train.ckpt_every", t.ckpt_every, 1, 1 << 40)?;
+        check("train.keep_checkpoints", t.keep_checkpoints, 1, 1 << 20)?;
+
+        check("eval.batch_size", self.eval.batch_size, 1, 1 << 20)?;
+        Ok(())
+    }
+
+    /// Reads an experiment file (or the built-in defaults when `path` is None), applies
+    /// `--set` overrides, and validates the result.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+        let mut tree = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read config {}", p.display()))?;
+                text.parse::<toml::Table>()
+                    .with_context(|| format!("{} is not valid TOML", p.display()))?
+            }
+            None => toml::Table::new(),
+        };
+        for o in overrides {
+            apply_override(&mut tree, o)?;
+        }
+        let what = path
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "defaults".into());
+        let cfg: Config = toml::Value::Table(tree)
+            .try_into()
+            .with_context(|| format!("invalid config ({what})"))?;
+        cfg.validate()
+            .with_context(|| format!("invalid config ({what})"))?;
+        Ok(cfg)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+}
+
+/// `section.key=value`; the value is read as a TOML value (number, bool, array, quoted string)
+/// and falls back to a bare string, so `--set attention.method=swa` needs no quotes.
+pub fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
+    let (key, raw) = spec
+        .split_once('=')
+        .with_context(|| format!("--set {spec:?}: expected section.key=value"))?;
+    let key = key.trim();
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
+        bail!("--set {spec:?}: key must look like section.key (e.g. attention.window)");
+    }
+    let value = match format!("v = {}", raw.trim()).parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").expect("parsed key"),
+        Err(_) => toml::Value::String(raw.trim().to_string()),
+    };
+    let mut table = tree;
+    for p in &parts[..parts.len() - 1] {
+        let entry = table
+            .entry(p.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .with_context(|| format!("--set {spec:?}: {p} is not a section"))?;
+    }
+    table.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+pub fn parse_device(s: &str) -> Result<DeviceSpec> {
+    Ok(match s {
+        "auto" => DeviceSpec::Auto,
+        "cpu" => DeviceSpec::Cpu,
+        "cuda" => DeviceSpec::Cuda(0),
+        _ => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => DeviceSpec::Cuda(n),
+            None => bail!("train.device = {s:?} is not one of auto, cpu, cuda, cuda:N"),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_of(toml_text: &str, sets: &[&str]) -> String {
+        let dir = std::env::temp_dir().join(format!("attnsweep-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("c{}.toml", toml_text.len() + sets.len()));
+        std::fs::write(&p, toml_text).unwrap();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        format!("{:#}", Config::load(Some(&p), &sets).unwrap_err())
+    }
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = Config::default();
+        c.validate().unwrap();
+        let back: Config = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn overrides_parse_types_and_bare_strings() {
+        let c = Config::load(
+            None,
+            &[
+                "attention.method=swa".into(),
+                "attention.window=16".into(),
+                "train.lr=0.01".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.attention.method, Method::Swa);
+        assert_eq!(c.attention.window, 16);
+        assert_eq!(c.train.lr, 0.01);
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        assert!(err_of("[model\nx=1", &[]).contains("not valid TOML"));
+        assert!(err_of("[model]\nhiden_size = 3\n", &[]).contains("hiden_size"));
+        assert!(err_of("[nosuch]\n", &[]).contains("nosuch"));
+        let e = err_of("", &["attention.ppa_power=1.5"]);
+        assert!(
+            e.contains("attention.ppa_power") && e.contains("0 ..= 1"),
+            "{e}"
+        );
+        let e = err_of(
+            "[model]\nnum_attention_heads = 4\nnum_key_value_heads = 3\n",
+            &[],
+        );
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        assert!(err_of("", &["attention.method=sparse"]).contains("sparse"));
+        assert!(err_of("", &["train.device=tpu"]).contains("train.device"));
+        assert!(err_of("", &["window=3"]).contains("section.key"));
+        assert!(err_of("", &["train.steps=0"]).contains("train.steps"));
+    }
+}

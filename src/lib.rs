@@ -1,0 +1,12 @@
+//! attnsweep: sweeps of attention-sparsity experiments. See README.md for the tour.
+
+pub mod atomic;
+pub mod attention;
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod eval;
+pub mod model;
+pub mod rng;
+pub mod train;

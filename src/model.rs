@@ -1,0 +1,448 @@
+//! The Llama-style decoder, top to bottom: token embedding, `num_hidden_layers` blocks of
+//! (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM
+//! head. Parameter names are Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...).
+//!
+//! Parameters are always fp32 (they are the optimizer's master copy); `compute` is the dtype
+//! activations and matmuls run in. Weights are cast on use, so autograd delivers fp32
+//! gradients to the parameters, which is what autocast does in PyTorch.
+
+use crate::attention::{layer_pattern, AttnOutput, KeyPattern, SelfAttention};
+use crate::config::{AttentionConfig, ModelConfig};
+use tch::{nn, Kind, Tensor};
+
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(p: nn::Path, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Self {
+        let weight = p.var(
+            "weight",
+            &[out_dim, in_dim],
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        let bias = bias.then(|| p.var("bias", &[out_dim], nn::Init::Const(0.0)));
+        Linear { weight, bias }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let k = x.kind();
+        x.linear(
+            &self.weight.to_kind(k),
+            self.bias.as_ref().map(|b| b.to_kind(k)),
+        )
+    }
+}
+
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+        RmsNorm {
+            weight: p.var("weight", &[dim], nn::Init::Const(1.0)),
+            eps,
+        }
+    }
+
+    /// Normalises in fp32 whatever the compute dtype (as Hugging Face's LlamaRMSNorm does).
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let xf = x.to_kind(Kind::Float);
+        let rms = (xf.square().mean_dim(-1, true, Kind::Float) + self.eps).rsqrt();
+        (&self.weight * (xf * rms)).to_kind(x.kind())
+    }
+}
+
+/// Rotary position embedding in Hugging Face's "rotate half" layout: dimension c is paired
+/// with c + head_dim/2.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(len: i64, head_dim: i64, theta: f64, kind: Kind, device: tch::Device) -> Self {
+        let opts = (Kind::Float, device);
+        let inv_freq =
+            (Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64 * -theta.ln()).exp();
+        let freqs = Tensor::arange(len, opts).outer(&inv_freq);
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        Rope {
+            cos: emb.cos().to_kind(kind),
+            sin: emb.sin().to_kind(kind),
+        }
+    }
+
+    /// `x: [B, H, L, D]`.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
+        let half = x.size()[3] / 2;
+        let rotated = Tensor::cat(&[-x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
+        x * &self.cos + rotated * &self.sin
+    }
+}
+
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn new(p: nn::Path, m: &ModelConfig) -> Self {
+        let (d, f, std) = (
+            m.hidden_size as i64,
+            m.intermediate_size as i64,
+            m.initializer_range,
+        );
+        Mlp {
+            gate_proj: Linear::new(&p / "gate_proj", d, f, false, std),
+            up_proj: Linear::new(&p / "up_proj", d, f, false, std),
+            down_proj: Linear::new(&p / "down_proj", f, d, false, std),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.down_proj
+            .forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
+    }
+}
+
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    pub self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// Everything a forward pass produces besides the logits.
+pub struct ForwardOutput {
+    /// `[B, L, vocab]` in fp32.
+    pub logits: Tensor,
+    /// One entry per layer.
+    pub layers: Vec<AttnOutput>,
+}
+
+impl ForwardOutput {
+    /// Sum of the layers' regulariser terms (zero for methods without one).
+    pub fn regulariser(&self) -> Option<Tensor> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.reg.as_ref())
+            .fold(None, |acc, r| {
+                Some(acc.map_or_else(|| r.shallow_clone(), |a: Tensor| a + r))
+            })
+    }
+
+    pub fn attended_pairs(&self) -> f64 {
+        self.layers.iter().map(|l| l.pairs).sum()
+    }
+}
+
+pub struct Llama {
+    pub cfg: ModelConfig,
+    embed_tokens: Tensor,
+    pub layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    compute: Kind,
+}
+
+impl Llama {
+    /// Creates the parameters under `vs` (initialised from tch's current seed).
+    pub fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Self {
+        let d = cfg.hidden_size as i64;
+        let eps = cfg.rms_norm_eps;
+        let model = vs / "model";
+        let embed_tokens = (&model / "embed_tokens").var(
+            "weight",
+            &[cfg.vocab_size as i64, d],
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: cfg.initializer_range,
+            },
+        );
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = &model / "layers" / i;
+                DecoderLayer {
+                    input_layernorm: RmsNorm::new(&p / "input_layernorm", d, eps),
+                    self_attn: SelfAttention::new(&p / "self_attn", cfg, layer_pattern(attn, i)),
+                    post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps),
+                    mlp: Mlp::new(&p / "mlp", cfg),
+                }
+            })
+            .collect();
+        let lm_head = (!cfg.tie_word_embeddings).then(|| {
+            Linear::new(
+                vs / "lm_head",
+                d,
+                cfg.vocab_size as i64,
+                false,
+                cfg.initializer_range,
+            )
+        });
+        Llama {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm: RmsNorm::new(&model / "norm", d, eps),
+            lm_head,
+            compute,
+        }
+    }
+
+    /// `ids: [B, L]` int64 token ids.
+    pub fn forward(&self, ids: &Tensor) -> ForwardOutput {
+        let len = ids.size()[1];
+        let device = ids.device();
+        let rope = Rope::new(
+            len,
+            self.cfg.head_dim() as i64,
+            self.cfg.rope_theta,
+            self.compute,
+            device,
+        );
+        // Layers that share a pattern share one mask, built once per forward.
+        let mut masks: Vec<(KeyPattern, Tensor)> = Vec::new();
+        for layer in &self.layers {
+            let p = layer.self_attn.pattern;
+            if !p.is_full_at(len as usize) && !masks.iter().any(|(q, _)| *q == p) {
+                masks.push((p, p.mask(len as usize, device)));
+            }
+        }
+        let mut h =
+            Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
+        let mut outs = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mask = masks
+                .iter()
+                .find(|(q, _)| *q == layer.self_attn.pattern)
+                .map(|(_, m)| m);
+            let attn = layer
+                .self_attn
+                .forward(&layer.input_layernorm.forward(&h), &rope, mask);
+            h = h + &attn.y;
+            h = &h
+                + layer
+                    .mlp
+                    .forward(&layer.post_attention_layernorm.forward(&h));
+            outs.push(attn);
+        }
+        let h = self.norm.forward(&h);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => h.linear(&self.embed_tokens.to_kind(self.compute), None::<Tensor>),
+        };
+        ForwardOutput {
+            logits: logits.to_kind(Kind::Float),
+            layers: outs,
+        }
+    }
+
+    /// Full-causal (query, key) pairs over all layers and heads for a `[B, L]` input: the
+    /// denominator of every attention-work ratio.
+    pub fn full_pairs(&self, batch: usize, len: usize) -> f64 {
+        (batch * self.cfg.num_attention_heads * self.cfg.num_hidden_layers) as f64
+            * KeyPattern::Full.attended_pairs(len) as f64
+    }
+}
+
+/// Per-position next-token negative log-likelihood, `[B, L]` in fp32.
+pub fn token_nll(logits: &Tensor, targets: &Tensor) -> Tensor {
+    let logp = logits.log_softmax(-1, Kind::Float);
+    -logp
+        .gather(-1, &targets.unsqueeze(-1), false)
+        .squeeze_dim(-1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Method;
+    use tch::Device;
+
+    fn tiny(tie: bool, bias: bool) -> ModelConfig {
+        ModelConfig {
+            vocab_size: 11,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            attention_bias: bias,
+            tie_word_embeddings: tie,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn parameter_names_follow_hugging_face() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _m = Llama::new(
+            &vs.root(),
+            &tiny(false, true),
+            &AttentionConfig::default(),
+            Kind::Float,
+        );
+        let mut names: Vec<String> = vs.variables().into_keys().collect();
+        names.sort();
+        for want in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.bias",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ] {
+            assert!(
+                names.contains(&want.to_string()),
+                "missing {want} in {names:?}"
+            );
+        }
+        assert!(!names.iter().any(|n| n.contains("o_proj.bias")));
+        assert_eq!(
+            vs.variables()["model.layers.0.self_attn.k_proj.weight"].size(),
+            vec![8, 16]
+        );
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _m = Llama::new(
+            &vs.root(),
+            &tiny(true, false),
+            &AttentionConfig::default(),
+            Kind::Float,
+        );
+        assert!(!vs.variables().contains_key("lm_head.weight"));
+    }
+
+    #[test]
+    fn rope_rotates_pairs_by_position_times_frequency() {
+        let rope = Rope::new(5, 4, 100.0, Kind::Double, Device::Cpu);
+        let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0])
+            .view([1, 1, 1, 4])
+            .expand([1, 1, 5, 4], false);
+        let y = rope.apply(&x);
+        for pos in 0..5 {
+            // Pairs (0, 2) and (1, 3); frequencies 1 and 100^(-1/2).
+            for (c, f) in [(0usize, 1.0f64), (1, 0.1)] {
+                let (a, b) = ([1.0, 2.0][c], [3.0, 4.0][c]);
+                let ang = pos as f64 * f;
+                let want = (a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos());
+                let got = (
+                    y.double_value(&[0, 0, pos, c as i64]),
+                    y.double_value(&[0, 0, pos, c as i64 + 2]),
+                );
+                assert!(
+                    (got.0 - want.0).abs() < 1e-6 && (got.1 - want.1).abs() < 1e-6,
+                    "{pos} {c}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rmsnorm_and_nll_match_hand_computation() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let n = RmsNorm::new(vs.root() / "n", 2, 0.0);
+        let y = n.forward(&Tensor::from_slice(&[3.0f32, 4.0]).view([1, 2]));
+        let r = (12.5f64).sqrt();
+        assert!(
+            (y.double_value(&[0, 0]) - 3.0 / r).abs() < 1e-6
+                && (y.double_value(&[0, 1]) - 4.0 / r).abs() < 1e-6
+        );
+        let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0]).view([1, 1, 3]);
+        let nll = token_nll(&logits, &Tensor::from_slice(&[2i64]).view([1, 1]));
+        let want = -(2.0f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).ln();
+        assert!((nll.double_value(&[0, 0]) - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn causal_and_window_respected_by_whole_model() {
+        tch::manual_seed(1);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let attn = AttentionConfig {
+            method: Method::Swa,
+            window: 3,
+            ..Default::default()
+        };
+        let m = Llama::new(&vs.root(), &tiny(true, false), &attn, Kind::Float);
+        let a = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8]).view([1, 8]);
+        let b = Tensor::from_slice(&[9i64, 2, 3, 4, 5, 6, 7, 10]).view([1, 8]);
+        let (la, lb) = (m.forward(&a).logits, m.forward(&b).logits);
+        // Changing the first token cannot reach position 6 through two layers of window 3
+        // (receptive field 1 + 2*2 = 5), and the last token changes nothing before it.
+        let same = |i: i64| {
+            la.get(0)
+                .get(i)
+                .allclose(&lb.get(0).get(i), 1e-6, 1e-6, false)
+        };
+        assert!(!same(0) && same(6) && same(5));
+        assert!(!same(4));
+        assert_eq!(
+            m.forward(&a).attended_pairs(),
+            (4 * 2) as f64 * KeyPattern::Window(3).attended_pairs(8) as f64
+        );
+    }
+
+    /// The reference path on the GPU (fused causal kernel for full, masked SDPA otherwise)
+    /// against the CPU, same weights, same input.
+    #[test]
+    fn gpu_forward_matches_cpu() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED gpu_forward_matches_cpu: no CUDA device");
+            return;
+        }
+        for method in [Method::Full, Method::Swa, Method::Ppa, Method::StaticHybrid] {
+            tch::manual_seed(3);
+            let attn = AttentionConfig {
+                method,
+                window: 5,
+                hybrid_every: 2,
+                ..Default::default()
+            };
+            let cpu_vs = nn::VarStore::new(Device::Cpu);
+            let cpu = Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float);
+            let mut gpu_vs = nn::VarStore::new(Device::Cuda(0));
+            let gpu = Llama::new(&gpu_vs.root(), &tiny(false, true), &attn, Kind::Float);
+            gpu_vs.copy(&cpu_vs).unwrap();
+            let ids = Tensor::randint(11, [3, 37], (Kind::Int64, Device::Cpu));
+            let want = cpu.forward(&ids).logits;
+            let got = gpu
+                .forward(&ids.to_device(Device::Cuda(0)))
+                .logits
+                .to_device(Device::Cpu);
+            let err = (&got - &want).abs().max().double_value(&[]);
+            assert!(err < 1e-4, "{method:?}: GPU differs from CPU by {err}");
+        }
+    }
+
+    #[test]
+    fn bf16_compute_tracks_fp32() {
+        tch::manual_seed(2);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let cfg = tiny(true, true);
+        let m32 = Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float);
+        let ids = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9]).view([1, 6]);
+        let l32 = m32.forward(&ids).logits;
+        let m16 = Llama {
+            compute: Kind::BFloat16,
+            ..m32
+        };
+        let l16 = m16.forward(&ids).logits;
+        assert_eq!(l16.kind(), Kind::Float);
+        let err = (l32 - l16).abs().max().double_value(&[]);
+        assert!(err < 0.05, "bf16 drifted by {err}");
+    }
+}

@@ -1,0 +1,449 @@
+//! End-to-end tests: the binary on tiny configurations, on the CPU.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("attnsweep-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("binary runs")
+}
+
+fn ok(args: &[&str]) -> Output {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?} failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// Runs a command that must fail; returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(!o.status.success(), "{args:?} unexpectedly succeeded");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn synth(dir: &Path, train_tokens: usize) -> String {
+    let data = dir.join("data");
+    ok(&[
+        "data",
+        "synth",
+        "--out",
+        data.to_str().unwrap(),
+        "--train-tokens",
+        &train_tokens.to_string(),
+        "--val-tokens",
+        "4096",
+        "--max-distance",
+        "64",
+    ]);
+    format!("data.dir={}", data.display())
+}
+
+const TINY: [&str; 12] = [
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "model.intermediate_size=64",
+    "--set",
+    "model.num_hidden_layers=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "eval.max_batches=4",
+];
+
+fn train(dir: &Path, data: &str, out: &str, extra: &[&str]) -> Output {
+    let out = dir.join(out);
+    let mut args = vec!["train", "-q", "--out", out.to_str().unwrap(), "--set", data];
+    args.extend(TINY);
+    args.extend(extra);
+    ok(&args)
+}
+
+fn log_rows(path: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(String::from).collect())
+        .collect()
+}
+
+#[test]
+fn train_then_eval_writes_everything() {
+    let d = scratch("basic");
+    let data = synth(&d, 20_000);
+    train(
+        &d,
+        &data,
+        "run",
+        &[
+            "--set",
+            "train.steps=6",
+            "--set",
+            "train.warmup_steps=2",
+            "--set",
+            "train.log_every=2",
+            "--set",
+            "attention.method=ppa",
+            "--set",
+            "attention.window=4",
+        ],
+    );
+    let run = d.join("run");
+    for f in [
+        "config.toml",
+        "train_log.csv",
+        "val_log.csv",
+        "checkpoints/latest",
+        "checkpoints/step_00000006/model.safetensors",
+        "checkpoints/step_00000006/optim.safetensors",
+        "eval/eval.json",
+        "eval/eval.csv",
+        "eval/eval_buckets.csv",
+        "eval/config.toml",
+    ] {
+        assert!(run.join(f).is_file(), "missing {f}");
+    }
+    let cfg = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    assert!(
+        cfg.contains("vocab_size = 256") && cfg.contains("method = \"ppa\""),
+        "resolved config:\n{cfg}"
+    );
+    let rows = log_rows(&run.join("train_log.csv"));
+    assert_eq!(
+        rows.iter().map(|r| r[0].as_str()).collect::<Vec<_>>(),
+        ["2", "4", "6"]
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("eval/eval.json")).unwrap())
+            .unwrap();
+    let density = json["report"]["attention"]["density"].as_f64().unwrap();
+    assert!(density > 0.0 && density < 0.5, "PPA density {density}");
+
+    // SWA-ZS: the same weights evaluated with a window, written beside, not over, the original.
+    let o = ok(&[
+        "eval",
+        "--run",
+        run.to_str().unwrap(),
+        "--set",
+        "attention.method=swa",
+        "--set",
+        "attention.window=8",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("val loss") && out.contains("out_of_context"),
+        "{out}"
+    );
+    let zs = run.join("eval-attention.method_swa_attention.window_8/eval.json");
+    let zs: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(zs).unwrap()).unwrap();
+    let expected = (8.0 * 64.0 - 8.0 * 7.0 / 2.0) / (64.0 * 65.0 / 2.0);
+    assert!((zs["report"]["attention"]["density"].as_f64().unwrap() - expected).abs() < 1e-12);
+    assert_eq!(zs["config"]["attention"]["method"], "swa");
+}
+
+#[test]
+fn resume_equals_uninterrupted_bitwise() {
+    let d = scratch("resume");
+    let data = synth(&d, 20_000);
+    let common = [
+        "--set",
+        "train.steps=9",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.ckpt_every=3",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.grad_accum=2",
+    ];
+    train(&d, &data, "whole", &common);
+    let mut first = common.to_vec();
+    first.extend(["--stop-at-step", "4"]);
+    train(&d, &data, "parts", &first);
+    assert!(
+        !d.join("parts/eval").exists(),
+        "a stopped run is not finished"
+    );
+    // Simulate rows an interrupted run wrote after its checkpoint: resume must drop them.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(d.join("parts/train_log.csv"))
+        .map(|mut f| {
+            use std::io::Write;
+            writeln!(f, "5,9.9,0,0,0,0").unwrap();
+        })
+        .unwrap();
+    let parts = d.join("parts");
+    ok(&["train", "-q", "--resume", "--out", parts.to_str().unwrap()]);
+    let a = std::fs::read(d.join("whole/checkpoints/step_00000009/model.safetensors")).unwrap();
+    let b = std::fs::read(d.join("parts/checkpoints/step_00000009/model.safetensors")).unwrap();
+    assert!(a == b, "resumed weights differ from the uninterrupted run");
+    let a = std::fs::read(d.join("whole/checkpoints/step_00000009/optim.safetensors")).unwrap();
+    let b = std::fs::read(d.join("parts/checkpoints/step_00000009/optim.safetensors")).unwrap();
+    assert!(a == b, "resumed optimizer state differs");
+    let losses = |p: &str| {
+        log_rows(&d.join(p).join("train_log.csv"))
+            .into_iter()
+            .map(|r| (r[0].clone(), r[1].clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(losses("whole"), losses("parts"));
+    let ev = |p: &str| std::fs::read_to_string(d.join(p).join("eval/eval.csv")).unwrap();
+    assert_eq!(ev("whole"), ev("parts"));
+    // Only the newest checkpoints are kept.
+    let kept: Vec<_> = std::fs::read_dir(d.join("parts/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(kept.len(), 3, "{kept:?}");
+}
+
+#[test]
+fn init_from_loads_matching_names_and_reports_new_ones() {
+    let d = scratch("init");
+    let data = synth(&d, 20_000);
+    train(
+        &d,
+        &data,
+        "base",
+        &["--set", "train.steps=3", "--set", "train.warmup_steps=1"],
+    );
+    let base = d.join("base");
+    let o = train(
+        &d,
+        &data,
+        "cpt",
+        &[
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.warmup_steps=0",
+            "--set",
+            "attention.method=swa",
+            "--init-from",
+            base.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success());
+    // Untied head: the base run has no lm_head, so it is initialised fresh and reported.
+    let cpt2 = d.join("cpt2");
+    let mut args = vec![
+        "train",
+        "--out",
+        cpt2.to_str().unwrap(),
+        "--set",
+        &data,
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "model.tie_word_embeddings=false",
+        "--init-from",
+        base.to_str().unwrap(),
+    ];
+    args.extend(TINY);
+    let o = ok(&args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("initialised 1 new") && err.contains("lm_head.weight"),
+        "{err}"
+    );
+    // A shape mismatch is an error naming the tensor.
+    let bad = d.join("bad");
+    let mut args = vec![
+        "train",
+        "-q",
+        "--out",
+        bad.to_str().unwrap(),
+        "--set",
+        &data,
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.warmup_steps=0",
+        "--init-from",
+        base.to_str().unwrap(),
+    ];
+    args.extend(TINY);
+    args.extend(["--set", "model.intermediate_size=48"]);
+    let err = fails(&args);
+    assert!(err.contains("mlp") && err.contains("shape"), "{err}");
+}
+
+#[test]
+fn data_prepare_then_train_on_text() {
+    let d = scratch("text");
+    let text = d.join("a.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(200),
+    )
+    .unwrap();
+    let ds = d.join("ds");
+    ok(&[
+        "data",
+        "prepare",
+        "--input",
+        text.to_str().unwrap(),
+        "--out",
+        ds.to_str().unwrap(),
+        "--val-fraction",
+        "0.2",
+    ]);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ds.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["vocab_size"], 257);
+    assert_eq!(
+        meta["train_tokens"].as_u64().unwrap() + meta["val_tokens"].as_u64().unwrap(),
+        9001
+    );
+    let data = format!("data.dir={}", ds.display());
+    train(
+        &d,
+        &data,
+        "run",
+        &["--set", "train.steps=2", "--set", "train.warmup_steps=0"],
+    );
+    assert!(
+        !d.join("run/eval/eval_buckets.csv").exists(),
+        "text has no dependency buckets"
+    );
+}
+
+#[test]
+fn bad_inputs_fail_clearly_and_overwrite_nothing() {
+    let d = scratch("bad");
+    let data = synth(&d, 20_000);
+    let cfg = d.join("c.toml");
+    let out = d.join("never");
+    let out_s = out.to_str().unwrap();
+    for (text, needle) in [
+        ("[model\nhidden_size = 3", "not valid TOML"),
+        ("[model]\nhidden = 3\n", "unknown field `hidden`"),
+        (
+            "[attention]\nwindow = 0\n",
+            "attention.window = 0 is out of range",
+        ),
+        ("[train]\nlr = -1.0\n", "train.lr"),
+    ] {
+        std::fs::write(&cfg, text).unwrap();
+        let err = fails(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out_s,
+            "--set",
+            &data,
+        ]);
+        assert!(err.contains(needle), "{text:?}: {err}");
+    }
+    assert!(
+        fails(&["train", "--out", out_s, "--set", "data.dir=/nonexistent"])
+            .contains("not a prepared data set")
+    );
+    assert!(
+        !out.exists(),
+        "a failed start must not create the run directory"
+    );
+
+    // A run, then attempts that must leave it untouched.
+    train(
+        &d,
+        &data,
+        "run",
+        &["--set", "train.steps=2", "--set", "train.warmup_steps=0"],
+    );
+    let run = d.join("run");
+    let snapshot =
+        |p: &Path| std::fs::read(p.join("checkpoints/step_00000002/model.safetensors")).unwrap();
+    let before = snapshot(&run);
+    let mut again = vec![
+        "train",
+        "-q",
+        "--out",
+        run.to_str().unwrap(),
+        "--set",
+        &data,
+    ];
+    again.extend(TINY);
+    assert!(fails(&again).contains("already holds a run"));
+    assert_eq!(snapshot(&run), before);
+
+    // Truncated checkpoint.
+    let ckpt = run.join("checkpoints/step_00000002/model.safetensors");
+    let cut = d.join("cut.safetensors");
+    std::fs::write(&cut, &before[..before.len() / 2]).unwrap();
+    let err = fails(&[
+        "eval",
+        "--run",
+        run.to_str().unwrap(),
+        "--ckpt",
+        cut.to_str().unwrap(),
+    ]);
+    assert!(err.contains("truncated or corrupt"), "{err}");
+    assert_eq!(std::fs::read(&ckpt).unwrap(), before);
+
+    // Missing and truncated shards.
+    let copy = d.join("data2");
+    std::fs::create_dir_all(&copy).unwrap();
+    for f in [
+        "meta.json",
+        "train_000.bin",
+        "train_000.deps.bin",
+        "val_000.deps.bin",
+    ] {
+        std::fs::copy(d.join("data").join(f), copy.join(f)).unwrap();
+    }
+    let err = fails(&[
+        "train",
+        "--out",
+        out_s,
+        "--set",
+        &format!("data.dir={}", copy.display()),
+    ]);
+    assert!(err.contains("val_000.bin"), "{err}");
+    let val = std::fs::read(d.join("data/val_000.bin")).unwrap();
+    std::fs::write(copy.join("val_000.bin"), &val[..val.len() - 3]).unwrap();
+    let err = fails(&[
+        "train",
+        "--out",
+        out_s,
+        "--set",
+        &format!("data.dir={}", copy.display()),
+    ]);
+    assert!(err.contains("truncated"), "{err}");
+    assert!(!out.exists());
+
+    // Unwritable output directory (a regular file stands where the directory should be).
+    let blocker = d.join("file");
+    std::fs::write(&blocker, b"keep me").unwrap();
+    let inside = blocker.join("run");
+    let err = fails(&["train", "--out", inside.to_str().unwrap(), "--set", &data]);
+    assert!(err.contains("cannot create output directory"), "{err}");
+    assert_eq!(std::fs::read(&blocker).unwrap(), b"keep me");
+
+    // Data sets are never overwritten.
+    let err = fails(&["data", "synth", "--out", d.join("data").to_str().unwrap()]);
+    assert!(err.contains("already holds a data set"), "{err}");
+}
