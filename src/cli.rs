@@ -124,37 +124,37 @@ struct SynthCmd {
     #[arg(long, short)]
     out: PathBuf,
     /// Seed of the filler language and of both splits.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = SynthSpec::default().seed)]
     seed: u64,
     /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = SynthSpec::default().vocab_size)]
     vocab_size: usize,
     /// Distinct keys; a key is reused with a new value once its query has been asked.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = SynthSpec::default().n_keys)]
     n_keys: usize,
     /// Distinct values.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = SynthSpec::default().n_values)]
     n_values: usize,
     /// Successors per token in the filler bigram model.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = SynthSpec::default().branch)]
     branch: usize,
     /// Probability that a filler position starts a definition.
-    #[arg(long, default_value_t = 0.02)]
+    #[arg(long, default_value_t = SynthSpec::default().event_rate)]
     event_rate: f64,
     /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
-    #[arg(long, default_value_t = 1.2)]
+    #[arg(long, default_value_t = SynthSpec::default().alpha)]
     alpha: f64,
     /// Shortest query-to-definition distance.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = SynthSpec::default().min_distance)]
     min_distance: usize,
     /// Longest query-to-definition distance (normally the training sequence length).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = SynthSpec::default().max_distance)]
     max_distance: usize,
     /// Tokens in the training split.
-    #[arg(long, default_value_t = 2_000_000)]
+    #[arg(long, default_value_t = SynthSpec::default().train_tokens)]
     train_tokens: usize,
     /// Tokens in the validation split.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(long, default_value_t = SynthSpec::default().val_tokens)]
     val_tokens: usize,
 }
 
@@ -254,11 +254,12 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     eval::write_report(&out, &report, &cfg)?;
     if !c.quiet {
         println!(
-            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  attention density {:.4}  ({} tokens) -> {}",
+            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attention density {:.4}  ({} tokens) -> {}",
             c.split,
             report.loss,
             report.perplexity,
             report.bits_per_token,
+            report.unigram_entropy,
             report.attention.density,
             report.tokens,
             out.display()

@@ -367,7 +367,7 @@ impl Default for SynthSpec {
             n_keys: 24,
             n_values: 32,
             branch: 4,
-            event_rate: 0.02,
+            event_rate: 0.05,
             alpha: 1.2,
             min_distance: 2,
             max_distance: 256,

@@ -8,7 +8,7 @@ use crate::model::{token_nll, Llama};
 use anyhow::Result;
 use serde::Serialize;
 use std::path::Path;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 #[derive(Serialize, Clone, Debug, PartialEq)]
 pub struct AttentionWork {
@@ -40,6 +40,9 @@ pub struct EvalReport {
     pub loss: f64,
     pub perplexity: f64,
     pub bits_per_token: f64,
+    /// Entropy (nats) of the evaluated targets' unigram distribution: the loss of a model
+    /// that knows token frequencies and nothing else.
+    pub unigram_entropy: f64,
     pub attention: AttentionWork,
     /// Empty unless the data set records dependency distances.
     pub buckets: Vec<Bucket>,
@@ -76,12 +79,16 @@ pub fn evaluate(
     );
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
     let mut buckets: std::collections::BTreeMap<(u32, String), (f64, u64)> = Default::default();
+    let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
     tch::no_grad(|| {
         for b in &batches {
             let out = model.forward(&b.x);
             let nll = token_nll(&out.logits, &b.y).to_kind(Kind::Double);
             sum += nll.sum(Kind::Double).double_value(&[]);
             count += nll.numel() as u64;
+            counts +=
+                b.y.flatten(0, 1)
+                    .bincount(None::<Tensor>, cfg.model.vocab_size as i64);
             pairs += out.attended_pairs();
             full_pairs += model.full_pairs(b.x.size()[0] as usize, seq_len);
             if let Some(deps) = &b.deps {
@@ -96,6 +103,10 @@ pub fn evaluate(
         }
     });
     let loss = sum / count as f64;
+    let freq = counts.to_kind(Kind::Double) / count as f64;
+    let unigram_entropy = -(&freq * freq.clamp_min(1e-300).log())
+        .sum(Kind::Double)
+        .double_value(&[]);
     let head_dim = cfg.model.head_dim() as f64;
     Ok(EvalReport {
         split: split_name.into(),
@@ -103,6 +114,7 @@ pub fn evaluate(
         loss,
         perplexity: loss.exp(),
         bits_per_token: loss / std::f64::consts::LN_2,
+        unigram_entropy,
         attention: AttentionWork {
             pairs,
             full_causal_pairs: full_pairs,
@@ -132,11 +144,12 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
         serde_json::to_string_pretty(&json)?.as_bytes(),
     )?;
     let a = &report.attention;
-    let rows: [(&str, f64); 10] = [
+    let rows: [(&str, f64); 11] = [
         ("tokens", report.tokens as f64),
         ("loss", report.loss),
         ("perplexity", report.perplexity),
         ("bits_per_token", report.bits_per_token),
+        ("unigram_entropy", report.unigram_entropy),
         ("attended_pairs", a.pairs),
         ("full_causal_pairs", a.full_causal_pairs),
         ("attention_density", a.density),
