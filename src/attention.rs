@@ -4,11 +4,18 @@
 //! Every static pattern here (full, sliding window, PPA) depends only on the distance
 //! `d = i - k` between query `i` and key `k`, so one predicate `KeyPattern::sees(d)` defines
 //! each of them; the dense mask, the pair count and the per-layer assignment of
-//! `static_hybrid` are all derived from it. Routed methods choose between two patterns per
-//! token or per head; `AttnOutput` already carries the gate and regulariser slots they fill.
+//! `static_hybrid` are all derived from it.
+//!
+//! Routed methods choose per token (L2A, SwiAttn) or per token and head (AHA) between the
+//! whole prefix and the window. Their maths is all in `SelfAttention::forward` below: the
+//! router, the straight-through gate, how the two paths combine, the regulariser, and the
+//! count of pairs the executed path attends. This reference path computes both paths densely
+//! and combines them; CUDA kernels replace it behind the same interface.
 
-use crate::config::{AttentionConfig, Method, ModelConfig};
-use crate::model::{Linear, Rope};
+use crate::config::{AttentionConfig, Method, ModelConfig, Router};
+use crate::model::{upcast, Linear, Rope};
+use crate::rng::Rng;
+use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -96,20 +103,8 @@ pub fn layer_pattern(cfg: &AttentionConfig, layer: usize) -> KeyPattern {
                 KeyPattern::Window(cfg.window)
             }
         }
+        m => unreachable!("{m:?} routes per token; it has no single pattern"),
     }
-}
-
-/// What one attention layer hands back to the model.
-pub struct AttnOutput {
-    /// `[B, L, hidden]`, ready for the residual add.
-    pub y: Tensor,
-    /// Hard gates (1 = full path) per token `[B, L]` or per token and head `[B, L, H]`;
-    /// None for static methods.
-    pub gates: Option<Tensor>,
-    /// The method's regulariser term for this layer (a scalar), None when it has none.
-    pub reg: Option<Tensor>,
-    /// (query, key) pairs actually attended, summed over batch and query heads.
-    pub pairs: f64,
 }
 
 /// Reference attention over `q: [B, H, L, D]`, `k, v: [B, Hkv, L, D]`: softmax over the keys
@@ -139,9 +134,145 @@ pub fn attend(
     }
 }
 
-/// Llama self-attention with Hugging Face parameter names (`q_proj`, `k_proj`, `v_proj`,
-/// `o_proj`) and a fixed key pattern.
-pub struct SelfAttention {
+// ---------------------------------------------------------------------------------------
+// Gates. A gate is 1 for the full (global) path and 0 for the window (local) path.
+
+/// Forward with the hard gate, backward as if it were the soft score (straight-through).
+pub fn straight_through(hard: &Tensor, soft: &Tensor) -> Tensor {
+    hard + soft - soft.detach()
+}
+
+/// Hard gate from soft scores: `s > tau` (AHA, SwiAttn) or `s >= tau` (L2A).
+pub fn threshold(scores: &Tensor, tau: f64, inclusive: bool) -> Tensor {
+    let on = if inclusive {
+        scores.ge(tau)
+    } else {
+        scores.gt(tau)
+    };
+    on.to_kind(scores.kind())
+}
+
+/// Replaces the gates a layer would compute, for analysis and tests.
+pub enum GateOverride {
+    /// Every gate of every layer is this value (0 or 1); the STE gradient still flows.
+    Constant(f64),
+    /// Per layer `(hard, anchor)`: the gate is `hard + s - anchor`, the soft relaxation around
+    /// recorded hard gates, whose gradient at `s = anchor` is exactly the STE gradient.
+    Relaxed(Vec<(Tensor, Tensor)>),
+}
+
+/// Per-forward options that are not part of the model.
+#[derive(Default)]
+pub struct ForwardCtx {
+    /// L2A: run global attention for every token this step (p_force).
+    pub force_global: bool,
+    pub gate_override: Option<GateOverride>,
+    /// Draws for Bernoulli routers; None makes them use a fixed seed.
+    pub rng: Option<RefCell<Rng>>,
+}
+
+/// Dense masks built once per forward and shared by the layers that use the same pattern.
+pub struct MaskCache {
+    len: usize,
+    device: Device,
+    masks: RefCell<Vec<(KeyPattern, Tensor)>>,
+}
+
+impl MaskCache {
+    pub fn new(len: usize, device: Device) -> Self {
+        MaskCache {
+            len,
+            device,
+            masks: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// `pattern` applied to (q, k, v), with the mask built at most once per forward.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pattern: KeyPattern) -> Tensor {
+        if pattern.is_full_at(self.len) {
+            return attend(q, k, v, &pattern, None);
+        }
+        let mut masks = self.masks.borrow_mut();
+        if !masks.iter().any(|(p, _)| *p == pattern) {
+            masks.push((pattern, pattern.mask(self.len, self.device)));
+        }
+        let mask = &masks
+            .iter()
+            .find(|(p, _)| *p == pattern)
+            .expect("just inserted")
+            .1;
+        attend(q, k, v, &pattern, Some(mask))
+    }
+}
+
+/// A layer's regulariser before it is averaged over layers.
+pub enum Regulariser {
+    /// Finished per-layer term (AHA: lambda * mean s; L2A: lambda * mean d_hat^2).
+    Term(Tensor),
+    /// SwiAttn: gamma * softplus(r) needs the per-token NLL, known only after the forward.
+    Adaptive {
+        logits: Tensor,
+        disagreement: Tensor,
+        params: SwiAttnReg,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct SwiAttnReg {
+    pub gamma_base: f64,
+    pub eps: f64,
+    pub alpha: f64,
+    pub adaptive: bool,
+    pub nll: bool,
+}
+
+impl Regulariser {
+    /// The per-layer term; `nll: [B, L]` is the per-token language-model loss.
+    pub fn term(&self, nll: &Tensor) -> Tensor {
+        match self {
+            Regulariser::Term(t) => t.shallow_clone(),
+            Regulariser::Adaptive {
+                logits,
+                disagreement,
+                params: p,
+            } => {
+                // gamma is a weight, not a path for gradients.
+                let gamma = if p.adaptive {
+                    let nll = if p.nll {
+                        nll.detach().to_kind(Kind::Float)
+                    } else {
+                        nll.zeros_like().to_kind(Kind::Float)
+                    };
+                    (nll + disagreement.detach() * p.alpha + p.eps).reciprocal() * p.gamma_base
+                } else {
+                    disagreement.full_like(p.gamma_base)
+                };
+                (gamma * logits.softplus()).mean(Kind::Float)
+            }
+        }
+    }
+}
+
+/// What one attention layer hands back to the model.
+pub struct AttnOutput {
+    /// `[B, L, hidden]`, ready for the residual add.
+    pub y: Tensor,
+    /// Hard gates `[B, L, H]` (1 = full path; per-token methods repeat theirs over heads);
+    /// None for static methods.
+    pub gates: Option<Tensor>,
+    /// Soft router scores `[B, L, H]` or `[B, L, 1]` when the gates come from a learned router.
+    pub scores: Option<Tensor>,
+    pub reg: Option<Regulariser>,
+    /// (query, key) pairs of the path actually executed, summed over batch and query heads
+    /// (a scalar tensor, so counting never waits for the device).
+    pub pairs: Tensor,
+}
+
+// ---------------------------------------------------------------------------------------
+// Layers.
+
+/// Query, key, value and output projections of one attention module (HF names).
+pub struct Projections {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -149,49 +280,434 @@ pub struct SelfAttention {
     n_heads: i64,
     n_kv_heads: i64,
     head_dim: i64,
-    pub pattern: KeyPattern,
 }
 
-impl SelfAttention {
-    pub fn new(p: nn::Path, m: &ModelConfig, pattern: KeyPattern) -> Self {
+impl Projections {
+    fn new(p: &nn::Path, m: &ModelConfig) -> Self {
         let (h, kv, hd) = (
             m.num_attention_heads as i64,
             m.num_key_value_heads as i64,
             m.head_dim() as i64,
         );
-        let d = m.hidden_size as i64;
-        let std = m.initializer_range;
-        SelfAttention {
-            q_proj: Linear::new(&p / "q_proj", d, h * hd, m.attention_bias, std),
-            k_proj: Linear::new(&p / "k_proj", d, kv * hd, m.attention_bias, std),
-            v_proj: Linear::new(&p / "v_proj", d, kv * hd, m.attention_bias, std),
-            o_proj: Linear::new(&p / "o_proj", h * hd, d, false, std),
+        let (d, std, bias) = (m.hidden_size as i64, m.initializer_range, m.attention_bias);
+        Projections {
+            q_proj: Linear::new(p / "q_proj", d, h * hd, bias, std),
+            k_proj: Linear::new(p / "k_proj", d, kv * hd, bias, std),
+            v_proj: Linear::new(p / "v_proj", d, kv * hd, bias, std),
+            o_proj: Linear::new(p / "o_proj", h * hd, d, false, std),
             n_heads: h,
             n_kv_heads: kv,
             head_dim: hd,
-            pattern,
         }
     }
 
-    /// `x: [B, L, hidden]` (already normalised). `mask` is this layer's pattern mask when the
-    /// caller has built it once for all layers that share it.
-    pub fn forward(&self, x: &Tensor, rope: &Rope, mask: Option<&Tensor>) -> AttnOutput {
+    /// `x: [B, L, hidden]` to rotated `q: [B, H, L, D]` and `k, v: [B, Hkv, L, D]`.
+    fn qkv(&self, x: &Tensor, rope: &Rope) -> (Tensor, Tensor, Tensor) {
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let heads = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]).transpose(1, 2);
         let q = rope.apply(&heads(self.q_proj.forward(x), self.n_heads));
         let k = rope.apply(&heads(self.k_proj.forward(x), self.n_kv_heads));
-        let v = heads(self.v_proj.forward(x), self.n_kv_heads);
-        let y = attend(&q, &k, &v, &self.pattern, mask);
-        let y = y
-            .transpose(1, 2)
-            .reshape([b, l, self.n_heads * self.head_dim]);
-        AttnOutput {
-            y: self.o_proj.forward(&y),
-            gates: None,
-            reg: None,
-            pairs: (b * self.n_heads) as f64 * self.pattern.attended_pairs(l as usize) as f64,
+        (q, k, heads(self.v_proj.forward(x), self.n_kv_heads))
+    }
+
+    /// `[B, H, L, D]` to `[B, L, H*D]`.
+    fn merge(&self, y: &Tensor) -> Tensor {
+        let (b, _, l, _) = y.size4().expect("[B, H, L, D]");
+        y.transpose(1, 2)
+            .reshape([b, l, self.n_heads * self.head_dim])
+    }
+
+    fn out(&self, y: &Tensor) -> Tensor {
+        self.o_proj.forward(&self.merge(y))
+    }
+
+    /// Bytes of keys and values kept per cached position.
+    fn kv_bytes_per_position(&self, elt: usize) -> f64 {
+        (2 * self.n_kv_heads * self.head_dim) as f64 * elt as f64
+    }
+}
+
+/// The method-specific part of a layer.
+enum Route {
+    /// One fixed pattern for every token and head.
+    Static(KeyPattern),
+    /// AHA (and static top-k heads): per (token, head) full or window over shared q, k, v.
+    PerHead { gates: GateSource },
+    /// L2A: window attention s, then a second module over s for routed tokens: o = s + d a.
+    Global {
+        gates: GateSource,
+        global: Box<Projections>,
+    },
+    /// SwiAttn: per token full or window branch over shared q, k, v.
+    Switch {
+        gates: GateSource,
+        swa_o_proj: Option<Linear>,
+        reg: SwiAttnReg,
+    },
+}
+
+enum GateSource {
+    Learned {
+        router: Linear,
+        tau: f64,
+        inclusive: bool,
+        lambda: f64,
+    },
+    Bernoulli(f64),
+    /// Static head assignment: `[H]` gates, the same for every token.
+    Fixed(Tensor),
+}
+
+/// One attention layer of any method, with Hugging Face parameter names for the base
+/// module; parameters a method adds sit beside them (`router`, `global_attn.*`, `swa_o_proj`).
+pub struct SelfAttention {
+    proj: Projections,
+    route: Route,
+    window: usize,
+    layer: usize,
+    prefix: String,
+}
+
+impl SelfAttention {
+    /// `p` is `model.layers.N.self_attn`; `fixed_heads` the static_heads assignment of this
+    /// layer.
+    pub fn new(
+        p: nn::Path,
+        layer: usize,
+        m: &ModelConfig,
+        a: &AttentionConfig,
+        fixed_heads: Option<&[bool]>,
+    ) -> Self {
+        let proj = Projections::new(&p, m);
+        let (d, h) = (m.hidden_size as i64, m.num_attention_heads as i64);
+        let learned = |outputs: i64, bias: Option<f64>, inclusive: bool| {
+            let rp = &p / "router";
+            let weight = rp.var("weight", &[outputs, d], nn::Init::Const(0.0));
+            let bias = bias.map(|b| rp.var("bias", &[outputs], nn::Init::Const(b)));
+            GateSource::Learned {
+                router: Linear { weight, bias },
+                tau: a.tau,
+                inclusive,
+                lambda: a.lambda,
+            }
+        };
+        let source = |outputs: i64, bias: Option<f64>, inclusive: bool| match a.router {
+            Router::Learned => learned(outputs, bias, inclusive),
+            Router::Bernoulli => GateSource::Bernoulli(a.bernoulli_p),
+        };
+        let route = match a.method {
+            Method::Full | Method::Swa | Method::Ppa | Method::StaticHybrid => {
+                Route::Static(layer_pattern(a, layer))
+            }
+            Method::L2a if a.pruned_layers.contains(&layer) => {
+                Route::Static(KeyPattern::Window(a.window))
+            }
+            // The L2A router is W s with no bias, zero-initialised (d_hat = 0.5: every token global).
+            Method::L2a => Route::Global {
+                gates: source(1, None, true),
+                global: Box::new(Projections::new(&(&p / "global_attn"), m)),
+            },
+            Method::Aha => Route::PerHead {
+                gates: source(h, Some(a.router_init_bias), false),
+            },
+            Method::StaticHeads => {
+                let on: Vec<f32> = fixed_heads
+                    .expect("static_heads needs a head assignment")
+                    .iter()
+                    .map(|&b| b as u8 as f32)
+                    .collect();
+                Route::PerHead {
+                    gates: GateSource::Fixed(Tensor::from_slice(&on).to_device(p.device())),
+                }
+            }
+            Method::Swiattn => Route::Switch {
+                gates: source(1, Some(a.router_init_bias), false),
+                swa_o_proj: (!a.swiattn_shared_o_proj).then(|| {
+                    Linear::new(
+                        &p / "swa_o_proj",
+                        h * m.head_dim() as i64,
+                        d,
+                        false,
+                        m.initializer_range,
+                    )
+                }),
+                reg: SwiAttnReg {
+                    gamma_base: a.swiattn_gamma_base,
+                    eps: a.swiattn_eps,
+                    alpha: a.swiattn_alpha,
+                    adaptive: a.swiattn_adaptive,
+                    nll: a.swiattn_nll,
+                },
+            },
+        };
+        SelfAttention {
+            proj,
+            route,
+            window: a.window,
+            layer,
+            prefix: format!("model.layers.{layer}.self_attn"),
         }
     }
+
+    /// Parameters a method adds that start as copies of base parameters, `(new, base)`:
+    /// L2A's global module and SwiAttn's window-branch output projection.
+    pub fn derived_params(&self) -> Vec<(String, String)> {
+        let p = &self.prefix;
+        match &self.route {
+            Route::Global { global, .. } => {
+                let mut v: Vec<(String, String)> = ["q_proj", "k_proj", "v_proj", "o_proj"]
+                    .iter()
+                    .map(|n| {
+                        (
+                            format!("{p}.global_attn.{n}.weight"),
+                            format!("{p}.{n}.weight"),
+                        )
+                    })
+                    .collect();
+                if global.q_proj.bias.is_some() {
+                    v.extend(
+                        ["q_proj", "k_proj", "v_proj"].iter().map(|n| {
+                            (format!("{p}.global_attn.{n}.bias"), format!("{p}.{n}.bias"))
+                        }),
+                    );
+                }
+                v
+            }
+            Route::Switch {
+                swa_o_proj: Some(_),
+                ..
+            } => vec![(
+                format!("{p}.swa_o_proj.weight"),
+                format!("{p}.o_proj.weight"),
+            )],
+            _ => vec![],
+        }
+    }
+
+    /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
+    /// decode time (`elt` bytes per value).
+    pub fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
+        let per = self.proj.kv_bytes_per_position(elt);
+        let window = self.window.min(len) as f64 * per;
+        match &self.route {
+            Route::Static(KeyPattern::Window(w)) => (*w).min(len) as f64 * per,
+            // PPA reaches back to the oldest offset, so it keeps everything.
+            Route::Static(_) => len as f64 * per,
+            // Any token may route to the full path, which reads the one shared cache.
+            Route::PerHead { .. } | Route::Switch { .. } => len as f64 * per,
+            // The local module's window plus the global module's own full cache.
+            Route::Global { global, .. } => window + len as f64 * global.kv_bytes_per_position(elt),
+        }
+    }
+
+    /// Hard gates and the gate value used in the forward pass, shaped like `like`
+    /// (`[B, L, outputs]`), for learned routers with their soft scores.
+    fn gates(&self, source: &GateSource, x: &Tensor, like: [i64; 3], ctx: &ForwardCtx) -> Gate {
+        // Routers run in fp32 so thresholding does not depend on the compute dtype.
+        let logits = match source {
+            GateSource::Learned { router, .. } => Some(router.forward(&upcast(x))),
+            _ => None,
+        };
+        let scores = logits.as_ref().map(|r| r.sigmoid());
+        let ste = |hard: Tensor| match &scores {
+            Some(s) => straight_through(&hard, s),
+            None => hard,
+        };
+        let opts = (Kind::Float, x.device());
+        let (hard, value) = match &ctx.gate_override {
+            Some(GateOverride::Constant(c)) => {
+                let hard = Tensor::full(like, *c, opts);
+                (hard.shallow_clone(), ste(hard))
+            }
+            Some(GateOverride::Relaxed(layers)) => {
+                let (hard, anchor) = &layers[self.layer];
+                let s = scores
+                    .as_ref()
+                    .expect("relaxed gates need a learned router");
+                (hard.shallow_clone(), hard + s - anchor)
+            }
+            None => match source {
+                GateSource::Learned { tau, inclusive, .. } => {
+                    let hard = threshold(scores.as_ref().expect("scored"), *tau, *inclusive);
+                    (hard.shallow_clone(), ste(hard))
+                }
+                GateSource::Bernoulli(p) => {
+                    let n = (like[0] * like[1] * like[2]) as usize;
+                    let draws: Vec<f32> = match &ctx.rng {
+                        Some(r) => (0..n)
+                            .map(|_| (r.borrow_mut().uniform() < *p) as u8 as f32)
+                            .collect(),
+                        None => {
+                            let mut r = Rng::new(self.layer as u64);
+                            (0..n).map(|_| (r.uniform() < *p) as u8 as f32).collect()
+                        }
+                    };
+                    let hard = Tensor::from_slice(&draws).view(like).to_device(x.device());
+                    (hard.shallow_clone(), hard)
+                }
+                GateSource::Fixed(heads) => {
+                    let hard = heads.view([1, 1, like[2]]).expand(like, false).contiguous();
+                    (hard.shallow_clone(), hard)
+                }
+            },
+        };
+        Gate {
+            hard,
+            value,
+            scores,
+            logits,
+        }
+    }
+
+    /// `x: [B, L, hidden]`, already normalised.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        masks: &MaskCache,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let h = self.proj.n_heads;
+        let window = KeyPattern::Window(self.window);
+        let (q, k, v) = self.proj.qkv(x, rope);
+        match &self.route {
+            Route::Static(pattern) => {
+                let pairs = (b * h) as f64 * pattern.attended_pairs(l as usize) as f64;
+                AttnOutput {
+                    y: self.proj.out(&masks.attend(&q, &k, &v, *pattern)),
+                    gates: None,
+                    scores: None,
+                    reg: None,
+                    pairs: Tensor::from(pairs),
+                }
+            }
+            Route::PerHead { gates } => {
+                let g = self.gates(gates, x, [b, l, h], ctx);
+                let full = masks.attend(&q, &k, &v, KeyPattern::Full);
+                let local = masks.attend(&q, &k, &v, window);
+                let gv = g.value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
+                let y = &gv * full + (1.0 - &gv) * local;
+                AttnOutput {
+                    y: self.proj.out(&y),
+                    pairs: routed_pairs(&g.hard, self.window),
+                    reg: learned_lambda(gates).map(|lambda| {
+                        Regulariser::Term(
+                            g.scores.as_ref().expect("scored").mean(Kind::Float) * lambda,
+                        )
+                    }),
+                    gates: Some(g.hard),
+                    scores: g.scores,
+                }
+            }
+            Route::Global { gates, global } => {
+                let s = self.proj.out(&masks.attend(&q, &k, &v, window));
+                let g = self.gates(gates, &s, [b, l, 1], ctx);
+                let (qg, kg, vg) = global.qkv(&s, rope);
+                let a = global.out(&masks.attend(&qg, &kg, &vg, KeyPattern::Full));
+                // Global attention runs only for routed tokens (all of them when forced), so an
+                // unrouted token's a_t is zero and sends the router no language-model gradient.
+                let executed = if ctx.force_global {
+                    g.hard.ones_like()
+                } else {
+                    g.hard.shallow_clone()
+                };
+                let a = a * executed.to_kind(x.kind());
+                let y = &s + g.value.to_kind(x.kind()) * a;
+                let local_pairs = (b * h) as f64 * window.attended_pairs(l as usize) as f64;
+                let positions = Tensor::arange_start(1, l + 1, (Kind::Float, x.device()));
+                let global_pairs =
+                    (executed.squeeze_dim(-1) * positions).sum(Kind::Float) * h as f64;
+                AttnOutput {
+                    y,
+                    pairs: global_pairs + local_pairs,
+                    reg: learned_lambda(gates).map(|lambda| {
+                        Regulariser::Term(
+                            g.scores
+                                .as_ref()
+                                .expect("scored")
+                                .square()
+                                .mean(Kind::Float)
+                                * lambda,
+                        )
+                    }),
+                    gates: Some(g.hard.expand([b, l, h], false)),
+                    scores: g.scores,
+                }
+            }
+            Route::Switch {
+                gates,
+                swa_o_proj,
+                reg,
+            } => {
+                let g = self.gates(gates, x, [b, l, 1], ctx);
+                let full = self.proj.out(&masks.attend(&q, &k, &v, KeyPattern::Full));
+                let local = masks.attend(&q, &k, &v, window);
+                let local = match swa_o_proj {
+                    Some(o) => o.forward(&self.proj.merge(&local)),
+                    None => self.proj.out(&local),
+                };
+                let gv = g.value.to_kind(x.kind());
+                let reg = match gates {
+                    GateSource::Learned { .. } => {
+                        let logits = g.logits.as_ref().expect("learned").squeeze_dim(-1);
+                        let disagreement = (&full - &local).to_kind(Kind::Float).square().mean_dim(
+                            -1,
+                            false,
+                            Kind::Float,
+                        );
+                        Some(Regulariser::Adaptive {
+                            logits,
+                            disagreement,
+                            params: *reg,
+                        })
+                    }
+                    _ => None,
+                };
+                let hard = g.hard.expand([b, l, h], false);
+                AttnOutput {
+                    y: &gv * full + (1.0 - &gv) * local,
+                    pairs: routed_pairs(&hard, self.window),
+                    reg,
+                    gates: Some(hard),
+                    scores: g.scores,
+                }
+            }
+        }
+    }
+
+    /// The pattern of a static layer, None for routed ones.
+    pub fn static_pattern(&self) -> Option<KeyPattern> {
+        match self.route {
+            Route::Static(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
+struct Gate {
+    hard: Tensor,
+    value: Tensor,
+    scores: Option<Tensor>,
+    logits: Option<Tensor>,
+}
+
+fn learned_lambda(source: &GateSource) -> Option<f64> {
+    match source {
+        GateSource::Learned { lambda, .. } => Some(*lambda),
+        _ => None,
+    }
+}
+
+/// Pairs attended when gate `[B, L, H]` picks, per (token, head), the whole prefix (i + 1
+/// keys) or the window (min(w, i + 1) keys).
+pub fn routed_pairs(hard: &Tensor, window: usize) -> Tensor {
+    let l = hard.size()[1];
+    let full = Tensor::arange_start(1, l + 1, (Kind::Float, hard.device()));
+    let win = full.clamp_max(window as f64);
+    let n = (hard.size()[0] * hard.size()[2]) as f64;
+    (hard.to_kind(Kind::Float) * (&full - &win).view([1, l, 1])).sum(Kind::Float)
+        + win.sum(Kind::Float) * n
 }
 
 #[cfg(test)]
@@ -426,5 +942,521 @@ mod tests {
                 }
             }
         }
+    }
+
+    // ---- routed methods -------------------------------------------------------------
+
+    use crate::config::Config;
+    use crate::model::{token_nll, ForwardOutput};
+    use crate::train::Built;
+
+    fn routed_cfg(method: Method, f: impl FnOnce(&mut Config)) -> Config {
+        let mut c = Config::default();
+        c.model = ModelConfig {
+            vocab_size: 13,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            attention_bias: true,
+            ..Default::default()
+        };
+        c.attention.method = method;
+        c.attention.window = 3;
+        c.train.device = "cpu".into();
+        f(&mut c);
+        c
+    }
+
+    fn ids() -> Tensor {
+        Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9, 4, 4, 11, 0, 6, 8, 12, 3, 5, 1, 2, 7])
+            .view([2, 9])
+    }
+
+    fn run(b: &Built, ctx: &ForwardCtx) -> ForwardOutput {
+        b.model.forward(&ids(), ctx)
+    }
+
+    fn forced(v: f64) -> ForwardCtx {
+        ForwardCtx {
+            gate_override: Some(GateOverride::Constant(v)),
+            ..Default::default()
+        }
+    }
+
+    /// The same base weights in a static model of `method`.
+    fn static_twin(routed: &Built, cfg: &Config, method: Method) -> Built {
+        let mut c = cfg.clone();
+        c.attention.method = method;
+        let mut twin = Built::new(&c, Device::Cpu).unwrap();
+        twin.vs.copy(&routed.vs).unwrap();
+        twin
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// Router weights set to random values so gates differ between tokens.
+    fn randomise_routers(b: &Built, std: f64) {
+        tch::no_grad(|| {
+            for (name, p) in b.params() {
+                if name.contains("router") {
+                    p.shallow_clone().copy_(&(p.randn_like() * std));
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn forced_gates_reduce_to_full_and_window() {
+        for (method, shared) in [
+            (Method::Aha, false),
+            (Method::Swiattn, false),
+            (Method::Swiattn, true),
+        ] {
+            let cfg = routed_cfg(method, |c| c.attention.swiattn_shared_o_proj = shared);
+            let routed = Built::new(&cfg, Device::Cpu).unwrap();
+            randomise_routers(&routed, 1.0);
+            let full = static_twin(&routed, &cfg, Method::Full);
+            let swa = static_twin(&routed, &cfg, Method::Swa);
+            let none = ForwardCtx::default();
+            let d1 = max_diff(
+                &run(&routed, &forced(1.0)).logits,
+                &run(&full, &none).logits,
+            );
+            let d0 = max_diff(&run(&routed, &forced(0.0)).logits, &run(&swa, &none).logits);
+            assert!(
+                d1 < 1e-5 && d0 < 1e-5,
+                "{method:?} shared={shared}: gates=1 vs full {d1}, gates=0 vs SWA {d0}"
+            );
+            let mixed = run(&routed, &none).logits;
+            assert!(
+                max_diff(&mixed, &run(&full, &none).logits) > 1e-4,
+                "{method:?}: learned gates should mix paths"
+            );
+        }
+        // L2A with every d = 0 is its local path: the base attention with the window.
+        let cfg = routed_cfg(Method::L2a, |_| {});
+        let routed = Built::new(&cfg, Device::Cpu).unwrap();
+        let swa = static_twin(&routed, &cfg, Method::Swa);
+        let d0 = max_diff(
+            &run(&routed, &forced(0.0)).logits,
+            &run(&swa, &ForwardCtx::default()).logits,
+        );
+        assert!(d0 < 1e-5, "L2A with d = 0 vs SWA: {d0}");
+    }
+
+    #[test]
+    fn l2a_zero_router_starts_all_global_and_global_module_copies_base() {
+        let cfg = routed_cfg(Method::L2a, |_| {});
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        let out = run(&b, &ForwardCtx::default());
+        for l in &out.layers {
+            assert!(
+                l.gates.as_ref().unwrap().min().double_value(&[]) == 1.0,
+                "every token global at start"
+            );
+            assert!(max_diff(l.scores.as_ref().unwrap(), &Tensor::from(0.5f32)) == 0.0);
+        }
+        let p = b.params();
+        for n in ["q_proj.weight", "k_proj.bias", "o_proj.weight"] {
+            assert!(p[&format!("model.layers.1.self_attn.global_attn.{n}")]
+                .equal(&p[&format!("model.layers.1.self_attn.{n}")]));
+        }
+        assert!(
+            p["model.layers.0.self_attn.router.weight"]
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[])
+                == 0.0
+        );
+        assert!(
+            !p.contains_key("model.layers.0.self_attn.router.bias"),
+            "L2A's router is W s, no bias"
+        );
+    }
+
+    /// `sigmoid(sum_c x_c w_c + b)` in f64.
+    fn sigmoid_dot(x: &[f64], w: &[f64], b: f64) -> f64 {
+        1.0 / (1.0 + (-(x.iter().zip(w).map(|(a, c)| a * c).sum::<f64>() + b)).exp())
+    }
+
+    fn vec64(t: &Tensor) -> Vec<f64> {
+        Vec::<f64>::try_from(t.to_kind(Kind::Double).contiguous().flatten(0, -1)).unwrap()
+    }
+
+    #[test]
+    fn aha_and_l2a_regularisers_match_hand_computation() {
+        let x = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
+        let rope = Rope::new(5, 4, 10_000.0, Kind::Float, Device::Cpu);
+        let masks = MaskCache::new(5, Device::Cpu);
+        // AHA: lambda * mean over tokens and heads of sigmoid(x W^T + b).
+        let cfg = routed_cfg(Method::Aha, |c| c.attention.lambda = 0.25);
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        randomise_routers(&b, 0.5);
+        let layer = &b.model.layers[0].self_attn;
+        let out = layer.forward(&x, &rope, &masks, &ForwardCtx::default());
+        let p = b.params();
+        let (w, bias) = (
+            vec64(&p["model.layers.0.self_attn.router.weight"]),
+            vec64(&p["model.layers.0.self_attn.router.bias"]),
+        );
+        let xs = vec64(&x);
+        let mut want = 0.0;
+        for t in 0..5 {
+            for h in 0..4 {
+                want += sigmoid_dot(&xs[t * 16..t * 16 + 16], &w[h * 16..h * 16 + 16], bias[h]);
+            }
+        }
+        want *= 0.25 / 20.0;
+        let got = out
+            .reg
+            .unwrap()
+            .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
+            .double_value(&[]);
+        assert!((got - want).abs() < 1e-6, "AHA reg {got} vs {want}");
+
+        // L2A: lambda * mean over tokens of d_hat^2, d_hat = sigmoid(W s), s the window output.
+        let cfg = routed_cfg(Method::L2a, |c| c.attention.lambda = 0.5);
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        randomise_routers(&b, 0.5);
+        let out = b.model.layers[0]
+            .self_attn
+            .forward(&x, &rope, &masks, &ForwardCtx::default());
+        let swa = static_twin(&b, &cfg, Method::Swa);
+        let s = vec64(
+            &swa.model.layers[0]
+                .self_attn
+                .forward(&x, &rope, &masks, &ForwardCtx::default())
+                .y,
+        );
+        let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
+        let want: f64 = (0..5)
+            .map(|t| sigmoid_dot(&s[t * 16..t * 16 + 16], &w, 0.0).powi(2))
+            .sum::<f64>()
+            * 0.5
+            / 5.0;
+        let got = out
+            .reg
+            .unwrap()
+            .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
+            .double_value(&[]);
+        assert!((got - want).abs() < 1e-6, "L2A reg {got} vs {want}");
+    }
+
+    #[test]
+    fn swiattn_adaptive_regulariser_matches_hand_computation() {
+        let logits = [0.3f64, -1.2, 2.0];
+        let dis = [0.01f64, 0.0, 0.2];
+        let nll = [1.5f64, 0.2, 3.0];
+        let t = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float).view([1, 3]);
+        let softplus = |x: f64| (1.0 + x.exp()).ln();
+        let base = SwiAttnReg {
+            gamma_base: 1e-3,
+            eps: 0.1,
+            alpha: 100.0,
+            adaptive: true,
+            nll: true,
+        };
+        let cases: [(SwiAttnReg, Box<dyn Fn(usize) -> f64>); 4] = [
+            (base, Box::new(|i| 1e-3 / (0.1 + nll[i] + 100.0 * dis[i]))),
+            (
+                SwiAttnReg {
+                    adaptive: false,
+                    ..base
+                },
+                Box::new(|_| 1e-3),
+            ),
+            (
+                SwiAttnReg { nll: false, ..base },
+                Box::new(|i| 1e-3 / (0.1 + 100.0 * dis[i])),
+            ),
+            (
+                SwiAttnReg {
+                    alpha: 0.0,
+                    eps: 0.01,
+                    ..base
+                },
+                Box::new(|i| 1e-3 / (0.01 + nll[i])),
+            ),
+        ];
+        for (params, gamma) in cases {
+            let r = Regulariser::Adaptive {
+                logits: t(&logits),
+                disagreement: t(&dis),
+                params,
+            };
+            let want: f64 = (0..3).map(|i| gamma(i) * softplus(logits[i])).sum::<f64>() / 3.0;
+            let got = r.term(&t(&nll)).double_value(&[]);
+            assert!((got - want).abs() < 1e-9, "{params:?}: {got} vs {want}");
+        }
+        // The layer's disagreement is the per-token mean squared difference of the branches.
+        let cfg = routed_cfg(Method::Swiattn, |c| {
+            c.attention.swiattn_shared_o_proj = true
+        });
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
+        let rope = Rope::new(6, 4, 10_000.0, Kind::Float, Device::Cpu);
+        let masks = MaskCache::new(6, Device::Cpu);
+        let out = b.model.layers[0]
+            .self_attn
+            .forward(&x, &rope, &masks, &ForwardCtx::default());
+        let Some(Regulariser::Adaptive { disagreement, .. }) = out.reg else {
+            panic!("SwiAttn has an adaptive regulariser")
+        };
+        let y = |m: Method| {
+            static_twin(&b, &cfg, m).model.layers[0]
+                .self_attn
+                .forward(&x, &rope, &masks, &ForwardCtx::default())
+                .y
+        };
+        let want = (y(Method::Full) - y(Method::Swa))
+            .square()
+            .mean_dim(-1, false, Kind::Float);
+        assert!(max_diff(&disagreement, &want) < 1e-6);
+    }
+
+    /// Loss of a tiny fp64 model with the router's weight `at` shifted by `delta` and the
+    /// gates given by `ctx`.
+    fn loss_at(b: &Built, router: &str, at: i64, delta: f64, ctx: &ForwardCtx) -> f64 {
+        let p = b.params();
+        let w = &p[router];
+        tch::no_grad(|| {
+            let _ = w.view(-1).get(at).shallow_clone().g_add_scalar_(delta);
+        });
+        let out = b.model.forward(&ids().narrow(1, 0, 8), ctx);
+        let loss = token_nll(&out.logits, &ids().narrow(1, 1, 8)).mean(Kind::Double);
+        tch::no_grad(|| {
+            let _ = w.view(-1).get(at).shallow_clone().g_sub_scalar_(delta);
+        });
+        loss.double_value(&[])
+    }
+
+    #[test]
+    fn router_gradient_is_the_ste_gradient() {
+        for method in [Method::Aha, Method::L2a, Method::Swiattn] {
+            // Larger initial weights than a real model's, so gradients stand well above the
+            // finite differences' rounding.
+            let cfg = routed_cfg(method, |c| c.model.initializer_range = 0.3);
+            let mut b = Built::new(&cfg, Device::Cpu).unwrap();
+            b.vs.double();
+            b.model = {
+                // Rebuild the model view over the fp64 parameters with fp64 compute.
+                let mut vs = nn::VarStore::new(Device::Cpu);
+                let m =
+                    crate::model::Llama::new(&vs.root(), &cfg.model, &cfg.attention, Kind::Double)
+                        .unwrap();
+                vs.double();
+                vs.copy(&b.vs).unwrap();
+                b.vs = vs;
+                m
+            };
+            randomise_routers(&b, 2.0);
+            let router = "model.layers.0.self_attn.router.weight";
+            let p = b.params();
+            let out = b
+                .model
+                .forward(&ids().narrow(1, 0, 8), &ForwardCtx::default());
+            let per_token = method != Method::Aha;
+            let recorded: Vec<(Tensor, Tensor)> = out
+                .layers
+                .iter()
+                .map(|l| {
+                    let g = l.gates.as_ref().unwrap().to_kind(Kind::Double);
+                    let g = if per_token { g.narrow(2, 0, 1) } else { g };
+                    (g, l.scores.as_ref().unwrap().detach())
+                })
+                .collect();
+            let hard = vec64(&recorded[0].0);
+            assert!(
+                hard.iter().any(|&g| g == 1.0) && hard.iter().any(|&g| g == 0.0),
+                "{method:?}: gates should differ"
+            );
+            let loss = token_nll(&out.logits, &ids().narrow(1, 1, 8)).mean(Kind::Double);
+            loss.backward();
+            let grad = vec64(&p[router].grad());
+            let scale = grad.iter().fold(0.0f64, |m, g| m.max(g.abs()));
+            assert!(scale > 0.0, "{method:?}: router weights get no gradient");
+            let top = grad
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap()
+                .0 as i64;
+            let relaxed = ForwardCtx {
+                gate_override: Some(GateOverride::Relaxed(recorded)),
+                ..Default::default()
+            };
+            let eps = 1e-5;
+            for at in [top, 1, 9] {
+                let fd = (loss_at(&b, router, at, eps, &relaxed)
+                    - loss_at(&b, router, at, -eps, &relaxed))
+                    / (2.0 * eps);
+                let g = grad[at as usize];
+                assert!(
+                    (fd - g).abs() < 1e-4 * scale,
+                    "{method:?} w[{at}]: STE {g} vs finite difference {fd}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn p_force_keeps_output_and_reaches_masked_tokens() {
+        // tau above the zero router's 0.5: every token masked.
+        let cfg = routed_cfg(Method::L2a, |c| {
+            c.attention.tau = 0.9;
+            c.attention.lambda = 0.0;
+        });
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        let router = "model.layers.1.self_attn.router.weight";
+        let mut grads = Vec::new();
+        let mut logits = Vec::new();
+        for force in [false, true] {
+            let ctx = ForwardCtx {
+                force_global: force,
+                ..Default::default()
+            };
+            b.vs.trainable_variables().iter().for_each(|v| {
+                let mut g = v.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            });
+            let out = run(&b, &ctx);
+            assert_eq!(
+                out.layers[1]
+                    .gates
+                    .as_ref()
+                    .unwrap()
+                    .max()
+                    .double_value(&[]),
+                0.0
+            );
+            token_nll(&out.logits, &ids()).mean(Kind::Float).backward();
+            grads.push(
+                b.params()[router]
+                    .grad()
+                    .abs()
+                    .sum(Kind::Float)
+                    .double_value(&[]),
+            );
+            logits.push(out.logits);
+        }
+        assert!(
+            max_diff(&logits[0], &logits[1]) == 0.0,
+            "forcing must not change the forward output"
+        );
+        assert_eq!(
+            grads[0], 0.0,
+            "unforced: masked tokens send the router no LM gradient"
+        );
+        assert!(
+            grads[1] > 0.0,
+            "forced: the router gets an LM gradient on masked tokens"
+        );
+    }
+
+    #[test]
+    fn bernoulli_and_static_head_gates() {
+        let cfg = routed_cfg(Method::L2a, |c| {
+            c.attention.router = Router::Bernoulli;
+            c.attention.bernoulli_p = 0.2;
+        });
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        assert!(
+            !b.params().keys().any(|n| n.contains("router")),
+            "context-free gates have no router"
+        );
+        let x = Tensor::randint(13, [8, 200], (Kind::Int64, Device::Cpu));
+        let ctx = || ForwardCtx {
+            rng: Some(RefCell::new(Rng::new(9))),
+            ..Default::default()
+        };
+        let out = b.model.forward(&x, &ctx());
+        let mu = out.full_usage().unwrap().double_value(&[]);
+        assert!((mu - 0.2).abs() < 0.02, "Bernoulli(0.2) gates average {mu}");
+        assert!(out.layers[0].gates.as_ref().unwrap().equal(
+            b.model.forward(&x, &ctx()).layers[0]
+                .gates
+                .as_ref()
+                .unwrap()
+        ));
+        assert!(out
+            .regulariser(&Tensor::zeros([8, 200], (Kind::Float, Device::Cpu)))
+            .is_none());
+
+        let dir = std::env::temp_dir().join(format!("attnsweep-heads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ranking = dir.join("head_ranking.csv");
+        std::fs::write(
+            &ranking,
+            "rank,layer,head,mu_f\n1,1,2,0.9\n2,0,0,0.5\n3,0,1,0.1\n",
+        )
+        .unwrap();
+        let cfg = routed_cfg(Method::StaticHeads, |c| {
+            c.attention.head_ranking = ranking.clone();
+            c.attention.top_k = 2;
+        });
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        let out = run(&b, &ForwardCtx::default());
+        let per_head = |l: usize| {
+            vec64(&out.layers[l].gates.as_ref().unwrap().mean_dim(
+                [0i64, 1].as_slice(),
+                false,
+                Kind::Float,
+            ))
+        };
+        assert_eq!(per_head(0), vec![1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(per_head(1), vec![0.0, 0.0, 1.0, 0.0]);
+        let too_many = routed_cfg(Method::StaticHeads, |c| {
+            c.attention.head_ranking = ranking.clone();
+            c.attention.top_k = 4;
+        });
+        assert!(
+            format!("{:#}", Built::new(&too_many, Device::Cpu).err().unwrap())
+                .contains("fewer than attention.top_k")
+        );
+    }
+
+    #[test]
+    fn routed_pairs_count_the_executed_path() {
+        let g = Tensor::from_slice(&[1f32, 0., 0., 1., 1., 0.]).view([1, 3, 2]);
+        // Window 2: token t sees min(2, t+1) keys locally, t+1 keys on the full path.
+        let want = (1 + 1) + (2 + 2) + (3 + 2);
+        assert_eq!(routed_pairs(&g, 2).double_value(&[]), want as f64);
+        // L2A: every token's window plus the global prefix of routed tokens.
+        let cfg = routed_cfg(Method::L2a, |_| {});
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        let out = run(&b, &ForwardCtx::default());
+        let local = KeyPattern::Window(3).attended_pairs(9) as f64 * 2.0 * 4.0;
+        assert_eq!(
+            out.layers[0].pairs.double_value(&[]),
+            local + KeyPattern::Full.attended_pairs(9) as f64 * 2.0 * 4.0
+        );
+        let out = run(&b, &forced(0.0));
+        assert_eq!(out.layers[0].pairs.double_value(&[]), local);
+    }
+
+    #[test]
+    fn kv_cache_bytes_follow_each_layer_kind() {
+        // 2 KV heads of 4 dims, keys and values, fp32: 64 bytes per cached position.
+        let len = 100;
+        let kv = |cfg: Config| {
+            Built::new(&cfg, Device::Cpu)
+                .unwrap()
+                .model
+                .kv_cache_bytes(len)
+        };
+        assert_eq!(kv(routed_cfg(Method::Full, |_| {})), vec![6400.0; 2]);
+        assert_eq!(kv(routed_cfg(Method::Swa, |_| {})), vec![192.0; 2]);
+        assert_eq!(kv(routed_cfg(Method::Aha, |_| {})), vec![6400.0; 2]);
+        assert_eq!(kv(routed_cfg(Method::L2a, |_| {})), vec![6592.0; 2]);
+        assert_eq!(
+            kv(routed_cfg(Method::L2a, |c| c.attention.pruned_layers = vec![1])),
+            vec![6592.0, 192.0]
+        );
     }
 }

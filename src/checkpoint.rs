@@ -24,6 +24,8 @@ pub struct TrainState {
     pub step: usize,
     /// State of the data-sampling generator after `step` steps.
     pub rng_state: u64,
+    /// State of the generator behind random gates (Bernoulli routers, L2A's p_force).
+    pub gate_rng_state: u64,
     pub tokens_seen: u64,
 }
 

@@ -228,7 +228,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     let meta = train::resolve_with_data(&mut cfg)?;
     let device = train::resolve_device(&cfg.train.device)?;
     let weights = checkpoint::resolve_weights(c.ckpt.as_deref().unwrap_or(&c.run))?;
-    let built = Built::new(&cfg, device);
+    let built = Built::new(&cfg, device)?;
     checkpoint::load_into(&built.params(), &weights, true)?;
     let split = data::Split::open(&cfg.data.dir, &meta, &c.split)?;
     let report = eval::evaluate(&built.model, &split, &cfg, &c.split, device)?;

@@ -74,6 +74,33 @@ pub enum Method {
     Swa,
     Ppa,
     StaticHybrid,
+    /// All-or-Here: per (token, head) choice between full and window.
+    Aha,
+    /// Learning to Attend: local attention, then a second, global module for routed tokens.
+    L2a,
+    /// Switch attention: per token choice between a full and a window branch.
+    Swiattn,
+    /// The top-k (layer, head) pairs of a head ranking always full, the rest window.
+    StaticHeads,
+}
+
+impl Method {
+    pub fn is_routed(self) -> bool {
+        matches!(
+            self,
+            Method::Aha | Method::L2a | Method::Swiattn | Method::StaticHeads
+        )
+    }
+}
+
+/// Where a routed method's gates come from.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// A learned linear router with a straight-through gate.
+    Learned,
+    /// Context-free: each gate drawn i.i.d. Bernoulli(bernoulli_p).
+    Bernoulli,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -86,6 +113,38 @@ pub struct AttentionConfig {
     pub ppa_power: f64,
     /// static_hybrid: layers every-1, 2*every-1, ... are full, the rest use the window.
     pub hybrid_every: usize,
+    /// Gate threshold: AHA and SwiAttn take the full path when s > tau, L2A when s >= tau.
+    /// May differ between training and evaluation.
+    pub tau: f64,
+    /// AHA: weight of the L1 penalty on router scores; L2A: of the squared penalty.
+    pub lambda: f64,
+    pub router: Router,
+    /// Bernoulli router: probability that a gate is 1.
+    pub bernoulli_p: f64,
+    /// AHA and SwiAttn: initial router bias (router weights start at zero). The default,
+    /// sigmoid(1) = 0.73 > tau, starts every gate on the full path, as a full-attention base
+    /// model behaves.
+    pub router_init_bias: f64,
+    /// L2A: probability per training step of running global attention for every token,
+    /// so the router gets a language-model gradient on tokens it masked.
+    pub p_force: f64,
+    /// L2A: layers (0-based) whose global module was pruned; they keep only the window.
+    pub pruned_layers: Vec<usize>,
+    /// SwiAttn adaptive regulariser: gamma = gamma_base / (eps + NLL + alpha * ||O_full - O_swa||^2).
+    pub swiattn_gamma_base: f64,
+    pub swiattn_eps: f64,
+    pub swiattn_alpha: f64,
+    /// false: gamma = gamma_base (ablation V1).
+    pub swiattn_adaptive: bool,
+    /// false: drop the NLL term (ablation V2).
+    pub swiattn_nll: bool,
+    /// true: both branches share one output projection; false: each owns one, both
+    /// initialised from the base model's.
+    pub swiattn_shared_o_proj: bool,
+    /// static_heads: a head_ranking.csv written by `attnsweep eval` of an AHA model.
+    pub head_ranking: PathBuf,
+    /// static_heads: how many of the top-ranked heads are always full.
+    pub top_k: usize,
 }
 
 impl Default for AttentionConfig {
@@ -95,6 +154,21 @@ impl Default for AttentionConfig {
             window: 64,
             ppa_power: 0.5,
             hybrid_every: 4,
+            tau: 0.5,
+            lambda: 3e-4,
+            router: Router::Learned,
+            bernoulli_p: 0.1,
+            router_init_bias: 1.0,
+            p_force: 0.1,
+            pruned_layers: Vec::new(),
+            swiattn_gamma_base: 1e-3,
+            swiattn_eps: 0.1,
+            swiattn_alpha: 100.0,
+            swiattn_adaptive: true,
+            swiattn_nll: true,
+            swiattn_shared_o_proj: false,
+            head_ranking: PathBuf::new(),
+            top_k: 0,
         }
     }
 }
@@ -150,6 +224,8 @@ pub struct TrainConfig {
     pub keep_checkpoints: usize,
     /// Validation loss every N steps (0: only at the end).
     pub eval_every: usize,
+    /// Keep the MLP weights fixed; train attention, routers and norms only (L2A E.1.3).
+    pub freeze_mlp: bool,
 }
 
 impl Default for TrainConfig {
@@ -173,6 +249,7 @@ impl Default for TrainConfig {
             ckpt_every: 200,
             keep_checkpoints: 2,
             eval_every: 0,
+            freeze_mlp: false,
         }
     }
 }
@@ -253,6 +330,44 @@ impl Config {
         check("attention.window", a.window, 1, 1 << 30)?;
         check("attention.ppa_power", a.ppa_power, 0.0, 1.0)?;
         check("attention.hybrid_every", a.hybrid_every, 1, 1024)?;
+        check("attention.tau", a.tau, 0.0, 1.0)?;
+        check("attention.lambda", a.lambda, 0.0, 1e3)?;
+        check("attention.bernoulli_p", a.bernoulli_p, 0.0, 1.0)?;
+        check(
+            "attention.router_init_bias",
+            a.router_init_bias,
+            -30.0,
+            30.0,
+        )?;
+        check("attention.p_force", a.p_force, 0.0, 1.0)?;
+        if let Some(&l) = a.pruned_layers.iter().find(|&&l| l >= m.num_hidden_layers) {
+            bail!(
+                "attention.pruned_layers holds {l}, but the model has layers 0 ..= {}",
+                m.num_hidden_layers - 1
+            );
+        }
+        if !a.pruned_layers.is_empty() && a.method != Method::L2a {
+            bail!("attention.pruned_layers applies to method \"l2a\" only");
+        }
+        check(
+            "attention.swiattn_gamma_base",
+            a.swiattn_gamma_base,
+            0.0,
+            1e3,
+        )?;
+        check_open_f("attention.swiattn_eps", a.swiattn_eps, 0.0, 1e3)?;
+        check("attention.swiattn_alpha", a.swiattn_alpha, 0.0, 1e6)?;
+        if a.method == Method::StaticHeads {
+            if a.head_ranking.as_os_str().is_empty() {
+                bail!("attention.method = \"static_heads\" needs attention.head_ranking (a head_ranking.csv from eval of an AHA run)");
+            }
+            check(
+                "attention.top_k",
+                a.top_k,
+                0,
+                m.num_hidden_layers * m.num_attention_heads,
+            )?;
+        }
 
         check("data.seq_len", self.data.seq_len, 2, 1 << 22)?;
 

@@ -6,8 +6,9 @@
 //! activations and matmuls run in. Weights are cast on use, so autograd delivers fp32
 //! gradients to the parameters, which is what autocast does in PyTorch.
 
-use crate::attention::{layer_pattern, AttnOutput, KeyPattern, SelfAttention};
-use crate::config::{AttentionConfig, ModelConfig};
+use crate::attention::{AttnOutput, ForwardCtx, KeyPattern, MaskCache, SelfAttention};
+use crate::config::{AttentionConfig, Method, ModelConfig};
+use anyhow::Result;
 use tch::{nn, Kind, Tensor};
 
 pub struct Linear {
@@ -38,6 +39,15 @@ impl Linear {
     }
 }
 
+/// `x` in at least fp32 (fp64 stays fp64), for reductions and thresholds that must not
+/// depend on the compute dtype.
+pub fn upcast(x: &Tensor) -> Tensor {
+    match x.kind() {
+        Kind::Double | Kind::Float => x.shallow_clone(),
+        _ => x.to_kind(Kind::Float),
+    }
+}
+
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
@@ -51,11 +61,13 @@ impl RmsNorm {
         }
     }
 
-    /// Normalises in fp32 whatever the compute dtype (as Hugging Face's LlamaRMSNorm does).
+    /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
+    /// LlamaRMSNorm does).
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let xf = x.to_kind(Kind::Float);
-        let rms = (xf.square().mean_dim(-1, true, Kind::Float) + self.eps).rsqrt();
-        (&self.weight * (xf * rms)).to_kind(x.kind())
+        let xf = upcast(x);
+        let k = xf.kind();
+        let rms = (xf.square().mean_dim(-1, true, k) + self.eps).rsqrt();
+        (self.weight.to_kind(k) * (xf * rms)).to_kind(x.kind())
     }
 }
 
@@ -122,25 +134,38 @@ pub struct DecoderLayer {
 
 /// Everything a forward pass produces besides the logits.
 pub struct ForwardOutput {
-    /// `[B, L, vocab]` in fp32.
+    /// `[B, L, vocab]` in fp32 (fp64 for an fp64 model).
     pub logits: Tensor,
     /// One entry per layer.
     pub layers: Vec<AttnOutput>,
 }
 
 impl ForwardOutput {
-    /// Sum of the layers' regulariser terms (zero for methods without one).
-    pub fn regulariser(&self) -> Option<Tensor> {
-        self.layers
+    /// The method's regulariser: the mean over layers of each layer's term (every paper
+    /// normalises by the number of layers), None for methods without one. `nll: [B, L]` is
+    /// the per-token language-model loss, which SwiAttn's adaptive weight reads.
+    pub fn regulariser(&self, nll: &Tensor) -> Option<Tensor> {
+        let terms: Vec<Tensor> = self
+            .layers
             .iter()
-            .filter_map(|l| l.reg.as_ref())
-            .fold(None, |acc, r| {
-                Some(acc.map_or_else(|| r.shallow_clone(), |a: Tensor| a + r))
-            })
+            .filter_map(|l| l.reg.as_ref().map(|r| r.term(nll)))
+            .collect();
+        (!terms.is_empty()).then(|| Tensor::stack(&terms, 0).mean(Kind::Float))
     }
 
+    /// (query, key) pairs attended over all layers and heads.
     pub fn attended_pairs(&self) -> f64 {
-        self.layers.iter().map(|l| l.pairs).sum()
+        self.layers.iter().map(|l| l.pairs.double_value(&[])).sum()
+    }
+
+    /// Mean of the hard gates over layers, tokens and heads (mu_f); None for static methods.
+    pub fn full_usage(&self) -> Option<Tensor> {
+        let means: Vec<Tensor> = self
+            .layers
+            .iter()
+            .filter_map(|l| l.gates.as_ref().map(|g| g.mean(Kind::Float)))
+            .collect();
+        (!means.is_empty()).then(|| Tensor::stack(&means, 0).mean(Kind::Float))
     }
 }
 
@@ -155,7 +180,21 @@ pub struct Llama {
 
 impl Llama {
     /// Creates the parameters under `vs` (initialised from tch's current seed).
-    pub fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Self {
+    pub fn new(
+        vs: &nn::Path,
+        cfg: &ModelConfig,
+        attn: &AttentionConfig,
+        compute: Kind,
+    ) -> Result<Self> {
+        let fixed_heads = match attn.method {
+            Method::StaticHeads => Some(crate::eval::read_head_assignment(
+                &attn.head_ranking,
+                attn.top_k,
+                cfg.num_hidden_layers,
+                cfg.num_attention_heads,
+            )?),
+            _ => None,
+        };
         let d = cfg.hidden_size as i64;
         let eps = cfg.rms_norm_eps;
         let model = vs / "model";
@@ -172,7 +211,13 @@ impl Llama {
                 let p = &model / "layers" / i;
                 DecoderLayer {
                     input_layernorm: RmsNorm::new(&p / "input_layernorm", d, eps),
-                    self_attn: SelfAttention::new(&p / "self_attn", cfg, layer_pattern(attn, i)),
+                    self_attn: SelfAttention::new(
+                        &p / "self_attn",
+                        i,
+                        cfg,
+                        attn,
+                        fixed_heads.as_ref().map(|f| f[i].as_slice()),
+                    ),
                     post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps),
                     mlp: Mlp::new(&p / "mlp", cfg),
                 }
@@ -187,18 +232,35 @@ impl Llama {
                 cfg.initializer_range,
             )
         });
-        Llama {
+        Ok(Llama {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
             norm: RmsNorm::new(&model / "norm", d, eps),
             lm_head,
             compute,
-        }
+        })
+    }
+
+    /// `(new, base)` names of parameters a method adds that start as copies of base ones.
+    pub fn derived_params(&self) -> Vec<(String, String)> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.self_attn.derived_params())
+            .collect()
+    }
+
+    /// Key-value cache bytes per layer at decode time for a context of `len` tokens.
+    pub fn kv_cache_bytes(&self, len: usize) -> Vec<f64> {
+        let elt = self.compute.elt_size_in_bytes();
+        self.layers
+            .iter()
+            .map(|l| l.self_attn.kv_cache_bytes(len, elt))
+            .collect()
     }
 
     /// `ids: [B, L]` int64 token ids.
-    pub fn forward(&self, ids: &Tensor) -> ForwardOutput {
+    pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
         let len = ids.size()[1];
         let device = ids.device();
         let rope = Rope::new(
@@ -208,25 +270,13 @@ impl Llama {
             self.compute,
             device,
         );
-        // Layers that share a pattern share one mask, built once per forward.
-        let mut masks: Vec<(KeyPattern, Tensor)> = Vec::new();
-        for layer in &self.layers {
-            let p = layer.self_attn.pattern;
-            if !p.is_full_at(len as usize) && !masks.iter().any(|(q, _)| *q == p) {
-                masks.push((p, p.mask(len as usize, device)));
-            }
-        }
+        let masks = MaskCache::new(len as usize, device);
         let mut h =
             Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
         let mut outs = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let mask = masks
-                .iter()
-                .find(|(q, _)| *q == layer.self_attn.pattern)
-                .map(|(_, m)| m);
-            let attn = layer
-                .self_attn
-                .forward(&layer.input_layernorm.forward(&h), &rope, mask);
+            let x = layer.input_layernorm.forward(&h);
+            let attn = layer.self_attn.forward(&x, &rope, &masks, ctx);
             h = h + &attn.y;
             h = &h
                 + layer
@@ -240,7 +290,7 @@ impl Llama {
             None => h.linear(&self.embed_tokens.to_kind(self.compute), None::<Tensor>),
         };
         ForwardOutput {
-            logits: logits.to_kind(Kind::Float),
+            logits: upcast(&logits),
             layers: outs,
         }
     }
@@ -253,9 +303,10 @@ impl Llama {
     }
 }
 
-/// Per-position next-token negative log-likelihood, `[B, L]` in fp32.
+/// Per-position next-token negative log-likelihood, `[B, L]`, in fp32 (fp64 for fp64 logits).
 pub fn token_nll(logits: &Tensor, targets: &Tensor) -> Tensor {
-    let logp = logits.log_softmax(-1, Kind::Float);
+    let logits = upcast(logits);
+    let logp = logits.log_softmax(-1, logits.kind());
     -logp
         .gather(-1, &targets.unsqueeze(-1), false)
         .squeeze_dim(-1)
@@ -264,7 +315,6 @@ pub fn token_nll(logits: &Tensor, targets: &Tensor) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Method;
     use tch::Device;
 
     fn tiny(tie: bool, bias: bool) -> ModelConfig {
@@ -377,10 +427,13 @@ mod tests {
             window: 3,
             ..Default::default()
         };
-        let m = Llama::new(&vs.root(), &tiny(true, false), &attn, Kind::Float);
+        let m = Llama::new(&vs.root(), &tiny(true, false), &attn, Kind::Float).unwrap();
         let a = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8]).view([1, 8]);
         let b = Tensor::from_slice(&[9i64, 2, 3, 4, 5, 6, 7, 10]).view([1, 8]);
-        let (la, lb) = (m.forward(&a).logits, m.forward(&b).logits);
+        let (la, lb) = (
+            m.forward(&a, &ForwardCtx::default()).logits,
+            m.forward(&b, &ForwardCtx::default()).logits,
+        );
         // Changing the first token cannot reach position 6 through two layers of window 3
         // (receptive field 1 + 2*2 = 5), and the last token changes nothing before it.
         let same = |i: i64| {
@@ -391,7 +444,7 @@ mod tests {
         assert!(!same(0) && same(6) && same(5));
         assert!(!same(4));
         assert_eq!(
-            m.forward(&a).attended_pairs(),
+            m.forward(&a, &ForwardCtx::default()).attended_pairs(),
             (4 * 2) as f64 * KeyPattern::Window(3).attended_pairs(8) as f64
         );
     }
@@ -413,14 +466,14 @@ mod tests {
                 ..Default::default()
             };
             let cpu_vs = nn::VarStore::new(Device::Cpu);
-            let cpu = Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float);
+            let cpu = Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
             let mut gpu_vs = nn::VarStore::new(Device::Cuda(0));
-            let gpu = Llama::new(&gpu_vs.root(), &tiny(false, true), &attn, Kind::Float);
+            let gpu = Llama::new(&gpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
             gpu_vs.copy(&cpu_vs).unwrap();
             let ids = Tensor::randint(11, [3, 37], (Kind::Int64, Device::Cpu));
-            let want = cpu.forward(&ids).logits;
+            let want = cpu.forward(&ids, &ForwardCtx::default()).logits;
             let got = gpu
-                .forward(&ids.to_device(Device::Cuda(0)))
+                .forward(&ids.to_device(Device::Cuda(0)), &ForwardCtx::default())
                 .logits
                 .to_device(Device::Cpu);
             let err = (&got - &want).abs().max().double_value(&[]);
@@ -433,14 +486,14 @@ mod tests {
         tch::manual_seed(2);
         let vs = nn::VarStore::new(Device::Cpu);
         let cfg = tiny(true, true);
-        let m32 = Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float);
+        let m32 = Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float).unwrap();
         let ids = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9]).view([1, 6]);
-        let l32 = m32.forward(&ids).logits;
+        let l32 = m32.forward(&ids, &ForwardCtx::default()).logits;
         let m16 = Llama {
             compute: Kind::BFloat16,
             ..m32
         };
-        let l16 = m16.forward(&ids).logits;
+        let l16 = m16.forward(&ids, &ForwardCtx::default()).logits;
         assert_eq!(l16.kind(), Kind::Float);
         let err = (l32 - l16).abs().max().double_value(&[]);
         assert!(err < 0.05, "bf16 drifted by {err}");

@@ -5,14 +5,16 @@
 //! moments must be saved and restored exactly for a resumed run to match an uninterrupted one.
 
 use crate::atomic;
+use crate::attention::ForwardCtx;
 use crate::checkpoint::{self, TrainState};
-use crate::config::{parse_device, Config, DeviceSpec, Dtype};
+use crate::config::{parse_device, Config, DeviceSpec, Dtype, Method, Router};
 use crate::data::{self, Split};
 use crate::eval;
 use crate::model::{token_nll, Llama};
 use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -51,7 +53,7 @@ pub struct Built {
 }
 
 impl Built {
-    pub fn new(cfg: &Config, device: Device) -> Built {
+    pub fn new(cfg: &Config, device: Device) -> Result<Built> {
         tch::manual_seed(cfg.train.seed as i64);
         let vs = nn::VarStore::new(device);
         let model = Llama::new(
@@ -59,12 +61,28 @@ impl Built {
             &cfg.model,
             &cfg.attention,
             compute_kind(cfg.train.dtype),
-        );
-        Built { vs, model }
+        )?;
+        let built = Built { vs, model };
+        built.copy_derived(|_| true);
+        Ok(built)
     }
 
     pub fn params(&self) -> BTreeMap<String, Tensor> {
         self.vs.variables().into_iter().collect()
+    }
+
+    /// Sets each parameter a method adds to a copy of the base parameter it starts from
+    /// (L2A's global module, SwiAttn's window-branch output projection), for those `which`
+    /// selects.
+    pub fn copy_derived(&self, which: impl Fn(&str) -> bool) {
+        let params = self.params();
+        tch::no_grad(|| {
+            for (dst, src) in self.model.derived_params() {
+                if which(&dst) {
+                    params[&dst].shallow_clone().copy_(&params[&src]);
+                }
+            }
+        });
     }
 }
 
@@ -220,13 +238,17 @@ pub struct TrainArgs {
     pub quiet: bool,
 }
 
-const LOG_HEADER: [&str; 6] = [
+/// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
+/// methods without them.
+const LOG_HEADER: [&str; 8] = [
     "step",
     "loss",
     "lr",
     "grad_norm",
     "tokens_per_s",
     "tokens_seen",
+    "reg",
+    "mu_f",
 ];
 
 /// Keeps the header and rows up to `step` of a CSV log whose first column is the step, so a
@@ -308,13 +330,25 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     atomic::ensure_writable_dir(out)?;
     atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
 
-    let built = Built::new(&cfg, device);
+    let built = Built::new(&cfg, device)?;
     let params = built.params();
-    let mut opt = AdamW::new(&params);
     let t = &cfg.train;
+    let trainable: BTreeMap<String, Tensor> = params
+        .iter()
+        .filter(|(name, p)| {
+            let frozen = t.freeze_mlp && name.contains(".mlp.");
+            if frozen {
+                let _ = p.set_requires_grad(false);
+            }
+            !frozen
+        })
+        .map(|(n, p)| (n.clone(), p.shallow_clone()))
+        .collect();
+    let mut opt = AdamW::new(&trainable);
     let mut state = TrainState {
         step: 0,
         rng_state: Rng::new(t.seed ^ 0xDA7A).state,
+        gate_rng_state: Rng::new(t.seed ^ 0x6A7E).state,
         tokens_seen: 0,
     };
 
@@ -335,6 +369,8 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             "--init-from {}: no tensor name matches this model",
             file.display()
         );
+        // New modules that a paper initialises from the base attention copy the loaded weights.
+        built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
         if !args.quiet {
             eprintln!(
                 "init-from {}: loaded {} tensors, initialised {} new ({:?}), ignored {} ({:?})",
@@ -355,6 +391,16 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     }
     let mut rng = Rng {
         state: state.rng_state,
+    };
+    let mut ctx = ForwardCtx {
+        rng: Some(RefCell::new(Rng {
+            state: state.gate_rng_state,
+        })),
+        ..Default::default()
+    };
+    let p_force = match (cfg.attention.method, cfg.attention.router) {
+        (Method::L2a, Router::Learned) => cfg.attention.p_force,
+        _ => 0.0,
     };
     let last = args.stop_at.map_or(t.steps, |s| s.min(t.steps));
     if !args.quiet {
@@ -390,19 +436,31 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     while state.step < last {
         let lr = learning_rate(t, state.step);
         opt.zero_grad();
-        let mut loss_sum = 0.0;
+        // L2A's anti-collapse draw: once per optimizer step, from the gate generator.
+        ctx.force_global =
+            p_force > 0.0 && ctx.rng.as_ref().expect("gate rng").borrow_mut().uniform() < p_force;
+        let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
         for _ in 0..t.grad_accum {
             let b = train_split.sample(&mut rng, t.batch_size, cfg.data.seq_len, device)?;
-            let fwd = built.model.forward(&b.x);
-            let lm = token_nll(&fwd.logits, &b.y).mean(Kind::Float);
-            let total = match fwd.regulariser() {
-                Some(r) => &lm + r,
+            let fwd = built.model.forward(&b.x, &ctx);
+            let nll = token_nll(&fwd.logits, &b.y);
+            let lm = nll.mean(Kind::Float);
+            let total = match fwd.regulariser(&nll) {
+                Some(r) => {
+                    *reg_sum.get_or_insert(0.0) += r.double_value(&[]);
+                    &lm + r
+                }
                 None => lm.shallow_clone(),
             };
+            if let Some(mu) = fwd.full_usage() {
+                *mu_sum.get_or_insert(0.0) += mu.double_value(&[]);
+            }
             (total / t.grad_accum as f64).backward();
             loss_sum += lm.double_value(&[]);
         }
-        let loss = loss_sum / t.grad_accum as f64;
+        let accum = t.grad_accum as f64;
+        let loss = loss_sum / accum;
+        let fmt_opt = |v: Option<f64>| v.map(|v| format!("{:.6}", v / accum)).unwrap_or_default();
         let grad_norm = opt.clip_grad_norm(t.grad_clip);
         if !loss.is_finite() || !grad_norm.is_finite() {
             bail!(
@@ -429,6 +487,8 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
                     format!("{grad_norm:.6}"),
                     format!("{tps:.1}"),
                     state.tokens_seen.to_string(),
+                    fmt_opt(reg_sum),
+                    fmt_opt(mu_sum),
                 ],
             )?;
             window_start = Instant::now();
@@ -445,6 +505,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         }
         if state.step % t.ckpt_every == 0 || state.step == last {
             state.rng_state = rng.state;
+            state.gate_rng_state = ctx.rng.as_ref().expect("gate rng").borrow().state;
             let model_tensors: Vec<(String, Tensor)> = params
                 .iter()
                 .map(|(n, p)| (n.clone(), p.shallow_clone()))
