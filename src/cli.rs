@@ -1,11 +1,10 @@
 //! The command line: `attnsweep train | eval | data`.
 
-use crate::checkpoint;
 use crate::config::Config;
 use crate::data::{self, SynthSpec};
 use crate::eval;
-use crate::train::{self, Built, TrainArgs};
-use anyhow::{Context, Result};
+use crate::train::{self, TrainArgs};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -30,6 +29,26 @@ enum Command {
     /// Prepare token data sets.
     #[command(subcommand)]
     Data(DataCmd),
+    /// L2A post-training pruning: drop the global module of layers whose measured sparsity
+    /// reaches a threshold; report the key-value cache before and after and the quality change.
+    Prune(PruneCmd),
+}
+
+#[derive(Args)]
+struct PruneCmd {
+    /// The L2A run directory.
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to prune instead of the run's latest checkpoint.
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Prune layers whose sparsity (1 - mean gate) on the validation split is at least this.
+    #[arg(long, default_value_t = 0.95)]
+    threshold: f64,
+    /// Directory for the pruned model (config.toml, model.safetensors, eval/, prune.json)
+    /// [default: <run>/pruned-<threshold>]; it must not already hold a model.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -182,6 +201,26 @@ pub fn main() -> Result<()> {
             )
         }
         Command::Eval(c) => run_eval(c),
+        Command::Prune(c) => {
+            let out = c
+                .out
+                .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
+            let r = eval::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
+            println!(
+                "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
+                r.pruned_layers,
+                r.sparsity.len(),
+                r.kv_cache_bytes_before,
+                r.kv_cache_bytes_after,
+                100.0 * r.kv_cache_bytes_after / r.kv_cache_bytes_full,
+                r.kv_cache_bytes_full,
+                r.loss_before,
+                r.loss_after,
+                r.loss_after - r.loss_before,
+                out.display()
+            );
+            Ok(())
+        }
         Command::Data(DataCmd::Prepare(c)) => {
             let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens)?;
             eprintln!(
@@ -219,19 +258,10 @@ pub fn main() -> Result<()> {
 }
 
 fn run_eval(c: EvalCmd) -> Result<()> {
-    let mut cfg = Config::load(Some(&c.run.join("config.toml")), &c.sets).with_context(|| {
-        format!(
-            "{} is not a run directory with a valid config.toml",
-            c.run.display()
-        )
-    })?;
-    let meta = train::resolve_with_data(&mut cfg)?;
-    let device = train::resolve_device(&cfg.train.device)?;
-    let weights = checkpoint::resolve_weights(c.ckpt.as_deref().unwrap_or(&c.run))?;
-    let built = Built::new(&cfg, device)?;
-    checkpoint::load_into(&built.params(), &weights, true)?;
-    let split = data::Split::open(&cfg.data.dir, &meta, &c.split)?;
-    let report = eval::evaluate(&built.model, &split, &cfg, &c.split, device)?;
+    let run = train::LoadedRun::open(&c.run, &c.sets, c.ckpt.as_deref())?;
+    let (cfg, built) = (&run.cfg, &run.built);
+    let split = data::Split::open(&cfg.data.dir, &run.meta, &c.split)?;
+    let report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device)?;
     let out = c.out.unwrap_or_else(|| {
         if c.sets.is_empty() {
             c.run.join("eval")
@@ -251,7 +281,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
             c.run.join(format!("eval-{tag}"))
         }
     });
-    eval::write_report(&out, &report, &cfg)?;
+    eval::write_report(&out, &report, cfg)?;
     if !c.quiet {
         println!(
             "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attention density {:.4}  ({} tokens) -> {}",

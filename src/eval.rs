@@ -547,6 +547,93 @@ pub fn read_head_assignment(
     Ok(on)
 }
 
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct PruneReport {
+    pub threshold: f64,
+    /// 1 - mean gate per layer on the validation split, before pruning.
+    pub sparsity: Vec<f64>,
+    pub pruned_layers: Vec<usize>,
+    pub kv_cache_bytes_before: f64,
+    pub kv_cache_bytes_after: f64,
+    pub kv_cache_bytes_full: f64,
+    pub loss_before: f64,
+    pub loss_after: f64,
+}
+
+/// L2A pruning (L2A section 3.4): layers whose measured sparsity is at least `threshold` lose
+/// their global module and keep only the window. Writes the pruned model (config.toml,
+/// model.safetensors), its evaluation and `prune.json` to `out`.
+pub fn prune_l2a(
+    run: &Path,
+    ckpt: Option<&Path>,
+    threshold: f64,
+    out: &Path,
+) -> Result<PruneReport> {
+    ensure!(
+        (0.0..=1.0).contains(&threshold),
+        "--threshold {threshold} must be in 0 ..= 1"
+    );
+    ensure!(
+        !out.join("config.toml").exists(),
+        "{} already holds a model; choose another --out",
+        out.display()
+    );
+    let loaded = crate::train::LoadedRun::open(run, &[], ckpt)?;
+    let cfg = &loaded.cfg;
+    ensure!(
+        cfg.attention.method == crate::config::Method::L2a,
+        "{} is a {:?} run; pruning applies to l2a",
+        run.display(),
+        cfg.attention.method
+    );
+    let split = Split::open(&cfg.data.dir, &loaded.meta, "val")?;
+    let before = evaluate(&loaded.built.model, &split, cfg, "val", loaded.device)?;
+    let sparsity: Vec<f64> = before
+        .gates
+        .as_ref()
+        .expect("l2a reports gates")
+        .per_layer
+        .iter()
+        .map(|m| 1.0 - m)
+        .collect();
+    let mut pruned_cfg = cfg.clone();
+    pruned_cfg.attention.pruned_layers = (0..sparsity.len())
+        .filter(|&l| sparsity[l] >= threshold || cfg.attention.pruned_layers.contains(&l))
+        .collect();
+    let pruned = crate::train::Built::new(&pruned_cfg, loaded.device)?;
+    let r = crate::checkpoint::load_into(&pruned.params(), &loaded.weights, false)?;
+    ensure!(
+        r.initialised.is_empty(),
+        "{} lacks {:?}",
+        loaded.weights.display(),
+        r.initialised
+    );
+    let after = evaluate(&pruned.model, &split, &pruned_cfg, "val", loaded.device)?;
+    atomic::ensure_writable_dir(out)?;
+    let tensors: Vec<(String, Tensor)> = pruned.params().into_iter().collect();
+    atomic::write_with(&out.join("model.safetensors"), |tmp| {
+        Ok(Tensor::write_safetensors(&tensors, tmp)?)
+    })?;
+    write_report(&out.join("eval"), &after, &pruned_cfg)?;
+    let report = PruneReport {
+        threshold,
+        sparsity,
+        pruned_layers: pruned_cfg.attention.pruned_layers.clone(),
+        kv_cache_bytes_before: before.kv_cache_bytes_total,
+        kv_cache_bytes_after: after.kv_cache_bytes_total,
+        kv_cache_bytes_full: before.kv_cache_bytes_full,
+        loss_before: before.loss,
+        loss_after: after.loss,
+    };
+    atomic::write_bytes(
+        &out.join("prune.json"),
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
+    // Last: with config.toml present the directory is a complete model `eval --run` accepts.
+    atomic::write_bytes(&out.join("config.toml"), pruned_cfg.to_toml().as_bytes())?;
+    Ok(report)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

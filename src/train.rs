@@ -86,6 +86,41 @@ impl Built {
     }
 }
 
+/// A trained model loaded from its run directory, ready to evaluate.
+pub struct LoadedRun {
+    pub cfg: Config,
+    pub meta: data::Meta,
+    pub device: Device,
+    pub built: Built,
+    /// The weight file that was loaded.
+    pub weights: PathBuf,
+}
+
+impl LoadedRun {
+    /// The run's saved config with `sets` applied, its data set, and the weights of `ckpt`
+    /// (a checkpoint directory or .safetensors file) or of the run's latest checkpoint.
+    pub fn open(run: &Path, sets: &[String], ckpt: Option<&Path>) -> Result<LoadedRun> {
+        let mut cfg = Config::load(Some(&run.join("config.toml")), sets).with_context(|| {
+            format!(
+                "{} is not a run directory with a valid config.toml",
+                run.display()
+            )
+        })?;
+        let meta = resolve_with_data(&mut cfg)?;
+        let device = resolve_device(&cfg.train.device)?;
+        let weights = checkpoint::resolve_weights(ckpt.unwrap_or(run))?;
+        let built = Built::new(&cfg, device)?;
+        checkpoint::load_into(&built.params(), &weights, true)?;
+        Ok(LoadedRun {
+            cfg,
+            meta,
+            device,
+            built,
+            weights,
+        })
+    }
+}
+
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
 /// `lr * min_lr_ratio` at the last step.
 pub fn learning_rate(cfg: &crate::config::TrainConfig, step: usize) -> f64 {

@@ -541,3 +541,171 @@ fn full_attention_beats_a_window_on_dependencies_beyond_it() {
         "full attention ({full:.3}) should beat SWA w=8 ({swa:.3}) on dependencies >= 8 back"
     );
 }
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn weights(path: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
+    tch::Tensor::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn routed_methods_train_eval_rank_heads_and_prune() {
+    let d = scratch("routed");
+    let data = synth(&d, 20_000);
+    let short = [
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "attention.window=4",
+    ];
+    train(&d, &data, "base", &short);
+    let base = d.join("base");
+    let base_s = base.to_str().unwrap();
+
+    // AHA, continued from the full base: gate statistics and the head ranking files.
+    let mut aha = short.to_vec();
+    aha.extend(["--set", "attention.method=aha", "--init-from", base_s]);
+    train(&d, &data, "aha", &aha);
+    let ev = d.join("aha/eval");
+    for f in ["layer_head_usage.csv", "head_usage.csv", "head_ranking.csv"] {
+        assert!(ev.join(f).is_file(), "missing {f}");
+    }
+    let rep = json(&ev.join("eval.json"))["report"].clone();
+    let mu_f = rep["gates"]["mu_f"].as_f64().unwrap();
+    assert!(
+        mu_f > 0.9,
+        "AHA starts from router bias 1 (every gate full): mu_f {mu_f}"
+    );
+    assert_eq!(rep["gates"]["per_head"].as_array().unwrap().len(), 2);
+    assert_eq!(rep["gates"]["need"]["window"], 4);
+    assert!(rep["gates"]["need"]["any_layer"]["recall"]
+        .as_f64()
+        .is_some());
+    let log = std::fs::read_to_string(d.join("aha/train_log.csv")).unwrap();
+    assert!(log.starts_with("step,loss,lr,grad_norm,tokens_per_s,tokens_seen,reg,mu_f"));
+    let last: Vec<&str> = log.lines().last().unwrap().split(',').collect();
+    assert!(
+        last[6].parse::<f64>().unwrap() > 0.0 && last[7].parse::<f64>().unwrap() > 0.0,
+        "{last:?}"
+    );
+
+    // Test-time threshold: a higher tau routes fewer gates to the full path.
+    let aha_run = d.join("aha");
+    ok(&[
+        "eval",
+        "-q",
+        "--run",
+        aha_run.to_str().unwrap(),
+        "--set",
+        "attention.tau=0.99",
+    ]);
+    let hi = json(&aha_run.join("eval-attention.tau_0.99/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    assert!(hi < mu_f, "tau 0.99 gave mu_f {hi}, tau 0.5 gave {mu_f}");
+
+    // Static top-k heads from that ranking, continued from the same base.
+    let ranking = ev.join("head_ranking.csv");
+    let ranking_set = format!("attention.head_ranking={}", ranking.display());
+    let mut st = short.to_vec();
+    st.extend([
+        "--set",
+        "attention.method=static_heads",
+        "--set",
+        &ranking_set,
+        "--set",
+        "attention.top_k=3",
+        "--init-from",
+        base_s,
+    ]);
+    train(&d, &data, "static", &st);
+    let g = json(&d.join("static/eval/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (g - 3.0 / 8.0).abs() < 1e-9,
+        "3 of 8 heads always full: mu_f {g}"
+    );
+
+    // SwiAttn and the context-free Bernoulli baseline train too.
+    let mut sw = short.to_vec();
+    sw.extend(["--set", "attention.method=swiattn", "--init-from", base_s]);
+    train(&d, &data, "swiattn", &sw);
+    let mut be = short.to_vec();
+    be.extend([
+        "--set",
+        "attention.method=l2a",
+        "--set",
+        "attention.router=bernoulli",
+        "--set",
+        "attention.bernoulli_p=0.5",
+    ]);
+    train(&d, &data, "bernoulli", &be);
+    let b = json(&d.join("bernoulli/eval/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    assert!((b - 0.5).abs() < 0.05, "Bernoulli(0.5) gates: mu_f {b}");
+
+    // L2A from the base with frozen MLPs: the global module starts as a copy of the base
+    // attention and the MLP weights do not move.
+    let mut l2a = short.to_vec();
+    l2a.extend([
+        "--set",
+        "attention.method=l2a",
+        "--set",
+        "train.freeze_mlp=true",
+        "--init-from",
+        base_s,
+    ]);
+    train(&d, &data, "l2a", &l2a);
+    let bw = weights(&base.join("checkpoints/step_00000003/model.safetensors"));
+    let lw = weights(&d.join("l2a/checkpoints/step_00000003/model.safetensors"));
+    assert!(lw["model.layers.1.mlp.up_proj.weight"].equal(&bw["model.layers.1.mlp.up_proj.weight"]));
+    assert!(!lw["model.layers.1.self_attn.q_proj.weight"]
+        .equal(&bw["model.layers.1.self_attn.q_proj.weight"]));
+    assert!(lw.contains_key("model.layers.1.self_attn.global_attn.q_proj.weight"));
+
+    // Pruning every layer (threshold 0) leaves window-only caches and a loadable model.
+    let l2a_run = d.join("l2a");
+    let pruned = d.join("pruned");
+    let o = ok(&[
+        "prune",
+        "--run",
+        l2a_run.to_str().unwrap(),
+        "--threshold",
+        "0",
+        "--out",
+        pruned.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("pruned layers [0, 1]"));
+    let p = json(&pruned.join("prune.json"));
+    // 2 layers x 4 positions x (k, v) x 4 heads x 8 dims x 4 bytes.
+    assert_eq!(
+        p["kv_cache_bytes_after"].as_f64().unwrap(),
+        2.0 * 4.0 * 2.0 * 4.0 * 8.0 * 4.0
+    );
+    assert!(
+        p["kv_cache_bytes_before"].as_f64().unwrap() > p["kv_cache_bytes_full"].as_f64().unwrap()
+    );
+    assert!(!weights(&pruned.join("model.safetensors"))
+        .keys()
+        .any(|k| k.contains("global_attn")));
+    ok(&["eval", "-q", "--run", pruned.to_str().unwrap()]);
+    let err = fails(&[
+        "prune",
+        "--run",
+        l2a_run.to_str().unwrap(),
+        "--out",
+        pruned.to_str().unwrap(),
+    ]);
+    assert!(err.contains("already holds a model"), "{err}");
+    let err = fails(&["prune", "--run", base_s]);
+    assert!(err.contains("pruning applies to l2a"), "{err}");
+}
