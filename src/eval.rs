@@ -84,10 +84,10 @@ pub struct NeedReport {
     pub window: usize,
     pub positions: u64,
     pub needing: u64,
-    /// Per layer, a position counts as routed when any head of the layer took the full path.
+    /// Per layer, each (position, head) gate is one decision.
     pub per_layer: Vec<PrecisionRecall>,
-    /// Routed when any head of any layer took the full path.
-    pub any_layer: PrecisionRecall,
+    /// Every (layer, position, head) gate is one decision.
+    pub all_gates: PrecisionRecall,
 }
 
 #[derive(Serialize, Clone, Debug, Default, PartialEq)]
@@ -173,7 +173,7 @@ impl GateAccum {
                 }
             }
         }
-        if let (Some((positions, needing, per_layer, any)), Some(deps)) = (self.need.as_mut(), deps)
+        if let (Some((positions, needing, per_layer, all)), Some(deps)) = (self.need.as_mut(), deps)
         {
             for b in 0..batch {
                 for t in 0..len {
@@ -184,13 +184,12 @@ impl GateAccum {
                     let need = d >= self.window;
                     *positions += 1;
                     *needing += need as u64;
-                    let mut routed_any = false;
                     for (l, pr) in per_layer.iter_mut().enumerate() {
-                        let routed = (0..h).any(|hd| at(l, b, t, hd));
-                        routed_any |= routed;
-                        pr.add(routed, need);
+                        for hd in 0..h {
+                            pr.add(at(l, b, t, hd), need);
+                            all.add(at(l, b, t, hd), need);
+                        }
                     }
-                    any.add(routed_any, need);
                 }
             }
         }
@@ -222,12 +221,12 @@ impl GateAccum {
             per_head,
             need: self
                 .need
-                .map(|(positions, needing, per_layer, any)| NeedReport {
+                .map(|(positions, needing, per_layer, all)| NeedReport {
                     window: self.window,
                     positions,
                     needing,
                     per_layer: per_layer.into_iter().map(PrecisionRecall::finish).collect(),
-                    any_layer: any.finish(),
+                    all_gates: all.finish(),
                 }),
         }
     }
@@ -396,8 +395,8 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
                 n.needing as f64 / n.positions.max(1) as f64,
             ));
             for (name, v) in [
-                ("gate_precision", n.any_layer.precision),
-                ("gate_recall", n.any_layer.recall),
+                ("gate_precision", n.all_gates.precision),
+                ("gate_recall", n.all_gates.recall),
             ] {
                 if let Some(v) = v {
                     rows.push((name.into(), v));

@@ -585,7 +585,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     );
     assert_eq!(rep["gates"]["per_head"].as_array().unwrap().len(), 2);
     assert_eq!(rep["gates"]["need"]["window"], 4);
-    assert!(rep["gates"]["need"]["any_layer"]["recall"]
+    assert!(rep["gates"]["need"]["all_gates"]["recall"]
         .as_f64()
         .is_some());
     let log = std::fs::read_to_string(d.join("aha/train_log.csv")).unwrap();
