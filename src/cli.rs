@@ -29,9 +29,56 @@ enum Command {
     /// Prepare token data sets.
     #[command(subcommand)]
     Data(DataCmd),
+    /// Run a grid of experiments (see sweeps/): every cell trains or evaluates in its own
+    /// directory; finished cells are skipped, interrupted ones resumed, failed ones recorded.
+    Sweep(SweepCmd),
+    /// Write the paper tables and figures of a sweep directory (CSV, PNG and SVG).
+    Plot(PlotCmd),
     /// L2A post-training pruning: drop the global module of layers whose measured sparsity
     /// reaches a threshold; report the key-value cache before and after and the quality change.
     Prune(PruneCmd),
+}
+
+#[derive(Args)]
+struct SweepCmd {
+    /// Grid file (TOML; see sweeps/ for examples).
+    #[arg(long)]
+    grid: PathBuf,
+    /// Sweep directory [default: results/<grid name>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Validate the grid and list its cells with their state; run nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Cells run at once on the CPU (each gets an equal share of the cores).
+    #[arg(long, default_value_t = 1)]
+    jobs: usize,
+    /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
+    #[arg(long)]
+    cell: Option<usize>,
+    /// Run cells that failed before again.
+    #[arg(long)]
+    retry_failed: bool,
+    /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
+    /// and submit.sh under <out>/slurm.
+    #[arg(long, value_parser = ["slurm"])]
+    emit: Option<String>,
+    /// No progress bars.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+struct PlotCmd {
+    /// Sweep directory (written by `attnsweep sweep`).
+    #[arg(long)]
+    sweep: PathBuf,
+    /// Where tables and figures go [default: the sweep directory].
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -201,6 +248,15 @@ pub fn main() -> Result<()> {
             )
         }
         Command::Eval(c) => run_eval(c),
+        Command::Sweep(c) => run_sweep(c),
+        Command::Plot(c) => {
+            let out = c.out.unwrap_or_else(|| c.sweep.clone());
+            let written = crate::plot::write_all(&c.sweep, &out)?;
+            for w in written {
+                println!("{}", w.display());
+            }
+            Ok(())
+        }
         Command::Prune(c) => {
             let out = c
                 .out
@@ -255,6 +311,62 @@ pub fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn run_sweep(c: SweepCmd) -> Result<()> {
+    use crate::sweep;
+    let grid = sweep::read_grid(&c.grid)?;
+    let cells = sweep::expand(&grid)?;
+    let out = c
+        .out
+        .unwrap_or_else(|| PathBuf::from("results").join(&grid.name));
+    if c.dry_run {
+        println!(
+            "{} cells in {} stages -> {}",
+            cells.len(),
+            grid.stages.len(),
+            out.display()
+        );
+        for cell in &cells {
+            let state = sweep::read_status(&out.join(&cell.id))
+                .map_or("pending".to_string(), |s| {
+                    format!("{:?}", s.state).to_lowercase()
+                });
+            println!(
+                "{:>4}  {:<22} {:<8} {:<10} {}",
+                cell.index, cell.id, state, cell.stage, cell.label
+            );
+        }
+        return Ok(());
+    }
+    if c.emit.is_some() {
+        std::fs::create_dir_all(&out)?;
+        let submit = sweep::emit_slurm(&c.grid, &grid, &cells, &out)?;
+        println!("wrote Slurm job arrays; submit with {}", submit.display());
+        return Ok(());
+    }
+    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1");
+    let args = sweep::SweepArgs {
+        out: out.clone(),
+        jobs: c.jobs,
+        devices: c.devices,
+        cell: c.cell,
+        retry_failed: c.retry_failed,
+        quiet: c.quiet,
+    };
+    let o = sweep::run(&grid, &cells, &args)?;
+    if c.cell.is_none() {
+        crate::tables::write_all(&out, &out)?;
+    }
+    eprintln!(
+        "{}: {} cells done, {} failed, {} skipped",
+        out.display(),
+        o.done,
+        o.failed,
+        o.skipped
+    );
+    anyhow::ensure!(o.failed == 0, "{} cells failed; their errors are in <cell>/status.json and log.txt (rerun with --retry-failed)", o.failed);
+    Ok(())
 }
 
 fn run_eval(c: EvalCmd) -> Result<()> {

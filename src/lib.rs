@@ -8,5 +8,8 @@ pub mod config;
 pub mod data;
 pub mod eval;
 pub mod model;
+pub mod plot;
 pub mod rng;
+pub mod sweep;
+pub mod tables;
 pub mod train;

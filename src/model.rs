@@ -450,14 +450,23 @@ mod tests {
     }
 
     /// The reference path on the GPU (fused causal kernel for full, masked SDPA otherwise)
-    /// against the CPU, same weights, same input.
+    /// against the CPU, same weights, same input, for every method (routers start at zero
+    /// weight, so no gate sits near its threshold).
     #[test]
     fn gpu_forward_matches_cpu() {
         if !tch::Cuda::is_available() {
             eprintln!("SKIPPED gpu_forward_matches_cpu: no CUDA device");
             return;
         }
-        for method in [Method::Full, Method::Swa, Method::Ppa, Method::StaticHybrid] {
+        for method in [
+            Method::Full,
+            Method::Swa,
+            Method::Ppa,
+            Method::StaticHybrid,
+            Method::Aha,
+            Method::L2a,
+            Method::Swiattn,
+        ] {
             tch::manual_seed(3);
             let attn = AttentionConfig {
                 method,

@@ -709,3 +709,237 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     let err = fails(&["prune", "--run", base_s]);
     assert!(err.contains("pruning applies to l2a"), "{err}");
 }
+
+fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
+    let g = dir.join("grid.toml");
+    let text = format!(
+        r#"
+name = "tiny"
+[synth]
+train_tokens = 20000
+val_tokens = 4096
+max_distance = 64
+[base.data]
+dir = "{data}"
+seq_len = 64
+[base.model]
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+[base.train]
+steps = 3
+warmup_steps = 1
+batch_size = 4
+log_every = 1
+device = "cpu"
+[base.eval]
+max_batches = 2
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha" }}
+axes = {{ "attention.window" = [4, 8] }}
+{extra}
+"#,
+        data = dir.join("data").display()
+    );
+    std::fs::write(&g, text).unwrap();
+    g
+}
+
+fn status(cell: &Path) -> serde_json::Value {
+    json(&cell.join("status.json"))
+}
+
+fn cell_dirs(out: &Path, stage: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with(&format!("{stage}-"))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
+    let d = scratch("sweep");
+    let ranking = d.join("ranking.csv");
+    let grid = tiny_grid(
+        &d,
+        &format!(
+            "[[stage]]\nname = \"heads\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{}\" }}\n",
+            ranking.display()
+        ),
+    );
+    let out = d.join("out");
+    let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
+    let listing =
+        String::from_utf8_lossy(&ok(&["sweep", "--grid", g, "--out", o, "--dry-run"]).stdout)
+            .into_owned();
+    assert!(listing.starts_with("4 cells in 3 stages"), "{listing}");
+    assert_eq!(listing.matches("pending").count(), 4);
+
+    // The static_heads cell fails (its ranking file does not exist yet); the others finish.
+    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    assert!(err.contains("1 cells failed"), "{err}");
+    let heads = cell_dirs(&out, "heads").remove(0);
+    let st = status(&heads);
+    assert_eq!(st["state"], "failed");
+    assert!(
+        st["error"].as_str().unwrap().contains("ranking.csv"),
+        "{st}"
+    );
+    let aha = cell_dirs(&out, "aha");
+    assert_eq!(aha.len(), 2);
+    for c in &aha {
+        assert_eq!(status(c)["state"], "done");
+    }
+    for f in ["summary.csv", "tidy.csv", "aha_windows.csv", "cells.json"] {
+        assert!(out.join(f).is_file(), "missing {f}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(out.join("aha_windows.csv"))
+            .unwrap()
+            .lines()
+            .count(),
+        3
+    );
+
+    // A rerun skips finished cells and, without --retry-failed, leaves the failure alone.
+    let ckpt = aha[0].join("checkpoints/step_00000003/model.safetensors");
+    let before = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
+    ok(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    assert_eq!(
+        std::fs::metadata(&ckpt).unwrap().modified().unwrap(),
+        before
+    );
+    assert_eq!(status(&heads)["state"], "failed");
+    // Once the cause is fixed, --retry-failed finishes the sweep.
+    std::fs::write(&ranking, "rank,layer,head,mu_f\n1,0,0,0.9\n").unwrap();
+    ok(&[
+        "sweep",
+        "--grid",
+        g,
+        "--out",
+        o,
+        "--quiet",
+        "--retry-failed",
+    ]);
+    let st = status(&heads);
+    assert_eq!(
+        (
+            st["state"].as_str().unwrap(),
+            st["attempts"].as_u64().unwrap()
+        ),
+        ("done", 2)
+    );
+    assert_eq!(
+        std::fs::metadata(&ckpt).unwrap().modified().unwrap(),
+        before
+    );
+
+    // Tables and figures from the sweep directory.
+    let figs = String::from_utf8_lossy(&ok(&["plot", "--sweep", o]).stdout).into_owned();
+    for f in [
+        "figures/mu_f_vs_window.png",
+        "figures/mu_f_vs_window.svg",
+        "figures/head_usage_sorted.png",
+        "figures/pareto.png",
+    ] {
+        assert!(out.join(f).is_file(), "missing {f} in:\n{figs}");
+    }
+
+    // Slurm: one array per stage, each task one cell.
+    ok(&["sweep", "--grid", g, "--out", o, "--emit", "slurm"]);
+    let aha_script = std::fs::read_to_string(out.join("slurm/aha.sbatch")).unwrap();
+    assert!(
+        aha_script.contains("#SBATCH --array=1-2")
+            && aha_script.contains("--cell \"$SLURM_ARRAY_TASK_ID\""),
+        "{aha_script}"
+    );
+    assert!(std::fs::read_to_string(out.join("slurm/submit.sh"))
+        .unwrap()
+        .contains("--dependency=afterany"));
+}
+
+#[test]
+fn sweep_resumes_an_interrupted_cell_and_two_runners_never_run_a_cell_twice() {
+    let d = scratch("sweep2");
+    let grid = tiny_grid(&d, "");
+    let out = d.join("out");
+    let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
+    // Run the base cell alone, then interrupt an AHA cell half way, as a killed runner would.
+    ok(&["sweep", "--grid", g, "--out", o, "--cell", "0", "--quiet"]);
+    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet", "--cell", "9"]);
+    assert!(err.contains("--cell 9"), "{err}");
+    let base = cell_dirs(&out, "base").remove(0);
+    assert_eq!(status(&base)["state"], "done");
+    let cells: serde_json::Value = json(&out.join("cells.json"));
+    let victim = out.join(cells[1]["id"].as_str().unwrap());
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("cell.toml"), toml_of(&cells[1]["config"])).unwrap();
+    ok(&[
+        "train",
+        "-q",
+        "--out",
+        victim.to_str().unwrap(),
+        "--config",
+        victim.join("cell.toml").to_str().unwrap(),
+        "--init-from",
+        base.to_str().unwrap(),
+        "--stop-at-step",
+        "1",
+    ]);
+    std::fs::write(
+        victim.join("status.json"),
+        r#"{"state":"running","attempts":1,"error":null}"#,
+    )
+    .unwrap();
+
+    // Two runners at once share the remaining cells.
+    let spawn = || {
+        bin()
+            .args(["sweep", "--grid", g, "--out", o, "--quiet"])
+            .spawn()
+            .unwrap()
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    for c in cell_dirs(&out, "aha") {
+        let st = status(&c);
+        assert_eq!(st["state"], "done");
+        let want = if c == victim { 2 } else { 1 };
+        assert_eq!(
+            st["attempts"].as_u64().unwrap(),
+            want,
+            "{} ran {} times",
+            c.display(),
+            st["attempts"]
+        );
+    }
+    // The interrupted cell continued from its checkpoint instead of starting over.
+    let log = std::fs::read_to_string(victim.join("log.txt")).unwrap();
+    assert!(log.is_empty() || !log.contains("error"), "{log}");
+    let steps: Vec<String> = log_rows(&victim.join("train_log.csv"))
+        .into_iter()
+        .map(|r| r[0].clone())
+        .collect();
+    assert_eq!(steps, ["1", "2", "3"]);
+    assert!(victim.join("checkpoints/step_00000003").is_dir());
+}
+
+/// The config object of cells.json back as TOML.
+fn toml_of(v: &serde_json::Value) -> String {
+    let cfg: attnsweep::config::Config = serde_json::from_value(v.clone()).unwrap();
+    cfg.to_toml()
+}

@@ -1,0 +1,471 @@
+//! Tables of a sweep directory: one tidy long table of every cell and metric, a wide summary
+//! with one row per cell, and each paper table the sweep's cells can fill, all as CSV.
+//!
+//! | file | paper item | cells it reads |
+//! |---|---|---|
+//! | `tidy.csv` | - | every finished cell, one row per (cell, metric) |
+//! | `summary.csv` | - | every finished cell, one row each |
+//! | `aha_windows.csv` | AHA Tables 1/2 | AHA train cells: quality, retain %, mu_f by window |
+//! | `aha_lambda.csv` | AHA Table 4 | AHA train cells, by lambda |
+//! | `aha_static_heads.csv` | AHA Table 5 | static top-k heads beside AHA at its budget |
+//! | `l2a_threshold.csv` | L2A Fig. 13 | L2A cells evaluated at other thresholds |
+//! | `l2a_pruning.csv` | L2A Fig. 9 | prune cells |
+//! | `swiattn_baselines.csv` | SwiAttn Tables 1-3 | Full, SWA-ZS, SWA-CPT, StaticHybrid, SwiAttn |
+//! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
+//! | `ppa.csv` | PPA Table 1 | PPA cells by p |
+//!
+//! Quality is validation loss and perplexity; retain % is the full-attention model's
+//! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
+//! where lower is better).
+
+use crate::config::{Config, Method, Router};
+use crate::sweep::{read_status, Cell, State};
+use anyhow::{Context, Result};
+use polars::prelude::*;
+use std::path::{Path, PathBuf};
+
+/// What the tables know of one finished cell.
+#[derive(Debug, Clone, Default)]
+pub struct Row {
+    pub cell: String,
+    pub stage: String,
+    pub kind: String,
+    pub label: String,
+    pub method: String,
+    /// Method of the cell this one continued from or evaluates ("" when none).
+    pub source_method: String,
+    pub window: f64,
+    pub lambda: f64,
+    pub tau: f64,
+    pub ppa_power: f64,
+    pub top_k: f64,
+    pub router: String,
+    pub variant: String,
+    pub loss: f64,
+    pub perplexity: f64,
+    pub density: f64,
+    pub attention_flops: f64,
+    pub kv_cache_bytes: f64,
+    pub mu_f: Option<f64>,
+    pub gate_precision: Option<f64>,
+    pub gate_recall: Option<f64>,
+    pub threshold: Option<f64>,
+    pub pruned_layers: Option<f64>,
+    pub kv_before: Option<f64>,
+    pub loss_before: Option<f64>,
+}
+
+/// SwiAttn regulariser variant by its Table 4 name.
+pub fn swiattn_variant(c: &Config) -> String {
+    let a = &c.attention;
+    if !a.swiattn_adaptive {
+        return "V1 (no adaptive weight)".into();
+    }
+    if !a.swiattn_nll {
+        return "V2 (no NLL term)".into();
+    }
+    match (a.swiattn_alpha, a.swiattn_eps) {
+        (x, e) if x == 100.0 && e == 0.1 => "SwiAttn".into(),
+        (x, e) if e == 0.1 => format!(
+            "alpha={x}{}",
+            match x as i64 {
+                10 => " (V3)",
+                1 => " (V4)",
+                0 => " (V5)",
+                _ => "",
+            }
+        ),
+        (x, e) if x == 100.0 => format!(
+            "eps={e}{}",
+            if e == 0.2 {
+                " (V6)"
+            } else if e == 0.01 {
+                " (V7)"
+            } else {
+                ""
+            }
+        ),
+        (x, e) => format!("alpha={x} eps={e}"),
+    }
+}
+
+fn method_name(m: Method) -> String {
+    serde_json::to_value(m)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+fn read_json(p: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// The finished cells of a sweep directory.
+pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
+    let cells_path = sweep.join("cells.json");
+    let text = std::fs::read_to_string(&cells_path).with_context(|| {
+        format!(
+            "{} is not a sweep directory (no cells.json)",
+            sweep.display()
+        )
+    })?;
+    let cells: Vec<Cell> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is malformed", cells_path.display()))?;
+    let mut out = Vec::new();
+    for c in &cells {
+        let dir = sweep.join(&c.id);
+        if read_status(&dir).is_none_or(|s| s.state != State::Done) {
+            continue;
+        }
+        let Some(ev) = read_json(&dir.join("eval/eval.json")) else {
+            continue;
+        };
+        let r = &ev["report"];
+        let f = |v: &serde_json::Value| v.as_f64();
+        let a = &c.config.attention;
+        let source = c
+            .depends_on
+            .as_ref()
+            .and_then(|d| cells.iter().find(|x| &x.id == d));
+        let prune = read_json(&dir.join("prune.json"));
+        let routed = a.method.is_routed() || !a.pruned_layers.is_empty();
+        out.push(Row {
+            cell: c.id.clone(),
+            stage: c.stage.clone(),
+            kind: format!("{:?}", c.kind).to_lowercase(),
+            label: c.label.clone(),
+            method: method_name(a.method),
+            source_method: source
+                .map(|s| method_name(s.config.attention.method))
+                .unwrap_or_default(),
+            window: a.window as f64,
+            lambda: a.lambda,
+            tau: a.tau,
+            ppa_power: a.ppa_power,
+            top_k: a.top_k as f64,
+            router: if a.router == Router::Bernoulli {
+                format!("bernoulli({})", a.bernoulli_p)
+            } else {
+                "learned".into()
+            },
+            variant: if a.method == Method::Swiattn {
+                swiattn_variant(&c.config)
+            } else {
+                String::new()
+            },
+            loss: f(&r["loss"]).unwrap_or(f64::NAN),
+            perplexity: f(&r["perplexity"]).unwrap_or(f64::NAN),
+            density: f(&r["attention"]["density"]).unwrap_or(f64::NAN),
+            attention_flops: f(&r["attention"]["flops"]).unwrap_or(f64::NAN),
+            kv_cache_bytes: f(&r["kv_cache_bytes_total"]).unwrap_or(f64::NAN),
+            mu_f: if routed { f(&r["gates"]["mu_f"]) } else { None },
+            gate_precision: f(&r["gates"]["need"]["all_gates"]["precision"]),
+            gate_recall: f(&r["gates"]["need"]["all_gates"]["recall"]),
+            threshold: c.threshold,
+            pruned_layers: prune
+                .as_ref()
+                .and_then(|p| p["pruned_layers"].as_array().map(|a| a.len() as f64)),
+            kv_before: prune.as_ref().and_then(|p| f(&p["kv_cache_bytes_before"])),
+            loss_before: prune.as_ref().and_then(|p| f(&p["loss_before"])),
+        });
+    }
+    Ok(out)
+}
+
+fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
+    let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
+    let n = |f: fn(&Row) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
+    let o = |f: fn(&Row) -> Option<f64>| rows.iter().map(f).collect::<Vec<Option<f64>>>();
+    // Retain % against the sweep's first full-attention model trained from scratch or continued.
+    let full_ppl = rows
+        .iter()
+        .find(|r| r.method == "full" && r.kind == "train")
+        .map(|r| r.perplexity);
+    let retain: Vec<Option<f64>> = rows
+        .iter()
+        .map(|r| full_ppl.map(|p| 100.0 * p / r.perplexity))
+        .collect();
+    Ok(df!(
+        "cell" => s(|r| r.cell.clone()),
+        "stage" => s(|r| r.stage.clone()),
+        "kind" => s(|r| r.kind.clone()),
+        "label" => s(|r| r.label.clone()),
+        "method" => s(|r| r.method.clone()),
+        "source_method" => s(|r| r.source_method.clone()),
+        "router" => s(|r| r.router.clone()),
+        "variant" => s(|r| r.variant.clone()),
+        "window" => n(|r| r.window),
+        "lambda" => n(|r| r.lambda),
+        "tau" => n(|r| r.tau),
+        "ppa_power" => n(|r| r.ppa_power),
+        "top_k" => n(|r| r.top_k),
+        "loss" => n(|r| r.loss),
+        "perplexity" => n(|r| r.perplexity),
+        "retain_pct" => retain,
+        "attention_density" => n(|r| r.density),
+        "attention_flops" => n(|r| r.attention_flops),
+        "kv_cache_bytes" => n(|r| r.kv_cache_bytes),
+        "mu_f" => o(|r| r.mu_f),
+        "gate_precision" => o(|r| r.gate_precision),
+        "gate_recall" => o(|r| r.gate_recall),
+        "threshold" => o(|r| r.threshold),
+        "pruned_layers" => o(|r| r.pruned_layers),
+        "kv_cache_bytes_before" => o(|r| r.kv_before),
+        "loss_before" => o(|r| r.loss_before),
+    )?)
+}
+
+/// Every numeric metric of every cell as (cell, stage, method, label, metric, value).
+fn tidy_frame(summary: &DataFrame) -> Result<DataFrame> {
+    let ids = ["cell", "stage", "kind", "method", "label"];
+    let metrics: Vec<String> = summary
+        .columns()
+        .iter()
+        .filter(|c| {
+            c.dtype() == &DataType::Float64
+                && !["window", "lambda", "tau", "ppa_power", "top_k"].contains(&c.name().as_str())
+        })
+        .map(|c| c.name().to_string())
+        .collect();
+    let mut cols: Vec<Vec<String>> = vec![Vec::new(); ids.len() + 1];
+    let mut values: Vec<f64> = Vec::new();
+    for i in 0..summary.height() {
+        for m in &metrics {
+            let v = summary.column(m)?.f64()?.get(i);
+            let Some(v) = v else { continue };
+            for (j, id) in ids.iter().enumerate() {
+                cols[j].push(summary.column(id)?.str()?.get(i).unwrap_or("").to_string());
+            }
+            cols[ids.len()].push(m.clone());
+            values.push(v);
+        }
+    }
+    let mut columns: Vec<Column> = ids
+        .iter()
+        .zip(&cols)
+        .map(|(n, c)| Column::new((*n).into(), c))
+        .collect();
+    columns.push(Column::new("metric".into(), &cols[ids.len()]));
+    columns.push(Column::new("value".into(), values));
+    Ok(DataFrame::new_infer_height(columns)?)
+}
+
+fn write_csv(df: &mut DataFrame, path: &Path) -> Result<()> {
+    crate::atomic::write_with(path, |tmp| {
+        let mut f = std::fs::File::create(tmp)?;
+        CsvWriter::new(&mut f).finish(df)?;
+        Ok(())
+    })
+}
+
+/// One paper table: the summary's rows that `filter` keeps, the `columns` named, sorted.
+struct TableSpec {
+    file: &'static str,
+    filter: Expr,
+    columns: &'static [&'static str],
+    sort: &'static [&'static str],
+}
+
+fn paper_tables() -> Vec<TableSpec> {
+    let learned = col("router").eq(lit("learned"));
+    let train = col("kind").eq(lit("train"));
+    vec![
+        TableSpec {
+            file: "aha_windows.csv",
+            filter: col("method")
+                .eq(lit("aha"))
+                .and(train.clone())
+                .and(learned.clone()),
+            columns: &[
+                "window",
+                "lambda",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "mu_f",
+                "attention_density",
+                "gate_precision",
+                "gate_recall",
+                "cell",
+            ],
+            sort: &["lambda", "window"],
+        },
+        TableSpec {
+            file: "aha_lambda.csv",
+            filter: col("method")
+                .eq(lit("aha"))
+                .and(train.clone())
+                .and(learned.clone()),
+            columns: &[
+                "lambda",
+                "window",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "mu_f",
+                "cell",
+            ],
+            sort: &["window", "lambda"],
+        },
+        TableSpec {
+            file: "aha_static_heads.csv",
+            filter: col("method")
+                .eq(lit("static_heads"))
+                .or(col("method").eq(lit("aha")))
+                .and(train.clone()),
+            columns: &[
+                "method",
+                "top_k",
+                "window",
+                "mu_f",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "cell",
+            ],
+            sort: &["method", "mu_f"],
+        },
+        TableSpec {
+            file: "l2a_threshold.csv",
+            filter: col("method")
+                .eq(lit("l2a"))
+                .and(col("kind").neq(lit("prune"))),
+            columns: &[
+                "tau",
+                "window",
+                "kind",
+                "loss",
+                "perplexity",
+                "mu_f",
+                "attention_density",
+                "attention_flops",
+                "cell",
+            ],
+            sort: &["window", "tau"],
+        },
+        TableSpec {
+            file: "l2a_pruning.csv",
+            filter: col("kind").eq(lit("prune")),
+            columns: &[
+                "threshold",
+                "pruned_layers",
+                "kv_cache_bytes_before",
+                "kv_cache_bytes",
+                "loss_before",
+                "loss",
+                "label",
+                "cell",
+            ],
+            sort: &["label", "threshold"],
+        },
+        TableSpec {
+            file: "swiattn_baselines.csv",
+            filter: ["swa", "static_hybrid", "swiattn"]
+                .iter()
+                .fold(col("method").eq(lit("full")), |e, m| {
+                    e.or(col("method").eq(lit(*m)))
+                }),
+            columns: &[
+                "baseline",
+                "method",
+                "source_method",
+                "window",
+                "loss",
+                "perplexity",
+                "attention_density",
+                "mu_f",
+                "cell",
+            ],
+            sort: &["baseline"],
+        },
+        TableSpec {
+            file: "swiattn_ablations.csv",
+            filter: col("method").eq(lit("swiattn")).and(train.clone()),
+            columns: &[
+                "variant",
+                "window",
+                "loss",
+                "perplexity",
+                "mu_f",
+                "attention_density",
+                "cell",
+            ],
+            sort: &["variant"],
+        },
+        TableSpec {
+            file: "ppa.csv",
+            filter: col("method").eq(lit("ppa")),
+            columns: &[
+                "ppa_power",
+                "window",
+                "loss",
+                "perplexity",
+                "attention_density",
+                "cell",
+            ],
+            sort: &["window", "ppa_power"],
+        },
+    ]
+}
+
+/// SwiAttn's baseline names: SWA-ZS is a full model evaluated with a window, SWA-CPT a
+/// window model continued from a full one.
+fn baseline_expr() -> Expr {
+    when(
+        col("method")
+            .eq(lit("swa"))
+            .and(col("kind").eq(lit("eval")))
+            .and(col("source_method").eq(lit("full"))),
+    )
+    .then(lit("SWA-ZS"))
+    .when(
+        col("method")
+            .eq(lit("swa"))
+            .and(col("source_method").eq(lit("full"))),
+    )
+    .then(lit("SWA-CPT"))
+    .when(col("method").eq(lit("swa")))
+    .then(lit("SWA"))
+    .when(col("method").eq(lit("static_hybrid")))
+    .then(lit("StaticHybrid"))
+    .when(col("method").eq(lit("full")))
+    .then(lit("FullAttn"))
+    .otherwise(lit("SwiAttn"))
+    .alias("baseline")
+}
+
+/// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
+/// returns the files written.
+pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    crate::atomic::ensure_writable_dir(out)?;
+    let rows = rows(sweep)?;
+    let mut written = Vec::new();
+    if rows.is_empty() {
+        return Ok(written);
+    }
+    let mut summary = summary_frame(&rows)?;
+    let mut tidy = tidy_frame(&summary)?;
+    for (df, name) in [(&mut summary, "summary.csv"), (&mut tidy, "tidy.csv")] {
+        write_csv(df, &out.join(name))?;
+        written.push(out.join(name));
+    }
+    let with_baseline = summary.clone().lazy().with_column(baseline_expr());
+    for t in paper_tables() {
+        let cols: Vec<Expr> = t.columns.iter().map(|c| col(*c)).collect();
+        let mut df = with_baseline
+            .clone()
+            .filter(t.filter)
+            .select(cols)
+            .sort(
+                t.sort.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                SortMultipleOptions::default(),
+            )
+            .collect()?;
+        if df.height() == 0 {
+            continue;
+        }
+        write_csv(&mut df, &out.join(t.file))?;
+        written.push(out.join(t.file));
+    }
+    Ok(written)
+}
