@@ -15,6 +15,7 @@
 
 use crate::tables::{rows, Row};
 use anyhow::{anyhow, Result};
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
@@ -111,6 +112,17 @@ fn colour(t: f64) -> RGBColor {
     )
 }
 
+/// The index of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),
+/// so categorical axes label cells, not their boundaries.
+fn cell_index(v: f64) -> String {
+    let i = v.floor();
+    if (v - i - 0.5).abs() < 0.26 {
+        format!("{}", i as i64)
+    } else {
+        String::new()
+    }
+}
+
 fn fmt_tick(v: f64) -> String {
     if v == 0.0 {
         "0".into()
@@ -120,6 +132,77 @@ fn fmt_tick(v: f64) -> String {
         let s = format!("{v:.3}");
         s.trim_end_matches('0').trim_end_matches('.').to_string()
     }
+}
+
+/// An x-y chart on a linear or logarithmic x axis.
+fn draw_lines<DB: DrawingBackend, X: AsRangedCoord<Value = f64>>(
+    root: &DrawingArea<DB, Shift>,
+    xr: X,
+    yr: std::ops::Range<f64>,
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[Series],
+) -> Result<()>
+where
+    X::CoordDescType: ValueFormatter<f64>,
+{
+    let text = |size: u32| (FAMILY, size).into_font();
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, text(22))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(xr, yr)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc(x)
+        .y_desc(y)
+        .axis_desc_style(text(16))
+        .label_style(text(15))
+        .x_label_formatter(&|v| fmt_tick(*v))
+        .y_label_formatter(&|v| fmt_tick(*v))
+        .light_line_style(WHITE.mix(0.0))
+        .draw()
+        .map_err(err)?;
+    for (i, s) in series.iter().enumerate() {
+        let c = Palette99::pick(i).to_rgba();
+        let drawn = if s.line {
+            chart
+                .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
+                .map_err(err)?
+        } else {
+            chart
+                .draw_series(s.points.iter().map(|&p| Circle::new(p, 0, c)))
+                .map_err(err)?
+        };
+        drawn
+            .label(s.name.as_str())
+            .legend(move |(a, b)| Circle::new((a + 8, b), 5, c.filled()));
+        chart
+            .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            .map_err(err)?;
+        chart
+            .draw_series(
+                s.points
+                    .iter()
+                    .zip(&s.labels)
+                    .map(|(&p, l)| Text::new(l.clone(), p, text(13))),
+            )
+            .map_err(err)?;
+    }
+    if series.len() > 1 || series.iter().any(|s| !s.name.is_empty()) {
+        chart
+            .configure_series_labels()
+            .label_font(text(14))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
 }
 
 impl Figure {
@@ -143,63 +226,22 @@ impl Figure {
                 series,
                 log_x,
             } => {
-                let tx = |v: f64| if *log_x { v.log10() } else { v };
-                let (x0, x1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| tx(p.0))));
                 let (y0, y1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
-                let mut chart = ChartBuilder::on(root)
-                    .caption(title, text(22))
-                    .margin(16)
-                    .x_label_area_size(48)
-                    .y_label_area_size(72)
-                    .build_cartesian_2d(x0..x1, y0..y1)
-                    .map_err(err)?;
-                let xf = |v: &f64| fmt_tick(if *log_x { 10f64.powf(*v) } else { *v });
-                chart
-                    .configure_mesh()
-                    .x_desc(x.as_str())
-                    .y_desc(y.as_str())
-                    .axis_desc_style(text(16))
-                    .label_style(text(13))
-                    .x_label_formatter(&xf)
-                    .y_label_formatter(&|v| fmt_tick(*v))
-                    .light_line_style(WHITE.mix(0.0))
-                    .draw()
-                    .map_err(err)?;
-                for (i, s) in series.iter().enumerate() {
-                    let c = Palette99::pick(i).to_rgba();
-                    let pts: Vec<(f64, f64)> = s.points.iter().map(|&(a, b)| (tx(a), b)).collect();
-                    let drawn = if s.line {
-                        chart
-                            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-                            .map_err(err)?
+                if *log_x {
+                    let (lo, hi) = series
+                        .iter()
+                        .flat_map(|s| s.points.iter().map(|p| p.0))
+                        .filter(|v| *v > 0.0)
+                        .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(v), b.max(v)));
+                    let (lo, hi) = if lo.is_finite() {
+                        (lo / 1.25, hi * 1.25)
                     } else {
-                        chart
-                            .draw_series(pts.iter().map(|&p| Circle::new(p, 0, c)))
-                            .map_err(err)?
+                        (1.0, 10.0)
                     };
-                    drawn
-                        .label(s.name.as_str())
-                        .legend(move |(a, b)| Circle::new((a + 8, b), 5, c.filled()));
-                    chart
-                        .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
-                        .map_err(err)?;
-                    chart
-                        .draw_series(
-                            pts.iter()
-                                .zip(&s.labels)
-                                .map(|(&p, l)| Text::new(l.clone(), p, text(12))),
-                        )
-                        .map_err(err)?;
-                }
-                if series.len() > 1 || series.iter().any(|s| !s.name.is_empty()) {
-                    chart
-                        .configure_series_labels()
-                        .label_font(text(13))
-                        .background_style(WHITE.mix(0.85))
-                        .border_style(BLACK)
-                        .position(SeriesLabelPosition::UpperRight)
-                        .draw()
-                        .map_err(err)?;
+                    draw_lines(root, (lo..hi).log_scale(), y0..y1, title, x, y, series)?;
+                } else {
+                    let (x0, x1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
+                    draw_lines(root, x0..x1, y0..y1, title, x, y, series)?;
                 }
             }
             Figure::Heatmap {
@@ -225,12 +267,12 @@ impl Figure {
                     .x_desc(x.as_str())
                     .y_desc(y.as_str())
                     .axis_desc_style(text(16))
-                    .label_style(text(13))
+                    .label_style(text(15))
                     .disable_mesh()
-                    .x_labels(values.first().map_or(1, |r| r.len()).min(32))
-                    .y_labels(values.len().min(32))
-                    .x_label_formatter(&|v| format!("{}", v.floor() as i64))
-                    .y_label_formatter(&|v| format!("{}", v.floor() as i64))
+                    .x_labels(2 * values.first().map_or(1, |r| r.len()).min(32) + 1)
+                    .y_labels(2 * values.len().min(32) + 1)
+                    .x_label_formatter(&|v| cell_index(*v))
+                    .y_label_formatter(&|v| cell_index(*v))
                     .draw()
                     .map_err(err)?;
                 let span = (range.1 - range.0).max(1e-12);
@@ -286,16 +328,15 @@ impl Figure {
                     .x_desc(x.as_str())
                     .y_desc(y.as_str())
                     .axis_desc_style(text(16))
-                    .label_style(text(13))
+                    .label_style(text(15))
                     .disable_x_mesh()
                     .x_labels(bars.len().min(40) * 2 + 1)
                     .x_label_formatter(&|v| {
-                        let i = v.floor() as usize;
-                        if (v - i as f64 - 0.5).abs() < 0.26 {
-                            names.get(i).cloned().unwrap_or_default()
-                        } else {
-                            String::new()
-                        }
+                        cell_index(*v)
+                            .parse::<usize>()
+                            .ok()
+                            .and_then(|i| names.get(i).cloned())
+                            .unwrap_or_default()
                     })
                     .y_label_formatter(&|v| fmt_tick(*v))
                     .draw()
@@ -680,31 +721,43 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             }
         }
     }
+    // One budget: the cells continued from the most common source (a base trained for
+    // longer or shorter is not comparable).
+    let mut sources: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in all.iter().filter(|r| r.kind == "train") {
+        *sources.entry(r.source.as_str()).or_default() += 1;
+    }
+    let budget = sources
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .map(|(s, _)| *s)
+        .unwrap_or("");
     let quality: Vec<&Row> = all
         .iter()
-        .filter(|r| r.kind != "prune" && r.density.is_finite())
+        .filter(|r| r.kind != "prune" && r.density.is_finite() && r.source == budget)
         .collect();
     if quality.len() > 1 {
-        let mut series = grouped(
-            &quality,
-            |r| r.method.clone(),
-            |r| Some((r.density, r.loss)),
-        );
-        for s in &mut series {
-            s.line = false;
-        }
         let front = pareto_front(
             &quality
                 .iter()
                 .map(|r| (r.density, r.loss))
                 .collect::<Vec<_>>(),
         );
-        series.push(Series {
+        // The front first, so every method's points are drawn over it.
+        let mut series = vec![Series {
             name: "Pareto front".into(),
             points: front,
             line: true,
             labels: vec![],
-        });
+        }];
+        for mut s in grouped(
+            &quality,
+            |r| r.method.clone(),
+            |r| Some((r.density, r.loss)),
+        ) {
+            s.line = false;
+            series.push(s);
+        }
         figs.push((
             "pareto".into(),
             Figure::Lines {

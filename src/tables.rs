@@ -32,7 +32,8 @@ pub struct Row {
     pub kind: String,
     pub label: String,
     pub method: String,
-    /// Method of the cell this one continued from or evaluates ("" when none).
+    /// The cell this one continued from or evaluates, and its method ("" when none).
+    pub source: String,
     pub source_method: String,
     pub window: f64,
     pub lambda: f64,
@@ -135,6 +136,7 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             kind: format!("{:?}", c.kind).to_lowercase(),
             label: c.label.clone(),
             method: method_name(a.method),
+            source: source.map(|s| s.id.clone()).unwrap_or_default(),
             source_method: source
                 .map(|s| method_name(s.config.attention.method))
                 .unwrap_or_default(),
@@ -176,14 +178,18 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
     let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
     let n = |f: fn(&Row) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
     let o = |f: fn(&Row) -> Option<f64>| rows.iter().map(f).collect::<Vec<Option<f64>>>();
-    // Retain % against the sweep's first full-attention model trained from scratch or continued.
-    let full_ppl = rows
-        .iter()
-        .find(|r| r.method == "full" && r.kind == "train")
-        .map(|r| r.perplexity);
+    // Retain % against full attention at the same budget: the full-attention cell continued
+    // from the same source, else the sweep's first full-attention cell.
+    let full_train = |x: &&Row| x.method == "full" && x.kind == "train";
+    let full = |r: &Row| {
+        rows.iter()
+            .filter(full_train)
+            .find(|x| x.source == r.source)
+            .or_else(|| rows.iter().find(full_train))
+    };
     let retain: Vec<Option<f64>> = rows
         .iter()
-        .map(|r| full_ppl.map(|p| 100.0 * p / r.perplexity))
+        .map(|r| full(r).map(|f| 100.0 * f.perplexity / r.perplexity))
         .collect();
     Ok(df!(
         "cell" => s(|r| r.cell.clone()),
@@ -262,6 +268,8 @@ fn write_csv(df: &mut DataFrame, path: &Path) -> Result<()> {
 struct TableSpec {
     file: &'static str,
     filter: Expr,
+    /// Written only when some kept row also matches this (the table's subject is present).
+    require: Expr,
     columns: &'static [&'static str],
     sort: &'static [&'static str],
 }
@@ -272,6 +280,7 @@ fn paper_tables() -> Vec<TableSpec> {
     vec![
         TableSpec {
             file: "aha_windows.csv",
+            require: col("method").eq(lit("aha")),
             filter: col("method")
                 .eq(lit("aha"))
                 .and(train.clone())
@@ -292,6 +301,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_lambda.csv",
+            require: col("method").eq(lit("aha")),
             filter: col("method")
                 .eq(lit("aha"))
                 .and(train.clone())
@@ -309,6 +319,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_static_heads.csv",
+            require: col("method").eq(lit("static_heads")),
             filter: col("method")
                 .eq(lit("static_heads"))
                 .or(col("method").eq(lit("aha")))
@@ -327,6 +338,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "l2a_threshold.csv",
+            require: col("kind").eq(lit("eval")),
             filter: col("method")
                 .eq(lit("l2a"))
                 .and(col("kind").neq(lit("prune"))),
@@ -345,6 +357,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "l2a_pruning.csv",
+            require: col("kind").eq(lit("prune")),
             filter: col("kind").eq(lit("prune")),
             columns: &[
                 "threshold",
@@ -360,6 +373,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "swiattn_baselines.csv",
+            require: col("method").neq(lit("full")),
             filter: ["swa", "static_hybrid", "swiattn"]
                 .iter()
                 .fold(col("method").eq(lit("full")), |e, m| {
@@ -380,6 +394,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "swiattn_ablations.csv",
+            require: col("method").eq(lit("swiattn")),
             filter: col("method").eq(lit("swiattn")).and(train.clone()),
             columns: &[
                 "variant",
@@ -394,6 +409,7 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "ppa.csv",
+            require: col("method").eq(lit("ppa")),
             filter: col("method").eq(lit("ppa")),
             columns: &[
                 "ppa_power",
@@ -452,9 +468,11 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let with_baseline = summary.clone().lazy().with_column(baseline_expr());
     for t in paper_tables() {
         let cols: Vec<Expr> = t.columns.iter().map(|c| col(*c)).collect();
-        let mut df = with_baseline
-            .clone()
-            .filter(t.filter)
+        let kept = with_baseline.clone().filter(t.filter);
+        if kept.clone().filter(t.require).collect()?.height() == 0 {
+            continue;
+        }
+        let mut df = kept
             .select(cols)
             .sort(
                 t.sort.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
