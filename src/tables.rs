@@ -469,7 +469,12 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     for t in paper_tables() {
         let cols: Vec<Expr> = t.columns.iter().map(|c| col(*c)).collect();
         let kept = with_baseline.clone().filter(t.filter);
+        // A table the sweep no longer fills must not linger from an earlier run.
+        let stale = out.join(t.file);
         if kept.clone().filter(t.require).collect()?.height() == 0 {
+            if stale.exists() {
+                std::fs::remove_file(&stale)?;
+            }
             continue;
         }
         let mut df = kept
@@ -479,9 +484,6 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
                 SortMultipleOptions::default(),
             )
             .collect()?;
-        if df.height() == 0 {
-            continue;
-        }
         write_csv(&mut df, &out.join(t.file))?;
         written.push(out.join(t.file));
     }
