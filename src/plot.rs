@@ -863,6 +863,34 @@ mod tests {
     }
 
     #[test]
+    fn every_figure_of_a_fixture_sweep_renders() {
+        let dir = crate::tables::fixture::sweep_dir("plots");
+        let figs = figures(&dir).unwrap();
+        let stems: Vec<&str> = figs.iter().map(|(s, _)| s.as_str()).collect();
+        for want in [
+            "mu_f_vs_window",
+            "head_usage_aha-4",
+            "head_usage_sorted",
+            "lambda_ablation",
+            "threshold_sweep",
+            "layer_sparsity_l2a-0",
+            "layer_sparsity_swi-0",
+            "ppa_eval_loss",
+            "ppa_s_curve",
+            "pareto",
+        ] {
+            assert!(stems.contains(&want), "{want} missing from {stems:?}");
+        }
+        for (stem, f) in &figs {
+            let (ink, svg) = render(f);
+            assert!(ink > 5_000, "{stem}: only {ink} drawn pixels");
+            assert!(svg.contains(f.title()), "{stem}: title missing");
+        }
+        let written = write_all(&dir, &dir).unwrap();
+        assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
+    }
+
+    #[test]
     fn pareto_front_keeps_only_undominated_points() {
         let pts = [
             (1.0, 2.0),

@@ -489,3 +489,370 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(written)
 }
+
+/// A sweep directory made by hand: one cell per kind of row the tables and figures read.
+#[cfg(test)]
+pub mod fixture {
+    use crate::config::{Config, Method};
+    use crate::sweep::{Cell, StageKind};
+    use std::path::{Path, PathBuf};
+
+    struct Spec {
+        id: &'static str,
+        kind: StageKind,
+        dep: Option<&'static str>,
+        loss: f64,
+        density: f64,
+        gates: bool,
+        threshold: Option<f64>,
+        edit: fn(&mut Config),
+    }
+
+    pub fn sweep_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let specs = [
+            Spec {
+                id: "base-0",
+                kind: StageKind::Train,
+                dep: None,
+                loss: 2.0,
+                density: 1.0,
+                gates: false,
+                threshold: None,
+                edit: |_| {},
+            },
+            Spec {
+                id: "full-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.8,
+                density: 1.0,
+                gates: false,
+                threshold: None,
+                edit: |_| {},
+            },
+            Spec {
+                id: "zs-0",
+                kind: StageKind::Eval,
+                dep: Some("base-0"),
+                loss: 2.5,
+                density: 0.2,
+                gates: false,
+                threshold: None,
+                edit: |c| c.attention.method = Method::Swa,
+            },
+            Spec {
+                id: "swa-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 2.1,
+                density: 0.2,
+                gates: false,
+                threshold: None,
+                edit: |c| c.attention.method = Method::Swa,
+            },
+            Spec {
+                id: "hyb-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.9,
+                density: 0.4,
+                gates: false,
+                threshold: None,
+                edit: |c| c.attention.method = Method::StaticHybrid,
+            },
+            Spec {
+                id: "aha-4",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.85,
+                density: 0.9,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 4
+                },
+            },
+            Spec {
+                id: "aha-16",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.82,
+                density: 0.6,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 16
+                },
+            },
+            Spec {
+                id: "aha-16b",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.9,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 16;
+                    c.attention.lambda = 0.1
+                },
+            },
+            Spec {
+                id: "heads-2",
+                kind: StageKind::Train,
+                dep: Some("aha-16"),
+                loss: 1.95,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::StaticHeads;
+                    c.attention.top_k = 2
+                },
+            },
+            Spec {
+                id: "l2a-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.83,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| c.attention.method = Method::L2a,
+            },
+            Spec {
+                id: "tau-3",
+                kind: StageKind::Eval,
+                dep: Some("l2a-0"),
+                loss: 1.81,
+                density: 0.7,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::L2a;
+                    c.attention.tau = 0.3
+                },
+            },
+            Spec {
+                id: "tau-7",
+                kind: StageKind::Eval,
+                dep: Some("l2a-0"),
+                loss: 1.9,
+                density: 0.3,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::L2a;
+                    c.attention.tau = 0.7
+                },
+            },
+            Spec {
+                id: "prune-9",
+                kind: StageKind::Prune,
+                dep: Some("l2a-0"),
+                loss: 1.86,
+                density: 0.4,
+                gates: true,
+                threshold: Some(0.9),
+                edit: |c| c.attention.method = Method::L2a,
+            },
+            Spec {
+                id: "swi-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.84,
+                density: 0.6,
+                gates: true,
+                threshold: None,
+                edit: |c| c.attention.method = Method::Swiattn,
+            },
+            Spec {
+                id: "swi-v1",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.88,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Swiattn;
+                    c.attention.swiattn_adaptive = false
+                },
+            },
+            Spec {
+                id: "ppa-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 2.0,
+                density: 0.15,
+                gates: false,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Ppa;
+                    c.attention.ppa_power = 0.0
+                },
+            },
+            Spec {
+                id: "ppa-5",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 1.9,
+                density: 0.3,
+                gates: false,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Ppa;
+                    c.attention.ppa_power = 0.5
+                },
+            },
+        ];
+        let mut cells = Vec::new();
+        for (i, s) in specs.iter().enumerate() {
+            let mut config = Config::default();
+            (s.edit)(&mut config);
+            let cell_dir = dir.join(s.id);
+            std::fs::create_dir_all(cell_dir.join("eval")).unwrap();
+            std::fs::write(
+                cell_dir.join("status.json"),
+                r#"{"state":"done","attempts":1,"error":null}"#,
+            )
+            .unwrap();
+            let gates = s.gates.then(|| {
+                serde_json::json!({
+                    "mu_f": s.density, "per_layer": [s.density, s.density * 0.5],
+                    "per_head": [[0.9, 0.1], [0.4, 0.6]], "mean_gap": [[1.0, null], [2.0, 3.0]],
+                    "need": { "all_gates": { "precision": 0.3, "recall": 0.8 } }
+                })
+            });
+            let report = serde_json::json!({ "report": {
+                "loss": s.loss, "perplexity": s.loss.exp(), "kv_cache_bytes_total": 1000.0,
+                "attention": { "density": s.density, "flops": s.density * 1e6 }, "gates": gates } });
+            std::fs::write(cell_dir.join("eval/eval.json"), report.to_string()).unwrap();
+            if s.kind == StageKind::Train {
+                std::fs::write(
+                    cell_dir.join("val_log.csv"),
+                    format!("step,val_loss\n100,{}\n200,{}\n", s.loss + 0.1, s.loss),
+                )
+                .unwrap();
+            }
+            if s.threshold.is_some() {
+                let p = serde_json::json!({ "pruned_layers": [1], "kv_cache_bytes_before": 2000.0, "loss_before": 1.83 });
+                std::fs::write(cell_dir.join("prune.json"), p.to_string()).unwrap();
+            }
+            cells.push(Cell {
+                index: i,
+                id: s.id.into(),
+                stage: s.id.split('-').next().unwrap().into(),
+                kind: s.kind,
+                label: s.id.into(),
+                assignment: Default::default(),
+                settings: Default::default(),
+                depends_on: s.dep.map(String::from),
+                threshold: s.threshold,
+                config,
+            });
+        }
+        std::fs::write(
+            dir.join("cells.json"),
+            serde_json::to_string(&cells).unwrap(),
+        )
+        .unwrap();
+        // A cell that did not finish is left out of every table.
+        std::fs::create_dir_all(dir.join("broken")).unwrap();
+        dir
+    }
+
+    pub fn csv(path: &Path) -> Vec<Vec<String>> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| l.split(',').map(String::from).collect())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixture::{csv, sweep_dir};
+    use super::*;
+
+    #[test]
+    fn every_paper_table_from_a_fixture_sweep() {
+        let dir = sweep_dir("tables");
+        let written = write_all(&dir, &dir).unwrap();
+        let names: Vec<String> = written
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        for f in [
+            "summary.csv",
+            "tidy.csv",
+            "aha_windows.csv",
+            "aha_lambda.csv",
+            "aha_static_heads.csv",
+            "l2a_threshold.csv",
+            "l2a_pruning.csv",
+            "swiattn_baselines.csv",
+            "swiattn_ablations.csv",
+            "ppa.csv",
+        ] {
+            assert!(names.contains(&f.to_string()), "{f} not written: {names:?}");
+        }
+        let t = csv(&dir.join("aha_windows.csv"));
+        assert_eq!(
+            t[0][..5],
+            ["window", "lambda", "loss", "perplexity", "retain_pct"]
+        );
+        assert_eq!(t.len(), 4);
+        // Retain % against the equal-budget full model (full-0, continued from the same base).
+        let retain: f64 = t[1][4].parse().unwrap();
+        assert!(
+            (retain - 100.0 * (1.8f64).exp() / (1.85f64).exp()).abs() < 1e-9,
+            "{retain}"
+        );
+        let b = csv(&dir.join("swiattn_baselines.csv"));
+        let baselines: Vec<&str> = b[1..].iter().map(|r| r[0].as_str()).collect();
+        assert_eq!(
+            baselines,
+            [
+                "FullAttn",
+                "FullAttn",
+                "SWA-CPT",
+                "SWA-ZS",
+                "StaticHybrid",
+                "SwiAttn",
+                "SwiAttn"
+            ]
+        );
+        let a = csv(&dir.join("swiattn_ablations.csv"));
+        assert_eq!(
+            a[1..].iter().map(|r| r[0].as_str()).collect::<Vec<_>>(),
+            ["SwiAttn", "V1 (no adaptive weight)"]
+        );
+        let tau = csv(&dir.join("l2a_threshold.csv"));
+        assert_eq!(
+            tau[1..].iter().map(|r| r[0].as_str()).collect::<Vec<_>>(),
+            ["0.3", "0.5", "0.7"]
+        );
+        let p = csv(&dir.join("l2a_pruning.csv"));
+        assert_eq!(p[1][..3], ["0.9", "1.0", "2000.0"]);
+        assert_eq!(csv(&dir.join("ppa.csv")).len(), 3);
+        assert_eq!(csv(&dir.join("aha_static_heads.csv")).len(), 5);
+        let tidy = csv(&dir.join("tidy.csv"));
+        assert_eq!(
+            tidy[0],
+            ["cell", "stage", "kind", "method", "label", "metric", "value"]
+        );
+        assert!(tidy
+            .iter()
+            .any(|r| r[0] == "aha-4" && r[5] == "mu_f" && r[6] == "0.9"));
+        assert!(!tidy.iter().any(|r| r[0] == "broken"));
+    }
+}
