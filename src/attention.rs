@@ -13,6 +13,7 @@
 //! and combines them; CUDA kernels replace it behind the same interface.
 
 use crate::config::{AttentionConfig, Method, ModelConfig, Router};
+use crate::kernels::Kernels;
 use crate::model::{upcast, Linear, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
@@ -366,6 +367,47 @@ pub struct SelfAttention {
     window: usize,
     layer: usize,
     prefix: String,
+    /// The kernel library computing window and sparse-query attention; None: reference path.
+    kernels: Option<&'static Kernels>,
+}
+
+const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
+
+/// `[B, H, L, D]` attention of the queries marked in `active: [B, H, L]` (bool), each over the
+/// keys of its window; zeros for the other queries. The active queries of each (b, h) are
+/// compacted (ascending positions) for the sparse-query kernel and scattered back.
+fn sparse_attention(
+    kern: &Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    active: &Tensor,
+    window: i64,
+) -> Tensor {
+    let (b, h, l, d) = q.size4().expect("[B, H, L, D]");
+    let pos = Tensor::arange(l, (Kind::Int64, q.device()))
+        .view([1, 1, l])
+        .expand([b, h, l], false);
+    // Active positions first, each group in position order.
+    let (_, order) = pos.where_self(active, &(&pos + l)).sort(-1, false);
+    let counts = active.sum_dim_intlist(-1, false, Kind::Int64);
+    let n = counts.max().int64_value(&[]);
+    if n == 0 {
+        return q.zeros_like();
+    }
+    let idx = order.narrow(-1, 0, n);
+    let rows = idx.unsqueeze(-1).expand([b, h, n, d], false);
+    let list = (idx.to_kind(Kind::Int), counts.to_kind(Kind::Int));
+    let out = kern
+        .list_attention(
+            &q.gather(2, &rows, false),
+            k,
+            v,
+            Some((&list.0, &list.1)),
+            window,
+        )
+        .expect(KERNEL_FAILED);
+    q.zeros_like().scatter(2, &rows, &out)
 }
 
 impl SelfAttention {
@@ -377,6 +419,7 @@ impl SelfAttention {
         m: &ModelConfig,
         a: &AttentionConfig,
         fixed_heads: Option<&[bool]>,
+        kernels: Option<&'static Kernels>,
     ) -> Self {
         let proj = Projections::new(&p, m);
         let (d, h) = (m.hidden_size as i64, m.num_attention_heads as i64);
@@ -446,6 +489,52 @@ impl SelfAttention {
             window: a.window,
             layer,
             prefix: format!("model.layers.{layer}.self_attn"),
+            kernels,
+        }
+    }
+
+    /// `pattern` for every query: windows go to the kernel when the library is loaded.
+    fn attend_all(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pattern: KeyPattern,
+        masks: &MaskCache,
+    ) -> Tensor {
+        match (self.kernels, pattern) {
+            (Some(kern), KeyPattern::Window(w)) => kern
+                .list_attention(q, k, v, None, w as i64)
+                .expect(KERNEL_FAILED),
+            _ => masks.attend(q, k, v, pattern),
+        }
+    }
+
+    /// Full-prefix and window outputs `[B, H, L, D]` for a per-(token, head) choice `on:
+    /// [B, L, H]`. With kernels and no gradient to compute, each query runs only the path its
+    /// gate picked (the other output is zero there); otherwise both run for every query,
+    /// since the straight-through gradient needs both.
+    fn branches(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        on: &Tensor,
+        masks: &MaskCache,
+    ) -> (Tensor, Tensor) {
+        match self.kernels {
+            Some(kern) if !q.requires_grad() => {
+                let on = on.transpose(1, 2).gt(0.5);
+                let len = q.size()[2];
+                (
+                    sparse_attention(kern, q, k, v, &on, len),
+                    sparse_attention(kern, q, k, v, &on.logical_not(), self.window as i64),
+                )
+            }
+            _ => (
+                masks.attend(q, k, v, KeyPattern::Full),
+                self.attend_all(q, k, v, KeyPattern::Window(self.window), masks),
+            ),
         }
     }
 
@@ -575,7 +664,7 @@ impl SelfAttention {
             Route::Static(pattern) => {
                 let pairs = (b * h) as f64 * pattern.attended_pairs(l as usize) as f64;
                 AttnOutput {
-                    y: self.proj.out(&masks.attend(&q, &k, &v, *pattern)),
+                    y: self.proj.out(&self.attend_all(&q, &k, &v, *pattern, masks)),
                     gates: None,
                     scores: None,
                     reg: None,
@@ -584,8 +673,7 @@ impl SelfAttention {
             }
             Route::PerHead { gates } => {
                 let g = self.gates(gates, x, [b, l, h], ctx);
-                let full = masks.attend(&q, &k, &v, KeyPattern::Full);
-                let local = masks.attend(&q, &k, &v, window);
+                let (full, local) = self.branches(&q, &k, &v, &g.hard, masks);
                 let gv = g.value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
                 let y = &gv * full + (1.0 - &gv) * local;
                 AttnOutput {
@@ -601,10 +689,9 @@ impl SelfAttention {
                 }
             }
             Route::Global { gates, global } => {
-                let s = self.proj.out(&masks.attend(&q, &k, &v, window));
+                let s = self.proj.out(&self.attend_all(&q, &k, &v, window, masks));
                 let g = self.gates(gates, &s, [b, l, 1], ctx);
                 let (qg, kg, vg) = global.qkv(&s, rope);
-                let a = global.out(&masks.attend(&qg, &kg, &vg, KeyPattern::Full));
                 // Global attention runs only for routed tokens (all of them when forced), so an
                 // unrouted token's a_t is zero and sends the router no language-model gradient.
                 let executed = if ctx.force_global {
@@ -612,7 +699,16 @@ impl SelfAttention {
                 } else {
                     g.hard.shallow_clone()
                 };
-                let a = a * executed.to_kind(x.kind());
+                let a = match self.kernels {
+                    Some(kern) => {
+                        let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
+                        global.out(&sparse_attention(kern, &qg, &kg, &vg, &active, l))
+                    }
+                    None => {
+                        global.out(&masks.attend(&qg, &kg, &vg, KeyPattern::Full))
+                            * executed.to_kind(x.kind())
+                    }
+                };
                 let y = &s + g.value.to_kind(x.kind()) * a;
                 let local_pairs = (b * h) as f64 * window.attended_pairs(l as usize) as f64;
                 let positions = Tensor::arange_start(1, l + 1, (Kind::Float, x.device()));
@@ -641,8 +737,9 @@ impl SelfAttention {
                 reg,
             } => {
                 let g = self.gates(gates, x, [b, l, 1], ctx);
-                let full = self.proj.out(&masks.attend(&q, &k, &v, KeyPattern::Full));
-                let local = masks.attend(&q, &k, &v, window);
+                let (full, local) =
+                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), masks);
+                let full = self.proj.out(&full);
                 let local = match swa_o_proj {
                     Some(o) => o.forward(&self.proj.merge(&local)),
                     None => self.proj.out(&local),
@@ -1458,5 +1555,59 @@ mod tests {
             kv(routed_cfg(Method::L2a, |c| c.attention.pruned_layers = vec![1])),
             vec![6592.0, 192.0]
         );
+    }
+
+    /// The kernel wiring (band attention for windows, compaction and sparse-query attention
+    /// for routed paths) computes what the reference path computes, in training (both paths
+    /// dense, gradients through the kernels) and in evaluation (each query on its own path).
+    /// On the CPU the library runs its ATen reference, so this checks the wiring; the CUDA
+    /// kernels themselves are checked in kernels.rs.
+    #[test]
+    fn kernel_path_matches_reference_path_for_every_method() {
+        use crate::config::AttnImpl;
+        for method in [
+            Method::Swa,
+            Method::StaticHybrid,
+            Method::Aha,
+            Method::L2a,
+            Method::Swiattn,
+        ] {
+            let cfg = routed_cfg(method, |c| c.attention.hybrid_every = 2);
+            let reference = Built::new(&cfg, Device::Cpu).unwrap();
+            randomise_routers(&reference, 1.0);
+            let mut kc = cfg.clone();
+            kc.attention.attn_impl = AttnImpl::Cuda;
+            let kernel = Built::new(&kc, Device::Cpu).unwrap();
+            assert!(kernel.model.kernels.is_some() && reference.model.kernels.is_none());
+            let mut kvs = kernel.vs;
+            kvs.copy(&reference.vs).unwrap();
+            let kernel = Built {
+                vs: kvs,
+                model: kernel.model,
+            };
+            let ctx = ForwardCtx::default();
+            let (a, b) = (run(&reference, &ctx), run(&kernel, &ctx));
+            assert!(
+                max_diff(&a.logits, &b.logits) < 1e-5,
+                "{method:?} train-mode logits"
+            );
+            let grads = |m: &Built, out: &ForwardOutput| {
+                token_nll(&out.logits, &ids()).mean(Kind::Float).backward();
+                m.params()
+                    .into_iter()
+                    .filter(|(_, p)| p.grad().defined())
+                    .map(|(n, p)| (n, p.grad()))
+                    .collect::<Vec<_>>()
+            };
+            for ((n, ga), (_, gb)) in grads(&reference, &a).iter().zip(grads(&kernel, &b).iter()) {
+                assert!(max_diff(ga, gb) < 1e-5, "{method:?}: gradient of {n}");
+            }
+            let (a, b) = tch::no_grad(|| (run(&reference, &ctx), run(&kernel, &ctx)));
+            assert!(
+                max_diff(&a.logits, &b.logits) < 1e-5,
+                "{method:?} eval-mode logits"
+            );
+            assert_eq!(a.attended_pairs(), b.attended_pairs());
+        }
     }
 }

@@ -4,7 +4,7 @@ use crate::config::Config;
 use crate::data::{self, SynthSpec};
 use crate::eval;
 use crate::train::{self, TrainArgs};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -34,6 +34,12 @@ enum Command {
     Sweep(SweepCmd),
     /// Write the paper tables and figures of a sweep directory (CSV, PNG and SVG).
     Plot(PlotCmd),
+    /// Build or locate the attention kernel library.
+    #[command(subcommand)]
+    Kernels(KernelsCmd),
+    /// Benchmarks on the GPU, beside peers in the same run.
+    #[command(subcommand)]
+    Bench(BenchCmd),
     /// L2A post-training pruning: drop the global module of layers whose measured sparsity
     /// reaches a threshold; report the key-value cache before and after and the quality change.
     Prune(PruneCmd),
@@ -79,6 +85,56 @@ struct PlotCmd {
     /// Where tables and figures go [default: the sweep directory].
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum KernelsCmd {
+    /// Compile the kernel library for the GPU found (nvcc against the active torch's headers;
+    /// cached by a hash of the sources, the torch version and the GPU architecture) and print
+    /// its path.
+    Build {
+        /// Build the CPU variant instead (g++; the autograd layer over an ATen reference).
+        #[arg(long)]
+        cpu: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Attention kernels (sliding window, sparse queries) beside SDPA (cuDNN, flash) and
+    /// FlexAttention: CSV and the speed-up-against-sparsity figure.
+    Attention(BenchAttentionCmd),
+}
+
+#[derive(Args)]
+struct BenchAttentionCmd {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
+    lengths: Vec<i64>,
+    /// Head dimensions.
+    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    head_dims: Vec<i64>,
+    /// Sliding windows.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    windows: Vec<i64>,
+    /// Fractions of queries skipped by sparse-query attention.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
+    sparsities: Vec<f64>,
+    /// Query (and key-value) heads; batch 1.
+    #[arg(long, default_value_t = 16)]
+    heads: i64,
+    /// Timed repetitions per measurement (median reported).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Output directory.
+    #[arg(long, default_value = "results/bench")]
+    out: PathBuf,
+    /// Python with torch for the peers.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Skip the peers (our kernels only).
+    #[arg(long)]
+    no_peers: bool,
 }
 
 #[derive(Args)]
@@ -248,6 +304,29 @@ pub fn main() -> Result<()> {
             )
         }
         Command::Eval(c) => run_eval(c),
+        Command::Bench(BenchCmd::Attention(c)) => {
+            let kern = crate::kernels::cuda().context(
+                "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
+            let b = crate::bench::AttentionBench {
+                lengths: c.lengths,
+                head_dims: c.head_dims,
+                windows: c.windows,
+                sparsities: c.sparsities,
+                heads: c.heads,
+                reps: c.reps,
+                out: c.out,
+                python: c.python,
+                peers: !c.no_peers,
+            };
+            println!("{}", crate::bench::run(&b, kern)?.display());
+            Ok(())
+        }
+        Command::Kernels(KernelsCmd::Build { cpu }) => {
+            let variant = cpu.then_some(crate::kernels::Variant::Cpu);
+            println!("{}", crate::kernels::build(variant, false)?.display());
+            Ok(())
+        }
         Command::Sweep(c) => run_sweep(c),
         Command::Plot(c) => {
             let out = c.out.unwrap_or_else(|| c.sweep.clone());

@@ -93,6 +93,21 @@ impl Method {
     }
 }
 
+/// Which implementation computes attention.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnImpl {
+    /// The CUDA kernels when the model is on a GPU, computes in bf16 and a kernel library
+    /// is built (`attnsweep kernels build`); the reference path otherwise.
+    Auto,
+    /// Dense PyTorch attention with masks (runs anywhere; the definition the kernels are
+    /// tested against).
+    Reference,
+    /// The kernel library; an error when it cannot run. On the CPU this is the library's
+    /// ATen reference, which exercises the same wiring.
+    Cuda,
+}
+
 /// Where a routed method's gates come from.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -145,6 +160,7 @@ pub struct AttentionConfig {
     pub head_ranking: PathBuf,
     /// static_heads: how many of the top-ranked heads are always full.
     pub top_k: usize,
+    pub attn_impl: AttnImpl,
 }
 
 impl Default for AttentionConfig {
@@ -169,6 +185,7 @@ impl Default for AttentionConfig {
             swiattn_shared_o_proj: false,
             head_ranking: PathBuf::new(),
             top_k: 0,
+            attn_impl: AttnImpl::Auto,
         }
     }
 }

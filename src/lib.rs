@@ -2,11 +2,13 @@
 
 pub mod atomic;
 pub mod attention;
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
 pub mod eval;
+pub mod kernels;
 pub mod model;
 pub mod plot;
 pub mod rng;

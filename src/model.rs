@@ -176,6 +176,8 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Option<Linear>,
     compute: Kind,
+    /// The kernel library the attention layers use, None on the reference path.
+    pub kernels: Option<std::path::PathBuf>,
 }
 
 impl Llama {
@@ -195,6 +197,8 @@ impl Llama {
             )?),
             _ => None,
         };
+        let kernels =
+            crate::kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
         let d = cfg.hidden_size as i64;
         let eps = cfg.rms_norm_eps;
         let model = vs / "model";
@@ -217,6 +221,7 @@ impl Llama {
                         cfg,
                         attn,
                         fixed_heads.as_ref().map(|f| f[i].as_slice()),
+                        kernels,
                     ),
                     post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps),
                     mlp: Mlp::new(&p / "mlp", cfg),
@@ -239,6 +244,7 @@ impl Llama {
             norm: RmsNorm::new(&model / "norm", d, eps),
             lm_head,
             compute,
+            kernels: kernels.map(|k| k.path.clone()),
         })
     }
 

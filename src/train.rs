@@ -440,8 +440,12 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let last = args.stop_at.map_or(t.steps, |s| s.min(t.steps));
     if !args.quiet {
         let n: i64 = params.values().map(|p| p.numel() as i64).sum();
+        let path = match &built.model.kernels {
+            Some(p) => format!("kernels {}", p.display()),
+            None => "reference path".into(),
+        };
         eprintln!(
-            "device {device:?}, {} params, attention {:?}, {} steps from step {}{}",
+            "device {device:?}, {} params, attention {:?} ({path}), {} steps from step {}{}",
             n,
             cfg.attention.method,
             t.steps,

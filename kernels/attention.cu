@@ -1,0 +1,474 @@
+// Attention over a list of queries, each seeing the keys of a causal window:
+// query r of (batch b, head h) sits at position pos(r) and attends keys k with
+//     k <= pos(r)  and  pos(r) - k < window
+// (window >= L is full causal attention). The query list is either every position (dense:
+// sliding-window attention that does work only inside the band) or a compacted, ascending
+// list of positions with a per-(b, h) count (sparse-query attention, L2A Algorithm 1, with
+// lists per (batch, head) so per-head routing can use it too).
+//
+// FlashAttention-2 structure on mma.sync m16n8k16 (bf16 in, fp32 accumulate): a block owns
+// 64 queries (4 warps x 16 rows), streams 64-key tiles through shared memory, and keeps the
+// running max, sum and output in registers. Only the key tiles a block's queries can see are
+// visited, so the work is the band (dense) or the active queries' prefixes (sparse).
+// Backward recomputes P from the saved log-sum-exp: one kernel for dQ (query tiles outer),
+// one for dK and dV (key tiles outer, over the query heads that share a KV head), no atomics.
+
+#include "attention.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace attnsweep {
+namespace {
+
+constexpr int BQ = 64;      // queries per block
+constexpr int BK = 64;      // keys per tile
+constexpr int WARPS = 4;    // 16 query (or key) rows each
+constexpr int THREADS = WARPS * 32;
+constexpr int PAD = 8;      // bf16 elements of row padding against bank conflicts
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two consecutive bf16 of a shared-memory row.
+__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// Two bf16 of the same column in consecutive rows, packed (a transposed operand).
+__device__ __forceinline__ uint32_t ld_col_pair(const __nv_bfloat16* p, int stride) {
+    __nv_bfloat162 v;
+    v.x = p[0];
+    v.y = p[stride];
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// D = A (16x16, row) * B (16x8, col) + D; fragments as PTX ISA "mma.m16n8k16" lays them out.
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A fragment of rows [row0, row0+16) and columns [col0, col0+16) of a row-major smem tile.
+__device__ __forceinline__ void load_a(uint32_t* a, const __nv_bfloat16* tile, int stride, int row0, int col0, int lane) {
+    const int r = row0 + lane / 4, c = col0 + (lane % 4) * 2;
+    a[0] = ld_pair(tile + r * stride + c);
+    a[1] = ld_pair(tile + (r + 8) * stride + c);
+    a[2] = ld_pair(tile + r * stride + c + 8);
+    a[3] = ld_pair(tile + (r + 8) * stride + c + 8);
+}
+
+// The A fragment for k-step j (16 columns) from an accumulator tile of 8-column blocks:
+// the accumulator layout of blocks 2j and 2j+1 is the A layout (FlashAttention-2's trick).
+__device__ __forceinline__ void acc_to_a(uint32_t* a, const float (*acc)[4], int j) {
+    a[0] = pack_bf16(acc[2 * j][0], acc[2 * j][1]);
+    a[1] = pack_bf16(acc[2 * j][2], acc[2 * j][3]);
+    a[2] = pack_bf16(acc[2 * j + 1][0], acc[2 * j + 1][1]);
+    a[3] = pack_bf16(acc[2 * j + 1][2], acc[2 * j + 1][3]);
+}
+
+// Copies rows [row0, row0 + 64) of a [rows x D] bf16 matrix into smem (zeros past `rows`),
+// 16 bytes per access.
+template <int D>
+__device__ __forceinline__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int row0, int rows) {
+    constexpr int VEC = 8;  // bf16 per 16 bytes
+    constexpr int PER_ROW = D / VEC;
+    for (int i = threadIdx.x; i < 64 * PER_ROW; i += THREADS) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (row0 + r < rows) v = *reinterpret_cast<const uint4*>(src + (int64_t)(row0 + r) * D + c);
+        *reinterpret_cast<uint4*>(dst + r * (D + PAD) + c) = v;
+    }
+}
+
+// Query positions of a block's rows; -1 for rows past the active count.
+__device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int nq) {
+    for (int i = threadIdx.x; i < BQ; i += THREADS) {
+        const int r = row0 + i;
+        spos[i] = r < nq ? (qpos ? qpos[base + r] : r) : -1;
+    }
+}
+
+__device__ __forceinline__ bool visible(int key, int pos, int window, int len) {
+    return pos >= 0 && key <= pos && pos - key < window && key < len;
+}
+
+struct Args {
+    const __nv_bfloat16 *q, *k, *v, *o, *dout;
+    __nv_bfloat16 *out, *dq, *dk, *dv;
+    float *lse;
+    const float *lse_in, *delta;
+    const int *qpos, *nq;
+    int heads, kv_heads, lq, len, window;
+    float scale;  // softmax scale, 1/sqrt(D)
+};
+
+template <int D>
+__global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* sq = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __nv_bfloat16* sk = sq + BQ * (D + PAD);
+    __nv_bfloat16* sv = sk + BK * (D + PAD);
+    __shared__ int spos[BQ];
+
+    const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int nq = p.nq ? p.nq[bh] : p.lq;
+    const int row0 = blockIdx.x * BQ;
+    const int64_t qbase = (int64_t)bh * p.lq;
+    if (row0 >= nq) {
+        // Rows past the active count still get defined outputs: zeros (and lse -inf).
+        for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
+            const int r = row0 + i / D;
+            if (r < p.lq) p.out[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
+        }
+        for (int i = threadIdx.x; i < BQ; i += THREADS)
+            if (row0 + i < p.lq) p.lse[qbase + row0 + i] = -INFINITY;
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    load_positions(spos, p.qpos, qbase, row0, nq);
+    load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
+    __syncthreads();
+    const int last = min(row0 + BQ, nq) - 1 - row0;
+    const int lo_pos = spos[0], hi_pos = spos[last];
+    const int key_lo = max(0, lo_pos - p.window + 1), key_hi = min(hi_pos, p.len - 1);
+
+    uint32_t qa[D / 16][4];
+    for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sq, D + PAD, warp * 16, kk * 16, lane);
+    const int r_lo = warp * 16 + lane / 4;
+    const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
+
+    float o_acc[D / 8][4] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+    const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+
+    for (int k0 = (key_lo / BK) * BK; k0 <= key_hi; k0 += BK) {
+        __syncthreads();
+        load_tile<D>(sk, kb, k0, p.len);
+        load_tile<D>(sv, vb, k0, p.len);
+        __syncthreads();
+        float s[BK / 8][4] = {};
+        for (int kk = 0; kk < D / 16; ++kk)
+            for (int nb = 0; nb < BK / 8; ++nb) {
+                const __nv_bfloat16* kr = sk + (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
+                mma16816(s[nb], qa[kk], ld_pair(kr), ld_pair(kr + 8));
+            }
+        float mx[2] = {-INFINITY, -INFINITY};
+        for (int nb = 0; nb < BK / 8; ++nb)
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1);
+                const int hr = e >> 1;
+                s[nb][e] = visible(key, pos_row[hr], p.window, p.len) ? s[nb][e] * p.scale : -INFINITY;
+                mx[hr] = fmaxf(mx[hr], s[nb][e]);
+            }
+        float corr[2];
+        for (int hr = 0; hr < 2; ++hr) {
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffff, mx[hr], 1));
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffff, mx[hr], 2));
+            const float m_new = fmaxf(m[hr], mx[hr]);
+            // A row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp finite.
+            const float base = m_new == -INFINITY ? 0.f : m_new;
+            corr[hr] = __expf(m[hr] - base);
+            m[hr] = m_new;
+            float sum = 0.f;
+            for (int nb = 0; nb < BK / 8; ++nb)
+                for (int e = hr * 2; e < hr * 2 + 2; ++e) {
+                    s[nb][e] = __expf(s[nb][e] - base);
+                    sum += s[nb][e];
+                }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            l[hr] = l[hr] * corr[hr] + sum;
+        }
+        for (int nb = 0; nb < D / 8; ++nb) {
+            o_acc[nb][0] *= corr[0];
+            o_acc[nb][1] *= corr[0];
+            o_acc[nb][2] *= corr[1];
+            o_acc[nb][3] *= corr[1];
+        }
+        for (int j = 0; j < BK / 16; ++j) {
+            uint32_t pa[4];
+            acc_to_a(pa, s, j);
+            for (int nb = 0; nb < D / 8; ++nb) {
+                const __nv_bfloat16* vr = sv + (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
+                mma16816(o_acc[nb], pa, ld_col_pair(vr, D + PAD), ld_col_pair(vr + 8 * (D + PAD), D + PAD));
+            }
+        }
+    }
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = row0 + r_lo + hr * 8;
+        if (r >= p.lq) continue;
+        const bool ok = pos_row[hr] >= 0;
+        const float inv = ok ? 1.f / l[hr] : 0.f;
+        __nv_bfloat16* orow = p.out + (qbase + r) * D;
+        for (int nb = 0; nb < D / 8; ++nb) {
+            const int c = nb * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(orow + c) =
+                __floats2bfloat162_rn(o_acc[nb][hr * 2] * inv, o_acc[nb][hr * 2 + 1] * inv);
+        }
+        if (lane % 4 == 0) p.lse[qbase + r] = ok ? m[hr] + __logf(l[hr]) : -INFINITY;
+    }
+}
+
+// dQ = scale * sum_k dS K with dS = P (dP - delta), dP = dO V^T: query tiles outer.
+template <int D>
+__global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* sq = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __nv_bfloat16* sdo = sq + BQ * (D + PAD);
+    __nv_bfloat16* sk = sdo + BQ * (D + PAD);
+    __nv_bfloat16* sv = sk + BK * (D + PAD);
+    __shared__ int spos[BQ];
+
+    const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int nq = p.nq ? p.nq[bh] : p.lq;
+    const int row0 = blockIdx.x * BQ;
+    const int64_t qbase = (int64_t)bh * p.lq;
+    if (row0 >= nq) {
+        for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
+            const int r = row0 + i / D;
+            if (r < p.lq) p.dq[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
+        }
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    load_positions(spos, p.qpos, qbase, row0, nq);
+    load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
+    load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+    __syncthreads();
+    const int last = min(row0 + BQ, nq) - 1 - row0;
+    const int key_lo = max(0, spos[0] - p.window + 1), key_hi = min(spos[last], p.len - 1);
+    uint32_t qa[D / 16][4], da[D / 16][4];
+    for (int kk = 0; kk < D / 16; ++kk) {
+        load_a(qa[kk], sq, D + PAD, warp * 16, kk * 16, lane);
+        load_a(da[kk], sdo, D + PAD, warp * 16, kk * 16, lane);
+    }
+    const int r_lo = warp * 16 + lane / 4;
+    const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
+    float lse[2], dl[2];
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = min(row0 + r_lo + hr * 8, p.lq - 1);
+        lse[hr] = p.lse_in[qbase + r];
+        dl[hr] = p.delta[qbase + r];
+    }
+    float dq_acc[D / 8][4] = {};
+    const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+    const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+    for (int k0 = (key_lo / BK) * BK; k0 <= key_hi; k0 += BK) {
+        __syncthreads();
+        load_tile<D>(sk, kb, k0, p.len);
+        load_tile<D>(sv, vb, k0, p.len);
+        __syncthreads();
+        float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
+        for (int kk = 0; kk < D / 16; ++kk)
+            for (int nb = 0; nb < BK / 8; ++nb) {
+                const int off = (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
+                mma16816(s[nb], qa[kk], ld_pair(sk + off), ld_pair(sk + off + 8));
+                mma16816(dp[nb], da[kk], ld_pair(sv + off), ld_pair(sv + off + 8));
+            }
+        for (int nb = 0; nb < BK / 8; ++nb)
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
+                const float pr = visible(key, pos_row[hr], p.window, p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
+                s[nb][e] = pr * (dp[nb][e] - dl[hr]);  // dS
+            }
+        for (int j = 0; j < BK / 16; ++j) {
+            uint32_t a[4];
+            acc_to_a(a, s, j);
+            for (int nb = 0; nb < D / 8; ++nb) {
+                const __nv_bfloat16* kr = sk + (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
+                mma16816(dq_acc[nb], a, ld_col_pair(kr, D + PAD), ld_col_pair(kr + 8 * (D + PAD), D + PAD));
+            }
+        }
+    }
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = row0 + r_lo + hr * 8;
+        if (r >= p.lq) continue;
+        const float f = pos_row[hr] >= 0 ? p.scale : 0.f;
+        __nv_bfloat16* row = p.dq + (qbase + r) * D;
+        for (int nb = 0; nb < D / 8; ++nb)
+            *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + (lane % 4) * 2) =
+                __floats2bfloat162_rn(dq_acc[nb][hr * 2] * f, dq_acc[nb][hr * 2 + 1] * f);
+    }
+}
+
+// First index of an ascending query list whose position is >= key (binary search).
+__device__ __forceinline__ int first_at_or_after(const int* qpos, int64_t base, int n, int key) {
+    if (!qpos) return min(max(key, 0), n);
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (qpos[base + mid] < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// dV = sum_q P^T dO and dK = scale * sum_q dS^T Q: key tiles outer, over every query head
+// of the KV head's group and the query tiles that can see the keys.
+template <int D>
+__global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* sk = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+    __nv_bfloat16* sv = sk + BK * (D + PAD);
+    __nv_bfloat16* sq = sv + BK * (D + PAD);
+    __nv_bfloat16* sdo = sq + BQ * (D + PAD);
+    __shared__ int spos[BQ];
+    __shared__ float slse[BQ], sdl[BQ];
+    __shared__ int srange[2];
+
+    const int bkv = blockIdx.y, b = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const int k0 = blockIdx.x * BK;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t kvbase = (int64_t)bkv * p.len;
+    load_tile<D>(sk, p.k + kvbase * D, k0, p.len);
+    load_tile<D>(sv, p.v + kvbase * D, k0, p.len);
+    __syncthreads();
+    uint32_t ka[D / 16][4], va[D / 16][4];
+    for (int kk = 0; kk < D / 16; ++kk) {
+        load_a(ka[kk], sk, D + PAD, warp * 16, kk * 16, lane);
+        load_a(va[kk], sv, D + PAD, warp * 16, kk * 16, lane);
+    }
+    const int key_row[2] = {k0 + warp * 16 + lane / 4, k0 + warp * 16 + lane / 4 + 8};
+    float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
+    for (int g = 0; g < group; ++g) {
+        const int h = kvh * group + g, bh = b * p.heads + h;
+        const int nq = p.nq ? p.nq[bh] : p.lq;
+        const int64_t qbase = (int64_t)bh * p.lq;
+        if (threadIdx.x == 0) {
+            // Queries that can see a key of this tile: positions in [k0, k0 + BK - 1 + window - 1].
+            srange[0] = first_at_or_after(p.qpos, qbase, nq, k0);
+            const int64_t hi = (int64_t)k0 + BK - 1 + p.window;  // exclusive bound on positions
+            srange[1] = first_at_or_after(p.qpos, qbase, nq, hi < INT32_MAX ? (int)hi : INT32_MAX);
+        }
+        __syncthreads();
+        const int r_begin = (srange[0] / BQ) * BQ, r_end = srange[1];
+        for (int row0 = r_begin; row0 < r_end; row0 += BQ) {
+            __syncthreads();
+            load_positions(spos, p.qpos, qbase, row0, nq);
+            for (int i = threadIdx.x; i < BQ; i += THREADS) {
+                const int r = min(row0 + i, p.lq - 1);
+                slse[i] = p.lse_in[qbase + r];
+                sdl[i] = p.delta[qbase + r];
+            }
+            load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
+            load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+            __syncthreads();
+            // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries per warp.
+            float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
+            for (int kk = 0; kk < D / 16; ++kk)
+                for (int nb = 0; nb < BQ / 8; ++nb) {
+                    const int off = (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
+                    mma16816(st[nb], ka[kk], ld_pair(sq + off), ld_pair(sq + off + 8));
+                    mma16816(dpt[nb], va[kk], ld_pair(sdo + off), ld_pair(sdo + off + 8));
+                }
+            for (int nb = 0; nb < BQ / 8; ++nb)
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
+                    const bool ok = visible(key_row[hr], spos[qi], p.window, p.len);
+                    const float pr = ok ? __expf(st[nb][e] * p.scale - slse[qi]) : 0.f;
+                    st[nb][e] = pr;                         // P^T
+                    dpt[nb][e] = pr * (dpt[nb][e] - sdl[qi]);  // dS^T
+                }
+            for (int j = 0; j < BQ / 16; ++j) {
+                uint32_t pa[4], sa[4];
+                acc_to_a(pa, st, j);
+                acc_to_a(sa, dpt, j);
+                for (int nb = 0; nb < D / 8; ++nb) {
+                    const int off = (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
+                    mma16816(dv_acc[nb], pa, ld_col_pair(sdo + off, D + PAD), ld_col_pair(sdo + off + 8 * (D + PAD), D + PAD));
+                    mma16816(dk_acc[nb], sa, ld_col_pair(sq + off, D + PAD), ld_col_pair(sq + off + 8 * (D + PAD), D + PAD));
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int hr = 0; hr < 2; ++hr) {
+        const int key = key_row[hr];
+        if (key >= p.len) continue;
+        for (int nb = 0; nb < D / 8; ++nb) {
+            const int c = nb * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(p.dk + (kvbase + key) * D + c) =
+                __floats2bfloat162_rn(dk_acc[nb][hr * 2] * p.scale, dk_acc[nb][hr * 2 + 1] * p.scale);
+            *reinterpret_cast<__nv_bfloat162*>(p.dv + (kvbase + key) * D + c) =
+                __floats2bfloat162_rn(dv_acc[nb][hr * 2], dv_acc[nb][hr * 2 + 1]);
+        }
+    }
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, size_t smem, const Args& a) {
+    if (smem > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    }
+    kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+               const at::Tensor* nq, int64_t window) {
+    Args a{};
+    a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
+    a.k = reinterpret_cast<const __nv_bfloat16*>(k.data_ptr());
+    a.v = reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
+    a.qpos = qpos ? qpos->data_ptr<int>() : nullptr;
+    a.nq = nq ? nq->data_ptr<int>() : nullptr;
+    a.heads = (int)q.size(1);
+    a.kv_heads = (int)k.size(1);
+    a.lq = (int)q.size(2);
+    a.len = (int)k.size(2);
+    a.window = (int)std::min<int64_t>(window, INT32_MAX);
+    a.scale = 1.0f / std::sqrt((float)q.size(3));
+    return a;
+}
+
+}  // namespace
+
+void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse) {
+    const at::cuda::CUDAGuard guard(q.device());
+    Args a = make_args(q, k, v, qpos, nq, window);
+    a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    a.lse = lse.data_ptr<float>();
+    const int d = (int)q.size(3);
+    dim3 grid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
+    const size_t smem = (size_t)(BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
+    if (d == 64) launch(forward_kernel<64>, grid, smem, a);
+    else launch(forward_kernel<128>, grid, smem, a);
+}
+
+void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+                   const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
+                   const at::Tensor& dout, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    const at::cuda::CUDAGuard guard(q.device());
+    Args a = make_args(q, k, v, qpos, nq, window);
+    a.lse_in = lse.data_ptr<float>();
+    a.delta = delta.data_ptr<float>();
+    a.dout = reinterpret_cast<const __nv_bfloat16*>(dout.data_ptr());
+    a.dq = reinterpret_cast<__nv_bfloat16*>(dq.data_ptr());
+    a.dk = reinterpret_cast<__nv_bfloat16*>(dk.data_ptr());
+    a.dv = reinterpret_cast<__nv_bfloat16*>(dv.data_ptr());
+    const int d = (int)q.size(3);
+    const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
+    dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
+    dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
+    if (d == 64) {
+        launch(dq_kernel<64>, qgrid, smem, a);
+        launch(dkdv_kernel<64>, kgrid, smem, a);
+    } else {
+        launch(dq_kernel<128>, qgrid, smem, a);
+        launch(dkdv_kernel<128>, kgrid, smem, a);
+    }
+}
+
+}  // namespace attnsweep

@@ -1,0 +1,17 @@
+// Launchers of the CUDA attention kernels (attention.cu), called by the autograd layer in
+// ops.cpp. Tensors: q [B, H, Lq, D], k and v [B, Hkv, L, D], all bf16 and contiguous;
+// qpos [B, H, Lq] int32 ascending positions and nq [B, H] int32 counts, or null for the dense
+// case (query r at position r, all Lq active); lse, delta [B, H, Lq] fp32.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace attnsweep {
+
+void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
+
+void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+                   const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
+                   const at::Tensor& dout, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+}  // namespace attnsweep

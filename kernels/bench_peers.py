@@ -1,0 +1,112 @@
+"""Peers of attnsweep's attention kernels, timed on the same shapes in the same run:
+scaled_dot_product_attention with the cuDNN and flash backends (full causal) and
+FlexAttention (sliding window; full causal over a compacted list of active queries).
+
+Driven by `attnsweep bench attention`; prints CSV rows
+impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms on stdout (one per measurement).
+Inputs: bf16, batch 1, standard normal with a fixed seed.
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def fwd_and_fwdbwd(attn, q, k, v, reps):
+    fwd = median_ms(lambda: attn(q, k, v), reps)
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn_like(attn(qg, kg, vg))
+
+    def both():
+        out = attn(qg, kg, vg)
+        out.backward(dout)
+
+    return fwd, median_ms(both, reps)
+
+
+def row(*fields):
+    print(",".join(str(f) for f in fields), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=ints, required=True)
+    ap.add_argument("--head-dims", type=ints, required=True)
+    ap.add_argument("--windows", type=ints, default=[])
+    ap.add_argument("--sparsities", type=floats, default=[])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-flex", action="store_true")
+    a = ap.parse_args()
+    dev = "cuda"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # an older torch without FlexAttention
+        print(f"# FlexAttention unavailable: {e}", file=sys.stderr)
+        flex = None
+    if a.no_flex:
+        flex = None
+    for L in a.lengths:
+        for D in a.head_dims:
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, a.heads, L, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            for name, backend in [("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)]:
+                def causal(q, k, v, backend=backend):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                try:
+                    f, fb = fwd_and_fwdbwd(causal, q, k, v, a.reps)
+                    row(name, "causal", L, D, L, 0, f, fb)
+                except Exception as e:
+                    print(f"# {name} L={L} D={D}: {e}", file=sys.stderr)
+            if flex is None:
+                continue
+            for w in a.windows:
+                def swa(b, h, qi, ki, w=w):
+                    return (qi >= ki) & (qi - ki < w)
+                bm = create_block_mask(swa, 1, 1, L, L, device=dev)
+                f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                row("flex", "swa", L, D, w, 0, f, fb)
+            for s in a.sparsities:
+                n = max(1, int(round(L * (1 - s))))
+                pos = torch.sort(torch.randperm(L, device=dev)[:n]).values
+                qc = q[:, :, pos].contiguous()
+
+                def sparse(b, h, qi, ki, pos=pos):
+                    return ki <= pos[qi]
+                bm = create_block_mask(sparse, 1, 1, n, L, device=dev)
+                f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
+                row("flex", "sparse", L, D, L, s, f, fb)
+
+
+if __name__ == "__main__":
+    main()

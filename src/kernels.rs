@@ -1,0 +1,584 @@
+//! The kernel path: the C++/CUDA library in `kernels/` (sources compiled into this binary),
+//! built on demand by `attnsweep kernels build` and loaded at run time.
+//!
+//! Builds are cached under `<cache>/<variant>-<source hash>-<torch hash>/`, where the variant
+//! is `cuda-smXY` (nvcc, for the GPU found) or `cpu` (g++: the same autograd layer with an
+//! ATen reference in place of the kernels, which is what CI tests). The cache is
+//! `$ATTNSWEEP_KERNELS_DIR`, else `kernels-cache/` beside the binary.
+
+use crate::config::AttnImpl;
+use anyhow::{bail, ensure, Context, Result};
+use libloading::{Library, Symbol};
+use std::ffi::{c_char, c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use tch::{Device, Kind, Tensor};
+
+const SOURCES: [(&str, &str); 3] = [
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("attention.cuh", include_str!("../kernels/attention.cuh")),
+    ("ops.cpp", include_str!("../kernels/ops.cpp")),
+];
+const ABI: i64 = 1;
+const LIB: &str = "libattnsweep_kernels.so";
+
+fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
+    bytes
+        .iter()
+        .fold(seed, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The kernel sources: those compiled into this binary, or, for kernel development, the files
+/// of the directory `$ATTNSWEEP_KERNELS_SRC` (so a kernel edit needs no new binary).
+fn sources() -> Vec<(&'static str, String)> {
+    match std::env::var_os("ATTNSWEEP_KERNELS_SRC") {
+        Some(dir) => SOURCES
+            .iter()
+            .map(|(n, embedded)| {
+                (
+                    *n,
+                    std::fs::read_to_string(Path::new(&dir).join(n))
+                        .unwrap_or_else(|_| embedded.to_string()),
+                )
+            })
+            .collect(),
+        None => SOURCES.iter().map(|(n, s)| (*n, s.to_string())).collect(),
+    }
+}
+
+fn source_hash() -> String {
+    let h = sources()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, (n, s)| {
+            fnv1a(s.as_bytes(), fnv1a(n.as_bytes(), h))
+        });
+    format!("{:08x}", h >> 32)
+}
+
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("ATTNSWEEP_KERNELS_DIR") {
+        return PathBuf::from(d);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|p| p.to_path_buf()))
+        // Test binaries live one level down (target/release/deps): share the binary's cache.
+        .map(|p| {
+            if p.ends_with("deps") {
+                p.parent().unwrap().to_path_buf()
+            } else {
+                p
+            }
+        })
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("kernels-cache")
+}
+
+/// What a build needs to know about the active libtorch.
+struct Torch {
+    root: PathBuf,
+    version: String,
+}
+
+fn run(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The torch whose headers the library compiles against: `$ATTNSWEEP_TORCH_DIR`, else the
+/// `torch` package of `python3` on PATH.
+fn find_torch() -> Result<Torch> {
+    let root = match std::env::var_os("ATTNSWEEP_TORCH_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(
+            run(Command::new("python3").args([
+                "-c",
+                "import torch, os; print(os.path.dirname(torch.__file__))",
+            ]))
+            .context(
+                "cannot find torch: set ATTNSWEEP_TORCH_DIR or put a python3 with torch on PATH",
+            )?,
+        ),
+    };
+    ensure!(
+        root.join("include").is_dir(),
+        "{} holds no torch headers (include/)",
+        root.display()
+    );
+    let version = std::fs::read_to_string(root.join("version.py")).unwrap_or_default();
+    Ok(Torch { root, version })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    Cpu,
+    /// Compute capability, e.g. 90.
+    Cuda(u32),
+}
+
+impl Variant {
+    fn name(self) -> String {
+        match self {
+            Variant::Cpu => "cpu".into(),
+            Variant::Cuda(cc) => format!("cuda-sm{cc}"),
+        }
+    }
+}
+
+/// The compute capability of GPU 0, from nvidia-smi.
+fn gpu_capability() -> Result<u32> {
+    let out =
+        run(Command::new("nvidia-smi").args(["--query-gpu=compute_cap", "--format=csv,noheader"]))
+            .context("no GPU found (nvidia-smi failed); build the CPU variant with --cpu")?;
+    let first = out.lines().next().unwrap_or("").trim().replace('.', "");
+    first
+        .parse()
+        .with_context(|| format!("cannot read a compute capability from nvidia-smi: {out:?}"))
+}
+
+fn build_dir(variant: Variant, torch: &Torch) -> PathBuf {
+    let t = fnv1a(
+        torch.version.as_bytes(),
+        fnv1a(
+            torch.root.to_string_lossy().as_bytes(),
+            0xcbf2_9ce4_8422_2325,
+        ),
+    );
+    cache_dir().join(format!(
+        "{}-{}-{:08x}",
+        variant.name(),
+        source_hash(),
+        t >> 32
+    ))
+}
+
+/// Compiles the library for `variant` unless a build of these sources for this torch exists;
+/// returns the library's path.
+pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
+    let variant = match variant {
+        Some(v) => v,
+        None => Variant::Cuda(gpu_capability()?),
+    };
+    let torch = find_torch()?;
+    let dir = build_dir(variant, &torch);
+    let lib = dir.join(LIB);
+    if lib.is_file() {
+        return Ok(lib);
+    }
+    let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    for (name, text) in sources() {
+        std::fs::write(tmp.join(name), text)?;
+    }
+    let inc = torch.root.join("include");
+    let api = inc.join("torch/csrc/api/include");
+    let tlib = torch.root.join("lib");
+    let common: Vec<String> = vec![
+        format!("-I{}", inc.display()),
+        format!("-I{}", api.display()),
+        "-D_GLIBCXX_USE_CXX11_ABI=1".into(),
+        "-std=c++17".into(),
+        "-O3".into(),
+    ];
+    let links: Vec<String> = vec![
+        format!("-L{}", tlib.display()),
+        "-ltorch".into(),
+        "-ltorch_cpu".into(),
+        "-lc10".into(),
+    ];
+    let out = tmp.join(LIB);
+    let mut cmd = match variant {
+        Variant::Cpu => {
+            let mut c = Command::new(std::env::var("CXX").unwrap_or_else(|_| "g++".into()));
+            c.args(&common)
+                .args(["-fPIC", "-shared"])
+                .arg(tmp.join("ops.cpp"))
+                .args(&links);
+            c.arg(format!("-Wl,-rpath,{}", tlib.display()))
+                .arg("-o")
+                .arg(&out);
+            c
+        }
+        Variant::Cuda(cc) => {
+            let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
+            which(&nvcc).with_context(|| format!("{nvcc} (the CUDA compiler) is not on PATH; install the CUDA toolkit or set NVCC"))?;
+            let mut c = Command::new(&nvcc);
+            c.args(&common)
+                .arg(format!("-gencode=arch=compute_{cc},code=sm_{cc}"))
+                .args([
+                    "-DATTNSWEEP_CUDA",
+                    "-Xcompiler",
+                    "-fPIC",
+                    "-shared",
+                    "--expt-relaxed-constexpr",
+                ])
+                .arg(tmp.join("attention.cu"))
+                .arg(tmp.join("ops.cpp"))
+                .args(&links)
+                .args(["-ltorch_cuda", "-lc10_cuda"])
+                .arg(format!("-Xlinker=-rpath,{}", tlib.display()))
+                .arg("-o")
+                .arg(&out);
+            c
+        }
+    };
+    if !quiet {
+        eprintln!("building {} kernels in {}", variant.name(), dir.display());
+    }
+    run(&mut cmd)?;
+    std::fs::rename(&tmp, &dir)
+        .or_else(|e| if lib.is_file() { Ok(()) } else { Err(e) })
+        .with_context(|| format!("cannot move the build to {}", dir.display()))?;
+    Ok(lib)
+}
+
+fn which(prog: &str) -> Result<()> {
+    run(Command::new("sh").args(["-c", &format!("command -v {prog}")])).map(|_| ())
+}
+
+/// The built library for `variant` matching this binary's sources, if any.
+pub fn find(variant: Variant) -> Option<PathBuf> {
+    let prefix = format!("{}-{}-", variant.name(), source_hash());
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(cache_dir())
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path().join(LIB))
+        .filter(|p| p.is_file())
+        .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+        .collect();
+    found.sort();
+    found.pop().map(|(_, p)| p)
+}
+
+type ListAttentionFn = unsafe extern "C" fn(
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    i64,
+    *mut c_char,
+    usize,
+) -> *mut c_void;
+
+/// A loaded kernel library.
+pub struct Kernels {
+    _lib: Library,
+    list_attention: ListAttentionFn,
+    pub cuda: bool,
+    pub path: PathBuf,
+}
+
+impl Kernels {
+    pub fn load(path: &Path) -> Result<Kernels> {
+        // Safety: the library is ours, built from this binary's sources against the libtorch
+        // this process already links; its initialisers only register nothing global.
+        let lib = unsafe { Library::new(path) }
+            .with_context(|| format!("cannot load {}", path.display()))?;
+        unsafe {
+            let abi: Symbol<unsafe extern "C" fn() -> i64> = lib.get(b"attnsweep_kernels_abi")?;
+            ensure!(
+                abi() == ABI,
+                "{} has interface version {}, this binary needs {ABI}; rebuild it",
+                path.display(),
+                abi()
+            );
+            let cuda: Symbol<unsafe extern "C" fn() -> i32> = lib.get(b"attnsweep_kernels_cuda")?;
+            let cuda = cuda() != 0;
+            let f: Symbol<ListAttentionFn> = lib.get(b"attnsweep_list_attention")?;
+            let list_attention = *f;
+            Ok(Kernels {
+                _lib: lib,
+                list_attention,
+                cuda,
+                path: path.to_path_buf(),
+            })
+        }
+    }
+
+    /// Attention of queries `q: [B, H, Lq, D]` over `k, v: [B, Hkv, L, D]`: query r at position
+    /// `qpos[b, h, r]` (int32, ascending; all positions when None) sees keys at most `window - 1`
+    /// before it; rows `r >= nq[b, h]` are inactive and return zeros. Differentiable in q, k, v.
+    pub fn list_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        list: Option<(&Tensor, &Tensor)>,
+        window: i64,
+    ) -> Result<Tensor> {
+        let mut err = vec![0 as c_char; 1024];
+        let (qpos, nq) = match list {
+            Some((p, n)) => (p.as_ptr() as *const c_void, n.as_ptr() as *const c_void),
+            None => (std::ptr::null(), std::ptr::null()),
+        };
+        let out = unsafe {
+            (self.list_attention)(
+                q.as_ptr() as *const c_void,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                qpos,
+                nq,
+                window,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if out.is_null() {
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            bail!("attention kernel: {msg}");
+        }
+        // Safety: the library returns a heap at::Tensor* whose ownership passes to us.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+}
+
+static CUDA_KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
+
+/// The CUDA kernel library, if one is built for this binary's sources (loaded once).
+pub fn cuda() -> Option<&'static Kernels> {
+    CUDA_KERNELS
+        .get_or_init(|| {
+            let cc = gpu_capability().ok()?;
+            let path = find(Variant::Cuda(cc))?;
+            match Kernels::load(&path) {
+                Ok(k) if k.cuda => Some(k),
+                Ok(_) => None,
+                Err(e) => {
+                    eprintln!("warning: {e:#}");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+static CPU_KERNELS: OnceLock<Kernels> = OnceLock::new();
+
+/// The CPU build of the library (the autograd layer over its ATen reference), built if needed.
+pub fn cpu() -> Result<&'static Kernels> {
+    if let Some(k) = CPU_KERNELS.get() {
+        return Ok(k);
+    }
+    let path = match find(Variant::Cpu) {
+        Some(p) => p,
+        None => build(Some(Variant::Cpu), true)?,
+    };
+    let k = Kernels::load(&path)?;
+    Ok(CPU_KERNELS.get_or_init(|| k))
+}
+
+/// The library a model's attention uses under `attn_impl`, or None for the reference path.
+pub fn for_model(
+    imp: AttnImpl,
+    device: Device,
+    compute: Kind,
+    head_dim: usize,
+) -> Result<Option<&'static Kernels>> {
+    let fits = compute == Kind::BFloat16 && (head_dim == 64 || head_dim == 128);
+    match imp {
+        AttnImpl::Reference => Ok(None),
+        AttnImpl::Auto => Ok(if device.is_cuda() && fits {
+            cuda()
+        } else {
+            None
+        }),
+        AttnImpl::Cuda if device.is_cuda() => {
+            ensure!(fits, "attention.attn_impl = \"cuda\" needs train.dtype = \"bf16\" and head_dim 64 or 128 (got {compute:?}, {head_dim})");
+            cuda().map(Some).context("attention.attn_impl = \"cuda\" but no CUDA kernel library is built for this binary; run `attnsweep kernels build`")
+        }
+        AttnImpl::Cuda => cpu().map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::{attend, KeyPattern};
+
+    /// Reference for one case: dense attention with the window mask, then the rows of the
+    /// query list (zeros for inactive rows), in fp32 from the same (rounded) inputs.
+    fn reference(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        list: Option<(&Tensor, &Tensor)>,
+        window: i64,
+    ) -> Tensor {
+        let (b, h, lq, d) = q.size4().unwrap();
+        let len = k.size()[2];
+        let f = |t: &Tensor| t.to_kind(Kind::Float);
+        match list {
+            None => attend(
+                &f(q),
+                &f(k),
+                &f(v),
+                &KeyPattern::Window(window as usize),
+                None,
+            ),
+            Some((qpos, nq)) => {
+                // Scatter the compacted queries to their positions, attend densely, gather back.
+                let idx = qpos
+                    .to_kind(Kind::Int64)
+                    .unsqueeze(-1)
+                    .expand([b, h, lq, d], false);
+                let dense_q = Tensor::zeros([b, h, len, d], (Kind::Float, q.device())).scatter(
+                    2,
+                    &idx,
+                    &f(q),
+                );
+                let full = attend(
+                    &dense_q,
+                    &f(k),
+                    &f(v),
+                    &KeyPattern::Window(window as usize),
+                    None,
+                );
+                let active = Tensor::arange(lq, (Kind::Int64, q.device()))
+                    .view([1, 1, lq])
+                    .lt_tensor(&nq.to_kind(Kind::Int64).unsqueeze(-1));
+                full.gather(2, &idx, false) * active.unsqueeze(-1).to_kind(Kind::Float)
+            }
+        }
+    }
+
+    /// A random ascending query list per (b, h) with the given active counts.
+    fn random_list(b: i64, h: i64, len: i64, counts: &[i64], device: Device) -> (Tensor, Tensor) {
+        let lq = *counts.iter().max().unwrap_or(&0).max(&1);
+        let mut pos = Vec::new();
+        let mut rng = crate::rng::Rng::new(len as u64 * 31 + counts.len() as u64);
+        for bh in 0..(b * h) as usize {
+            let n = counts[bh % counts.len()];
+            let mut chosen: Vec<i64> = (0..len).collect();
+            for i in 0..len as usize {
+                let j = i + rng.below((len as usize - i) as u64) as usize;
+                chosen.swap(i, j);
+            }
+            let mut c: Vec<i32> = chosen[..n as usize].iter().map(|&x| x as i32).collect();
+            c.sort();
+            c.resize(lq as usize, 0);
+            pos.extend(c);
+        }
+        let qpos = Tensor::from_slice(&pos).view([b, h, lq]).to_device(device);
+        let nq: Vec<i32> = (0..(b * h) as usize)
+            .map(|i| counts[i % counts.len()] as i32)
+            .collect();
+        (qpos, Tensor::from_slice(&nq).view([b, h]).to_device(device))
+    }
+
+    /// ||a - b|| / ||b||, with a floor on ||b|| for gradients that are zero in exact
+    /// arithmetic (a window of 1 makes dq vanish).
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_kind(Kind::Double);
+        let b = b.to_kind(Kind::Double);
+        let den = b
+            .norm()
+            .double_value(&[])
+            .max(1e-2 * (b.numel() as f64).sqrt());
+        (a - &b).norm().double_value(&[]) / den
+    }
+
+    /// Output and q, k, v gradients of the kernel op against the reference, on fresh random
+    /// inputs: lengths that are not tile multiples, windows at the boundaries, GQA, empty and
+    /// full query lists.
+    fn compare_with_reference(
+        kern: &Kernels,
+        device: Device,
+        kind: Kind,
+        head_dims: &[i64],
+        tol: f64,
+    ) {
+        let (b, h, hkv) = (2i64, 4i64, 2i64);
+        for &d in head_dims {
+            for &(len, window, sparse) in &[
+                (37i64, 1i64, false),
+                (130, 7, false),
+                (200, 64, false),
+                (333, 333, false),
+                (70, 500, false),
+                (333, 1000, true),
+                (200, 17, true),
+            ] {
+                tch::manual_seed(len * 7 + window + d);
+                let counts: Vec<i64> = if sparse {
+                    vec![0, len / 3, len, 5, 1, len - 1, 2, len / 2]
+                } else {
+                    vec![]
+                };
+                let list = sparse.then(|| random_list(b, h, len, &counts, device));
+                let lq = list.as_ref().map_or(len, |(p, _)| p.size()[2]);
+                let opts = (kind, device);
+                let q = Tensor::randn([b, h, lq, d], opts).set_requires_grad(true);
+                let k = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
+                let v = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
+                let dout = Tensor::randn([b, h, lq, d], opts);
+                let l = list.as_ref().map(|(p, n)| (p, n));
+                let out = kern.list_attention(&q, &k, &v, l, window).unwrap();
+                (&out * &dout).sum(Kind::Float).backward();
+                let got = [out.detach(), q.grad(), k.grad(), v.grad()];
+                let (q2, k2, v2) = (
+                    q.detach().set_requires_grad(true),
+                    k.detach().set_requires_grad(true),
+                    v.detach().set_requires_grad(true),
+                );
+                let want = reference(&q2, &k2, &v2, l, window);
+                (&want * dout.to_kind(Kind::Float))
+                    .sum(Kind::Float)
+                    .backward();
+                let want = [want.detach(), q2.grad(), k2.grad(), v2.grad()];
+                for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                    let e = rel_err(g, w);
+                    assert!(
+                        e < tol,
+                        "{name}: relative error {e:.2e} (D={d} L={len} w={window} sparse={sparse})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_library_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds (g++ and torch headers)");
+        assert!(!kern.cuda);
+        compare_with_reference(kern, Device::Cpu, Kind::Float, &[8, 16], 1e-4);
+        let q = Tensor::zeros([1, 2, 4, 8], (Kind::Float, Device::Cpu));
+        let k = Tensor::zeros([1, 3, 4, 8], (Kind::Float, Device::Cpu));
+        let err = kern
+            .list_attention(&q, &k, &k, None, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multiple of key-value heads"), "{err}");
+        assert!(kern
+            .list_attention(&q, &q, &q, None, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("window"));
+    }
+
+    #[test]
+    fn cuda_kernels_match_reference() {
+        if !tch::Cuda::is_available() {
+            eprintln!("SKIPPED cuda_kernels_match_reference: no CUDA device");
+            return;
+        }
+        let Some(kern) = cuda() else {
+            eprintln!("SKIPPED cuda_kernels_match_reference: no CUDA kernel library (attnsweep kernels build)");
+            return;
+        };
+        compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+    }
+}
