@@ -34,17 +34,22 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Two consecutive bf16 of a shared-memory row.
-__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) {
-    return *reinterpret_cast<const uint32_t*>(p);
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Two bf16 of the same column in consecutive rows, packed (a transposed operand).
-__device__ __forceinline__ uint32_t ld_col_pair(const __nv_bfloat16* p, int stride) {
-    __nv_bfloat162 v;
-    v.x = p[0];
-    v.y = p[stride];
-    return *reinterpret_cast<uint32_t*>(&v);
+// Four 8x8 b16 matrices from shared memory; lane l supplies the address of row l % 8 of
+// matrix l / 8, and receives (row l / 4, columns 2 (l % 4) and +1) of each (transposed: the
+// matrices are read column-wise).
+__device__ __forceinline__ void ldsm4(uint32_t* r, const __nv_bfloat16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm4_t(uint32_t* r, const __nv_bfloat16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
 }
 
 // D = A (16x16, row) * B (16x8, col) + D; fragments as PTX ISA "mma.m16n8k16" lays them out.
@@ -56,13 +61,21 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// A fragment of rows [row0, row0+16) and columns [col0, col0+16) of a row-major smem tile.
+// A fragment: rows [row0, row0+16), columns [col0, col0+16) of a row-major smem tile.
 __device__ __forceinline__ void load_a(uint32_t* a, const __nv_bfloat16* tile, int stride, int row0, int col0, int lane) {
-    const int r = row0 + lane / 4, c = col0 + (lane % 4) * 2;
-    a[0] = ld_pair(tile + r * stride + c);
-    a[1] = ld_pair(tile + (r + 8) * stride + c);
-    a[2] = ld_pair(tile + r * stride + c + 8);
-    a[3] = ld_pair(tile + (r + 8) * stride + c + 8);
+    ldsm4(a, tile + (row0 + lane % 16) * stride + col0 + (lane / 16) * 8);
+}
+
+// B fragments of two adjacent 8-column blocks n0, n0+8 for k in [k0, k0+16), from a tile that
+// stores B transposed (row n holds column n of B, as K holds K^T's columns): b = {b0, b1} of
+// block n0, then of block n0+8.
+__device__ __forceinline__ void load_b_nk(uint32_t* b, const __nv_bfloat16* tile, int stride, int n0, int k0, int lane) {
+    ldsm4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * stride + k0 + ((lane / 8) % 2) * 8);
+}
+
+// The same from a tile that stores B as is (row k, column n), as V does for P V.
+__device__ __forceinline__ void load_b_kn(uint32_t* b, const __nv_bfloat16* tile, int stride, int k0, int n0, int lane) {
+    ldsm4_t(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride + n0 + (lane / 16) * 8);
 }
 
 // The A fragment for k-step j (16 columns) from an accumulator tile of 8-column blocks:
@@ -74,19 +87,24 @@ __device__ __forceinline__ void acc_to_a(uint32_t* a, const float (*acc)[4], int
     a[3] = pack_bf16(acc[2 * j + 1][2], acc[2 * j + 1][3]);
 }
 
-// Copies rows [row0, row0 + 64) of a [rows x D] bf16 matrix into smem (zeros past `rows`),
-// 16 bytes per access.
+// Starts copying rows [row0, row0 + 64) of a [rows x D] bf16 matrix into smem (zeros past
+// `rows`), 16 bytes per cp.async; completes at the matching wait.
 template <int D>
 __device__ __forceinline__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int row0, int rows) {
     constexpr int VEC = 8;  // bf16 per 16 bytes
     constexpr int PER_ROW = D / VEC;
     for (int i = threadIdx.x; i < 64 * PER_ROW; i += THREADS) {
         const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (row0 + r < rows) v = *reinterpret_cast<const uint4*>(src + (int64_t)(row0 + r) * D + c);
-        *reinterpret_cast<uint4*>(dst + r * (D + PAD) + c) = v;
+        const bool in = row0 + r < rows;
+        const __nv_bfloat16* g = in ? src + (int64_t)(row0 + r) * D + c : src;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst + r * (D + PAD) + c)), "l"(g),
+                     "r"(in ? 16 : 0));
     }
 }
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void wait_loads() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Query positions of a block's rows; -1 for rows past the active count.
 __device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int nq) {
@@ -113,9 +131,9 @@ struct Args {
 template <int D>
 __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int S = D + PAD;
     __nv_bfloat16* sq = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __nv_bfloat16* sk = sq + BQ * (D + PAD);
-    __nv_bfloat16* sv = sk + BK * (D + PAD);
+    __nv_bfloat16* skv = sq + BQ * S;  // two stages of (K tile, V tile)
     __shared__ int spos[BQ];
 
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
@@ -136,38 +154,61 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     load_positions(spos, p.qpos, qbase, row0, nq);
     load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
+    commit();
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
-    const int lo_pos = spos[0], hi_pos = spos[last];
-    const int key_lo = max(0, lo_pos - p.window + 1), key_hi = min(hi_pos, p.len - 1);
+    const int key_lo = max(0, spos[0] - p.window + 1), key_hi = min(spos[last], p.len - 1);
+    const int t_first = key_lo / BK, t_last = key_hi / BK;
+    const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+    const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
+    auto stage = [&](int i) { return skv + (i % 2) * 2 * BK * S; };
+    load_tile<D>(stage(0), kb, t_first * BK, p.len);
+    load_tile<D>(stage(0) + BK * S, vb, t_first * BK, p.len);
+    commit();
+    wait_loads<1>();  // the Q tile
+    __syncthreads();
 
     uint32_t qa[D / 16][4];
-    for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sq, D + PAD, warp * 16, kk * 16, lane);
+    for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sq, S, warp * 16, kk * 16, lane);
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
+    // Scores in log2 units, so exp2 replaces exp.
+    const float scale2 = p.scale * 1.4426950408889634f;
 
     float o_acc[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
-    const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
-
-    for (int k0 = (key_lo / BK) * BK; k0 <= key_hi; k0 += BK) {
+    for (int t = t_first; t <= t_last; ++t) {
+        const int i = t - t_first;
+        if (t < t_last) {
+            // Prefetch the next key and value tiles while this one is computed.
+            load_tile<D>(stage(i + 1), kb, (t + 1) * BK, p.len);
+            load_tile<D>(stage(i + 1) + BK * S, vb, (t + 1) * BK, p.len);
+            commit();
+            wait_loads<1>();
+        } else {
+            wait_loads<0>();
+        }
         __syncthreads();
-        load_tile<D>(sk, kb, k0, p.len);
-        load_tile<D>(sv, vb, k0, p.len);
-        __syncthreads();
+        const __nv_bfloat16* sk = stage(i);
+        const __nv_bfloat16* sv = sk + BK * S;
+        const int k0 = t * BK;
         float s[BK / 8][4] = {};
         for (int kk = 0; kk < D / 16; ++kk)
-            for (int nb = 0; nb < BK / 8; ++nb) {
-                const __nv_bfloat16* kr = sk + (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
-                mma16816(s[nb], qa[kk], ld_pair(kr), ld_pair(kr + 8));
+            for (int nb = 0; nb < BK / 8; nb += 2) {
+                uint32_t kf[4];
+                load_b_nk(kf, sk, S, nb * 8, kk * 16, lane);
+                mma16816(s[nb], qa[kk], kf[0], kf[1]);
+                mma16816(s[nb + 1], qa[kk], kf[2], kf[3]);
             }
+        // Tiles wholly inside every row's window need no mask.
+        const bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] &&
+                              pos_row[0] - k0 < p.window && pos_row[1] - k0 < p.window && k0 + BK <= p.len;
         float mx[2] = {-INFINITY, -INFINITY};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1);
                 const int hr = e >> 1;
-                s[nb][e] = visible(key, pos_row[hr], p.window, p.len) ? s[nb][e] * p.scale : -INFINITY;
+                s[nb][e] = (interior || visible(key, pos_row[hr], p.window, p.len)) ? s[nb][e] * scale2 : -INFINITY;
                 mx[hr] = fmaxf(mx[hr], s[nb][e]);
             }
         float corr[2];
@@ -177,12 +218,12 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
             const float m_new = fmaxf(m[hr], mx[hr]);
             // A row that has seen no key yet keeps m = -inf; subtracting 0 keeps exp finite.
             const float base = m_new == -INFINITY ? 0.f : m_new;
-            corr[hr] = __expf(m[hr] - base);
+            corr[hr] = exp2f(m[hr] - base);
             m[hr] = m_new;
             float sum = 0.f;
             for (int nb = 0; nb < BK / 8; ++nb)
                 for (int e = hr * 2; e < hr * 2 + 2; ++e) {
-                    s[nb][e] = __expf(s[nb][e] - base);
+                    s[nb][e] = exp2f(s[nb][e] - base);
                     sum += s[nb][e];
                 }
             sum += __shfl_xor_sync(0xffffffff, sum, 1);
@@ -198,11 +239,15 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
         for (int j = 0; j < BK / 16; ++j) {
             uint32_t pa[4];
             acc_to_a(pa, s, j);
-            for (int nb = 0; nb < D / 8; ++nb) {
-                const __nv_bfloat16* vr = sv + (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
-                mma16816(o_acc[nb], pa, ld_col_pair(vr, D + PAD), ld_col_pair(vr + 8 * (D + PAD), D + PAD));
+            for (int nb = 0; nb < D / 8; nb += 2) {
+                uint32_t vf[4];
+                load_b_kn(vf, sv, S, j * 16, nb * 8, lane);
+                mma16816(o_acc[nb], pa, vf[0], vf[1]);
+                mma16816(o_acc[nb + 1], pa, vf[2], vf[3]);
             }
         }
+        // The next prefetch overwrites the other stage; this one must be finished by all.
+        __syncthreads();
     }
     for (int hr = 0; hr < 2; ++hr) {
         const int r = row0 + r_lo + hr * 8;
@@ -215,7 +260,8 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
             *reinterpret_cast<__nv_bfloat162*>(orow + c) =
                 __floats2bfloat162_rn(o_acc[nb][hr * 2] * inv, o_acc[nb][hr * 2 + 1] * inv);
         }
-        if (lane % 4 == 0) p.lse[qbase + r] = ok ? m[hr] + __logf(l[hr]) : -INFINITY;
+        // Natural-log log-sum-exp of the scaled scores, which backward recomputes P from.
+        if (lane % 4 == 0) p.lse[qbase + r] = ok ? (m[hr] + __log2f(l[hr])) * 0.6931471805599453f : -INFINITY;
     }
 }
 
@@ -245,6 +291,8 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     load_positions(spos, p.qpos, qbase, row0, nq);
     load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
     load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+    commit();
+    wait_loads<0>();
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
     const int key_lo = max(0, spos[0] - p.window + 1), key_hi = min(spos[last], p.len - 1);
@@ -268,13 +316,19 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
         __syncthreads();
         load_tile<D>(sk, kb, k0, p.len);
         load_tile<D>(sv, vb, k0, p.len);
+        commit();
+        wait_loads<0>();
         __syncthreads();
         float s[BK / 8][4] = {}, dp[BK / 8][4] = {};
         for (int kk = 0; kk < D / 16; ++kk)
-            for (int nb = 0; nb < BK / 8; ++nb) {
-                const int off = (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
-                mma16816(s[nb], qa[kk], ld_pair(sk + off), ld_pair(sk + off + 8));
-                mma16816(dp[nb], da[kk], ld_pair(sv + off), ld_pair(sv + off + 8));
+            for (int nb = 0; nb < BK / 8; nb += 2) {
+                uint32_t kf[4], vf[4];
+                load_b_nk(kf, sk, D + PAD, nb * 8, kk * 16, lane);
+                load_b_nk(vf, sv, D + PAD, nb * 8, kk * 16, lane);
+                mma16816(s[nb], qa[kk], kf[0], kf[1]);
+                mma16816(s[nb + 1], qa[kk], kf[2], kf[3]);
+                mma16816(dp[nb], da[kk], vf[0], vf[1]);
+                mma16816(dp[nb + 1], da[kk], vf[2], vf[3]);
             }
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
@@ -285,9 +339,11 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
         for (int j = 0; j < BK / 16; ++j) {
             uint32_t a[4];
             acc_to_a(a, s, j);
-            for (int nb = 0; nb < D / 8; ++nb) {
-                const __nv_bfloat16* kr = sk + (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
-                mma16816(dq_acc[nb], a, ld_col_pair(kr, D + PAD), ld_col_pair(kr + 8 * (D + PAD), D + PAD));
+            for (int nb = 0; nb < D / 8; nb += 2) {
+                uint32_t kf[4];
+                load_b_kn(kf, sk, D + PAD, j * 16, nb * 8, lane);
+                mma16816(dq_acc[nb], a, kf[0], kf[1]);
+                mma16816(dq_acc[nb + 1], a, kf[2], kf[3]);
             }
         }
     }
@@ -333,12 +389,8 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
     const int64_t kvbase = (int64_t)bkv * p.len;
     load_tile<D>(sk, p.k + kvbase * D, k0, p.len);
     load_tile<D>(sv, p.v + kvbase * D, k0, p.len);
-    __syncthreads();
-    uint32_t ka[D / 16][4], va[D / 16][4];
-    for (int kk = 0; kk < D / 16; ++kk) {
-        load_a(ka[kk], sk, D + PAD, warp * 16, kk * 16, lane);
-        load_a(va[kk], sv, D + PAD, warp * 16, kk * 16, lane);
-    }
+    commit();
+    wait_loads<0>();
     const int key_row[2] = {k0 + warp * 16 + lane / 4, k0 + warp * 16 + lane / 4 + 8};
     float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
     for (int g = 0; g < group; ++g) {
@@ -363,15 +415,25 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
             }
             load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
             load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+            commit();
+            wait_loads<0>();
             __syncthreads();
             // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries per warp.
             float st[BQ / 8][4] = {}, dpt[BQ / 8][4] = {};
-            for (int kk = 0; kk < D / 16; ++kk)
-                for (int nb = 0; nb < BQ / 8; ++nb) {
-                    const int off = (nb * 8 + lane / 4) * (D + PAD) + kk * 16 + (lane % 4) * 2;
-                    mma16816(st[nb], ka[kk], ld_pair(sq + off), ld_pair(sq + off + 8));
-                    mma16816(dpt[nb], va[kk], ld_pair(sdo + off), ld_pair(sdo + off + 8));
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t ka[4], va[4];
+                load_a(ka, sk, D + PAD, warp * 16, kk * 16, lane);
+                load_a(va, sv, D + PAD, warp * 16, kk * 16, lane);
+                for (int nb = 0; nb < BQ / 8; nb += 2) {
+                    uint32_t qf[4], df[4];
+                    load_b_nk(qf, sq, D + PAD, nb * 8, kk * 16, lane);
+                    load_b_nk(df, sdo, D + PAD, nb * 8, kk * 16, lane);
+                    mma16816(st[nb], ka, qf[0], qf[1]);
+                    mma16816(st[nb + 1], ka, qf[2], qf[3]);
+                    mma16816(dpt[nb], va, df[0], df[1]);
+                    mma16816(dpt[nb + 1], va, df[2], df[3]);
                 }
+            }
             for (int nb = 0; nb < BQ / 8; ++nb)
                 for (int e = 0; e < 4; ++e) {
                     const int qi = nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
@@ -384,10 +446,14 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
                 uint32_t pa[4], sa[4];
                 acc_to_a(pa, st, j);
                 acc_to_a(sa, dpt, j);
-                for (int nb = 0; nb < D / 8; ++nb) {
-                    const int off = (j * 16 + (lane % 4) * 2) * (D + PAD) + nb * 8 + lane / 4;
-                    mma16816(dv_acc[nb], pa, ld_col_pair(sdo + off, D + PAD), ld_col_pair(sdo + off + 8 * (D + PAD), D + PAD));
-                    mma16816(dk_acc[nb], sa, ld_col_pair(sq + off, D + PAD), ld_col_pair(sq + off + 8 * (D + PAD), D + PAD));
+                for (int nb = 0; nb < D / 8; nb += 2) {
+                    uint32_t df[4], qf[4];
+                    load_b_kn(df, sdo, D + PAD, j * 16, nb * 8, lane);
+                    load_b_kn(qf, sq, D + PAD, j * 16, nb * 8, lane);
+                    mma16816(dv_acc[nb], pa, df[0], df[1]);
+                    mma16816(dv_acc[nb + 1], pa, df[2], df[3]);
+                    mma16816(dk_acc[nb], sa, qf[0], qf[1]);
+                    mma16816(dk_acc[nb + 1], sa, qf[2], qf[3]);
                 }
             }
         }
@@ -442,7 +508,7 @@ void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     a.lse = lse.data_ptr<float>();
     const int d = (int)q.size(3);
     dim3 grid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
-    const size_t smem = (size_t)(BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
+    const size_t smem = (size_t)(BQ + 4 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     if (d == 64) launch(forward_kernel<64>, grid, smem, a);
     else launch(forward_kernel<128>, grid, smem, a);
 }

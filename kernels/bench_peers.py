@@ -69,6 +69,10 @@ def main():
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # Every shape and mask compiles anew; past the default recompile limit torch falls
+        # back to an eager dense implementation that is neither fast nor small.
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as e:  # an older torch without FlexAttention
         print(f"# FlexAttention unavailable: {e}", file=sys.stderr)
@@ -87,15 +91,21 @@ def main():
                     f, fb = fwd_and_fwdbwd(causal, q, k, v, a.reps)
                     row(name, "causal", L, D, L, 0, f, fb)
                 except Exception as e:
-                    print(f"# {name} L={L} D={D}: {e}", file=sys.stderr)
+                    print(f"# {name} L={L} D={D}: {type(e).__name__}", file=sys.stderr)
+                    torch.cuda.empty_cache()
             if flex is None:
                 continue
+            torch.cuda.empty_cache()
             for w in a.windows:
                 def swa(b, h, qi, ki, w=w):
                     return (qi >= ki) & (qi - ki < w)
-                bm = create_block_mask(swa, 1, 1, L, L, device=dev)
-                f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                row("flex", "swa", L, D, w, 0, f, fb)
+                try:
+                    bm = create_block_mask(swa, 1, 1, L, L, device=dev)
+                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                    row("flex", "swa", L, D, w, 0, f, fb)
+                except Exception as e:
+                    print(f"# flex swa L={L} D={D} w={w}: {type(e).__name__}", file=sys.stderr)
+                    torch.cuda.empty_cache()
             for s in a.sparsities:
                 n = max(1, int(round(L * (1 - s))))
                 pos = torch.sort(torch.randperm(L, device=dev)[:n]).values
@@ -103,9 +113,13 @@ def main():
 
                 def sparse(b, h, qi, ki, pos=pos):
                     return ki <= pos[qi]
-                bm = create_block_mask(sparse, 1, 1, n, L, device=dev)
-                f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
-                row("flex", "sparse", L, D, L, s, f, fb)
+                try:
+                    bm = create_block_mask(sparse, 1, 1, n, L, device=dev)
+                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
+                    row("flex", "sparse", L, D, L, s, f, fb)
+                except Exception as e:
+                    print(f"# flex sparse L={L} D={D} s={s}: {type(e).__name__}", file=sys.stderr)
+                    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -96,56 +96,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     std::fs::create_dir_all(&b.out)?;
     let dev = Device::Cuda(0);
     let mut rows: Vec<Row> = Vec::new();
-    for &len in &b.lengths {
-        for &d in &b.head_dims {
-            tch::manual_seed(0);
-            let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
-            let (q, k, v) = (mk(), mk(), mk());
-            for &w in &b.windows {
-                let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
-                    kern.list_attention(q, k, v, None, w).expect("kernel")
-                });
-                rows.push(Row {
-                    imp: "ours".into(),
-                    case: "swa".into(),
-                    len,
-                    dim: d,
-                    window: w,
-                    sparsity: 0.0,
-                    fwd_ms: f,
-                    fwdbwd_ms: fb,
-                });
-            }
-            for &s in &b.sparsities {
-                let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
-                let pos = Tensor::randperm(len, (Kind::Int64, dev))
-                    .narrow(0, 0, n)
-                    .sort(0, false)
-                    .0;
-                let qpos = pos
-                    .to_kind(Kind::Int)
-                    .view([1, 1, n])
-                    .expand([1, b.heads, n], false)
-                    .contiguous();
-                let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
-                let qc = q.index_select(2, &pos).contiguous();
-                let (f, fb) = time_op(b.reps, &qc, &k, &v, |q, k, v| {
-                    kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
-                        .expect("kernel")
-                });
-                rows.push(Row {
-                    imp: "ours".into(),
-                    case: "sparse".into(),
-                    len,
-                    dim: d,
-                    window: len,
-                    sparsity: s,
-                    fwd_ms: f,
-                    fwdbwd_ms: fb,
-                });
-            }
-        }
-    }
+    // The peers first: their process must find the GPU's memory free.
     if b.peers {
         let script = b.out.join("bench_peers.py");
         std::fs::write(&script, include_str!("../kernels/bench_peers.py"))?;
@@ -193,6 +144,56 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     sparsity: f[5].parse()?,
                     fwd_ms: f[6].parse()?,
                     fwdbwd_ms: f[7].parse()?,
+                });
+            }
+        }
+    }
+    for &len in &b.lengths {
+        for &d in &b.head_dims {
+            tch::manual_seed(0);
+            let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
+            let (q, k, v) = (mk(), mk(), mk());
+            for &w in &b.windows {
+                let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                    kern.list_attention(q, k, v, None, w).expect("kernel")
+                });
+                rows.push(Row {
+                    imp: "ours".into(),
+                    case: "swa".into(),
+                    len,
+                    dim: d,
+                    window: w,
+                    sparsity: 0.0,
+                    fwd_ms: f,
+                    fwdbwd_ms: fb,
+                });
+            }
+            for &s in &b.sparsities {
+                let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
+                let pos = Tensor::randperm(len, (Kind::Int64, dev))
+                    .narrow(0, 0, n)
+                    .sort(0, false)
+                    .0;
+                let qpos = pos
+                    .to_kind(Kind::Int)
+                    .view([1, 1, n])
+                    .expand([1, b.heads, n], false)
+                    .contiguous();
+                let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
+                let qc = q.index_select(2, &pos).contiguous();
+                let (f, fb) = time_op(b.reps, &qc, &k, &v, |q, k, v| {
+                    kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
+                        .expect("kernel")
+                });
+                rows.push(Row {
+                    imp: "ours".into(),
+                    case: "sparse".into(),
+                    len,
+                    dim: d,
+                    window: len,
+                    sparsity: s,
+                    fwd_ms: f,
+                    fwdbwd_ms: fb,
                 });
             }
         }
