@@ -174,7 +174,9 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
     if lib.is_file() {
         return Ok(lib);
     }
-    let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let tmp = dir.with_extension(format!("tmp-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     for (name, text) in sources() {
@@ -370,6 +372,9 @@ static CPU_KERNELS: OnceLock<Kernels> = OnceLock::new();
 
 /// The CPU build of the library (the autograd layer over its ATen reference), built if needed.
 pub fn cpu() -> Result<&'static Kernels> {
+    // One build at a time in this process (tests ask from several threads).
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(k) = CPU_KERNELS.get() {
         return Ok(k);
     }
