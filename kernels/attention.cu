@@ -128,18 +128,22 @@ struct Args {
     float scale;  // softmax scale, 1/sqrt(D)
 };
 
+// Three blocks per SM (the kernel is latency-bound at two): at most 170 registers, and the
+// Q tile borrows the second key/value stage, which the first prefetch only overwrites after
+// Q has moved to registers, so shared memory holds just the two stages.
 template <int D>
-__global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
+__global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int S = D + PAD;
-    __nv_bfloat16* sq = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-    __nv_bfloat16* skv = sq + BQ * S;  // two stages of (K tile, V tile)
+    __nv_bfloat16* skv = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // two stages of (K tile, V tile)
+    __nv_bfloat16* sq = skv + 2 * BK * S;  // = the second stage
     __shared__ int spos[BQ];
 
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int nq = p.nq ? p.nq[bh] : p.lq;
-    const int row0 = blockIdx.x * BQ;
+    // Highest positions first: their tiles see the most keys, so they must not trail the grid.
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
         // Rows past the active count still get defined outputs: zeros (and lse -inf).
@@ -170,6 +174,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(Args p) {
 
     uint32_t qa[D / 16][4];
     for (int kk = 0; kk < D / 16; ++kk) load_a(qa[kk], sq, S, warp * 16, kk * 16, lane);
+    __syncthreads();  // every warp has its Q fragments: stage 1 is free for the first prefetch
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
     // Scores in log2 units, so exp2 replaces exp.
@@ -278,7 +283,8 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int nq = p.nq ? p.nq[bh] : p.lq;
-    const int row0 = blockIdx.x * BQ;
+    // Highest positions first: their tiles see the most keys, so they must not trail the grid.
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
         for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
@@ -508,7 +514,7 @@ void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     a.lse = lse.data_ptr<float>();
     const int d = (int)q.size(3);
     dim3 grid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
-    const size_t smem = (size_t)(BQ + 4 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
+    const size_t smem = (size_t)(4 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     if (d == 64) launch(forward_kernel<64>, grid, smem, a);
     else launch(forward_kernel<128>, grid, smem, a);
 }
