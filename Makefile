@@ -6,6 +6,9 @@ PYTHON        ?= python3
 VENV          := .venv
 TORCH_VERSION := 2.11.0
 STAMP         := $(VENV)/.torch-$(TORCH_VERSION)
+# The conversion tests build tiny models with transformers to compare logits against.
+TRANSFORMERS  := 4.57.6
+TEST_STAMP    := $(VENV)/.transformers-$(TRANSFORMERS)
 BIN           := target/release/attnsweep
 
 # torch-sys finds libtorch through the project's Python environment; build.rs then bakes its
@@ -23,10 +26,14 @@ $(STAMP):
 	$(VENV)/bin/python -m pip install --disable-pip-version-check --quiet torch==$(TORCH_VERSION)
 	touch $@
 
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install --disable-pip-version-check --quiet transformers==$(TRANSFORMERS)
+	touch $@
+
 build: setup
 	cargo build --release --locked
 
-test: build
+test: build $(TEST_STAMP)
 	cargo test --release --locked
 
 # The demo grid (sweeps/demo.toml): a full-attention base on the synthetic corpus, continued

@@ -12,9 +12,9 @@
 //! count of pairs the executed path attends. This reference path computes both paths densely
 //! and combines them; CUDA kernels replace it behind the same interface.
 
-use crate::config::{AttentionConfig, Method, ModelConfig, Router};
+use crate::config::{AttentionConfig, Method, ModelConfig, QkNorm, Router};
 use crate::kernels::Kernels;
-use crate::model::{upcast, Linear, Rope};
+use crate::model::{upcast, Linear, RmsNorm, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
@@ -278,6 +278,9 @@ pub struct Projections {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    qk_norm: QkNorm,
     n_heads: i64,
     n_kv_heads: i64,
     head_dim: i64,
@@ -291,11 +294,22 @@ impl Projections {
             m.head_dim() as i64,
         );
         let (d, std, bias) = (m.hidden_size as i64, m.initializer_range, m.attention_bias);
+        // Qwen3 normalises each head (weights over head_dim), OLMo-2 the whole projection.
+        let (qn, kn) = match m.qk_norm {
+            QkNorm::None => (0, 0),
+            QkNorm::PerHead => (hd, hd),
+            QkNorm::Full => (h * hd, kv * hd),
+        };
+        let norm =
+            |name: &str, dim: i64| (dim > 0).then(|| RmsNorm::new(p / name, dim, m.rms_norm_eps));
         Projections {
             q_proj: Linear::new(p / "q_proj", d, h * hd, bias, std),
             k_proj: Linear::new(p / "k_proj", d, kv * hd, bias, std),
             v_proj: Linear::new(p / "v_proj", d, kv * hd, bias, std),
             o_proj: Linear::new(p / "o_proj", h * hd, d, false, std),
+            q_norm: norm("q_norm", qn),
+            k_norm: norm("k_norm", kn),
+            qk_norm: m.qk_norm,
             n_heads: h,
             n_kv_heads: kv,
             head_dim: hd,
@@ -305,10 +319,21 @@ impl Projections {
     /// `x: [B, L, hidden]` to rotated `q: [B, H, L, D]` and `k, v: [B, Hkv, L, D]`.
     fn qkv(&self, x: &Tensor, rope: &Rope) -> (Tensor, Tensor, Tensor) {
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
-        let heads = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]).transpose(1, 2);
-        let q = rope.apply(&heads(self.q_proj.forward(x), self.n_heads));
-        let k = rope.apply(&heads(self.k_proj.forward(x), self.n_kv_heads));
-        (q, k, heads(self.v_proj.forward(x), self.n_kv_heads))
+        let split = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]);
+        let normed = |t: Tensor, n: i64, norm: &Option<RmsNorm>| match (self.qk_norm, norm) {
+            (QkNorm::Full, Some(nm)) => split(nm.forward(&t), n),
+            (QkNorm::PerHead, Some(nm)) => nm.forward(&split(t, n)),
+            _ => split(t, n),
+        };
+        let q =
+            rope.apply(&normed(self.q_proj.forward(x), self.n_heads, &self.q_norm).transpose(1, 2));
+        let k = rope
+            .apply(&normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm).transpose(1, 2));
+        (
+            q,
+            k,
+            split(self.v_proj.forward(x), self.n_kv_heads).transpose(1, 2),
+        )
     }
 
     /// `[B, H, L, D]` to `[B, L, H*D]`.
@@ -553,6 +578,14 @@ impl SelfAttention {
                         )
                     })
                     .collect();
+                if global.q_norm.is_some() {
+                    v.extend(["q_norm", "k_norm"].iter().map(|n| {
+                        (
+                            format!("{p}.global_attn.{n}.weight"),
+                            format!("{p}.{n}.weight"),
+                        )
+                    }));
+                }
                 if global.q_proj.bias.is_some() {
                     v.extend(
                         ["q_proj", "k_proj", "v_proj"].iter().map(|n| {
@@ -1187,7 +1220,12 @@ mod tests {
     #[test]
     fn aha_and_l2a_regularisers_match_hand_computation() {
         let x = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
-        let rope = Rope::new(5, 4, 10_000.0, Kind::Float, Device::Cpu);
+        let rope = Rope::new(
+            5,
+            &crate::model::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+            Kind::Float,
+            Device::Cpu,
+        );
         let masks = MaskCache::new(5, Device::Cpu);
         // AHA: lambda * mean over tokens and heads of sigmoid(x W^T + b).
         let cfg = routed_cfg(Method::Aha, |c| c.attention.lambda = 0.25);
@@ -1295,7 +1333,12 @@ mod tests {
         });
         let b = Built::new(&cfg, Device::Cpu).unwrap();
         let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
-        let rope = Rope::new(6, 4, 10_000.0, Kind::Float, Device::Cpu);
+        let rope = Rope::new(
+            6,
+            &crate::model::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+            Kind::Float,
+            Device::Cpu,
+        );
         let masks = MaskCache::new(6, Device::Cpu);
         let out = b.model.layers[0]
             .self_attn

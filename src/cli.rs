@@ -40,6 +40,12 @@ enum Command {
     /// Benchmarks on the GPU, beside peers in the same run.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Convert a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, OLMo-2; safetensors,
+    /// sharded or not) or a PyTorch state dict into an attnsweep checkpoint plus config.toml;
+    /// `train --config <out>/config.toml --init-from <out>` then continues it with any method.
+    Convert(ConvertCmd),
+    /// Write a trained full-attention or sliding-window model in the Hugging Face layout.
+    Export(ExportCmd),
     /// L2A post-training pruning: drop the global module of layers whose measured sparsity
     /// reaches a threshold; report the key-value cache before and after and the quality change.
     Prune(PruneCmd),
@@ -135,6 +141,41 @@ struct BenchAttentionCmd {
     /// Skip the peers (our kernels only).
     #[arg(long)]
     no_peers: bool,
+}
+
+#[derive(Args)]
+struct ConvertCmd {
+    /// A Hugging Face model directory (config.json and weights), or a weight file (with --config).
+    #[arg(long)]
+    from: PathBuf,
+    /// config.json describing a bare weight file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Output directory (must not already hold a model).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Weight dtype written: keep, fp32, bf16 or fp16.
+    #[arg(long, default_value = "keep")]
+    dtype: String,
+    /// Allow reading pickle files (pytorch_model.bin, .pt), which can run code when loaded.
+    #[arg(long)]
+    allow_pickle: bool,
+}
+
+#[derive(Args)]
+struct ExportCmd {
+    /// The run directory to export.
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to export instead of the run's latest checkpoint.
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Output directory for config.json and model.safetensors.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Weight dtype written: fp32, bf16 or fp16.
+    #[arg(long, default_value = "fp32")]
+    dtype: String,
 }
 
 #[derive(Args)]
@@ -304,6 +345,33 @@ pub fn main() -> Result<()> {
             )
         }
         Command::Eval(c) => run_eval(c),
+        Command::Convert(c) => {
+            let dtype = crate::convert::OutDtype::parse(&c.dtype)?;
+            let r = crate::convert::convert(
+                &c.from,
+                c.config.as_deref(),
+                &c.out,
+                dtype,
+                c.allow_pickle,
+            )?;
+            println!(
+                "{:?}: {} tensors, {} parameters -> {} (config {})",
+                r.family,
+                r.tensors,
+                r.parameters,
+                c.out.display(),
+                r.config.display()
+            );
+            Ok(())
+        }
+        Command::Export(c) => {
+            let dtype = crate::convert::OutDtype::parse(&c.dtype)?;
+            println!(
+                "{}",
+                crate::convert::export(&c.run, c.ckpt.as_deref(), &c.out, dtype)?.display()
+            );
+            Ok(())
+        }
         Command::Bench(BenchCmd::Attention(c)) => {
             let kern = crate::kernels::cuda().context(
                 "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",

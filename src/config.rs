@@ -36,6 +36,44 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     pub tie_word_embeddings: bool,
     pub initializer_range: f64,
+    /// RMSNorm of queries and keys: none (Llama, Qwen2), per head over head_dim before RoPE
+    /// (Qwen3), or over the whole projection (OLMo-2).
+    pub qk_norm: QkNorm,
+    /// pre: norm before attention and MLP (Llama); post: norm on their outputs before the
+    /// residual add (OLMo-2).
+    pub norm_placement: NormPlacement,
+    /// Hugging Face's rope_scaling: None, linear or llama3.
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    PerHead,
+    Full,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum NormPlacement {
+    Pre,
+    Post,
+}
+
+/// Rotary frequency scaling as Hugging Face configs write it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    /// "linear" or "llama3".
+    pub rope_type: String,
+    pub factor: f64,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<f64>,
 }
 
 impl Default for ModelConfig {
@@ -53,6 +91,9 @@ impl Default for ModelConfig {
             attention_bias: false,
             tie_word_embeddings: true,
             initializer_range: 0.02,
+            qk_norm: QkNorm::None,
+            norm_placement: NormPlacement::Pre,
+            rope_scaling: None,
         }
     }
 }
@@ -342,6 +383,27 @@ impl Config {
         check_open_f("model.rope_theta", m.rope_theta, 0.0, 1e12)?;
         check_open_f("model.rms_norm_eps", m.rms_norm_eps, 0.0, 1.0)?;
         check_open_f("model.initializer_range", m.initializer_range, 0.0, 10.0)?;
+        if let Some(r) = &m.rope_scaling {
+            check_open_f("model.rope_scaling.factor", r.factor, 0.0, 1e6)?;
+            match r.rope_type.as_str() {
+                "linear" => {}
+                "llama3" => {
+                    let (Some(lo), Some(hi), Some(orig)) = (
+                        r.low_freq_factor,
+                        r.high_freq_factor,
+                        r.original_max_position_embeddings,
+                    ) else {
+                        bail!("model.rope_scaling of type llama3 needs low_freq_factor, high_freq_factor and original_max_position_embeddings");
+                    };
+                    if !(lo > 0.0 && hi > lo && orig > 0.0) {
+                        bail!("model.rope_scaling: need 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0");
+                    }
+                }
+                t => {
+                    bail!("model.rope_scaling.rope_type = {t:?} is not supported (linear, llama3)")
+                }
+            }
+        }
 
         let a = &self.attention;
         check("attention.window", a.window, 1, 1 << 30)?;

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod convert;
 pub mod data;
 pub mod eval;
 pub mod kernels;

@@ -7,7 +7,7 @@
 //! gradients to the parameters, which is what autocast does in PyTorch.
 
 use crate::attention::{AttnOutput, ForwardCtx, KeyPattern, MaskCache, SelfAttention};
-use crate::config::{AttentionConfig, Method, ModelConfig};
+use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm};
 use anyhow::Result;
 use tch::{nn, Kind, Tensor};
 
@@ -79,10 +79,12 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(len: i64, head_dim: i64, theta: f64, kind: Kind, device: tch::Device) -> Self {
+    /// Angles position * inv_freq for positions 0 .. len.
+    pub fn new(len: i64, inv_freq: &[f64], kind: Kind, device: tch::Device) -> Self {
         let opts = (Kind::Float, device);
-        let inv_freq =
-            (Tensor::arange_start_step(0, head_dim, 2, opts) / head_dim as f64 * -theta.ln()).exp();
+        let inv_freq = Tensor::from_slice(inv_freq)
+            .to_kind(Kind::Float)
+            .to_device(device);
         let freqs = Tensor::arange(len, opts).outer(&inv_freq);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
         Rope {
@@ -96,6 +98,44 @@ impl Rope {
         let half = x.size()[3] / 2;
         let rotated = Tensor::cat(&[-x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
         x * &self.cos + rotated * &self.sin
+    }
+}
+
+/// Rotary frequencies theta^(-2i/d), with Hugging Face's rope_scaling applied (linear:
+/// divided by the factor; llama3: long wavelengths divided by the factor, short ones kept,
+/// a smooth blend between).
+pub fn inv_freq(m: &ModelConfig) -> Vec<f64> {
+    let d = m.head_dim();
+    let base: Vec<f64> = (0..d / 2)
+        .map(|i| 1.0 / m.rope_theta.powf((2 * i) as f64 / d as f64))
+        .collect();
+    let Some(s) = &m.rope_scaling else {
+        return base;
+    };
+    match s.rope_type.as_str() {
+        "linear" => base.iter().map(|f| f / s.factor).collect(),
+        _ => {
+            // llama3 (validated by the config).
+            let (lo, hi) = (
+                s.low_freq_factor.unwrap_or(1.0),
+                s.high_freq_factor.unwrap_or(4.0),
+            );
+            let orig = s.original_max_position_embeddings.unwrap_or(8192.0);
+            let (low_wavelen, high_wavelen) = (orig / lo, orig / hi);
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / s.factor
+                    } else {
+                        let smooth = (orig / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / s.factor + smooth * f
+                    }
+                })
+                .collect()
+        }
     }
 }
 
@@ -125,10 +165,14 @@ impl Mlp {
     }
 }
 
+/// One block. Pre-norm (Llama): h = x + attn(norm(x)), out = h + mlp(norm(h)). Post-norm
+/// (OLMo-2): h = x + norm(attn(x)), out = h + norm(mlp(h)); there `post_attention_layernorm`
+/// normalises the attention output and `post_feedforward_layernorm` the MLP output.
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    input_layernorm: Option<RmsNorm>,
     pub self_attn: SelfAttention,
     post_attention_layernorm: RmsNorm,
+    post_feedforward_layernorm: Option<RmsNorm>,
     mlp: Mlp,
 }
 
@@ -213,8 +257,9 @@ impl Llama {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let p = &model / "layers" / i;
+                let post = cfg.norm_placement == NormPlacement::Post;
                 DecoderLayer {
-                    input_layernorm: RmsNorm::new(&p / "input_layernorm", d, eps),
+                    input_layernorm: (!post).then(|| RmsNorm::new(&p / "input_layernorm", d, eps)),
                     self_attn: SelfAttention::new(
                         &p / "self_attn",
                         i,
@@ -224,6 +269,8 @@ impl Llama {
                         kernels,
                     ),
                     post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps),
+                    post_feedforward_layernorm: post
+                        .then(|| RmsNorm::new(&p / "post_feedforward_layernorm", d, eps)),
                     mlp: Mlp::new(&p / "mlp", cfg),
                 }
             })
@@ -269,25 +316,35 @@ impl Llama {
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
         let len = ids.size()[1];
         let device = ids.device();
-        let rope = Rope::new(
-            len,
-            self.cfg.head_dim() as i64,
-            self.cfg.rope_theta,
-            self.compute,
-            device,
-        );
+        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, device);
         let masks = MaskCache::new(len as usize, device);
         let mut h =
             Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
         let mut outs = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let x = layer.input_layernorm.forward(&h);
-            let attn = layer.self_attn.forward(&x, &rope, &masks, ctx);
-            h = h + &attn.y;
-            h = &h
-                + layer
-                    .mlp
-                    .forward(&layer.post_attention_layernorm.forward(&h));
+            let attn = match &layer.input_layernorm {
+                Some(norm) => {
+                    let attn = layer
+                        .self_attn
+                        .forward(&norm.forward(&h), &rope, &masks, ctx);
+                    h = &h + &attn.y;
+                    h = &h
+                        + layer
+                            .mlp
+                            .forward(&layer.post_attention_layernorm.forward(&h));
+                    attn
+                }
+                None => {
+                    let attn = layer.self_attn.forward(&h, &rope, &masks, ctx);
+                    h = &h + layer.post_attention_layernorm.forward(&attn.y);
+                    let ff = layer
+                        .post_feedforward_layernorm
+                        .as_ref()
+                        .expect("post-norm layer");
+                    h = &h + ff.forward(&layer.mlp.forward(&h));
+                    attn
+                }
+            };
             outs.push(attn);
         }
         let h = self.norm.forward(&h);
@@ -307,6 +364,66 @@ impl Llama {
         (batch * self.cfg.num_attention_heads * self.cfg.num_hidden_layers) as f64
             * KeyPattern::Full.attended_pairs(len) as f64
     }
+}
+
+/// Names and shapes of a full-attention model's parameters, from its config alone (a
+/// converter must check a multi-gigabyte checkpoint without building the model). The test
+/// `manifest_matches_constructed_model` keeps this in step with the constructors above.
+pub fn manifest(m: &ModelConfig) -> Vec<(String, Vec<i64>)> {
+    let (d, f, v) = (
+        m.hidden_size as i64,
+        m.intermediate_size as i64,
+        m.vocab_size as i64,
+    );
+    let (h, kv, hd) = (
+        m.num_attention_heads as i64,
+        m.num_key_value_heads as i64,
+        m.head_dim() as i64,
+    );
+    let mut out: Vec<(String, Vec<i64>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![v, d]),
+        ("model.norm.weight".into(), vec![d]),
+    ];
+    if !m.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![v, d]));
+    }
+    for l in 0..m.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        out.extend([
+            (p("self_attn.q_proj.weight"), vec![h * hd, d]),
+            (p("self_attn.k_proj.weight"), vec![kv * hd, d]),
+            (p("self_attn.v_proj.weight"), vec![kv * hd, d]),
+            (p("self_attn.o_proj.weight"), vec![d, h * hd]),
+            (p("mlp.gate_proj.weight"), vec![f, d]),
+            (p("mlp.up_proj.weight"), vec![f, d]),
+            (p("mlp.down_proj.weight"), vec![d, f]),
+            (p("post_attention_layernorm.weight"), vec![d]),
+        ]);
+        if m.attention_bias {
+            out.extend([
+                (p("self_attn.q_proj.bias"), vec![h * hd]),
+                (p("self_attn.k_proj.bias"), vec![kv * hd]),
+                (p("self_attn.v_proj.bias"), vec![kv * hd]),
+            ]);
+        }
+        match m.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => out.extend([
+                (p("self_attn.q_norm.weight"), vec![hd]),
+                (p("self_attn.k_norm.weight"), vec![hd]),
+            ]),
+            QkNorm::Full => out.extend([
+                (p("self_attn.q_norm.weight"), vec![h * hd]),
+                (p("self_attn.k_norm.weight"), vec![kv * hd]),
+            ]),
+        }
+        match m.norm_placement {
+            NormPlacement::Pre => out.push((p("input_layernorm.weight"), vec![d])),
+            NormPlacement::Post => out.push((p("post_feedforward_layernorm.weight"), vec![d])),
+        }
+    }
+    out.sort();
+    out
 }
 
 /// Per-position next-token negative log-likelihood, `[B, L]`, in fp32 (fp64 for fp64 logits).
@@ -384,8 +501,90 @@ mod tests {
     }
 
     #[test]
+    fn manifest_matches_constructed_model() {
+        for (tie, bias, qk, post) in [
+            (true, false, QkNorm::None, NormPlacement::Pre),
+            (false, true, QkNorm::PerHead, NormPlacement::Pre),
+            (false, false, QkNorm::Full, NormPlacement::Post),
+        ] {
+            let cfg = ModelConfig {
+                qk_norm: qk,
+                norm_placement: post,
+                head_dim: 6,
+                ..tiny(tie, bias)
+            };
+            let vs = nn::VarStore::new(Device::Cpu);
+            let _m =
+                Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float).unwrap();
+            let mut built: Vec<(String, Vec<i64>)> = vs
+                .variables()
+                .into_iter()
+                .map(|(n, t)| (n, t.size()))
+                .collect();
+            built.sort();
+            assert_eq!(
+                built,
+                manifest(&cfg),
+                "tie={tie} bias={bias} {qk:?} {post:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn llama3_rope_scaling_keeps_short_and_stretches_long_wavelengths() {
+        use crate::config::RopeScaling;
+        let base = ModelConfig {
+            hidden_size: 64,
+            num_attention_heads: 1,
+            rope_theta: 10_000.0,
+            ..Default::default()
+        };
+        let scaled = ModelConfig {
+            rope_scaling: Some(RopeScaling {
+                rope_type: "llama3".into(),
+                factor: 8.0,
+                low_freq_factor: Some(1.0),
+                high_freq_factor: Some(4.0),
+                original_max_position_embeddings: Some(64.0),
+            }),
+            ..base.clone()
+        };
+        let (a, b) = (inv_freq(&base), inv_freq(&scaled));
+        for (x, y) in a.iter().zip(&b) {
+            let wavelen = 2.0 * std::f64::consts::PI / x;
+            if wavelen < 16.0 {
+                assert_eq!(x, y);
+            } else if wavelen > 64.0 {
+                assert!((x / 8.0 - y).abs() < 1e-15);
+            } else {
+                assert!(*y < *x && *y > x / 8.0);
+            }
+        }
+        let linear = ModelConfig {
+            rope_scaling: Some(RopeScaling {
+                rope_type: "linear".into(),
+                factor: 2.0,
+                low_freq_factor: None,
+                high_freq_factor: None,
+                original_max_position_embeddings: None,
+            }),
+            ..base
+        };
+        assert!(inv_freq(&linear)
+            .iter()
+            .zip(&a)
+            .all(|(y, x)| (x / 2.0 - y).abs() < 1e-15));
+    }
+
+    #[test]
     fn rope_rotates_pairs_by_position_times_frequency() {
-        let rope = Rope::new(5, 4, 100.0, Kind::Double, Device::Cpu);
+        let cfg = ModelConfig {
+            hidden_size: 4,
+            num_attention_heads: 1,
+            rope_theta: 100.0,
+            ..Default::default()
+        };
+        let rope = Rope::new(5, &inv_freq(&cfg), Kind::Double, Device::Cpu);
         let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0])
             .view([1, 1, 1, 4])
             .expand([1, 1, 5, 4], false);

@@ -1,0 +1,349 @@
+//! Conversion parity: tiny random models of each family built with Hugging Face
+//! `transformers` (tests/hf_fixtures.py, no download), converted, and run here: next-token
+//! logits must match transformers' within 1e-4 relative error in fp32 on the CPU.
+
+use attnsweep::attention::ForwardCtx;
+use attnsweep::config::Config;
+use attnsweep::train::Built;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use tch::{Device, Kind, Tensor};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
+}
+
+/// The fixtures, generated once per test process.
+fn fixtures() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("attnsweep-hf-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf_fixtures.py");
+        let o = Command::new(&py).arg(&script).arg(&dir).output().expect("python3 runs");
+        assert!(
+            o.status.success(),
+            "tests/hf_fixtures.py failed (make test installs transformers into the project environment):\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        dir
+    })
+}
+
+fn convert(args: &[&str]) -> std::process::Output {
+    bin()
+        .arg("convert")
+        .args(args)
+        .output()
+        .expect("binary runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("attnsweep-conv-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Logits of a converted model on the fixture's ids, and the fixture's expected logits.
+fn logits(converted: &Path, expected: &Path) -> (Tensor, Tensor) {
+    let cfg = Config::load(
+        Some(&converted.join("config.toml")),
+        &["train.device=cpu".into()],
+    )
+    .unwrap();
+    let built = Built::new(&cfg, Device::Cpu).unwrap();
+    attnsweep::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
+        .unwrap();
+    let want: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(expected)
+        .unwrap()
+        .into_iter()
+        .collect();
+    let got = tch::no_grad(|| {
+        built
+            .model
+            .forward(&want["ids"], &ForwardCtx::default())
+            .logits
+    });
+    (got, want["logits"].to_kind(Kind::Float))
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).norm().double_value(&[]) / b.norm().double_value(&[])
+}
+
+#[test]
+fn every_family_matches_transformers_logits() {
+    let fx = fixtures();
+    let mut outs = Vec::new();
+    for family in ["llama", "qwen2", "qwen3", "olmo2"] {
+        let out = scratch(family);
+        outs.push(out.clone());
+        let o = convert(&[
+            "--from",
+            fx.join(family).to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(
+            o.status.success(),
+            "{family}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let (got, want) = logits(&out, &fx.join(family).join("expected.safetensors"));
+        let e = rel_err(&got, &want);
+        assert!(
+            e < 1e-4,
+            "{family}: logits differ from transformers by {e:.2e} (relative)"
+        );
+    }
+    let toml = std::fs::read_to_string(outs[0].join("config.toml")).unwrap();
+    assert!(toml.contains("rope_type = \"llama3\""), "{toml}");
+}
+
+#[test]
+fn pickle_state_dict_needs_the_flag_and_then_converts() {
+    let fx = fixtures();
+    let out = scratch("pickle");
+    let pt = fx.join("llama_state_dict.pt");
+    let cfgj = fx.join("llama/config.json");
+    let args = [
+        "--from",
+        pt.to_str().unwrap(),
+        "--config",
+        cfgj.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let o = convert(&args);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--allow-pickle"));
+    assert!(!out.exists(), "nothing written without the flag");
+    let mut with_flag = args.to_vec();
+    with_flag.push("--allow-pickle");
+    let o = convert(&with_flag);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (got, want) = logits(&out, &fx.join("llama/expected.safetensors"));
+    assert!(rel_err(&got, &want) < 1e-4);
+}
+
+#[test]
+fn export_then_import_is_exact_and_continued_training_works() {
+    let fx = fixtures();
+    let conv = scratch("exp-src");
+    assert!(convert(&[
+        "--from",
+        fx.join("qwen3").to_str().unwrap(),
+        "--out",
+        conv.to_str().unwrap(),
+        "--dtype",
+        "fp32"
+    ])
+    .status
+    .success());
+    // A run directory from the converted model: continued pretraining as AHA, then export
+    // of the base (full attention) weights and re-import.
+    let data = scratch("exp-data");
+    let o = bin()
+        .args([
+            "data",
+            "synth",
+            "--out",
+            data.to_str().unwrap(),
+            "--vocab-size",
+            "97",
+            "--n-keys",
+            "8",
+            "--n-values",
+            "8",
+            "--train-tokens",
+            "5000",
+            "--val-tokens",
+            "2000",
+            "--max-distance",
+            "32",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run = scratch("exp-run");
+    let data_set = format!("data.dir={}", data.display());
+    let o = bin()
+        .args([
+            "train",
+            "-q",
+            "--config",
+            conv.join("config.toml").to_str().unwrap(),
+            "--init-from",
+            conv.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+        ])
+        .args([
+            "--set",
+            &data_set,
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.warmup_steps=0",
+            "--set",
+            "train.batch_size=2",
+            "--set",
+            "eval.max_batches=1",
+            "--set",
+            "attention.method=aha",
+            "--set",
+            "attention.window=8",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "continued pretraining from a converted model: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // Export the converted model itself (as a run: its config plus weights) and convert back.
+    let as_run = scratch("exp-asrun");
+    std::fs::create_dir_all(&as_run).unwrap();
+    let mut cfg = std::fs::read_to_string(conv.join("config.toml")).unwrap();
+    cfg = cfg.replace(
+        "[data]\ndir = \"\"",
+        &format!("[data]\ndir = \"{}\"", data.display()),
+    );
+    std::fs::write(as_run.join("config.toml"), cfg).unwrap();
+    std::fs::copy(
+        conv.join("model.safetensors"),
+        as_run.join("model.safetensors"),
+    )
+    .unwrap();
+    let hf = scratch("exp-hf");
+    let o = bin()
+        .args([
+            "export",
+            "--run",
+            as_run.to_str().unwrap(),
+            "--out",
+            hf.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let back = scratch("exp-back");
+    assert!(convert(&[
+        "--from",
+        hf.to_str().unwrap(),
+        "--out",
+        back.to_str().unwrap()
+    ])
+    .status
+    .success());
+    let a: std::collections::BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(conv.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let b: std::collections::BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(back.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (n, t) in &a {
+        assert!(t.equal(&b[n]), "{n} changed through export and import");
+    }
+    let hfc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(hfc["architectures"][0], "Qwen3ForCausalLM");
+    // A routed run cannot be exported.
+    let o = bin()
+        .args([
+            "export",
+            "--run",
+            run.to_str().unwrap(),
+            "--out",
+            scratch("exp-bad").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("full-attention or sliding-window"));
+}
+
+#[test]
+fn bad_sources_fail_clearly_and_write_nothing() {
+    let fx = fixtures();
+    let work = scratch("bad");
+    let copy = |name: &str| {
+        let d = work.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fx.join("qwen2").join(f), d.join(f)).unwrap();
+        }
+        d
+    };
+    let run = |src: &Path| {
+        let out = work.join(format!(
+            "{}-out",
+            src.file_name().unwrap().to_string_lossy()
+        ));
+        let o = convert(&[
+            "--from",
+            src.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!o.status.success());
+        assert!(
+            !out.join("model.safetensors").exists() && !out.join("config.toml").exists(),
+            "partial output in {}",
+            out.display()
+        );
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    // Truncated weights.
+    let d = copy("truncated");
+    let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
+    std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    assert!(run(&d).contains("truncated or corrupt"));
+    // Unsupported architecture.
+    let d = copy("arch");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("Qwen2ForCausalLM", "GPT2LMHeadModel");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    assert!(run(&d).contains("\"GPT2LMHeadModel\" is not supported"));
+    // Shape mismatch: the config claims a wider MLP.
+    let d = copy("shape");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("\"intermediate_size\": 48", "\"intermediate_size\": 64");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    let e = run(&d);
+    assert!(
+        e.contains("mlp.up_proj.weight has shape [48, 32], the config implies [64, 32]"),
+        "{e}"
+    );
+    // Missing tensor: one layer fewer in the file than the config says.
+    let d = copy("missing");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    let e = run(&d);
+    assert!(
+        e.contains("missing tensors") && e.contains("model.layers.2.self_attn.q_proj.weight"),
+        "{e}"
+    );
+    // A tensor the model has no place for: one layer more in the file.
+    let d = copy("extra");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
+    std::fs::write(d.join("config.json"), cfg).unwrap();
+    let e = run(&d);
+    assert!(
+        e.contains("no place for") && e.contains("model.layers.1."),
+        "{e}"
+    );
+}
