@@ -258,7 +258,8 @@ struct EvalCmd {
 
 #[derive(Subcommand)]
 enum DataCmd {
-    /// Tokenise text files byte-level into train/val token shards plus meta.json.
+    /// Tokenise text files (byte-level, or with a tokenizer.json) into train/val token shards
+    /// plus meta.json.
     Prepare(PrepareCmd),
     /// Generate the synthetic long-tail dependency corpus (tokens plus each position's
     /// dependency distance).
@@ -267,7 +268,8 @@ enum DataCmd {
 
 #[derive(Args)]
 struct PrepareCmd {
-    /// Text files; each becomes one document, separated by the end-of-document token 256.
+    /// Text files; each becomes one document, followed by the end-of-document token (256
+    /// byte-level; the tokenizer's <|endoftext|>, </s> or similar when it has one).
     #[arg(long, short, required = true, num_args = 1..)]
     input: Vec<PathBuf>,
     /// Output directory (must not already hold a data set).
@@ -279,6 +281,9 @@ struct PrepareCmd {
     /// Tokens per shard file.
     #[arg(long, default_value_t = 100_000_000)]
     shard_tokens: usize,
+    /// A Hugging Face tokenizer.json (e.g. from a converted model); byte-level when omitted.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -425,7 +430,11 @@ pub fn main() -> Result<()> {
             Ok(())
         }
         Command::Data(DataCmd::Prepare(c)) => {
-            let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens)?;
+            let tok = match &c.tokenizer {
+                Some(p) => data::TextTokenizer::hf(p)?,
+                None => data::TextTokenizer::Bytes,
+            };
+            let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens, &tok)?;
             eprintln!(
                 "wrote {} train and {} val tokens to {}",
                 meta.train_tokens,

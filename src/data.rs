@@ -13,7 +13,7 @@ use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 
@@ -255,13 +255,71 @@ pub fn read_meta(dir: &Path) -> Result<Meta> {
 /// Byte-level tokenizer: token = byte value, 256 = end of document.
 pub const BYTE_EOT: u32 = 256;
 
-/// Tokenises text files byte-level into train/val shards. Documents (files) are separated by
-/// the end-of-document token; the last `val_fraction` of the token stream becomes `val`.
+/// How text becomes tokens: bytes, or a Hugging Face `tokenizer.json`.
+pub enum TextTokenizer {
+    Bytes,
+    Hf {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        path: PathBuf,
+    },
+}
+
+/// End-of-document tokens of common tokenizers, in the order they are looked for.
+const EOT_NAMES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+
+impl TextTokenizer {
+    pub fn hf(path: &Path) -> Result<TextTokenizer> {
+        let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+            anyhow::anyhow!("{} is not a readable tokenizer.json: {e}", path.display())
+        })?;
+        Ok(TextTokenizer::Hf {
+            tokenizer: Box::new(tokenizer),
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TextTokenizer::Bytes => 257,
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    pub fn eot(&self) -> Option<u32> {
+        match self {
+            TextTokenizer::Bytes => Some(BYTE_EOT),
+            TextTokenizer::Hf { tokenizer, .. } => {
+                EOT_NAMES.iter().find_map(|n| tokenizer.token_to_id(n))
+            }
+        }
+    }
+
+    /// Tokens of `text` (a document's bytes, or a part of them cut at a character boundary).
+    pub fn encode(&self, text: &[u8], origin: &Path) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(text.iter().map(|&b| b as u32).collect()),
+            TextTokenizer::Hf { tokenizer, .. } => {
+                let s = std::str::from_utf8(text)
+                    .with_context(|| format!("{} is not UTF-8 text", origin.display()))?;
+                let enc = tokenizer
+                    .encode(s, false)
+                    .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", origin.display()))?;
+                Ok(enc.get_ids().to_vec())
+            }
+        }
+    }
+}
+
+/// Tokenises text files into train/val shards. Documents (files) are separated by the
+/// end-of-document token when the tokenizer has one; the text from the point where the last
+/// `val_fraction` of the input bytes begins becomes `val` (for bytes: exactly that fraction
+/// of the tokens).
 pub fn prepare(
     inputs: &[PathBuf],
     out: &Path,
     val_fraction: f64,
     shard_tokens: usize,
+    tok: &TextTokenizer,
 ) -> Result<Meta> {
     ensure!(!inputs.is_empty(), "no input files given");
     ensure!(
@@ -269,6 +327,7 @@ pub fn prepare(
         "--val-fraction must be in (0, 1), got {val_fraction}"
     );
     ensure!(shard_tokens >= 1, "--shard-tokens must be at least 1");
+    // Positions count input bytes plus one per document end.
     let mut total = 0u64;
     for p in inputs {
         let md =
@@ -279,52 +338,64 @@ pub fn prepare(
     let n_val = ((total as f64 * val_fraction).ceil() as u64).max(1);
     ensure!(
         total > n_val,
-        "inputs hold only {total} tokens: too few to split into train and val"
+        "inputs hold only {total} bytes: too few to split into train and val"
     );
+    let split_at = total - n_val;
     prepare_out_dir(out)?;
-    let vocab = 257;
+    let vocab = tok.vocab_size();
     let width = Width::for_vocab(vocab);
     let mut train = ShardWriter::new(out, "train", TOKENS_MAGIC, width, shard_tokens);
     let mut val = ShardWriter::new(out, "val", TOKENS_MAGIC, width, shard_tokens);
-    let mut seen = 0u64;
-    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0u64;
     for p in inputs {
-        let mut f =
-            std::fs::File::open(p).with_context(|| format!("cannot read input {}", p.display()))?;
-        loop {
-            let n = f.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            for &b in &buf[..n] {
-                let w = if seen < total - n_val {
-                    &mut train
-                } else {
-                    &mut val
-                };
-                w.push(b as u32)?;
-                seen += 1;
+        let text =
+            std::fs::read(p).with_context(|| format!("cannot read input {}", p.display()))?;
+        ensure!(
+            pos + text.len() as u64 + 1 <= total,
+            "input {} grew while it was read",
+            p.display()
+        );
+        let mut cut = (split_at.saturating_sub(pos) as usize).min(text.len());
+        // A tokenizer needs whole characters: move the cut to the next character start.
+        while cut < text.len() && (text[cut] & 0xC0) == 0x80 && !matches!(tok, TextTokenizer::Bytes)
+        {
+            cut += 1;
+        }
+        for t in tok.encode(&text[..cut], p)? {
+            train.push(t)?;
+        }
+        for t in tok.encode(&text[cut..], p)? {
+            val.push(t)?;
+        }
+        pos += text.len() as u64;
+        if let Some(eot) = tok.eot() {
+            if pos < split_at {
+                train.push(eot)?
+            } else {
+                val.push(eot)?
             }
         }
-        let w = if seen < total - n_val {
-            &mut train
-        } else {
-            &mut val
-        };
-        w.push(BYTE_EOT)?;
-        seen += 1;
+        pos += 1;
     }
-    ensure!(
-        seen == total,
-        "an input file changed size while it was read"
-    );
     let (train, train_tokens) = train.finish()?;
     let (val, val_tokens) = val.finish()?;
+    ensure!(
+        train_tokens > 0 && val_tokens > 0,
+        "the split left an empty train or val set"
+    );
+    let tokenizer = match tok {
+        TextTokenizer::Bytes => "byte".to_string(),
+        TextTokenizer::Hf { path, .. } => {
+            // The data set keeps its tokenizer, so it describes itself.
+            atomic::write_bytes(&out.join("tokenizer.json"), &std::fs::read(path)?)?;
+            "tokenizer.json".to_string()
+        }
+    };
     let meta = Meta {
         format: 1,
-        tokenizer: "byte".into(),
+        tokenizer,
         vocab_size: vocab,
-        eot_token: Some(BYTE_EOT),
+        eot_token: tok.eot(),
         train,
         val,
         train_tokens,
@@ -774,7 +845,14 @@ mod tests {
         std::fs::write(&a, b"hello world").unwrap();
         std::fs::write(&b, b"xyz").unwrap();
         let out = d.join("ds");
-        let meta = prepare(&[a.clone(), b.clone()], &out, 0.25, 5).unwrap();
+        let meta = prepare(
+            &[a.clone(), b.clone()],
+            &out,
+            0.25,
+            5,
+            &TextTokenizer::Bytes,
+        )
+        .unwrap();
         assert_eq!(meta.train_tokens + meta.val_tokens, 16);
         assert_eq!(meta.val_tokens, 4);
         let read = |split: &str| {
@@ -793,9 +871,11 @@ mod tests {
         assert_eq!(all, want);
         assert_eq!(meta.train.len(), 3, "12 train tokens in shards of 5");
         let before = std::fs::read(out.join("meta.json")).unwrap();
-        assert!(
-            format!("{:#}", prepare(&[a], &out, 0.25, 5).unwrap_err()).contains("already holds")
-        );
+        assert!(format!(
+            "{:#}",
+            prepare(&[a], &out, 0.25, 5, &TextTokenizer::Bytes).unwrap_err()
+        )
+        .contains("already holds"));
         assert_eq!(std::fs::read(out.join("meta.json")).unwrap(), before);
     }
 

@@ -943,3 +943,94 @@ fn toml_of(v: &serde_json::Value) -> String {
     let cfg: attnsweep::config::Config = serde_json::from_value(v.clone()).unwrap();
     cfg.to_toml()
 }
+
+/// A tokenizer.json made here: a word-level vocabulary with whitespace pre-tokenisation and
+/// an end-of-document token.
+fn word_tokenizer(path: &Path) {
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+    let words = [
+        "[UNK]", "</s>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", ".",
+    ];
+    let vocab = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i as u32))
+        .collect();
+    let model = WordLevel::builder()
+        .vocab(vocab)
+        .unk_token("[UNK]".into())
+        .build()
+        .unwrap();
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace {}));
+    tok.save(path, false).unwrap();
+}
+
+#[test]
+fn data_prepare_with_a_tokenizer_json() {
+    let d = scratch("tok");
+    let tj = d.join("tokenizer.json");
+    word_tokenizer(&tj);
+    let text = d.join("a.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog . ".repeat(100),
+    )
+    .unwrap();
+    let ds = d.join("ds");
+    ok(&[
+        "data",
+        "prepare",
+        "--input",
+        text.to_str().unwrap(),
+        "--out",
+        ds.to_str().unwrap(),
+        "--val-fraction",
+        "0.2",
+        "--tokenizer",
+        tj.to_str().unwrap(),
+    ]);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ds.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["vocab_size"], 11);
+    assert_eq!(meta["eot_token"], 1, "</s> ends documents");
+    assert_eq!(meta["tokenizer"], "tokenizer.json");
+    assert!(
+        ds.join("tokenizer.json").is_file(),
+        "the data set keeps its tokenizer"
+    );
+    // 10 words per repetition, 100 repetitions, one end-of-document token.
+    assert_eq!(
+        meta["train_tokens"].as_u64().unwrap() + meta["val_tokens"].as_u64().unwrap(),
+        1001
+    );
+    let data = format!("data.dir={}", ds.display());
+    train(
+        &d,
+        &data,
+        "run",
+        &[
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.warmup_steps=0",
+            "--set",
+            "data.seq_len=32",
+        ],
+    );
+    let cfg = std::fs::read_to_string(d.join("run/config.toml")).unwrap();
+    assert!(cfg.contains("vocab_size = 11"));
+    // A file that is not a tokenizer is a clear error.
+    let err = fails(&[
+        "data",
+        "prepare",
+        "--input",
+        text.to_str().unwrap(),
+        "--out",
+        d.join("x").to_str().unwrap(),
+        "--tokenizer",
+        text.to_str().unwrap(),
+    ]);
+    assert!(err.contains("is not a readable tokenizer.json"), "{err}");
+}

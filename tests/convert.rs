@@ -168,42 +168,45 @@ fn export_then_import_is_exact_and_continued_training_works() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let run = scratch("exp-run");
     let data_set = format!("data.dir={}", data.display());
-    let o = bin()
-        .args([
-            "train",
-            "-q",
-            "--config",
-            conv.join("config.toml").to_str().unwrap(),
-            "--init-from",
-            conv.to_str().unwrap(),
-            "--out",
-            run.to_str().unwrap(),
-        ])
-        .args([
-            "--set",
-            &data_set,
-            "--set",
-            "data.seq_len=32",
-            "--set",
-            "train.steps=2",
-            "--set",
-            "train.warmup_steps=0",
-            "--set",
-            "train.batch_size=2",
-            "--set",
-            "eval.max_batches=1",
-            "--set",
-            "attention.method=aha",
-            "--set",
-            "attention.window=8",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "continued pretraining from a converted model: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    for method in ["aha", "l2a", "swiattn", "swa", "ppa", "full"] {
+        let out = run.join(method);
+        let o = bin()
+            .args([
+                "train",
+                "-q",
+                "--config",
+                conv.join("config.toml").to_str().unwrap(),
+                "--init-from",
+                conv.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .args([
+                "--set",
+                &data_set,
+                "--set",
+                "data.seq_len=32",
+                "--set",
+                "train.steps=2",
+                "--set",
+                "train.warmup_steps=0",
+                "--set",
+                "train.batch_size=2",
+                "--set",
+                "eval.max_batches=1",
+                "--set",
+                &format!("attention.method={method}"),
+                "--set",
+                "attention.window=8",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "continued pretraining of {method} from a converted model: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
     // Export the converted model itself (as a run: its config plus weights) and convert back.
     let as_run = scratch("exp-asrun");
     std::fs::create_dir_all(&as_run).unwrap();
@@ -261,13 +264,14 @@ fn export_then_import_is_exact_and_continued_training_works() {
         .args([
             "export",
             "--run",
-            run.to_str().unwrap(),
+            run.join("aha").to_str().unwrap(),
             "--out",
             scratch("exp-bad").to_str().unwrap(),
         ])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&o.stderr).contains("full-attention or sliding-window"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("full-attention or sliding-window"), "{e}");
 }
 
 #[test]
