@@ -55,6 +55,20 @@ impl KeyPattern {
             .sum()
     }
 
+    /// Pairs attended by the queries at positions `start .. end` (query i sees the distances
+    /// d <= i the pattern allows).
+    pub fn pairs_between(&self, start: usize, end: usize) -> u64 {
+        let mut seen = 0u64;
+        let mut total = 0u64;
+        for (i, s) in self.distance_table(end).iter().enumerate() {
+            seen += *s as u64;
+            if i >= start {
+                total += seen;
+            }
+        }
+        total
+    }
+
     /// Dense `[len, len]` boolean mask, true where query i (row) may attend key k (column).
     pub fn mask(&self, len: usize, device: Device) -> Tensor {
         let pos = Tensor::arange(len as i64, (Kind::Int64, device));
@@ -168,8 +182,9 @@ pub struct ForwardCtx {
     /// L2A: run global attention for every token this step (p_force).
     pub force_global: bool,
     pub gate_override: Option<GateOverride>,
-    /// Draws for Bernoulli routers; None makes them use a fixed seed.
-    pub rng: Option<RefCell<Rng>>,
+    /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
+    /// head), so a token's gate does not depend on how the sequence is cut into chunks.
+    pub gate_seed: u64,
 }
 
 /// Dense masks built once per forward and shared by the layers that use the same pattern.
@@ -203,6 +218,120 @@ impl MaskCache {
             .expect("just inserted")
             .1;
         attend(q, k, v, &pattern, Some(mask))
+    }
+}
+
+/// One stream of cached keys and values with their absolute positions.
+struct Slot {
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+}
+
+/// A layer's decoding cache: slot 0 holds the attention's keys and values, slot 1 those of
+/// L2A's global module. Layers that only ever look back a window keep only that window.
+#[derive(Default)]
+pub struct LayerCache {
+    slots: [Option<Slot>; 2],
+}
+
+impl LayerCache {
+    /// Bytes held (keys and values).
+    pub fn bytes(&self) -> f64 {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| (s.k.numel() + s.v.numel()) as f64 * s.k.kind().elt_size_in_bytes() as f64)
+            .sum()
+    }
+}
+
+/// Where a layer's keys and values come from: the chunk being processed alone (training,
+/// whole-sequence evaluation), or a decoding cache the chunk's keys extend.
+pub enum Keys<'a> {
+    Chunk(&'a MaskCache),
+    Cache {
+        cache: &'a RefCell<LayerCache>,
+        start: i64,
+    },
+}
+
+impl Keys<'_> {
+    /// Position of the chunk's first token.
+    fn start(&self) -> i64 {
+        match self {
+            Keys::Chunk(_) => 0,
+            Keys::Cache { start, .. } => *start,
+        }
+    }
+
+    /// The keys and values to attend over: the chunk's, after the cached ones of `slot`.
+    fn extend(&self, slot: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        let Keys::Cache { cache, start } = self else {
+            return (k, v);
+        };
+        let mut c = cache.borrow_mut();
+        let n = k.size()[2];
+        let pos = Tensor::arange_start(*start, start + n, (Kind::Int64, k.device()));
+        let merged = match c.slots[slot].take() {
+            Some(s) => Slot {
+                k: Tensor::cat(&[&s.k, &k], 2),
+                v: Tensor::cat(&[&s.v, &v], 2),
+                pos: Tensor::cat(&[&s.pos, &pos], 0),
+            },
+            None => Slot { k, v, pos },
+        };
+        let out = (merged.k.shallow_clone(), merged.v.shallow_clone());
+        c.slots[slot] = Some(merged);
+        out
+    }
+
+    /// `pattern` for queries of this chunk over keys from `extend(slot, ..)`.
+    fn attend(
+        &self,
+        slot: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pattern: KeyPattern,
+    ) -> Tensor {
+        match self {
+            Keys::Chunk(masks) => masks.attend(q, k, v, pattern),
+            Keys::Cache { cache, start } => {
+                let c = cache.borrow();
+                let kpos = &c.slots[slot]
+                    .as_ref()
+                    .expect("extended before attending")
+                    .pos;
+                let n = q.size()[2];
+                let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
+                let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
+                let table = Tensor::from_slice(&pattern.distance_table((start + n) as usize))
+                    .to_device(q.device());
+                let mask = table
+                    .index_select(0, &dist.clamp_min(0).flatten(0, 1))
+                    .view([n, kpos.size()[0]])
+                    .logical_and(&dist.ge(0));
+                let gqa = q.size()[1] != k.size()[1];
+                Tensor::scaled_dot_product_attention(q, k, v, Some(&mask), 0.0, false, None, gqa)
+            }
+        }
+    }
+
+    /// Drops cached keys of `slot` that no later query can see through a window of `w`.
+    fn trim(&self, slot: usize, w: usize, end: i64) {
+        let Keys::Cache { cache, .. } = self else {
+            return;
+        };
+        let mut c = cache.borrow_mut();
+        if let Some(s) = c.slots[slot].as_mut() {
+            // The last w keys, the window of the last query: a rolling buffer at its peak
+            // size (the next query needs w - 1 of them beside its own).
+            let keep = s.pos.ge(end - w as i64).nonzero().squeeze_dim(-1);
+            s.k = s.k.index_select(2, &keep);
+            s.v = s.v.index_select(2, &keep);
+            s.pos = s.pos.index_select(0, &keep);
+        }
     }
 }
 
@@ -518,37 +647,39 @@ impl SelfAttention {
         }
     }
 
-    /// `pattern` for every query: windows go to the kernel when the library is loaded.
+    /// `pattern` for every query of the chunk: windows go to the kernel when the library is
+    /// loaded and the keys are the chunk's own.
     fn attend_all(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         pattern: KeyPattern,
-        masks: &MaskCache,
+        keys: &Keys,
+        slot: usize,
     ) -> Tensor {
-        match (self.kernels, pattern) {
-            (Some(kern), KeyPattern::Window(w)) => kern
+        match (self.kernels, pattern, keys) {
+            (Some(kern), KeyPattern::Window(w), Keys::Chunk(_)) => kern
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
-            _ => masks.attend(q, k, v, pattern),
+            _ => keys.attend(slot, q, k, v, pattern),
         }
     }
 
-    /// Full-prefix and window outputs `[B, H, L, D]` for a per-(token, head) choice `on:
-    /// [B, L, H]`. With kernels and no gradient to compute, each query runs only the path its
-    /// gate picked (the other output is zero there); otherwise both run for every query,
-    /// since the straight-through gradient needs both.
+    /// Full-prefix and window outputs `[B, H, T, D]` for a per-(token, head) choice `on:
+    /// [B, T, H]`. With kernels, the chunk's own keys and no gradient to compute, each query
+    /// runs only the path its gate picked (the other output is zero there); otherwise both run
+    /// for every query, since the straight-through gradient needs both.
     fn branches(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         on: &Tensor,
-        masks: &MaskCache,
+        keys: &Keys,
     ) -> (Tensor, Tensor) {
-        match self.kernels {
-            Some(kern) if !q.requires_grad() => {
+        match (self.kernels, keys) {
+            (Some(kern), Keys::Chunk(_)) if !q.requires_grad() => {
                 let on = on.transpose(1, 2).gt(0.5);
                 let len = q.size()[2];
                 (
@@ -556,9 +687,22 @@ impl SelfAttention {
                     sparse_attention(kern, q, k, v, &on.logical_not(), self.window as i64),
                 )
             }
+            // Decoding: a path that no query of the chunk picked is not run.
+            (_, Keys::Cache { .. }) if !q.requires_grad() => {
+                let picked = |t: Tensor| t.any().int64_value(&[]) != 0;
+                let full = match picked(on.gt(0.5)) {
+                    true => keys.attend(0, q, k, v, KeyPattern::Full),
+                    false => q.zeros_like(),
+                };
+                let local = match picked(on.le(0.5)) {
+                    true => self.attend_all(q, k, v, KeyPattern::Window(self.window), keys, 0),
+                    false => q.zeros_like(),
+                };
+                (full, local)
+            }
             _ => (
-                masks.attend(q, k, v, KeyPattern::Full),
-                self.attend_all(q, k, v, KeyPattern::Window(self.window), masks),
+                keys.attend(0, q, k, v, KeyPattern::Full),
+                self.attend_all(q, k, v, KeyPattern::Window(self.window), keys, 0),
             ),
         }
     }
@@ -624,7 +768,14 @@ impl SelfAttention {
 
     /// Hard gates and the gate value used in the forward pass, shaped like `like`
     /// (`[B, L, outputs]`), for learned routers with their soft scores.
-    fn gates(&self, source: &GateSource, x: &Tensor, like: [i64; 3], ctx: &ForwardCtx) -> Gate {
+    fn gates(
+        &self,
+        source: &GateSource,
+        x: &Tensor,
+        like: [i64; 3],
+        start: i64,
+        ctx: &ForwardCtx,
+    ) -> Gate {
         // Routers run in fp32 so thresholding does not depend on the compute dtype.
         let logits = match source {
             GateSource::Learned { router, .. } => Some(router.forward(&upcast(x))),
@@ -654,16 +805,20 @@ impl SelfAttention {
                     (hard.shallow_clone(), ste(hard))
                 }
                 GateSource::Bernoulli(p) => {
-                    let n = (like[0] * like[1] * like[2]) as usize;
-                    let draws: Vec<f32> = match &ctx.rng {
-                        Some(r) => (0..n)
-                            .map(|_| (r.borrow_mut().uniform() < *p) as u8 as f32)
-                            .collect(),
-                        None => {
-                            let mut r = Rng::new(self.layer as u64);
-                            (0..n).map(|_| (r.uniform() < *p) as u8 as f32).collect()
+                    let mut draws = Vec::with_capacity((like[0] * like[1] * like[2]) as usize);
+                    for b in 0..like[0] {
+                        for t in 0..like[1] {
+                            for h in 0..like[2] {
+                                let key =
+                                    [self.layer as u64, b as u64, (start + t) as u64, h as u64];
+                                let mut r =
+                                    Rng::new(key.iter().fold(ctx.gate_seed, |acc, k| {
+                                        Rng::new(acc ^ k).next_u64()
+                                    }));
+                                draws.push((r.uniform() < *p) as u8 as f32);
+                            }
                         }
-                    };
+                    }
                     let hard = Tensor::from_slice(&draws).view(like).to_device(x.device());
                     (hard.shallow_clone(), hard)
                 }
@@ -682,22 +837,23 @@ impl SelfAttention {
     }
 
     /// `x: [B, L, hidden]`, already normalised.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        masks: &MaskCache,
-        ctx: &ForwardCtx,
-    ) -> AttnOutput {
+    /// `x: [B, T, hidden]` (already normalised), the chunk of positions `keys.start() ..`;
+    /// `rope` covers those positions.
+    pub fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = self.proj.n_heads;
+        let start = keys.start();
         let window = KeyPattern::Window(self.window);
         let (q, k, v) = self.proj.qkv(x, rope);
-        match &self.route {
+        let (k, v) = keys.extend(0, k, v);
+        let (first, end) = (start as usize, (start + l) as usize);
+        let out = match &self.route {
             Route::Static(pattern) => {
-                let pairs = (b * h) as f64 * pattern.attended_pairs(l as usize) as f64;
+                let pairs = (b * h) as f64 * pattern.pairs_between(first, end) as f64;
                 AttnOutput {
-                    y: self.proj.out(&self.attend_all(&q, &k, &v, *pattern, masks)),
+                    y: self
+                        .proj
+                        .out(&self.attend_all(&q, &k, &v, *pattern, keys, 0)),
                     gates: None,
                     scores: None,
                     reg: None,
@@ -705,13 +861,13 @@ impl SelfAttention {
                 }
             }
             Route::PerHead { gates } => {
-                let g = self.gates(gates, x, [b, l, h], ctx);
-                let (full, local) = self.branches(&q, &k, &v, &g.hard, masks);
+                let g = self.gates(gates, x, [b, l, h], start, ctx);
+                let (full, local) = self.branches(&q, &k, &v, &g.hard, keys);
                 let gv = g.value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
                 let y = &gv * full + (1.0 - &gv) * local;
                 AttnOutput {
                     y: self.proj.out(&y),
-                    pairs: routed_pairs(&g.hard, self.window),
+                    pairs: routed_pairs(&g.hard, self.window, start),
                     reg: learned_lambda(gates).map(|lambda| {
                         Regulariser::Term(
                             g.scores.as_ref().expect("scored").mean(Kind::Float) * lambda,
@@ -722,9 +878,11 @@ impl SelfAttention {
                 }
             }
             Route::Global { gates, global } => {
-                let s = self.proj.out(&self.attend_all(&q, &k, &v, window, masks));
-                let g = self.gates(gates, &s, [b, l, 1], ctx);
+                let s = self.proj.out(&self.attend_all(&q, &k, &v, window, keys, 0));
+                let g = self.gates(gates, &s, [b, l, 1], start, ctx);
                 let (qg, kg, vg) = global.qkv(&s, rope);
+                // Every token's s is a key of the global module, routed or not.
+                let (kg, vg) = keys.extend(1, kg, vg);
                 // Global attention runs only for routed tokens (all of them when forced), so an
                 // unrouted token's a_t is zero and sends the router no language-model gradient.
                 let executed = if ctx.force_global {
@@ -732,19 +890,26 @@ impl SelfAttention {
                 } else {
                     g.hard.shallow_clone()
                 };
-                let a = match self.kernels {
-                    Some(kern) => {
+                let a = match (self.kernels, keys) {
+                    (Some(kern), Keys::Chunk(_)) => {
                         let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
                         global.out(&sparse_attention(kern, &qg, &kg, &vg, &active, l))
                     }
-                    None => {
-                        global.out(&masks.attend(&qg, &kg, &vg, KeyPattern::Full))
+                    // Decoding: no token of the chunk routed, so global attention is skipped.
+                    (_, Keys::Cache { .. })
+                        if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 =>
+                    {
+                        s.zeros_like()
+                    }
+                    _ => {
+                        global.out(&keys.attend(1, &qg, &kg, &vg, KeyPattern::Full))
                             * executed.to_kind(x.kind())
                     }
                 };
                 let y = &s + g.value.to_kind(x.kind()) * a;
-                let local_pairs = (b * h) as f64 * window.attended_pairs(l as usize) as f64;
-                let positions = Tensor::arange_start(1, l + 1, (Kind::Float, x.device()));
+                let local_pairs = (b * h) as f64 * window.pairs_between(first, end) as f64;
+                let positions =
+                    Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, x.device()));
                 let global_pairs =
                     (executed.squeeze_dim(-1) * positions).sum(Kind::Float) * h as f64;
                 AttnOutput {
@@ -769,9 +934,9 @@ impl SelfAttention {
                 swa_o_proj,
                 reg,
             } => {
-                let g = self.gates(gates, x, [b, l, 1], ctx);
+                let g = self.gates(gates, x, [b, l, 1], start, ctx);
                 let (full, local) =
-                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), masks);
+                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys);
                 let full = self.proj.out(&full);
                 let local = match swa_o_proj {
                     Some(o) => o.forward(&self.proj.merge(&local)),
@@ -797,12 +962,28 @@ impl SelfAttention {
                 let hard = g.hard.expand([b, l, h], false);
                 AttnOutput {
                     y: &gv * full + (1.0 - &gv) * local,
-                    pairs: routed_pairs(&hard, self.window),
+                    pairs: routed_pairs(&hard, self.window, start),
                     reg,
                     gates: Some(hard),
                     scores: g.scores,
                 }
             }
+        };
+        // Keys that no later query can reach through this layer's window are dropped.
+        if let Some(w) = self.window_only() {
+            keys.trim(0, w, start + l);
+        }
+        out
+    }
+
+    /// The window of a layer whose (base) attention never looks further back, None when some
+    /// query may read the whole prefix.
+    fn window_only(&self) -> Option<usize> {
+        match self.route {
+            Route::Static(KeyPattern::Window(w)) => Some(w),
+            // L2A's local module; the global module's keys (slot 1) are all kept.
+            Route::Global { .. } => Some(self.window),
+            _ => None,
         }
     }
 
@@ -829,11 +1010,11 @@ fn learned_lambda(source: &GateSource) -> Option<f64> {
     }
 }
 
-/// Pairs attended when gate `[B, L, H]` picks, per (token, head), the whole prefix (i + 1
-/// keys) or the window (min(w, i + 1) keys).
-pub fn routed_pairs(hard: &Tensor, window: usize) -> Tensor {
+/// Pairs attended when gate `[B, L, H]` for the positions from `start` on picks, per (token,
+/// head), the whole prefix (i + 1 keys) or the window (min(w, i + 1) keys).
+pub fn routed_pairs(hard: &Tensor, window: usize, start: i64) -> Tensor {
     let l = hard.size()[1];
-    let full = Tensor::arange_start(1, l + 1, (Kind::Float, hard.device()));
+    let full = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, hard.device()));
     let win = full.clamp_max(window as f64);
     let n = (hard.size()[0] * hard.size()[2]) as f64;
     (hard.to_kind(Kind::Float) * (&full - &win).view([1, l, 1])).sum(Kind::Float)
@@ -1227,6 +1408,7 @@ mod tests {
             Device::Cpu,
         );
         let masks = MaskCache::new(5, Device::Cpu);
+        let masks = Keys::Chunk(&masks);
         // AHA: lambda * mean over tokens and heads of sigmoid(x W^T + b).
         let cfg = routed_cfg(Method::Aha, |c| c.attention.lambda = 0.25);
         let b = Built::new(&cfg, Device::Cpu).unwrap();
@@ -1340,6 +1522,7 @@ mod tests {
             Device::Cpu,
         );
         let masks = MaskCache::new(6, Device::Cpu);
+        let masks = Keys::Chunk(&masks);
         let out = b.model.layers[0]
             .self_attn
             .forward(&x, &rope, &masks, &ForwardCtx::default());
@@ -1512,7 +1695,7 @@ mod tests {
         );
         let x = Tensor::randint(13, [8, 200], (Kind::Int64, Device::Cpu));
         let ctx = || ForwardCtx {
-            rng: Some(RefCell::new(Rng::new(9))),
+            gate_seed: 9,
             ..Default::default()
         };
         let out = b.model.forward(&x, &ctx());
@@ -1566,7 +1749,7 @@ mod tests {
         let g = Tensor::from_slice(&[1f32, 0., 0., 1., 1., 0.]).view([1, 3, 2]);
         // Window 2: token t sees min(2, t+1) keys locally, t+1 keys on the full path.
         let want = (1 + 1) + (2 + 2) + (3 + 2);
-        assert_eq!(routed_pairs(&g, 2).double_value(&[]), want as f64);
+        assert_eq!(routed_pairs(&g, 2, 0).double_value(&[]), want as f64);
         // L2A: every token's window plus the global prefix of routed tokens.
         let cfg = routed_cfg(Method::L2a, |_| {});
         let b = Built::new(&cfg, Device::Cpu).unwrap();
@@ -1651,6 +1834,94 @@ mod tests {
                 "{method:?} eval-mode logits"
             );
             assert_eq!(a.attended_pairs(), b.attended_pairs());
+        }
+    }
+
+    /// Decoding with a cache, a prefill chunk then single tokens then a chunk of two, gives
+    /// the logits and gates of one forward over the whole sequence, for every method; the
+    /// cache then holds what each layer kind needs and no more.
+    #[test]
+    fn cached_decoding_matches_the_whole_sequence_forward() {
+        let cases: Vec<(&str, Config)> = vec![
+            ("full", routed_cfg(Method::Full, |_| {})),
+            ("swa", routed_cfg(Method::Swa, |_| {})),
+            (
+                "ppa",
+                routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 0.5),
+            ),
+            (
+                "static_hybrid",
+                routed_cfg(Method::StaticHybrid, |c| c.attention.hybrid_every = 2),
+            ),
+            ("aha", routed_cfg(Method::Aha, |_| {})),
+            ("l2a", routed_cfg(Method::L2a, |c| c.attention.tau = 0.5)),
+            (
+                "l2a_pruned",
+                routed_cfg(Method::L2a, |c| c.attention.pruned_layers = vec![1]),
+            ),
+            ("swiattn", routed_cfg(Method::Swiattn, |_| {})),
+            (
+                "aha_bernoulli",
+                routed_cfg(Method::Aha, |c| {
+                    c.attention.router = Router::Bernoulli;
+                    c.attention.bernoulli_p = 0.4;
+                }),
+            ),
+        ];
+        let len = 9;
+        for (name, cfg) in cases {
+            let b = Built::new(&cfg, Device::Cpu).unwrap();
+            randomise_routers(&b, 1.0);
+            let ctx = ForwardCtx {
+                gate_seed: 5,
+                ..Default::default()
+            };
+            let (whole, pieces, cache) = tch::no_grad(|| {
+                let whole = b.model.forward(&ids(), &ctx);
+                let mut cache = b.model.new_cache();
+                let mut pieces = Vec::new();
+                for (at, n) in [(0, 4), (4, 1), (5, 1), (6, 2), (8, 1)] {
+                    pieces.push(
+                        b.model
+                            .forward_cached(&ids().narrow(1, at, n), &mut cache, &ctx),
+                    );
+                }
+                (whole, pieces, cache)
+            });
+            let logits = Tensor::cat(&pieces.iter().map(|p| &p.logits).collect::<Vec<_>>(), 1);
+            assert!(
+                max_diff(&whole.logits, &logits) < 1e-5,
+                "{name}: cached logits"
+            );
+            if let Some(g) = &whole.layers[0].gates {
+                let cached = Tensor::cat(
+                    &pieces
+                        .iter()
+                        .map(|p| p.layers[0].gates.as_ref().unwrap())
+                        .collect::<Vec<_>>(),
+                    1,
+                );
+                assert!(g.equal(&cached), "{name}: cached gates");
+                let pairs: f64 = pieces
+                    .iter()
+                    .map(|p| p.layers[0].pairs.double_value(&[]))
+                    .sum();
+                assert_eq!(
+                    pairs,
+                    whole.layers[0].pairs.double_value(&[]),
+                    "{name}: pairs"
+                );
+            }
+            assert_eq!(cache.len, len);
+            // Two sequences in the batch; kv_cache_bytes is per sequence.
+            let want: Vec<f64> = b
+                .model
+                .kv_cache_bytes(len as usize)
+                .iter()
+                .map(|x| 2.0 * x)
+                .collect();
+            let held: Vec<f64> = cache.layers.iter().map(|l| l.borrow().bytes()).collect();
+            assert_eq!(held, want, "{name}: cache bytes per layer");
         }
     }
 }

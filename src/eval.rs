@@ -10,10 +10,8 @@ use crate::attention::ForwardCtx;
 use crate::config::Config;
 use crate::data::{Split, DEP_NONE};
 use crate::model::{token_nll, Llama};
-use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde::Serialize;
-use std::cell::RefCell;
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
@@ -268,7 +266,7 @@ pub fn evaluate(
     let mut gates: Option<GateAccum> = None;
     // Bernoulli routers draw from a generator seeded by the run, so evaluation repeats.
     let ctx = ForwardCtx {
-        rng: Some(RefCell::new(Rng::new(cfg.train.seed ^ 0xE7A1))),
+        gate_seed: cfg.train.seed ^ 0xE7A1,
         ..Default::default()
     };
     tch::no_grad(|| {

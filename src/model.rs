@@ -6,9 +6,12 @@
 //! activations and matmuls run in. Weights are cast on use, so autograd delivers fp32
 //! gradients to the parameters, which is what autocast does in PyTorch.
 
-use crate::attention::{AttnOutput, ForwardCtx, KeyPattern, MaskCache, SelfAttention};
+use crate::attention::{
+    AttnOutput, ForwardCtx, KeyPattern, Keys, LayerCache, MaskCache, SelfAttention,
+};
 use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm};
 use anyhow::Result;
+use std::cell::RefCell;
 use tch::{nn, Kind, Tensor};
 
 pub struct Linear {
@@ -93,6 +96,14 @@ impl Rope {
         }
     }
 
+    /// The angles of positions `start .. start + len`.
+    pub fn slice(&self, start: i64, len: i64) -> Rope {
+        Rope {
+            cos: self.cos.narrow(0, start, len),
+            sin: self.sin.narrow(0, start, len),
+        }
+    }
+
     /// `x: [B, H, L, D]`.
     pub fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size()[3] / 2;
@@ -174,6 +185,19 @@ pub struct DecoderLayer {
     post_attention_layernorm: RmsNorm,
     post_feedforward_layernorm: Option<RmsNorm>,
     mlp: Mlp,
+}
+
+/// Per-layer key-value caches of a sequence being decoded, and how many tokens it holds.
+pub struct ModelCache {
+    pub layers: Vec<RefCell<LayerCache>>,
+    pub len: i64,
+}
+
+impl ModelCache {
+    /// Bytes of keys and values held now, over all layers.
+    pub fn bytes(&self) -> f64 {
+        self.layers.iter().map(|l| l.borrow().bytes()).sum()
+    }
 }
 
 /// Everything a forward pass produces besides the logits.
@@ -315,18 +339,62 @@ impl Llama {
     /// `ids: [B, L]` int64 token ids.
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
         let len = ids.size()[1];
-        let device = ids.device();
-        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, device);
-        let masks = MaskCache::new(len as usize, device);
+        let masks = MaskCache::new(len as usize, ids.device());
+        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, ids.device());
+        self.run(ids, &rope, |_| Keys::Chunk(&masks), ctx)
+    }
+
+    /// An empty decoding cache for `forward_cached`.
+    pub fn new_cache(&self) -> ModelCache {
+        ModelCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| RefCell::new(LayerCache::default()))
+                .collect(),
+            len: 0,
+        }
+    }
+
+    /// The next `ids: [B, T]` after the tokens `cache` already holds: same outputs as the
+    /// whole-sequence forward gives at those positions, computing only the new queries.
+    pub fn forward_cached(
+        &self,
+        ids: &Tensor,
+        cache: &mut ModelCache,
+        ctx: &ForwardCtx,
+    ) -> ForwardOutput {
+        let (start, n) = (cache.len, ids.size()[1]);
+        let rope =
+            Rope::new(start + n, &inv_freq(&self.cfg), self.compute, ids.device()).slice(start, n);
+        let out = self.run(
+            ids,
+            &rope,
+            |l| Keys::Cache {
+                cache: &cache.layers[l],
+                start,
+            },
+            ctx,
+        );
+        cache.len += n;
+        out
+    }
+
+    fn run<'a>(
+        &self,
+        ids: &Tensor,
+        rope: &Rope,
+        keys: impl Fn(usize) -> Keys<'a>,
+        ctx: &ForwardCtx,
+    ) -> ForwardOutput {
         let mut h =
             Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
         let mut outs = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let keys = keys(i);
             let attn = match &layer.input_layernorm {
                 Some(norm) => {
-                    let attn = layer
-                        .self_attn
-                        .forward(&norm.forward(&h), &rope, &masks, ctx);
+                    let attn = layer.self_attn.forward(&norm.forward(&h), rope, &keys, ctx);
                     h = &h + &attn.y;
                     h = &h
                         + layer
@@ -335,7 +403,7 @@ impl Llama {
                     attn
                 }
                 None => {
-                    let attn = layer.self_attn.forward(&h, &rope, &masks, ctx);
+                    let attn = layer.self_attn.forward(&h, rope, &keys, ctx);
                     h = &h + layer.post_attention_layernorm.forward(&attn.y);
                     let ff = layer
                         .post_feedforward_layernorm

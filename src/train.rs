@@ -14,7 +14,6 @@ use crate::model::{token_nll, Llama};
 use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -427,12 +426,10 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let mut rng = Rng {
         state: state.rng_state,
     };
-    let mut ctx = ForwardCtx {
-        rng: Some(RefCell::new(Rng {
-            state: state.gate_rng_state,
-        })),
-        ..Default::default()
+    let mut gate_rng = Rng {
+        state: state.gate_rng_state,
     };
+    let mut ctx = ForwardCtx::default();
     let p_force = match (cfg.attention.method, cfg.attention.router) {
         (Method::L2a, Router::Learned) => cfg.attention.p_force,
         _ => 0.0,
@@ -476,8 +473,9 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         let lr = learning_rate(t, state.step);
         opt.zero_grad();
         // L2A's anti-collapse draw: once per optimizer step, from the gate generator.
-        ctx.force_global =
-            p_force > 0.0 && ctx.rng.as_ref().expect("gate rng").borrow_mut().uniform() < p_force;
+        ctx.force_global = p_force > 0.0 && gate_rng.uniform() < p_force;
+        // Context-free (Bernoulli) gates are drawn afresh each step.
+        ctx.gate_seed = gate_rng.next_u64();
         let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
         for _ in 0..t.grad_accum {
             let b = train_split.sample(&mut rng, t.batch_size, cfg.data.seq_len, device)?;
@@ -544,7 +542,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         }
         if state.step % t.ckpt_every == 0 || state.step == last {
             state.rng_state = rng.state;
-            state.gate_rng_state = ctx.rng.as_ref().expect("gate rng").borrow().state;
+            state.gate_rng_state = gate_rng.state;
             let model_tensors: Vec<(String, Tensor)> = params
                 .iter()
                 .map(|(n, p)| (n.clone(), p.shallow_clone()))
