@@ -251,6 +251,15 @@ struct EvalCmd {
     /// Split to evaluate.
     #[arg(long, default_value = "val", value_parser = ["val", "train"])]
     split: String,
+    /// Long-context probes to run after the loss (sets eval.tasks): niah_single,
+    /// niah_multikey, niah_multivalue, passkey, mqar, variable_tracking. Lengths, depths,
+    /// samples and haystack come from eval.lengths, eval.depths, eval.samples, eval.haystack.
+    #[arg(long, value_delimiter = ',')]
+    tasks: Vec<String>,
+    /// Multiple-choice JSONL files (lines {"context", "choices", "gold"}), scored by
+    /// log-likelihood (sets eval.mc).
+    #[arg(long, num_args = 1..)]
+    mc: Vec<PathBuf>,
     /// Print nothing but errors.
     #[arg(long, short)]
     quiet: bool,
@@ -264,6 +273,53 @@ enum DataCmd {
     /// Generate the synthetic long-tail dependency corpus (tokens plus each position's
     /// dependency distance).
     Synth(SynthCmd),
+    /// Write probe documents (prompt, answer, end of document), alone or mixed into a prepared
+    /// corpus, so small models learn the probe format.
+    Probes(ProbesCmd),
+}
+
+#[derive(Args)]
+struct ProbesCmd {
+    /// Output data set directory.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// A prepared data set to mix the probes into (its tokenizer is used; its splits feed the
+    /// text haystack).
+    #[arg(long)]
+    mix_with: Option<PathBuf>,
+    /// Share of tokens that are probes when mixing (1: probes only).
+    #[arg(long, default_value_t = 1.0)]
+    probe_fraction: f64,
+    /// A tokenizer.json when there is no corpus; byte-level when omitted.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Probe tasks, drawn uniformly per document.
+    #[arg(long, value_delimiter = ',', default_value = "niah_single")]
+    tasks: Vec<String>,
+    /// Prompt lengths in tokens, drawn uniformly per document (depths are uniform in [0, 1]).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    lengths: Vec<usize>,
+    /// Probe documents in the train split.
+    #[arg(long, default_value_t = 20_000)]
+    train_docs: usize,
+    /// Probe documents in the val split (drawn from a different seed).
+    #[arg(long, default_value_t = 500)]
+    val_docs: usize,
+    /// Haystack: noise (RULER's sentences) or text (the mixed corpus).
+    #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
+    haystack: String,
+    /// Seed of the documents (evaluation probes use eval.probe_seed, a different stream).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Digits of magic numbers and pass keys.
+    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().digits)]
+    digits: usize,
+    /// Needles of the multi-key and multi-value tasks; variables per tracking chain.
+    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().needles)]
+    needles: usize,
+    /// Keys asked at once in MQAR.
+    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().queries)]
+    queries: usize,
 }
 
 #[derive(Args)]
@@ -443,6 +499,39 @@ pub fn main() -> Result<()> {
             );
             Ok(())
         }
+        Command::Data(DataCmd::Probes(c)) => {
+            let tok = match &c.tokenizer {
+                Some(p) => data::TextTokenizer::hf(p)?,
+                None => data::TextTokenizer::Bytes,
+            };
+            let spec = crate::probes::ProbeSpec {
+                seed: c.seed,
+                digits: c.digits,
+                needles: c.needles,
+                queries: c.queries,
+            };
+            let mix = crate::probes::MixSpec {
+                tasks: c
+                    .tasks
+                    .iter()
+                    .map(|t| crate::probes::Task::parse(t))
+                    .collect::<Result<_>>()?,
+                lengths: c.lengths,
+                train_docs: c.train_docs,
+                val_docs: c.val_docs,
+                probe_fraction: c.probe_fraction,
+                text_haystack: c.haystack == "text",
+            };
+            let meta =
+                crate::probes::write_dataset(&spec, &mix, tok, c.mix_with.as_deref(), &c.out)?;
+            eprintln!(
+                "wrote {} train and {} val tokens to {}",
+                meta.train_tokens,
+                meta.val_tokens,
+                c.out.display()
+            );
+            Ok(())
+        }
         Command::Data(DataCmd::Synth(c)) => {
             let spec = SynthSpec {
                 seed: c.seed,
@@ -526,7 +615,19 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
 }
 
 fn run_eval(c: EvalCmd) -> Result<()> {
-    let run = train::LoadedRun::open(&c.run, &c.sets, c.ckpt.as_deref())?;
+    let quote = |v: &[String]| {
+        let items: Vec<String> = v.iter().map(|x| format!("{x:?}")).collect();
+        format!("[{}]", items.join(", "))
+    };
+    let mut sets = c.sets.clone();
+    if !c.tasks.is_empty() {
+        sets.push(format!("eval.tasks={}", quote(&c.tasks)));
+    }
+    if !c.mc.is_empty() {
+        let paths: Vec<String> = c.mc.iter().map(|p| p.display().to_string()).collect();
+        sets.push(format!("eval.mc={}", quote(&paths)));
+    }
+    let run = train::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref())?;
     let (cfg, built) = (&run.cfg, &run.built);
     let split = data::Split::open(&cfg.data.dir, &run.meta, &c.split)?;
     let report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device)?;
@@ -567,6 +668,20 @@ fn run_eval(c: EvalCmd) -> Result<()> {
                 "  {:>16}  {:>8} tokens  loss {:.4}",
                 b.bucket, b.tokens, b.loss
             );
+        }
+    }
+    if !cfg.eval.tasks.is_empty() || !cfg.eval.mc.is_empty() {
+        let results =
+            crate::tasks::run(&built.model, cfg, &run.meta, run.device, &out, &run.weights)?;
+        if !c.quiet {
+            for (task, metrics) in &results {
+                let shown: Vec<String> = metrics
+                    .iter()
+                    .filter(|(k, _)| !k.ends_with("_stderr"))
+                    .map(|(k, v)| format!("{k} {v:.4}"))
+                    .collect();
+                println!("  {task:>18}  {}", shown.join("  "));
+            }
         }
     }
     Ok(())

@@ -315,16 +315,75 @@ impl Default for TrainConfig {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
+    /// Sequences per forward pass (loss evaluation, probes and multiple-choice items).
     pub batch_size: usize,
     /// At most this many batches of the validation split (0: all of it).
     pub max_batches: usize,
+    /// Long-context probes run after the loss evaluation, scored by greedy generation:
+    /// niah_single, niah_multikey, niah_multivalue, passkey, mqar, variable_tracking.
+    pub tasks: Vec<String>,
+    /// Prompt lengths of the probes in tokens (empty: data.seq_len).
+    pub lengths: Vec<usize>,
+    /// Depths of the relevant needle, 0 = start of the context, 1 = just before the question.
+    pub depths: Vec<f64>,
+    /// Probes per (task, length, depth).
+    pub samples: usize,
+    pub haystack: HaystackKind,
+    /// Data set whose val split the text haystack is cut from (empty: data.dir).
+    pub haystack_dir: PathBuf,
+    pub probe_seed: u64,
+    /// Digits of magic numbers and pass keys.
+    pub digits: usize,
+    /// Needles of the multi-key and multi-value tasks; variables in a tracking chain.
+    pub needles: usize,
+    /// Keys asked at once in MQAR.
+    pub queries: usize,
+    /// Multiple-choice task files: JSONL lines with context, choices and gold (the index of
+    /// the right choice), in the lm-evaluation-harness shape.
+    pub mc: Vec<PathBuf>,
+    /// Longest multiple-choice input in tokens; longer contexts lose their start (0: data.seq_len).
+    pub max_length: usize,
+}
+
+/// Where probe haystacks come from.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum HaystackKind {
+    /// RULER's repeated noise sentences.
+    Noise,
+    /// Windows of a prepared corpus.
+    Text,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
+        let probes = crate::probes::ProbeSpec::default();
         EvalConfig {
             batch_size: 16,
             max_batches: 50,
+            tasks: Vec::new(),
+            lengths: Vec::new(),
+            depths: vec![0.0, 0.25, 0.5, 0.75, 1.0],
+            samples: 10,
+            haystack: HaystackKind::Noise,
+            haystack_dir: PathBuf::new(),
+            probe_seed: probes.seed,
+            digits: probes.digits,
+            needles: probes.needles,
+            queries: probes.queries,
+            mc: Vec::new(),
+            max_length: 0,
+        }
+    }
+}
+
+impl EvalConfig {
+    pub fn probe_spec(&self) -> crate::probes::ProbeSpec {
+        crate::probes::ProbeSpec {
+            seed: self.probe_seed,
+            digits: self.digits,
+            needles: self.needles,
+            queries: self.queries,
         }
     }
 }
@@ -467,7 +526,22 @@ impl Config {
         check("train.ckpt_every", t.ckpt_every, 1, 1 << 40)?;
         check("train.keep_checkpoints", t.keep_checkpoints, 1, 1 << 20)?;
 
-        check("eval.batch_size", self.eval.batch_size, 1, 1 << 20)?;
+        let e = &self.eval;
+        check("eval.batch_size", e.batch_size, 1, 1 << 20)?;
+        for t in &e.tasks {
+            crate::probes::Task::parse(t).context("eval.tasks")?;
+        }
+        for &l in &e.lengths {
+            check("eval.lengths", l, 8, 1 << 24)?;
+        }
+        for &d in &e.depths {
+            check("eval.depths", d, 0.0, 1.0)?;
+        }
+        if !e.tasks.is_empty() && e.depths.is_empty() {
+            bail!("eval.depths is empty; probes need at least one depth");
+        }
+        check("eval.samples", e.samples, 1, 1 << 24)?;
+        e.probe_spec().validate().context("eval")?;
         Ok(())
     }
 
@@ -499,6 +573,25 @@ impl Config {
 
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// The settings that differ from the defaults, as TOML: what identifies a computation,
+    /// unchanged when a later version adds settings with defaults.
+    pub fn non_default_toml(&self) -> String {
+        fn strip(v: &mut toml::Table, d: &toml::Table) {
+            v.retain(|k, x| match (x, d.get(k)) {
+                (toml::Value::Table(t), Some(toml::Value::Table(dt))) => {
+                    strip(t, dt);
+                    !t.is_empty()
+                }
+                (x, Some(dx)) => x != dx,
+                (_, None) => true,
+            });
+        }
+        let table = |c: &Config| toml::Table::try_from(c).expect("config serialises");
+        let mut t = table(self);
+        strip(&mut t, &table(&Config::default()));
+        toml::to_string_pretty(&t).expect("table serialises")
     }
 }
 

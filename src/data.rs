@@ -52,7 +52,7 @@ impl Width {
             Width::U32 => 4,
         }
     }
-    fn for_vocab(vocab: usize) -> Width {
+    pub(crate) fn for_vocab(vocab: usize) -> Width {
         if vocab <= 1 << 16 {
             Width::U16
         } else {
@@ -170,7 +170,7 @@ impl Shard {
 }
 
 /// Streams values into consecutive shards `<prefix>_000.bin`, `<prefix>_001.bin`, ...
-struct ShardWriter {
+pub(crate) struct ShardWriter {
     dir: PathBuf,
     prefix: String,
     magic: i32,
@@ -182,7 +182,13 @@ struct ShardWriter {
 }
 
 impl ShardWriter {
-    fn new(dir: &Path, prefix: &str, magic: i32, width: Width, shard_len: usize) -> Self {
+    pub(crate) fn new(
+        dir: &Path,
+        prefix: &str,
+        magic: i32,
+        width: Width,
+        shard_len: usize,
+    ) -> Self {
         ShardWriter {
             dir: dir.to_path_buf(),
             prefix: prefix.into(),
@@ -195,7 +201,7 @@ impl ShardWriter {
         }
     }
 
-    fn push(&mut self, v: u32) -> Result<()> {
+    pub(crate) fn push(&mut self, v: u32) -> Result<()> {
         self.buf.push(v);
         self.total += 1;
         if self.buf.len() == self.shard_len {
@@ -215,7 +221,7 @@ impl ShardWriter {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<(Vec<String>, u64)> {
+    pub(crate) fn finish(mut self) -> Result<(Vec<String>, u64)> {
         self.flush()?;
         Ok((self.names, self.total))
     }
@@ -227,7 +233,7 @@ fn deps_name(name: &str) -> String {
 }
 
 /// Refuses to write into a directory that already holds a data set.
-fn prepare_out_dir(out: &Path) -> Result<()> {
+pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
     if out.join("meta.json").exists() {
         bail!(
             "{} already holds a data set (meta.json); choose another --out or remove it first",
@@ -237,7 +243,7 @@ fn prepare_out_dir(out: &Path) -> Result<()> {
     atomic::ensure_writable_dir(out)
 }
 
-fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
+pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
     atomic::write_bytes(
         &out.join("meta.json"),
         serde_json::to_string_pretty(meta)?.as_bytes(),
@@ -262,6 +268,18 @@ pub enum TextTokenizer {
         tokenizer: Box<tokenizers::Tokenizer>,
         path: PathBuf,
     },
+}
+
+/// The tokenizer a data set was prepared with.
+pub fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
+    match meta.tokenizer.as_str() {
+        "byte" => Ok(TextTokenizer::Bytes),
+        "tokenizer.json" => TextTokenizer::hf(&dir.join("tokenizer.json")),
+        other => bail!(
+            "data set {} was not prepared from text (tokenizer {other:?}); probes and multiple-choice tasks need a byte-level or tokenizer.json data set",
+            dir.display()
+        ),
+    }
 }
 
 /// End-of-document tokens of common tokenizers, in the order they are looked for.
@@ -291,6 +309,21 @@ impl TextTokenizer {
             TextTokenizer::Hf { tokenizer, .. } => {
                 EOT_NAMES.iter().find_map(|n| tokenizer.token_to_id(n))
             }
+        }
+    }
+
+    /// Text of `ids`; a byte-level end of document ends it.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            TextTokenizer::Bytes => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .take_while(|&&t| t < 256)
+                    .map(|&t| t as u8)
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.decode(ids, false).unwrap_or_default(),
         }
     }
 
@@ -717,6 +750,14 @@ impl Split {
 
     pub fn tokens(&self) -> usize {
         self.shards.iter().map(|s| s.len()).sum()
+    }
+
+    /// Every token of the split, shards in order.
+    pub fn all_tokens(&self) -> Vec<u32> {
+        self.shards
+            .iter()
+            .flat_map(|s| (0..s.len()).map(move |i| s.get(i)))
+            .collect()
     }
 
     fn rows_to_batch(&self, rows: &[(usize, usize)], seq_len: usize, device: tch::Device) -> Batch {

@@ -437,7 +437,7 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             let fingerprint = format!(
                 "{:?}\n{}\n{}\n{:?}",
                 stage.kind,
-                config.to_toml(),
+                config.non_default_toml(),
                 dep.as_ref().map_or("", |d| d.id.as_str()),
                 threshold.map(|t| t.to_bits())
             );

@@ -22,6 +22,7 @@ use crate::config::{Config, Method, Router};
 use crate::sweep::{read_status, Cell, State};
 use anyhow::{Context, Result};
 use polars::prelude::*;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// What the tables know of one finished cell.
@@ -54,6 +55,8 @@ pub struct Row {
     pub pruned_layers: Option<f64>,
     pub kv_before: Option<f64>,
     pub loss_before: Option<f64>,
+    /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
+    pub tasks: BTreeMap<String, f64>,
 }
 
 /// SwiAttn regulariser variant by its Table 4 name.
@@ -169,9 +172,25 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
                 .and_then(|p| p["pruned_layers"].as_array().map(|a| a.len() as f64)),
             kv_before: prune.as_ref().and_then(|p| f(&p["kv_cache_bytes_before"])),
             loss_before: prune.as_ref().and_then(|p| f(&p["loss_before"])),
+            tasks: task_metrics(&dir.join("eval/results.json")),
         });
     }
     Ok(out)
+}
+
+/// `<task>.<metric>` of a harness-shaped results file (standard errors left out).
+fn task_metrics(path: &Path) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some(j) = read_json(path) else { return out };
+    for (task, metrics) in j["results"].as_object().into_iter().flatten() {
+        for (k, v) in metrics.as_object().into_iter().flatten() {
+            let metric = k.split(',').next().unwrap_or(k);
+            if let (Some(v), false) = (v.as_f64(), metric.ends_with("_stderr")) {
+                out.insert(format!("{task}.{metric}"), v);
+            }
+        }
+    }
+    out
 }
 
 fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
@@ -218,7 +237,21 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "pruned_layers" => o(|r| r.pruned_layers),
         "kv_cache_bytes_before" => o(|r| r.kv_before),
         "loss_before" => o(|r| r.loss_before),
-    )?)
+    )?
+    .hstack(&task_columns(rows))?)
+}
+
+/// One column per task metric any row has.
+fn task_columns(rows: &[Row]) -> Vec<Column> {
+    let names: std::collections::BTreeSet<&String> =
+        rows.iter().flat_map(|r| r.tasks.keys()).collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let v: Vec<Option<f64>> = rows.iter().map(|r| r.tasks.get(n).copied()).collect();
+            Column::new(n.as_str().into(), v)
+        })
+        .collect()
 }
 
 /// Every numeric metric of every cell as (cell, stage, method, label, metric, value).
@@ -735,6 +768,9 @@ pub mod fixture {
                 "loss": s.loss, "perplexity": s.loss.exp(), "kv_cache_bytes_total": 1000.0,
                 "attention": { "density": s.density, "flops": s.density * 1e6 }, "gates": gates } });
             std::fs::write(cell_dir.join("eval/eval.json"), report.to_string()).unwrap();
+            let suite = serde_json::json!({ "results": { "niah_single": {
+                "alias": "niah_single", "exact_match,none": s.loss, "exact_match_stderr,none": 0.1 } } });
+            std::fs::write(cell_dir.join("eval/results.json"), suite.to_string()).unwrap();
             if s.kind == StageKind::Train {
                 std::fs::write(
                     cell_dir.join("val_log.csv"),
@@ -854,5 +890,10 @@ mod tests {
             .iter()
             .any(|r| r[0] == "aha-4" && r[5] == "mu_f" && r[6] == "0.9"));
         assert!(!tidy.iter().any(|r| r[0] == "broken"));
+        // The evaluation suite's task metrics join the tidy table; standard errors do not.
+        assert!(tidy
+            .iter()
+            .any(|r| r[0] == "aha-4" && r[5] == "niah_single.exact_match"));
+        assert!(!tidy.iter().any(|r| r[5].contains("stderr")));
     }
 }

@@ -1034,3 +1034,128 @@ fn data_prepare_with_a_tokenizer_json() {
     ]);
     assert!(err.contains("is not a readable tokenizer.json"), "{err}");
 }
+
+/// Probe documents train a byte-level model; `eval --tasks --mc` then writes the
+/// harness-shaped results, the tidy rows, the NIAH grid, the efficiency table and the
+/// samples, for a static and a routed method; bad task input fails clearly.
+#[test]
+fn probes_and_multiple_choice_evaluate_end_to_end() {
+    let dir = scratch("tasks");
+    let data = dir.join("probes");
+    ok(&[
+        "data",
+        "probes",
+        "--out",
+        data.to_str().unwrap(),
+        "--tasks",
+        "niah_single,passkey",
+        "--lengths",
+        "96,128",
+        "--digits",
+        "3",
+        "--train-docs",
+        "200",
+        "--val-docs",
+        "20",
+    ]);
+    let mc = dir.join("toy_mc.jsonl");
+    std::fs::write(
+        &mc,
+        "{\"context\": \"The grass is\", \"choices\": [\"green\", \"blue\"], \"gold\": 0}\n{\"context\": \"The sky is\", \"choices\": [\"green\", \"blue\"], \"gold\": 1}\n",
+    )
+    .unwrap();
+    let data_set = format!("data.dir={}", data.display());
+    for method in ["swa", "aha"] {
+        let out = dir.join(method);
+        let method_set = format!("attention.method={method}");
+        train(
+            &dir,
+            &data_set,
+            out.to_str().unwrap(),
+            &[
+                "--set",
+                "data.seq_len=128",
+                "--set",
+                &method_set,
+                "--set",
+                "attention.window=8",
+                "--set",
+                "train.steps=20",
+                "--set",
+                "train.warmup_steps=2",
+            ],
+        );
+        let ev = dir.join(format!("{method}-eval"));
+        let o = ok(&[
+            "eval",
+            "--run",
+            out.to_str().unwrap(),
+            "--out",
+            ev.to_str().unwrap(),
+            "--tasks",
+            "niah_single,mqar",
+            "--mc",
+            mc.to_str().unwrap(),
+            "--set",
+            "eval.lengths=[96,128]",
+            "--set",
+            "eval.depths=[0.0,1.0]",
+            "--set",
+            "eval.samples=3",
+            "--set",
+            "eval.digits=3",
+            "--set",
+            "eval.queries=1",
+        ]);
+        assert!(String::from_utf8_lossy(&o.stdout).contains("toy_mc"));
+        let r = json(&ev.join("results.json"));
+        for (task, metric) in [
+            ("niah_single", "exact_match,none"),
+            ("mqar", "recall,none"),
+            ("toy_mc", "acc_norm,none"),
+        ] {
+            let v = r["results"][task][metric].as_f64().unwrap_or(f64::NAN);
+            assert!((0.0..=1.0).contains(&v), "{task} {metric}: {v}");
+        }
+        assert_eq!(r["n-samples"]["niah_single"]["effective"], 12);
+        assert_eq!(r["n-samples"]["mqar"]["effective"], 6);
+        assert_eq!(r["n-samples"]["toy_mc"]["effective"], 2);
+        assert_eq!(
+            r["results"]["niah_single"]["full_ratio,none"].is_f64(),
+            method == "aha"
+        );
+        let niah = std::fs::read_to_string(ev.join("niah.csv")).unwrap();
+        assert!(niah.starts_with("depth,length,accuracy,full_ratio\n"));
+        assert_eq!(niah.lines().count(), 1 + 4, "{niah}");
+        let eff = log_rows(&ev.join("efficiency.csv"));
+        assert_eq!(eff.len(), 2, "two lengths");
+        // SWA attends at most w keys per query: 96 positions of window 8 average 7.625.
+        if method == "swa" {
+            let keys: f64 = eff[0][2].parse().unwrap();
+            assert!((keys - (8.0 * 96.0 - 28.0) / 96.0).abs() < 1e-9, "{keys}");
+        }
+        let samples = std::fs::read_to_string(ev.join("probe_samples.jsonl")).unwrap();
+        assert_eq!(samples.lines().count(), 12 + 6);
+        let tidy = std::fs::read_to_string(ev.join("tasks.csv")).unwrap();
+        assert!(tidy.starts_with("task,length,depth,metric,value,n\n"));
+    }
+    let run_dir = dir.join("swa");
+    let run_dir = run_dir.to_str().unwrap();
+    assert!(fails(&["eval", "--run", run_dir, "--tasks", "needle"]).contains("unknown probe task"));
+    assert!(fails(&[
+        "eval",
+        "--run",
+        run_dir,
+        "--tasks",
+        "niah_single",
+        "--set",
+        "eval.lengths=[40]"
+    ])
+    .contains("too short"));
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"context\": \"a\"}\n").unwrap();
+    assert!(
+        fails(&["eval", "--run", run_dir, "--mc", bad.to_str().unwrap()])
+            .contains("bad.jsonl line 1")
+    );
+}
