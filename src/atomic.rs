@@ -22,6 +22,7 @@ where
 {
     let tmp = temp_sibling(path);
     let result = write(&tmp).and_then(|()| {
+        crate::fault::write_error().with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .with_context(|| format!("syncing {}", tmp.display()))?;

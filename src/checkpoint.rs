@@ -69,6 +69,8 @@ pub fn save(
     std::fs::create_dir_all(&tmp)?;
     let written = (|| -> Result<()> {
         Tensor::write_safetensors(model, tmp.join("model.safetensors"))?;
+        crate::fault::point("checkpoint_files");
+        crate::fault::write_error()?;
         Tensor::write_safetensors(optim, tmp.join("optim.safetensors"))?;
         std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(state)?)?;
         for f in ["model.safetensors", "optim.safetensors", "state.json"] {
@@ -79,6 +81,7 @@ pub fn save(
             std::fs::remove_dir_all(&final_dir)?;
         }
         std::fs::rename(&tmp, &final_dir)?;
+        crate::fault::point("checkpoint_renamed");
         Ok(())
     })();
     if let Err(e) = written {
@@ -88,6 +91,21 @@ pub fn save(
     atomic::write_bytes(&root.join("latest"), name.as_bytes())?;
     prune(&root, keep)?;
     Ok(final_dir)
+}
+
+/// Removes checkpoint directories that crashed processes left half-written.
+pub fn remove_temporaries(run: &Path) -> Result<()> {
+    let root = checkpoints_dir(run);
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            std::fs::remove_dir_all(e.path())
+                .with_context(|| format!("removing {}", e.path().display()))?;
+        }
+    }
+    Ok(())
 }
 
 fn prune(root: &Path, keep: usize) -> Result<()> {

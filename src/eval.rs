@@ -360,6 +360,7 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
         &dir.join("eval.json"),
         serde_json::to_string_pretty(&json)?.as_bytes(),
     )?;
+    crate::fault::point("eval_report");
     let a = &report.attention;
     let mut rows: Vec<(String, f64)> = [
         ("tokens", report.tokens as f64),

@@ -9,6 +9,7 @@ pub mod config;
 pub mod convert;
 pub mod data;
 pub mod eval;
+pub mod fault;
 pub mod kernels;
 pub mod model;
 pub mod plot;

@@ -775,7 +775,11 @@ fn run_cell(
         .create(true)
         .append(true)
         .open(dir.join("log.txt"))?;
-    cmd.stdout(Stdio::from(log.try_clone()?))
+    // The child's stdin is the locked file, so the lock lives as long as the child does: a
+    // runner killed mid-cell leaves its child to finish, and no other runner starts the cell
+    // until both are gone.
+    cmd.stdin(Stdio::from(lock.try_clone()?))
+        .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log));
     let bar = mp.add(ProgressBar::new(cell.config.train.steps as u64));
     bar.set_style(ProgressStyle::with_template("  {bar:20} {pos}/{len} {msg}").expect("template"));
@@ -794,6 +798,7 @@ fn run_cell(
     };
     bar.finish_and_clear();
     mp.remove(&bar);
+    crate::fault::point("sweep_cell_finished");
     if status.success() {
         write_status(
             &dir,

@@ -287,15 +287,18 @@ const LOG_HEADER: [&str; 8] = [
 
 /// Keeps the header and rows up to `step` of a CSV log whose first column is the step, so a
 /// resumed run does not repeat the rows an interrupted run wrote after its last checkpoint.
+/// A row cut short by a crash (fewer fields than the header) is dropped too.
 fn truncate_log(path: &Path, step: usize) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
     let text = std::fs::read_to_string(path)?;
+    let fields = text.lines().next().map_or(0, |h| h.split(',').count());
     let mut keep = String::new();
     for (i, line) in text.lines().enumerate() {
         let s: Option<usize> = line.split(',').next().and_then(|v| v.parse().ok());
-        if i == 0 || s.is_some_and(|s| s <= step) {
+        let whole = line.split(',').count() == fields;
+        if i == 0 || (whole && s.is_some_and(|s| s <= step)) {
             keep.push_str(line);
             keep.push('\n');
         }
@@ -310,12 +313,14 @@ fn append_row(path: &Path, header: &[&str], row: &[String]) -> Result<()> {
         .append(true)
         .open(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
+    crate::fault::write_error().with_context(|| format!("cannot write {}", path.display()))?;
     let mut w = csv::Writer::from_writer(f);
     if fresh {
         w.write_record(header)?;
     }
     w.write_record(row)?;
     w.flush()?;
+    crate::fault::point("log_row");
     Ok(())
 }
 
@@ -362,7 +367,30 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         cfg.data.seq_len
     );
     atomic::ensure_writable_dir(out)?;
-    atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
+    // One trainer per run directory; the OS releases the lock when the process dies.
+    let lock = std::fs::File::create(out.join("train.lock"))
+        .with_context(|| format!("cannot create {}", out.join("train.lock").display()))?;
+    ensure!(
+        lock.try_lock().is_ok(),
+        "another attnsweep process is training into {}",
+        out.display()
+    );
+    // A run resumed before its first checkpoint starts again from the same weights.
+    let init_record = out.join("init_from.txt");
+    let init_from = match &args.init_from {
+        Some(src) if !args.resume => {
+            let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
+            atomic::write_bytes(&init_record, abs.display().to_string().as_bytes())?;
+            Some(abs)
+        }
+        _ if args.resume => std::fs::read_to_string(&init_record)
+            .ok()
+            .map(|s| PathBuf::from(s.trim())),
+        _ => None,
+    };
+    if !args.resume {
+        atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
+    }
 
     let built = Built::new(&cfg, device)?;
     let params = built.params();
@@ -395,7 +423,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         state = checkpoint::read_state(ckpt)?;
         checkpoint::load_into(&params, &ckpt.join("model.safetensors"), true)?;
         opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
-    } else if let Some(src) = &args.init_from {
+    } else if let Some(src) = &init_from {
         let file = checkpoint::resolve_weights(src)?;
         let r = checkpoint::load_into(&params, &file, false)?;
         ensure!(
@@ -421,7 +449,9 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let val_log_path = out.join("val_log.csv");
     if args.resume {
         truncate_log(&log_path, state.step)?;
-        truncate_log(&val_log_path, state.step)?;
+        // The final evaluation's row is written again below.
+        truncate_log(&val_log_path, state.step.min(t.steps - 1))?;
+        checkpoint::remove_temporaries(out)?;
     }
     let mut rng = Rng {
         state: state.rng_state,
@@ -507,6 +537,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             );
         }
         opt.update(lr, t);
+        crate::fault::point("step_applied");
         state.step += 1;
         state.tokens_seen += tokens_per_step;
         window_tokens += tokens_per_step;

@@ -1,0 +1,52 @@
+//! Crash points and failing writes for the reliability tests. With
+//! `ATTNSWEEP_CRASH_AT=<point>:<n>` in the environment the process dies at once (abort: no
+//! unwinding, no flushing, like a power cut or an out-of-memory kill) the n-th time it passes
+//! `point` (counting from 1); with `ATTNSWEEP_FAIL_WRITE=<n>` the n-th file write fails as on
+//! a full disk. Without the variables a point costs a relaxed atomic load.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+static TARGET: OnceLock<Option<(String, usize)>> = OnceLock::new();
+static PASSED: AtomicUsize = AtomicUsize::new(0);
+static FAIL_AT: OnceLock<Option<usize>> = OnceLock::new();
+static WRITES: AtomicUsize = AtomicUsize::new(0);
+
+/// Called before each file write: the injected full-disk error, if this is the chosen write.
+pub fn write_error() -> std::io::Result<()> {
+    let at = FAIL_AT.get_or_init(|| std::env::var("ATTNSWEEP_FAIL_WRITE").ok()?.parse().ok());
+    match at {
+        Some(n) if WRITES.fetch_add(1, Ordering::Relaxed) + 1 == *n => Err(std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            "No space left on device (injected)",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Where a crash may be injected; the names are listed by `POINTS`.
+pub fn point(name: &str) {
+    let target = TARGET.get_or_init(|| {
+        let v = std::env::var("ATTNSWEEP_CRASH_AT").ok()?;
+        let (p, n) = v.rsplit_once(':')?;
+        Some((p.to_string(), n.parse().ok()?))
+    });
+    if let Some((p, n)) = target {
+        if p == name && PASSED.fetch_add(1, Ordering::Relaxed) + 1 == *n {
+            std::process::abort();
+        }
+    }
+}
+
+/// Every crash point: inside a checkpoint write (after the model file, before the rename;
+/// after the rename, before `latest`), after an optimizer step before its log row, after a
+/// log row, between the files of an evaluation report, and in a sweep runner after a cell's
+/// process finished but before its status is written.
+pub const POINTS: [&str; 6] = [
+    "checkpoint_files",
+    "checkpoint_renamed",
+    "step_applied",
+    "log_row",
+    "eval_report",
+    "sweep_cell_finished",
+];
