@@ -491,12 +491,7 @@ pub fn main() -> Result<()> {
                 None => data::TextTokenizer::Bytes,
             };
             let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens, &tok)?;
-            eprintln!(
-                "wrote {} train and {} val tokens to {}",
-                meta.train_tokens,
-                meta.val_tokens,
-                c.out.display()
-            );
+            report_dataset(&meta, &c.out);
             Ok(())
         }
         Command::Data(DataCmd::Probes(c)) => {
@@ -524,12 +519,7 @@ pub fn main() -> Result<()> {
             };
             let meta =
                 crate::probes::write_dataset(&spec, &mix, tok, c.mix_with.as_deref(), &c.out)?;
-            eprintln!(
-                "wrote {} train and {} val tokens to {}",
-                meta.train_tokens,
-                meta.val_tokens,
-                c.out.display()
-            );
+            report_dataset(&meta, &c.out);
             Ok(())
         }
         Command::Data(DataCmd::Synth(c)) => {
@@ -547,12 +537,7 @@ pub fn main() -> Result<()> {
                 val_tokens: c.val_tokens,
             };
             let meta = data::synth(&spec, &c.out)?;
-            eprintln!(
-                "wrote {} train and {} val synthetic tokens to {}",
-                meta.train_tokens,
-                meta.val_tokens,
-                c.out.display()
-            );
+            report_dataset(&meta, &c.out);
             Ok(())
         }
     }
@@ -612,6 +597,15 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
     );
     anyhow::ensure!(o.failed == 0, "{} cells failed; their errors are in <cell>/status.json and log.txt (rerun with --retry-failed)", o.failed);
     Ok(())
+}
+
+fn report_dataset(meta: &data::Meta, out: &std::path::Path) {
+    eprintln!(
+        "wrote {} train and {} val tokens to {}",
+        meta.train_tokens,
+        meta.val_tokens,
+        out.display()
+    );
 }
 
 fn run_eval(c: EvalCmd) -> Result<()> {

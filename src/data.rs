@@ -243,7 +243,7 @@ pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
     atomic::ensure_writable_dir(out)
 }
 
-pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
+fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
     atomic::write_bytes(
         &out.join("meta.json"),
         serde_json::to_string_pretty(meta)?.as_bytes(),
@@ -416,6 +416,17 @@ pub fn prepare(
         train_tokens > 0 && val_tokens > 0,
         "the split left an empty train or val set"
     );
+    finish_text_dataset(out, tok, (train, train_tokens), (val, val_tokens))
+}
+
+/// Writes a text data set's tokenizer record and, last, its `meta.json`, given the shard
+/// names and token counts of each split.
+pub(crate) fn finish_text_dataset(
+    out: &Path,
+    tok: &TextTokenizer,
+    (train, train_tokens): (Vec<String>, u64),
+    (val, val_tokens): (Vec<String>, u64),
+) -> Result<Meta> {
     let tokenizer = match tok {
         TextTokenizer::Bytes => "byte".to_string(),
         TextTokenizer::Hf { path, .. } => {
@@ -427,7 +438,7 @@ pub fn prepare(
     let meta = Meta {
         format: 1,
         tokenizer,
-        vocab_size: vocab,
+        vocab_size: tok.vocab_size(),
         eot_token: tok.eot(),
         train,
         val,

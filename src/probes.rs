@@ -545,8 +545,7 @@ pub fn write_dataset(
     };
     data::prepare_out_dir(out)?;
     let vocab = tok.vocab_size();
-    let mut names = Vec::new();
-    let mut counts = Vec::new();
+    let mut splits = Vec::new();
     for (split, docs, salt) in [
         ("train", mix.train_docs, 0x7A1Eu64),
         ("val", mix.val_docs, 0x5EEDu64),
@@ -593,32 +592,11 @@ pub fn write_dataset(
                 }
             }
         }
-        let (n, c) = w.finish()?;
-        names.push(n);
-        counts.push(c);
+        splits.push(w.finish()?);
     }
-    let tokenizer = match &tok {
-        TextTokenizer::Bytes => "byte".to_string(),
-        TextTokenizer::Hf { path, .. } => {
-            crate::atomic::write_bytes(&out.join("tokenizer.json"), &std::fs::read(path)?)?;
-            "tokenizer.json".to_string()
-        }
-    };
-    let val = names.pop().expect("val");
-    let train = names.pop().expect("train");
-    let meta = data::Meta {
-        format: 1,
-        tokenizer,
-        vocab_size: vocab,
-        eot_token: tok.eot(),
-        train,
-        val,
-        train_tokens: counts[0],
-        val_tokens: counts[1],
-        synth: None,
-    };
-    data::write_meta(out, &meta)?;
-    Ok(meta)
+    let val = splits.pop().expect("val");
+    let train = splits.pop().expect("train");
+    data::finish_text_dataset(out, &tok, train, val)
 }
 
 #[cfg(test)]

@@ -1,17 +1,13 @@
 //! End-to-end tests: the binary on tiny configurations, on the CPU.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::bin;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
-}
+use std::path::{Path, PathBuf};
+use std::process::Output;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("attnsweep-e2e-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("e2e", name)
 }
 
 fn run(args: &[&str]) -> Output {

@@ -2,6 +2,9 @@
 //! `transformers` (tests/hf_fixtures.py, no download), converted, and run here: next-token
 //! logits must match transformers' within 1e-4 relative error in fp32 on the CPU.
 
+mod common;
+use common::bin;
+
 use attnsweep::attention::ForwardCtx;
 use attnsweep::config::Config;
 use attnsweep::train::Built;
@@ -9,10 +12,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
-}
 
 /// The fixtures, generated once per test process.
 fn fixtures() -> &'static Path {

@@ -4,6 +4,8 @@
 //! random byte-level edits; every outcome must be a value or an error, never a panic.
 //! `ATTNSWEEP_LONG_TESTS=1` multiplies the counts by 20.
 
+mod common;
+
 use attnsweep::config::{Config, ModelConfig};
 use attnsweep::rng::Rng;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -11,10 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("attnsweep-fuzz-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("fuzz", name)
 }
 
 fn count(short: usize) -> usize {

@@ -3,20 +3,16 @@
 //! non-finite guard keeps the last good checkpoint. `ATTNSWEEP_LONG_TESTS=1` runs the long
 //! campaigns (200 random kills); CI runs the short ones.
 
+mod common;
+use common::bin;
+
 use attnsweep::rng::Rng;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
-}
-
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("attnsweep-rel-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("rel", name)
 }
 
 fn long() -> bool {
@@ -154,13 +150,10 @@ fn killed_training_resumes_to_the_uninterrupted_result() {
     let run = dir.join("killed");
     let mut kills = 0;
     // Deterministic crashes inside every write path, at several occurrences.
-    for point in [
-        "checkpoint_files",
-        "checkpoint_renamed",
-        "step_applied",
-        "log_row",
-        "eval_report",
-    ] {
+    let training_points = attnsweep::fault::POINTS
+        .iter()
+        .filter(|p| !p.starts_with("sweep"));
+    for point in training_points {
         for n in [1, 3] {
             let o = train_cmd(&run, &settings)
                 .env("ATTNSWEEP_CRASH_AT", format!("{point}:{n}"))
@@ -318,6 +311,10 @@ fn killed_sweep_runners_never_redo_or_lose_a_cell() {
     kills += !o.status.success() as usize;
     let rounds = if long() { 40 } else { 6 };
     for _ in 0..rounds {
+        // A finished sweep starts over, so every round can interrupt something.
+        if cell_states(&out).iter().filter(|c| c.1 == "done").count() == 3 {
+            std::fs::remove_dir_all(&out).unwrap();
+        }
         let before: Vec<_> = cell_states(&out)
             .into_iter()
             .filter(|c| c.1 == "done")

@@ -1,0 +1,18 @@
+//! Helpers shared by the integration tests (each test file is its own crate and uses some).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The binary under test.
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_attnsweep"))
+}
+
+/// An empty directory of this test process: `suite` names the test file, `name` the test.
+pub fn scratch(suite: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("attnsweep-{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
