@@ -318,9 +318,7 @@ pub fn evaluate(
         .double_value(&[]);
     let head_dim = cfg.model.head_dim() as f64;
     let kv = model.kv_cache_bytes(seq_len);
-    let elt = crate::train::compute_kind(cfg.train.dtype).elt_size_in_bytes() as f64;
-    let kv_full =
-        (layers * seq_len * 2 * cfg.model.num_key_value_heads * cfg.model.head_dim()) as f64 * elt;
+    let kv_full = model.full_kv_cache_bytes(seq_len);
     Ok(EvalReport {
         split: split_name.into(),
         tokens: count,

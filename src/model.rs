@@ -426,6 +426,14 @@ impl Llama {
         }
     }
 
+    /// Key-value cache bytes of the same model with full attention in every layer, for one
+    /// sequence of `len` tokens: the denominator of every cache-size ratio.
+    pub fn full_kv_cache_bytes(&self, len: usize) -> f64 {
+        let m = &self.cfg;
+        (m.num_hidden_layers * len * 2 * m.num_key_value_heads * m.head_dim()) as f64
+            * self.compute.elt_size_in_bytes() as f64
+    }
+
     /// Full-causal (query, key) pairs over all layers and heads for a `[B, L]` input: the
     /// denominator of every attention-work ratio.
     pub fn full_pairs(&self, batch: usize, len: usize) -> f64 {

@@ -182,10 +182,6 @@ pub fn run_probes(
         ..Default::default()
     };
     let enc = |s: &str| tok.encode(s.as_bytes(), Path::new("probe answer"));
-    let m = &cfg.model;
-    let full_bytes_per_position = (m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim())
-        as f64
-        * crate::train::compute_kind(cfg.train.dtype).elt_size_in_bytes() as f64;
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     for name in &e.tasks {
         let task = Task::parse(name)?;
@@ -257,7 +253,7 @@ pub fn run_probes(
                         (chunk.len() * (length * steps + steps * (steps + 1) / 2)) as f64;
                     cost.cache_bytes += g.cache_bytes;
                     cost.full_cache_bytes +=
-                        (chunk.len() * (length + steps)) as f64 * full_bytes_per_position;
+                        chunk.len() as f64 * model.full_kv_cache_bytes(length + steps);
                     cost.prefill_seconds += g.prefill_seconds;
                     cost.decode_seconds += g.decode_seconds;
                 }

@@ -1,7 +1,7 @@
 //! End-to-end tests: the binary on tiny configurations, on the CPU.
 
 mod common;
-use common::bin;
+use common::{bin, synth};
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -29,23 +29,6 @@ fn fails(args: &[&str]) -> String {
     let o = run(args);
     assert!(!o.status.success(), "{args:?} unexpectedly succeeded");
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn synth(dir: &Path, train_tokens: usize) -> String {
-    let data = dir.join("data");
-    ok(&[
-        "data",
-        "synth",
-        "--out",
-        data.to_str().unwrap(),
-        "--train-tokens",
-        &train_tokens.to_string(),
-        "--val-tokens",
-        "4096",
-        "--max-distance",
-        "64",
-    ]);
-    format!("data.dir={}", data.display())
 }
 
 const TINY: [&str; 12] = [

@@ -6,6 +6,10 @@
 mod common;
 use common::bin;
 
+fn synth(dir: &Path) -> String {
+    common::synth(dir, 20_000)
+}
+
 use attnsweep::rng::Rng;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,27 +21,6 @@ fn scratch(name: &str) -> PathBuf {
 
 fn long() -> bool {
     std::env::var("ATTNSWEEP_LONG_TESTS").is_ok_and(|v| v == "1")
-}
-
-fn synth(dir: &Path) -> String {
-    let data = dir.join("data");
-    let o = bin()
-        .args([
-            "data",
-            "synth",
-            "--out",
-            data.to_str().unwrap(),
-            "--train-tokens",
-            "20000",
-            "--val-tokens",
-            "4096",
-            "--max-distance",
-            "64",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success());
-    format!("data.dir={}", data.display())
 }
 
 /// A tiny run that checkpoints, logs and evaluates often, so kills land in every phase.
