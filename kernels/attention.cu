@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <cstdlib>
 
 namespace attnsweep {
 namespace {
@@ -504,11 +505,27 @@ Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     return a;
 }
 
+// Whether to run the wgmma kernels (attention_sm90.cu): on compute capability 9.0, in a library
+// built for sm_90a, unless ATTNSWEEP_PORTABLE_KERNELS=1 keeps Hopper on the mma.sync kernels
+// (to compare the two).
+bool use_sm90() {
+#ifdef ATTNSWEEP_SM90A
+    static const bool portable = std::getenv("ATTNSWEEP_PORTABLE_KERNELS") != nullptr;
+    return !portable && at::cuda::getCurrentDeviceProperties()->major == 9;
+#else
+    return false;
+#endif
+}
+
 }  // namespace
 
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                   const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse) {
     const at::cuda::CUDAGuard guard(q.device());
+    if (use_sm90()) {
+        sm90_forward(q, k, v, qpos, nq, window, out, lse);
+        return;
+    }
     Args a = make_args(q, k, v, qpos, nq, window);
     a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
     a.lse = lse.data_ptr<float>();
@@ -534,13 +551,11 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
-    if (d == 64) {
-        launch(dq_kernel<64>, qgrid, smem, a);
-        launch(dkdv_kernel<64>, kgrid, smem, a);
-    } else {
-        launch(dq_kernel<128>, qgrid, smem, a);
-        launch(dkdv_kernel<128>, kgrid, smem, a);
-    }
+    if (use_sm90()) sm90_dq(q, k, v, qpos, nq, window, lse, delta, dout, dq);
+    else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
+    else launch(dq_kernel<128>, qgrid, smem, a);
+    if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
+    else launch(dkdv_kernel<128>, kgrid, smem, a);
 }
 
 }  // namespace attnsweep

@@ -10,6 +10,16 @@ namespace attnsweep {
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                   const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
 
+// The forward on Hopper's wgmma (attention_sm90.cu); same contract as cuda_forward, which
+// calls it on compute capability 9.0 in libraries built for sm_90a.
+void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
+
+// dQ of the backward on Hopper's wgmma (attention_sm90.cu); cuda_backward calls it where it
+// calls sm90_forward.
+void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos, const at::Tensor* nq,
+             int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq);
+
 void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                    const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
                    const at::Tensor& dout, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);

@@ -15,8 +15,12 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 3] = [
+const SOURCES: [(&str, &str); 4] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    (
+        "attention_sm90.cu",
+        include_str!("../kernels/attention_sm90.cu"),
+    ),
     ("attention.cuh", include_str!("../kernels/attention.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
@@ -214,9 +218,16 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
         Variant::Cuda(cc) => {
             let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
             which(&nvcc).with_context(|| format!("{nvcc} (the CUDA compiler) is not on PATH; install the CUDA toolkit or set NVCC"))?;
+            // Hopper's wgmma exists only in the architecture-specific target sm_90a.
+            let arch = if cc == 90 {
+                "90a".into()
+            } else {
+                cc.to_string()
+            };
             let mut c = Command::new(&nvcc);
             c.args(&common)
-                .arg(format!("-gencode=arch=compute_{cc},code=sm_{cc}"))
+                .arg(format!("-gencode=arch=compute_{arch},code=sm_{arch}"))
+                .args((cc == 90).then_some("-DATTNSWEEP_SM90A"))
                 .args([
                     "-DATTNSWEEP_CUDA",
                     "-Xcompiler",
@@ -225,6 +236,7 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                     "--expt-relaxed-constexpr",
                 ])
                 .arg(tmp.join("attention.cu"))
+                .arg(tmp.join("attention_sm90.cu"))
                 .arg(tmp.join("ops.cpp"))
                 .args(&links)
                 .args(["-ltorch_cuda", "-lc10_cuda"])
@@ -514,6 +526,9 @@ mod tests {
                 (200, 64, false),
                 (333, 333, false),
                 (70, 500, false),
+                (600, 700, false),
+                (2048, 128, false),
+                (2048, 1 << 20, true),
                 (333, 1000, true),
                 (200, 17, true),
             ] {
