@@ -14,6 +14,7 @@
 // one for dK and dV (key tiles outer, over the query heads that share a KV head), no atomics.
 
 #include "attention.cuh"
+#include "common.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,15 +30,6 @@ constexpr int BK = 64;      // keys per tile
 constexpr int WARPS = 4;    // 16 query (or key) rows each
 constexpr int THREADS = WARPS * 32;
 constexpr int PAD = 8;      // bf16 elements of row padding against bank conflicts
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Four 8x8 b16 matrices from shared memory; lane l supplies the address of row l % 8 of
 // matrix l / 8, and receives (row l / 4, columns 2 (l % 4) and +1) of each (transposed: the
@@ -115,18 +107,11 @@ __device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64
     }
 }
 
-__device__ __forceinline__ bool visible(int key, int pos, int window, int len) {
-    return pos >= 0 && key <= pos && pos - key < window && key < len;
-}
-
-struct Args {
+struct Args : ListShape {
     const __nv_bfloat16 *q, *k, *v, *o, *dout;
     __nv_bfloat16 *out, *dq, *dk, *dv;
     float *lse;
     const float *lse_in, *delta;
-    const int *qpos, *nq;
-    int heads, kv_heads, lq, len, window;
-    float scale;  // softmax scale, 1/sqrt(D)
 };
 
 // Three blocks per SM (the kernel is latency-bound at two): at most 170 registers, and the
@@ -147,13 +132,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        // Rows past the active count still get defined outputs: zeros (and lse -inf).
-        for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
-            const int r = row0 + i / D;
-            if (r < p.lq) p.out[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
-        }
-        for (int i = threadIdx.x; i < BQ; i += THREADS)
-            if (row0 + i < p.lq) p.lse[qbase + row0 + i] = -INFINITY;
+        zero_rows<D>(p.out, p.lse, qbase, row0, BQ, p.lq);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -288,10 +267,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
-            const int r = row0 + i / D;
-            if (r < p.lq) p.dq[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
-        }
+        zero_rows<D>(p.dq, nullptr, qbase, row0, BQ, p.lq);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -363,17 +339,6 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
             *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + (lane % 4) * 2) =
                 __floats2bfloat162_rn(dq_acc[nb][hr * 2] * f, dq_acc[nb][hr * 2 + 1] * f);
     }
-}
-
-// First index of an ascending query list whose position is >= key (binary search).
-__device__ __forceinline__ int first_at_or_after(const int* qpos, int64_t base, int n, int key) {
-    if (!qpos) return min(max(key, 0), n);
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (qpos[base + mid] < key) lo = mid + 1; else hi = mid;
-    }
-    return lo;
 }
 
 // dV = sum_q P^T dO and dK = scale * sum_q dS^T Q: key tiles outer, over every query head
@@ -491,17 +456,10 @@ void launch(Kernel kernel, dim3 grid, size_t smem, const Args& a) {
 Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                const at::Tensor* nq, int64_t window) {
     Args a{};
+    static_cast<ListShape&>(a) = list_shape(q, k, qpos, nq, window);
     a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
     a.k = reinterpret_cast<const __nv_bfloat16*>(k.data_ptr());
     a.v = reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
-    a.qpos = qpos ? qpos->data_ptr<int>() : nullptr;
-    a.nq = nq ? nq->data_ptr<int>() : nullptr;
-    a.heads = (int)q.size(1);
-    a.kv_heads = (int)k.size(1);
-    a.lq = (int)q.size(2);
-    a.len = (int)k.size(2);
-    a.window = (int)std::min<int64_t>(window, INT32_MAX);
-    a.scale = 1.0f / std::sqrt((float)q.size(3));
     return a;
 }
 
@@ -518,6 +476,20 @@ bool use_sm90() {
 }
 
 }  // namespace
+
+ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor* qpos, const at::Tensor* nq,
+                     int64_t window) {
+    ListShape a{};
+    a.qpos = qpos ? qpos->data_ptr<int>() : nullptr;
+    a.nq = nq ? nq->data_ptr<int>() : nullptr;
+    a.heads = (int)q.size(1);
+    a.kv_heads = (int)k.size(1);
+    a.lq = (int)q.size(2);
+    a.len = (int)k.size(2);
+    a.window = (int)std::min<int64_t>(window, INT32_MAX);
+    a.scale = 1.0f / std::sqrt((float)q.size(3));
+    return a;
+}
 
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                   const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse) {
@@ -551,6 +523,8 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
+    // dK and dV stay on mma.sync on Hopper too: a wgmma version (key tiles outer, a launch per
+    // output) measured no faster (PERFORMANCE.md, v4).
     if (use_sm90()) sm90_dq(q, k, v, qpos, nq, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);

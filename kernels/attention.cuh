@@ -7,6 +7,17 @@
 
 namespace attnsweep {
 
+// What every kernel knows of a call: the query list (qpos, nq; null for the dense case) and
+// the shapes.
+struct ListShape {
+    const int *qpos, *nq;
+    int heads, kv_heads, lq, len, window;
+    float scale;  // softmax scale, 1/sqrt(D)
+};
+
+ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor* qpos, const at::Tensor* nq,
+                     int64_t window);
+
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                   const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
 

@@ -15,6 +15,7 @@
 // rows can see.
 
 #include "attention.cuh"
+#include "common.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,23 +36,11 @@ constexpr int BQ = 128;        // queries per block
 constexpr int CONSUMERS = BQ / 64 * 128;  // a warpgroup per 64 query rows
 constexpr int THREADS = CONSUMERS + 32;
 
-struct Params {
+struct Params : ListShape {
     __nv_bfloat16* out;  // the output (forward) or dQ (backward)
     float* lse;          // written by the forward
     const float *lse_in, *delta;  // read by the backward
-    const int *qpos, *nq;
-    int heads, kv_heads, lq, len, window;
-    float scale;
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // Tiles in shared memory use the canonical 128-byte-swizzle layout, which TMA writes and wgmma
 // reads: a [rows x D] bf16 tile is D / 64 column blocks of [rows x 64], rows of 128 bytes, and
@@ -152,10 +141,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-__device__ __forceinline__ bool visible(int key, int pos, int window, int len) {
-    return pos >= 0 && key <= pos && pos - key < window && key < len;
-}
-
 // Tensor maps view q and dout as [B * H * Lq, D] and k, v as [B * Hkv * L, D]. Rows a box
 // takes past a head's end belong to the next head (or are zeros past the tensor's end): such
 // keys are masked and such queries' outputs are not written.
@@ -194,14 +179,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int row0 = (gridDim.y - 1 - blockIdx.y) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        // Rows past the active count still get defined outputs: zeros (and lse -inf).
-        for (int i = threadIdx.x; i < BQ * D; i += THREADS) {
-            const int r = row0 + i / D;
-            if (r < p.lq) p.out[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
-        }
-        if (!DQ)
-            for (int i = threadIdx.x; i < BQ; i += THREADS)
-                if (row0 + i < p.lq) p.lse[qbase + row0 + i] = -INFINITY;
+        zero_rows<D>(p.out, DQ ? nullptr : p.lse, qbase, row0, BQ, p.lq);
         return;
     }
     for (int i = threadIdx.x; i < BQ; i += THREADS) {
@@ -426,15 +404,8 @@ CUtensorMap tensor_map(const at::Tensor& t, int box_rows) {
 Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor* qpos, const at::Tensor* nq,
                    int64_t window, at::Tensor& out) {
     Params a{};
+    static_cast<ListShape&>(a) = list_shape(q, k, qpos, nq, window);
     a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-    a.qpos = qpos ? qpos->data_ptr<int>() : nullptr;
-    a.nq = nq ? nq->data_ptr<int>() : nullptr;
-    a.heads = (int)q.size(1);
-    a.kv_heads = (int)k.size(1);
-    a.lq = (int)q.size(2);
-    a.len = (int)k.size(2);
-    a.window = (int)std::min<int64_t>(window, INT32_MAX);
-    a.scale = 1.0f / std::sqrt((float)q.size(3));
     return a;
 }
 

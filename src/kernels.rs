@@ -15,13 +15,14 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 4] = [
+const SOURCES: [(&str, &str); 5] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
         include_str!("../kernels/attention_sm90.cu"),
     ),
     ("attention.cuh", include_str!("../kernels/attention.cuh")),
+    ("common.cuh", include_str!("../kernels/common.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
 const ABI: i64 = 1;
