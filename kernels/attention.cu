@@ -523,12 +523,13 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
-    // dK and dV stay on mma.sync on Hopper too: a wgmma version (key tiles outer, a launch per
-    // output) measured no faster (PERFORMANCE.md, v4).
     if (use_sm90()) sm90_dq(q, k, v, qpos, nq, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);
-    if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
+    // dK, dV on wgmma for wide windows and full prefixes; narrow windows (short key blocks)
+    // measured slower there than on mma.sync (PERFORMANCE.md, v4).
+    if (use_sm90() && window > 512) sm90_dkdv(q, k, v, qpos, nq, window, lse, delta, dout, dk, dv);
+    else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
     else launch(dkdv_kernel<128>, kgrid, smem, a);
 }
 

@@ -26,10 +26,13 @@ void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                   const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
 
-// dQ of the backward on Hopper's wgmma (attention_sm90.cu); cuda_backward calls it where it
-// calls sm90_forward.
+// dQ, and dK with dV, of the backward on Hopper's wgmma (attention_sm90.cu); cuda_backward
+// calls them where cuda_forward calls sm90_forward.
 void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos, const at::Tensor* nq,
              int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq);
+void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+               const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
+               const at::Tensor& dout, at::Tensor& dk, at::Tensor& dv);
 
 void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
                    const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,

@@ -1,15 +1,16 @@
-// Forward of the list attention (attention.cu states what it computes) on Hopper's warpgroup
-// matrix instructions and its tensor copy engine. The mma.sync forward stays latency-bound
-// near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3): operands pass through registers and too
-// few warps fit to hide the softmax. Here wgmma reads the operands of Q K^T and the V operand
-// of P V straight from shared memory, asynchronously; this kernel runs on compute capability
-// 9.0, the mma.sync kernel on every other GPU and for the backward pass.
+// The list attention (attention.cu states what it computes) on Hopper's warpgroup matrix
+// instructions and its tensor copy engine: the forward and the backward. The
+// mma.sync forward stays latency-bound near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3):
+// operands pass through registers and too few warps fit to hide the softmax. Here wgmma reads
+// the operands of Q K^T and the V operand of P V straight from shared memory, asynchronously.
+// These kernels run on compute capability 9.0 (dK, dV only for windows > 512: see
+// cuda_backward); the mma.sync kernels run on every other GPU.
 //
 // A block owns 128 queries and has three roles: two consumer warpgroups of 64 query rows and
-// one producer warp. The producer streams 64-key tiles of K and V with the tensor copy engine
-// (TMA) into a ring of stages, each with a "full" and an "empty" mbarrier, so the consumers
-// never wait on each other: while one warpgroup runs its softmax, the other's matrix products
-// keep the tensor cores busy. S = Q K^T takes Q and K from shared memory; P V takes P from
+// one producer warp. The producer streams key/value tiles with the tensor copy engine (TMA)
+// into a ring of stages, each with a "full" and an "empty" mbarrier, so the consumers never
+// wait on each other: while one warpgroup runs its softmax, the other's matrix products keep
+// the tensor cores busy. S = Q K^T takes Q and K from shared memory; P V takes P from
 // registers (the accumulator layout of S is the A-register layout, as with mma.sync) and reads
 // V "MN-major", as stored, with no transposed copy. A warpgroup skips the tiles none of its
 // rows can see.
@@ -88,6 +89,11 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
             : "memory");
 }
 
+// Starts a 4-byte copy from global to shared memory (completion tracked per thread).
+__device__ __forceinline__ void copy4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // Copies a [rows x 64] box at (column c, row r) of a 2-D tensor map into shared memory,
 // completing on `bar`.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c, int r, uint32_t bar) {
@@ -134,6 +140,33 @@ __device__ __forceinline__ void wgmma_rs_n128(float* d, const uint32_t* a, uint6
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
+// acc (64 x D) += bf16(s) B: s is a [64 x KT] fp32 accumulator tile (k-step j of the product
+// covers its columns [16 j, 16 j + 16), the accumulator blocks 2j and 2j+1, which is the A
+// register layout), B a [KT x D] tile at shared address sb read MN-major (as stored: rows of
+// D, 64-column blocks KT * 128 bytes apart). Issued and awaited.
+template <int D, int KT>
+__device__ __forceinline__ void accumulate(float* acc, const float* s, uint32_t sb) {
+    uint32_t pa[KT / 16][4];
+#pragma unroll
+    for (int j = 0; j < KT / 16; ++j) {
+        pa[j][0] = pack_bf16(s[8 * j + 0], s[8 * j + 1]);
+        pa[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
+        pa[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
+        pa[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
+    }
+    fence_registers<D / 2>(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < KT / 16; ++j) {
+        const uint64_t db = descriptor(sb + j * (16 * 128), KT * 128, 1024);
+        if constexpr (D == 128) wgmma_rs_n128(acc, pa[j], db);
+        else wgmma_rs_n64(acc, pa[j], db);
+    }
+    wgmma_commit();
+    wgmma_wait();
+    fence_registers<D / 2>(acc);
+}
+
 // 2^x on the special-function unit, flushing denormals (what exp2f adds range handling for).
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -145,7 +178,7 @@ __device__ __forceinline__ float ex2(float x) {
 // takes past a head's end belong to the next head (or are zeros past the tensor's end): such
 // keys are masked and such queries' outputs are not written.
 //
-// One kernel, two passes over the same tiles:
+// One kernel for two computations over the same tiles:
 // - forward (DQ = false): online softmax of S = Q K^T, O += P V; writes out and lse;
 // - dQ (DQ = true): P = exp(S * scale - lse) from the forward's lse, dP = dO V^T,
 //   dS = P (dP - delta), dQ += dS K; the K tile serves both products (K-major for S,
@@ -323,28 +356,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
 
-            // P V (forward) or dS K (dQ): k-step j covers keys [16 j, 16 j + 16) of the tile, i.e.
-            // the accumulator blocks 2j, 2j+1 of s.
-            uint32_t pa[BK / 16][4];
-#pragma unroll
-            for (int j = 0; j < BK / 16; ++j) {
-                pa[j][0] = pack_bf16(s[8 * j + 0], s[8 * j + 1]);
-                pa[j][1] = pack_bf16(s[8 * j + 2], s[8 * j + 3]);
-                pa[j][2] = pack_bf16(s[8 * j + 4], s[8 * j + 5]);
-                pa[j][3] = pack_bf16(s[8 * j + 6], s[8 * j + 7]);
-            }
-            const uint32_t sb = DQ ? sk : sv;
-            fence_registers<D / 2>(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < BK / 16; ++j) {
-                const uint64_t db = descriptor(sb + j * (16 * 128), BK * 128, 1024);
-                if constexpr (D == 128) wgmma_rs_n128(acc, pa[j], db);
-                else wgmma_rs_n64(acc, pa[j], db);
-            }
-            wgmma_commit();
-            wgmma_wait();
-            fence_registers<D / 2>(acc);
+            // P V (forward) or dS K (dQ).
+            accumulate<D, BK>(acc, s, DQ ? sk : sv);
         }
         // This warp is done with the stage (a warpgroup that skips the tile releases it unread).
         if (lane == 0) bar_arrive(empty(st));
@@ -365,6 +378,204 @@ __global__ void __launch_bounds__(THREADS, 1)
         // Natural-log log-sum-exp of the scaled scores, which backward recomputes P from.
         if (!DQ && lane % 4 == 0)
             p.lse[qbase + r] = ok ? (m[hr] + __log2f(l[hr])) * 0.6931471805599453f : -INFINITY;
+    }
+#endif
+}
+
+// dK and dV: key tiles outer. A block owns 128 keys (a warpgroup per 64) and streams 64-query
+// tiles of Q and dO, with their positions, lse and delta, over every query head of its KV
+// head's group and only the queries that can see its keys (found by binary search in the list).
+// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (DK = false), or
+// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (DK = true). Two launches, one per
+// output, keep a warpgroup's accumulators at one [64 x D] tile (both would need ~240 registers
+// a thread, more than two warpgroups and a producer can have); the dV pass skips V and dP.
+constexpr int BKEYS = 128;  // keys per block
+constexpr int BQT = 64;     // queries per tile
+
+template <int D, bool DK>
+__global__ void __launch_bounds__(THREADS, 1)
+    kv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
+              const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
+#ifdef ATTNSWEEP_HAS_WGMMA
+    constexpr int STAGES = 3;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int tpos[STAGES][BQT];
+    __shared__ __align__(8) float tlse[STAGES][BQT], tdl[STAGES][BQT];
+    __shared__ __align__(8) uint64_t bars[1 + 2 * STAGES];  // K/V full, then full and empty per stage
+    // K, V [BKEYS x D], then STAGES x (Q [BQT x D], dO [BQT x D]), from a 1024-byte boundary.
+    constexpr uint32_t KV_BYTES = BKEYS * D * 2, T_BYTES = BQT * D * 2;
+    const uint32_t sk = (smem_addr(smem_raw) + 1023) & ~1023u, sv = sk + KV_BYTES;
+    const uint32_t kv_full = smem_addr(&bars[0]);
+    auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
+    auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
+    auto stage_q = [&](int s) { return sk + 2 * KV_BYTES + s * 2 * T_BYTES; };
+
+    const int bkv = blockIdx.x, b = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    // Key tile 0 first: low keys are seen by the most queries.
+    const int kb0 = blockIdx.y * BKEYS;
+    const int64_t kvbase = (int64_t)bkv * p.len;
+    if (threadIdx.x == 0) {
+        bar_init(kv_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            // The producer's arrive with the copy bytes, and one per lane when its cp.async
+            // copies of the tile's positions, lse and delta land.
+            bar_init(full(s), 33);
+            bar_init(empty(s), CONSUMERS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    // The list rows of each query head g of the group that can see a key of this block:
+    // positions in [kb0, kb0 + BKEYS - 1 + window - 1], found by the whole block together
+    // (a binary search by one thread would be a chain of dependent loads per block).
+    int* ranges = reinterpret_cast<int*>(smem_raw + (sk - smem_addr(smem_raw)) + 2 * KV_BYTES + STAGES * 2 * T_BYTES);
+    const int64_t hi_pos = min((int64_t)kb0 + BKEYS - 1 + p.window, (int64_t)INT32_MAX);
+    for (int g = 0; g < group; ++g) {
+        const int bh = b * p.heads + kvh * group + g;
+        const int64_t base = (int64_t)bh * p.lq;
+        const int n = p.nq ? p.nq[bh] : p.lq;
+        for (int side = 0; side < 2; ++side) {
+            const int key = side == 0 ? kb0 : (int)hi_pos;
+            if (!p.qpos) {
+                if (threadIdx.x == 0) ranges[2 * g + side] = min(max(key, 0), n);
+                continue;
+            }
+            // First index in [lo, hi) whose position is >= key (hi if none): each round samples
+            // THREADS evenly spaced entries and keeps the gap where the positions cross key.
+            int lo = 0, hi = n;
+            while (lo < hi) {
+                const int stride = (hi - lo + THREADS - 1) / THREADS;
+                const int idx = lo + threadIdx.x * stride;
+                const int below = __syncthreads_count(idx < hi && p.qpos[base + idx] < key);
+                if (below == 0) break;
+                const int next_hi = min(lo + below * stride, hi);
+                lo = lo + (below - 1) * stride + 1;
+                hi = next_hi;
+            }
+            if (threadIdx.x == 0) ranges[2 * g + side] = lo;
+        }
+    }
+    __syncthreads();
+    auto tile_rows = [&](int g, int64_t& base, int& nq) {
+        const int bh = b * p.heads + kvh * group + g;
+        base = (int64_t)bh * p.lq;
+        nq = p.nq ? p.nq[bh] : p.lq;
+    };
+
+    if (threadIdx.x >= CONSUMERS) {
+        // Producer warp: its lanes copy each tile's positions (lists only), lse and delta with
+        // cp.async; lane 0 issues the tensor copies.
+        const int lane = threadIdx.x % 32;
+        if (lane == 0) {
+            bar_expect(kv_full, (DK ? 2 : 1) * KV_BYTES);
+            for (int c = 0; c < D / 64; ++c) {
+                tma_load(sk + c * (BKEYS * 128), &tk, c * 64, (int)(kvbase + kb0), kv_full);
+                if (DK) tma_load(sv + c * (BKEYS * 128), &tv, c * 64, (int)(kvbase + kb0), kv_full);
+            }
+        }
+        int i = 0;
+        for (int g = 0; g < group; ++g) {
+            int64_t base;
+            int nq;
+            tile_rows(g, base, nq);
+            for (int r0 = ranges[2 * g]; r0 < ranges[2 * g + 1]; r0 += BQT, ++i) {
+                const int s = i % STAGES;
+                if (i >= STAGES) bar_wait(empty(s), (i / STAGES - 1) & 1);
+                for (int c = lane; c < BQT; c += 32) {
+                    const int r = min(r0 + c, nq - 1);  // rows past nq: any valid address, unused
+                    copy4(smem_addr(&tlse[s][c]), p.lse_in + base + r);
+                    copy4(smem_addr(&tdl[s][c]), p.delta + base + r);
+                    if (p.qpos) copy4(smem_addr(&tpos[s][c]), p.qpos + base + r);
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s)) : "memory");
+                if (lane == 0) {
+                    bar_expect(full(s), 2 * T_BYTES);
+                    for (int c = 0; c < D / 64; ++c) {
+                        tma_load(stage_q(s) + c * (BQT * 128), &tq, c * 64, (int)(base + r0), full(s));
+                        tma_load(stage_q(s) + T_BYTES + c * (BQT * 128), &tdo, c * 64, (int)(base + r0), full(s));
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int kw0 = kb0 + wg * 64;  // this warpgroup's first key
+    const int key_row[2] = {kw0 + warp * 16 + lane / 4, kw0 + warp * 16 + lane / 4 + 8};
+    const float scale2 = p.scale * 1.4426950408889634f;
+    float acc[D / 2] = {};
+    bar_wait(kv_full, 0);
+    int i = 0;
+    for (int g = 0; g < group; ++g) {
+        int64_t base;
+        int nq;
+        tile_rows(g, base, nq);
+        for (int r0 = ranges[2 * g]; r0 < ranges[2 * g + 1]; r0 += BQT, ++i) {
+            const int st = i % STAGES;
+            bar_wait(full(st), (i / STAGES) & 1);
+            const int n = min(BQT, nq - r0);  // rows holding queries; positions ascend over them
+            auto pos = [&](int c) { return p.qpos ? tpos[st][c] : r0 + c; };
+            const int pmin = pos(0), pmax = pos(n - 1);
+            if (kw0 < p.len && pmax >= kw0 && pmin - (kw0 + 63) < p.window) {
+                const uint32_t sq = stage_q(st), sdo = sq + T_BYTES;
+                float s[BQT / 2], dp[DK ? BQT / 2 : 1];
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const uint32_t col = (kk % 4) * 32;
+                    const uint32_t keys = (kk / 4) * (BKEYS * 128) + wg * (64 * 128) + col;
+                    const uint32_t rows = (kk / 4) * (BQT * 128) + col;
+                    wgmma_ss_n64(s, descriptor(sk + keys, 16, 1024), descriptor(sq + rows, 16, 1024), kk > 0);
+                    if constexpr (DK)
+                        wgmma_ss_n64(dp, descriptor(sv + keys, 16, 1024), descriptor(sdo + rows, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+                wgmma_wait();
+                fence_registers<BQT / 2>(s);
+                if constexpr (DK) fence_registers<BQT / 2>(dp);
+                // Every pair visible: all rows hold queries and the whole tile lies in every
+                // key's window (warpgroup-uniform, so the branch costs interior tiles nothing).
+                const bool interior = n == BQT && pmin >= kw0 + 63 && pmax - kw0 < p.window && kw0 + 63 < p.len;
+                if (!interior) {
+#pragma unroll
+                    for (int e = 0; e < BQT / 2; ++e) {
+                        const int c = (e / 4) * 8 + (lane % 4) * 2 + (e & 1);
+                        const int key = key_row[(e >> 1) & 1], q = pos(c);
+                        const bool ok = (c < n) & (key <= q) & (q - key < p.window) & (key < p.len);
+                        s[e] = ok ? s[e] : -INFINITY;
+                    }
+                }
+                // Column data once per column pair (float2), shared by the thread's two rows.
+#pragma unroll
+                for (int nb = 0; nb < BQT / 8; ++nb) {
+                    const int c = nb * 8 + (lane % 4) * 2;
+                    const float2 ls = *reinterpret_cast<const float2*>(&tlse[st][c]);
+                    const float nl[2] = {-ls.x * 1.4426950408889634f, -ls.y * 1.4426950408889634f};
+                    float2 dl = {0.f, 0.f};
+                    if constexpr (DK) dl = *reinterpret_cast<const float2*>(&tdl[st][c]);
+#pragma unroll
+                    for (int e = 4 * nb; e < 4 * nb + 4; ++e) {
+                        const float pr = ex2(fmaf(s[e], scale2, nl[e & 1]));
+                        if constexpr (DK) s[e] = pr * (dp[e] - ((e & 1) ? dl.y : dl.x));
+                        else s[e] = pr;
+                    }
+                }
+                // dV += P^T dO or dK += dS^T Q.
+                accumulate<D, BQT>(acc, s, DK ? sq : sdo);
+            }
+            if (lane == 0) bar_arrive(empty(st));
+        }
+    }
+    const float f = DK ? p.scale : 1.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        if (key_row[hr] >= p.len) continue;
+        __nv_bfloat16* row = p.out + (kvbase + key_row[hr]) * D;
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb)
+            *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + (lane % 4) * 2) =
+                __floats2bfloat162_rn(acc[4 * nb + 2 * hr] * f, acc[4 * nb + 2 * hr + 1] * f);
     }
 #endif
 }
@@ -443,6 +654,30 @@ void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     a.delta = delta.data_ptr<float>();
     if (q.size(3) == 64) launch<64, 64, true>(q, dout, k, v, a);
     else launch<128, 64, true>(q, dout, k, v, a);
+}
+
+void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
+               const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
+               const at::Tensor& dout, at::Tensor& dk, at::Tensor& dv) {
+    Params a = make_params(q, k, qpos, nq, window, dk);
+    a.lse_in = lse.data_ptr<float>();
+    a.delta = delta.data_ptr<float>();
+    const int d = (int)q.size(3);
+    const CUtensorMap tq = tensor_map(q, BQT), tdo = tensor_map(dout, BQT), tk = tensor_map(k, BKEYS),
+                      tv = tensor_map(v, BKEYS);
+    const dim3 grid(k.size(0) * a.kv_heads, (a.len + BKEYS - 1) / BKEYS);
+    // K, V, three stages of Q and dO, the query ranges of the group's heads, and room to round
+    // the start up to 1024 bytes.
+    const size_t smem = (size_t)(2 * BKEYS + 3 * 2 * BQT) * d * 2 + 8 * (a.heads / a.kv_heads) + 1024;
+    for (at::Tensor* out : {&dv, &dk}) {
+        a.out = reinterpret_cast<__nv_bfloat16*>(out->data_ptr());
+        const bool is_dk = out == &dk;
+        auto kernel = d == 64 ? (is_dk ? kv_kernel<64, true> : kv_kernel<64, false>)
+                              : (is_dk ? kv_kernel<128, true> : kv_kernel<128, false>);
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
 }
 
 }  // namespace attnsweep
