@@ -140,6 +140,36 @@ __device__ __forceinline__ void wgmma_rs_n128(float* d, const uint32_t* a, uint6
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
+// d (64 x N) = A B^T summed over D: A the 64 rows at shared address a, B the N rows at b, both
+// K-major in the swizzled layout, their 64-column blocks a_block and b_block bytes apart.
+// Issued, not committed. k-step kk reads column block kk / 4, 32 bytes further into its 128-byte
+// rows per step (the swizzle applies to the address, so the step is a plain offset).
+template <int D, int N>
+__device__ __forceinline__ void issue_scores(float* d, uint32_t a, uint32_t a_block, uint32_t b, uint32_t b_block) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t col = (kk % 4) * 32;
+        const uint64_t da = descriptor(a + (kk / 4) * a_block + col, 16, 1024);
+        const uint64_t db = descriptor(b + (kk / 4) * b_block + col, 16, 1024);
+        if constexpr (N == 128) wgmma_ss_n128(d, da, db, kk > 0);
+        else wgmma_ss_n64(d, da, db, kk > 0);
+    }
+}
+
+// s = A B^T and, when TWO, d2 = A2 B2^T (A, A2 alike in layout, as are B, B2): both issued
+// together and awaited.
+template <int D, int N, bool TWO>
+__device__ __forceinline__ void scores(float* s, float* d2, uint32_t a, uint32_t a2, uint32_t a_block, uint32_t b,
+                                       uint32_t b2, uint32_t b_block) {
+    wgmma_fence();
+    issue_scores<D, N>(s, a, a_block, b, b_block);
+    if constexpr (TWO) issue_scores<D, N>(d2, a2, a_block, b2, b_block);
+    wgmma_commit();
+    wgmma_wait();
+    fence_registers<N / 2>(s);
+    if constexpr (TWO) fence_registers<N / 2>(d2);
+}
+
 // acc (64 x D) += bf16(s) B: s is a [64 x KT] fp32 accumulator tile (k-step j of the product
 // covers its columns [16 j, 16 j + 16), the accumulator blocks 2j and 2j+1, which is the A
 // register layout), B a [KT x D] tile at shared address sb read MN-major (as stored: rows of
@@ -287,25 +317,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (k0 <= w_hi && k0 + BK - 1 >= w_lo) {
             const uint32_t sk = stage_k(st), sv = sk + T_BYTES;
             float s[BK / 2], dp[DQ ? BK / 2 : 1];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                // k-step kk: column block kk / 4, 32 bytes per step inside its 128-byte rows.
-                const uint32_t col = (kk % 4) * 32;
-                const uint32_t rows = (kk / 4) * (BQ * 128) + wg * (64 * 128) + col;
-                const uint32_t keys = (kk / 4) * (BK * 128) + col;
-                if constexpr (BK == 128) {
-                    wgmma_ss_n128(s, descriptor(sq + rows, 16, 1024), descriptor(sk + keys, 16, 1024), kk > 0);
-                } else {
-                    wgmma_ss_n64(s, descriptor(sq + rows, 16, 1024), descriptor(sk + keys, 16, 1024), kk > 0);
-                    if constexpr (DQ)
-                        wgmma_ss_n64(dp, descriptor(sdo + rows, 16, 1024), descriptor(sv + keys, 16, 1024), kk > 0);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait();
-            fence_registers<BK / 2>(s);
-            if constexpr (DQ) fence_registers<BK / 2>(dp);
+            // This warpgroup's 64 rows of Q (and dO) against the tile's keys (and values).
+            scores<D, BK, DQ>(s, dp, sq + wg * (64 * 128), sdo + wg * (64 * 128), BQ * 128, sk, sv, BK * 128);
 
             // The mask only on tiles not wholly inside every row's window: a branch taken by the
             // whole warpgroup, so interior tiles pay nothing for it.
@@ -425,19 +438,25 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    // The rows of query head g of the group: where its list starts and how many are active.
+    auto tile_rows = [&](int g, int64_t& base, int& nq) {
+        const int bh = b * p.heads + kvh * group + g;
+        base = (int64_t)bh * p.lq;
+        nq = p.nq ? p.nq[bh] : p.lq;
+    };
     // The list rows of each query head g of the group that can see a key of this block:
     // positions in [kb0, kb0 + BKEYS - 1 + window - 1], found by the whole block together
     // (a binary search by one thread would be a chain of dependent loads per block).
     int* ranges = reinterpret_cast<int*>(smem_raw + (sk - smem_addr(smem_raw)) + 2 * KV_BYTES + STAGES * 2 * T_BYTES);
     const int64_t hi_pos = min((int64_t)kb0 + BKEYS - 1 + p.window, (int64_t)INT32_MAX);
     for (int g = 0; g < group; ++g) {
-        const int bh = b * p.heads + kvh * group + g;
-        const int64_t base = (int64_t)bh * p.lq;
-        const int n = p.nq ? p.nq[bh] : p.lq;
+        int64_t base;
+        int n;
+        tile_rows(g, base, n);
         for (int side = 0; side < 2; ++side) {
             const int key = side == 0 ? kb0 : (int)hi_pos;
             if (!p.qpos) {
-                if (threadIdx.x == 0) ranges[2 * g + side] = min(max(key, 0), n);
+                if (threadIdx.x == 0) ranges[2 * g + side] = first_at_or_after(nullptr, base, n, key);
                 continue;
             }
             // First index in [lo, hi) whose position is >= key (hi if none): each round samples
@@ -456,11 +475,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     }
     __syncthreads();
-    auto tile_rows = [&](int g, int64_t& base, int& nq) {
-        const int bh = b * p.heads + kvh * group + g;
-        base = (int64_t)bh * p.lq;
-        nq = p.nq ? p.nq[bh] : p.lq;
-    };
 
     if (threadIdx.x >= CONSUMERS) {
         // Producer warp: its lanes copy each tile's positions (lists only), lse and delta with
@@ -520,20 +534,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (kw0 < p.len && pmax >= kw0 && pmin - (kw0 + 63) < p.window) {
                 const uint32_t sq = stage_q(st), sdo = sq + T_BYTES;
                 float s[BQT / 2], dp[DK ? BQT / 2 : 1];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const uint32_t col = (kk % 4) * 32;
-                    const uint32_t keys = (kk / 4) * (BKEYS * 128) + wg * (64 * 128) + col;
-                    const uint32_t rows = (kk / 4) * (BQT * 128) + col;
-                    wgmma_ss_n64(s, descriptor(sk + keys, 16, 1024), descriptor(sq + rows, 16, 1024), kk > 0);
-                    if constexpr (DK)
-                        wgmma_ss_n64(dp, descriptor(sv + keys, 16, 1024), descriptor(sdo + rows, 16, 1024), kk > 0);
-                }
-                wgmma_commit();
-                wgmma_wait();
-                fence_registers<BQT / 2>(s);
-                if constexpr (DK) fence_registers<BQT / 2>(dp);
+                // This warpgroup's 64 keys (and values) against the tile's queries (and dO rows).
+                scores<D, BQT, DK>(s, dp, sk + wg * (64 * 128), sv + wg * (64 * 128), BKEYS * 128, sq, sdo, BQT * 128);
                 // Every pair visible: all rows hold queries and the whole tile lies in every
                 // key's window (warpgroup-uniform, so the branch costs interior tiles nothing).
                 const bool interior = n == BQT && pmin >= kw0 + 63 && pmax - kw0 < p.window && kw0 + 63 < p.len;
