@@ -1,6 +1,8 @@
 """Peers of attnsweep's attention kernels, timed on the same shapes in the same run:
 scaled_dot_product_attention with the cuDNN and flash backends (full causal) and
-FlexAttention (sliding window; full causal over a compacted list of active queries).
+FlexAttention (sliding window; full causal over a compacted list of active queries;
+per-(token, head) routing between the full prefix and the window, the gates read by the
+mask function).
 
 Driven by `attnsweep bench attention`; prints CSV rows
 impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms on stdout (one per measurement).
@@ -61,6 +63,7 @@ def main():
     ap.add_argument("--head-dims", type=ints, required=True)
     ap.add_argument("--windows", type=ints, default=[])
     ap.add_argument("--sparsities", type=floats, default=[])
+    ap.add_argument("--routed-usages", type=floats, default=[])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flex", action="store_true")
@@ -120,6 +123,19 @@ def main():
                 except Exception as e:
                     print(f"# flex sparse L={L} D={D} s={s}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()
+            for w in a.windows:
+                for u in a.routed_usages:
+                    gate = torch.rand(a.heads, L, device=dev) < u
+
+                    def routed(b, h, qi, ki, w=w, gate=gate):
+                        return (qi >= ki) & ((qi - ki < w) | gate[h, qi])
+                    try:
+                        bm = create_block_mask(routed, 1, a.heads, L, L, device=dev)
+                        f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                        row("flex", "routed", L, D, w, 1 - u, f, fb)
+                    except Exception as e:
+                        print(f"# flex routed L={L} D={D} w={w} u={u}: {type(e).__name__}", file=sys.stderr)
+                        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,16 @@
 
 #ifdef ATTNSWEEP_CUDA
 #include "attention.cuh"
+#include "loss.cuh"
+#include "norm.cuh"
+#include "optim.cuh"
+#include "rope.cuh"
+#else
+namespace attnsweep {
+struct AdamWStep {
+    float lr, beta1, beta2, eps, weight_decay, bc1, bc2, clip;
+};
+}  // namespace attnsweep
 #endif
 
 namespace {
@@ -124,6 +134,165 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
     }
 };
 
+// Next-token cross-entropy: nll [N] (fp32) of logits x [N, V] at targets y [N]; the backward
+// writes the logits' gradient in x's dtype (see loss.cu). Reference: log-softmax in fp32.
+struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor y) {
+        at::Tensor nll, lse;
+        if (x.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            nll = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+            lse = at::empty_like(nll);
+            attnsweep::cuda_cross_entropy(x, y, nll, lse);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            auto xf = x.to(at::kFloat);
+            lse = at::logsumexp(xf, -1);
+            nll = lse - xf.gather(-1, y.unsqueeze(-1)).squeeze(-1);
+        }
+        ctx->save_for_backward({x, y, lse});
+        return {nll};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &x = s[0], &y = s[1], &lse = s[2];
+        auto g = grads[0].to(at::kFloat).contiguous();
+        at::Tensor dx;
+        if (x.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty_like(x);
+            attnsweep::cuda_cross_entropy_backward(x, y, lse, g, dx);
+#endif
+        } else {
+            auto p = at::exp(x.to(at::kFloat) - lse.unsqueeze(-1));
+            auto onehot = at::zeros_like(p).scatter_(-1, y.unsqueeze(-1), 1.0);
+            dx = ((p - onehot) * g.unsqueeze(-1)).to(x.scalar_type());
+        }
+        return {dx, at::Tensor()};
+    }
+};
+
+// RMSNorm of x [..., d] with weight w [d] (fp32), computed in fp32, y in x's dtype (see
+// norm.cu); the reference is the same formulas in ATen.
+struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, double eps) {
+        at::Tensor y, rstd;
+        if (x.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            y = at::empty_like(x);
+            rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+            attnsweep::cuda_rms_norm(x, w, eps, y, rstd);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            auto xf = x.to(at::kFloat);
+            rstd = at::rsqrt(xf.square().mean(-1) + eps);
+            y = (w * (xf * rstd.unsqueeze(-1))).to(x.scalar_type());
+        }
+        ctx->save_for_backward({x, w, rstd});
+        return {y};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &x = s[0], &w = s[1], &rstd = s[2];
+        auto dy = grads[0].to(x.scalar_type()).contiguous();
+        at::Tensor dx, dw;
+        if (x.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty_like(x);
+            attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, dx, dw);
+#endif
+        } else {
+            auto r = rstd.unsqueeze(-1);
+            auto n = x.to(at::kFloat) * r, g = dy.to(at::kFloat);
+            auto gw = g * w;
+            dx = (r * (gw - n * (gw * n).mean(-1, true))).to(x.scalar_type());
+            dw = (g * n).reshape({-1, x.size(-1)}).sum(0);
+        }
+        return {dx, dw, at::Tensor()};
+    }
+};
+
+// Rotary embedding with the head transpose: x [B, L, H, D] to y [B, H, L, D] (see rope.cu);
+// cos, sin [L, D] fp32. The reference is the same rotation in ATen, in fp32.
+struct RopeFn : public torch::autograd::Function<RopeFn> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor cos, at::Tensor sin) {
+        at::Tensor y;
+        if (x.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            y = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options());
+            attnsweep::cuda_rope(x, cos, sin, y);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            const auto half = x.size(3) / 2;
+            auto xt = x.transpose(1, 2).to(at::kFloat);
+            auto rot = at::cat({-xt.narrow(3, half, half), xt.narrow(3, 0, half)}, 3);
+            y = (xt * cos + rot * sin).to(x.scalar_type()).contiguous();
+        }
+        ctx->save_for_backward({cos, sin});
+        return {y};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &cos = s[0], &sin = s[1];
+        auto dy = grads[0].contiguous();
+        at::Tensor dx;
+        if (dy.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty({dy.size(0), dy.size(2), dy.size(1), dy.size(3)}, dy.options());
+            attnsweep::cuda_rope_backward(dy, cos, sin, dx);
+#endif
+        } else {
+            const auto half = dy.size(3) / 2;
+            auto g = dy.to(at::kFloat);
+            auto gs = g * sin;
+            auto dxt = g * cos + at::cat({gs.narrow(3, half, half), -gs.narrow(3, 0, half)}, 3);
+            dx = dxt.transpose(1, 2).to(dy.scalar_type()).contiguous();
+        }
+        return {dx, at::Tensor(), at::Tensor()};
+    }
+};
+
+// Reference optimizer step: the per-tensor form of optim.cu's kernels (and of train.rs).
+at::Tensor reference_grad_norm(const std::vector<at::Tensor>& grads) {
+    auto total = at::zeros({}, grads[0].options());
+    for (const auto& g : grads) total = total + g.square().sum();
+    return total.sqrt();
+}
+
+void reference_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& m,
+                     const std::vector<at::Tensor>& v, const attnsweep::AdamWStep& h) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < p.size(); ++i) {
+        if (h.clip != 1.f) g[i].mul_(h.clip);
+        m[i].mul_(h.beta1).add_(g[i] * (1.0 - h.beta1));
+        v[i].mul_(h.beta2).add_(g[i].square() * (1.0 - h.beta2));
+        if (p[i].dim() >= 2 && h.weight_decay > 0) p[i].mul_(1.0 - h.lr * h.weight_decay);
+        p[i].sub_(m[i] / ((v[i] / h.bc2).sqrt() + h.eps) * (h.lr / h.bc1));
+    }
+}
+
+// The tensors behind n pointers, checked to be fp32, contiguous and on one device.
+std::vector<at::Tensor> tensor_list(const at::Tensor* const* ts, size_t n, const char* what) {
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < n; ++i) {
+        const at::Tensor& t = *ts[i];
+        TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+                    " tensors must be defined, fp32 and contiguous (entry ", i, ")");
+        TORCH_CHECK(t.device() == ts[0]->device(), what, " tensors on different devices");
+        out.push_back(t);
+    }
+    return out;
+}
+
 void write_error(char* err, size_t len, const std::string& msg) {
     if (!err || len == 0) return;
     std::strncpy(err, msg.c_str(), len - 1);
@@ -158,7 +327,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 1; }
+int64_t attnsweep_kernels_abi() { return 2; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -186,6 +355,115 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
     } catch (const std::exception& e) {
         write_error(err, err_len, e.what());
         return nullptr;
+    }
+}
+
+// Per-token negative log-likelihood of logits [..., V] at targets [...] (int64), fp32, shaped
+// like targets, with autograd. Returns a new at::Tensor* (the caller owns it), or null with a
+// message in err.
+void* attnsweep_token_nll(const at::Tensor* logits, const at::Tensor* targets, char* err, size_t err_len) {
+    try {
+        const auto& x = *logits;
+        const auto& y = *targets;
+        TORCH_CHECK(x.dim() >= 1 && x.dim() == y.dim() + 1 && x.sizes().slice(0, y.dim()) == y.sizes(),
+                    "logits must be targets' shape plus a vocabulary dimension");
+        TORCH_CHECK(y.scalar_type() == at::kLong, "targets must be int64");
+        TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "logits must be fp32 or bf16");
+        TORCH_CHECK(x.device() == y.device(), "logits and targets on different devices");
+        const auto vocab = x.size(-1);
+        TORCH_CHECK(vocab > 0, "empty vocabulary");
+        auto out = CrossEntropy::apply(x.reshape({-1, vocab}).contiguous(), y.reshape({-1}).contiguous());
+        return new at::Tensor(out[0].view(y.sizes()));
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+        return nullptr;
+    }
+}
+
+// RMSNorm of x [..., d] (bf16 or fp32) with weight w [d] (fp32), with autograd. Returns a new
+// at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, char* err, size_t err_len) {
+    try {
+        TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
+        TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
+        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
+        TORCH_CHECK(x->device() == w->device(), "RMSNorm input and weight on different devices");
+#ifdef ATTNSWEEP_CUDA
+        TORCH_CHECK(!x->is_cuda() || x->size(-1) <= attnsweep::cuda_norm_max_dim(), "RMSNorm kernel takes d <= ",
+                    attnsweep::cuda_norm_max_dim());
+#endif
+        auto out = RmsNormFn::apply(x->contiguous(), *w, eps);
+        return new at::Tensor(out[0]);
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+        return nullptr;
+    }
+}
+
+// Rotary embedding of x [B, L, H, D] (bf16 or fp32) with cos, sin [L, D], returned as
+// [B, H, L, D], with autograd. Returns a new at::Tensor* (the caller owns it), or null with
+// a message in err.
+void* attnsweep_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, char* err, size_t err_len) {
+    try {
+        TORCH_CHECK(x->dim() == 4 && x->size(3) % 2 == 0, "rope input must be [B, L, H, D] with D even");
+        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "rope input must be fp32 or bf16");
+        TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == x->size(1) &&
+                        cos->size(1) == x->size(3),
+                    "cos and sin must be [L, D] for x [B, L, H, D]");
+        TORCH_CHECK(x->device() == cos->device() && x->device() == sin->device(), "rope inputs on different devices");
+        auto out = RopeFn::apply(x->contiguous(), cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous());
+        return new at::Tensor(out[0]);
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+        return nullptr;
+    }
+}
+
+// Global L2 norm of n gradients into *norm (the host waits for it). Returns 0, or 1 with a
+// message in err.
+int attnsweep_grad_norm(const at::Tensor* const* grads, size_t n, double* norm, char* err, size_t err_len) {
+    try {
+        TORCH_CHECK(n > 0, "no gradients");
+        auto g = tensor_list(grads, n, "gradient");
+#ifdef ATTNSWEEP_CUDA
+        auto total = g[0].is_cuda() ? attnsweep::cuda_grad_norm(g) : reference_grad_norm(g);
+#else
+        auto total = reference_grad_norm(g);
+#endif
+        *norm = total.item<double>();
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+        return 1;
+    }
+}
+
+// One clipped AdamW step over n parameters with their gradients and moments, in place.
+int attnsweep_adamw(const at::Tensor* const* params, const at::Tensor* const* grads, const at::Tensor* const* exp_avg,
+                    const at::Tensor* const* exp_avg_sq, size_t n, const double* h, char* err, size_t err_len) {
+    try {
+        TORCH_CHECK(n > 0, "no parameters");
+        auto p = tensor_list(params, n, "parameter"), g = tensor_list(grads, n, "gradient");
+        auto m = tensor_list(exp_avg, n, "exp_avg"), v = tensor_list(exp_avg_sq, n, "exp_avg_sq");
+        for (size_t i = 0; i < n; ++i)
+            TORCH_CHECK(g[i].sizes() == p[i].sizes() && m[i].sizes() == p[i].sizes() && v[i].sizes() == p[i].sizes(),
+                        "parameter ", i, ": gradient or moments differ in shape");
+        TORCH_CHECK(g[0].device() == p[0].device() && m[0].device() == p[0].device() && v[0].device() == p[0].device(),
+                    "parameters, gradients and moments on different devices");
+        // lr, beta1, beta2, eps, weight_decay, bc1, bc2, clip
+        const attnsweep::AdamWStep step{(float)h[0], (float)h[1], (float)h[2], (float)h[3],
+                                        (float)h[4], (float)h[5], (float)h[6], (float)h[7]};
+#ifdef ATTNSWEEP_CUDA
+        if (p[0].is_cuda()) {
+            attnsweep::cuda_adamw(p, g, m, v, step);
+            return 0;
+        }
+#endif
+        reference_adamw(p, g, m, v, step);
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+        return 1;
     }
 }
 

@@ -185,6 +185,9 @@ pub struct ForwardCtx {
     /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
     /// head), so a token's gate does not depend on how the sequence is cut into chunks.
     pub gate_seed: u64,
+    /// Leave the logits in the compute dtype (training's fused loss reads them so) instead
+    /// of fp32.
+    pub compute_logits: bool,
 }
 
 /// Dense masks built once per forward and shared by the layers that use the same pattern.
@@ -446,7 +449,7 @@ impl Projections {
     }
 
     /// `x: [B, L, hidden]` to rotated `q: [B, H, L, D]` and `k, v: [B, Hkv, L, D]`.
-    fn qkv(&self, x: &Tensor, rope: &Rope) -> (Tensor, Tensor, Tensor) {
+    fn qkv(&self, x: &Tensor, rope: &Rope, kernels: Option<&Kernels>) -> (Tensor, Tensor, Tensor) {
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let split = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]);
         let normed = |t: Tensor, n: i64, norm: &Option<RmsNorm>| match (self.qk_norm, norm) {
@@ -454,10 +457,14 @@ impl Projections {
             (QkNorm::PerHead, Some(nm)) => nm.forward(&split(t, n)),
             _ => split(t, n),
         };
-        let q =
-            rope.apply(&normed(self.q_proj.forward(x), self.n_heads, &self.q_norm).transpose(1, 2));
-        let k = rope
-            .apply(&normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm).transpose(1, 2));
+        let q = rope.apply_transposed(
+            &normed(self.q_proj.forward(x), self.n_heads, &self.q_norm),
+            kernels,
+        );
+        let k = rope.apply_transposed(
+            &normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm),
+            kernels,
+        );
         (
             q,
             k,
@@ -519,6 +526,8 @@ pub struct SelfAttention {
     proj: Projections,
     route: Route,
     window: usize,
+    /// AHA: `attention.ste_sample`.
+    ste_sample: f64,
     layer: usize,
     prefix: String,
     /// The kernel library computing window and sparse-query attention; None: reference path.
@@ -562,6 +571,54 @@ fn sparse_attention(
         )
         .expect(KERNEL_FAILED);
     q.zeros_like().scatter(2, &rows, &out)
+}
+
+/// Routed attention `[B, H, L, D]`: each query marked in `on: [B, H, L]` (bool) attends its
+/// whole prefix, every other query its window, and no query runs the path it did not pick
+/// (two compacted query lists). Differentiable in q, k, v.
+pub fn routed_attention(
+    kern: &Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    on: &Tensor,
+    window: i64,
+) -> Tensor {
+    let len = q.size()[2];
+    sparse_attention(kern, q, k, v, on, len)
+        + sparse_attention(kern, q, k, v, &on.logical_not(), window)
+}
+
+/// Which window-picking queries also need the full path's output (see `branches`).
+enum Values<'a> {
+    None,
+    All,
+    /// Those marked in a `[B, T, H]` mask.
+    Some(&'a Tensor),
+}
+
+/// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk starting
+/// at position `start`: an integer hash of (seed, layer, row, position, head) computed on the
+/// device, so it does not depend on the device, the chunking, or any generator's state.
+fn hash_uniform(seed: u64, layer: usize, shape: [i64; 3], start: i64, device: Device) -> Tensor {
+    let [b, l, h] = shape;
+    let ar = |n: i64, at: i64| Tensor::arange_start(at, at + n, (Kind::Int64, device));
+    let mask = 0xFFFF_FFFFi64;
+    let salt =
+        ((seed ^ (seed >> 32) ^ (layer as u64).wrapping_mul(0x9E37_79B9)) & 0xFFFF_FFFF) as i64;
+    let mut x = ar(b, 0).view([b, 1, 1]) * 0x2545_F491i64
+        + ar(l, start).view([1, l, 1]) * 0x1B87_3593i64
+        + ar(h, 0).view([1, 1, h]) * 0x5BD1_E995i64
+        + salt;
+    // Products of values below 2^32 with multipliers below 2^31 stay inside int64.
+    for mul in [0x7FEB_352Di64, 0x046B_2B8Bi64, 0x2C1B_3C6Di64] {
+        x = x.bitwise_and(mask);
+        x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16)) * mul;
+    }
+    let x = x.bitwise_and(mask);
+    x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15))
+        .to_kind(Kind::Double)
+        / 4294967296.0
 }
 
 impl SelfAttention {
@@ -641,6 +698,7 @@ impl SelfAttention {
             proj,
             route,
             window: a.window,
+            ste_sample: a.ste_sample,
             layer,
             prefix: format!("model.layers.{layer}.self_attn"),
             kernels,
@@ -667,9 +725,16 @@ impl SelfAttention {
     }
 
     /// Full-prefix and window outputs `[B, H, T, D]` for a per-(token, head) choice `on:
-    /// [B, T, H]`. With kernels, the chunk's own keys and no gradient to compute, each query
-    /// runs only the path its gate picked (the other output is zero there); otherwise both run
-    /// for every query, since the straight-through gradient needs both.
+    /// [B, T, H]`, combined by the caller as `g * full + (1 - g) * local` with `g` numerically
+    /// equal to `on`. `values` says which queries that picked the window also need the full
+    /// path's output (the straight-through router gradient is `dy . (full - local)`): None,
+    /// all of them, or those marked in a `[B, T, H]` mask.
+    ///
+    /// With kernels and the chunk's own keys, the full path runs with gradient only for the
+    /// queries that picked it (compacted lists): the other rows of `full` reach the loss
+    /// multiplied by a hard 0, so their gradient is exactly zero and skipping it changes
+    /// nothing. The rows `values` asks for are filled by a forward without gradient.
+    /// Without gradient, each query runs only its own path (the other output is zero there).
     fn branches(
         &self,
         q: &Tensor,
@@ -677,15 +742,31 @@ impl SelfAttention {
         v: &Tensor,
         on: &Tensor,
         keys: &Keys,
+        values: Values,
     ) -> (Tensor, Tensor) {
+        let window = KeyPattern::Window(self.window);
         match (self.kernels, keys) {
-            (Some(kern), Keys::Chunk(_)) if !q.requires_grad() => {
+            (Some(kern), Keys::Chunk(_)) => {
                 let on = on.transpose(1, 2).gt(0.5);
                 let len = q.size()[2];
-                (
-                    sparse_attention(kern, q, k, v, &on, len),
-                    sparse_attention(kern, q, k, v, &on.logical_not(), self.window as i64),
-                )
+                let full = sparse_attention(kern, q, k, v, &on, len);
+                if !q.requires_grad() {
+                    let local =
+                        sparse_attention(kern, q, k, v, &on.logical_not(), self.window as i64);
+                    return (full, local);
+                }
+                let full = match values {
+                    Values::None => full,
+                    Values::All => {
+                        let rest = tch::no_grad(|| keys.attend(0, q, k, v, KeyPattern::Full));
+                        full + rest * on.logical_not().unsqueeze(-1).to_kind(q.kind())
+                    }
+                    Values::Some(rows) => {
+                        let rows = rows.transpose(1, 2).gt(0.5).logical_and(&on.logical_not());
+                        full + tch::no_grad(|| sparse_attention(kern, q, k, v, &rows, len))
+                    }
+                };
+                (full, self.attend_all(q, k, v, window, keys, 0))
             }
             // Decoding: a path that no query of the chunk picked is not run.
             (_, Keys::Cache { .. }) if !q.requires_grad() => {
@@ -695,14 +776,14 @@ impl SelfAttention {
                     false => q.zeros_like(),
                 };
                 let local = match picked(on.le(0.5)) {
-                    true => self.attend_all(q, k, v, KeyPattern::Window(self.window), keys, 0),
+                    true => self.attend_all(q, k, v, window, keys, 0),
                     false => q.zeros_like(),
                 };
                 (full, local)
             }
             _ => (
                 keys.attend(0, q, k, v, KeyPattern::Full),
-                self.attend_all(q, k, v, KeyPattern::Window(self.window), keys, 0),
+                self.attend_all(q, k, v, window, keys, 0),
             ),
         }
     }
@@ -844,7 +925,7 @@ impl SelfAttention {
         let h = self.proj.n_heads;
         let start = keys.start();
         let window = KeyPattern::Window(self.window);
-        let (q, k, v) = self.proj.qkv(x, rope);
+        let (q, k, v) = self.proj.qkv(x, rope, self.kernels);
         let (k, v) = keys.extend(0, k, v);
         let (first, end) = (start as usize, (start + l) as usize);
         let out = match &self.route {
@@ -862,8 +943,29 @@ impl SelfAttention {
             }
             Route::PerHead { gates } => {
                 let g = self.gates(gates, x, [b, l, h], start, ctx);
-                let (full, local) = self.branches(&q, &k, &v, &g.hard, keys);
-                let gv = g.value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
+                let learned = matches!(gates, GateSource::Learned { .. });
+                // Sampled straight-through gradient (attention.ste_sample): a random subset
+                // of the window-picking pairs computes the full path, and their router
+                // gradient is scaled up by 1 / ste_sample; the other window pairs send none.
+                let probe = (learned && self.ste_sample < 1.0 && q.requires_grad()).then(|| {
+                    let u = hash_uniform(ctx.gate_seed, self.layer, [b, l, h], start, x.device());
+                    u.lt(self.ste_sample).logical_and(&g.hard.le(0.5))
+                });
+                let values = match (&probe, learned) {
+                    (Some(p), _) => Values::Some(p),
+                    (None, true) => Values::All,
+                    (None, false) => Values::None,
+                };
+                let (full, local) = self.branches(&q, &k, &v, &g.hard, keys, values);
+                let value = match &probe {
+                    Some(p) => {
+                        let weight = g.hard.gt(0.5).to_kind(Kind::Float)
+                            + p.to_kind(Kind::Float) / self.ste_sample;
+                        &g.hard + weight * (&g.value - &g.hard)
+                    }
+                    None => g.value.shallow_clone(),
+                };
+                let gv = value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
                 let y = &gv * full + (1.0 - &gv) * local;
                 AttnOutput {
                     y: self.proj.out(&y),
@@ -880,7 +982,7 @@ impl SelfAttention {
             Route::Global { gates, global } => {
                 let s = self.proj.out(&self.attend_all(&q, &k, &v, window, keys, 0));
                 let g = self.gates(gates, &s, [b, l, 1], start, ctx);
-                let (qg, kg, vg) = global.qkv(&s, rope);
+                let (qg, kg, vg) = global.qkv(&s, rope, self.kernels);
                 // Every token's s is a key of the global module, routed or not.
                 let (kg, vg) = keys.extend(1, kg, vg);
                 // Global attention runs only for routed tokens (all of them when forced), so an
@@ -935,8 +1037,13 @@ impl SelfAttention {
                 reg,
             } => {
                 let g = self.gates(gates, x, [b, l, 1], start, ctx);
+                // The router's gradient and the regulariser's disagreement read both paths.
+                let values = match gates {
+                    GateSource::Learned { .. } => Values::All,
+                    _ => Values::None,
+                };
                 let (full, local) =
-                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys);
+                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys, values);
                 let full = self.proj.out(&full);
                 let local = match swa_o_proj {
                     Some(o) => o.forward(&self.proj.merge(&local)),
@@ -1791,14 +1898,27 @@ mod tests {
     #[test]
     fn kernel_path_matches_reference_path_for_every_method() {
         use crate::config::AttnImpl;
-        for method in [
-            Method::Swa,
-            Method::StaticHybrid,
-            Method::Aha,
-            Method::L2a,
-            Method::Swiattn,
+        let bernoulli = |c: &mut Config| {
+            c.attention.router = Router::Bernoulli;
+            c.attention.bernoulli_p = 0.3;
+        };
+        for (method, cfg) in [
+            (Method::Swa, routed_cfg(Method::Swa, |_| {})),
+            (
+                Method::StaticHybrid,
+                routed_cfg(Method::StaticHybrid, |c| c.attention.hybrid_every = 2),
+            ),
+            (Method::Aha, routed_cfg(Method::Aha, |_| {})),
+            // No router gradient: the full path runs for the picked queries only.
+            (Method::Aha, routed_cfg(Method::Aha, bernoulli)),
+            // Sampled straight-through gradient: full path for the picked and probed queries.
+            (
+                Method::Aha,
+                routed_cfg(Method::Aha, |c| c.attention.ste_sample = 0.5),
+            ),
+            (Method::L2a, routed_cfg(Method::L2a, |_| {})),
+            (Method::Swiattn, routed_cfg(Method::Swiattn, |_| {})),
         ] {
-            let cfg = routed_cfg(method, |c| c.attention.hybrid_every = 2);
             let reference = Built::new(&cfg, Device::Cpu).unwrap();
             randomise_routers(&reference, 1.0);
             let mut kc = cfg.clone();
@@ -1834,6 +1954,139 @@ mod tests {
                 "{method:?} eval-mode logits"
             );
             assert_eq!(a.attended_pairs(), b.attended_pairs());
+        }
+    }
+
+    #[test]
+    fn hash_uniform_is_uniform_and_independent_of_chunking() {
+        let whole = hash_uniform(42, 3, [2, 500, 8], 0, Device::Cpu);
+        let (lo, hi) = (whole.min().double_value(&[]), whole.max().double_value(&[]));
+        assert!(lo >= 0.0 && hi < 1.0, "range [{lo}, {hi}]");
+        let mean = whole.mean(Kind::Double).double_value(&[]);
+        assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
+        // Each decile holds about a tenth of the 8000 draws.
+        for d in 0..10 {
+            let frac = whole
+                .ge(d as f64 / 10.0)
+                .logical_and(&whole.lt((d + 1) as f64 / 10.0))
+                .to_kind(Kind::Double)
+                .mean(Kind::Double)
+                .double_value(&[]);
+            assert!((frac - 0.1).abs() < 0.015, "decile {d}: {frac}");
+        }
+        let piece = hash_uniform(42, 3, [2, 7, 8], 100, Device::Cpu);
+        assert!(piece.equal(&whole.narrow(1, 100, 7)));
+        assert!(!hash_uniform(43, 3, [2, 7, 8], 100, Device::Cpu).equal(&piece));
+        assert!(!hash_uniform(42, 4, [2, 7, 8], 100, Device::Cpu).equal(&piece));
+    }
+
+    /// With ste_sample < 1 the router gradient is an unbiased estimate of the exact
+    /// straight-through gradient: its mean over many draws approaches the exact one, while
+    /// a single draw differs from it.
+    #[test]
+    fn sampled_straight_through_gradient_is_unbiased() {
+        let cfg = routed_cfg(Method::Aha, |c| c.model.num_hidden_layers = 1);
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        randomise_routers(&b, 1.0);
+        let router = &b.params()["model.layers.0.self_attn.router.weight"];
+        let grad = |ste_sample: f64, seed: u64| {
+            let mut c = cfg.clone();
+            c.attention.ste_sample = ste_sample;
+            let mut m = Built::new(&c, Device::Cpu).unwrap();
+            m.vs.copy(&b.vs).unwrap();
+            let ctx = ForwardCtx {
+                gate_seed: seed,
+                ..Default::default()
+            };
+            let out = m.model.forward(&ids(), &ctx);
+            token_nll(&out.logits, &ids()).mean(Kind::Float).backward();
+            m.params()["model.layers.0.self_attn.router.weight"].grad()
+        };
+        let exact = grad(1.0, 0);
+        let draws = 400;
+        let mean = (0..draws)
+            .map(|s| grad(0.5, s))
+            .fold(router.zeros_like(), |a, g| a + g)
+            / draws as f64;
+        let rel =
+            |a: &Tensor| (a - &exact).norm().double_value(&[]) / exact.norm().double_value(&[]);
+        assert!(
+            rel(&grad(0.5, 7)) > 0.2,
+            "one draw should differ from the exact gradient"
+        );
+        let e = rel(&mean);
+        assert!(
+            e < 0.1,
+            "mean of {draws} draws is {e:.3} away from the exact gradient"
+        );
+    }
+
+    /// On the GPU, training through the CUDA kernels (routed paths compacted, the unpicked
+    /// full path filled without gradient) gives the reference path's logits and gradients
+    /// within bf16 noise. One layer, so both paths' routers see the same inputs and no gate
+    /// flips between them.
+    #[test]
+    fn cuda_routed_training_matches_reference() {
+        use crate::config::{AttnImpl, Dtype};
+        if !tch::Cuda::is_available() || crate::kernels::cuda().is_none() {
+            eprintln!(
+                "SKIPPED cuda_routed_training_matches_reference: no CUDA device or kernel library"
+            );
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let rel = |a: &Tensor, b: &Tensor| {
+            let b = b.to_kind(Kind::Double);
+            (a.to_kind(Kind::Double) - &b).norm().double_value(&[])
+                / b.norm().double_value(&[]).max(1e-6)
+        };
+        for method in [Method::Aha, Method::Swiattn, Method::L2a] {
+            let mut cfg = routed_cfg(method, |c| {
+                c.model.hidden_size = 128;
+                c.model.intermediate_size = 256;
+                c.model.num_hidden_layers = 1;
+                c.model.num_attention_heads = 2;
+                c.model.num_key_value_heads = 2;
+                c.model.attention_bias = false;
+                c.attention.window = 37;
+                c.attention.tau = 0.5;
+                c.train.dtype = Dtype::Bf16;
+                c.train.device = "cuda".into();
+            });
+            let reference = Built::new(&cfg, dev).unwrap();
+            randomise_routers(&reference, 0.5);
+            cfg.attention.attn_impl = AttnImpl::Cuda;
+            let mut kernel = Built::new(&cfg, dev).unwrap();
+            assert!(kernel.model.kernels.is_some());
+            kernel.vs.copy(&reference.vs).unwrap();
+            tch::manual_seed(11);
+            let ids = Tensor::randint(13, [2, 301], (Kind::Int64, dev));
+            let ctx = ForwardCtx::default();
+            let step = |m: &Built| {
+                let out = m.model.forward(&ids, &ctx);
+                let nll = token_nll(&out.logits, &ids);
+                let loss = match out.regulariser(&nll) {
+                    Some(r) => nll.mean(Kind::Float) + r,
+                    None => nll.mean(Kind::Float),
+                };
+                loss.backward();
+                let mu = out.full_usage().unwrap().double_value(&[]);
+                (out.logits.detach(), mu)
+            };
+            let ((la, mua), (lb, mub)) = (step(&reference), step(&kernel));
+            assert!(
+                mua > 0.05 && mua < 0.95,
+                "{method:?}: gates all alike ({mua})"
+            );
+            assert_eq!(mua, mub, "{method:?}: gates differ between paths");
+            let e = rel(&lb, &la);
+            assert!(e < 1e-2, "{method:?}: logits differ by {e:.2e}");
+            for ((n, pa), (_, pb)) in reference.params().iter().zip(kernel.params().iter()) {
+                if pa.grad().defined() {
+                    let e = rel(&pb.grad(), &pa.grad());
+                    assert!(e < 5e-2, "{method:?}: gradient of {n} differs by {e:.2e}");
+                }
+            }
         }
     }
 

@@ -16,6 +16,8 @@ pub struct AttentionBench {
     pub head_dims: Vec<i64>,
     pub windows: Vec<i64>,
     pub sparsities: Vec<f64>,
+    /// Fractions of (token, head) pairs routed to the full prefix (the rest to the window).
+    pub routed_usages: Vec<f64>,
     pub heads: i64,
     pub reps: usize,
     pub out: PathBuf,
@@ -83,6 +85,11 @@ fn pairs(r: &Row, heads: i64) -> f64 {
         }
         // Active queries spread uniformly: each sees about L/2 keys on average.
         "sparse" => (1.0 - r.sparsity) * l * (l + 1.0) / 2.0,
+        "routed" => {
+            let w = (r.window as f64).min(l);
+            let window = w * l - w * (w - 1.0) / 2.0;
+            (1.0 - r.sparsity) * l * (l + 1.0) / 2.0 + r.sparsity * window
+        }
         _ => l * (l + 1.0) / 2.0,
     };
     per_seq * heads as f64
@@ -118,6 +125,10 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             .args([
                 "--sparsities",
                 &join(b.sparsities.iter().map(|x| x.to_string()).collect()),
+            ])
+            .args([
+                "--routed-usages",
+                &join(b.routed_usages.iter().map(|x| x.to_string()).collect()),
             ])
             .args([
                 "--heads",
@@ -196,6 +207,24 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     fwdbwd_ms: fb,
                 });
             }
+            for &w in &b.windows {
+                for &u in &b.routed_usages {
+                    let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
+                    let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                        crate::attention::routed_attention(kern, q, k, v, &on, w)
+                    });
+                    rows.push(Row {
+                        imp: "ours".into(),
+                        case: "routed".into(),
+                        len,
+                        dim: d,
+                        window: w,
+                        sparsity: 1.0 - u,
+                        fwd_ms: f,
+                        fwdbwd_ms: fb,
+                    });
+                }
+            }
         }
     }
     let csv_path = b.out.join("attention_bench.csv");
@@ -269,5 +298,318 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         }
         .save(&b.out.join("attention_speedup"))?;
     }
+    Ok(csv_path)
+}
+
+/// `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
+/// model per method and length, beside the same model in plain eager PyTorch
+/// (`kernels/train_peer.py`), timed in one run.
+pub struct TrainBench {
+    pub lengths: Vec<i64>,
+    /// Tokens per step; the batch is `tokens / L` (at least 1).
+    pub tokens: i64,
+    pub methods: Vec<TrainMethod>,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub window: usize,
+    /// Fraction of AHA's (token, head) gates open at the start.
+    pub full_usage: f64,
+    /// `attention.ste_sample` of the aha-sampled rows.
+    pub ste_sample: f64,
+    pub steps: usize,
+    pub warmup: usize,
+    pub out: PathBuf,
+    pub python: String,
+    pub peers: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrainMethod {
+    Full,
+    Swa,
+    /// AHA with the exact straight-through router gradient (the paper's).
+    Aha,
+    /// AHA with the sampled straight-through gradient (`--ste-sample`).
+    AhaSampled,
+}
+
+impl TrainMethod {
+    fn name(self) -> &'static str {
+        match self {
+            TrainMethod::Full => "full",
+            TrainMethod::Swa => "swa",
+            TrainMethod::Aha => "aha",
+            TrainMethod::AhaSampled => "aha-sampled",
+        }
+    }
+}
+
+struct TrainRow {
+    imp: String,
+    method: String,
+    len: i64,
+    batch: i64,
+    step_ms: f64,
+    /// Forward (with the loss), backward and optimizer medians; attnsweep rows only.
+    phases_ms: Option<[f64; 3]>,
+    full_usage: Option<f64>,
+}
+
+impl TrainBench {
+    fn config(&self, method: TrainMethod, len: i64) -> crate::config::Config {
+        use crate::config::{AttnImpl, Config, Dtype, Method};
+        let mut c = Config::default();
+        c.model.vocab_size = self.vocab;
+        c.model.hidden_size = self.hidden;
+        c.model.intermediate_size = self.intermediate;
+        c.model.num_hidden_layers = self.layers;
+        c.model.num_attention_heads = self.heads;
+        c.model.num_key_value_heads = self.heads;
+        c.attention.method = match method {
+            TrainMethod::Full => Method::Full,
+            TrainMethod::Swa => Method::Swa,
+            TrainMethod::Aha | TrainMethod::AhaSampled => Method::Aha,
+        };
+        if method == TrainMethod::AhaSampled {
+            c.attention.ste_sample = self.ste_sample;
+        }
+        c.attention.window = self.window;
+        c.attention.attn_impl = AttnImpl::Cuda;
+        c.data.seq_len = len as usize;
+        c.train.dtype = Dtype::Bf16;
+        c.train.device = "cuda".into();
+        c
+    }
+
+    /// Median step time of attnsweep's training step for one method and length, with the
+    /// medians of its phases (forward with the loss, backward, optimizer).
+    fn measure(&self, method: TrainMethod, len: i64) -> Result<TrainRow> {
+        use crate::attention::ForwardCtx;
+        use crate::train::{forward_loss, AdamW, Built};
+        let cfg = self.config(method, len);
+        let dev = Device::Cuda(0);
+        let built = Built::new(&cfg, dev)?;
+        if is_aha(method) {
+            calibrate_routers(&built, self.full_usage, len);
+        }
+        let params = built.params();
+        let mut opt = AdamW::new(&params, built.model.kernels);
+        let batch = (self.tokens / len).max(1);
+        let ids = Tensor::randint(self.vocab as i64, [batch, len + 1], (Kind::Int64, dev));
+        let (x, y) = (ids.narrow(1, 0, len), ids.narrow(1, 1, len));
+        let ctx = ForwardCtx {
+            compute_logits: true,
+            ..Default::default()
+        };
+        let mut phases: [Vec<f64>; 4] = Default::default();
+        let mut usage = None;
+        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+        for step in 0..self.warmup + self.steps {
+            tch::Cuda::synchronize(0);
+            let start = Instant::now();
+            opt.zero_grad();
+            let (loss, stats) = forward_loss(&built.model, &x, &y, &ctx);
+            let fwd = Instant::now();
+            loss.backward();
+            tch::Cuda::synchronize(0);
+            let bwd = Instant::now();
+            opt.clip_grad_norm(cfg.train.grad_clip);
+            // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
+            opt.update(0.0, &cfg.train);
+            tch::Cuda::synchronize(0);
+            if step >= self.warmup {
+                let secs = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                let t = [
+                    ms(start),
+                    secs(fwd.duration_since(start)),
+                    secs(bwd.duration_since(fwd)),
+                    ms(bwd),
+                ];
+                for (v, x) in phases.iter_mut().zip(t) {
+                    v.push(x);
+                }
+            }
+            usage = stats.full_usage;
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let [mut total, mut f, mut b, mut o] = phases;
+        Ok(TrainRow {
+            imp: "attnsweep".into(),
+            method: method.name().into(),
+            len,
+            batch,
+            step_ms: median(&mut total),
+            phases_ms: Some([median(&mut f), median(&mut b), median(&mut o)]),
+            full_usage: usage,
+        })
+    }
+}
+
+fn is_aha(m: TrainMethod) -> bool {
+    matches!(m, TrainMethod::Aha | TrainMethod::AhaSampled)
+}
+
+/// Sets every router so that about `usage` of its (token, head) gates open on random
+/// tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
+/// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
+/// quantile of the measured logits.
+fn calibrate_routers(built: &crate::train::Built, usage: f64, len: i64) {
+    use crate::attention::ForwardCtx;
+    let params = built.params();
+    let dev = Device::Cuda(0);
+    tch::no_grad(|| {
+        for (name, p) in &params {
+            if name.ends_with("router.weight") {
+                let d = p.size()[1] as f64;
+                p.shallow_clone().copy_(&(p.randn_like() / d.sqrt()));
+            } else if name.ends_with("router.bias") {
+                let _ = p.shallow_clone().zero_();
+            }
+        }
+        let ids = Tensor::randint(
+            built.model.cfg.vocab_size as i64,
+            [1, len],
+            (Kind::Int64, dev),
+        );
+        for layer in 0..built.model.layers.len() {
+            let out = built.model.forward(&ids, &ForwardCtx::default());
+            let s = out.layers[layer]
+                .scores
+                .as_ref()
+                .expect("AHA layers have router scores");
+            let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
+            // Logits with the current (zero) bias of this layer.
+            let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
+            let q = logits.quantile_scalar(1.0 - usage, None, false, "linear");
+            let _ = bias.shallow_clone().fill_(-q.double_value(&[]));
+        }
+    });
+}
+
+/// Runs the training bench; returns the CSV's path.
+pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
+    ensure!(
+        tch::Cuda::is_available(),
+        "bench train needs a GPU and the CUDA kernel library"
+    );
+    std::fs::create_dir_all(&b.out)?;
+    let mut rows: Vec<TrainRow> = Vec::new();
+    let join = |v: Vec<String>| v.join(",");
+    let lengths = join(b.lengths.iter().map(|x| x.to_string()).collect());
+    // The eager peer has the paper's AHA only.
+    let methods = join(
+        b.methods
+            .iter()
+            .filter(|&&m| m != TrainMethod::AhaSampled)
+            .map(|m| m.name().to_string())
+            .collect(),
+    );
+    if b.peers {
+        let script = b.out.join("train_peer.py");
+        std::fs::write(&script, include_str!("../kernels/train_peer.py"))?;
+        let out = Command::new(&b.python)
+            .arg(&script)
+            .args(["--lengths", &lengths, "--methods", &methods])
+            .args(["--tokens", &b.tokens.to_string()])
+            .args(["--layers", &b.layers.to_string()])
+            .args(["--hidden", &b.hidden.to_string()])
+            .args(["--heads", &b.heads.to_string()])
+            .args(["--intermediate", &b.intermediate.to_string()])
+            .args(["--vocab", &b.vocab.to_string()])
+            .args(["--window", &b.window.to_string()])
+            .args(["--full-usage", &b.full_usage.to_string()])
+            .args(["--steps", &b.steps.to_string()])
+            .args(["--warmup", &b.warmup.to_string()])
+            .args(["--lr", "0"])
+            .output()
+            .with_context(|| format!("cannot run {} for the eager peer", b.python))?;
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        ensure!(out.status.success(), "the eager peer failed");
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(note) = line.strip_prefix("# ") {
+                eprintln!("{note}");
+                continue;
+            }
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() == 7 {
+                rows.push(TrainRow {
+                    imp: f[0].into(),
+                    method: f[1].into(),
+                    len: f[2].parse()?,
+                    batch: f[3].parse()?,
+                    step_ms: f[4].parse()?,
+                    phases_ms: None,
+                    full_usage: f[6].parse().ok(),
+                });
+            }
+        }
+    }
+    for &len in &b.lengths {
+        for &m in &b.methods {
+            // One failed case (out of memory at a long length) is reported, not fatal.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.measure(m, len)));
+            match r {
+                Ok(Ok(row)) => rows.push(row),
+                Ok(Err(e)) => eprintln!("attnsweep {} L={len}: {e:#}", m.name()),
+                Err(_) => eprintln!(
+                    "attnsweep {} L={len}: failed (see the message above)",
+                    m.name()
+                ),
+            }
+        }
+    }
+    let csv_path = b.out.join("train_bench.csv");
+    let tmp = csv_path.with_extension("csv.tmp");
+    let mut w = csv::Writer::from_path(&tmp)?;
+    w.write_record([
+        "impl",
+        "method",
+        "L",
+        "batch",
+        "step_ms",
+        "tokens_per_s",
+        "full_usage",
+        "vs_same_impl_full",
+        "vs_eager_full",
+        "fwd_ms",
+        "bwd_ms",
+        "opt_ms",
+    ])?;
+    let full_of = |imp: &str, len: i64| {
+        rows.iter()
+            .find(|r| r.imp == imp && r.method == "full" && r.len == len)
+            .map(|r| r.step_ms)
+    };
+    for r in &rows {
+        let ratio =
+            |base: Option<f64>| base.map_or(String::new(), |s| format!("{:.3}", s / r.step_ms));
+        w.write_record(
+            [
+                r.imp.clone(),
+                r.method.clone(),
+                r.len.to_string(),
+                r.batch.to_string(),
+                format!("{:.3}", r.step_ms),
+                format!("{:.0}", (r.batch * r.len) as f64 / r.step_ms * 1e3),
+                r.full_usage.map_or(String::new(), |u| format!("{u:.4}")),
+                ratio(full_of(&r.imp, r.len)),
+                ratio(full_of("torch_eager", r.len)),
+            ]
+            .into_iter()
+            .chain((0..3).map(|i| {
+                r.phases_ms
+                    .map_or(String::new(), |p| format!("{:.3}", p[i]))
+            })),
+        )?;
+    }
+    w.flush()?;
+    drop(w);
+    std::fs::rename(&tmp, &csv_path)?;
     Ok(csv_path)
 }

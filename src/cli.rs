@@ -4,7 +4,7 @@ use crate::config::Config;
 use crate::data::{self, SynthSpec};
 use crate::eval;
 use crate::train::{self, TrainArgs};
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -110,6 +110,65 @@ enum BenchCmd {
     /// Attention kernels (sliding window, sparse queries) beside SDPA (cuDNN, flash) and
     /// FlexAttention: CSV and the speed-up-against-sparsity figure.
     Attention(BenchAttentionCmd),
+    /// Whole training steps per method and length beside the same model in eager PyTorch:
+    /// tokens/s and ratios in one CSV.
+    Train(BenchTrainCmd),
+}
+
+#[derive(Args)]
+struct BenchTrainCmd {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
+    lengths: Vec<i64>,
+    /// Tokens per step (batch = tokens / L, at least 1).
+    #[arg(long, default_value_t = 32768)]
+    tokens: i64,
+    /// Attention methods.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,swa,aha,aha-sampled"
+    )]
+    methods: Vec<crate::bench::TrainMethod>,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    /// Model width (d_model).
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    /// Attention heads (as many key-value heads; head_dim = hidden / heads).
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// SwiGLU width.
+    #[arg(long, default_value_t = 1536)]
+    intermediate: usize,
+    /// Vocabulary size (random tokens).
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    /// Sliding window of swa and of AHA's local path.
+    #[arg(long, default_value_t = 256)]
+    window: usize,
+    /// Fraction of AHA's (token, head) gates open (routers calibrated on random tokens).
+    #[arg(long, default_value_t = 0.1)]
+    full_usage: f64,
+    /// attention.ste_sample of the aha-sampled method.
+    #[arg(long, default_value_t = 0.1)]
+    ste_sample: f64,
+    /// Timed steps per case (median reported), after the warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Output directory.
+    #[arg(long, default_value = "results/bench_train")]
+    out: PathBuf,
+    /// Python with torch for the eager peer.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Skip the eager peer.
+    #[arg(long)]
+    no_peers: bool,
 }
 
 #[derive(Args)]
@@ -126,6 +185,10 @@ struct BenchAttentionCmd {
     /// Fractions of queries skipped by sparse-query attention.
     #[arg(long, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
     sparsities: Vec<f64>,
+    /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
+    /// on each of the windows.
+    #[arg(long, value_delimiter = ',', default_value = "0.1")]
+    routed_usages: Vec<f64>,
     /// Query (and key-value) heads; batch 1.
     #[arg(long, default_value_t = 16)]
     heads: i64,
@@ -442,6 +505,7 @@ pub fn main() -> Result<()> {
                 head_dims: c.head_dims,
                 windows: c.windows,
                 sparsities: c.sparsities,
+                routed_usages: c.routed_usages,
                 heads: c.heads,
                 reps: c.reps,
                 out: c.out,
@@ -449,6 +513,47 @@ pub fn main() -> Result<()> {
                 peers: !c.no_peers,
             };
             println!("{}", crate::bench::run(&b, kern)?.display());
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Train(c)) => {
+            ensure!(
+                c.full_usage > 0.0 && c.full_usage < 1.0,
+                "--full-usage must lie strictly between 0 and 1 (got {})",
+                c.full_usage
+            );
+            ensure!(
+                c.ste_sample > 0.0 && c.ste_sample <= 1.0,
+                "--ste-sample must lie in (0, 1] (got {})",
+                c.ste_sample
+            );
+            ensure!(
+                c.hidden % c.heads == 0,
+                "--hidden {} is not a multiple of --heads {}",
+                c.hidden,
+                c.heads
+            );
+            crate::kernels::cuda().context(
+                "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
+            let b = crate::bench::TrainBench {
+                lengths: c.lengths,
+                tokens: c.tokens,
+                methods: c.methods,
+                layers: c.layers,
+                hidden: c.hidden,
+                heads: c.heads,
+                intermediate: c.intermediate,
+                vocab: c.vocab,
+                window: c.window,
+                full_usage: c.full_usage,
+                ste_sample: c.ste_sample,
+                steps: c.steps.max(1),
+                warmup: c.warmup,
+                out: c.out,
+                python: c.python,
+                peers: !c.no_peers,
+            };
+            println!("{}", crate::bench::run_train(&b)?.display());
             Ok(())
         }
         Command::Kernels(KernelsCmd::Build { cpu }) => {

@@ -174,6 +174,12 @@ pub struct AttentionConfig {
     pub tau: f64,
     /// AHA: weight of the L1 penalty on router scores; L2A: of the squared penalty.
     pub lambda: f64,
+    /// AHA training: fraction of the (token, head) pairs that picked the window whose
+    /// full-path output is still computed, for the straight-through router gradient
+    /// `dy . (full - local)`; their router gradient is scaled by 1 / ste_sample, so it stays
+    /// an unbiased estimate of the exact one and the other such pairs need no full path.
+    /// 1 (the default) computes it for every pair: the exact gradient of the paper.
+    pub ste_sample: f64,
     pub router: Router,
     /// Bernoulli router: probability that a gate is 1.
     pub bernoulli_p: f64,
@@ -213,6 +219,7 @@ impl Default for AttentionConfig {
             hybrid_every: 4,
             tau: 0.5,
             lambda: 3e-4,
+            ste_sample: 1.0,
             router: Router::Learned,
             bernoulli_p: 0.1,
             router_init_bias: 1.0,
@@ -470,6 +477,12 @@ impl Config {
         check("attention.hybrid_every", a.hybrid_every, 1, 1024)?;
         check("attention.tau", a.tau, 0.0, 1.0)?;
         check("attention.lambda", a.lambda, 0.0, 1e3)?;
+        if !(a.ste_sample > 0.0 && a.ste_sample <= 1.0) {
+            bail!(
+                "attention.ste_sample = {} is out of range: allowed in (0, 1]",
+                a.ste_sample
+            );
+        }
         check("attention.bernoulli_p", a.bernoulli_p, 0.0, 1.0)?;
         check(
             "attention.router_init_bias",

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 5] = [
+const SOURCES: [(&str, &str); 13] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
@@ -23,9 +23,17 @@ const SOURCES: [(&str, &str); 5] = [
     ),
     ("attention.cuh", include_str!("../kernels/attention.cuh")),
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("loss.cu", include_str!("../kernels/loss.cu")),
+    ("loss.cuh", include_str!("../kernels/loss.cuh")),
+    ("norm.cu", include_str!("../kernels/norm.cu")),
+    ("norm.cuh", include_str!("../kernels/norm.cuh")),
+    ("optim.cu", include_str!("../kernels/optim.cu")),
+    ("optim.cuh", include_str!("../kernels/optim.cuh")),
+    ("rope.cu", include_str!("../kernels/rope.cu")),
+    ("rope.cuh", include_str!("../kernels/rope.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 1;
+const ABI: i64 = 2;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -238,6 +246,10 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                 ])
                 .arg(tmp.join("attention.cu"))
                 .arg(tmp.join("attention_sm90.cu"))
+                .arg(tmp.join("loss.cu"))
+                .arg(tmp.join("norm.cu"))
+                .arg(tmp.join("optim.cu"))
+                .arg(tmp.join("rope.cu"))
                 .arg(tmp.join("ops.cpp"))
                 .args(&links)
                 .args(["-ltorch_cuda", "-lc10_cuda"])
@@ -287,10 +299,53 @@ type ListAttentionFn = unsafe extern "C" fn(
     usize,
 ) -> *mut c_void;
 
+type TokenNllFn =
+    unsafe extern "C" fn(*const c_void, *const c_void, *mut c_char, usize) -> *mut c_void;
+type RmsNormFn =
+    unsafe extern "C" fn(*const c_void, *const c_void, f64, *mut c_char, usize) -> *mut c_void;
+type RopeFn = unsafe extern "C" fn(
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_char,
+    usize,
+) -> *mut c_void;
+type GradNormFn =
+    unsafe extern "C" fn(*const *const c_void, usize, *mut f64, *mut c_char, usize) -> i32;
+type AdamWFn = unsafe extern "C" fn(
+    *const *const c_void,
+    *const *const c_void,
+    *const *const c_void,
+    *const *const c_void,
+    usize,
+    *const f64,
+    *mut c_char,
+    usize,
+) -> i32;
+
+/// One AdamW step's scalars for [`Kernels::adamw`].
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Bias corrections `1 - beta^t`.
+    pub bc1: f64,
+    pub bc2: f64,
+    /// Factor the gradients are scaled by first (1: no clipping).
+    pub clip: f64,
+}
+
 /// A loaded kernel library.
 pub struct Kernels {
     _lib: Library,
     list_attention: ListAttentionFn,
+    token_nll: TokenNllFn,
+    rms_norm: RmsNormFn,
+    rope: RopeFn,
+    grad_norm: GradNormFn,
+    adamw: AdamWFn,
     pub cuda: bool,
     pub path: PathBuf,
 }
@@ -313,9 +368,19 @@ impl Kernels {
             let cuda = cuda() != 0;
             let f: Symbol<ListAttentionFn> = lib.get(b"attnsweep_list_attention")?;
             let list_attention = *f;
+            let token_nll = *lib.get::<TokenNllFn>(b"attnsweep_token_nll")?;
+            let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
+            let rope = *lib.get::<RopeFn>(b"attnsweep_rope")?;
+            let grad_norm = *lib.get::<GradNormFn>(b"attnsweep_grad_norm")?;
+            let adamw = *lib.get::<AdamWFn>(b"attnsweep_adamw")?;
             Ok(Kernels {
                 _lib: lib,
                 list_attention,
+                token_nll,
+                rms_norm,
+                rope,
+                grad_norm,
+                adamw,
                 cuda,
                 path: path.to_path_buf(),
             })
@@ -351,13 +416,133 @@ impl Kernels {
             )
         };
         if out.is_null() {
-            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
-                .to_string_lossy()
-                .into_owned();
-            bail!("attention kernel: {msg}");
+            bail!("attention kernel: {}", library_error(&err));
         }
         // Safety: the library returns a heap at::Tensor* whose ownership passes to us.
         Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+}
+
+fn library_error(err: &[c_char]) -> String {
+    unsafe { CStr::from_ptr(err.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn pointers(ts: &[Tensor]) -> Vec<*const c_void> {
+    ts.iter().map(|t| t.as_ptr() as *const c_void).collect()
+}
+
+impl Kernels {
+    /// Per-token next-token NLL (fp32, shaped like `targets`) of `logits: [..., V]` (fp32 or
+    /// bf16, read in their dtype; the gradient comes back in it), differentiable in logits.
+    pub fn token_nll(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let mut err = vec![0 as c_char; 1024];
+        let out = unsafe {
+            (self.token_nll)(
+                logits.as_ptr() as *const c_void,
+                targets.as_ptr() as *const c_void,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        ensure!(
+            !out.is_null(),
+            "cross-entropy kernel: {}",
+            library_error(&err)
+        );
+        // Safety: a heap at::Tensor* whose ownership passes to us.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+
+    /// RMSNorm of `x: [..., d]` (fp32 or bf16) with `weight: [d]` (fp32), computed in fp32,
+    /// returned in x's dtype; differentiable in both.
+    pub fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        let mut err = vec![0 as c_char; 1024];
+        let out = unsafe {
+            (self.rms_norm)(
+                x.as_ptr() as *const c_void,
+                weight.as_ptr() as *const c_void,
+                eps,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        ensure!(!out.is_null(), "RMSNorm kernel: {}", library_error(&err));
+        // Safety: a heap at::Tensor* whose ownership passes to us.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+
+    /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`,
+    /// returned transposed to `[B, H, L, D]` (as attention reads it); differentiable in x.
+    pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let mut err = vec![0 as c_char; 1024];
+        let out = unsafe {
+            (self.rope)(
+                x.as_ptr() as *const c_void,
+                cos.as_ptr() as *const c_void,
+                sin.as_ptr() as *const c_void,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        ensure!(!out.is_null(), "rope kernel: {}", library_error(&err));
+        // Safety: a heap at::Tensor* whose ownership passes to us.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    }
+
+    /// Global L2 norm of `grads` (fp32, contiguous, one device), in one launch.
+    pub fn grad_norm(&self, grads: &[Tensor]) -> Result<f64> {
+        let mut err = vec![0 as c_char; 1024];
+        let mut norm = 0f64;
+        let p = pointers(grads);
+        let rc = unsafe {
+            (self.grad_norm)(p.as_ptr(), p.len(), &mut norm, err.as_mut_ptr(), err.len())
+        };
+        ensure!(rc == 0, "gradient norm kernel: {}", library_error(&err));
+        Ok(norm)
+    }
+
+    /// Clipping and AdamW over all parameters in one launch, in place; the four slices are
+    /// parallel (parameter, gradient, first and second moment), all fp32 and contiguous.
+    pub fn adamw(
+        &self,
+        p: &[Tensor],
+        g: &[Tensor],
+        m: &[Tensor],
+        v: &[Tensor],
+        h: &AdamWStep,
+    ) -> Result<()> {
+        ensure!(
+            g.len() == p.len() && m.len() == p.len() && v.len() == p.len(),
+            "adamw: parameter, gradient and moment lists differ in length"
+        );
+        let mut err = vec![0 as c_char; 1024];
+        let scalars = [
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.eps,
+            h.weight_decay,
+            h.bc1,
+            h.bc2,
+            h.clip,
+        ];
+        let (pp, gp, mp, vp) = (pointers(p), pointers(g), pointers(m), pointers(v));
+        let rc = unsafe {
+            (self.adamw)(
+                pp.as_ptr(),
+                gp.as_ptr(),
+                mp.as_ptr(),
+                vp.as_ptr(),
+                pp.len(),
+                scalars.as_ptr(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        ensure!(rc == 0, "adamw kernel: {}", library_error(&err));
+        Ok(())
     }
 }
 
@@ -568,6 +753,152 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The fused cross-entropy against log-softmax in fp32 from the same (rounded) logits:
+    /// values and logits' gradient, for a vocabulary that takes the vectorised path (V % 8
+    /// == 0) and one that does not, and a row whose target is its largest logit.
+    fn cross_entropy_matches_log_softmax(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+        for vocab in [32000i64, 1001] {
+            tch::manual_seed(vocab);
+            let x = (Tensor::randn([3, 7, vocab], (Kind::Float, device)) * 4.0)
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let y = Tensor::randint(vocab, [3, 7], (Kind::Int64, device));
+            let y = y.index_put(
+                &[Some(Tensor::from(0)), Some(Tensor::from(0))],
+                &x.get(0).get(0).argmax(-1, false),
+                false,
+            );
+            let g = Tensor::rand([3, 7], (Kind::Float, device));
+            let got = kern.token_nll(&x, &y).unwrap();
+            assert_eq!(got.size(), [3, 7]);
+            (&got * &g).sum(Kind::Float).backward();
+            let xr = x.detach().to_kind(Kind::Float).set_requires_grad(true);
+            let want = crate::model::token_nll(&xr, &y);
+            (&want * &g).sum(Kind::Float).backward();
+            let e = rel_err(&got.detach(), &want.detach());
+            assert!(e < tol, "V={vocab}: loss differs by {e:.2e}");
+            let e = rel_err(&x.grad().to_kind(Kind::Float), &xr.grad());
+            assert!(e < tol * 10.0, "V={vocab}: gradient differs by {e:.2e}");
+            assert_eq!(x.grad().kind(), kind);
+        }
+    }
+
+    /// The fused RMSNorm against the model's ATen form in fp32 from the same (rounded)
+    /// inputs: output and both gradients, for a width that is a multiple of 32 and one that
+    /// is not.
+    fn rms_norm_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+        for d in [512i64, 100] {
+            tch::manual_seed(d);
+            let x = Tensor::randn([3, 67, d], (Kind::Float, device))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let w = (Tensor::rand([d], (Kind::Float, device)) + 0.5).set_requires_grad(true);
+            let dy = Tensor::randn([3, 67, d], (Kind::Float, device));
+            let got = kern.rms_norm(&x, &w, 1e-5).unwrap();
+            assert_eq!(got.kind(), kind);
+            (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+            let (xr, wr) = (
+                x.detach().to_kind(Kind::Float).set_requires_grad(true),
+                w.detach().set_requires_grad(true),
+            );
+            let rms = (xr.square().mean_dim(-1, true, Kind::Float) + 1e-5).rsqrt();
+            let want = &wr * (&xr * rms);
+            (&want * &dy).sum(Kind::Float).backward();
+            for (name, g, r) in [
+                ("y", got.detach().to_kind(Kind::Float), want.detach()),
+                ("dx", x.grad().to_kind(Kind::Float), xr.grad()),
+                ("dw", w.grad(), wr.grad()),
+            ] {
+                let e = rel_err(&g, &r);
+                assert!(e < tol, "d={d}: {name} differs by {e:.2e}");
+            }
+        }
+    }
+
+    /// The fused rotary embedding (with the head transpose) against `Rope::apply` in fp32
+    /// from the same (rounded) inputs: output and gradient.
+    fn rope_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+        for d in [64i64, 128] {
+            tch::manual_seed(d);
+            let inv: Vec<f64> = (0..d / 2)
+                .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
+                .collect();
+            let rope = crate::model::Rope::new(300, &inv, Kind::Float, device).slice(37, 203);
+            let x = Tensor::randn([2, 203, 3, d], (Kind::Float, device))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let dy = Tensor::randn([2, 3, 203, d], (Kind::Float, device));
+            let got = rope.apply_transposed(&x, Some(kern));
+            assert_eq!(got.size(), [2, 3, 203, d]);
+            (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+            let xr = x.detach().to_kind(Kind::Float).set_requires_grad(true);
+            let want = rope.apply_transposed(&xr, None);
+            (&want * &dy).sum(Kind::Float).backward();
+            let e = rel_err(&got.detach().to_kind(Kind::Float), &want.detach());
+            assert!(e < tol, "D={d}: output differs by {e:.2e}");
+            let e = rel_err(&x.grad().to_kind(Kind::Float), &xr.grad());
+            assert!(e < tol, "D={d}: gradient differs by {e:.2e}");
+        }
+    }
+
+    #[test]
+    fn cpu_rope_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        rope_matches_reference(kern, Device::Cpu, Kind::Float, 1e-6);
+    }
+
+    #[test]
+    fn cuda_rope_matches_reference() {
+        match cuda() {
+            Some(k) if tch::Cuda::is_available() => {
+                rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+            }
+            _ => eprintln!("SKIPPED cuda_rope_matches_reference: no CUDA device or kernel library"),
+        }
+    }
+
+    #[test]
+    fn cpu_rms_norm_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        rms_norm_matches_reference(kern, Device::Cpu, Kind::Float, 1e-5);
+        let x = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+        let err = kern.rms_norm(&x, &Tensor::ones([4], (Kind::Float, Device::Cpu)), 1e-5);
+        assert!(err.unwrap_err().to_string().contains("weight must be [d]"));
+    }
+
+    #[test]
+    fn cuda_rms_norm_matches_reference() {
+        match cuda() {
+            Some(k) if tch::Cuda::is_available() => {
+                rms_norm_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+            }
+            _ => eprintln!(
+                "SKIPPED cuda_rms_norm_matches_reference: no CUDA device or kernel library"
+            ),
+        }
+    }
+
+    #[test]
+    fn cpu_cross_entropy_matches_log_softmax() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        cross_entropy_matches_log_softmax(kern, Device::Cpu, Kind::Float, 1e-6);
+        let x = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+        let err = kern.token_nll(&x, &Tensor::zeros([3], (Kind::Int64, Device::Cpu)));
+        assert!(err.unwrap_err().to_string().contains("targets' shape"));
+    }
+
+    #[test]
+    fn cuda_cross_entropy_matches_log_softmax() {
+        match cuda() {
+            Some(k) if tch::Cuda::is_available() => {
+                cross_entropy_matches_log_softmax(k, Device::Cuda(0), Kind::BFloat16, 1e-3)
+            }
+            _ => eprintln!(
+                "SKIPPED cuda_cross_entropy_matches_log_softmax: no CUDA device or kernel library"
+            ),
         }
     }
 

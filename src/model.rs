@@ -54,6 +54,8 @@ pub fn upcast(x: &Tensor) -> Tensor {
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    /// The fused kernel (`kernels/norm.cu`) computes it where a library is loaded.
+    kernels: Option<&'static crate::kernels::Kernels>,
 }
 
 impl RmsNorm {
@@ -61,12 +63,25 @@ impl RmsNorm {
         RmsNorm {
             weight: p.var("weight", &[dim], nn::Init::Const(1.0)),
             eps,
+            kernels: None,
         }
+    }
+
+    pub fn with_kernels(self, kernels: Option<&'static crate::kernels::Kernels>) -> Self {
+        RmsNorm { kernels, ..self }
     }
 
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
     pub fn forward(&self, x: &Tensor) -> Tensor {
+        if let Some(k) = self.kernels {
+            if matches!(x.kind(), Kind::Float | Kind::BFloat16) && self.weight.kind() == Kind::Float
+            {
+                return k
+                    .rms_norm(x, &self.weight, self.eps)
+                    .expect("RMSNorm kernel on the model's own activations");
+            }
+        }
         let xf = upcast(x);
         let k = xf.kind();
         let rms = (xf.square().mean_dim(-1, true, k) + self.eps).rsqrt();
@@ -101,6 +116,21 @@ impl Rope {
         Rope {
             cos: self.cos.narrow(0, start, len),
             sin: self.sin.narrow(0, start, len),
+        }
+    }
+
+    /// `x: [B, L, H, D]` rotated and transposed to `[B, H, L, D]`, by the fused kernel where
+    /// a library is given.
+    pub fn apply_transposed(
+        &self,
+        x: &Tensor,
+        kernels: Option<&crate::kernels::Kernels>,
+    ) -> Tensor {
+        match kernels {
+            Some(k) if matches!(x.kind(), Kind::Float | Kind::BFloat16) => k
+                .rope(x, &self.cos, &self.sin)
+                .expect("rope kernel on the model's own projections"),
+            _ => self.apply(&x.transpose(1, 2)),
         }
     }
 
@@ -202,7 +232,8 @@ impl ModelCache {
 
 /// Everything a forward pass produces besides the logits.
 pub struct ForwardOutput {
-    /// `[B, L, vocab]` in fp32 (fp64 for an fp64 model).
+    /// `[B, L, vocab]` in fp32 (fp64 for an fp64 model), or in the compute dtype when the
+    /// forward's context asks for it.
     pub logits: Tensor,
     /// One entry per layer.
     pub layers: Vec<AttnOutput>,
@@ -245,7 +276,7 @@ pub struct Llama {
     lm_head: Option<Linear>,
     compute: Kind,
     /// The kernel library the attention layers use, None on the reference path.
-    pub kernels: Option<std::path::PathBuf>,
+    pub kernels: Option<&'static crate::kernels::Kernels>,
 }
 
 impl Llama {
@@ -283,7 +314,9 @@ impl Llama {
                 let p = &model / "layers" / i;
                 let post = cfg.norm_placement == NormPlacement::Post;
                 DecoderLayer {
-                    input_layernorm: (!post).then(|| RmsNorm::new(&p / "input_layernorm", d, eps)),
+                    input_layernorm: (!post).then(|| {
+                        RmsNorm::new(&p / "input_layernorm", d, eps).with_kernels(kernels)
+                    }),
                     self_attn: SelfAttention::new(
                         &p / "self_attn",
                         i,
@@ -292,9 +325,12 @@ impl Llama {
                         fixed_heads.as_ref().map(|f| f[i].as_slice()),
                         kernels,
                     ),
-                    post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps),
-                    post_feedforward_layernorm: post
-                        .then(|| RmsNorm::new(&p / "post_feedforward_layernorm", d, eps)),
+                    post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", d, eps)
+                        .with_kernels(kernels),
+                    post_feedforward_layernorm: post.then(|| {
+                        RmsNorm::new(&p / "post_feedforward_layernorm", d, eps)
+                            .with_kernels(kernels)
+                    }),
                     mlp: Mlp::new(&p / "mlp", cfg),
                 }
             })
@@ -312,10 +348,10 @@ impl Llama {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
-            norm: RmsNorm::new(&model / "norm", d, eps),
+            norm: RmsNorm::new(&model / "norm", d, eps).with_kernels(kernels),
             lm_head,
             compute,
-            kernels: kernels.map(|k| k.path.clone()),
+            kernels,
         })
     }
 
@@ -421,7 +457,10 @@ impl Llama {
             None => h.linear(&self.embed_tokens.to_kind(self.compute), None::<Tensor>),
         };
         ForwardOutput {
-            logits: upcast(&logits),
+            logits: match ctx.compute_logits {
+                true => logits,
+                false => upcast(&logits),
+            },
             layers: outs,
         }
     }

@@ -10,6 +10,7 @@ use crate::checkpoint::{self, TrainState};
 use crate::config::{parse_device, Config, DeviceSpec, Dtype, Method, Router};
 use crate::data::{self, Split};
 use crate::eval;
+use crate::kernels::{AdamWStep, Kernels};
 use crate::model::{token_nll, Llama};
 use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
@@ -120,6 +121,60 @@ impl LoadedRun {
     }
 }
 
+/// What one forward and backward over a micro-batch measured.
+pub struct MicroStep {
+    /// Language-model loss (mean token NLL).
+    pub loss: f64,
+    /// The method's regulariser, if it has one.
+    pub reg: Option<f64>,
+    /// Full-attention usage mu_f, for routed methods.
+    pub full_usage: Option<f64>,
+}
+
+/// The loss of one micro-batch `x -> y` (language model plus the method's regulariser), with
+/// what it measured. With a kernel library the cross-entropy is the fused one, which reads
+/// logits left in the compute dtype (`ForwardCtx::compute_logits`).
+pub fn forward_loss(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    ctx: &ForwardCtx,
+) -> (Tensor, MicroStep) {
+    let fwd = model.forward(x, ctx);
+    let nll = match model.kernels {
+        Some(k) => k
+            .token_nll(&fwd.logits, y)
+            .expect("cross-entropy kernel on the model's own logits"),
+        None => token_nll(&fwd.logits, y),
+    };
+    let lm = nll.mean(Kind::Float);
+    let reg = fwd.regulariser(&nll);
+    let stats = MicroStep {
+        loss: lm.double_value(&[]),
+        reg: reg.as_ref().map(|r| r.double_value(&[])),
+        full_usage: fwd.full_usage().map(|mu| mu.double_value(&[])),
+    };
+    let total = match reg {
+        Some(r) => lm + r,
+        None => lm,
+    };
+    (total, stats)
+}
+
+/// Forward and backward of one micro-batch, gradients scaled by `1 / accum` and added to
+/// the parameters' gradients.
+pub fn micro_step(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    ctx: &ForwardCtx,
+    accum: usize,
+) -> MicroStep {
+    let (total, stats) = forward_loss(model, x, y, ctx);
+    (total / accum as f64).backward();
+    stats
+}
+
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
 /// `lr * min_lr_ratio` at the last step.
 pub fn learning_rate(cfg: &crate::config::TrainConfig, step: usize) -> f64 {
@@ -134,15 +189,21 @@ pub fn learning_rate(cfg: &crate::config::TrainConfig, step: usize) -> f64 {
 
 /// AdamW (Loshchilov & Hutter) with PyTorch's defaults for bias correction; weight decay
 /// only on matrices, as nanoGPT does, since decaying gains and biases hurts small models.
+///
+/// With a kernel library the step runs fused (`kernels/optim.cu`: one launch for the norm, one
+/// for clipping and the update), the same maths as the per-tensor form below.
 pub struct AdamW {
     params: Vec<(String, Tensor)>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
     pub step: i64,
+    kernels: Option<&'static Kernels>,
+    /// Clipping factor the fused path applies inside the next update.
+    clip: f64,
 }
 
 impl AdamW {
-    pub fn new(params: &BTreeMap<String, Tensor>) -> Self {
+    pub fn new(params: &BTreeMap<String, Tensor>, kernels: Option<&'static Kernels>) -> Self {
         let params: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -153,7 +214,25 @@ impl AdamW {
             exp_avg_sq: zeros(&params),
             params,
             step: 0,
+            kernels,
+            clip: 1.0,
         }
+    }
+
+    /// Parameters with a gradient, with their gradients and moments, for the fused step.
+    #[allow(clippy::type_complexity)]
+    fn with_grads(&self) -> (Vec<Tensor>, Vec<Tensor>, Vec<Tensor>, Vec<Tensor>) {
+        let mut out = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, (_, p)) in self.params.iter().enumerate() {
+            let g = p.grad();
+            if g.defined() {
+                out.0.push(p.shallow_clone());
+                out.1.push(g);
+                out.2.push(self.exp_avg[i].shallow_clone());
+                out.3.push(self.exp_avg_sq[i].shallow_clone());
+            }
+        }
+        out
     }
 
     pub fn zero_grad(&self) {
@@ -167,7 +246,18 @@ impl AdamW {
 
     /// Global gradient norm before clipping; gradients are scaled down to `max_norm` when
     /// it is exceeded (0 disables clipping).
-    pub fn clip_grad_norm(&self, max_norm: f64) -> f64 {
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        if let Some(k) = self.kernels {
+            let (_, grads, _, _) = self.with_grads();
+            let total = k
+                .grad_norm(&grads)
+                .expect("gradient norm kernel on validated tensors");
+            self.clip = match max_norm > 0.0 && total > max_norm {
+                true => max_norm / (total + 1e-6),
+                false => 1.0,
+            };
+            return total;
+        }
         tch::no_grad(|| {
             let grads: Vec<Tensor> = self
                 .params
@@ -198,6 +288,22 @@ impl AdamW {
         self.step += 1;
         let bc1 = 1.0 - t.beta1.powi(self.step as i32);
         let bc2 = 1.0 - t.beta2.powi(self.step as i32);
+        if let Some(k) = self.kernels {
+            let (p, g, m, v) = self.with_grads();
+            let h = AdamWStep {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.adam_eps,
+                weight_decay: t.weight_decay,
+                bc1,
+                bc2,
+                clip: std::mem::replace(&mut self.clip, 1.0),
+            };
+            k.adamw(&p, &g, &m, &v, &h)
+                .expect("adamw kernel on validated tensors");
+            return;
+        }
         tch::no_grad(|| {
             for (i, (_, p)) in self.params.iter().enumerate() {
                 let g = p.grad();
@@ -406,7 +512,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         })
         .map(|(n, p)| (n.clone(), p.shallow_clone()))
         .collect();
-    let mut opt = AdamW::new(&trainable);
+    let mut opt = AdamW::new(&trainable, built.model.kernels);
     let mut state = TrainState {
         step: 0,
         rng_state: Rng::new(t.seed ^ 0xDA7A).state,
@@ -459,7 +565,10 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let mut gate_rng = Rng {
         state: state.gate_rng_state,
     };
-    let mut ctx = ForwardCtx::default();
+    let mut ctx = ForwardCtx {
+        compute_logits: built.model.kernels.is_some(),
+        ..Default::default()
+    };
     let p_force = match (cfg.attention.method, cfg.attention.router) {
         (Method::L2a, Router::Learned) => cfg.attention.p_force,
         _ => 0.0,
@@ -468,7 +577,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     if !args.quiet {
         let n: i64 = params.values().map(|p| p.numel() as i64).sum();
         let path = match &built.model.kernels {
-            Some(p) => format!("kernels {}", p.display()),
+            Some(k) => format!("kernels {}", k.path.display()),
             None => "reference path".into(),
         };
         eprintln!(
@@ -509,21 +618,14 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
         for _ in 0..t.grad_accum {
             let b = train_split.sample(&mut rng, t.batch_size, cfg.data.seq_len, device)?;
-            let fwd = built.model.forward(&b.x, &ctx);
-            let nll = token_nll(&fwd.logits, &b.y);
-            let lm = nll.mean(Kind::Float);
-            let total = match fwd.regulariser(&nll) {
-                Some(r) => {
-                    *reg_sum.get_or_insert(0.0) += r.double_value(&[]);
-                    &lm + r
-                }
-                None => lm.shallow_clone(),
-            };
-            if let Some(mu) = fwd.full_usage() {
-                *mu_sum.get_or_insert(0.0) += mu.double_value(&[]);
+            let m = micro_step(&built.model, &b.x, &b.y, &ctx, t.grad_accum);
+            loss_sum += m.loss;
+            if let Some(r) = m.reg {
+                *reg_sum.get_or_insert(0.0) += r;
             }
-            (total / t.grad_accum as f64).backward();
-            loss_sum += lm.double_value(&[]);
+            if let Some(mu) = m.full_usage {
+                *mu_sum.get_or_insert(0.0) += mu;
+            }
         }
         let accum = t.grad_accum as f64;
         let loss = loss_sum / accum;
@@ -639,13 +741,82 @@ mod tests {
         assert!((11..=100).all(|s| learning_rate(&t, s) <= learning_rate(&t, s - 1) + 1e-12));
     }
 
+    /// The fused optimizer step of a kernel library (norm, clipping, AdamW) against the
+    /// per-tensor form, over tensors that span several chunks, a vector (no decay) and a
+    /// parameter without gradient, for three clipped steps.
+    fn fused_step_matches_per_tensor(kern: &'static Kernels, device: Device) {
+        tch::manual_seed(5);
+        let shapes: [&[i64]; 4] = [&[300, 257], &[70001], &[3, 4], &[5]];
+        let make = || -> BTreeMap<String, Tensor> {
+            tch::manual_seed(6);
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let t = Tensor::randn(*s, (Kind::Float, device)).set_requires_grad(true);
+                    (format!("p{i}"), t)
+                })
+                .collect()
+        };
+        let (a, b) = (make(), make());
+        let mut oa = AdamW::new(&a, None);
+        let mut ob = AdamW::new(&b, Some(kern));
+        let t = TrainConfig {
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        for step in 0..3 {
+            for (params, opt) in [(&a, &mut oa), (&b, &mut ob)] {
+                opt.zero_grad();
+                tch::manual_seed(10 + step);
+                // p3 gets no gradient.
+                let loss = (0..3)
+                    .map(|i| {
+                        (&params[&format!("p{i}")] * params[&format!("p{i}")].randn_like())
+                            .sum(Kind::Float)
+                    })
+                    .fold(Tensor::zeros([], (Kind::Float, device)), |x, y| x + y);
+                loss.backward();
+                let norm = opt.clip_grad_norm(100.0);
+                assert!(norm > 100.0, "the test must clip (norm {norm})");
+                opt.update(1e-2, &t);
+            }
+            let (na, nb) = (oa.clip_grad_norm(0.0), ob.clip_grad_norm(0.0));
+            assert!((na - nb).abs() <= 1e-5 * na, "norms {na} and {nb}");
+        }
+        let rel = |x: &Tensor, y: &Tensor| {
+            (x - y).norm().double_value(&[]) / y.norm().double_value(&[]).max(1e-12)
+        };
+        for (n, pa) in &a {
+            let e = rel(&b[n], pa);
+            assert!(e < 1e-6, "{n}: fused step differs by {e:.2e}");
+        }
+        for (x, y) in ob.exp_avg_sq.iter().zip(&oa.exp_avg_sq) {
+            assert!(rel(x, y) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn fused_optimizer_matches_per_tensor_path_cpu() {
+        let kern = crate::kernels::cpu().expect("the CPU kernel library builds");
+        fused_step_matches_per_tensor(kern, Device::Cpu);
+    }
+
+    #[test]
+    fn cuda_fused_optimizer_matches_per_tensor_path() {
+        match crate::kernels::cuda() {
+            Some(k) if tch::Cuda::is_available() => fused_step_matches_per_tensor(k, Device::Cuda(0)),
+            _ => eprintln!("SKIPPED cuda_fused_optimizer_matches_per_tensor_path: no CUDA device or kernel library"),
+        }
+    }
+
     #[test]
     fn adamw_matches_hand_computation() {
         let w = Tensor::from_slice(&[1.0f64, -2.0])
             .view([1, 2])
             .set_requires_grad(true);
         let params: BTreeMap<String, Tensor> = [("w".to_string(), w.shallow_clone())].into();
-        let mut opt = AdamW::new(&params);
+        let mut opt = AdamW::new(&params, None);
         let t = TrainConfig {
             beta1: 0.9,
             beta2: 0.99,
@@ -679,7 +850,7 @@ mod tests {
     fn clipping_scales_to_max_norm() {
         let w = Tensor::from_slice(&[0.0f32, 0.0]).set_requires_grad(true);
         let params: BTreeMap<String, Tensor> = [("w".to_string(), w.shallow_clone())].into();
-        let opt = AdamW::new(&params);
+        let mut opt = AdamW::new(&params, None);
         (&w * Tensor::from_slice(&[3.0f32, 4.0]))
             .sum(Kind::Float)
             .backward();

@@ -1,0 +1,144 @@
+// RMSNorm over the last dimension, one warp per row, in fp32 whatever the input dtype (as
+// Hugging Face's LlamaRMSNorm computes it):
+//   r = rsqrt(mean(x^2) + eps),  n = x r,  y = w n                       (y in x's dtype)
+//   dx = r (g - n mean(g n)) with g = w dy,   dw = sum over rows of dy n
+// Unfused, the fp32 upcast and each of these products is a pass over the activations, in
+// the forward and again in the backward. dw is summed per block and the blocks' partial
+// sums are added after, so the result does not depend on scheduling.
+
+#include "norm.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+namespace attnsweep {
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int BLOCKS = 264;  // two per H100 multiprocessor; rows are strided over them
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float ld(const T* p) {
+    return static_cast<float>(*p);
+}
+template <>
+__device__ __forceinline__ float ld(const __nv_bfloat16* p) {
+    return __bfloat162float(*p);
+}
+
+template <typename T>
+__global__ void norm_forward(const T* __restrict__ x, const float* __restrict__ w, int64_t rows, int d, float eps,
+                             T* __restrict__ y, float* __restrict__ rstd) {
+    const int lane = threadIdx.x % 32;
+    for (int64_t r = blockIdx.x * WARPS + threadIdx.x / 32; r < rows; r += (int64_t)gridDim.x * WARPS) {
+        const T* xr = x + r * d;
+        float ss = 0.f;
+        for (int j = lane; j < d; j += 32) {
+            const float v = ld(xr + j);
+            ss += v * v;
+        }
+        const float rs = rsqrtf(warp_sum(ss) / d + eps);
+        for (int j = lane; j < d; j += 32) y[r * d + j] = static_cast<T>(w[j] * (ld(xr + j) * rs));
+        if (lane == 0) rstd[r] = rs;
+    }
+}
+
+// dw partial sums of each block go to partial[blockIdx.x, :] (d <= 32 * MAXC).
+constexpr int MAXC = 32;
+
+template <typename T>
+__global__ void norm_backward(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
+                              const float* __restrict__ rstd, int64_t rows, int d, T* __restrict__ dx,
+                              float* __restrict__ partial) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[MAXC];
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c) acc[c] = 0.f;
+    for (int64_t r = blockIdx.x * WARPS + warp; r < rows; r += (int64_t)gridDim.x * WARPS) {
+        const T *xr = x + r * d, *gr = dy + r * d;
+        const float rs = rstd[r];
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int j = lane + 32 * c;
+            if (j < d) {
+                const float n = ld(xr + j) * rs, g = ld(gr + j);
+                dot += g * w[j] * n;
+                acc[c] += g * n;
+            }
+        }
+        const float mean = warp_sum(dot) / d;
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+            const int j = lane + 32 * c;
+            if (j < d) {
+                const float n = ld(xr + j) * rs;
+                dx[r * d + j] = static_cast<T>(rs * (ld(gr + j) * w[j] - n * mean));
+            }
+        }
+    }
+    __shared__ float sums[WARPS][32 * MAXC];
+#pragma unroll
+    for (int c = 0; c < MAXC; ++c)
+        if (lane + 32 * c < d) sums[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += WARPS * 32) {
+        float s = 0.f;
+        for (int k = 0; k < WARPS; ++k) s += sums[k][j];
+        partial[blockIdx.x * (int64_t)d + j] = s;
+    }
+}
+
+template <typename F>
+void dispatch(const at::Tensor& x, F f) {
+    if (x.scalar_type() == at::kBFloat16)
+        f(__nv_bfloat16{});
+    else
+        f(float{});
+}
+
+}  // namespace
+
+int cuda_norm_max_dim() { return 32 * MAXC; }
+
+void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    if (rows == 0) return;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch(x, [&](auto t) {
+        using T = decltype(t);
+        const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
+        norm_forward<T><<<blocks, WARPS * 32, 0, stream>>>(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
+                                                             rows, (int)d, (float)eps, static_cast<T*>(y.data_ptr()),
+                                                             rstd.data_ptr<float>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
+                            at::Tensor& dx, at::Tensor& dw) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>(BLOCKS, (rows + WARPS - 1) / WARPS));
+    auto partial = at::zeros({blocks, d}, w.options());
+    if (rows > 0) {
+        auto stream = at::cuda::getCurrentCUDAStream();
+        dispatch(x, [&](auto t) {
+            using T = decltype(t);
+            norm_backward<T><<<blocks, WARPS * 32, 0, stream>>>(
+                static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(), static_cast<const T*>(dy.data_ptr()),
+                rstd.data_ptr<float>(), rows, (int)d, static_cast<T*>(dx.data_ptr()), partial.data_ptr<float>());
+        });
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    dw = partial.sum(0);
+}
+
+}  // namespace attnsweep

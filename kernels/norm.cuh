@@ -1,0 +1,14 @@
+// The fused RMSNorm (norm.cu), called by ops.cpp. x, dy, y, dx: [..., d] contiguous, bf16 or
+// fp32 (all alike); w, dw: [d] fp32; rstd: one fp32 per row.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace attnsweep {
+
+// The widest d the kernels take.
+int cuda_norm_max_dim();
+void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd);
+void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
+                            at::Tensor& dx, at::Tensor& dw);
+
+}  // namespace attnsweep
