@@ -711,5 +711,12 @@ mod tests {
         assert!(err_of("", &["train.device=tpu"]).contains("train.device"));
         assert!(err_of("", &["window=3"]).contains("section.key"));
         assert!(err_of("", &["train.steps=0"]).contains("train.steps"));
+        for bad in ["0", "1.5", "-0.1"] {
+            let e = err_of("", &[&format!("attention.ste_sample={bad}")]);
+            assert!(
+                e.contains("attention.ste_sample") && e.contains("(0, 1]"),
+                "{e}"
+            );
+        }
     }
 }

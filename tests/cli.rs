@@ -425,6 +425,25 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     // Data sets are never overwritten.
     let err = fails(&["data", "synth", "--out", d.join("data").to_str().unwrap()]);
     assert!(err.contains("already holds a data set"), "{err}");
+
+    // Benchmark flags are checked before anything runs or is written.
+    let bench_out = d.join("bench");
+    let b = bench_out.to_str().unwrap();
+    for (flags, needle) in [
+        (vec!["--full-usage", "1.5"], "--full-usage"),
+        (vec!["--ste-sample", "0"], "--ste-sample"),
+        (
+            vec!["--hidden", "100", "--heads", "8"],
+            "multiple of --heads",
+        ),
+        (vec!["--methods", "ppa"], "invalid value 'ppa'"),
+    ] {
+        let mut args = vec!["bench", "train", "--out", b];
+        args.extend(flags);
+        let err = fails(&args);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    assert!(!bench_out.exists());
 }
 
 /// Mean loss over the in-context recall buckets whose dependency reaches `window` or further.
