@@ -2,7 +2,7 @@
 scaled_dot_product_attention with the cuDNN and flash backends (full causal) and
 FlexAttention (sliding window; full causal over a compacted list of active queries;
 per-(token, head) routing between the full prefix and the window, the gates read by the
-mask function).
+mask function; PPA, the window plus the power offsets as a BlockMask).
 
 Driven by `attnsweep bench attention`; prints CSV rows
 impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms on stdout (one per measurement).
@@ -10,6 +10,7 @@ Inputs: bf16, batch 1, standard normal with a fixed seed.
 """
 
 import argparse
+import math
 import sys
 
 import torch
@@ -53,6 +54,14 @@ def fwd_and_fwdbwd(attn, q, k, v, reps):
     return fwd, median_ms(both, reps)
 
 
+def power_offset(j, p):
+    """PPA's offset set S_p: floor(j^p) - floor((j-1)^p) = 1 (0^p = 0), as attnsweep defines it."""
+    if j == 0:
+        return False
+    fl = lambda x: math.floor(x**p + 1e-9 * max(x**p, 1.0)) if x > 0 else (1 if p == 0 else 0)
+    return fl(j) - fl(j - 1) == 1
+
+
 def row(*fields):
     print(",".join(str(f) for f in fields), flush=True)
 
@@ -64,6 +73,8 @@ def main():
     ap.add_argument("--windows", type=ints, default=[])
     ap.add_argument("--sparsities", type=floats, default=[])
     ap.add_argument("--routed-usages", type=floats, default=[])
+    ap.add_argument("--ppa-powers", type=floats, default=[])
+    ap.add_argument("--ppa-window", type=int, default=64)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-flex", action="store_true")
@@ -136,6 +147,18 @@ def main():
                     except Exception as e:
                         print(f"# flex routed L={L} D={D} w={w} u={u}: {type(e).__name__}", file=sys.stderr)
                         torch.cuda.empty_cache()
+            for p in a.ppa_powers:
+                seen = torch.tensor([d < a.ppa_window or power_offset(d, p) for d in range(L)], device=dev)
+
+                def ppa(b, h, qi, ki, seen=seen):
+                    return (qi >= ki) & seen[(qi - ki).clamp(min=0)]
+                try:
+                    bm = create_block_mask(ppa, 1, 1, L, L, device=dev)
+                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                    row("flex", f"ppa_p{p}", L, D, a.ppa_window, 0, f, fb)
+                except Exception as e:
+                    print(f"# flex ppa L={L} D={D} p={p}: {type(e).__name__}", file=sys.stderr)
+                    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 #include "loss.cuh"
 #include "norm.cuh"
 #include "optim.cuh"
+#include "ppa.cuh"
 #include "rope.cuh"
 #else
 namespace attnsweep {
@@ -41,12 +42,16 @@ std::pair<at::Tensor, at::Tensor> positions(const at::Tensor& q, const at::Tenso
     return {qpos.to(at::kLong), rows < nq.to(at::kLong).unsqueeze(-1)};
 }
 
-// Visibility [B, H, Lq, L] of every (query, key) pair.
-at::Tensor visibility(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qpos, const at::Tensor& nq, int64_t window) {
+// Visibility [B, H, Lq, L] of every (query, key) pair: the window, plus the distances listed
+// in offsets (PPA; empty otherwise).
+at::Tensor visibility(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qpos, const at::Tensor& nq, int64_t window,
+                      const at::Tensor& offsets) {
     auto [pos, active] = positions(q, qpos, nq);
     auto keys = at::arange(k.size(2), q.options().dtype(at::kLong)).view({1, 1, 1, -1});
     auto p = pos.unsqueeze(-1);
-    return (keys <= p) & ((p - keys) < window) & active.unsqueeze(-1);
+    auto seen = (p - keys) < window;
+    if (offsets.numel() > 0) seen = seen | at::isin(p - keys, offsets.to(at::kLong));
+    return (keys <= p) & seen & active.unsqueeze(-1);
 }
 
 at::Tensor expand_kv(const at::Tensor& t, int64_t heads) {
@@ -55,11 +60,12 @@ at::Tensor expand_kv(const at::Tensor& t, int64_t heads) {
 
 // Reference forward in fp32: returns (out, lse), zeros and -inf for inactive rows.
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& qpos, const at::Tensor& nq, int64_t window) {
+                                                    const at::Tensor& qpos, const at::Tensor& nq, int64_t window,
+                                                    const at::Tensor& offsets) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     auto kf = expand_kv(k, q.size(1)).to(at::kFloat), vf = expand_kv(v, q.size(1)).to(at::kFloat);
     auto s = at::matmul(q.to(at::kFloat), kf.transpose(-1, -2)) * scale;
-    auto vis = visibility(q, k, qpos, nq, window);
+    auto vis = visibility(q, k, qpos, nq, window, offsets);
     s = s.masked_fill(vis.logical_not(), -INFINITY);
     auto lse = at::logsumexp(s, -1);
     auto p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0.0);
@@ -68,13 +74,13 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 
 // Reference backward: the same formulas as the kernels (dS = P (dP - delta)).
 variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos,
-                                 const at::Tensor& nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
-                                 const at::Tensor& dout) {
+                                 const at::Tensor& nq, int64_t window, const at::Tensor& offsets, const at::Tensor& lse,
+                                 const at::Tensor& delta, const at::Tensor& dout) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     const auto heads = q.size(1), group = heads / k.size(1);
     auto qf = q.to(at::kFloat), dof = dout.to(at::kFloat);
     auto kf = expand_kv(k, heads).to(at::kFloat), vf = expand_kv(v, heads).to(at::kFloat);
-    auto vis = visibility(q, k, qpos, nq, window);
+    auto vis = visibility(q, k, qpos, nq, window, offsets);
     auto s = at::matmul(qf, kf.transpose(-1, -2)) * scale;
     auto p = at::exp(s - lse.unsqueeze(-1)).masked_fill(vis.logical_not(), 0.0).nan_to_num(0.0);
     auto dp = at::matmul(dof, vf.transpose(-1, -2));
@@ -91,7 +97,7 @@ variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const
 
 struct ListAttention : public torch::autograd::Function<ListAttention> {
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor qpos,
-                                 at::Tensor nq, int64_t window) {
+                                 at::Tensor nq, int64_t window, at::Tensor offsets) {
         at::Tensor out, lse;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
@@ -99,22 +105,33 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
             const bool list = qpos.numel() > 0;
             attnsweep::cuda_forward(q, k, v, list ? &qpos : nullptr, list ? &nq : nullptr, window, out, lse);
+            if (offsets.numel() > 0) {
+                // PPA: the offset keys' part, merged with the window's by log-sum-exp.
+                auto o = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+                auto lse_o = at::empty_like(lse);
+                attnsweep::ppa_offsets_forward(q, k, v, offsets, o, lse_o);
+                auto merged = at::logaddexp(lse, lse_o);
+                out = (out.to(at::kFloat) * (lse - merged).exp().unsqueeze(-1) +
+                       o * (lse_o - merged).exp().unsqueeze(-1))
+                          .to(q.scalar_type());
+                lse = merged;
+            }
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
         } else {
-            auto r = reference_forward(q, k, v, qpos, nq, window);
+            auto r = reference_forward(q, k, v, qpos, nq, window, offsets);
             out = r.first.to(q.scalar_type());
             lse = r.second;
         }
-        ctx->save_for_backward({q, k, v, qpos, nq, out, lse});
+        ctx->save_for_backward({q, k, v, qpos, nq, out, lse, offsets});
         ctx->saved_data["window"] = window;
         return {out};
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         auto s = ctx->get_saved_variables();
-        const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6];
+        const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7];
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
         auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
@@ -123,14 +140,23 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
 #ifdef ATTNSWEEP_CUDA
             auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
             const bool list = qpos.numel() > 0;
+            // With the merged lse and delta, the window kernels give the window pairs' share.
             attnsweep::cuda_backward(q, k, v, list ? &qpos : nullptr, list ? &nq : nullptr, window, lse, delta, dout, dq, dk,
                                      dv);
+            if (offsets.numel() > 0) {
+                auto f = q.options().dtype(at::kFloat);
+                auto dqo = at::empty(q.sizes(), f), dko = at::empty(k.sizes(), f), dvo = at::empty(v.sizes(), f);
+                attnsweep::ppa_offsets_backward(q, k, v, offsets, lse, delta, dout, dqo, dko, dvo);
+                dq = (dq.to(at::kFloat) + dqo).to(q.scalar_type());
+                dk = (dk.to(at::kFloat) + dko).to(k.scalar_type());
+                dv = (dv.to(at::kFloat) + dvo).to(v.scalar_type());
+            }
             g = {dq, dk, dv};
 #endif
         } else {
-            g = reference_backward(q, k, v, qpos, nq, window, lse, delta, dout);
+            g = reference_backward(q, k, v, qpos, nq, window, offsets, lse, delta, dout);
         }
-        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -300,7 +326,7 @@ void write_error(char* err, size_t len, const std::string& msg) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos, const at::Tensor& nq,
-                  int64_t window) {
+                  int64_t window, const at::Tensor& offsets) {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, L, D]");
     TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape");
     TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q and k differ in batch or head_dim");
@@ -313,6 +339,16 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         TORCH_CHECK(nq.sizes() == at::IntArrayRef({q.size(0), q.size(1)}), "nq must be [B, H]");
     } else {
         TORCH_CHECK(q.size(2) == k.size(2), "dense queries need Lq == L");
+    }
+    if (offsets.numel() > 0) {
+        TORCH_CHECK(qpos.numel() == 0, "offsets (PPA) take dense queries");
+        TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kInt, "offsets must be a 1-d int32 tensor");
+        TORCH_CHECK(offsets.device() == q.device(), "offsets on another device than q");
+        auto o = offsets.to(at::kCPU);
+        TORCH_CHECK(o.min().item<int>() >= window && o.max().item<int>() < k.size(2),
+                    "offsets must lie in [window, L)");
+        TORCH_CHECK(o.numel() == 1 || (o.slice(0, 1) > o.slice(0, 0, -1)).all().item<bool>(),
+                    "offsets must be strictly ascending");
     }
     if (q.is_cuda()) {
         TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
@@ -327,7 +363,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 2; }
+int64_t attnsweep_kernels_abi() { return 3; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -338,16 +374,19 @@ int attnsweep_kernels_cuda() {
 #endif
 }
 
-// out = attention of q over (k, v) for the query list (qpos, nq may be null: dense), with
-// autograd. Returns a new at::Tensor* (the caller owns it), or null with a message in err.
+// out = attention of q over (k, v) for the query list (qpos, nq may be null: dense), each
+// query seeing its window and, where offsets is not null, the keys at those distances (PPA),
+// with autograd. Returns a new at::Tensor* (the caller owns it), or null with a message in err.
 void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* qpos,
-                               const at::Tensor* nq, int64_t window, char* err, size_t err_len) {
+                               const at::Tensor* nq, int64_t window, const at::Tensor* offsets, char* err,
+                               size_t err_len) {
     try {
         TORCH_CHECK((qpos == nullptr) == (nq == nullptr), "qpos and nq come together");
         auto none = at::empty({0}, q->options().dtype(at::kInt));
         at::Tensor qp = qpos ? qpos->contiguous() : none, n = nq ? nq->contiguous() : none;
-        check_inputs(*q, *k, *v, qp, n, window);
-        auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window);
+        at::Tensor off = offsets ? offsets->contiguous() : none;
+        check_inputs(*q, *k, *v, qp, n, window, off);
+        auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off);
         return new at::Tensor(out[0]);
     } catch (const c10::Error& e) {
         write_error(err, err_len, e.what_without_backtrace());

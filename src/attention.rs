@@ -81,6 +81,18 @@ impl KeyPattern {
         seen.logical_and(&causal)
     }
 
+    /// The distances below `len` that PPA sees beyond its window (ascending); empty for the
+    /// other patterns.
+    pub fn offsets_beyond_window(&self, len: usize) -> Vec<i32> {
+        match *self {
+            KeyPattern::Ppa { power, window } => (window..len)
+                .filter(|&d| is_power_offset(d, power))
+                .map(|d| d as i32)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Whether the dense causal kernel can stand in for the mask at this length.
     pub fn is_full_at(&self, len: usize) -> bool {
         self.distance_table(len).iter().all(|&s| s)
@@ -589,6 +601,17 @@ pub fn routed_attention(
         + sparse_attention(kern, q, k, v, &on.logical_not(), window)
 }
 
+/// The PPA offset kernels do one (query, key) pair per step at about 14G pairs/s on an H100
+/// (L2-bandwidth bound); SDPA with a dense mask does the whole causal square at about 300G
+/// pairs/s. Above this share of the causal pairs the dense path is faster
+/// (PERFORMANCE.md, the PPA entry).
+const PPA_KERNEL_MAX_DENSITY: f64 = 0.05;
+
+/// Attended pairs of `pattern` over the causal pairs at length `len`.
+fn ppa_density(pattern: &KeyPattern, len: usize) -> f64 {
+    pattern.attended_pairs(len) as f64 / (len * (len + 1) / 2) as f64
+}
+
 /// Which window-picking queries also need the full path's output (see `branches`).
 enum Values<'a> {
     None,
@@ -705,8 +728,8 @@ impl SelfAttention {
         }
     }
 
-    /// `pattern` for every query of the chunk: windows go to the kernel when the library is
-    /// loaded and the keys are the chunk's own.
+    /// `pattern` for every query of the chunk: windows and PPA go to the kernels when the
+    /// library is loaded and the keys are the chunk's own.
     fn attend_all(
         &self,
         q: &Tensor,
@@ -720,6 +743,25 @@ impl SelfAttention {
             (Some(kern), KeyPattern::Window(w), Keys::Chunk(_)) => kern
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
+            // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
+            // path than pair by pair (PPA_KERNEL_MAX_DENSITY).
+            (Some(kern), KeyPattern::Ppa { .. }, Keys::Chunk(_))
+                if kern.cuda
+                    && ppa_density(&pattern, q.size()[2] as usize) > PPA_KERNEL_MAX_DENSITY =>
+            {
+                keys.attend(slot, q, k, v, pattern)
+            }
+            (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(_)) => {
+                let offsets = pattern.offsets_beyond_window(q.size()[2] as usize);
+                match offsets.is_empty() {
+                    true => kern.list_attention(q, k, v, None, window as i64),
+                    false => {
+                        let offsets = Tensor::from_slice(&offsets).to_device(q.device());
+                        kern.ppa_attention(q, k, v, window as i64, &offsets)
+                    }
+                }
+                .expect(KERNEL_FAILED)
+            }
             _ => keys.attend(slot, q, k, v, pattern),
         }
     }
@@ -1904,6 +1946,10 @@ mod tests {
         };
         for (method, cfg) in [
             (Method::Swa, routed_cfg(Method::Swa, |_| {})),
+            (
+                Method::Ppa,
+                routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 0.5),
+            ),
             (
                 Method::StaticHybrid,
                 routed_cfg(Method::StaticHybrid, |c| c.attention.hybrid_every = 2),

@@ -3,6 +3,7 @@
 //! FlexAttention in `kernels/bench_peers.py`, run by this command. Writes one CSV and the
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
+use crate::attention::KeyPattern;
 use crate::kernels::Kernels;
 use crate::plot::{Figure, Series};
 use anyhow::{ensure, Context, Result};
@@ -18,6 +19,9 @@ pub struct AttentionBench {
     pub sparsities: Vec<f64>,
     /// Fractions of (token, head) pairs routed to the full prefix (the rest to the window).
     pub routed_usages: Vec<f64>,
+    /// PPA powers, each with `ppa_window`.
+    pub ppa_powers: Vec<f64>,
+    pub ppa_window: i64,
     pub heads: i64,
     pub reps: usize,
     pub out: PathBuf,
@@ -85,6 +89,14 @@ fn pairs(r: &Row, heads: i64) -> f64 {
         }
         // Active queries spread uniformly: each sees about L/2 keys on average.
         "sparse" => (1.0 - r.sparsity) * l * (l + 1.0) / 2.0,
+        c if c.starts_with("ppa_p") => {
+            let power = c["ppa_p".len()..].parse().expect("ppa_p<power>");
+            let pattern = KeyPattern::Ppa {
+                power,
+                window: r.window as usize,
+            };
+            pattern.attended_pairs(r.len as usize) as f64
+        }
         "routed" => {
             let w = (r.window as f64).min(l);
             let window = w * l - w * (w - 1.0) / 2.0;
@@ -130,6 +142,11 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 "--routed-usages",
                 &join(b.routed_usages.iter().map(|x| x.to_string()).collect()),
             ])
+            .args([
+                "--ppa-powers",
+                &join(b.ppa_powers.iter().map(|x| x.to_string()).collect()),
+            ])
+            .args(["--ppa-window", &b.ppa_window.to_string()])
             .args([
                 "--heads",
                 &b.heads.to_string(),
@@ -224,6 +241,31 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                         fwdbwd_ms: fb,
                     });
                 }
+            }
+            for &p in &b.ppa_powers {
+                let pattern = KeyPattern::Ppa {
+                    power: p,
+                    window: b.ppa_window as usize,
+                };
+                let offsets = pattern.offsets_beyond_window(len as usize);
+                let offsets = Tensor::from_slice(&offsets).to_device(dev);
+                let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                    match offsets.numel() {
+                        0 => kern.list_attention(q, k, v, None, b.ppa_window),
+                        _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
+                    }
+                    .expect("kernel")
+                });
+                rows.push(Row {
+                    imp: "ours".into(),
+                    case: format!("ppa_p{p}"),
+                    len,
+                    dim: d,
+                    window: b.ppa_window,
+                    sparsity: 0.0,
+                    fwd_ms: f,
+                    fwdbwd_ms: fb,
+                });
             }
         }
     }

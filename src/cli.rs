@@ -189,6 +189,12 @@ struct BenchAttentionCmd {
     /// on each of the windows.
     #[arg(long, value_delimiter = ',', default_value = "0.1")]
     routed_usages: Vec<f64>,
+    /// PPA powers p (window plus the power offsets S_p).
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    ppa_powers: Vec<f64>,
+    /// Sliding window of the PPA cases.
+    #[arg(long, default_value_t = 64)]
+    ppa_window: i64,
     /// Query (and key-value) heads; batch 1.
     #[arg(long, default_value_t = 16)]
     heads: i64,
@@ -497,6 +503,12 @@ pub fn main() -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCmd::Attention(c)) => {
+            ensure!(
+                c.ppa_powers.iter().all(|p| (0.0..=1.0).contains(p)),
+                "--ppa-powers must lie in [0, 1] (got {:?})",
+                c.ppa_powers
+            );
+            ensure!(c.ppa_window >= 1, "--ppa-window must be at least 1");
             let kern = crate::kernels::cuda().context(
                 "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
             )?;
@@ -506,6 +518,8 @@ pub fn main() -> Result<()> {
                 windows: c.windows,
                 sparsities: c.sparsities,
                 routed_usages: c.routed_usages,
+                ppa_powers: c.ppa_powers,
+                ppa_window: c.ppa_window,
                 heads: c.heads,
                 reps: c.reps,
                 out: c.out,

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 15] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
@@ -29,11 +29,13 @@ const SOURCES: [(&str, &str); 13] = [
     ("norm.cuh", include_str!("../kernels/norm.cuh")),
     ("optim.cu", include_str!("../kernels/optim.cu")),
     ("optim.cuh", include_str!("../kernels/optim.cuh")),
+    ("ppa.cu", include_str!("../kernels/ppa.cu")),
+    ("ppa.cuh", include_str!("../kernels/ppa.cuh")),
     ("rope.cu", include_str!("../kernels/rope.cu")),
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 2;
+const ABI: i64 = 3;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -249,6 +251,7 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                 .arg(tmp.join("loss.cu"))
                 .arg(tmp.join("norm.cu"))
                 .arg(tmp.join("optim.cu"))
+                .arg(tmp.join("ppa.cu"))
                 .arg(tmp.join("rope.cu"))
                 .arg(tmp.join("ops.cpp"))
                 .args(&links)
@@ -295,6 +298,7 @@ type ListAttentionFn = unsafe extern "C" fn(
     *const c_void,
     *const c_void,
     i64,
+    *const c_void,
     *mut c_char,
     usize,
 ) -> *mut c_void;
@@ -398,11 +402,38 @@ impl Kernels {
         list: Option<(&Tensor, &Tensor)>,
         window: i64,
     ) -> Result<Tensor> {
+        self.call_attention(q, k, v, list, window, None)
+    }
+
+    /// PPA attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees its
+    /// window and the keys at the distances in `offsets` (int32, strictly ascending, each in
+    /// `[window, L)`: the power offsets beyond the window). Differentiable in q, k, v.
+    pub fn ppa_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        window: i64,
+        offsets: &Tensor,
+    ) -> Result<Tensor> {
+        self.call_attention(q, k, v, None, window, Some(offsets))
+    }
+
+    fn call_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        list: Option<(&Tensor, &Tensor)>,
+        window: i64,
+        offsets: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let mut err = vec![0 as c_char; 1024];
         let (qpos, nq) = match list {
             Some((p, n)) => (p.as_ptr() as *const c_void, n.as_ptr() as *const c_void),
             None => (std::ptr::null(), std::ptr::null()),
         };
+        let offsets = offsets.map_or(std::ptr::null(), |o| o.as_ptr() as *const c_void);
         let out = unsafe {
             (self.list_attention)(
                 q.as_ptr() as *const c_void,
@@ -411,6 +442,7 @@ impl Kernels {
                 qpos,
                 nq,
                 window,
+                offsets,
                 err.as_mut_ptr(),
                 err.len(),
             )
@@ -902,11 +934,86 @@ mod tests {
         }
     }
 
+    /// PPA (window plus power offsets) output and gradients against the dense reference with
+    /// the PPA mask: lengths that are not tile multiples, window 1 and the window at a tile
+    /// size, powers from sparse to dense offsets, GQA.
+    fn compare_ppa_with_reference(
+        kern: &Kernels,
+        device: Device,
+        kind: Kind,
+        head_dims: &[i64],
+        tol: f64,
+    ) {
+        let (b, h, hkv) = (2i64, 4i64, 2i64);
+        for &d in head_dims {
+            for &(len, window, power) in &[
+                (300i64, 16usize, 0.5f64),
+                (200, 7, 0.75),
+                (517, 64, 0.25),
+                (130, 1, 0.9),
+                (2048, 64, 0.5),
+            ] {
+                // The dense fp32 reference of the long case is slow on a CPU.
+                if device == Device::Cpu && len > 600 {
+                    continue;
+                }
+                tch::manual_seed(len + window as i64 + d);
+                let pattern = KeyPattern::Ppa { power, window };
+                let offsets = pattern.offsets_beyond_window(len as usize);
+                assert!(
+                    !offsets.is_empty(),
+                    "L={len} w={window} p={power}: no offsets to test"
+                );
+                let offsets = Tensor::from_slice(&offsets).to_device(device);
+                let opts = (kind, device);
+                let q = Tensor::randn([b, h, len, d], opts).set_requires_grad(true);
+                let k = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
+                let v = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
+                let dout = Tensor::randn([b, h, len, d], opts);
+                let out = kern
+                    .ppa_attention(&q, &k, &v, window as i64, &offsets)
+                    .unwrap();
+                (&out * &dout).sum(Kind::Float).backward();
+                let got = [out.detach(), q.grad(), k.grad(), v.grad()];
+                let f = |t: &Tensor| t.detach().to_kind(Kind::Float).set_requires_grad(true);
+                let (q2, k2, v2) = (f(&q), f(&k), f(&v));
+                let want = attend(&q2, &k2, &v2, &pattern, None);
+                (&want * dout.to_kind(Kind::Float))
+                    .sum(Kind::Float)
+                    .backward();
+                let want = [want.detach(), q2.grad(), k2.grad(), v2.grad()];
+                for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                    let e = rel_err(g, w);
+                    assert!(
+                        e < tol,
+                        "PPA {name}: relative error {e:.2e} (D={d} L={len} w={window} p={power})"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn cpu_library_matches_reference() {
         let kern = cpu().expect("the CPU kernel library builds (g++ and torch headers)");
         assert!(!kern.cuda);
         compare_with_reference(kern, Device::Cpu, Kind::Float, &[8, 16], 1e-4);
+        compare_ppa_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
+        let (q, off) = (
+            Tensor::zeros([1, 2, 10, 8], (Kind::Float, Device::Cpu)),
+            |o: &[i32]| Tensor::from_slice(o),
+        );
+        for (offsets, needle) in [
+            (off(&[2, 5]), "[window, L)"),
+            (off(&[4, 10]), "[window, L)"),
+            (off(&[6, 5]), "strictly ascending"),
+        ] {
+            let err = kern
+                .ppa_attention(&q, &q, &q, 3, &offsets)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{err}");
+        }
         let q = Tensor::zeros([1, 2, 4, 8], (Kind::Float, Device::Cpu));
         let k = Tensor::zeros([1, 3, 4, 8], (Kind::Float, Device::Cpu));
         let err = kern
@@ -932,5 +1039,6 @@ mod tests {
             return;
         };
         compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+        compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
     }
 }
