@@ -1,5 +1,5 @@
-// Device helpers shared by the mma.sync kernels (attention.cu) and the wgmma kernels
-// (attention_sm90.cu).
+// Device helpers shared by the mma.sync kernels (attention.cu), the wgmma kernels
+// (attention_sm90.cu) and the fused element-wise kernels.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -14,6 +14,16 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A bf16 or fp32 value as fp32 (the fused element-wise kernels take either dtype).
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
 // Whether query position pos sees key (pos < 0 marks a row without a query).

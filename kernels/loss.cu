@@ -7,6 +7,7 @@
 // them once and writes the gradient once.
 
 #include "loss.cuh"
+#include "common.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,15 +19,6 @@ namespace attnsweep {
 namespace {
 
 constexpr int THREADS = 512;
-
-template <typename T>
-__device__ __forceinline__ float as_float(T v) {
-    return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float as_float(__nv_bfloat16 v) {
-    return __bfloat162float(v);
-}
 
 // Calls f(j, x[j]) for j in [0, vocab) over the block's threads, eight bf16 at a time (one
 // 16-byte load) where the row allows it.
@@ -43,7 +35,7 @@ __device__ __forceinline__ void visit_row(const T* xr, int64_t vocab, F f) {
             return;
         }
     }
-    for (int64_t j = threadIdx.x; j < vocab; j += THREADS) f(j, as_float(xr[j]));
+    for (int64_t j = threadIdx.x; j < vocab; j += THREADS) f(j, to_float(xr[j]));
 }
 
 // Running (max, sum of exp(x - max)) merged with another.
@@ -82,7 +74,7 @@ __global__ void ce_forward(const T* __restrict__ x, const int64_t* __restrict__ 
             const int64_t t = y[row];
             lse[row] = l;
             // An out-of-range target gives NaN, which the training loop reports.
-            nll[row] = (t >= 0 && t < vocab) ? l - as_float(xr[t]) : NAN;
+            nll[row] = (t >= 0 && t < vocab) ? l - to_float(xr[t]) : NAN;
         }
     }
 }
@@ -114,7 +106,7 @@ __global__ void ce_backward(const T* __restrict__ x, const int64_t* __restrict__
             return;
         }
     }
-    for (int64_t j = threadIdx.x; j < vocab; j += THREADS) dr[j] = static_cast<T>(grad(j, as_float(xr[j])));
+    for (int64_t j = threadIdx.x; j < vocab; j += THREADS) dr[j] = static_cast<T>(grad(j, to_float(xr[j])));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 // sums are added after, so the result does not depend on scheduling.
 
 #include "norm.cuh"
+#include "common.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,20 +19,6 @@ namespace {
 constexpr int WARPS = 8;
 constexpr int BLOCKS = 264;  // two per H100 multiprocessor; rows are strided over them
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-template <typename T>
-__device__ __forceinline__ float ld(const T* p) {
-    return static_cast<float>(*p);
-}
-template <>
-__device__ __forceinline__ float ld(const __nv_bfloat16* p) {
-    return __bfloat162float(*p);
-}
-
 template <typename T>
 __global__ void norm_forward(const T* __restrict__ x, const float* __restrict__ w, int64_t rows, int d, float eps,
                              T* __restrict__ y, float* __restrict__ rstd) {
@@ -40,11 +27,11 @@ __global__ void norm_forward(const T* __restrict__ x, const float* __restrict__ 
         const T* xr = x + r * d;
         float ss = 0.f;
         for (int j = lane; j < d; j += 32) {
-            const float v = ld(xr + j);
+            const float v = to_float(xr[j]);
             ss += v * v;
         }
         const float rs = rsqrtf(warp_sum(ss) / d + eps);
-        for (int j = lane; j < d; j += 32) y[r * d + j] = static_cast<T>(w[j] * (ld(xr + j) * rs));
+        for (int j = lane; j < d; j += 32) y[r * d + j] = static_cast<T>(w[j] * (to_float(xr[j]) * rs));
         if (lane == 0) rstd[r] = rs;
     }
 }
@@ -68,7 +55,7 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
         for (int c = 0; c < MAXC; ++c) {
             const int j = lane + 32 * c;
             if (j < d) {
-                const float n = ld(xr + j) * rs, g = ld(gr + j);
+                const float n = to_float(xr[j]) * rs, g = to_float(gr[j]);
                 dot += g * w[j] * n;
                 acc[c] += g * n;
             }
@@ -78,8 +65,8 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
         for (int c = 0; c < MAXC; ++c) {
             const int j = lane + 32 * c;
             if (j < d) {
-                const float n = ld(xr + j) * rs;
-                dx[r * d + j] = static_cast<T>(rs * (ld(gr + j) * w[j] - n * mean));
+                const float n = to_float(xr[j]) * rs;
+                dx[r * d + j] = static_cast<T>(rs * (to_float(gr[j]) * w[j] - n * mean));
             }
         }
     }

@@ -62,6 +62,32 @@ __device__ __forceinline__ int reach(const int* offsets, int n, int i) {
     return lo;
 }
 
+// A query row (b, h, i) of q: its position and its KV head's key and value rows.
+struct QueryRow {
+    int i;
+    const __nv_bfloat16 *k, *v;
+};
+
+template <int D>
+__device__ __forceinline__ QueryRow query_row(const PpaArgs& a, int64_t row) {
+    const int64_t bh = row / a.len;
+    const int64_t kv = (bh / a.heads) * a.kv_heads + (bh % a.heads) / (a.heads / a.kv_heads);
+    return {(int)(row % a.len), a.k + kv * a.len * D, a.v + kv * a.len * D};
+}
+
+// The key and value rows i - offsets[j + u], u < U, this lane's part of each; steps past
+// the n-th offset repeat offset j (their scores are then discarded).
+template <int D, int E>
+__device__ __forceinline__ void load_offset_rows(const QueryRow& r, const int* offsets, int j, int n, int lane,
+                                                 float (*kr)[E], float (*vr)[E]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int key = r.i - offsets[j + u < n ? j + u : j];
+        load<E>(r.k + (int64_t)key * D, lane, kr[u]);
+        load<E>(r.v + (int64_t)key * D, lane, vr[u]);
+    }
+}
+
 // Forward: o [B, H, L, D] (fp32, normalised) and lse [B, H, L] over the offset keys only
 // (-inf and zeros for a query no offset reaches).
 template <int D>
@@ -70,11 +96,8 @@ __global__ void __launch_bounds__(WARPS * 32) ppa_forward(PpaArgs a, float* __re
     const int lane = threadIdx.x % 32;
     const int64_t row = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32;  // (b, h, i)
     if (row >= (int64_t)a.batch * a.heads * a.len) return;
-    const int i = row % a.len;
-    const int64_t bh = row / a.len;
-    const int64_t kv = (bh / a.heads) * a.kv_heads + (bh % a.heads) / (a.heads / a.kv_heads);
-    const __nv_bfloat16* kb = a.k + kv * a.len * D;
-    const __nv_bfloat16* vb = a.v + kv * a.len * D;
+    const QueryRow r = query_row<D>(a, row);
+    const int i = r.i;
     float q[E], acc[E] = {};
     load<E>(a.q + row * D, lane, q);
     const float scale = a.scale * LOG2E;  // scores in base 2
@@ -83,12 +106,7 @@ __global__ void __launch_bounds__(WARPS * 32) ppa_forward(PpaArgs a, float* __re
     for (int j = 0; j < n; j += U) {
         // Past the last offset, a step repeats offset j with a score of -inf.
         float kr[U][E], vr[U][E], s[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = i - a.offsets[j + u < n ? j + u : j];
-            load<E>(kb + (int64_t)key * D, lane, kr[u]);
-            load<E>(vb + (int64_t)key * D, lane, vr[u]);
-        }
+        load_offset_rows<D, E>(r, a.offsets, j, n, lane, kr, vr);
 #pragma unroll
         for (int u = 0; u < U; ++u) s[u] = dot<E>(q, kr[u]);
         warp_sums<U>(s);
@@ -125,33 +143,25 @@ __global__ void __launch_bounds__(WARPS * 32) ppa_dq(PpaArgs a, PpaGrad g, float
     const int lane = threadIdx.x % 32;
     const int64_t row = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= (int64_t)a.batch * a.heads * a.len) return;
-    const int i = row % a.len;
-    const int64_t bh = row / a.len;
-    const int64_t kv = (bh / a.heads) * a.kv_heads + (bh % a.heads) / (a.heads / a.kv_heads);
-    const __nv_bfloat16* kb = a.k + kv * a.len * D;
-    const __nv_bfloat16* vb = a.v + kv * a.len * D;
+    const QueryRow r = query_row<D>(a, row);
+    const int i = r.i;
     float q[E], go[E], acc[E] = {};
     load<E>(a.q + row * D, lane, q);
     load<E>(g.dout + row * D, lane, go);
     const float lse = g.lse[row], delta = g.delta[row];
     const int n = reach(a.offsets, a.n_offsets, i);
     for (int j = 0; j < n; j += U) {
-        float kr[U][E], vr[U][E], r[2 * U];  // r: U scores, then U values of dP
+        float kr[U][E], vr[U][E], sp[2 * U];  // sp: U scores, then U values of dP
+        load_offset_rows<D, E>(r, a.offsets, j, n, lane, kr, vr);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int key = i - a.offsets[j + u < n ? j + u : j];
-            load<E>(kb + (int64_t)key * D, lane, kr[u]);
-            load<E>(vb + (int64_t)key * D, lane, vr[u]);
+            sp[u] = dot<E>(q, kr[u]);
+            sp[U + u] = dot<E>(go, vr[u]);
         }
+        warp_sums<2 * U>(sp);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            r[u] = dot<E>(q, kr[u]);
-            r[U + u] = dot<E>(go, vr[u]);
-        }
-        warp_sums<2 * U>(r);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const float ds = j + u < n ? __expf(r[u] * a.scale - lse) * (r[U + u] - delta) : 0.f;
+            const float ds = j + u < n ? __expf(sp[u] * a.scale - lse) * (sp[U + u] - delta) : 0.f;
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[e] += ds * kr[u][e];
         }
@@ -178,7 +188,7 @@ __global__ void __launch_bounds__(WARPS * 32) ppa_dkdv(PpaArgs a, PpaGrad g, flo
     for (int h = 0; h < group; ++h) {
         const int64_t bh = (bkv / a.kv_heads) * a.heads + (bkv % a.kv_heads) * group + h;
         for (int j = 0; j < n; j += U) {
-            float q[U][E], go[U][E], r[2 * U];  // r: U scores, then U values of dP
+            float q[U][E], go[U][E], sp[2 * U];  // sp: U scores, then U values of dP
             int64_t qrow[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -188,14 +198,14 @@ __global__ void __launch_bounds__(WARPS * 32) ppa_dkdv(PpaArgs a, PpaGrad g, flo
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                r[u] = dot<E>(q[u], kr);
-                r[U + u] = dot<E>(go[u], vr);
+                sp[u] = dot<E>(q[u], kr);
+                sp[U + u] = dot<E>(go[u], vr);
             }
-            warp_sums<2 * U>(r);
+            warp_sums<2 * U>(sp);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const float p = j + u < n ? __expf(r[u] * a.scale - g.lse[qrow[u]]) : 0.f;
-                const float ds = p * (r[U + u] - g.delta[qrow[u]]);
+                const float p = j + u < n ? __expf(sp[u] * a.scale - g.lse[qrow[u]]) : 0.f;
+                const float ds = p * (sp[U + u] - g.delta[qrow[u]]);
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     gv[e] += p * go[u][e];

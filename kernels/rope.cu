@@ -8,6 +8,7 @@
 // halves, a negation, two products and a sum, each a pass over q or k.
 
 #include "rope.cuh"
+#include "common.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,15 +18,6 @@ namespace attnsweep {
 namespace {
 
 constexpr int THREADS = 256;
-
-template <typename T>
-__device__ __forceinline__ float ld(const T* p) {
-    return static_cast<float>(*p);
-}
-template <>
-__device__ __forceinline__ float ld(const __nv_bfloat16* p) {
-    return __bfloat162float(*p);
-}
 
 struct Shape {
     int64_t b, l, h, d;
@@ -44,7 +36,7 @@ __global__ void rope_kernel(const T* __restrict__ src, const float* __restrict__
     const float c0 = cos[l * s.d + c], c1 = cos[l * s.d + c + half];
     const float s0 = sin[l * s.d + c], s1 = sin[l * s.d + c + half];
     const int64_t in = BACKWARD ? bhld : blhd, out = BACKWARD ? blhd : bhld;
-    const float a = ld(src + in + c), z = ld(src + in + c + half);
+    const float a = to_float(src[in + c]), z = to_float(src[in + c + half]);
     if (BACKWARD) {
         dst[out + c] = static_cast<T>(a * c0 + z * s1);
         dst[out + c + half] = static_cast<T>(z * c1 - a * s0);

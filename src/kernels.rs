@@ -640,7 +640,7 @@ pub fn for_model(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::attention::{attend, KeyPattern};
 
@@ -884,12 +884,9 @@ mod tests {
 
     #[test]
     fn cuda_rope_matches_reference() {
-        match cuda() {
-            Some(k) if tch::Cuda::is_available() => {
-                rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
-            }
-            _ => eprintln!("SKIPPED cuda_rope_matches_reference: no CUDA device or kernel library"),
-        }
+        on_cuda("cuda_rope_matches_reference", |k| {
+            rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+        });
     }
 
     #[test]
@@ -903,14 +900,9 @@ mod tests {
 
     #[test]
     fn cuda_rms_norm_matches_reference() {
-        match cuda() {
-            Some(k) if tch::Cuda::is_available() => {
-                rms_norm_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
-            }
-            _ => eprintln!(
-                "SKIPPED cuda_rms_norm_matches_reference: no CUDA device or kernel library"
-            ),
-        }
+        on_cuda("cuda_rms_norm_matches_reference", |k| {
+            rms_norm_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+        });
     }
 
     #[test]
@@ -924,14 +916,9 @@ mod tests {
 
     #[test]
     fn cuda_cross_entropy_matches_log_softmax() {
-        match cuda() {
-            Some(k) if tch::Cuda::is_available() => {
-                cross_entropy_matches_log_softmax(k, Device::Cuda(0), Kind::BFloat16, 1e-3)
-            }
-            _ => eprintln!(
-                "SKIPPED cuda_cross_entropy_matches_log_softmax: no CUDA device or kernel library"
-            ),
-        }
+        on_cuda("cuda_cross_entropy_matches_log_softmax", |k| {
+            cross_entropy_matches_log_softmax(k, Device::Cuda(0), Kind::BFloat16, 1e-3)
+        });
     }
 
     /// PPA (window plus power offsets) output and gradients against the dense reference with
@@ -990,6 +977,14 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Runs a GPU test with the CUDA library, or reports it as skipped.
+    pub(crate) fn on_cuda(test: &str, f: impl FnOnce(&'static Kernels)) {
+        match cuda() {
+            Some(k) if tch::Cuda::is_available() => f(k),
+            _ => eprintln!("SKIPPED {test}: no CUDA device or kernel library"),
         }
     }
 

@@ -804,10 +804,9 @@ mod tests {
 
     #[test]
     fn cuda_fused_optimizer_matches_per_tensor_path() {
-        match crate::kernels::cuda() {
-            Some(k) if tch::Cuda::is_available() => fused_step_matches_per_tensor(k, Device::Cuda(0)),
-            _ => eprintln!("SKIPPED cuda_fused_optimizer_matches_per_tensor_path: no CUDA device or kernel library"),
-        }
+        crate::kernels::tests::on_cuda("cuda_fused_optimizer_matches_per_tensor_path", |k| {
+            fused_step_matches_per_tensor(k, Device::Cuda(0))
+        });
     }
 
     #[test]
