@@ -325,6 +325,20 @@ void write_error(char* err, size_t len, const std::string& msg) {
     err[len - 1] = '\0';
 }
 
+// f(), or `failed` with the message of the exception it threw written to err: the C interface
+// lets no exception cross into Rust.
+template <typename R, typename F>
+R guarded(char* err, size_t err_len, R failed, F f) {
+    try {
+        return f();
+    } catch (const c10::Error& e) {
+        write_error(err, err_len, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+        write_error(err, err_len, e.what());
+    }
+    return failed;
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos, const at::Tensor& nq,
                   int64_t window, const at::Tensor& offsets) {
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, L, D]");
@@ -380,7 +394,7 @@ int attnsweep_kernels_cuda() {
 void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* qpos,
                                const at::Tensor* nq, int64_t window, const at::Tensor* offsets, char* err,
                                size_t err_len) {
-    try {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK((qpos == nullptr) == (nq == nullptr), "qpos and nq come together");
         auto none = at::empty({0}, q->options().dtype(at::kInt));
         at::Tensor qp = qpos ? qpos->contiguous() : none, n = nq ? nq->contiguous() : none;
@@ -388,20 +402,14 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
         check_inputs(*q, *k, *v, qp, n, window, off);
         auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off);
         return new at::Tensor(out[0]);
-    } catch (const c10::Error& e) {
-        write_error(err, err_len, e.what_without_backtrace());
-        return nullptr;
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return nullptr;
-    }
+    });
 }
 
 // Per-token negative log-likelihood of logits [..., V] at targets [...] (int64), fp32, shaped
 // like targets, with autograd. Returns a new at::Tensor* (the caller owns it), or null with a
 // message in err.
 void* attnsweep_token_nll(const at::Tensor* logits, const at::Tensor* targets, char* err, size_t err_len) {
-    try {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         const auto& x = *logits;
         const auto& y = *targets;
         TORCH_CHECK(x.dim() >= 1 && x.dim() == y.dim() + 1 && x.sizes().slice(0, y.dim()) == y.sizes(),
@@ -413,16 +421,13 @@ void* attnsweep_token_nll(const at::Tensor* logits, const at::Tensor* targets, c
         TORCH_CHECK(vocab > 0, "empty vocabulary");
         auto out = CrossEntropy::apply(x.reshape({-1, vocab}).contiguous(), y.reshape({-1}).contiguous());
         return new at::Tensor(out[0].view(y.sizes()));
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return nullptr;
-    }
+    });
 }
 
 // RMSNorm of x [..., d] (bf16 or fp32) with weight w [d] (fp32), with autograd. Returns a new
 // at::Tensor* (the caller owns it), or null with a message in err.
 void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, char* err, size_t err_len) {
-    try {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
         TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
@@ -433,17 +438,14 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
 #endif
         auto out = RmsNormFn::apply(x->contiguous(), *w, eps);
         return new at::Tensor(out[0]);
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return nullptr;
-    }
+    });
 }
 
 // Rotary embedding of x [B, L, H, D] (bf16 or fp32) with cos, sin [L, D], returned as
 // [B, H, L, D], with autograd. Returns a new at::Tensor* (the caller owns it), or null with
 // a message in err.
 void* attnsweep_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, char* err, size_t err_len) {
-    try {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK(x->dim() == 4 && x->size(3) % 2 == 0, "rope input must be [B, L, H, D] with D even");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "rope input must be fp32 or bf16");
         TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == x->size(1) &&
@@ -452,16 +454,13 @@ void* attnsweep_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tenso
         TORCH_CHECK(x->device() == cos->device() && x->device() == sin->device(), "rope inputs on different devices");
         auto out = RopeFn::apply(x->contiguous(), cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous());
         return new at::Tensor(out[0]);
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return nullptr;
-    }
+    });
 }
 
 // Global L2 norm of n gradients into *norm (the host waits for it). Returns 0, or 1 with a
 // message in err.
 int attnsweep_grad_norm(const at::Tensor* const* grads, size_t n, double* norm, char* err, size_t err_len) {
-    try {
+    return guarded(err, err_len, 1, [&] {
         TORCH_CHECK(n > 0, "no gradients");
         auto g = tensor_list(grads, n, "gradient");
 #ifdef ATTNSWEEP_CUDA
@@ -471,16 +470,13 @@ int attnsweep_grad_norm(const at::Tensor* const* grads, size_t n, double* norm, 
 #endif
         *norm = total.item<double>();
         return 0;
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return 1;
-    }
+    });
 }
 
 // One clipped AdamW step over n parameters with their gradients and moments, in place.
 int attnsweep_adamw(const at::Tensor* const* params, const at::Tensor* const* grads, const at::Tensor* const* exp_avg,
                     const at::Tensor* const* exp_avg_sq, size_t n, const double* h, char* err, size_t err_len) {
-    try {
+    return guarded(err, err_len, 1, [&] {
         TORCH_CHECK(n > 0, "no parameters");
         auto p = tensor_list(params, n, "parameter"), g = tensor_list(grads, n, "gradient");
         auto m = tensor_list(exp_avg, n, "exp_avg"), v = tensor_list(exp_avg_sq, n, "exp_avg_sq");
@@ -500,10 +496,7 @@ int attnsweep_adamw(const at::Tensor* const* params, const at::Tensor* const* gr
 #endif
         reference_adamw(p, g, m, v, step);
         return 0;
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-        return 1;
-    }
+    });
 }
 
 }  // extern "C"

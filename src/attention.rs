@@ -607,9 +607,11 @@ pub fn routed_attention(
 /// (PERFORMANCE.md, the PPA entry).
 const PPA_KERNEL_MAX_DENSITY: f64 = 0.05;
 
-/// Attended pairs of `pattern` over the causal pairs at length `len`.
-fn ppa_density(pattern: &KeyPattern, len: usize) -> f64 {
-    pattern.attended_pairs(len) as f64 / (len * (len + 1) / 2) as f64
+/// Attended pairs of PPA (the window, plus `offsets` beyond it) over the causal pairs at
+/// length `len`: a distance d occurs for the `len - d` queries i >= d.
+fn ppa_density(window: usize, offsets: &[i32], len: usize) -> f64 {
+    let seen = (0..window.min(len)).chain(offsets.iter().map(|&d| d as usize));
+    seen.map(|d| (len - d) as f64).sum::<f64>() / (len * (len + 1) / 2) as f64
 }
 
 /// Which window-picking queries also need the full path's output (see `branches`).
@@ -743,16 +745,14 @@ impl SelfAttention {
             (Some(kern), KeyPattern::Window(w), Keys::Chunk(_)) => kern
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
-            // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
-            // path than pair by pair (PPA_KERNEL_MAX_DENSITY).
-            (Some(kern), KeyPattern::Ppa { .. }, Keys::Chunk(_))
-                if kern.cuda
-                    && ppa_density(&pattern, q.size()[2] as usize) > PPA_KERNEL_MAX_DENSITY =>
-            {
-                keys.attend(slot, q, k, v, pattern)
-            }
             (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(_)) => {
-                let offsets = pattern.offsets_beyond_window(q.size()[2] as usize);
+                let len = q.size()[2] as usize;
+                let offsets = pattern.offsets_beyond_window(len);
+                // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
+                // path than pair by pair (PPA_KERNEL_MAX_DENSITY).
+                if kern.cuda && ppa_density(window, &offsets, len) > PPA_KERNEL_MAX_DENSITY {
+                    return keys.attend(slot, q, k, v, pattern);
+                }
                 match offsets.is_empty() {
                     true => kern.list_attention(q, k, v, None, window as i64),
                     false => {
@@ -2000,6 +2000,20 @@ mod tests {
                 "{method:?} eval-mode logits"
             );
             assert_eq!(a.attended_pairs(), b.attended_pairs());
+        }
+    }
+
+    #[test]
+    fn ppa_density_counts_the_patterns_pairs() {
+        for (power, window, len) in [(0.5, 64, 4096), (0.75, 7, 1000), (0.25, 300, 200)] {
+            let pattern = KeyPattern::Ppa { power, window };
+            let offsets = pattern.offsets_beyond_window(len);
+            let want = pattern.attended_pairs(len) as f64 / (len * (len + 1) / 2) as f64;
+            let got = ppa_density(window, &offsets, len);
+            assert!(
+                (got - want).abs() < 1e-12,
+                "p={power} w={window} L={len}: {got} != {want}"
+            );
         }
     }
 
