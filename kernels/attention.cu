@@ -4,7 +4,9 @@
 // (window >= L is full causal attention). The query list is either every position (dense:
 // sliding-window attention that does work only inside the band) or a compacted, ascending
 // list of positions with a per-(b, h) count (sparse-query attention, L2A Algorithm 1, with
-// lists per (batch, head) so per-head routing can use it too).
+// lists per (batch, head) so per-head routing can use it too). A routed list (AHA) holds
+// both paths: its first nfull rows see their whole prefix (window = infinity), the others
+// their window, each group ascending (attention.cuh, QueryList).
 //
 // FlashAttention-2 structure on mma.sync m16n8k16 (bf16 in, fp32 accumulate): a block owns
 // 64 queries (4 warps x 16 rows), streams 64-key tiles through shared memory, and keeps the
@@ -81,15 +83,17 @@ __device__ __forceinline__ void acc_to_a(uint32_t* a, const float (*acc)[4], int
 }
 
 // Starts copying rows [row0, row0 + 64) of a [rows x D] bf16 matrix into smem (zeros past
-// `rows`), 16 bytes per cp.async; completes at the matching wait.
+// `rows`), 16 bytes per cp.async; completes at the matching wait. Row r comes from row at[r]
+// where at is given.
 template <int D>
-__device__ __forceinline__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int row0, int rows) {
+__device__ __forceinline__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int row0, int rows,
+                                          const int* at = nullptr) {
     constexpr int VEC = 8;  // bf16 per 16 bytes
     constexpr int PER_ROW = D / VEC;
     for (int i = threadIdx.x; i < 64 * PER_ROW; i += THREADS) {
         const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
         const bool in = row0 + r < rows;
-        const __nv_bfloat16* g = in ? src + (int64_t)(row0 + r) * D + c : src;
+        const __nv_bfloat16* g = in ? src + (int64_t)(at ? at[row0 + r] : row0 + r) * D + c : src;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst + r * (D + PAD) + c)), "l"(g),
                      "r"(in ? 16 : 0));
     }
@@ -99,12 +103,21 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\
 template <int N>
 __device__ __forceinline__ void wait_loads() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Query positions of a block's rows; -1 for rows past the active count.
-__device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int nq) {
+// Query positions of a block's rows; -1 for rows outside [lo, hi).
+__device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int lo, int hi) {
     for (int i = threadIdx.x; i < BQ; i += THREADS) {
         const int r = row0 + i;
-        spos[i] = r < nq ? (qpos ? qpos[base + r] : r) : -1;
+        spos[i] = r >= lo && r < hi ? (qpos ? qpos[base + r] : r) : -1;
     }
+}
+
+// The row of q, dO, O and dQ that list row r reads or writes: its position where the list
+// works at positions.
+__device__ __forceinline__ int64_t out_row(const ListShape& p, int64_t qbase, int r) {
+    return qbase + (p.at_positions ? p.qpos[qbase + r] : r);
+}
+__device__ __forceinline__ const int* rows_at(const ListShape& p, int64_t qbase) {
+    return p.at_positions ? p.qpos + qbase : nullptr;
 }
 
 struct Args : ListShape {
@@ -127,22 +140,21 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
 
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
-    const int nq = p.nq ? p.nq[bh] : p.lq;
-    // Highest positions first: their tiles see the most keys, so they must not trail the grid.
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : -1;
+    const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        zero_rows<D>(p.out, p.lse, qbase, row0, BQ, p.lq);
+        zero_rows<D>(p.out, p.lse, qbase, row0, BQ, p.lq, p.at_positions ? p.qpos : nullptr);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_positions(spos, p.qpos, qbase, row0, nq);
-    load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
+    load_positions(spos, p.qpos, qbase, row0, 0, nq);
+    load_tile<D>(sq, p.q + qbase * D, row0, p.lq, rows_at(p, qbase));
     commit();
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
-    const int key_lo = max(0, spos[0] - p.window + 1), key_hi = min(spos[last], p.len - 1);
-    const int t_first = key_lo / BK, t_last = key_hi / BK;
+    const RowSpan span = row_span(spos, 0, last, full - row0, p.window, p.len);
+    const int t_first = span.key_lo / BK, t_last = span.key_hi / BK;
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     auto stage = [&](int i) { return skv + (i % 2) * 2 * BK * S; };
@@ -157,6 +169,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     __syncthreads();  // every warp has its Q fragments: stage 1 is free for the first prefetch
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
+    const int win_row[2] = {row_window(row0 + r_lo, full, p.window), row_window(row0 + r_lo + 8, full, p.window)};
     // Scores in log2 units, so exp2 replaces exp.
     const float scale2 = p.scale * 1.4426950408889634f;
 
@@ -187,13 +200,13 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
             }
         // Tiles wholly inside every row's window need no mask.
         const bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] &&
-                              pos_row[0] - k0 < p.window && pos_row[1] - k0 < p.window && k0 + BK <= p.len;
+                              pos_row[0] - k0 < win_row[0] && pos_row[1] - k0 < win_row[1] && k0 + BK <= p.len;
         float mx[2] = {-INFINITY, -INFINITY};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1);
                 const int hr = e >> 1;
-                s[nb][e] = (interior || visible(key, pos_row[hr], p.window, p.len)) ? s[nb][e] * scale2 : -INFINITY;
+                s[nb][e] = (interior || visible(key, pos_row[hr], win_row[hr], p.len)) ? s[nb][e] * scale2 : -INFINITY;
                 mx[hr] = fmaxf(mx[hr], s[nb][e]);
             }
         float corr[2];
@@ -239,7 +252,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
         if (r >= p.lq) continue;
         const bool ok = pos_row[hr] >= 0;
         const float inv = ok ? 1.f / l[hr] : 0.f;
-        __nv_bfloat16* orow = p.out + (qbase + r) * D;
+        __nv_bfloat16* orow = p.out + out_row(p, qbase, r) * D;
         for (int nb = 0; nb < D / 8; ++nb) {
             const int c = nb * 8 + (lane % 4) * 2;
             *reinterpret_cast<__nv_bfloat162*>(orow + c) =
@@ -262,23 +275,22 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
 
     const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
-    const int nq = p.nq ? p.nq[bh] : p.lq;
-    // Highest positions first: their tiles see the most keys, so they must not trail the grid.
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : -1;
+    const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        zero_rows<D>(p.dq, nullptr, qbase, row0, BQ, p.lq);
+        zero_rows<D>(p.dq, nullptr, qbase, row0, BQ, p.lq, p.at_positions ? p.qpos : nullptr);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_positions(spos, p.qpos, qbase, row0, nq);
-    load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
-    load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+    load_positions(spos, p.qpos, qbase, row0, 0, nq);
+    load_tile<D>(sq, p.q + qbase * D, row0, p.lq, rows_at(p, qbase));
+    load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq, rows_at(p, qbase));
     commit();
     wait_loads<0>();
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
-    const int key_lo = max(0, spos[0] - p.window + 1), key_hi = min(spos[last], p.len - 1);
+    const RowSpan span = row_span(spos, 0, last, full - row0, p.window, p.len);
     uint32_t qa[D / 16][4], da[D / 16][4];
     for (int kk = 0; kk < D / 16; ++kk) {
         load_a(qa[kk], sq, D + PAD, warp * 16, kk * 16, lane);
@@ -286,6 +298,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     }
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
+    const int win_row[2] = {row_window(row0 + r_lo, full, p.window), row_window(row0 + r_lo + 8, full, p.window)};
     float lse[2], dl[2];
     for (int hr = 0; hr < 2; ++hr) {
         const int r = min(row0 + r_lo + hr * 8, p.lq - 1);
@@ -295,7 +308,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     float dq_acc[D / 8][4] = {};
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
-    for (int k0 = (key_lo / BK) * BK; k0 <= key_hi; k0 += BK) {
+    for (int k0 = (span.key_lo / BK) * BK; k0 <= span.key_hi; k0 += BK) {
         __syncthreads();
         load_tile<D>(sk, kb, k0, p.len);
         load_tile<D>(sv, vb, k0, p.len);
@@ -316,7 +329,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
-                const float pr = visible(key, pos_row[hr], p.window, p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
+                const float pr = visible(key, pos_row[hr], win_row[hr], p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
                 s[nb][e] = pr * (dp[nb][e] - dl[hr]);  // dS
             }
         for (int j = 0; j < BK / 16; ++j) {
@@ -334,7 +347,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
         const int r = row0 + r_lo + hr * 8;
         if (r >= p.lq) continue;
         const float f = pos_row[hr] >= 0 ? p.scale : 0.f;
-        __nv_bfloat16* row = p.dq + (qbase + r) * D;
+        __nv_bfloat16* row = p.dq + out_row(p, qbase, r) * D;
         for (int nb = 0; nb < D / 8; ++nb)
             *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + (lane % 4) * 2) =
                 __floats2bfloat162_rn(dq_acc[nb][hr * 2] * f, dq_acc[nb][hr * 2 + 1] * f);
@@ -342,7 +355,8 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
 }
 
 // dV = sum_q P^T dO and dK = scale * sum_q dS^T Q: key tiles outer, over every query head
-// of the KV head's group and the query tiles that can see the keys.
+// of the KV head's group and, in each of its list's two groups (full-prefix rows, window
+// rows), the query tiles that can see the keys.
 template <int D>
 __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -365,28 +379,32 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
     wait_loads<0>();
     const int key_row[2] = {k0 + warp * 16 + lane / 4, k0 + warp * 16 + lane / 4 + 8};
     float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
-    for (int g = 0; g < group; ++g) {
-        const int h = kvh * group + g, bh = b * p.heads + h;
-        const int nq = p.nq ? p.nq[bh] : p.lq;
+    for (int gs = 0; gs < 2 * group; ++gs) {
+        const int h = kvh * group + gs / 2, bh = b * p.heads + h;
+        const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : 0;
+        // The group's rows [lo, hi) and their window.
+        const int lo = gs % 2 ? full : 0, hi = gs % 2 ? nq : full;
+        const int window = gs % 2 ? p.window : INT32_MAX;
+        if (lo >= hi) continue;
         const int64_t qbase = (int64_t)bh * p.lq;
         if (threadIdx.x == 0) {
             // Queries that can see a key of this tile: positions in [k0, k0 + BK - 1 + window - 1].
-            srange[0] = first_at_or_after(p.qpos, qbase, nq, k0);
-            const int64_t hi = (int64_t)k0 + BK - 1 + p.window;  // exclusive bound on positions
-            srange[1] = first_at_or_after(p.qpos, qbase, nq, hi < INT32_MAX ? (int)hi : INT32_MAX);
+            srange[0] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, k0);
+            const int64_t last = (int64_t)k0 + BK - 1 + window;  // exclusive bound on positions
+            srange[1] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, last < INT32_MAX ? (int)last : INT32_MAX);
         }
         __syncthreads();
         const int r_begin = (srange[0] / BQ) * BQ, r_end = srange[1];
         for (int row0 = r_begin; row0 < r_end; row0 += BQ) {
             __syncthreads();
-            load_positions(spos, p.qpos, qbase, row0, nq);
+            load_positions(spos, p.qpos, qbase, row0, lo, hi);
             for (int i = threadIdx.x; i < BQ; i += THREADS) {
                 const int r = min(row0 + i, p.lq - 1);
                 slse[i] = p.lse_in[qbase + r];
                 sdl[i] = p.delta[qbase + r];
             }
-            load_tile<D>(sq, p.q + qbase * D, row0, p.lq);
-            load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq);
+            load_tile<D>(sq, p.q + qbase * D, row0, p.lq, rows_at(p, qbase));
+            load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq, rows_at(p, qbase));
             commit();
             wait_loads<0>();
             __syncthreads();
@@ -409,7 +427,7 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
             for (int nb = 0; nb < BQ / 8; ++nb)
                 for (int e = 0; e < 4; ++e) {
                     const int qi = nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
-                    const bool ok = visible(key_row[hr], spos[qi], p.window, p.len);
+                    const bool ok = visible(key_row[hr], spos[qi], window, p.len);
                     const float pr = ok ? __expf(st[nb][e] * p.scale - slse[qi]) : 0.f;
                     st[nb][e] = pr;                         // P^T
                     dpt[nb][e] = pr * (dpt[nb][e] - sdl[qi]);  // dS^T
@@ -453,10 +471,9 @@ void launch(Kernel kernel, dim3 grid, size_t smem, const Args& a) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-               const at::Tensor* nq, int64_t window) {
+Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window) {
     Args a{};
-    static_cast<ListShape&>(a) = list_shape(q, k, qpos, nq, window);
+    static_cast<ListShape&>(a) = list_shape(q, k, list, window);
     a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
     a.k = reinterpret_cast<const __nv_bfloat16*>(k.data_ptr());
     a.v = reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
@@ -475,13 +492,70 @@ bool use_sm90() {
 #endif
 }
 
+// One block per (b, h) sorts its positions into the routed list's three groups with warp
+// ballots over chunks of the block's width: a counting pass, then a pass placing each
+// position at its group's running offset (no sort, no host synchronisation).
+constexpr int ROUTE_THREADS = 1024;
+__global__ void __launch_bounds__(ROUTE_THREADS)
+    route_kernel(const bool* full, int len, bool others_window, int* perm, int* nq, int* nfull) {
+    constexpr int WARPS = ROUTE_THREADS / 32;
+    static_assert(WARPS == 32, "warp 0 scans one count per warp");
+    __shared__ int counts[3][WARPS];  // per chunk: each warp's count, then its exclusive offset
+    __shared__ int totals[3];
+    const int bh = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t base = (int64_t)bh * len;
+    // Group of a query: 0 full prefix, 1 window, 2 no attention (list order).
+    const int others = others_window ? 1 : 2;
+    auto group_of = [&](bool f) { return f ? 0 : others; };
+    if (threadIdx.x < 3) totals[threadIdx.x] = 0;
+    __syncthreads();
+    int mine[3] = {0, 0, 0};
+    for (int i = threadIdx.x; i < len; i += ROUTE_THREADS) ++mine[group_of(full[base + i])];
+    for (int g = 0; g < 3; ++g) {
+        for (int o = 16; o; o >>= 1) mine[g] += __shfl_xor_sync(0xffffffffu, mine[g], o);
+        if (lane == 0) atomicAdd(&totals[g], mine[g]);
+    }
+    __syncthreads();
+    // Where each group's next position goes (warp 0 keeps it across chunks).
+    int start[3] = {0, totals[0], totals[0] + totals[1]};
+    for (int c0 = 0; c0 < len; c0 += ROUTE_THREADS) {
+        const int i = c0 + threadIdx.x;
+        const int g = i < len ? group_of(full[base + i]) : 3;
+        unsigned ballot[3];
+        for (int k = 0; k < 3; ++k) ballot[k] = __ballot_sync(0xffffffffu, g == k);
+        if (lane < 3) counts[lane][warp] = __popc(ballot[lane]);
+        __syncthreads();
+        if (warp == 0) {
+            // Exclusive scan of the warps' counts, lane w holding warp w's.
+            for (int k = 0; k < 3; ++k) {
+                const int n = counts[k][lane];
+                int incl = n;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int x = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += x;
+                }
+                counts[k][lane] = start[k] + incl - n;
+                start[k] += __shfl_sync(0xffffffffu, incl, 31);
+            }
+        }
+        __syncthreads();
+        if (g < 3) perm[base + counts[g][warp] + __popc(ballot[g] & ((1u << lane) - 1))] = i;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        nq[bh] = totals[0] + totals[1];
+        nfull[bh] = totals[0];
+    }
+}
+
 }  // namespace
 
-ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor* qpos, const at::Tensor* nq,
-                     int64_t window) {
+ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const QueryList& list, int64_t window) {
     ListShape a{};
-    a.qpos = qpos ? qpos->data_ptr<int>() : nullptr;
-    a.nq = nq ? nq->data_ptr<int>() : nullptr;
+    a.qpos = list.qpos ? list.qpos->data_ptr<int>() : nullptr;
+    a.nq = list.nq ? list.nq->data_ptr<int>() : nullptr;
+    a.nfull = list.nfull ? list.nfull->data_ptr<int>() : nullptr;
+    a.at_positions = list.at_positions;
     a.heads = (int)q.size(1);
     a.kv_heads = (int)k.size(1);
     a.lq = (int)q.size(2);
@@ -491,14 +565,14 @@ ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor*
     return a;
 }
 
-void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse) {
+void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
+                  at::Tensor& out, at::Tensor& lse) {
     const at::cuda::CUDAGuard guard(q.device());
     if (use_sm90()) {
-        sm90_forward(q, k, v, qpos, nq, window, out, lse);
+        sm90_forward(q, k, v, list, window, out, lse);
         return;
     }
-    Args a = make_args(q, k, v, qpos, nq, window);
+    Args a = make_args(q, k, v, list, window);
     a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
     a.lse = lse.data_ptr<float>();
     const int d = (int)q.size(3);
@@ -508,11 +582,11 @@ void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     else launch(forward_kernel<128>, grid, smem, a);
 }
 
-void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-                   const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
-                   const at::Tensor& dout, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list,
+                   int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
     const at::cuda::CUDAGuard guard(q.device());
-    Args a = make_args(q, k, v, qpos, nq, window);
+    Args a = make_args(q, k, v, list, window);
     a.lse_in = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
     a.dout = reinterpret_cast<const __nv_bfloat16*>(dout.data_ptr());
@@ -523,14 +597,22 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
-    if (use_sm90()) sm90_dq(q, k, v, qpos, nq, window, lse, delta, dout, dq);
+    if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);
-    // dK, dV on wgmma for wide windows and full prefixes; narrow windows (short key blocks)
-    // measured slower there than on mma.sync (PERFORMANCE.md, v4).
-    if (use_sm90() && window > 512) sm90_dkdv(q, k, v, qpos, nq, window, lse, delta, dout, dk, dv);
+    // dK, dV on wgmma for wide windows and full prefixes (routed lists have some); narrow
+    // windows (short key blocks) measured slower there than on mma.sync (PERFORMANCE.md, v4).
+    if (use_sm90() && (window > 512 || list.nfull)) sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
     else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
     else launch(dkdv_kernel<128>, kgrid, smem, a);
+}
+
+void cuda_route_list(const at::Tensor& full, bool others_window, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {
+    const at::cuda::CUDAGuard guard(full.device());
+    const int len = (int)full.size(2);
+    route_kernel<<<full.size(0) * full.size(1), ROUTE_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        full.data_ptr<bool>(), len, others_window, perm.data_ptr<int>(), nq.data_ptr<int>(), nfull.data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace attnsweep

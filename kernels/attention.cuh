@@ -1,41 +1,55 @@
 // Launchers of the CUDA attention kernels (attention.cu), called by the autograd layer in
 // ops.cpp. Tensors: q [B, H, Lq, D], k and v [B, Hkv, L, D], all bf16 and contiguous;
-// qpos [B, H, Lq] int32 ascending positions and nq [B, H] int32 counts, or null for the dense
-// case (query r at position r, all Lq active); lse, delta [B, H, Lq] fp32.
+// lse, delta [B, H, Lq] fp32, in list order.
 #pragma once
 #include <ATen/ATen.h>
 
 namespace attnsweep {
 
-// What every kernel knows of a call: the query list (qpos, nq; null for the dense case) and
-// the shapes.
+// The query list of a call. qpos [B, H, Lq] int32 positions and nq [B, H] int32 counts, or
+// both null for the dense case (query r at position r, all Lq active). nfull [B, H] int32, or
+// null: the first nfull rows see their whole prefix, the other active rows their window
+// (routed attention: both paths in one list; each of the two groups ascends). at_positions:
+// qpos holds a permutation of all Lq = L positions, and the outputs (O, dQ) are written at
+// the rows' positions instead of in list order (lse stays in list order).
+struct QueryList {
+    const at::Tensor *qpos = nullptr, *nq = nullptr, *nfull = nullptr;
+    bool at_positions = false;
+};
+
+// What every kernel knows of a call: the query list and the shapes.
 struct ListShape {
-    const int *qpos, *nq;
+    const int *qpos, *nq, *nfull;
+    bool at_positions;
     int heads, kv_heads, lq, len, window;
     float scale;  // softmax scale, 1/sqrt(D)
 };
 
-ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor* qpos, const at::Tensor* nq,
-                     int64_t window);
+ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const QueryList& list, int64_t window);
 
-void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
+void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
+                  at::Tensor& out, at::Tensor& lse);
 
 // The forward on Hopper's wgmma (attention_sm90.cu); same contract as cuda_forward, which
 // calls it on compute capability 9.0 in libraries built for sm_90a.
-void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-                  const at::Tensor* nq, int64_t window, at::Tensor& out, at::Tensor& lse);
+void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
+                  at::Tensor& out, at::Tensor& lse);
 
 // dQ, and dK with dV, of the backward on Hopper's wgmma (attention_sm90.cu); cuda_backward
 // calls them where cuda_forward calls sm90_forward.
-void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos, const at::Tensor* nq,
-             int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq);
-void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-               const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
-               const at::Tensor& dout, at::Tensor& dk, at::Tensor& dv);
+void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
+             const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq);
+void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
+               const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dk, at::Tensor& dv);
 
-void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* qpos,
-                   const at::Tensor* nq, int64_t window, const at::Tensor& lse, const at::Tensor& delta,
-                   const at::Tensor& dout, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list,
+                   int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// The routed list of each (b, h) from full [B, H, L] (bool: the query sees its whole prefix;
+// otherwise its window where others_window, else nothing): perm [B, H, L] int32, the positions
+// in list order (full-prefix rows, then window rows, then the rest, each ascending), nq and
+// nfull [B, H] int32 the attending and the full-prefix rows.
+void cuda_route_list(const at::Tensor& full, bool others_window, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull);
 
 }  // namespace attnsweep

@@ -31,13 +31,49 @@ __device__ __forceinline__ bool visible(int key, int pos, int window, int len) {
     return pos >= 0 && key <= pos && pos - key < window && key < len;
 }
 
+// The window of list row r: rows below `full` (a routed list's full-prefix rows; pass a
+// negative value for lists without them) see their whole prefix.
+__device__ __forceinline__ int row_window(int r, int full, int window) { return r < full ? INT32_MAX : window; }
+
+// What rows [first, last] of a block's list rows (indices into spos, all holding queries) can
+// see: the lowest and highest visible key, the lowest position, and the highest position
+// among window rows (-1 if none). Rows below `full` (same indexing) see their whole prefix;
+// each group ascends.
+struct RowSpan {
+    int key_lo, key_hi, pmin, pmax_window;
+};
+__device__ __forceinline__ RowSpan row_span(const int* spos, int first, int last, int full, int window, int len) {
+    const bool any_full = first < full, any_window = last >= full;
+    RowSpan s;
+    s.key_lo = any_full ? 0 : max(0, spos[first] - window + 1);
+    s.key_hi = min(max(any_full ? spos[min(last, full - 1)] : -1, any_window ? spos[last] : -1), len - 1);
+    s.pmin = min(any_full ? spos[first] : INT32_MAX, any_window ? spos[max(first, full)] : INT32_MAX);
+    s.pmax_window = any_window ? spos[last] : -1;
+    return s;
+}
+
+// Whether keys [k0, k0 + n) lie inside the window of every row of the span (no mask needed).
+__device__ __forceinline__ bool inside(const RowSpan& s, int k0, int n, int window, int len) {
+    return k0 + n - 1 <= s.pmin && s.pmax_window - k0 < window && k0 + n <= len;
+}
+
+// The query tile block index y takes, of `tiles` tiles of `rows` rows: the tiles holding a
+// routed list's full-prefix rows (the first `full`) first, highest first, then the others in
+// order; a list without them (full < 0), every tile highest first. The longest tiles start in
+// the first wave, so they do not trail the grid.
+__device__ __forceinline__ int tile_at(int y, int tiles, int full, int rows) {
+    const int first = full < 0 ? tiles : (full + rows - 1) / rows;
+    return y < first ? first - 1 - y : y;
+}
+
 // A block whose query rows [row0, row0 + rows) all lie past the active count still gives them
-// defined outputs: zeros in out (D columns a row), and lse -inf where lse is given.
+// defined outputs: zeros in out (D columns a row; at row at[qbase + r] instead of r when at is
+// given), and lse -inf where lse is given.
 template <int D>
-__device__ void zero_rows(__nv_bfloat16* out, float* lse, int64_t qbase, int row0, int rows, int lq) {
+__device__ void zero_rows(__nv_bfloat16* out, float* lse, int64_t qbase, int row0, int rows, int lq, const int* at) {
     for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
         const int r = row0 + i / D;
-        if (r < lq) out[(qbase + r) * D + i % D] = __float2bfloat16(0.f);
+        if (r < lq) out[(qbase + (at ? at[qbase + r] : r)) * D + i % D] = __float2bfloat16(0.f);
     }
     if (lse)
         for (int i = threadIdx.x; i < rows; i += blockDim.x)

@@ -4,9 +4,10 @@
 // extern "C" function on at::Tensor* that Rust loads at run time.
 //
 // Semantics (see attention.cu): query r of (b, h) sits at position qpos[b, h, r] (or r) and
-// attends keys k <= pos with pos - k < window; rows r >= nq[b, h] are inactive and give zeros.
-// Inside this file the dense form carries empty qpos and nq tensors (autograd functions take
-// no undefined tensors).
+// attends keys k <= pos with pos - k < window (any window for rows r < nfull[b, h], where a
+// routed list gives nfull); rows r >= nq[b, h] are inactive and give zeros. Inside this file
+// the dense form carries empty qpos, nq and nfull tensors (autograd functions take no
+// undefined tensors).
 
 #include <torch/torch.h>
 
@@ -34,24 +35,30 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Positions [B, H, Lq] (int64) and an active-row mask [B, H, Lq] for either form.
-std::pair<at::Tensor, at::Tensor> positions(const at::Tensor& q, const at::Tensor& qpos, const at::Tensor& nq) {
+// The query list of a call in the reference's terms: positions [B, H, Lq] (int64), and
+// masks [B, H, Lq] of the active rows and of the full-prefix rows.
+struct Rows {
+    at::Tensor pos, active, full;
+};
+Rows rows_of(const at::Tensor& q, const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& nfull) {
     const auto B = q.size(0), H = q.size(1), Lq = q.size(2);
     auto rows = at::arange(Lq, q.options().dtype(at::kLong)).view({1, 1, Lq}).expand({B, H, Lq});
-    if (qpos.numel() == 0) return {rows, at::ones({B, H, Lq}, q.options().dtype(at::kBool))};
-    return {qpos.to(at::kLong), rows < nq.to(at::kLong).unsqueeze(-1)};
+    auto none = at::zeros({B, H, Lq}, q.options().dtype(at::kBool));
+    if (qpos.numel() == 0) return {rows, none.logical_not(), none};
+    auto full = nfull.numel() > 0 ? rows < nfull.to(at::kLong).unsqueeze(-1) : none;
+    return {qpos.to(at::kLong), rows < nq.to(at::kLong).unsqueeze(-1), full};
 }
 
-// Visibility [B, H, Lq, L] of every (query, key) pair: the window, plus the distances listed
-// in offsets (PPA; empty otherwise).
-at::Tensor visibility(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qpos, const at::Tensor& nq, int64_t window,
-                      const at::Tensor& offsets) {
-    auto [pos, active] = positions(q, qpos, nq);
+// Visibility [B, H, Lq, L] of every (query, key) pair: the window (or the whole prefix, for
+// full-prefix rows), plus the distances listed in offsets (PPA; empty otherwise).
+at::Tensor visibility(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qpos, const at::Tensor& nq,
+                      const at::Tensor& nfull, int64_t window, const at::Tensor& offsets) {
+    auto r = rows_of(q, qpos, nq, nfull);
     auto keys = at::arange(k.size(2), q.options().dtype(at::kLong)).view({1, 1, 1, -1});
-    auto p = pos.unsqueeze(-1);
-    auto seen = (p - keys) < window;
+    auto p = r.pos.unsqueeze(-1);
+    auto seen = ((p - keys) < window) | r.full.unsqueeze(-1);
     if (offsets.numel() > 0) seen = seen | at::isin(p - keys, offsets.to(at::kLong));
-    return (keys <= p) & seen & active.unsqueeze(-1);
+    return (keys <= p) & seen & r.active.unsqueeze(-1);
 }
 
 at::Tensor expand_kv(const at::Tensor& t, int64_t heads) {
@@ -60,12 +67,12 @@ at::Tensor expand_kv(const at::Tensor& t, int64_t heads) {
 
 // Reference forward in fp32: returns (out, lse), zeros and -inf for inactive rows.
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& qpos, const at::Tensor& nq, int64_t window,
-                                                    const at::Tensor& offsets) {
+                                                    const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& nfull,
+                                                    int64_t window, const at::Tensor& offsets) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     auto kf = expand_kv(k, q.size(1)).to(at::kFloat), vf = expand_kv(v, q.size(1)).to(at::kFloat);
     auto s = at::matmul(q.to(at::kFloat), kf.transpose(-1, -2)) * scale;
-    auto vis = visibility(q, k, qpos, nq, window, offsets);
+    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets);
     s = s.masked_fill(vis.logical_not(), -INFINITY);
     auto lse = at::logsumexp(s, -1);
     auto p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0.0);
@@ -74,13 +81,13 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 
 // Reference backward: the same formulas as the kernels (dS = P (dP - delta)).
 variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos,
-                                 const at::Tensor& nq, int64_t window, const at::Tensor& offsets, const at::Tensor& lse,
-                                 const at::Tensor& delta, const at::Tensor& dout) {
+                                 const at::Tensor& nq, const at::Tensor& nfull, int64_t window, const at::Tensor& offsets,
+                                 const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     const auto heads = q.size(1), group = heads / k.size(1);
     auto qf = q.to(at::kFloat), dof = dout.to(at::kFloat);
     auto kf = expand_kv(k, heads).to(at::kFloat), vf = expand_kv(v, heads).to(at::kFloat);
-    auto vis = visibility(q, k, qpos, nq, window, offsets);
+    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets);
     auto s = at::matmul(qf, kf.transpose(-1, -2)) * scale;
     auto p = at::exp(s - lse.unsqueeze(-1)).masked_fill(vis.logical_not(), 0.0).nan_to_num(0.0);
     auto dp = at::matmul(dof, vf.transpose(-1, -2));
@@ -95,6 +102,16 @@ variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const
     return {dq.to(q.scalar_type()), fold(dk).to(k.scalar_type()), fold(dv).to(v.scalar_type())};
 }
 
+// The empty tensor that stands for "no list" (or no offsets) inside this file.
+at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kInt)); }
+
+#ifdef ATTNSWEEP_CUDA
+attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq) {
+    if (qpos.numel() == 0) return {};
+    return {&qpos, &nq};
+}
+#endif
+
 struct ListAttention : public torch::autograd::Function<ListAttention> {
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor qpos,
                                  at::Tensor nq, int64_t window, at::Tensor offsets) {
@@ -103,8 +120,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
 #ifdef ATTNSWEEP_CUDA
             out = at::empty_like(q);
             lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-            const bool list = qpos.numel() > 0;
-            attnsweep::cuda_forward(q, k, v, list ? &qpos : nullptr, list ? &nq : nullptr, window, out, lse);
+            attnsweep::cuda_forward(q, k, v, query_list(qpos, nq), window, out, lse);
             if (offsets.numel() > 0) {
                 // PPA: the offset keys' part, merged with the window's by log-sum-exp.
                 auto o = at::empty(q.sizes(), q.options().dtype(at::kFloat));
@@ -120,7 +136,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
         } else {
-            auto r = reference_forward(q, k, v, qpos, nq, window, offsets);
+            auto r = reference_forward(q, k, v, qpos, nq, none(q), window, offsets);
             out = r.first.to(q.scalar_type());
             lse = r.second;
         }
@@ -139,10 +155,8 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
             auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-            const bool list = qpos.numel() > 0;
             // With the merged lse and delta, the window kernels give the window pairs' share.
-            attnsweep::cuda_backward(q, k, v, list ? &qpos : nullptr, list ? &nq : nullptr, window, lse, delta, dout, dq, dk,
-                                     dv);
+            attnsweep::cuda_backward(q, k, v, query_list(qpos, nq), window, lse, delta, dout, dq, dk, dv);
             if (offsets.numel() > 0) {
                 auto f = q.options().dtype(at::kFloat);
                 auto dqo = at::empty(q.sizes(), f), dko = at::empty(k.sizes(), f), dvo = at::empty(v.sizes(), f);
@@ -154,9 +168,87 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             g = {dq, dk, dv};
 #endif
         } else {
-            g = reference_backward(q, k, v, qpos, nq, window, offsets, lse, delta, dout);
+            g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);
         }
         return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+// Routed attention: per (b, h, position), full [B, H, L] says the whole prefix; the other
+// queries see their window where others_window, else nothing (zeros). One list per (b, h)
+// holds the full-prefix rows, then the window rows (route_list), so one launch runs both paths
+// and no query runs the one it did not pick. The kernels read q and dO and write O and dQ at the rows' positions (lse and delta
+// stay in list order); the reference works on list-ordered copies.
+struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
+    // (perm, nq, nfull): the list (attention.cuh, cuda_route_list). The reference orders the
+    // positions by sorting a key; the kernel counts.
+    static std::tuple<at::Tensor, at::Tensor, at::Tensor> route_list(const at::Tensor& full, bool others_window) {
+        const auto B = full.size(0), H = full.size(1), L = full.size(2);
+        auto opts = full.options().dtype(at::kInt);
+        if (full.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            auto perm = at::empty({B, H, L}, opts), nq = at::empty({B, H}, opts), nfull = at::empty({B, H}, opts);
+            attnsweep::cuda_route_list(full, others_window, perm, nq, nfull);
+            return std::make_tuple(perm, nq, nfull);
+#endif
+        }
+        // Group 0 full prefix, 1 window, 2 nothing.
+        auto group = at::where(full, 0, others_window ? 1 : 2).to(at::kLong);
+        auto pos = at::arange(L, group.options()).view({1, 1, L});
+        auto perm = (group * L + pos).argsort(-1, false).to(at::kInt);
+        return std::make_tuple(perm, (group < 2).sum(-1).to(at::kInt), full.sum(-1).to(at::kInt));
+    }
+
+    // Rows [B, H, L, D] of x in list order, and back.
+    static at::Tensor to_list(const at::Tensor& x, const at::Tensor& perm) {
+        return x.gather(2, perm.to(at::kLong).unsqueeze(-1).expand_as(x));
+    }
+    static at::Tensor from_list(const at::Tensor& x, const at::Tensor& perm) {
+        return at::zeros_like(x).scatter(2, perm.to(at::kLong).unsqueeze(-1).expand_as(x), x);
+    }
+
+    static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor full,
+                                 bool others_window, int64_t window) {
+        auto [perm, nq, nfull] = route_list(full, others_window);
+        at::Tensor out, lse;
+        if (q.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            out = at::empty_like(q);
+            lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+            attnsweep::cuda_forward(q, k, v, {&perm, &nq, &nfull, true}, window, out, lse);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            auto r = reference_forward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q));
+            out = from_list(r.first.to(q.scalar_type()), perm);
+            lse = r.second;
+        }
+        ctx->save_for_backward({q, k, v, perm, nq, nfull, out, lse});
+        ctx->saved_data["window"] = window;
+        return {out};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &q = s[0], &k = s[1], &v = s[2], &perm = s[3], &nq = s[4], &nfull = s[5], &out = s[6], &lse = s[7];
+        const int64_t window = ctx->saved_data["window"].toInt();
+        auto dout = grads[0].contiguous();
+        auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).gather(2, perm.to(at::kLong));
+        at::Tensor dq, dk, dv;
+        if (q.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+            attnsweep::cuda_backward(q, k, v, {&perm, &nq, &nfull, true}, window, lse, delta, dout, dq, dk, dv);
+#endif
+        } else {
+            auto g = reference_backward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), lse, delta,
+                                        to_list(dout, perm));
+            dq = from_list(g[0], perm);
+            dk = g[1];
+            dv = g[2];
+        }
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -377,7 +469,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 3; }
+int64_t attnsweep_kernels_abi() { return 4; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -396,11 +488,27 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
                                size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK((qpos == nullptr) == (nq == nullptr), "qpos and nq come together");
-        auto none = at::empty({0}, q->options().dtype(at::kInt));
-        at::Tensor qp = qpos ? qpos->contiguous() : none, n = nq ? nq->contiguous() : none;
-        at::Tensor off = offsets ? offsets->contiguous() : none;
+        at::Tensor qp = qpos ? qpos->contiguous() : none(*q), n = nq ? nq->contiguous() : none(*q);
+        at::Tensor off = offsets ? offsets->contiguous() : none(*q);
         check_inputs(*q, *k, *v, qp, n, window, off);
         auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off);
+        return new at::Tensor(out[0]);
+    });
+}
+
+// out = routed attention of q over (k, v): each query marked in full [B, H, L] (bool) sees its
+// whole prefix; the others see their window (window > 0) or nothing (window 0: zeros), with
+// autograd. Returns a new at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_routed_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* full,
+                                 int64_t window, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        check_inputs(*q, *k, *v, none(*q), none(*q), std::max<int64_t>(window, 1), none(*q));
+        TORCH_CHECK(window >= 0, "window must be 0 (no attention) or more");
+        TORCH_CHECK(full->scalar_type() == at::kBool, "full must be bool");
+        TORCH_CHECK(full->sizes() == at::IntArrayRef({q->size(0), q->size(1), q->size(2)}), "full must be [B, H, L]");
+        TORCH_CHECK(full->device() == q->device(), "full on another device than q");
+        auto out = RoutedAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), full->contiguous(), window > 0,
+                                          std::max<int64_t>(window, 1));
         return new at::Tensor(out[0]);
     });
 }

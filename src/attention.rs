@@ -548,46 +548,16 @@ pub struct SelfAttention {
 
 const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
 
-/// `[B, H, L, D]` attention of the queries marked in `active: [B, H, L]` (bool), each over the
-/// keys of its window; zeros for the other queries. The active queries of each (b, h) are
-/// compacted (ascending positions) for the sparse-query kernel and scattered back.
-fn sparse_attention(
-    kern: &Kernels,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    active: &Tensor,
-    window: i64,
-) -> Tensor {
-    let (b, h, l, d) = q.size4().expect("[B, H, L, D]");
-    let pos = Tensor::arange(l, (Kind::Int64, q.device()))
-        .view([1, 1, l])
-        .expand([b, h, l], false);
-    // Active positions first, each group in position order.
-    let (_, order) = pos.where_self(active, &(&pos + l)).sort(-1, false);
-    let counts = active.sum_dim_intlist(-1, false, Kind::Int64);
-    let n = counts.max().int64_value(&[]);
-    if n == 0 {
-        return q.zeros_like();
-    }
-    let idx = order.narrow(-1, 0, n);
-    let rows = idx.unsqueeze(-1).expand([b, h, n, d], false);
-    let list = (idx.to_kind(Kind::Int), counts.to_kind(Kind::Int));
-    let out = kern
-        .list_attention(
-            &q.gather(2, &rows, false),
-            k,
-            v,
-            Some((&list.0, &list.1)),
-            window,
-        )
-        .expect(KERNEL_FAILED);
-    q.zeros_like().scatter(2, &rows, &out)
+/// `[B, H, L, D]` attention of the queries marked in `full: [B, H, L]` (bool) over their whole
+/// prefix, zeros for the others.
+fn full_rows(kern: &Kernels, q: &Tensor, k: &Tensor, v: &Tensor, full: &Tensor) -> Tensor {
+    kern.routed_attention(q, k, v, full, None)
+        .expect(KERNEL_FAILED)
 }
 
 /// Routed attention `[B, H, L, D]`: each query marked in `on: [B, H, L]` (bool) attends its
 /// whole prefix, every other query its window, and no query runs the path it did not pick
-/// (two compacted query lists). Differentiable in q, k, v.
+/// (one list per (b, h) holding both, in one launch). Differentiable in q, k, v.
 pub fn routed_attention(
     kern: &Kernels,
     q: &Tensor,
@@ -596,9 +566,8 @@ pub fn routed_attention(
     on: &Tensor,
     window: i64,
 ) -> Tensor {
-    let len = q.size()[2];
-    sparse_attention(kern, q, k, v, on, len)
-        + sparse_attention(kern, q, k, v, &on.logical_not(), window)
+    kern.routed_attention(q, k, v, on, Some(window))
+        .expect(KERNEL_FAILED)
 }
 
 /// The PPA offset kernels do one (query, key) pair per step at about 14G pairs/s on an H100
@@ -790,13 +759,13 @@ impl SelfAttention {
         match (self.kernels, keys) {
             (Some(kern), Keys::Chunk(_)) => {
                 let on = on.transpose(1, 2).gt(0.5);
-                let len = q.size()[2];
-                let full = sparse_attention(kern, q, k, v, &on, len);
                 if !q.requires_grad() {
-                    let local =
-                        sparse_attention(kern, q, k, v, &on.logical_not(), self.window as i64);
-                    return (full, local);
+                    // Each query's row holds the output of the path it picked; the gates are
+                    // hard here, so the caller's mix of the two returns it.
+                    let y = routed_attention(kern, q, k, v, &on, self.window as i64);
+                    return (y.shallow_clone(), y);
                 }
+                let full = full_rows(kern, q, k, v, &on);
                 let full = match values {
                     Values::None => full,
                     Values::All => {
@@ -805,7 +774,7 @@ impl SelfAttention {
                     }
                     Values::Some(rows) => {
                         let rows = rows.transpose(1, 2).gt(0.5).logical_and(&on.logical_not());
-                        full + tch::no_grad(|| sparse_attention(kern, q, k, v, &rows, len))
+                        full + tch::no_grad(|| full_rows(kern, q, k, v, &rows))
                     }
                 };
                 (full, self.attend_all(q, k, v, window, keys, 0))
@@ -1037,7 +1006,7 @@ impl SelfAttention {
                 let a = match (self.kernels, keys) {
                     (Some(kern), Keys::Chunk(_)) => {
                         let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
-                        global.out(&sparse_attention(kern, &qg, &kg, &vg, &active, l))
+                        global.out(&full_rows(kern, &qg, &kg, &vg, &active))
                     }
                     // Decoding: no token of the chunk routed, so global attention is skipped.
                     (_, Keys::Cache { .. })

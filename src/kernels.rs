@@ -35,7 +35,7 @@ const SOURCES: [(&str, &str); 15] = [
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 3;
+const ABI: i64 = 4;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -303,6 +303,16 @@ type ListAttentionFn = unsafe extern "C" fn(
     usize,
 ) -> *mut c_void;
 
+type RoutedAttentionFn = unsafe extern "C" fn(
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    i64,
+    *mut c_char,
+    usize,
+) -> *mut c_void;
+
 type TokenNllFn =
     unsafe extern "C" fn(*const c_void, *const c_void, *mut c_char, usize) -> *mut c_void;
 type RmsNormFn =
@@ -345,6 +355,7 @@ pub struct AdamWStep {
 pub struct Kernels {
     _lib: Library,
     list_attention: ListAttentionFn,
+    routed_attention: RoutedAttentionFn,
     token_nll: TokenNllFn,
     rms_norm: RmsNormFn,
     rope: RopeFn,
@@ -372,6 +383,7 @@ impl Kernels {
             let cuda = cuda() != 0;
             let f: Symbol<ListAttentionFn> = lib.get(b"attnsweep_list_attention")?;
             let list_attention = *f;
+            let routed_attention = *lib.get::<RoutedAttentionFn>(b"attnsweep_routed_attention")?;
             let token_nll = *lib.get::<TokenNllFn>(b"attnsweep_token_nll")?;
             let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
             let rope = *lib.get::<RopeFn>(b"attnsweep_rope")?;
@@ -380,6 +392,7 @@ impl Kernels {
             Ok(Kernels {
                 _lib: lib,
                 list_attention,
+                routed_attention,
                 token_nll,
                 rms_norm,
                 rope,
@@ -403,6 +416,38 @@ impl Kernels {
         window: i64,
     ) -> Result<Tensor> {
         self.call_attention(q, k, v, list, window, None)
+    }
+
+    /// Routed attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query marked in
+    /// `full: [B, H, L]` (bool) sees its whole prefix, every other query its `window` (None:
+    /// nothing, zeros). The two paths' queries form one list per (b, h), compacted on the
+    /// device, so each query runs only its own path, in one launch. Differentiable in q, k, v.
+    pub fn routed_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        full: &Tensor,
+        window: Option<i64>,
+    ) -> Result<Tensor> {
+        ensure!(window.is_none_or(|w| w >= 1), "window must be at least 1");
+        let mut err = vec![0 as c_char; 1024];
+        let out = unsafe {
+            (self.routed_attention)(
+                q.as_ptr() as *const c_void,
+                k.as_ptr() as *const c_void,
+                v.as_ptr() as *const c_void,
+                full.as_ptr() as *const c_void,
+                window.unwrap_or(0),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if out.is_null() {
+            bail!("routed attention kernel: {}", library_error(&err));
+        }
+        // Safety: the library returns a heap at::Tensor* whose ownership passes to us.
+        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
     }
 
     /// PPA attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees its
@@ -726,6 +771,39 @@ pub(crate) mod tests {
         (a - &b).norm().double_value(&[]) / den
     }
 
+    /// Output and q, k, v gradients of `op` against `reference` (in fp32 from the same rounded
+    /// inputs) on fresh random q `[B, H, Lq, D]` and k, v `[B, Hkv, L, D]`; fails naming `case`
+    /// past a relative error of `tol`.
+    fn check_against(
+        q_shape: [i64; 4],
+        kv_shape: [i64; 4],
+        (kind, device): (Kind, Device),
+        tol: f64,
+        case: &str,
+        op: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+        reference: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+    ) {
+        let opts = (kind, device);
+        let q = Tensor::randn(q_shape, opts).set_requires_grad(true);
+        let k = Tensor::randn(kv_shape, opts).set_requires_grad(true);
+        let v = Tensor::randn(kv_shape, opts).set_requires_grad(true);
+        let dout = Tensor::randn(q_shape, opts);
+        let out = op(&q, &k, &v);
+        (&out * &dout).sum(Kind::Float).backward();
+        let got = [out.detach(), q.grad(), k.grad(), v.grad()];
+        let f = |t: &Tensor| t.detach().to_kind(Kind::Float).set_requires_grad(true);
+        let (q2, k2, v2) = (f(&q), f(&k), f(&v));
+        let want = reference(&q2, &k2, &v2);
+        (&want * dout.to_kind(Kind::Float))
+            .sum(Kind::Float)
+            .backward();
+        let want = [want.detach(), q2.grad(), k2.grad(), v2.grad()];
+        for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let e = rel_err(g, w);
+            assert!(e < tol, "{name}: relative error {e:.2e} ({case})");
+        }
+    }
+
     /// Output and q, k, v gradients of the kernel op against the reference, on fresh random
     /// inputs: lengths that are not tile multiples, windows at the boundaries, GQA, empty and
     /// full query lists.
@@ -758,30 +836,67 @@ pub(crate) mod tests {
                 };
                 let list = sparse.then(|| random_list(b, h, len, &counts, device));
                 let lq = list.as_ref().map_or(len, |(p, _)| p.size()[2]);
-                let opts = (kind, device);
-                let q = Tensor::randn([b, h, lq, d], opts).set_requires_grad(true);
-                let k = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
-                let v = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
-                let dout = Tensor::randn([b, h, lq, d], opts);
                 let l = list.as_ref().map(|(p, n)| (p, n));
-                let out = kern.list_attention(&q, &k, &v, l, window).unwrap();
-                (&out * &dout).sum(Kind::Float).backward();
-                let got = [out.detach(), q.grad(), k.grad(), v.grad()];
-                let (q2, k2, v2) = (
-                    q.detach().set_requires_grad(true),
-                    k.detach().set_requires_grad(true),
-                    v.detach().set_requires_grad(true),
+                check_against(
+                    [b, h, lq, d],
+                    [b, hkv, len, d],
+                    (kind, device),
+                    tol,
+                    &format!("D={d} L={len} w={window} sparse={sparse}"),
+                    |q, k, v| kern.list_attention(q, k, v, l, window).unwrap(),
+                    |q, k, v| reference(q, k, v, l, window),
                 );
-                let want = reference(&q2, &k2, &v2, l, window);
-                (&want * dout.to_kind(Kind::Float))
-                    .sum(Kind::Float)
-                    .backward();
-                let want = [want.detach(), q2.grad(), k2.grad(), v2.grad()];
-                for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
-                    let e = rel_err(g, w);
-                    assert!(
-                        e < tol,
-                        "{name}: relative error {e:.2e} (D={d} L={len} w={window} sparse={sparse})"
+            }
+        }
+    }
+
+    /// Routed attention against the dense fp32 window and full-prefix attentions, picked per
+    /// (b, h, position), the other queries on their window or on nothing: per-(b, h) shares of
+    /// full-prefix queries from none to all, and a single one.
+    fn compare_routed_with_reference(
+        kern: &Kernels,
+        device: Device,
+        kind: Kind,
+        head_dims: &[i64],
+        tol: f64,
+    ) {
+        let (b, h, hkv) = (2i64, 4i64, 2i64);
+        // Share of full-prefix queries per (b, h); -1: only the last query.
+        let shares = [0.0, 1.0, 0.1, 0.5, -1.0, 0.95, 0.2, 0.02];
+        for &d in head_dims {
+            for &(len, window) in &[(37i64, 1i64), (130, 7), (333, 64), (600, 700), (2048, 256)] {
+                if device == Device::Cpu && len > 600 {
+                    continue;
+                }
+                let mut rng = crate::rng::Rng::new((len * 131 + window) as u64);
+                let mut full = Vec::with_capacity((b * h * len) as usize);
+                for bh in 0..(b * h) as usize {
+                    let share = shares[bh % shares.len()];
+                    full.extend((0..len).map(|i| match share < 0.0 {
+                        true => i == len - 1,
+                        false => rng.uniform() < share,
+                    }));
+                }
+                let full = Tensor::from_slice(&full)
+                    .view([b, h, len])
+                    .to_device(device);
+                let on = full.unsqueeze(-1).to_kind(Kind::Float);
+                for others in [Some(window), None] {
+                    tch::manual_seed(len * 3 + window + d);
+                    check_against(
+                        [b, h, len, d],
+                        [b, hkv, len, d],
+                        (kind, device),
+                        tol,
+                        &format!("routed D={d} L={len} others={others:?}"),
+                        |q, k, v| kern.routed_attention(q, k, v, &full, others).unwrap(),
+                        |q, k, v| {
+                            let rest = match others {
+                                Some(w) => attend(q, k, v, &KeyPattern::Window(w as usize), None),
+                                None => q.zeros_like(),
+                            };
+                            attend(q, k, v, &KeyPattern::Full, None) * &on + rest * (1.0 - &on)
+                        },
                     );
                 }
             }
@@ -952,30 +1067,18 @@ pub(crate) mod tests {
                     "L={len} w={window} p={power}: no offsets to test"
                 );
                 let offsets = Tensor::from_slice(&offsets).to_device(device);
-                let opts = (kind, device);
-                let q = Tensor::randn([b, h, len, d], opts).set_requires_grad(true);
-                let k = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
-                let v = Tensor::randn([b, hkv, len, d], opts).set_requires_grad(true);
-                let dout = Tensor::randn([b, h, len, d], opts);
-                let out = kern
-                    .ppa_attention(&q, &k, &v, window as i64, &offsets)
-                    .unwrap();
-                (&out * &dout).sum(Kind::Float).backward();
-                let got = [out.detach(), q.grad(), k.grad(), v.grad()];
-                let f = |t: &Tensor| t.detach().to_kind(Kind::Float).set_requires_grad(true);
-                let (q2, k2, v2) = (f(&q), f(&k), f(&v));
-                let want = attend(&q2, &k2, &v2, &pattern, None);
-                (&want * dout.to_kind(Kind::Float))
-                    .sum(Kind::Float)
-                    .backward();
-                let want = [want.detach(), q2.grad(), k2.grad(), v2.grad()];
-                for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
-                    let e = rel_err(g, w);
-                    assert!(
-                        e < tol,
-                        "PPA {name}: relative error {e:.2e} (D={d} L={len} w={window} p={power})"
-                    );
-                }
+                check_against(
+                    [b, h, len, d],
+                    [b, hkv, len, d],
+                    (kind, device),
+                    tol,
+                    &format!("PPA D={d} L={len} w={window} p={power}"),
+                    |q, k, v| {
+                        kern.ppa_attention(q, k, v, window as i64, &offsets)
+                            .unwrap()
+                    },
+                    |q, k, v| attend(q, k, v, &pattern, None),
+                );
             }
         }
     }
@@ -994,6 +1097,7 @@ pub(crate) mod tests {
         assert!(!kern.cuda);
         compare_with_reference(kern, Device::Cpu, Kind::Float, &[8, 16], 1e-4);
         compare_ppa_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
+        compare_routed_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
         let (q, off) = (
             Tensor::zeros([1, 2, 10, 8], (Kind::Float, Device::Cpu)),
             |o: &[i32]| Tensor::from_slice(o),
@@ -1021,6 +1125,22 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string()
             .contains("window"));
+        let on = Tensor::ones([1, 2, 4], (Kind::Float, Device::Cpu));
+        for (full, window, needle) in [
+            (on.shallow_clone(), Some(2), "full must be bool"),
+            (
+                on.narrow(2, 0, 3).gt(0.5),
+                Some(2),
+                "full must be [B, H, L]",
+            ),
+            (on.gt(0.5), Some(0), "window must be at least 1"),
+        ] {
+            let err = kern
+                .routed_attention(&q, &q, &q, &full, window)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{err}");
+        }
     }
 
     #[test]
@@ -1035,5 +1155,6 @@ pub(crate) mod tests {
         };
         compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
         compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+        compare_routed_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
     }
 }
