@@ -111,11 +111,7 @@ __device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64
     }
 }
 
-// The row of q, dO, O and dQ that list row r reads or writes: its position where the list
-// works at positions.
-__device__ __forceinline__ int64_t out_row(const ListShape& p, int64_t qbase, int r) {
-    return qbase + (p.at_positions ? p.qpos[qbase + r] : r);
-}
+// Where load_tile finds list row r's q or dO row (out_row's map as a row table).
 __device__ __forceinline__ const int* rows_at(const ListShape& p, int64_t qbase) {
     return p.at_positions ? p.qpos + qbase : nullptr;
 }
@@ -169,7 +165,10 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     __syncthreads();  // every warp has its Q fragments: stage 1 is free for the first prefetch
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
-    const int win_row[2] = {row_window(row0 + r_lo, full, p.window), row_window(row0 + r_lo + 8, full, p.window)};
+    // The window of this thread's row hr (r_lo + 8 hr), from one register: the forward at
+    // D = 128 is at its 3-blocks-per-SM register limit, and a window register per row spills.
+    const int nfull_here = full - row0 - r_lo;
+    auto win_row = [&](int hr) { return row_window(8 * hr, nfull_here, p.window); };
     // Scores in log2 units, so exp2 replaces exp.
     const float scale2 = p.scale * 1.4426950408889634f;
 
@@ -200,13 +199,13 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
             }
         // Tiles wholly inside every row's window need no mask.
         const bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] &&
-                              pos_row[0] - k0 < win_row[0] && pos_row[1] - k0 < win_row[1] && k0 + BK <= p.len;
+                              pos_row[0] - k0 < win_row(0) && pos_row[1] - k0 < win_row(1) && k0 + BK <= p.len;
         float mx[2] = {-INFINITY, -INFINITY};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1);
                 const int hr = e >> 1;
-                s[nb][e] = (interior || visible(key, pos_row[hr], win_row[hr], p.len)) ? s[nb][e] * scale2 : -INFINITY;
+                s[nb][e] = (interior || visible(key, pos_row[hr], win_row(hr), p.len)) ? s[nb][e] * scale2 : -INFINITY;
                 mx[hr] = fmaxf(mx[hr], s[nb][e]);
             }
         float corr[2];
@@ -298,7 +297,9 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     }
     const int r_lo = warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
-    const int win_row[2] = {row_window(row0 + r_lo, full, p.window), row_window(row0 + r_lo + 8, full, p.window)};
+    // The window of this thread's row hr, from one register (as in forward_kernel).
+    const int nfull_here = full - row0 - r_lo;
+    auto win_row = [&](int hr) { return row_window(8 * hr, nfull_here, p.window); };
     float lse[2], dl[2];
     for (int hr = 0; hr < 2; ++hr) {
         const int r = min(row0 + r_lo + hr * 8, p.lq - 1);
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
-                const float pr = visible(key, pos_row[hr], win_row[hr], p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
+                const float pr = visible(key, pos_row[hr], win_row(hr), p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
                 s[nb][e] = pr * (dp[nb][e] - dl[hr]);  // dS
             }
         for (int j = 0; j < BK / 16; ++j) {
@@ -381,10 +382,8 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
     float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
     for (int gs = 0; gs < 2 * group; ++gs) {
         const int h = kvh * group + gs / 2, bh = b * p.heads + h;
-        const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : 0;
-        // The group's rows [lo, hi) and their window.
-        const int lo = gs % 2 ? full : 0, hi = gs % 2 ? nq : full;
-        const int window = gs % 2 ? p.window : INT32_MAX;
+        const int nq = p.nq ? p.nq[bh] : p.lq;
+        const auto [lo, hi, window] = row_group(gs % 2, nq, p.nfull ? p.nfull[bh] : 0, p.window);
         if (lo >= hi) continue;
         const int64_t qbase = (int64_t)bh * p.lq;
         if (threadIdx.x == 0) {
@@ -500,7 +499,9 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     route_kernel(const bool* full, int len, bool others_window, int* perm, int* nq, int* nfull) {
     constexpr int WARPS = ROUTE_THREADS / 32;
     static_assert(WARPS == 32, "warp 0 scans one count per warp");
-    __shared__ int counts[3][WARPS];  // per chunk: each warp's count, then its exclusive offset
+    // Per chunk: each warp's count, then its exclusive offset; two buffers, so a chunk's writes
+    // cannot meet the previous chunk's reads (one barrier fewer per chunk).
+    __shared__ int counts[2][3][WARPS];
     __shared__ int totals[3];
     const int bh = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t base = (int64_t)bh * len;
@@ -518,29 +519,32 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     __syncthreads();
     // Where each group's next position goes (warp 0 keeps it across chunks).
     int start[3] = {0, totals[0], totals[0] + totals[1]};
-    for (int c0 = 0; c0 < len; c0 += ROUTE_THREADS) {
+    // Each chunk's flag is loaded one chunk ahead, so the load overlaps the barriers.
+    bool next = threadIdx.x < len && full[base + threadIdx.x];
+    for (int c0 = 0, buf = 0; c0 < len; c0 += ROUTE_THREADS, buf ^= 1) {
         const int i = c0 + threadIdx.x;
-        const int g = i < len ? group_of(full[base + i]) : 3;
+        const int g = i < len ? group_of(next) : 3;
+        if (i + ROUTE_THREADS < len) next = full[base + i + ROUTE_THREADS];
         unsigned ballot[3];
         for (int k = 0; k < 3; ++k) ballot[k] = __ballot_sync(0xffffffffu, g == k);
-        if (lane < 3) counts[lane][warp] = __popc(ballot[lane]);
+        int(*c)[WARPS] = counts[buf];
+        if (lane < 3) c[lane][warp] = __popc(ballot[lane]);
         __syncthreads();
         if (warp == 0) {
             // Exclusive scan of the warps' counts, lane w holding warp w's.
             for (int k = 0; k < 3; ++k) {
-                const int n = counts[k][lane];
+                const int n = c[k][lane];
                 int incl = n;
                 for (int o = 1; o < 32; o <<= 1) {
                     const int x = __shfl_up_sync(0xffffffffu, incl, o);
                     if (lane >= o) incl += x;
                 }
-                counts[k][lane] = start[k] + incl - n;
+                c[k][lane] = start[k] + incl - n;
                 start[k] += __shfl_sync(0xffffffffu, incl, 31);
             }
         }
         __syncthreads();
-        if (g < 3) perm[base + counts[g][warp] + __popc(ballot[g] & ((1u << lane) - 1))] = i;
-        __syncthreads();
+        if (g < 3) perm[base + c[g][warp] + __popc(ballot[g] & ((1u << lane) - 1))] = i;
     }
     if (threadIdx.x == 0) {
         nq[bh] = totals[0] + totals[1];

@@ -3,8 +3,8 @@
 // mma.sync forward stays latency-bound near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3):
 // operands pass through registers and too few warps fit to hide the softmax. Here wgmma reads
 // the operands of Q K^T and the V operand of P V straight from shared memory, asynchronously.
-// These kernels run on compute capability 9.0 (dK, dV only for windows > 512: see
-// cuda_backward); the mma.sync kernels run on every other GPU.
+// These kernels run on compute capability 9.0 (dK, dV only for windows > 512 and routed
+// lists: see cuda_backward); the mma.sync kernels run on every other GPU.
 //
 // A block owns 128 queries and has three roles: two consumer warpgroups of 64 query rows and
 // one producer warp. The producer streams key/value tiles with the tensor copy engine (TMA)
@@ -273,11 +273,22 @@ __global__ void __launch_bounds__(THREADS, 1)
         // Producer: lane 0 issues every tensor copy; a stage is refilled once both
         // warpgroups have released it.
         const int lane = threadIdx.x % 32;
-        if (p.at_positions && lane > 0) {
-            // Q (and dO) rows from the rows' positions, which no tensor copy can gather: lanes
-            // 1-31 copy 16-byte chunks into the swizzled layout (chunk c of row r at c ^ (r % 8))
-            // and order those writes before the tensor cores' reads, while lane 0 starts the
-            // key and value stream.
+        const int kv_row0 = (b * p.kv_heads + kvh) * p.len;
+        auto load_kv = [&](int t) {
+            const int i = t - t_first, s = i % STAGES;
+            if (i >= STAGES) bar_wait(empty(s), (i / STAGES - 1) & 1);
+            bar_expect(full(s), 2 * T_BYTES);
+            for (int c = 0; c < D / 64; ++c) {
+                tma_load(stage_k(s) + c * (BK * 128), &tk, c * 64, kv_row0 + t * BK, full(s));
+                tma_load(stage_k(s) + T_BYTES + c * (BK * 128), &tv, c * 64, kv_row0 + t * BK, full(s));
+            }
+        };
+        // Q (and dO) rows at the rows' positions, which no tensor copy can gather: lanes 1-31
+        // start 16-byte copies into the swizzled layout (chunk c of row r at c ^ (r % 8)),
+        // lane 0 fills the first stages meanwhile (they need no release), and the copies are
+        // then ordered before the tensor cores' reads.
+        const bool gather_q = p.at_positions && lane > 0;
+        if (gather_q) {
             for (int i = lane - 1; i < BQ * (D / 8); i += 31) {
                 const int r = i / (D / 8), c = i % (D / 8);
                 const int64_t src = (qbase + p.qpos[qbase + min(row0 + r, p.lq - 1)]) * D + c * 8;
@@ -285,9 +296,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 copy16(sq + at, p.q + src);
                 if (DQ) copy16(sdo + at, p.dout + src);
             }
-            asm volatile("cp.async.wait_all;\nfence.proxy.async.shared::cta;\n" ::: "memory");
-            bar_arrive(q_full);
         }
+        const int t_ring = min(t_last, t_first + STAGES - 1);
         if (lane == 0) {
             if (!p.at_positions) {
                 bar_expect(q_full, QS * Q_BYTES);
@@ -296,17 +306,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (DQ) tma_load(sdo + c * (BQ * 128), &tdo, c * 64, (int)(qbase + row0), q_full);
                 }
             }
-            const int kv_row0 = (b * p.kv_heads + kvh) * p.len;
-            for (int t = t_first; t <= t_last; ++t) {
-                const int i = t - t_first, s = i % STAGES;
-                if (i >= STAGES) bar_wait(empty(s), (i / STAGES - 1) & 1);
-                bar_expect(full(s), 2 * T_BYTES);
-                for (int c = 0; c < D / 64; ++c) {
-                    tma_load(stage_k(s) + c * (BK * 128), &tk, c * 64, kv_row0 + t * BK, full(s));
-                    tma_load(stage_k(s) + T_BYTES + c * (BK * 128), &tv, c * 64, kv_row0 + t * BK, full(s));
-                }
-            }
+            for (int t = t_first; t <= t_ring; ++t) load_kv(t);
         }
+        if (gather_q) {
+            asm volatile("cp.async.wait_all;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+            bar_arrive(q_full);
+        }
+        if (lane == 0)
+            for (int t = t_ring + 1; t <= t_last; ++t) load_kv(t);
         return;
     }
 
@@ -317,7 +324,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                                        : RowSpan{INT32_MAX, -1, 0, -1};
     const int r_lo = wg * 64 + warp * 16 + lane / 4;
     const int pos_row[2] = {spos[r_lo], spos[r_lo + 8]};
-    const int win_row[2] = {row_window(row0 + r_lo, nfull, p.window), row_window(row0 + r_lo + 8, nfull, p.window)};
+    // The window of this thread's row hr (r_lo + 8 hr), from one register.
+    const int nfull_here = nfull - row0 - r_lo;
+    auto win_row = [&](int hr) { return row_window(8 * hr, nfull_here, p.window); };
     // Scores in log2 units, so exp2 replaces exp.
     const float scale2 = p.scale * 1.4426950408889634f;
 
@@ -352,7 +361,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int e = 0; e < BK / 2; ++e) {
                     const int key = k0 + (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
-                    if (!visible(key, pos_row[hr], win_row[hr], p.len)) s[e] = -INFINITY;
+                    if (!visible(key, pos_row[hr], win_row(hr), p.len)) s[e] = -INFINITY;
                 }
             }
             if constexpr (DQ) {
@@ -407,7 +416,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (r >= p.lq) continue;
         const bool ok = pos_row[hr] >= 0;
         const float f = !ok ? 0.f : DQ ? p.scale : 1.f / l[hr];
-        __nv_bfloat16* orow = p.out + (qbase + (p.at_positions ? p.qpos[qbase + r] : r)) * D;
+        __nv_bfloat16* orow = p.out + out_row(p, qbase, r) * D;
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb) {
             const int c = nb * 8 + (lane % 4) * 2;
@@ -481,18 +490,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         int64_t base;
         int n, nfull;
         tile_rows(gs / 2, base, n, nfull);
-        const int g_lo = gs % 2 ? nfull : 0, g_hi = gs % 2 ? n : nfull;
-        const int window = gs % 2 ? p.window : INT32_MAX;
-        const int64_t hi_pos = min((int64_t)kb0 + BKEYS - 1 + window, (int64_t)INT32_MAX);
+        const RowGroup rg = row_group(gs % 2, n, nfull, p.window);
+        const int64_t hi_pos = min((int64_t)kb0 + BKEYS - 1 + rg.window, (int64_t)INT32_MAX);
         for (int side = 0; side < 2; ++side) {
             const int key = side == 0 ? kb0 : (int)hi_pos;
             if (!p.qpos) {
-                if (threadIdx.x == 0) ranges[2 * gs + side] = first_at_or_after(nullptr, base, g_hi, key);
+                if (threadIdx.x == 0) ranges[2 * gs + side] = first_at_or_after(nullptr, base, rg.hi, key);
                 continue;
             }
             // First index in [lo, hi) whose position is >= key (hi if none): each round samples
             // THREADS evenly spaced entries and keeps the gap where the positions cross key.
-            int lo = g_lo, hi = g_hi;
+            int lo = rg.lo, hi = rg.hi;
             while (lo < hi) {
                 const int stride = (hi - lo + THREADS - 1) / THREADS;
                 const int idx = lo + threadIdx.x * stride;
@@ -515,8 +523,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             int64_t base;
             int nq, nfull;
             tile_rows(gs / 2, base, nq, nfull);
-            const int end = gs % 2 ? nq : nfull, window = gs % 2 ? p.window : INT32_MAX;
-            for (int r0 = ranges[2 * gs]; r0 < ranges[2 * gs + 1]; r0 += BQT) f(i++, base, end, r0, window);
+            const RowGroup rg = row_group(gs % 2, nq, nfull, p.window);
+            for (int r0 = ranges[2 * gs]; r0 < ranges[2 * gs + 1]; r0 += BQT) f(i++, base, rg.hi, r0, rg.window);
         }
     };
 

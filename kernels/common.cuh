@@ -52,6 +52,23 @@ __device__ __forceinline__ RowSpan row_span(const int* spos, int first, int last
     return s;
 }
 
+// A query head's rows in one group of its list and their window: group 0 the full-prefix
+// rows [0, nfull), group 1 the window rows [nfull, nq). The dK/dV kernels visit them apart, so
+// positions ascend within each tile.
+struct RowGroup {
+    int lo, hi, window;
+};
+__device__ __forceinline__ RowGroup row_group(int group, int nq, int nfull, int window) {
+    return group ? RowGroup{nfull, nq, window} : RowGroup{0, nfull, INT32_MAX};
+}
+
+// The row of q, dO, O and dQ that list row r of the list at qbase reads or writes: its
+// position where the list works at positions (p: a ListShape).
+template <typename Shape>
+__device__ __forceinline__ int64_t out_row(const Shape& p, int64_t qbase, int r) {
+    return qbase + (p.at_positions ? p.qpos[qbase + r] : r);
+}
+
 // Whether keys [k0, k0 + n) lie inside the window of every row of the span (no mask needed).
 __device__ __forceinline__ bool inside(const RowSpan& s, int k0, int n, int window, int len) {
     return k0 + n - 1 <= s.pmin && s.pmax_window - k0 < window && k0 + n <= len;
@@ -81,7 +98,8 @@ __device__ void zero_rows(__nv_bfloat16* out, float* lse, int64_t qbase, int row
 }
 
 // First index of an ascending query list whose position is >= key (binary search); the dense
-// list (qpos null) holds every position.
+// list (qpos null) holds every position, index = position (dense lists have no full-prefix
+// group, so their window group starts at index 0).
 __device__ __forceinline__ int first_at_or_after(const int* qpos, int64_t base, int n, int key) {
     if (!qpos) return min(max(key, 0), n);
     int lo = 0, hi = n;

@@ -177,8 +177,9 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
 // Routed attention: per (b, h, position), full [B, H, L] says the whole prefix; the other
 // queries see their window where others_window, else nothing (zeros). One list per (b, h)
 // holds the full-prefix rows, then the window rows (route_list), so one launch runs both paths
-// and no query runs the one it did not pick. The kernels read q and dO and write O and dQ at the rows' positions (lse and delta
-// stay in list order); the reference works on list-ordered copies.
+// and no query runs the one it did not pick. The kernels read q and dO and write O and dQ at
+// the rows' positions (lse and delta stay in list order); the reference works on list-ordered
+// copies.
 struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
     // (perm, nq, nfull): the list (attention.cuh, cuda_route_list). The reference orders the
     // positions by sorting a key; the kernel counts.

@@ -745,7 +745,9 @@ impl SelfAttention {
     /// queries that picked it (compacted lists): the other rows of `full` reach the loss
     /// multiplied by a hard 0, so their gradient is exactly zero and skipping it changes
     /// nothing. The rows `values` asks for are filled by a forward without gradient.
-    /// Without gradient, each query runs only its own path (the other output is zero there).
+    /// Without gradient, each query runs only its own path, and both outputs are that one
+    /// routed output: the caller's mix then returns it for gates that are exactly 0 or 1
+    /// (any gate source; `GateOverride::Relaxed` gates are not, and are meant for gradients).
     fn branches(
         &self,
         q: &Tensor,
