@@ -202,11 +202,29 @@ pub struct ForwardCtx {
     pub compute_logits: bool,
 }
 
-/// Dense masks built once per forward and shared by the layers that use the same pattern.
+/// Dense masks and PPA offset lists built once per forward and shared by the layers that use
+/// the same pattern.
 pub struct MaskCache {
     len: usize,
     device: Device,
     masks: RefCell<Vec<(KeyPattern, Tensor)>>,
+    offsets: RefCell<Vec<(KeyPattern, PpaOffsets)>>,
+}
+
+/// A PPA pattern's offsets beyond its window at one length: int32 on the device (None when
+/// there are none), and the share of the causal pairs the pattern attends.
+struct PpaOffsets {
+    offsets: Option<Tensor>,
+    density: f64,
+}
+
+impl Clone for PpaOffsets {
+    fn clone(&self) -> Self {
+        PpaOffsets {
+            offsets: self.offsets.as_ref().map(Tensor::shallow_clone),
+            density: self.density,
+        }
+    }
 }
 
 impl MaskCache {
@@ -215,7 +233,25 @@ impl MaskCache {
             len,
             device,
             masks: RefCell::new(Vec::new()),
+            offsets: RefCell::new(Vec::new()),
         }
+    }
+
+    /// The offsets of PPA `pattern` (window `window`) at this length, computed and copied to
+    /// the device at most once per forward.
+    fn ppa_offsets(&self, pattern: KeyPattern, window: usize) -> PpaOffsets {
+        let mut all = self.offsets.borrow_mut();
+        if let Some((_, o)) = all.iter().find(|(p, _)| *p == pattern) {
+            return o.clone();
+        }
+        let offsets = pattern.offsets_beyond_window(self.len);
+        let o = PpaOffsets {
+            density: ppa_density(window, &offsets, self.len),
+            offsets: (!offsets.is_empty())
+                .then(|| Tensor::from_slice(&offsets).to_device(self.device)),
+        };
+        all.push((pattern, o.clone()));
+        o
     }
 
     /// `pattern` applied to (q, k, v), with the mask built at most once per forward.
@@ -714,20 +750,16 @@ impl SelfAttention {
             (Some(kern), KeyPattern::Window(w), Keys::Chunk(_)) => kern
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
-            (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(_)) => {
-                let len = q.size()[2] as usize;
-                let offsets = pattern.offsets_beyond_window(len);
+            (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(cache)) => {
+                let o = cache.ppa_offsets(pattern, window);
                 // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
                 // path than pair by pair (PPA_KERNEL_MAX_DENSITY).
-                if kern.cuda && ppa_density(window, &offsets, len) > PPA_KERNEL_MAX_DENSITY {
+                if kern.cuda && o.density > PPA_KERNEL_MAX_DENSITY {
                     return keys.attend(slot, q, k, v, pattern);
                 }
-                match offsets.is_empty() {
-                    true => kern.list_attention(q, k, v, None, window as i64),
-                    false => {
-                        let offsets = Tensor::from_slice(&offsets).to_device(q.device());
-                        kern.ppa_attention(q, k, v, window as i64, &offsets)
-                    }
+                match &o.offsets {
+                    None => kern.list_attention(q, k, v, None, window as i64),
+                    Some(offsets) => kern.ppa_attention(q, k, v, window as i64, offsets),
                 }
                 .expect(KERNEL_FAILED)
             }
