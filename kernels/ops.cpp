@@ -102,6 +102,11 @@ variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const
     return {dq.to(q.scalar_type()), fold(dk).to(k.scalar_type()), fold(dv).to(v.scalar_type())};
 }
 
+// delta = rowsum(dO * O) in fp32, which the backward kernels and the reference take.
+at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
+    return (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+}
+
 // The empty tensor that stands for "no list" (or no offsets) inside this file.
 at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kInt)); }
 
@@ -150,7 +155,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7];
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
-        auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+        auto delta = row_delta(dout, out);
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
@@ -201,11 +206,12 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
     }
 
     // Rows [B, H, L, D] of x in list order, and back.
-    static at::Tensor to_list(const at::Tensor& x, const at::Tensor& perm) {
-        return x.gather(2, perm.to(at::kLong).unsqueeze(-1).expand_as(x));
+    static at::Tensor row_index(const at::Tensor& x, const at::Tensor& perm) {
+        return perm.to(at::kLong).unsqueeze(-1).expand_as(x);
     }
+    static at::Tensor to_list(const at::Tensor& x, const at::Tensor& perm) { return x.gather(2, row_index(x, perm)); }
     static at::Tensor from_list(const at::Tensor& x, const at::Tensor& perm) {
-        return at::zeros_like(x).scatter(2, perm.to(at::kLong).unsqueeze(-1).expand_as(x), x);
+        return at::zeros_like(x).scatter(2, row_index(x, perm), x);
     }
 
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor full,
@@ -235,7 +241,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
         const auto &q = s[0], &k = s[1], &v = s[2], &perm = s[3], &nq = s[4], &nfull = s[5], &out = s[6], &lse = s[7];
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
-        auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).gather(2, perm.to(at::kLong));
+        auto delta = row_delta(dout, out).gather(2, perm.to(at::kLong));
         at::Tensor dq, dk, dv;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA

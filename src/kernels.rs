@@ -1145,16 +1145,10 @@ pub(crate) mod tests {
 
     #[test]
     fn cuda_kernels_match_reference() {
-        if !tch::Cuda::is_available() {
-            eprintln!("SKIPPED cuda_kernels_match_reference: no CUDA device");
-            return;
-        }
-        let Some(kern) = cuda() else {
-            eprintln!("SKIPPED cuda_kernels_match_reference: no CUDA kernel library (attnsweep kernels build)");
-            return;
-        };
-        compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
-        compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
-        compare_routed_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+        on_cuda("cuda_kernels_match_reference", |kern| {
+            compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+            compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+            compare_routed_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+        });
     }
 }
