@@ -39,7 +39,8 @@ constexpr int THREADS = CONSUMERS + 32;
 
 struct Params : ListShape {
     const __nv_bfloat16 *q, *dout;  // read at the rows' positions where the list works at positions
-    __nv_bfloat16* out;  // the output (forward) or dQ (backward)
+    __nv_bfloat16* out;  // the output (forward), dQ, or dK (kv_kernel)
+    __nv_bfloat16* dv;   // kv_kernel's dV
     float* lse;          // written by the forward
     const float *lse_in, *delta;  // read by the backward
 };
@@ -434,19 +435,38 @@ __global__ void __launch_bounds__(THREADS, 1)
 // tiles of Q and dO, with their positions, lse and delta, over every query head of its KV
 // head's group and, in each of its list's two groups (a routed list's full-prefix rows, then
 // the window rows), only the queries that can see its keys (found by searching the list).
-// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (DK = false), or
-// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (DK = true). Two launches, one per
-// output, keep a warpgroup's accumulators at one [64 x D] tile (both would need ~240 registers
-// a thread, more than two warpgroups and a producer can have); the dV pass skips V and dP.
+// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (OUT has KV_DV), and
+// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (OUT has KV_DK). At D = 64 one launch
+// holds both [64 x D] accumulators (about 180 registers a thread) and computes S and P once for
+// both; at D = 128 both would need ~240, more than two warpgroups and a producer can have, so
+// each output takes a launch (the dV one skips V and dP).
+// A warpgroup's [64 x D] accumulator times f, as bf16 rows rows[0] and rows[1] of out (those
+// below len).
+template <int D>
+__device__ __forceinline__ void store_rows(const float* acc, __nv_bfloat16* out, const int* rows, int len, float f) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        if (rows[hr] >= len) continue;
+        __nv_bfloat16* row = out + (int64_t)rows[hr] * D;
+#pragma unroll
+        for (int nb = 0; nb < D / 8; ++nb)
+            *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + lane % 4 * 2) =
+                __floats2bfloat162_rn(acc[4 * nb + 2 * hr] * f, acc[4 * nb + 2 * hr + 1] * f);
+    }
+}
+
 constexpr int BKEYS = 128;  // keys per block
 constexpr int BQT = 64;     // queries per tile
+enum KvOut { KV_DV = 1, KV_DK = 2, KV_BOTH = 3 };
 
-template <int D, bool DK>
+template <int D, int OUT>
 __global__ void __launch_bounds__(THREADS, 1)
     kv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
 #ifdef ATTNSWEEP_HAS_WGMMA
     constexpr int STAGES = 3;
+    constexpr bool DK = OUT & KV_DK, DV = OUT & KV_DV;
     extern __shared__ unsigned char smem_raw[];
     __shared__ int tpos[STAGES][BQT];
     __shared__ __align__(8) float tlse[STAGES][BQT], tdl[STAGES][BQT];
@@ -564,7 +584,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int kw0 = kb0 + wg * 64;  // this warpgroup's first key
     const int key_row[2] = {kw0 + warp * 16 + lane / 4, kw0 + warp * 16 + lane / 4 + 8};
     const float scale2 = p.scale * 1.4426950408889634f;
-    float acc[D / 2] = {};
+    float dv_acc[DV ? D / 2 : 1] = {}, dk_acc[DK ? D / 2 : 1] = {};
     bar_wait(kv_full, 0);
     walk([&](int i, int64_t, int end, int r0, int window) {
         const int st = i % STAGES;
@@ -592,33 +612,26 @@ __global__ void __launch_bounds__(THREADS, 1)
             // Column data once per column pair (float2), shared by the thread's two rows.
 #pragma unroll
             for (int nb = 0; nb < BQT / 8; ++nb) {
-                const int c = nb * 8 + (lane % 4) * 2;
-                const float2 ls = *reinterpret_cast<const float2*>(&tlse[st][c]);
+                const float2 ls = *reinterpret_cast<const float2*>(&tlse[st][nb * 8 + (lane % 4) * 2]);
                 const float nl[2] = {-ls.x * 1.4426950408889634f, -ls.y * 1.4426950408889634f};
-                float2 dl = {0.f, 0.f};
-                if constexpr (DK) dl = *reinterpret_cast<const float2*>(&tdl[st][c]);
 #pragma unroll
-                for (int e = 4 * nb; e < 4 * nb + 4; ++e) {
-                    const float pr = ex2(fmaf(s[e], scale2, nl[e & 1]));
-                    if constexpr (DK) s[e] = pr * (dp[e] - ((e & 1) ? dl.y : dl.x));
-                    else s[e] = pr;
-                }
+                for (int e = 4 * nb; e < 4 * nb + 4; ++e) s[e] = ex2(fmaf(s[e], scale2, nl[e & 1]));
             }
-            // dV += P^T dO or dK += dS^T Q.
-            accumulate<D, BQT>(acc, s, DK ? sq : sdo);
+            if constexpr (DV) accumulate<D, BQT>(dv_acc, s, sdo);
+            if constexpr (DK) {
+#pragma unroll
+                for (int nb = 0; nb < BQT / 8; ++nb) {
+                    const float2 dl = *reinterpret_cast<const float2*>(&tdl[st][nb * 8 + (lane % 4) * 2]);
+#pragma unroll
+                    for (int e = 4 * nb; e < 4 * nb + 4; ++e) s[e] *= dp[e] - ((e & 1) ? dl.y : dl.x);
+                }
+                accumulate<D, BQT>(dk_acc, s, sq);
+            }
         }
         if (lane == 0) bar_arrive(empty(st));
     });
-    const float f = DK ? p.scale : 1.f;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        if (key_row[hr] >= p.len) continue;
-        __nv_bfloat16* row = p.out + (kvbase + key_row[hr]) * D;
-#pragma unroll
-        for (int nb = 0; nb < D / 8; ++nb)
-            *reinterpret_cast<__nv_bfloat162*>(row + nb * 8 + (lane % 4) * 2) =
-                __floats2bfloat162_rn(acc[4 * nb + 2 * hr] * f, acc[4 * nb + 2 * hr + 1] * f);
-    }
+    if constexpr (DV) store_rows<D>(dv_acc, p.dv + kvbase * D, key_row, p.len, 1.f);
+    if constexpr (DK) store_rows<D>(dk_acc, p.out + kvbase * D, key_row, p.len, p.scale);
 #endif
 }
 
@@ -712,6 +725,7 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     };
     const at::Tensor ql = gather(q), dol = gather(dout);
     Params a = make_params(ql, k, in_order, window, dk);
+    a.dv = reinterpret_cast<__nv_bfloat16*>(dv.data_ptr());
     a.lse_in = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
     const int d = (int)q.size(3);
@@ -721,14 +735,16 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     // K, V, three stages of Q and dO, the query ranges of the group's heads (two groups of rows
     // each), and room to round the start up to 1024 bytes.
     const size_t smem = (size_t)(2 * BKEYS + 3 * 2 * BQT) * d * 2 + 16 * (a.heads / a.kv_heads) + 1024;
-    for (at::Tensor* out : {&dv, &dk}) {
-        a.out = reinterpret_cast<__nv_bfloat16*>(out->data_ptr());
-        const bool is_dk = out == &dk;
-        auto kernel = d == 64 ? (is_dk ? kv_kernel<64, true> : kv_kernel<64, false>)
-                              : (is_dk ? kv_kernel<128, true> : kv_kernel<128, false>);
+    auto run = [&](auto kernel) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (d == 64) {
+        run(kv_kernel<64, KV_BOTH>);
+    } else {
+        run(kv_kernel<128, KV_DV>);
+        run(kv_kernel<128, KV_DK>);
     }
 }
 

@@ -619,7 +619,7 @@ fn ppa_density(window: usize, offsets: &[i32], len: usize) -> f64 {
     seen.map(|d| (len - d) as f64).sum::<f64>() / (len * (len + 1) / 2) as f64
 }
 
-/// Which window-picking queries also need the full path's output (see `branches`).
+/// Which window-picking queries also need the full path's output (see `per_head`).
 enum Values<'a> {
     None,
     All,
@@ -767,19 +767,71 @@ impl SelfAttention {
         }
     }
 
-    /// Full-prefix and window outputs `[B, H, T, D]` for a per-(token, head) choice `on:
-    /// [B, T, H]`, combined by the caller as `g * full + (1 - g) * local` with `g` numerically
-    /// equal to `on`. `values` says which queries that picked the window also need the full
-    /// path's output (the straight-through router gradient is `dy . (full - local)`): None,
-    /// all of them, or those marked in a `[B, T, H]` mask.
+    /// AHA's per-(token, head) mix `g * full + (1 - g) * local`, `[B, H, T, D]`, for hard
+    /// choices `on` and gate values `g` (`[B, T, H]`; `g` equals `on` in value and carries the
+    /// straight-through gradient). `values` says which queries that picked the window also need
+    /// the full path's output for the router's gradient `dy . (full - local)`.
+    ///
+    /// With kernels and the chunk's own keys it is computed as `chosen + (g - on) * sg(full -
+    /// local)`: `chosen` is one routed launch (each query runs only the path it picked, with
+    /// gradient; the path it did not pick reaches the loss multiplied by a hard 0, so its
+    /// gradient is exactly zero), and `full - local` needs the other path only where the
+    /// router's gradient reads it, from a second routed launch without gradient: the window
+    /// for queries on the full path, the full prefix for the window queries `values` marks.
+    /// Without gradient this is `chosen` alone, exact for gates that are 0 or 1
+    /// (`GateOverride::Relaxed` gates are not, and are meant for gradients).
+    #[allow(clippy::too_many_arguments)]
+    fn per_head(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        on: &Tensor,
+        g: &Tensor,
+        keys: &Keys,
+        values: Values,
+    ) -> Tensor {
+        let w = self.window as i64;
+        let gv = |t: &Tensor| t.to_kind(q.kind()).transpose(1, 2).unsqueeze(-1);
+        match (self.kernels, keys) {
+            (Some(kern), Keys::Chunk(_)) => {
+                let full = on.transpose(1, 2).gt(0.5);
+                let chosen = routed_attention(kern, q, k, v, &full, w);
+                let flip = match values {
+                    _ if !q.requires_grad() => return chosen,
+                    Values::None => return chosen,
+                    Values::All => full.logical_not(),
+                    Values::Some(rows) => rows
+                        .transpose(1, 2)
+                        .gt(0.5)
+                        .logical_and(&full.logical_not()),
+                };
+                let other = tch::no_grad(|| routed_attention(kern, q, k, v, &flip, w));
+                // full - local: chosen minus the other path on the full path's rows, the other
+                // way round on the window's (zero on rows where both hold the window).
+                let sign = gv(on) * 2.0 - 1.0;
+                let diff = (chosen.detach() - other) * sign;
+                &chosen + (gv(g) - gv(on)) * diff
+            }
+            _ => {
+                let (full, local) = self.branches(q, k, v, on, keys, false);
+                let g = gv(g);
+                &g * full + (1.0 - &g) * local
+            }
+        }
+    }
+
+    /// Full-prefix and window outputs `[B, H, T, D]` for a per-token choice `on: [B, T, H]`,
+    /// combined by the caller as `g * full + (1 - g) * local` with `g` numerically equal to
+    /// `on`. `all_values`: the queries that picked the window also need the full path's output
+    /// (for a router's gradient).
     ///
     /// With kernels and the chunk's own keys, the full path runs with gradient only for the
-    /// queries that picked it (compacted lists): the other rows of `full` reach the loss
+    /// queries that picked it (one routed list): the other rows of `full` reach the loss
     /// multiplied by a hard 0, so their gradient is exactly zero and skipping it changes
-    /// nothing. The rows `values` asks for are filled by a forward without gradient.
+    /// nothing; `all_values` fills them by a dense forward without gradient.
     /// Without gradient, each query runs only its own path, and both outputs are that one
-    /// routed output: the caller's mix then returns it for gates that are exactly 0 or 1
-    /// (any gate source; `GateOverride::Relaxed` gates are not, and are meant for gradients).
+    /// routed output: the caller's mix then returns it for gates that are exactly 0 or 1.
     fn branches(
         &self,
         q: &Tensor,
@@ -787,7 +839,7 @@ impl SelfAttention {
         v: &Tensor,
         on: &Tensor,
         keys: &Keys,
-        values: Values,
+        all_values: bool,
     ) -> (Tensor, Tensor) {
         let window = KeyPattern::Window(self.window);
         match (self.kernels, keys) {
@@ -800,15 +852,11 @@ impl SelfAttention {
                     return (y.shallow_clone(), y);
                 }
                 let full = full_rows(kern, q, k, v, &on);
-                let full = match values {
-                    Values::None => full,
-                    Values::All => {
+                let full = match all_values {
+                    false => full,
+                    true => {
                         let rest = tch::no_grad(|| keys.attend(0, q, k, v, KeyPattern::Full));
                         full + rest * on.logical_not().unsqueeze(-1).to_kind(q.kind())
-                    }
-                    Values::Some(rows) => {
-                        let rows = rows.transpose(1, 2).gt(0.5).logical_and(&on.logical_not());
-                        full + tch::no_grad(|| full_rows(kern, q, k, v, &rows))
                     }
                 };
                 (full, self.attend_all(q, k, v, window, keys, 0))
@@ -1001,7 +1049,6 @@ impl SelfAttention {
                     (None, true) => Values::All,
                     (None, false) => Values::None,
                 };
-                let (full, local) = self.branches(&q, &k, &v, &g.hard, keys, values);
                 let value = match &probe {
                     Some(p) => {
                         let weight = g.hard.gt(0.5).to_kind(Kind::Float)
@@ -1010,8 +1057,7 @@ impl SelfAttention {
                     }
                     None => g.value.shallow_clone(),
                 };
-                let gv = value.to_kind(x.kind()).transpose(1, 2).unsqueeze(-1);
-                let y = &gv * full + (1.0 - &gv) * local;
+                let y = self.per_head(&q, &k, &v, &g.hard, &value, keys, values);
                 AttnOutput {
                     y: self.proj.out(&y),
                     pairs: routed_pairs(&g.hard, self.window, start),
@@ -1083,12 +1129,9 @@ impl SelfAttention {
             } => {
                 let g = self.gates(gates, x, [b, l, 1], start, ctx);
                 // The router's gradient and the regulariser's disagreement read both paths.
-                let values = match gates {
-                    GateSource::Learned { .. } => Values::All,
-                    _ => Values::None,
-                };
+                let learned = matches!(gates, GateSource::Learned { .. });
                 let (full, local) =
-                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys, values);
+                    self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys, learned);
                 let full = self.proj.out(&full);
                 let local = match swa_o_proj {
                     Some(o) => o.forward(&self.proj.merge(&local)),
