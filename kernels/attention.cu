@@ -604,11 +604,9 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);
-    // dK, dV on wgmma for wide windows, full prefixes (routed lists have some) and head_dim 64
-    // (one launch for both outputs there); narrow windows at head_dim 128 (two launches)
-    // measured slower there than on mma.sync (PERFORMANCE.md, v4 and v7).
-    if (use_sm90() && (window > 512 || list.nfull || d == 64))
-        sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
+    // dK, dV on wgmma for wide windows and full prefixes (routed lists have some); narrow
+    // windows (short key blocks) measured slower there than on mma.sync (PERFORMANCE.md, v4).
+    if (use_sm90() && (window > 512 || list.nfull)) sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
     else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
     else launch(dkdv_kernel<128>, kgrid, smem, a);
 }

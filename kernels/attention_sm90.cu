@@ -3,8 +3,8 @@
 // mma.sync forward stays latency-bound near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3):
 // operands pass through registers and too few warps fit to hide the softmax. Here wgmma reads
 // the operands of Q K^T and the V operand of P V straight from shared memory, asynchronously.
-// These kernels run on compute capability 9.0 (dK, dV for windows > 512, routed lists and
-// head_dim 64: see cuda_backward); the mma.sync kernels run on every other GPU.
+// These kernels run on compute capability 9.0 (dK, dV only for windows > 512 and routed
+// lists: see cuda_backward); the mma.sync kernels run on every other GPU.
 //
 // A block owns 128 queries and has three roles: two consumer warpgroups of 64 query rows and
 // one producer warp. The producer streams key/value tiles with the tensor copy engine (TMA)
@@ -720,15 +720,8 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     // list-ordered copies first.
     QueryList in_order = list;
     in_order.at_positions = false;
-    // Whole rows by a per-row index (an index per element would read 8 bytes for every 2 moved).
-    at::Tensor rows;
-    if (list.at_positions) {
-        const int64_t L = q.size(2);
-        const auto heads = at::arange(q.size(0) * q.size(1), q.options().dtype(at::kLong));
-        rows = (list.qpos->to(at::kLong) + heads.view({q.size(0), q.size(1), 1}) * L).flatten();
-    }
     auto gather = [&](const at::Tensor& t) {
-        return list.at_positions ? t.view({-1, t.size(3)}).index_select(0, rows).view(t.sizes()) : t;
+        return list.at_positions ? t.gather(2, list.qpos->to(at::kLong).unsqueeze(-1).expand_as(t)) : t;
     };
     const at::Tensor ql = gather(q), dol = gather(dout);
     Params a = make_params(ql, k, in_order, window, dk);
