@@ -496,7 +496,7 @@ bool use_sm90() {
 // position at its group's running offset (no sort, no host synchronisation).
 constexpr int ROUTE_THREADS = 1024;
 __global__ void __launch_bounds__(ROUTE_THREADS)
-    route_kernel(const bool* full, int len, bool others_window, int* perm, int* nq, int* nfull) {
+    route_kernel(const uint8_t* path, int len, int* perm, int* nq, int* nfull) {
     constexpr int WARPS = ROUTE_THREADS / 32;
     static_assert(WARPS == 32, "warp 0 scans one count per warp");
     // Per chunk: each warp's count, then its exclusive offset; two buffers, so a chunk's writes
@@ -505,13 +505,13 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     __shared__ int totals[3];
     const int bh = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t base = (int64_t)bh * len;
-    // Group of a query: 0 full prefix, 1 window, 2 no attention (list order).
-    const int others = others_window ? 1 : 2;
-    auto group_of = [&](bool f) { return f ? 0 : others; };
+    // Group of a query in list order: 0 full prefix (path 2), 1 window (path 1), 2 no
+    // attention (path 0; any other value reads as 0).
+    auto group_of = [](uint8_t p) { return p == 2 ? 0 : p == 1 ? 1 : 2; };
     if (threadIdx.x < 3) totals[threadIdx.x] = 0;
     __syncthreads();
     int mine[3] = {0, 0, 0};
-    for (int i = threadIdx.x; i < len; i += ROUTE_THREADS) ++mine[group_of(full[base + i])];
+    for (int i = threadIdx.x; i < len; i += ROUTE_THREADS) ++mine[group_of(path[base + i])];
     for (int g = 0; g < 3; ++g) {
         for (int o = 16; o; o >>= 1) mine[g] += __shfl_xor_sync(0xffffffffu, mine[g], o);
         if (lane == 0) atomicAdd(&totals[g], mine[g]);
@@ -520,11 +520,11 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     // Where each group's next position goes (warp 0 keeps it across chunks).
     int start[3] = {0, totals[0], totals[0] + totals[1]};
     // Each chunk's flag is loaded one chunk ahead, so the load overlaps the barriers.
-    bool next = threadIdx.x < len && full[base + threadIdx.x];
+    uint8_t next = threadIdx.x < len ? path[base + threadIdx.x] : 0;
     for (int c0 = 0, buf = 0; c0 < len; c0 += ROUTE_THREADS, buf ^= 1) {
         const int i = c0 + threadIdx.x;
         const int g = i < len ? group_of(next) : 3;
-        if (i + ROUTE_THREADS < len) next = full[base + i + ROUTE_THREADS];
+        if (i + ROUTE_THREADS < len) next = path[base + i + ROUTE_THREADS];
         unsigned ballot[3];
         for (int k = 0; k < 3; ++k) ballot[k] = __ballot_sync(0xffffffffu, g == k);
         int(*c)[WARPS] = counts[buf];
@@ -604,18 +604,20 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);
-    // dK, dV on wgmma for wide windows and full prefixes (routed lists have some); narrow
-    // windows (short key blocks) measured slower there than on mma.sync (PERFORMANCE.md, v4).
-    if (use_sm90() && (window > 512 || list.nfull)) sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
+    // dK, dV on wgmma for wide windows, full prefixes (routed lists have some) and head_dim 64
+    // (one launch for both outputs there); narrow windows at head_dim 128 (two launches)
+    // measured slower there than on mma.sync (PERFORMANCE.md, v4 and v7).
+    if (use_sm90() && (window > 512 || list.nfull || d == 64))
+        sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
     else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
     else launch(dkdv_kernel<128>, kgrid, smem, a);
 }
 
-void cuda_route_list(const at::Tensor& full, bool others_window, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {
-    const at::cuda::CUDAGuard guard(full.device());
-    const int len = (int)full.size(2);
-    route_kernel<<<full.size(0) * full.size(1), ROUTE_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
-        full.data_ptr<bool>(), len, others_window, perm.data_ptr<int>(), nq.data_ptr<int>(), nfull.data_ptr<int>());
+void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {
+    const at::cuda::CUDAGuard guard(path.device());
+    const int len = (int)path.size(2);
+    route_kernel<<<path.size(0) * path.size(1), ROUTE_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        path.data_ptr<uint8_t>(), len, perm.data_ptr<int>(), nq.data_ptr<int>(), nfull.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

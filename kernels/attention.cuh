@@ -46,10 +46,10 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
-// The routed list of each (b, h) from full [B, H, L] (bool: the query sees its whole prefix;
-// otherwise its window where others_window, else nothing): perm [B, H, L] int32, the positions
-// in list order (full-prefix rows, then window rows, then the rest, each ascending), nq and
-// nfull [B, H] int32 the attending and the full-prefix rows.
-void cuda_route_list(const at::Tensor& full, bool others_window, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull);
+// The routed list of each (b, h) from path [B, H, L] (uint8: 2 the query sees its whole
+// prefix, 1 its window, 0 nothing): perm [B, H, L] int32, the positions in list order
+// (full-prefix rows, then window rows, then the rest, each ascending), nq and nfull [B, H]
+// int32 the attending and the full-prefix rows.
+void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull);
 
 }  // namespace attnsweep

@@ -3,8 +3,8 @@
 // mma.sync forward stays latency-bound near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3):
 // operands pass through registers and too few warps fit to hide the softmax. Here wgmma reads
 // the operands of Q K^T and the V operand of P V straight from shared memory, asynchronously.
-// These kernels run on compute capability 9.0 (dK, dV only for windows > 512 and routed
-// lists: see cuda_backward); the mma.sync kernels run on every other GPU.
+// These kernels run on compute capability 9.0 (dK, dV for windows > 512, routed lists and
+// head_dim 64: see cuda_backward); the mma.sync kernels run on every other GPU.
 //
 // A block owns 128 queries and has three roles: two consumer warpgroups of 64 query rows and
 // one producer warp. The producer streams key/value tiles with the tensor copy engine (TMA)
@@ -635,6 +635,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
+// Rows of a and b ([B, H, L, D] bf16, as 16-byte chunks, `row_chunks` a row) in list order:
+// row r of (b, h) is the row at position qpos[b, h, r]. One thread per chunk, each position
+// read once per row's chunk (gathering by an index per element reads 8 bytes for every 2 moved).
+__global__ void list_rows_kernel(const uint4* a, const uint4* b, const int* qpos, int len, int row_chunks,
+                                 int64_t chunks, uint4* a_list, uint4* b_list) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    const int64_t row = i / row_chunks;
+    const int64_t src = (row - row % len + qpos[row]) * row_chunks + i % row_chunks;
+    a_list[i] = a[src];
+    b_list[i] = b[src];
+}
+
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -720,10 +733,17 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     // list-ordered copies first.
     QueryList in_order = list;
     in_order.at_positions = false;
-    auto gather = [&](const at::Tensor& t) {
-        return list.at_positions ? t.gather(2, list.qpos->to(at::kLong).unsqueeze(-1).expand_as(t)) : t;
-    };
-    const at::Tensor ql = gather(q), dol = gather(dout);
+    at::Tensor ql = q, dol = dout;
+    if (list.at_positions) {
+        ql = at::empty_like(q), dol = at::empty_like(dout);
+        const int64_t chunks = q.numel() / 8;
+        constexpr int threads = 256;
+        list_rows_kernel<<<(chunks + threads - 1) / threads, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            reinterpret_cast<const uint4*>(q.data_ptr()), reinterpret_cast<const uint4*>(dout.data_ptr()),
+            list.qpos->data_ptr<int>(), (int)q.size(2), (int)q.size(3) / 8, chunks,
+            reinterpret_cast<uint4*>(ql.data_ptr()), reinterpret_cast<uint4*>(dol.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     Params a = make_params(ql, k, in_order, window, dk);
     a.dv = reinterpret_cast<__nv_bfloat16*>(dv.data_ptr());
     a.lse_in = lse.data_ptr<float>();

@@ -179,8 +179,8 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
     }
 };
 
-// Routed attention: per (b, h, position), full [B, H, L] says the whole prefix; the other
-// queries see their window where others_window, else nothing (zeros). One list per (b, h)
+// Routed attention: per (b, h, position), path [B, H, L] (uint8) says what the query sees: 2
+// its whole prefix, 1 its window, 0 nothing (zeros). One list per (b, h)
 // holds the full-prefix rows, then the window rows (route_list), so one launch runs both paths
 // and no query runs the one it did not pick. The kernels read q and dO and write O and dQ at
 // the rows' positions (lse and delta stay in list order); the reference works on list-ordered
@@ -188,21 +188,21 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
 struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
     // (perm, nq, nfull): the list (attention.cuh, cuda_route_list). The reference orders the
     // positions by sorting a key; the kernel counts.
-    static std::tuple<at::Tensor, at::Tensor, at::Tensor> route_list(const at::Tensor& full, bool others_window) {
-        const auto B = full.size(0), H = full.size(1), L = full.size(2);
-        auto opts = full.options().dtype(at::kInt);
-        if (full.is_cuda()) {
+    static std::tuple<at::Tensor, at::Tensor, at::Tensor> route_list(const at::Tensor& path) {
+        const auto B = path.size(0), H = path.size(1), L = path.size(2);
+        auto opts = path.options().dtype(at::kInt);
+        if (path.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
             auto perm = at::empty({B, H, L}, opts), nq = at::empty({B, H}, opts), nfull = at::empty({B, H}, opts);
-            attnsweep::cuda_route_list(full, others_window, perm, nq, nfull);
+            attnsweep::cuda_route_list(path, perm, nq, nfull);
             return std::make_tuple(perm, nq, nfull);
 #endif
         }
         // Group 0 full prefix, 1 window, 2 nothing.
-        auto group = at::where(full, 0, others_window ? 1 : 2).to(at::kLong);
+        auto group = 2 - path.to(at::kLong);
         auto pos = at::arange(L, group.options()).view({1, 1, L});
         auto perm = (group * L + pos).argsort(-1, false).to(at::kInt);
-        return std::make_tuple(perm, (group < 2).sum(-1).to(at::kInt), full.sum(-1).to(at::kInt));
+        return std::make_tuple(perm, (group < 2).sum(-1).to(at::kInt), (group == 0).sum(-1).to(at::kInt));
     }
 
     // Rows [B, H, L, D] of x in list order, and back.
@@ -214,9 +214,9 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
         return at::zeros_like(x).scatter(2, row_index(x, perm), x);
     }
 
-    static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor full,
-                                 bool others_window, int64_t window) {
-        auto [perm, nq, nfull] = route_list(full, others_window);
+    static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor path,
+                                 int64_t window) {
+        auto [perm, nq, nfull] = route_list(path);
         at::Tensor out, lse;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
@@ -255,7 +255,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
             dk = g[1];
             dv = g[2];
         }
-        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+        return {dq, dk, dv, at::Tensor(), at::Tensor()};
     }
 };
 
@@ -479,7 +479,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 4; }
+int64_t attnsweep_kernels_abi() { return 5; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -506,19 +506,20 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
     });
 }
 
-// out = routed attention of q over (k, v): each query marked in full [B, H, L] (bool) sees its
-// whole prefix; the others see their window (window > 0) or nothing (window 0: zeros), with
-// autograd. Returns a new at::Tensor* (the caller owns it), or null with a message in err.
-void* attnsweep_routed_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* full,
+// out = routed attention of q over (k, v): per query, path [B, H, L] (uint8) 2 sees its whole
+// prefix, 1 its window, 0 nothing (zeros), with autograd. Returns a new at::Tensor* (the
+// caller owns it), or null with a message in err.
+void* attnsweep_routed_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* path,
                                  int64_t window, char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
-        check_inputs(*q, *k, *v, none(*q), none(*q), std::max<int64_t>(window, 1), none(*q));
-        TORCH_CHECK(window >= 0, "window must be 0 (no attention) or more");
-        TORCH_CHECK(full->scalar_type() == at::kBool, "full must be bool");
-        TORCH_CHECK(full->sizes() == at::IntArrayRef({q->size(0), q->size(1), q->size(2)}), "full must be [B, H, L]");
-        TORCH_CHECK(full->device() == q->device(), "full on another device than q");
-        auto out = RoutedAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), full->contiguous(), window > 0,
-                                          std::max<int64_t>(window, 1));
+        check_inputs(*q, *k, *v, none(*q), none(*q), window, none(*q));
+        TORCH_CHECK(path->scalar_type() == at::kByte, "path must be uint8");
+        TORCH_CHECK(path->sizes() == at::IntArrayRef({q->size(0), q->size(1), q->size(2)}), "path must be [B, H, L]");
+        TORCH_CHECK(path->device() == q->device(), "path on another device than q");
+        // Contents are checked where reading them costs no device synchronisation.
+        TORCH_CHECK(path->is_cuda() || path->numel() == 0 || path->max().item<int>() <= 2,
+                    "path values must be 0 (nothing), 1 (window) or 2 (full prefix)");
+        auto out = RoutedAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), path->contiguous(), window);
         return new at::Tensor(out[0]);
     });
 }

@@ -13,7 +13,7 @@
 //! and combines them; CUDA kernels replace it behind the same interface.
 
 use crate::config::{AttentionConfig, Method, ModelConfig, QkNorm, Router};
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, QueryPath};
 use crate::model::{upcast, Linear, RmsNorm, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
@@ -584,17 +584,27 @@ pub struct SelfAttention {
 
 const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
 
+/// The routed kernels' per-query paths `[B, H, L]` (uint8) from bool masks: the whole prefix
+/// where `full`, else the window where `window`, else nothing.
+pub fn query_paths(full: &Tensor, window: Option<&Tensor>) -> Tensor {
+    let paths = full.to_kind(Kind::Uint8) * QueryPath::Full as i64;
+    match window {
+        Some(w) => paths.maximum(&(w.to_kind(Kind::Uint8) * QueryPath::Window as i64)),
+        None => paths,
+    }
+}
+
 /// `[B, H, L, D]` attention of the queries marked in `full: [B, H, L]` (bool) over their whole
 /// prefix, zeros for the others.
 fn full_rows(kern: &Kernels, q: &Tensor, k: &Tensor, v: &Tensor, full: &Tensor) -> Tensor {
-    kern.routed_attention(q, k, v, full, None)
+    kern.routed_attention(q, k, v, &query_paths(full, None), 1)
         .expect(KERNEL_FAILED)
 }
 
 /// Routed attention `[B, H, L, D]`: each query marked in `on: [B, H, L]` (bool) attends its
 /// whole prefix, every other query its window, and no query runs the path it did not pick
 /// (one list per (b, h) holding both, in one launch). Differentiable in q, k, v.
-pub fn routed_attention(
+fn routed_attention(
     kern: &Kernels,
     q: &Tensor,
     k: &Tensor,
@@ -602,7 +612,8 @@ pub fn routed_attention(
     on: &Tensor,
     window: i64,
 ) -> Tensor {
-    kern.routed_attention(q, k, v, on, Some(window))
+    let paths = query_paths(on, Some(&on.logical_not()));
+    kern.routed_attention(q, k, v, &paths, window)
         .expect(KERNEL_FAILED)
 }
 
@@ -777,7 +788,8 @@ impl SelfAttention {
     /// gradient; the path it did not pick reaches the loss multiplied by a hard 0, so its
     /// gradient is exactly zero), and `full - local` needs the other path only where the
     /// router's gradient reads it, from a second routed launch without gradient: the window
-    /// for queries on the full path, the full prefix for the window queries `values` marks.
+    /// for queries on the full path, the full prefix for the window queries `values` marks,
+    /// nothing for the rest.
     /// Without gradient this is `chosen` alone, exact for gates that are 0 or 1
     /// (`GateOverride::Relaxed` gates are not, and are meant for gradients).
     #[allow(clippy::too_many_arguments)]
@@ -806,9 +818,12 @@ impl SelfAttention {
                         .gt(0.5)
                         .logical_and(&full.logical_not()),
                 };
-                let other = tch::no_grad(|| routed_attention(kern, q, k, v, &flip, w));
+                let paths = query_paths(&flip, Some(&full));
+                let other = tch::no_grad(|| kern.routed_attention(q, k, v, &paths, w))
+                    .expect(KERNEL_FAILED);
                 // full - local: chosen minus the other path on the full path's rows, the other
-                // way round on the window's (zero on rows where both hold the window).
+                // way round on the window's (rows where neither is needed get a finite value
+                // that a zero gradient weight multiplies).
                 let sign = gv(on) * 2.0 - 1.0;
                 let diff = (chosen.detach() - other) * sign;
                 &chosen + (gv(g) - gv(on)) * diff

@@ -35,7 +35,7 @@ const SOURCES: [(&str, &str); 15] = [
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 4;
+const ABI: i64 = 5;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -352,6 +352,15 @@ pub struct AdamWStep {
 }
 
 /// A loaded kernel library.
+/// What a query of routed attention sees: `Kernels::routed_attention`'s `path` values, in
+/// increasing order of reach.
+#[derive(Clone, Copy)]
+pub enum QueryPath {
+    Nothing = 0,
+    Window = 1,
+    Full = 2,
+}
+
 pub struct Kernels {
     _lib: Library,
     list_attention: ListAttentionFn,
@@ -418,27 +427,27 @@ impl Kernels {
         self.call_attention(q, k, v, list, window, None)
     }
 
-    /// Routed attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query marked in
-    /// `full: [B, H, L]` (bool) sees its whole prefix, every other query its `window` (None:
-    /// nothing, zeros). The two paths' queries form one list per (b, h), compacted on the
+    /// Routed attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: per query, `path:
+    /// [B, H, L]` (uint8, `Route` values) says whether it sees its whole prefix, its `window`,
+    /// or nothing (zeros). The paths' queries form one list per (b, h), compacted on the
     /// device, so each query runs only its own path, in one launch. Differentiable in q, k, v.
     pub fn routed_attention(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        full: &Tensor,
-        window: Option<i64>,
+        path: &Tensor,
+        window: i64,
     ) -> Result<Tensor> {
-        ensure!(window.is_none_or(|w| w >= 1), "window must be at least 1");
+        ensure!(window >= 1, "window must be at least 1");
         let mut err = vec![0 as c_char; 1024];
         let out = unsafe {
             (self.routed_attention)(
                 q.as_ptr() as *const c_void,
                 k.as_ptr() as *const c_void,
                 v.as_ptr() as *const c_void,
-                full.as_ptr() as *const c_void,
-                window.unwrap_or(0),
+                path.as_ptr() as *const c_void,
+                window,
                 err.as_mut_ptr(),
                 err.len(),
             )
@@ -851,8 +860,9 @@ pub(crate) mod tests {
     }
 
     /// Routed attention against the dense fp32 window and full-prefix attentions, picked per
-    /// (b, h, position), the other queries on their window or on nothing: per-(b, h) shares of
-    /// full-prefix queries from none to all, and a single one.
+    /// (b, h, position), the other queries all on their window, all on nothing, or a random
+    /// half on each: per-(b, h) shares of full-prefix queries from none to all, and a single
+    /// one.
     fn compare_routed_with_reference(
         kern: &Kernels,
         device: Device,
@@ -868,34 +878,40 @@ pub(crate) mod tests {
                 if device == Device::Cpu && len > 600 {
                     continue;
                 }
-                let mut rng = crate::rng::Rng::new((len * 131 + window) as u64);
-                let mut full = Vec::with_capacity((b * h * len) as usize);
-                for bh in 0..(b * h) as usize {
-                    let share = shares[bh % shares.len()];
-                    full.extend((0..len).map(|i| match share < 0.0 {
-                        true => i == len - 1,
-                        false => rng.uniform() < share,
-                    }));
-                }
-                let full = Tensor::from_slice(&full)
-                    .view([b, h, len])
-                    .to_device(device);
-                let on = full.unsqueeze(-1).to_kind(Kind::Float);
-                for others in [Some(window), None] {
+                // The other queries: all on their window, none, or a random half.
+                for on_window in [1.0, 0.0, 0.5] {
+                    let mut rng = crate::rng::Rng::new((len * 131 + window) as u64);
+                    let mut path = Vec::with_capacity((b * h * len) as usize);
+                    for bh in 0..(b * h) as usize {
+                        let share = shares[bh % shares.len()];
+                        path.extend((0..len).map(|i| {
+                            let full = match share < 0.0 {
+                                true => i == len - 1,
+                                false => rng.uniform() < share,
+                            };
+                            match (full, rng.uniform() < on_window) {
+                                (true, _) => QueryPath::Full as u8,
+                                (false, true) => QueryPath::Window as u8,
+                                (false, false) => QueryPath::Nothing as u8,
+                            }
+                        }));
+                    }
+                    let path = Tensor::from_slice(&path)
+                        .view([b, h, len])
+                        .to_device(device);
+                    let is = |p: QueryPath| path.eq(p as i64).unsqueeze(-1).to_kind(Kind::Float);
                     tch::manual_seed(len * 3 + window + d);
                     check_against(
                         [b, h, len, d],
                         [b, hkv, len, d],
                         (kind, device),
                         tol,
-                        &format!("routed D={d} L={len} others={others:?}"),
-                        |q, k, v| kern.routed_attention(q, k, v, &full, others).unwrap(),
+                        &format!("routed D={d} L={len} w={window} on_window={on_window}"),
+                        |q, k, v| kern.routed_attention(q, k, v, &path, window).unwrap(),
                         |q, k, v| {
-                            let rest = match others {
-                                Some(w) => attend(q, k, v, &KeyPattern::Window(w as usize), None),
-                                None => q.zeros_like(),
-                            };
-                            attend(q, k, v, &KeyPattern::Full, None) * &on + rest * (1.0 - &on)
+                            attend(q, k, v, &KeyPattern::Full, None) * is(QueryPath::Full)
+                                + attend(q, k, v, &KeyPattern::Window(window as usize), None)
+                                    * is(QueryPath::Window)
                         },
                     );
                 }
@@ -1125,18 +1141,15 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string()
             .contains("window"));
-        let on = Tensor::ones([1, 2, 4], (Kind::Float, Device::Cpu));
-        for (full, window, needle) in [
-            (on.shallow_clone(), Some(2), "full must be bool"),
-            (
-                on.narrow(2, 0, 3).gt(0.5),
-                Some(2),
-                "full must be [B, H, L]",
-            ),
-            (on.gt(0.5), Some(0), "window must be at least 1"),
+        let path = Tensor::ones([1, 2, 4], (Kind::Uint8, Device::Cpu));
+        for (path, window, needle) in [
+            (path.to_kind(Kind::Float), 2, "path must be uint8"),
+            (path.narrow(2, 0, 3), 2, "path must be [B, H, L]"),
+            (&path * 3, 2, "path values must be 0"),
+            (path.shallow_clone(), 0, "window must be at least 1"),
         ] {
             let err = kern
-                .routed_attention(&q, &q, &q, &full, window)
+                .routed_attention(&q, &q, &q, &path, window)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(needle), "{err}");
