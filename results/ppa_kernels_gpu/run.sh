@@ -3,10 +3,13 @@
 # kernels, fused cross-entropy, RMSNorm, rotary embedding and AdamW) against the reference path
 # (a dense PPA mask through SDPA): same seed, same data, bf16 on one GPU, L = 8192 (where the
 # pattern is sparse enough, 3% of the causal pairs, for the model to pick the offset kernels).
-# The train_log.csv files land here as ppa_reference.csv and ppa_cuda.csv.
-# Usage (repository root): results/ppa_kernels_gpu/run.sh [attnsweep binary]
+# The train_log.csv files land here as ppa_reference.csv and ppa_cuda.csv (seed 1337), or
+# ppa_reference_seedN.csv and ppa_cuda_seedN.csv for another seed N.
+# Usage (repository root): results/ppa_kernels_gpu/run.sh [attnsweep binary] [seed]
 set -eu
 B=${1:-attnsweep}
+SEED=${2:-1337}
+SUFFIX=$([ "$SEED" = 1337 ] || echo "_seed$SEED")
 HERE=$(dirname "$0")
 WORK=${TMPDIR:-/tmp}/ppa_kernels_gpu
 rm -rf "$WORK" && mkdir -p "$WORK"
@@ -19,6 +22,6 @@ for impl in reference cuda; do
         --set attention.method=ppa --set attention.ppa_power=0.5 --set attention.window=64 \
         --set attention.attn_impl=$impl \
         --set train.steps=200 --set train.batch_size=2 --set train.lr=1e-3 \
-        --set train.seed=1337 --set train.dtype=bf16 --set train.device=cuda --set train.log_every=10
-    cp "$WORK/$impl/train_log.csv" "$HERE/ppa_$impl.csv"
+        --set train.seed=$SEED --set train.dtype=bf16 --set train.device=cuda --set train.log_every=10
+    cp "$WORK/$impl/train_log.csv" "$HERE/ppa_$impl$SUFFIX.csv"
 done
