@@ -16,6 +16,9 @@ import sys
 
 
 def main():
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    if any(f != "--last-step" for f in flags):
+        sys.exit(f"unknown flag among {flags}; the only flag is --last-step")
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     path = args[0]
     rows = int(args[1]) if len(args) > 1 else 45
@@ -27,7 +30,7 @@ def main():
         for r in csv.DictReader(lines)
         if r.get("Metric Name") == "gpu__time_duration.sum"
     ]
-    if "--last-step" in sys.argv:
+    if flags:
         steps = [i for i, (name, _) in enumerate(launches) if "adamw_kernel" in name]
         if len(steps) < 2:
             sys.exit(f"{path}: --last-step needs two optimizer steps, found {len(steps)}")

@@ -103,14 +103,6 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\
 template <int N>
 __device__ __forceinline__ void wait_loads() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Query positions of a block's rows; -1 for rows outside [lo, hi).
-__device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int lo, int hi) {
-    for (int i = threadIdx.x; i < BQ; i += THREADS) {
-        const int r = row0 + i;
-        spos[i] = r >= lo && r < hi ? (qpos ? qpos[base + r] : r) : -1;
-    }
-}
-
 // Where load_tile finds list row r's q or dO row (out_row's map as a row table).
 __device__ __forceinline__ const int* rows_at(const ListShape& p, int64_t qbase) {
     return p.at_positions ? p.qpos + qbase : nullptr;
@@ -140,11 +132,11 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        zero_rows<D>(p.out, p.lse, qbase, row0, BQ, p.lq, p.at_positions ? p.qpos : nullptr);
+        zero_rows<D>(p, p.out, p.lse, qbase, row0, BQ);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_positions(spos, p.qpos, qbase, row0, 0, nq);
+    load_positions<BQ>(spos, p.qpos, qbase, row0, 0, nq);
     load_tile<D>(sq, p.q + qbase * D, row0, p.lq, rows_at(p, qbase));
     commit();
     __syncthreads();
@@ -278,11 +270,11 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        zero_rows<D>(p.dq, nullptr, qbase, row0, BQ, p.lq, p.at_positions ? p.qpos : nullptr);
+        zero_rows<D>(p, p.dq, nullptr, qbase, row0, BQ);
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    load_positions(spos, p.qpos, qbase, row0, 0, nq);
+    load_positions<BQ>(spos, p.qpos, qbase, row0, 0, nq);
     load_tile<D>(sq, p.q + qbase * D, row0, p.lq, rows_at(p, qbase));
     load_tile<D>(sdo, p.dout + qbase * D, row0, p.lq, rows_at(p, qbase));
     commit();
@@ -396,7 +388,7 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
         const int r_begin = (srange[0] / BQ) * BQ, r_end = srange[1];
         for (int row0 = r_begin; row0 < r_end; row0 += BQ) {
             __syncthreads();
-            load_positions(spos, p.qpos, qbase, row0, lo, hi);
+            load_positions<BQ>(spos, p.qpos, qbase, row0, lo, hi);
             for (int i = threadIdx.x; i < BQ; i += THREADS) {
                 const int r = min(row0 + i, p.lq - 1);
                 slse[i] = p.lse_in[qbase + r];
@@ -519,7 +511,7 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     __syncthreads();
     // Where each group's next position goes (warp 0 keeps it across chunks).
     int start[3] = {0, totals[0], totals[0] + totals[1]};
-    // Each chunk's flag is loaded one chunk ahead, so the load overlaps the barriers.
+    // Each chunk's paths are loaded one chunk ahead, so the load overlaps the barriers.
     uint8_t next = threadIdx.x < len ? path[base + threadIdx.x] : 0;
     for (int c0 = 0, buf = 0; c0 < len; c0 += ROUTE_THREADS, buf ^= 1) {
         const int i = c0 + threadIdx.x;

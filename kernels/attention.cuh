@@ -47,7 +47,8 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
 // The routed list of each (b, h) from path [B, H, L] (uint8: 2 the query sees its whole
-// prefix, 1 its window, 0 nothing): perm [B, H, L] int32, the positions in list order
+// prefix, 1 its window, 0 or any other value nothing; the C API rejects other values where it
+// can read them without a device synchronisation): perm [B, H, L] int32, the positions in list order
 // (full-prefix rows, then window rows, then the rest, each ascending), nq and nfull [B, H]
 // int32 the attending and the full-prefix rows.
 void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull);

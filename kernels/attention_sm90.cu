@@ -249,13 +249,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int row0 = tile_at(blockIdx.y, gridDim.y, nfull, BQ) * BQ;
     const int64_t qbase = (int64_t)bh * p.lq;
     if (row0 >= nq) {
-        zero_rows<D>(p.out, DQ ? nullptr : p.lse, qbase, row0, BQ, p.lq, p.at_positions ? p.qpos : nullptr);
+        zero_rows<D>(p, p.out, DQ ? nullptr : p.lse, qbase, row0, BQ);
         return;
     }
-    for (int i = threadIdx.x; i < BQ; i += THREADS) {
-        const int r = row0 + i;
-        spos[i] = r < nq ? (p.qpos ? p.qpos[qbase + r] : r) : -1;
-    }
+    load_positions<BQ>(spos, p.qpos, qbase, row0, 0, nq);
     if (threadIdx.x == 0) {
         // Q arrives by one tensor copy, or by the producer warp's lanes 1-31 (at positions).
         bar_init(q_full, p.at_positions ? 31 : 1);
@@ -431,15 +428,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-// dK and dV: key tiles outer. A block owns 128 keys (a warpgroup per 64) and streams 64-query
-// tiles of Q and dO, with their positions, lse and delta, over every query head of its KV
-// head's group and, in each of its list's two groups (a routed list's full-prefix rows, then
-// the window rows), only the queries that can see its keys (found by searching the list).
-// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (OUT has KV_DV), and
-// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (OUT has KV_DK). At D = 64 one launch
-// holds both [64 x D] accumulators (about 180 registers a thread) and computes S and P once for
-// both; at D = 128 both would need ~240, more than two warpgroups and a producer can have, so
-// each output takes a launch (the dV one skips V and dP).
 // A warpgroup's [64 x D] accumulator times f, as bf16 rows rows[0] and rows[1] of out (those
 // below len).
 template <int D>
@@ -456,11 +444,20 @@ __device__ __forceinline__ void store_rows(const float* acc, __nv_bfloat16* out,
     }
 }
 
+// dK and dV: key tiles outer. A block owns 128 keys (a warpgroup per 64) and streams 64-query
+// tiles of Q and dO, with their positions, lse and delta, over every query head of its KV
+// head's group and, in each of its list's two groups (a routed list's full-prefix rows, then
+// the window rows), only the queries that can see its keys (found by searching the list).
+// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (OUT has KV_DV), and
+// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (OUT has KV_DK). At D = 64 one launch
+// holds both [64 x D] accumulators (ptxas: 168 registers a thread, 8 bytes spilled) and
+// computes S and P once for both; at D = 128 both would need ~240, more than two warpgroups and
+// a producer can have, so each output takes a launch (the dV one skips V and dP).
 constexpr int BKEYS = 128;  // keys per block
 constexpr int BQT = 64;     // queries per tile
 enum KvOut { KV_DV = 1, KV_DK = 2, KV_BOTH = 3 };
 
-template <int D, int OUT>
+template <int D, KvOut OUT>
 __global__ void __launch_bounds__(THREADS, 1)
     kv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
@@ -734,7 +731,9 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     QueryList in_order = list;
     in_order.at_positions = false;
     at::Tensor ql = q, dol = dout;
-    if (list.at_positions) {
+    if (list.at_positions && q.numel() > 0) {
+        // A list at positions holds every position: as many rows as keys (list_rows_kernel).
+        TORCH_CHECK(q.size(2) == k.size(2), "a list at positions needs as many queries as keys");
         ql = at::empty_like(q), dol = at::empty_like(dout);
         const int64_t chunks = q.numel() / 8;
         constexpr int threads = 256;

@@ -84,17 +84,25 @@ __device__ __forceinline__ int tile_at(int y, int tiles, int full, int rows) {
 }
 
 // A block whose query rows [row0, row0 + rows) all lie past the active count still gives them
-// defined outputs: zeros in out (D columns a row; at row at[qbase + r] instead of r when at is
-// given), and lse -inf where lse is given.
-template <int D>
-__device__ void zero_rows(__nv_bfloat16* out, float* lse, int64_t qbase, int row0, int rows, int lq, const int* at) {
+// defined outputs: zeros in out (D columns a row, at out_row), and lse -inf where lse is given.
+template <int D, typename Shape>
+__device__ void zero_rows(const Shape& p, __nv_bfloat16* out, float* lse, int64_t qbase, int row0, int rows) {
     for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
         const int r = row0 + i / D;
-        if (r < lq) out[(qbase + (at ? at[qbase + r] : r)) * D + i % D] = __float2bfloat16(0.f);
+        if (r < p.lq) out[out_row(p, qbase, r) * D + i % D] = __float2bfloat16(0.f);
     }
     if (lse)
         for (int i = threadIdx.x; i < rows; i += blockDim.x)
-            if (row0 + i < lq) lse[qbase + row0 + i] = -INFINITY;
+            if (row0 + i < p.lq) lse[qbase + row0 + i] = -INFINITY;
+}
+
+// Query positions of a block's `rows` list rows from row0; -1 for rows outside [lo, hi).
+template <int rows>
+__device__ __forceinline__ void load_positions(int* spos, const int* qpos, int64_t base, int row0, int lo, int hi) {
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        const int r = row0 + i;
+        spos[i] = r >= lo && r < hi ? (qpos ? qpos[base + r] : r) : -1;
+    }
 }
 
 // First index of an ascending query list whose position is >= key (binary search); the dense

@@ -115,6 +115,22 @@ attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq) {
     if (qpos.numel() == 0) return {};
     return {&qpos, &nq};
 }
+
+// The CUDA kernels' (out, lse) and (dq, dk, dv) for a query list, in fresh tensors.
+std::pair<at::Tensor, at::Tensor> cuda_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const attnsweep::QueryList& list, int64_t window) {
+    auto out = at::empty_like(q);
+    auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    attnsweep::cuda_forward(q, k, v, list, window, out, lse);
+    return {out, lse};
+}
+variable_list cuda_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const attnsweep::QueryList& list, int64_t window, const at::Tensor& lse,
+                                      const at::Tensor& delta, const at::Tensor& dout) {
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    attnsweep::cuda_backward(q, k, v, list, window, lse, delta, dout, dq, dk, dv);
+    return {dq, dk, dv};
+}
 #endif
 
 struct ListAttention : public torch::autograd::Function<ListAttention> {
@@ -123,9 +139,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         at::Tensor out, lse;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            out = at::empty_like(q);
-            lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-            attnsweep::cuda_forward(q, k, v, query_list(qpos, nq), window, out, lse);
+            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq), window);
             if (offsets.numel() > 0) {
                 // PPA: the offset keys' part, merged with the window's by log-sum-exp.
                 auto o = at::empty(q.sizes(), q.options().dtype(at::kFloat));
@@ -159,18 +173,15 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
             // With the merged lse and delta, the window kernels give the window pairs' share.
-            attnsweep::cuda_backward(q, k, v, query_list(qpos, nq), window, lse, delta, dout, dq, dk, dv);
+            g = cuda_attention_backward(q, k, v, query_list(qpos, nq), window, lse, delta, dout);
             if (offsets.numel() > 0) {
                 auto f = q.options().dtype(at::kFloat);
                 auto dqo = at::empty(q.sizes(), f), dko = at::empty(k.sizes(), f), dvo = at::empty(v.sizes(), f);
                 attnsweep::ppa_offsets_backward(q, k, v, offsets, lse, delta, dout, dqo, dko, dvo);
-                dq = (dq.to(at::kFloat) + dqo).to(q.scalar_type());
-                dk = (dk.to(at::kFloat) + dko).to(k.scalar_type());
-                dv = (dv.to(at::kFloat) + dvo).to(v.scalar_type());
+                g = {(g[0].to(at::kFloat) + dqo).to(q.scalar_type()), (g[1].to(at::kFloat) + dko).to(k.scalar_type()),
+                     (g[2].to(at::kFloat) + dvo).to(v.scalar_type())};
             }
-            g = {dq, dk, dv};
 #endif
         } else {
             g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);
@@ -220,9 +231,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
         at::Tensor out, lse;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            out = at::empty_like(q);
-            lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-            attnsweep::cuda_forward(q, k, v, {&perm, &nq, &nfull, true}, window, out, lse);
+            std::tie(out, lse) = cuda_attention(q, k, v, {&perm, &nq, &nfull, true}, window);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
@@ -242,20 +251,17 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
         auto delta = row_delta(dout, out).gather(2, perm.to(at::kLong));
-        at::Tensor dq, dk, dv;
+        variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-            attnsweep::cuda_backward(q, k, v, {&perm, &nq, &nfull, true}, window, lse, delta, dout, dq, dk, dv);
+            g = cuda_attention_backward(q, k, v, {&perm, &nq, &nfull, true}, window, lse, delta, dout);
 #endif
         } else {
-            auto g = reference_backward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), lse, delta,
-                                        to_list(dout, perm));
-            dq = from_list(g[0], perm);
-            dk = g[1];
-            dv = g[2];
+            g = reference_backward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), lse, delta,
+                                   to_list(dout, perm));
+            g[0] = from_list(g[0], perm);
         }
-        return {dq, dk, dv, at::Tensor(), at::Tensor()};
+        return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
     }
 };
 
@@ -507,8 +513,9 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
 }
 
 // out = routed attention of q over (k, v): per query, path [B, H, L] (uint8) 2 sees its whole
-// prefix, 1 its window, 0 nothing (zeros), with autograd. Returns a new at::Tensor* (the
-// caller owns it), or null with a message in err.
+// prefix, 1 its window, 0 nothing (zeros), with autograd; other values are rejected for CPU
+// tensors and read as 0 on the GPU. Returns a new at::Tensor* (the caller owns it), or null
+// with a message in err.
 void* attnsweep_routed_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* path,
                                  int64_t window, char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {

@@ -166,7 +166,9 @@ pub fn attend(
 
 /// Forward with the hard gate, backward as if it were the soft score (straight-through).
 pub fn straight_through(hard: &Tensor, soft: &Tensor) -> Tensor {
-    hard + soft - soft.detach()
+    // `soft - sg(soft)` first: exactly 0, so the value is exactly `hard` in any dtype
+    // (`(hard + soft) - soft` can round away from it).
+    hard + (soft - soft.detach())
 }
 
 /// Hard gate from soft scores: `s > tau` (AHA, SwiAttn) or `s >= tau` (L2A).
@@ -202,27 +204,32 @@ pub struct ForwardCtx {
     pub compute_logits: bool,
 }
 
-/// Dense masks and PPA offset lists built once per forward and shared by the layers that use
-/// the same pattern.
+/// Dense masks and PPA plans (with their offset lists) built once per forward and shared by
+/// the layers that use the same pattern.
 pub struct MaskCache {
     len: usize,
     device: Device,
     masks: RefCell<Vec<(KeyPattern, Tensor)>>,
-    offsets: RefCell<Vec<(KeyPattern, PpaOffsets)>>,
+    ppa: RefCell<Vec<(KeyPattern, PpaPlan)>>,
 }
 
-/// A PPA pattern's offsets beyond its window at one length: int32 on the device (None when
-/// there are none), and the share of the causal pairs the pattern attends.
-struct PpaOffsets {
-    offsets: Option<Tensor>,
-    density: f64,
+/// How a PPA pattern runs on the kernel library at one length.
+enum PpaPlan {
+    /// SDPA with the dense mask: the pattern is too dense for the pair-by-pair offset
+    /// kernels (`PPA_KERNEL_MAX_DENSITY`).
+    DenseMask,
+    /// No offset reaches beyond the window at this length: the window kernels alone.
+    Window,
+    /// The window kernels plus the offsets beyond the window (int32, on the device).
+    Offsets(Tensor),
 }
 
-impl Clone for PpaOffsets {
+impl Clone for PpaPlan {
     fn clone(&self) -> Self {
-        PpaOffsets {
-            offsets: self.offsets.as_ref().map(Tensor::shallow_clone),
-            density: self.density,
+        match self {
+            PpaPlan::DenseMask => PpaPlan::DenseMask,
+            PpaPlan::Window => PpaPlan::Window,
+            PpaPlan::Offsets(o) => PpaPlan::Offsets(o.shallow_clone()),
         }
     }
 }
@@ -233,25 +240,29 @@ impl MaskCache {
             len,
             device,
             masks: RefCell::new(Vec::new()),
-            offsets: RefCell::new(Vec::new()),
+            ppa: RefCell::new(Vec::new()),
         }
     }
 
-    /// The offsets of PPA `pattern` (window `window`) at this length, computed and copied to
-    /// the device at most once per forward.
-    fn ppa_offsets(&self, pattern: KeyPattern, window: usize) -> PpaOffsets {
-        let mut all = self.offsets.borrow_mut();
-        if let Some((_, o)) = all.iter().find(|(p, _)| *p == pattern) {
-            return o.clone();
+    /// How PPA `pattern` (window `window`) runs at this length, decided (and its offsets
+    /// copied to the device) at most once per forward. `dense_faster`: the library runs on a
+    /// GPU, where dense patterns are faster through SDPA with the mask.
+    fn ppa_plan(&self, pattern: KeyPattern, window: usize, dense_faster: bool) -> PpaPlan {
+        let mut all = self.ppa.borrow_mut();
+        if let Some((_, plan)) = all.iter().find(|(p, _)| *p == pattern) {
+            return plan.clone();
         }
         let offsets = pattern.offsets_beyond_window(self.len);
-        let o = PpaOffsets {
-            density: ppa_density(window, &offsets, self.len),
-            offsets: (!offsets.is_empty())
-                .then(|| Tensor::from_slice(&offsets).to_device(self.device)),
-        };
-        all.push((pattern, o.clone()));
-        o
+        let plan =
+            if dense_faster && ppa_density(window, &offsets, self.len) > PPA_KERNEL_MAX_DENSITY {
+                PpaPlan::DenseMask
+            } else if offsets.is_empty() {
+                PpaPlan::Window
+            } else {
+                PpaPlan::Offsets(Tensor::from_slice(&offsets).to_device(self.device))
+            };
+        all.push((pattern, plan.clone()));
+        plan
     }
 
     /// `pattern` applied to (q, k, v), with the mask built at most once per forward.
@@ -586,7 +597,7 @@ const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validat
 
 /// The routed kernels' per-query paths `[B, H, L]` (uint8) from bool masks: the whole prefix
 /// where `full`, else the window where `window`, else nothing.
-pub fn query_paths(full: &Tensor, window: Option<&Tensor>) -> Tensor {
+fn query_paths(full: &Tensor, window: Option<&Tensor>) -> Tensor {
     let paths = full.to_kind(Kind::Uint8) * QueryPath::Full as i64;
     match window {
         Some(w) => paths.maximum(&(w.to_kind(Kind::Uint8) * QueryPath::Window as i64)),
@@ -594,9 +605,16 @@ pub fn query_paths(full: &Tensor, window: Option<&Tensor>) -> Tensor {
     }
 }
 
+/// Routed kernels' paths for a bool choice `on: [B, H, L]`: the whole prefix where on, the
+/// window elsewhere.
+pub fn routed_paths(on: &Tensor) -> Tensor {
+    query_paths(on, Some(&on.logical_not()))
+}
+
 /// `[B, H, L, D]` attention of the queries marked in `full: [B, H, L]` (bool) over their whole
 /// prefix, zeros for the others.
 fn full_rows(kern: &Kernels, q: &Tensor, k: &Tensor, v: &Tensor, full: &Tensor) -> Tensor {
+    // No query is on the window: any valid window (1) will do.
     kern.routed_attention(q, k, v, &query_paths(full, None), 1)
         .expect(KERNEL_FAILED)
 }
@@ -612,8 +630,7 @@ fn routed_attention(
     on: &Tensor,
     window: i64,
 ) -> Tensor {
-    let paths = query_paths(on, Some(&on.logical_not()));
-    kern.routed_attention(q, k, v, &paths, window)
+    kern.routed_attention(q, k, v, &routed_paths(on), window)
         .expect(KERNEL_FAILED)
 }
 
@@ -762,17 +779,17 @@ impl SelfAttention {
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
             (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(cache)) => {
-                let o = cache.ppa_offsets(pattern, window);
                 // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
-                // path than pair by pair (PPA_KERNEL_MAX_DENSITY).
-                if kern.cuda && o.density > PPA_KERNEL_MAX_DENSITY {
-                    return keys.attend(slot, q, k, v, pattern);
+                // path than pair by pair.
+                match cache.ppa_plan(pattern, window, kern.cuda) {
+                    PpaPlan::DenseMask => keys.attend(slot, q, k, v, pattern),
+                    PpaPlan::Window => kern
+                        .list_attention(q, k, v, None, window as i64)
+                        .expect(KERNEL_FAILED),
+                    PpaPlan::Offsets(offsets) => kern
+                        .ppa_attention(q, k, v, window as i64, &offsets)
+                        .expect(KERNEL_FAILED),
                 }
-                match &o.offsets {
-                    None => kern.list_attention(q, k, v, None, window as i64),
-                    Some(offsets) => kern.ppa_attention(q, k, v, window as i64, offsets),
-                }
-                .expect(KERNEL_FAILED)
             }
             _ => keys.attend(slot, q, k, v, pattern),
         }
@@ -809,8 +826,10 @@ impl SelfAttention {
             (Some(kern), Keys::Chunk(_)) => {
                 let full = on.transpose(1, 2).gt(0.5);
                 let chosen = routed_attention(kern, q, k, v, &full, w);
+                if !q.requires_grad() {
+                    return chosen;
+                }
                 let flip = match values {
-                    _ if !q.requires_grad() => return chosen,
                     Values::None => return chosen,
                     Values::All => full.logical_not(),
                     Values::Some(rows) => rows
@@ -841,6 +860,7 @@ impl SelfAttention {
     /// `on`. `all_values`: the queries that picked the window also need the full path's output
     /// (for a router's gradient).
     ///
+    /// SwiAttn's branches, and AHA's without kernels (`per_head` handles AHA's kernel path).
     /// With kernels and the chunk's own keys, the full path runs with gradient only for the
     /// queries that picked it (one routed list): the other rows of `full` reach the loss
     /// multiplied by a hard 0, so their gradient is exactly zero and skipping it changes
@@ -867,12 +887,11 @@ impl SelfAttention {
                     return (y.shallow_clone(), y);
                 }
                 let full = full_rows(kern, q, k, v, &on);
-                let full = match all_values {
-                    false => full,
-                    true => {
-                        let rest = tch::no_grad(|| keys.attend(0, q, k, v, KeyPattern::Full));
-                        full + rest * on.logical_not().unsqueeze(-1).to_kind(q.kind())
-                    }
+                let full = if all_values {
+                    let rest = tch::no_grad(|| keys.attend(0, q, k, v, KeyPattern::Full));
+                    full + rest * on.logical_not().unsqueeze(-1).to_kind(q.kind())
+                } else {
+                    full
                 };
                 (full, self.attend_all(q, k, v, window, keys, 0))
             }
@@ -1993,9 +2012,10 @@ mod tests {
         );
     }
 
-    /// The kernel wiring (band attention for windows, compaction and sparse-query attention
-    /// for routed paths) computes what the reference path computes, in training (both paths
-    /// dense, gradients through the kernels) and in evaluation (each query on its own path).
+    /// The kernel wiring (band attention for windows, routed lists for routed paths) computes
+    /// what the reference path computes, in training (gradients through the kernels; AHA as
+    /// one routed launch plus the other path without gradient) and in evaluation (each query
+    /// on its own path).
     /// On the CPU the library runs its ATen reference, so this checks the wiring; the CUDA
     /// kernels themselves are checked in kernels.rs.
     #[test]
@@ -2142,10 +2162,11 @@ mod tests {
         );
     }
 
-    /// On the GPU, training through the CUDA kernels (routed paths compacted, the unpicked
-    /// full path filled without gradient) gives the reference path's logits and gradients
-    /// within bf16 noise. One layer, so both paths' routers see the same inputs and no gate
-    /// flips between them.
+    /// On the GPU, training through the CUDA kernels (routed lists; the other path, where the
+    /// router's gradient reads it, without gradient) gives the reference path's logits and
+    /// gradients within bf16 noise, AHA with the exact and the sampled straight-through
+    /// gradient. One layer, so both paths' routers see the same inputs and no gate flips
+    /// between them.
     #[test]
     fn cuda_routed_training_matches_reference() {
         use crate::config::{AttnImpl, Dtype};
@@ -2161,8 +2182,14 @@ mod tests {
             (a.to_kind(Kind::Double) - &b).norm().double_value(&[])
                 / b.norm().double_value(&[]).max(1e-6)
         };
-        for method in [Method::Aha, Method::Swiattn, Method::L2a] {
+        for (method, ste_sample) in [
+            (Method::Aha, 1.0),
+            (Method::Aha, 0.5),
+            (Method::Swiattn, 1.0),
+            (Method::L2a, 1.0),
+        ] {
             let mut cfg = routed_cfg(method, |c| {
+                c.attention.ste_sample = ste_sample;
                 c.model.hidden_size = 128;
                 c.model.intermediate_size = 256;
                 c.model.num_hidden_layers = 1;
@@ -2197,15 +2224,24 @@ mod tests {
             let ((la, mua), (lb, mub)) = (step(&reference), step(&kernel));
             assert!(
                 mua > 0.05 && mua < 0.95,
-                "{method:?}: gates all alike ({mua})"
+                "{method:?} (ste_sample {ste_sample}): gates all alike ({mua})"
             );
-            assert_eq!(mua, mub, "{method:?}: gates differ between paths");
+            assert_eq!(
+                mua, mub,
+                "{method:?} (ste_sample {ste_sample}): gates differ between paths"
+            );
             let e = rel(&lb, &la);
-            assert!(e < 1e-2, "{method:?}: logits differ by {e:.2e}");
+            assert!(
+                e < 1e-2,
+                "{method:?} (ste_sample {ste_sample}): logits differ by {e:.2e}"
+            );
             for ((n, pa), (_, pb)) in reference.params().iter().zip(kernel.params().iter()) {
                 if pa.grad().defined() {
                     let e = rel(&pb.grad(), &pa.grad());
-                    assert!(e < 5e-2, "{method:?}: gradient of {n} differs by {e:.2e}");
+                    assert!(
+                        e < 5e-2,
+                        "{method:?} (ste_sample {ste_sample}): gradient of {n} differs by {e:.2e}"
+                    );
                 }
             }
         }

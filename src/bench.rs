@@ -3,7 +3,7 @@
 //! FlexAttention in `kernels/bench_peers.py`, run by this command. Writes one CSV and the
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
-use crate::attention::{query_paths, KeyPattern};
+use crate::attention::{routed_paths, KeyPattern};
 use crate::kernels::Kernels;
 use crate::plot::{Figure, Series};
 use anyhow::{ensure, Context, Result};
@@ -229,7 +229,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     // The gate pattern is an input, built outside the timed call as the
                     // other cases' query lists are.
                     let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
-                    let paths = query_paths(&on, Some(&on.logical_not()));
+                    let paths = routed_paths(&on);
                     let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
                         kern.routed_attention(q, k, v, &paths, w)
                             .expect("routed attention on the bench's inputs")

@@ -351,16 +351,17 @@ pub struct AdamWStep {
     pub clip: f64,
 }
 
-/// A loaded kernel library.
-/// What a query of routed attention sees: `Kernels::routed_attention`'s `path` values, in
-/// increasing order of reach.
+/// What a query of routed attention sees: `Kernels::routed_attention`'s `path` values (uint8),
+/// in increasing order of reach.
 #[derive(Clone, Copy)]
+#[repr(u8)]
 pub enum QueryPath {
     Nothing = 0,
     Window = 1,
     Full = 2,
 }
 
+/// A loaded kernel library.
 pub struct Kernels {
     _lib: Library,
     list_attention: ListAttentionFn,
@@ -428,7 +429,7 @@ impl Kernels {
     }
 
     /// Routed attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: per query, `path:
-    /// [B, H, L]` (uint8, `Route` values) says whether it sees its whole prefix, its `window`,
+    /// [B, H, L]` (uint8, `QueryPath` values) says whether it sees its whole prefix, its `window`,
     /// or nothing (zeros). The paths' queries form one list per (b, h), compacted on the
     /// device, so each query runs only its own path, in one launch. Differentiable in q, k, v.
     pub fn routed_attention(
