@@ -1,11 +1,24 @@
 // Device helpers shared by the mma.sync kernels (attention.cu), the wgmma kernels
 // (attention_sm90.cu) and the fused element-wise kernels.
 #pragma once
+#include <ATen/ATen.h>
 #include <cuda_bf16.h>
 #include <cstdint>
 
 namespace attnsweep {
 namespace {
+
+// Calls f(T{}) with T the element type of x, __nv_bfloat16 or float: the dtypes the fused
+// element-wise kernels take.
+template <typename F>
+void dispatch_float(const at::Tensor& x, F f) {
+    if (x.scalar_type() == at::kBFloat16)
+        f(__nv_bfloat16{});
+    else if (x.scalar_type() == at::kFloat)
+        f(float{});
+    else
+        TORCH_CHECK(false, "the fused kernels take bf16 or fp32 tensors, not ", x.scalar_type());
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -116,18 +116,11 @@ void cuda_cross_entropy(const at::Tensor& x, const at::Tensor& y, at::Tensor& nl
     const int64_t rows = x.size(0), vocab = x.size(1);
     if (rows == 0) return;
     auto stream = at::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_SWITCH(x.scalar_type(), "cross_entropy",
-                       AT_DISPATCH_CASE(at::kFloat,
-                                        [&] {
-                                            ce_forward<float><<<rows, THREADS, 0, stream>>>(
-                                                x.data_ptr<float>(), y.data_ptr<int64_t>(), vocab,
-                                                nll.data_ptr<float>(), lse.data_ptr<float>());
-                                        })
-                           AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                               ce_forward<__nv_bfloat16><<<rows, THREADS, 0, stream>>>(
-                                   reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), y.data_ptr<int64_t>(), vocab,
-                                   nll.data_ptr<float>(), lse.data_ptr<float>());
-                           }));
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        ce_forward<T><<<rows, THREADS, 0, stream>>>(static_cast<const T*>(x.data_ptr()), y.data_ptr<int64_t>(), vocab,
+                                                    nll.data_ptr<float>(), lse.data_ptr<float>());
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -137,19 +130,12 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& y, const
     const int64_t rows = x.size(0), vocab = x.size(1);
     if (rows == 0) return;
     auto stream = at::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_SWITCH(x.scalar_type(), "cross_entropy_backward",
-                       AT_DISPATCH_CASE(at::kFloat,
-                                        [&] {
-                                            ce_backward<float><<<rows, THREADS, 0, stream>>>(
-                                                x.data_ptr<float>(), y.data_ptr<int64_t>(), lse.data_ptr<float>(),
-                                                g.data_ptr<float>(), vocab, dx.data_ptr<float>());
-                                        })
-                           AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                               ce_backward<__nv_bfloat16><<<rows, THREADS, 0, stream>>>(
-                                   reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), y.data_ptr<int64_t>(),
-                                   lse.data_ptr<float>(), g.data_ptr<float>(), vocab,
-                                   reinterpret_cast<__nv_bfloat16*>(dx.data_ptr()));
-                           }));
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        ce_backward<T><<<rows, THREADS, 0, stream>>>(static_cast<const T*>(x.data_ptr()), y.data_ptr<int64_t>(),
+                                                     lse.data_ptr<float>(), g.data_ptr<float>(), vocab,
+                                                     static_cast<T*>(dx.data_ptr()));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

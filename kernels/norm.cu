@@ -82,14 +82,6 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
     }
 }
 
-template <typename F>
-void dispatch(const at::Tensor& x, F f) {
-    if (x.scalar_type() == at::kBFloat16)
-        f(__nv_bfloat16{});
-    else
-        f(float{});
-}
-
 }  // namespace
 
 int cuda_norm_max_dim() { return 32 * MAXC; }
@@ -99,7 +91,7 @@ void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
     const int64_t d = x.size(-1), rows = x.numel() / d;
     if (rows == 0) return;
     auto stream = at::cuda::getCurrentCUDAStream();
-    dispatch(x, [&](auto t) {
+    dispatch_float(x, [&](auto t) {
         using T = decltype(t);
         const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
         norm_forward<T><<<blocks, WARPS * 32, 0, stream>>>(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
@@ -117,7 +109,7 @@ void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::
     auto partial = at::zeros({blocks, d}, w.options());
     if (rows > 0) {
         auto stream = at::cuda::getCurrentCUDAStream();
-        dispatch(x, [&](auto t) {
+        dispatch_float(x, [&](auto t) {
             using T = decltype(t);
             norm_backward<T><<<blocks, WARPS * 32, 0, stream>>>(
                 static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(), static_cast<const T*>(dy.data_ptr()),

@@ -53,13 +53,12 @@ void launch(const at::Tensor& src, const at::Tensor& cos, const at::Tensor& sin,
     if (n == 0) return;
     const auto blocks = (n + THREADS - 1) / THREADS;
     auto stream = at::cuda::getCurrentCUDAStream();
-    if (src.scalar_type() == at::kBFloat16)
-        rope_kernel<__nv_bfloat16, BACKWARD><<<blocks, THREADS, 0, stream>>>(
-            static_cast<const __nv_bfloat16*>(src.data_ptr()), cos.data_ptr<float>(), sin.data_ptr<float>(), s,
-            static_cast<__nv_bfloat16*>(dst.data_ptr()));
-    else
-        rope_kernel<float, BACKWARD><<<blocks, THREADS, 0, stream>>>(src.data_ptr<float>(), cos.data_ptr<float>(),
-                                                                      sin.data_ptr<float>(), s, dst.data_ptr<float>());
+    dispatch_float(src, [&](auto t) {
+        using T = decltype(t);
+        rope_kernel<T, BACKWARD><<<blocks, THREADS, 0, stream>>>(static_cast<const T*>(src.data_ptr()),
+                                                                 cos.data_ptr<float>(), sin.data_ptr<float>(), s,
+                                                                 static_cast<T*>(dst.data_ptr()));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
