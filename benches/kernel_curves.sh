@@ -7,7 +7,8 @@
 set -eu
 B=$1 OUT=$2 LEN=$3 BATCH=$4 SEED=$5
 shift 5
-WORK=${TMPDIR:-/tmp}/kernel_curves
+[ $(($# % 2)) -eq 0 ] || { echo "kernel_curves.sh: variants come as NAME \"FLAGS\" pairs" >&2; exit 2; }
+WORK=${TMPDIR:-/tmp}/kernel_curves_$(basename "$OUT")
 rm -rf "$WORK" && mkdir -p "$WORK"
 "$B" data synth --out "$WORK/data" --train-tokens 4000000 --val-tokens 131072 --max-distance "$LEN"
 while [ $# -ge 2 ]; do
@@ -23,4 +24,3 @@ while [ $# -ge 2 ]; do
         --set train.log_every=10 $flags
     cp "$WORK/$name/train_log.csv" "$OUT/$name.csv"
 done
-[ $# -eq 0 ] || { echo "kernel_curves.sh: a variant name without flags: $1" >&2; exit 2; }

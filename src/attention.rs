@@ -840,12 +840,12 @@ impl SelfAttention {
                 let paths = query_paths(&flip, Some(&full));
                 let other = tch::no_grad(|| kern.routed_attention(q, k, v, &paths, w))
                     .expect(KERNEL_FAILED);
-                // full - local: chosen minus the other path on the full path's rows, the other
-                // way round on the window's (rows where neither is needed get a finite value
-                // that a zero gradient weight multiplies).
-                let sign = gv(on) * 2.0 - 1.0;
-                let diff = (chosen.detach() - other) * sign;
-                &chosen + (gv(g) - gv(on)) * diff
+                // full - local is chosen minus the other path on the full path's rows and the
+                // other way round on the window's: the sign goes on the per-row weight (rows
+                // where neither is needed get a finite value that a zero gradient weight
+                // multiplies).
+                let weight = (gv(g) - gv(on)) * (gv(on) * 2.0 - 1.0);
+                &chosen + weight * (chosen.detach() - other)
             }
             _ => {
                 let (full, local) = self.branches(q, k, v, on, keys, false);
@@ -2170,81 +2170,77 @@ mod tests {
     #[test]
     fn cuda_routed_training_matches_reference() {
         use crate::config::{AttnImpl, Dtype};
-        if !tch::Cuda::is_available() || crate::kernels::cuda().is_none() {
-            eprintln!(
-                "SKIPPED cuda_routed_training_matches_reference: no CUDA device or kernel library"
-            );
-            return;
-        }
-        let dev = Device::Cuda(0);
-        let rel = |a: &Tensor, b: &Tensor| {
-            let b = b.to_kind(Kind::Double);
-            (a.to_kind(Kind::Double) - &b).norm().double_value(&[])
-                / b.norm().double_value(&[]).max(1e-6)
-        };
-        for (method, ste_sample) in [
-            (Method::Aha, 1.0),
-            (Method::Aha, 0.5),
-            (Method::Swiattn, 1.0),
-            (Method::L2a, 1.0),
-        ] {
-            let mut cfg = routed_cfg(method, |c| {
-                c.attention.ste_sample = ste_sample;
-                c.model.hidden_size = 128;
-                c.model.intermediate_size = 256;
-                c.model.num_hidden_layers = 1;
-                c.model.num_attention_heads = 2;
-                c.model.num_key_value_heads = 2;
-                c.model.attention_bias = false;
-                c.attention.window = 37;
-                c.attention.tau = 0.5;
-                c.train.dtype = Dtype::Bf16;
-                c.train.device = "cuda".into();
-            });
-            let reference = Built::new(&cfg, dev).unwrap();
-            randomise_routers(&reference, 0.5);
-            cfg.attention.attn_impl = AttnImpl::Cuda;
-            let mut kernel = Built::new(&cfg, dev).unwrap();
-            assert!(kernel.model.kernels.is_some());
-            kernel.vs.copy(&reference.vs).unwrap();
-            tch::manual_seed(11);
-            let ids = Tensor::randint(13, [2, 301], (Kind::Int64, dev));
-            let ctx = ForwardCtx::default();
-            let step = |m: &Built| {
-                let out = m.model.forward(&ids, &ctx);
-                let nll = token_nll(&out.logits, &ids);
-                let loss = match out.regulariser(&nll) {
-                    Some(r) => nll.mean(Kind::Float) + r,
-                    None => nll.mean(Kind::Float),
-                };
-                loss.backward();
-                let mu = out.full_usage().unwrap().double_value(&[]);
-                (out.logits.detach(), mu)
+        crate::kernels::tests::on_cuda("cuda_routed_training_matches_reference", |_| {
+            let dev = Device::Cuda(0);
+            let rel = |a: &Tensor, b: &Tensor| {
+                let b = b.to_kind(Kind::Double);
+                (a.to_kind(Kind::Double) - &b).norm().double_value(&[])
+                    / b.norm().double_value(&[]).max(1e-6)
             };
-            let ((la, mua), (lb, mub)) = (step(&reference), step(&kernel));
-            assert!(
-                mua > 0.05 && mua < 0.95,
-                "{method:?} (ste_sample {ste_sample}): gates all alike ({mua})"
-            );
-            assert_eq!(
-                mua, mub,
-                "{method:?} (ste_sample {ste_sample}): gates differ between paths"
-            );
-            let e = rel(&lb, &la);
-            assert!(
-                e < 1e-2,
-                "{method:?} (ste_sample {ste_sample}): logits differ by {e:.2e}"
-            );
-            for ((n, pa), (_, pb)) in reference.params().iter().zip(kernel.params().iter()) {
-                if pa.grad().defined() {
-                    let e = rel(&pb.grad(), &pa.grad());
-                    assert!(
-                        e < 5e-2,
-                        "{method:?} (ste_sample {ste_sample}): gradient of {n} differs by {e:.2e}"
-                    );
+            for (method, ste_sample) in [
+                (Method::Aha, 1.0),
+                (Method::Aha, 0.5),
+                (Method::Swiattn, 1.0),
+                (Method::L2a, 1.0),
+            ] {
+                let mut cfg = routed_cfg(method, |c| {
+                    c.attention.ste_sample = ste_sample;
+                    c.model.hidden_size = 128;
+                    c.model.intermediate_size = 256;
+                    c.model.num_hidden_layers = 1;
+                    c.model.num_attention_heads = 2;
+                    c.model.num_key_value_heads = 2;
+                    c.model.attention_bias = false;
+                    c.attention.window = 37;
+                    c.attention.tau = 0.5;
+                    c.train.dtype = Dtype::Bf16;
+                    c.train.device = "cuda".into();
+                });
+                let reference = Built::new(&cfg, dev).unwrap();
+                randomise_routers(&reference, 0.5);
+                cfg.attention.attn_impl = AttnImpl::Cuda;
+                let mut kernel = Built::new(&cfg, dev).unwrap();
+                assert!(kernel.model.kernels.is_some());
+                kernel.vs.copy(&reference.vs).unwrap();
+                tch::manual_seed(11);
+                let ids = Tensor::randint(13, [2, 301], (Kind::Int64, dev));
+                let ctx = ForwardCtx::default();
+                let step = |m: &Built| {
+                    let out = m.model.forward(&ids, &ctx);
+                    let nll = token_nll(&out.logits, &ids);
+                    let loss = match out.regulariser(&nll) {
+                        Some(r) => nll.mean(Kind::Float) + r,
+                        None => nll.mean(Kind::Float),
+                    };
+                    loss.backward();
+                    let mu = out.full_usage().unwrap().double_value(&[]);
+                    (out.logits.detach(), mu)
+                };
+                let ((la, mua), (lb, mub)) = (step(&reference), step(&kernel));
+                assert!(
+                    mua > 0.05 && mua < 0.95,
+                    "{method:?} (ste_sample {ste_sample}): gates all alike ({mua})"
+                );
+                assert_eq!(
+                    mua, mub,
+                    "{method:?} (ste_sample {ste_sample}): gates differ between paths"
+                );
+                let e = rel(&lb, &la);
+                assert!(
+                    e < 1e-2,
+                    "{method:?} (ste_sample {ste_sample}): logits differ by {e:.2e}"
+                );
+                for ((n, pa), (_, pb)) in reference.params().iter().zip(kernel.params().iter()) {
+                    if pa.grad().defined() {
+                        let e = rel(&pb.grad(), &pa.grad());
+                        assert!(
+                            e < 5e-2,
+                            "{method:?} (ste_sample {ste_sample}): gradient of {n} differs by {e:.2e}"
+                        );
+                    }
                 }
             }
-        }
+        });
     }
 
     /// Decoding with a cache, a prefill chunk then single tokens then a chunk of two, gives

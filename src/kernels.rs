@@ -440,7 +440,6 @@ impl Kernels {
         path: &Tensor,
         window: i64,
     ) -> Result<Tensor> {
-        ensure!(window >= 1, "window must be at least 1");
         let mut err = vec![0 as c_char; 1024];
         let out = unsafe {
             (self.routed_attention)(
