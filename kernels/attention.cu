@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
     const RowSpan span = row_span(spos, 0, last, full - row0, p.window, p.len);
-    const int t_first = span.key_lo / BK, t_last = span.key_hi / BK;
+    const int t_first = first_tile(p, span, BK), t_last = span.key_hi / BK;
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     auto stage = [&](int i) { return skv + (i % 2) * 2 * BK * S; };
@@ -166,12 +166,12 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
 
     float o_acc[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    for (int t = t_first; t <= t_last; ++t) {
-        const int i = t - t_first;
-        if (t < t_last) {
+    for (int t = t_first, i = 0, t_next; t <= t_last; t = t_next, ++i) {
+        t_next = next_tile(p, t, span, BK);
+        if (t_next <= t_last) {
             // Prefetch the next key and value tiles while this one is computed.
-            load_tile<D>(stage(i + 1), kb, (t + 1) * BK, p.len);
-            load_tile<D>(stage(i + 1) + BK * S, vb, (t + 1) * BK, p.len);
+            load_tile<D>(stage(i + 1), kb, t_next * BK, p.len);
+            load_tile<D>(stage(i + 1) + BK * S, vb, t_next * BK, p.len);
             commit();
             wait_loads<1>();
         } else {
@@ -192,12 +192,17 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
         // Tiles wholly inside every row's window need no mask.
         const bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] &&
                               pos_row[0] - k0 < win_row(0) && pos_row[1] - k0 < win_row(1) && k0 + BK <= p.len;
+        // PPA's far bits of this thread's rows (as in dq_kernel).
+        const uint64_t far[2] = {far_bits64(p, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
+                                 far_bits64(p, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
         float mx[2] = {-INFINITY, -INFINITY};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1);
                 const int hr = e >> 1;
-                s[nb][e] = (interior || visible(key, pos_row[hr], win_row(hr), p.len)) ? s[nb][e] * scale2 : -INFINITY;
+                const bool ok = interior || visible(key, pos_row[hr], win_row(hr), p.len) ||
+                                ((far[hr] >> (BK - 1 - nb * 8 - (e & 1))) & 1);
+                s[nb][e] = ok ? s[nb][e] * scale2 : -INFINITY;
                 mx[hr] = fmaxf(mx[hr], s[nb][e]);
             }
         float corr[2];
@@ -301,7 +306,8 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     float dq_acc[D / 8][4] = {};
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
-    for (int k0 = (span.key_lo / BK) * BK; k0 <= span.key_hi; k0 += BK) {
+    for (int t = first_tile(p, span, BK); t <= span.key_hi / BK; t = next_tile(p, t, span, BK)) {
+        const int k0 = t * BK;
         __syncthreads();
         load_tile<D>(sk, kb, k0, p.len);
         load_tile<D>(sv, vb, k0, p.len);
@@ -319,10 +325,16 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
                 mma16816(dp[nb], da[kk], vf[0], vf[1]);
                 mma16816(dp[nb + 1], da[kk], vf[2], vf[3]);
             }
+        // PPA's far bits of this thread's rows: bit i of far[hr] is the distance from its row to
+        // column k0 + 2 (lane % 4) + BK - 1 - i.
+        const uint64_t far[2] = {far_bits64(p, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
+                                 far_bits64(p, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
-                const float pr = visible(key, pos_row[hr], win_row(hr), p.len) ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
+                const bool ok = visible(key, pos_row[hr], win_row(hr), p.len) ||
+                                ((far[hr] >> (BK - 1 - nb * 8 - (e & 1))) & 1);
+                const float pr = ok ? __expf(s[nb][e] * p.scale - lse[hr]) : 0.f;
                 s[nb][e] = pr * (dp[nb][e] - dl[hr]);  // dS
             }
         for (int j = 0; j < BK / 16; ++j) {
@@ -379,14 +391,16 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
         if (lo >= hi) continue;
         const int64_t qbase = (int64_t)bh * p.lq;
         if (threadIdx.x == 0) {
-            // Queries that can see a key of this tile: positions in [k0, k0 + BK - 1 + window - 1].
+            // Queries that can see a key of this tile: positions in [k0, k0 + BK - 1 + window - 1]
+            // (PPA: from k0 on).
             srange[0] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, k0);
-            const int64_t last = (int64_t)k0 + BK - 1 + window;  // exclusive bound on positions
+            const int64_t last = p.far ? INT32_MAX : (int64_t)k0 + BK - 1 + window;  // exclusive bound on positions
             srange[1] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, last < INT32_MAX ? (int)last : INT32_MAX);
         }
         __syncthreads();
         const int r_begin = (srange[0] / BQ) * BQ, r_end = srange[1];
-        for (int row0 = r_begin; row0 < r_end; row0 += BQ) {
+        for (int row0 = seen_rows_from(p, r_begin, r_end, k0, BK, BQ); row0 < r_end;
+             row0 = seen_rows_from(p, row0 + BQ, r_end, k0, BK, BQ)) {
             __syncthreads();
             load_positions<BQ>(spos, p.qpos, qbase, row0, lo, hi);
             for (int i = threadIdx.x; i < BQ; i += THREADS) {
@@ -415,10 +429,15 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
                     mma16816(dpt[nb + 1], va, df[2], df[3]);
                 }
             }
+            // PPA's far bits (dense lists: row qi at row0 + qi): bit i of far[hr] is the
+            // distance from key_row[hr] to the query row0 + 2 (lane % 4) + i.
+            const uint64_t far[2] = {far_bits64(p, row0 + (lane % 4) * 2 - key_row[0]),
+                                     far_bits64(p, row0 + (lane % 4) * 2 - key_row[1])};
             for (int nb = 0; nb < BQ / 8; ++nb)
                 for (int e = 0; e < 4; ++e) {
                     const int qi = nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
-                    const bool ok = visible(key_row[hr], spos[qi], window, p.len);
+                    const bool ok = visible(key_row[hr], spos[qi], window, p.len) ||
+                                    (spos[qi] >= 0 && ((far[hr] >> (nb * 8 + (e & 1))) & 1));
                     const float pr = ok ? __expf(st[nb][e] * p.scale - slse[qi]) : 0.f;
                     st[nb][e] = pr;                         // P^T
                     dpt[nb][e] = pr * (dpt[nb][e] - sdl[qi]);  // dS^T
@@ -544,13 +563,44 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
+// One thread per distance d: a binary search of the offsets gives both neighbours, and a warp
+// ballot the bits of its 32 distances.
+__global__ void far_table_kernel(const int* offsets, int n, int len, int* table) {
+    const int d = blockIdx.x * blockDim.x + threadIdx.x;
+    int lo = 0, hi = n;  // first offset >= d
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (offsets[mid] < d) lo = mid + 1; else hi = mid;
+    }
+    const bool far = d < len && lo < n && offsets[lo] == d;
+    const unsigned bits = __ballot_sync(0xffffffffu, far);
+    if (d % 32 == 0 && d < len) table[d / 32] = (int)bits;
+    if (d < len) {
+        int* above = table + far_words(len);
+        above[d] = lo < n && offsets[lo] < len ? offsets[lo] : INT32_MAX;
+        above[len + d] = far ? d : lo > 0 ? offsets[lo - 1] : -1;
+    }
+}
+
 }  // namespace
+
+at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len) {
+    const at::cuda::CUDAGuard guard(offsets.device());
+    auto table = at::empty({far_words((int)len) + 2 * len}, offsets.options().dtype(at::kInt));
+    if (len > 0) {
+        far_table_kernel<<<far_words((int)len), 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+            offsets.data_ptr<int>(), (int)offsets.numel(), (int)len, table.data_ptr<int>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return table;
+}
 
 ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const QueryList& list, int64_t window) {
     ListShape a{};
     a.qpos = list.qpos ? list.qpos->data_ptr<int>() : nullptr;
     a.nq = list.nq ? list.nq->data_ptr<int>() : nullptr;
     a.nfull = list.nfull ? list.nfull->data_ptr<int>() : nullptr;
+    a.far = list.far ? list.far->data_ptr<int>() : nullptr;
     a.at_positions = list.at_positions;
     a.heads = (int)q.size(1);
     a.kv_heads = (int)k.size(1);
@@ -596,10 +646,10 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
     else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
     else launch(dq_kernel<128>, qgrid, smem, a);
-    // dK, dV on wgmma for wide windows, full prefixes (routed lists have some) and head_dim 64
-    // (one launch for both outputs there); narrow windows at head_dim 128 (two launches)
-    // measured slower there than on mma.sync (PERFORMANCE.md, v4 and v7).
-    if (use_sm90() && (window > 512 || list.nfull || d == 64))
+    // dK, dV on wgmma for wide windows, full prefixes (routed lists have some), PPA's far
+    // distances and head_dim 64 (one launch for both outputs there); narrow windows at head_dim
+    // 128 (two launches) measured slower there than on mma.sync (PERFORMANCE.md, v4 and v7).
+    if (use_sm90() && (window > 512 || list.nfull || list.far || d == 64))
         sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
     else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
     else launch(dkdv_kernel<128>, kgrid, smem, a);

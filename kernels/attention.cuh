@@ -12,14 +12,18 @@ namespace attnsweep {
 // (routed attention: both paths in one list; each of the two groups ascends). at_positions:
 // qpos holds a permutation of all Lq = L positions, and the outputs (O, dQ) are written at
 // the rows' positions instead of in list order (lse stays in list order).
+// far: PPA's distances beyond the window as a table (cuda_far_table), or null; with it every
+// query also sees the keys at those distances back (dense lists only).
 struct QueryList {
     const at::Tensor *qpos = nullptr, *nq = nullptr, *nfull = nullptr;
     bool at_positions = false;
+    const at::Tensor* far = nullptr;
 };
 
 // What every kernel knows of a call: the query list and the shapes.
 struct ListShape {
     const int *qpos, *nq, *nfull;
+    const int* far;  // PPA's far distances (common.cuh, far_above), or null
     bool at_positions;
     int heads, kv_heads, lq, len, window;
     float scale;  // softmax scale, 1/sqrt(D)
@@ -45,6 +49,10 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list,
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// PPA's far distances as the table QueryList::far takes (common.cuh has its layout), from
+// offsets: int32, ascending (entries outside [0, len) see nothing).
+at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len);
 
 // The routed list of each (b, h) from path [B, H, L] (uint8: 2 the query sees its whole
 // prefix, 1 its window, 0 or any other value nothing; the C API rejects other values where it

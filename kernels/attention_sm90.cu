@@ -23,6 +23,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace attnsweep {
 namespace {
@@ -222,7 +223,7 @@ __device__ __forceinline__ float ex2(float x) {
 //   MN-major for dQ) as V does in the forward.
 // BK keys per tile: 128 halves the per-tile overhead (waits, row reductions, rescales), 64
 // wastes less on a narrow band's edge tiles (and leaves dQ's three accumulators room).
-template <int D, int BK, bool DQ>
+template <int D, int BK, bool DQ, bool FAR>
 __global__ void __launch_bounds__(THREADS, 1)
     list_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                 const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
@@ -265,15 +266,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
     const RowSpan span = row_span(spos, 0, last, nfull - row0, p.window, p.len);
-    const int t_first = span.key_lo / BK, t_last = span.key_hi / BK;
+    const FarView<FAR> fv(p);
+    const int t_first = first_tile(fv, span, BK), t_last = span.key_hi / BK;
 
     if (threadIdx.x >= CONSUMERS) {
         // Producer: lane 0 issues every tensor copy; a stage is refilled once both
         // warpgroups have released it.
         const int lane = threadIdx.x % 32;
         const int kv_row0 = (b * p.kv_heads + kvh) * p.len;
-        auto load_kv = [&](int t) {
-            const int i = t - t_first, s = i % STAGES;
+        // The i-th tile the block sees, t.
+        auto load_kv = [&](int i, int t) {
+            const int s = i % STAGES;
             if (i >= STAGES) bar_wait(empty(s), (i / STAGES - 1) & 1);
             bar_expect(full(s), 2 * T_BYTES);
             for (int c = 0; c < D / 64; ++c) {
@@ -295,7 +298,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (DQ) copy16(sdo + at, p.dout + src);
             }
         }
-        const int t_ring = min(t_last, t_first + STAGES - 1);
+        int t = t_first, i = 0;
         if (lane == 0) {
             if (!p.at_positions) {
                 bar_expect(q_full, QS * Q_BYTES);
@@ -304,14 +307,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (DQ) tma_load(sdo + c * (BQ * 128), &tdo, c * 64, (int)(qbase + row0), q_full);
                 }
             }
-            for (int t = t_first; t <= t_ring; ++t) load_kv(t);
+            for (; t <= t_last && i < STAGES; t = next_tile(fv, t, span, BK), ++i) load_kv(i, t);
         }
         if (gather_q) {
             asm volatile("cp.async.wait_all;\nfence.proxy.async.shared::cta;\n" ::: "memory");
             bar_arrive(q_full);
         }
         if (lane == 0)
-            for (int t = t_ring + 1; t <= t_last; ++t) load_kv(t);
+            for (; t <= t_last; t = next_tile(fv, t, span, BK), ++i) load_kv(i, t);
         return;
     }
 
@@ -341,13 +344,15 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     }
     bar_wait(q_full, 0);
-    for (int t = t_first; t <= t_last; ++t) {
-        const int i = t - t_first, st = i % STAGES;
+    for (int t = t_first, i = 0; t <= t_last; t = next_tile(fv, t, span, BK), ++i) {
+        const int st = i % STAGES;
         const int k0 = t * BK;
         // Every warp waits for the tile, even one that skips it: a warp that released stages
         // unread could otherwise run a whole ring ahead and release a later phase early.
         bar_wait(full(st), (i / STAGES) & 1);
-        if (k0 <= ws.key_hi && k0 + BK - 1 >= ws.key_lo) {
+        const bool seen = FAR ? sees_any(fv, ws.pmin - (k0 + BK - 1), ws.key_hi - k0, p.window)
+                                : k0 <= ws.key_hi && k0 + BK - 1 >= ws.key_lo;
+        if (seen) {
             const uint32_t sk = stage_k(st), sv = sk + T_BYTES;
             float s[BK / 2], dp[DQ ? BK / 2 : 1];
             // This warpgroup's 64 rows of Q (and dO) against the tile's keys (and values).
@@ -356,10 +361,20 @@ __global__ void __launch_bounds__(THREADS, 1)
             // The mask only on tiles not wholly inside every row's window: a branch taken by the
             // whole warpgroup, so interior tiles pay nothing for it.
             if (!inside(ws, k0, BK, p.window, p.len)) {
+                // PPA's far bits of this thread's rows: bit i of far[hr][h] is distance
+                // dlow + 64 h + i, dlow the row's distance to its last column less BK - 1.
+                uint64_t far[2][BK / 64];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                    for (int h = 0; h < BK / 64; ++h)
+                        far[hr][h] = far_bits64(fv, pos_row[hr] - k0 - (lane % 4) * 2 - (BK - 1) + 64 * h);
 #pragma unroll
                 for (int e = 0; e < BK / 2; ++e) {
                     const int key = k0 + (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
-                    if (!visible(key, pos_row[hr], win_row(hr), p.len)) s[e] = -INFINITY;
+                    const int idx = BK - 1 - (e / 4) * 8 - (e & 1);  // pos - key - dlow
+                    if (!visible(key, pos_row[hr], win_row(hr), p.len) && !((far[hr][idx / 64] >> (idx % 64)) & 1))
+                        s[e] = -INFINITY;
                 }
             }
             if constexpr (DQ) {
@@ -457,7 +472,7 @@ constexpr int BKEYS = 128;  // keys per block
 constexpr int BQT = 64;     // queries per tile
 enum KvOut { KV_DV = 1, KV_DK = 2, KV_BOTH = 3 };
 
-template <int D, KvOut OUT>
+template <int D, KvOut OUT, bool FAR>
 __global__ void __launch_bounds__(THREADS, 1)
     kv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
@@ -478,6 +493,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     const int bkv = blockIdx.x, b = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads;
+    const FarView<FAR> fv(p);
     // Key tile 0 first: low keys are seen by the most queries.
     const int kb0 = blockIdx.y * BKEYS;
     const int64_t kvbase = (int64_t)bkv * p.len;
@@ -508,7 +524,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         int n, nfull;
         tile_rows(gs / 2, base, n, nfull);
         const RowGroup rg = row_group(gs % 2, n, nfull, p.window);
-        const int64_t hi_pos = min((int64_t)kb0 + BKEYS - 1 + rg.window, (int64_t)INT32_MAX);
+        // PPA's far distances reach every later query.
+        const int64_t hi_pos = FAR ? INT32_MAX : min((int64_t)kb0 + BKEYS - 1 + rg.window, (int64_t)INT32_MAX);
         for (int side = 0; side < 2; ++side) {
             const int key = side == 0 ? kb0 : (int)hi_pos;
             if (!p.qpos) {
@@ -541,7 +558,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             int nq, nfull;
             tile_rows(gs / 2, base, nq, nfull);
             const RowGroup rg = row_group(gs % 2, nq, nfull, p.window);
-            for (int r0 = ranges[2 * gs]; r0 < ranges[2 * gs + 1]; r0 += BQT) f(i++, base, rg.hi, r0, rg.window);
+            const int end = ranges[2 * gs + 1];
+            for (int r0 = seen_rows_from(fv, ranges[2 * gs], end, kb0, BKEYS, BQT); r0 < end;
+                 r0 = seen_rows_from(fv, r0 + BQT, end, kb0, BKEYS, BQT))
+                f(i++, base, rg.hi, r0, rg.window);
         }
     };
 
@@ -589,7 +609,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int n = min(BQT, end - r0);  // rows of the tile's group; positions ascend over them
         auto pos = [&](int c) { return p.qpos ? tpos[st][c] : r0 + c; };
         const int pmin = pos(0), pmax = pos(n - 1);
-        if (kw0 < p.len && pmax >= kw0 && pmin - (kw0 + 63) < window) {
+        const bool seen = FAR ? sees_any(fv, pmin - (kw0 + 63), pmax - kw0, window)
+                                : kw0 < p.len && pmax >= kw0 && pmin - (kw0 + 63) < window;
+        if (seen) {
             const uint32_t sq = stage_q(st), sdo = sq + T_BYTES;
             float s[BQT / 2], dp[DK ? BQT / 2 : 1];
             // This warpgroup's 64 keys (and values) against the tile's queries (and dO rows).
@@ -598,11 +620,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             // key's window (warpgroup-uniform, so the branch costs interior tiles nothing).
             const bool interior = n == BQT && pmin >= kw0 + 63 && pmax - kw0 < window && kw0 + 63 < p.len;
             if (!interior) {
+                // PPA's far bits (dense lists: query c at r0 + c): bit i of far[hr] is the
+                // distance from key_row[hr] to query column r0 + 2 (lane % 4) + i.
+                const uint64_t far[2] = {far_bits64(fv, r0 + (lane % 4) * 2 - key_row[0]),
+                                         far_bits64(fv, r0 + (lane % 4) * 2 - key_row[1])};
 #pragma unroll
                 for (int e = 0; e < BQT / 2; ++e) {
-                    const int c = (e / 4) * 8 + (lane % 4) * 2 + (e & 1);
-                    const int key = key_row[(e >> 1) & 1], q = pos(c);
-                    const bool ok = (c < n) & (key <= q) & (q - key < window) & (key < p.len);
+                    const int c = (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
+                    const int key = key_row[hr], q = pos(c);
+                    const bool seen = (key <= q) & (q - key < window) & (key < p.len);
+                    const bool ok = (c < n) & (seen | ((far[hr] >> ((e / 4) * 8 + (e & 1))) & 1));
                     s[e] = ok ? s[e] : -INFINITY;
                 }
             }
@@ -684,7 +711,7 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const QueryList& li
     return a;
 }
 
-template <int D, int BK, bool DQ>
+template <int D, int BK, bool DQ, bool FAR = false>
 void launch(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& k, const at::Tensor& v, Params a) {
     constexpr int stages = BK == 64 ? 3 : 2;
     a.q = reinterpret_cast<const __nv_bfloat16*>(q.data_ptr());
@@ -694,10 +721,17 @@ void launch(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& k, co
     const dim3 grid(q.size(0) * a.heads, (a.lq + BQ - 1) / BQ);
     // Q (and dO), the stages of K and V, and room to round the start up to 1024 bytes.
     const size_t smem = (size_t)((DQ ? 2 : 1) * BQ + 2 * stages * BK) * D * 2 + 1024;
-    auto kernel = list_kernel<D, BK, DQ>;
+    auto kernel = list_kernel<D, BK, DQ, FAR>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls f(std::true_type) for PPA lists, f(std::false_type) otherwise: the kernels' FAR.
+template <typename F>
+void by_far(const QueryList& list, F f) {
+    if (list.far) f(std::true_type{});
+    else f(std::false_type{});
 }
 
 }  // namespace
@@ -710,6 +744,12 @@ void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // with 90% of queries skipped, L = 16384, D = 128); narrow windows 64 (13% faster at w = 256).
     // A routed list's full-prefix rows do most of its work (measured: 0.50 ms against 0.54 with
     // 64-key tiles, 10% on the full prefix, w = 256, L = 16384, D = 128).
+    // PPA takes 64: a far tile holding a single far distance is mostly masked.
+    if (list.far) {
+        if (q.size(3) == 64) launch<64, 64, false, true>(q, q, k, v, a);
+        else launch<128, 64, false, true>(q, q, k, v, a);
+        return;
+    }
     const bool wide = window > 512 || list.nfull;
     if (q.size(3) == 64) wide ? launch<64, 128, false>(q, q, k, v, a) : launch<64, 64, false>(q, q, k, v, a);
     else wide ? launch<128, 128, false>(q, q, k, v, a) : launch<128, 64, false>(q, q, k, v, a);
@@ -720,8 +760,10 @@ void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     Params a = make_params(q, k, list, window, dq);
     a.lse_in = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
-    if (q.size(3) == 64) launch<64, 64, true>(q, dout, k, v, a);
-    else launch<128, 64, true>(q, dout, k, v, a);
+    by_far(list, [&](auto far) {
+        if (q.size(3) == 64) launch<64, 64, true, far()>(q, dout, k, v, a);
+        else launch<128, 64, true, far()>(q, dout, k, v, a);
+    });
 }
 
 void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
@@ -759,12 +801,14 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
         kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (d == 64) {
-        run(kv_kernel<64, KV_BOTH>);
-    } else {
-        run(kv_kernel<128, KV_DV>);
-        run(kv_kernel<128, KV_DK>);
-    }
+    by_far(list, [&](auto far) {
+        if (d == 64) {
+            run(kv_kernel<64, KV_BOTH, far()>);
+        } else {
+            run(kv_kernel<128, KV_DV, far()>);
+            run(kv_kernel<128, KV_DK, far()>);
+        }
+    });
 }
 
 }  // namespace attnsweep

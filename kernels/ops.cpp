@@ -20,7 +20,6 @@
 #include "loss.cuh"
 #include "norm.cuh"
 #include "optim.cuh"
-#include "ppa.cuh"
 #include "rope.cuh"
 #else
 namespace attnsweep {
@@ -111,9 +110,17 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
 at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kInt)); }
 
 #ifdef ATTNSWEEP_CUDA
-attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq) {
-    if (qpos.numel() == 0) return {};
-    return {&qpos, &nq};
+// far: PPA's far distances (cuda_far_table), or an empty tensor.
+attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& far) {
+    attnsweep::QueryList list;
+    if (qpos.numel() > 0) list.qpos = &qpos, list.nq = &nq;
+    if (far.numel() > 0) list.far = &far;
+    return list;
+}
+
+// PPA's offsets as the kernels' far-distance table (empty without offsets).
+at::Tensor far_table(const at::Tensor& offsets, const at::Tensor& k) {
+    return offsets.numel() > 0 ? attnsweep::cuda_far_table(offsets, k.size(2)) : none(k);
 }
 
 // The CUDA kernels' (out, lse) and (dq, dk, dv) for a query list, in fresh tensors.
@@ -139,18 +146,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         at::Tensor out, lse;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq), window);
-            if (offsets.numel() > 0) {
-                // PPA: the offset keys' part, merged with the window's by log-sum-exp.
-                auto o = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-                auto lse_o = at::empty_like(lse);
-                attnsweep::ppa_offsets_forward(q, k, v, offsets, o, lse_o);
-                auto merged = at::logaddexp(lse, lse_o);
-                out = (out.to(at::kFloat) * (lse - merged).exp().unsqueeze(-1) +
-                       o * (lse_o - merged).exp().unsqueeze(-1))
-                          .to(q.scalar_type());
-                lse = merged;
-            }
+            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far_table(offsets, k)), window);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
@@ -173,15 +169,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            // With the merged lse and delta, the window kernels give the window pairs' share.
-            g = cuda_attention_backward(q, k, v, query_list(qpos, nq), window, lse, delta, dout);
-            if (offsets.numel() > 0) {
-                auto f = q.options().dtype(at::kFloat);
-                auto dqo = at::empty(q.sizes(), f), dko = at::empty(k.sizes(), f), dvo = at::empty(v.sizes(), f);
-                attnsweep::ppa_offsets_backward(q, k, v, offsets, lse, delta, dout, dqo, dko, dvo);
-                g = {(g[0].to(at::kFloat) + dqo).to(q.scalar_type()), (g[1].to(at::kFloat) + dko).to(k.scalar_type()),
-                     (g[2].to(at::kFloat) + dvo).to(v.scalar_type())};
-            }
+            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far_table(offsets, k)), window, lse, delta, dout);
 #endif
         } else {
             g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);

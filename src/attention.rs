@@ -204,34 +204,13 @@ pub struct ForwardCtx {
     pub compute_logits: bool,
 }
 
-/// Dense masks and PPA plans (with their offset lists) built once per forward and shared by
-/// the layers that use the same pattern.
+/// Dense masks and PPA offset lists built once per forward and shared by the layers that use
+/// the same pattern.
 pub struct MaskCache {
     len: usize,
     device: Device,
     masks: RefCell<Vec<(KeyPattern, Tensor)>>,
-    ppa: RefCell<Vec<(KeyPattern, PpaPlan)>>,
-}
-
-/// How a PPA pattern runs on the kernel library at one length.
-enum PpaPlan {
-    /// SDPA with the dense mask: the pattern is too dense for the pair-by-pair offset
-    /// kernels (`PPA_KERNEL_MAX_DENSITY`).
-    DenseMask,
-    /// No offset reaches beyond the window at this length: the window kernels alone.
-    Window,
-    /// The window kernels plus the offsets beyond the window (int32, on the device).
-    Offsets(Tensor),
-}
-
-impl Clone for PpaPlan {
-    fn clone(&self) -> Self {
-        match self {
-            PpaPlan::DenseMask => PpaPlan::DenseMask,
-            PpaPlan::Window => PpaPlan::Window,
-            PpaPlan::Offsets(o) => PpaPlan::Offsets(o.shallow_clone()),
-        }
-    }
+    ppa: RefCell<Vec<(KeyPattern, Option<Tensor>)>>,
 }
 
 impl MaskCache {
@@ -244,25 +223,19 @@ impl MaskCache {
         }
     }
 
-    /// How PPA `pattern` (window `window`) runs at this length, decided (and its offsets
-    /// copied to the device) at most once per forward. `dense_faster`: the library runs on a
-    /// GPU, where dense patterns are faster through SDPA with the mask.
-    fn ppa_plan(&self, pattern: KeyPattern, window: usize, dense_faster: bool) -> PpaPlan {
+    /// PPA `pattern`'s offsets beyond its window at this length (int32, on the device),
+    /// built and copied at most once per forward; None where no offset reaches beyond the
+    /// window, so the window kernels alone run it.
+    fn ppa_offsets(&self, pattern: KeyPattern) -> Option<Tensor> {
         let mut all = self.ppa.borrow_mut();
-        if let Some((_, plan)) = all.iter().find(|(p, _)| *p == pattern) {
-            return plan.clone();
+        if let Some((_, offsets)) = all.iter().find(|(p, _)| *p == pattern) {
+            return offsets.as_ref().map(Tensor::shallow_clone);
         }
         let offsets = pattern.offsets_beyond_window(self.len);
-        let plan =
-            if dense_faster && ppa_density(window, &offsets, self.len) > PPA_KERNEL_MAX_DENSITY {
-                PpaPlan::DenseMask
-            } else if offsets.is_empty() {
-                PpaPlan::Window
-            } else {
-                PpaPlan::Offsets(Tensor::from_slice(&offsets).to_device(self.device))
-            };
-        all.push((pattern, plan.clone()));
-        plan
+        let offsets =
+            (!offsets.is_empty()).then(|| Tensor::from_slice(&offsets).to_device(self.device));
+        all.push((pattern, offsets.as_ref().map(Tensor::shallow_clone)));
+        offsets
     }
 
     /// `pattern` applied to (q, k, v), with the mask built at most once per forward.
@@ -634,19 +607,6 @@ fn routed_attention(
         .expect(KERNEL_FAILED)
 }
 
-/// The PPA offset kernels do one (query, key) pair per step at about 14G pairs/s on an H100
-/// (L2-bandwidth bound); SDPA with a dense mask does the whole causal square at about 300G
-/// pairs/s. Above this share of the causal pairs the dense path is faster
-/// (PERFORMANCE.md, the PPA entry).
-const PPA_KERNEL_MAX_DENSITY: f64 = 0.05;
-
-/// Attended pairs of PPA (the window, plus `offsets` beyond it) over the causal pairs at
-/// length `len`: a distance d occurs for the `len - d` queries i >= d.
-fn ppa_density(window: usize, offsets: &[i32], len: usize) -> f64 {
-    let seen = (0..window.min(len)).chain(offsets.iter().map(|&d| d as usize));
-    seen.map(|d| (len - d) as f64).sum::<f64>() / (len * (len + 1) / 2) as f64
-}
-
 /// Which window-picking queries also need the full path's output (see `per_head`).
 enum Values<'a> {
     None,
@@ -779,17 +739,11 @@ impl SelfAttention {
                 .list_attention(q, k, v, None, w as i64)
                 .expect(KERNEL_FAILED),
             (Some(kern), KeyPattern::Ppa { window, .. }, Keys::Chunk(cache)) => {
-                // Dense PPA patterns (p >= ~0.6 at these lengths) run faster on the dense-mask
-                // path than pair by pair.
-                match cache.ppa_plan(pattern, window, kern.cuda) {
-                    PpaPlan::DenseMask => keys.attend(slot, q, k, v, pattern),
-                    PpaPlan::Window => kern
-                        .list_attention(q, k, v, None, window as i64)
-                        .expect(KERNEL_FAILED),
-                    PpaPlan::Offsets(offsets) => kern
-                        .ppa_attention(q, k, v, window as i64, &offsets)
-                        .expect(KERNEL_FAILED),
+                match cache.ppa_offsets(pattern) {
+                    None => kern.list_attention(q, k, v, None, window as i64),
+                    Some(offsets) => kern.ppa_attention(q, k, v, window as i64, &offsets),
                 }
+                .expect(KERNEL_FAILED)
             }
             _ => keys.attend(slot, q, k, v, pattern),
         }
@@ -2081,20 +2035,6 @@ mod tests {
                 "{method:?} eval-mode logits"
             );
             assert_eq!(a.attended_pairs(), b.attended_pairs());
-        }
-    }
-
-    #[test]
-    fn ppa_density_counts_the_patterns_pairs() {
-        for (power, window, len) in [(0.5, 64, 4096), (0.75, 7, 1000), (0.25, 300, 200)] {
-            let pattern = KeyPattern::Ppa { power, window };
-            let offsets = pattern.offsets_beyond_window(len);
-            let want = pattern.attended_pairs(len) as f64 / (len * (len + 1) / 2) as f64;
-            let got = ppa_density(window, &offsets, len);
-            assert!(
-                (got - want).abs() < 1e-12,
-                "p={power} w={window} L={len}: {got} != {want}"
-            );
         }
     }
 

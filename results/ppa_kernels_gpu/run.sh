@@ -1,8 +1,7 @@
 #!/bin/sh
-# PPA training (p = 0.5, w = 64) through the kernel path (window kernels plus the power-offset
-# kernels, fused cross-entropy, RMSNorm, rotary embedding and AdamW) against the reference path
-# (a dense PPA mask through SDPA): same seed, same data, bf16 on one GPU, L = 8192 (where the
-# pattern is sparse enough, 3% of the causal pairs, for the model to pick the offset kernels).
+# PPA training (p = 0.5, w = 64) through the kernel path (PPA attention kernels, fused
+# cross-entropy, RMSNorm, rotary embedding and AdamW) against the reference path (a dense PPA
+# mask through SDPA): same seed, same data, bf16 on one GPU, L = 8192.
 # The train_log.csv files land here as ppa_reference.csv and ppa_cuda.csv (seed 1337), or
 # ppa_reference_seedN.csv and ppa_cuda_seedN.csv for another seed N.
 # Usage (repository root): results/ppa_kernels_gpu/run.sh [attnsweep binary] [seed]
