@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
@@ -31,6 +31,7 @@ const SOURCES: [(&str, &str); 13] = [
     ("optim.cuh", include_str!("../kernels/optim.cuh")),
     ("rope.cu", include_str!("../kernels/rope.cu")),
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
+    ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
 const ABI: i64 = 5;
@@ -1105,6 +1106,38 @@ pub(crate) mod tests {
             Some(k) if tch::Cuda::is_available() => f(k),
             _ => eprintln!("SKIPPED {test}: no CUDA device or kernel library"),
         }
+    }
+
+    /// The PPA tile walks and masks of every attention kernel, emulated on the host with the
+    /// kernels' own helpers (`kernels/walk_test.cpp` over `kernels/walk.cuh`), keep exactly
+    /// the PPA mask's pairs; a GPU-free check of what the GPU tests compare numerically.
+    #[test]
+    fn ppa_tile_walks_keep_exactly_the_mask() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-walk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = dir.join("walk_test");
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+        let built = Command::new(cxx)
+            .args(["-std=c++17", "-O2"])
+            .arg(format!("-I{}", src.display()))
+            .arg(src.join("walk_test.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .expect("a C++ compiler (g++ or $CXX)");
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let ran = Command::new(&exe).output().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            ran.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ran.stdout)
+        );
     }
 
     #[test]
