@@ -118,8 +118,9 @@ struct Args : ListShape {
 // Three blocks per SM (the kernel is latency-bound at two): at most 170 registers, and the
 // Q tile borrows the second key/value stage, which the first prefetch only overwrites after
 // Q has moved to registers, so shared memory holds just the two stages.
-template <int D>
+template <int D, bool FAR>
 __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
+    const FarView<FAR> fv(p);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     constexpr int S = D + PAD;
     __nv_bfloat16* skv = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // two stages of (K tile, V tile)
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     __syncthreads();
     const int last = min(row0 + BQ, nq) - 1 - row0;
     const RowSpan span = row_span(spos, 0, last, full - row0, p.window, p.len);
-    const int t_first = first_tile(p, span, BK), t_last = span.key_hi / BK;
+    const int t_first = first_tile(fv, span, BK), t_last = span.key_hi / BK;
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     auto stage = [&](int i) { return skv + (i % 2) * 2 * BK * S; };
@@ -166,8 +167,10 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
 
     float o_acc[D / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    for (int t = t_first, i = 0, t_next; t <= t_last; t = t_next, ++i) {
-        t_next = next_tile(p, t, span, BK);
+    int visited = 0;  // PPA's stage count; other walks visit consecutive tiles
+    for (int t = t_first, t_next; t <= t_last; t = t_next) {
+        const int i = FAR ? visited++ : t - t_first;
+        t_next = next_tile(fv, t, span, BK);
         if (t_next <= t_last) {
             // Prefetch the next key and value tiles while this one is computed.
             load_tile<D>(stage(i + 1), kb, t_next * BK, p.len);
@@ -193,8 +196,8 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
         const bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] &&
                               pos_row[0] - k0 < win_row(0) && pos_row[1] - k0 < win_row(1) && k0 + BK <= p.len;
         // PPA's far bits of this thread's rows (as in dq_kernel).
-        const uint64_t far[2] = {far_bits64(p, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
-                                 far_bits64(p, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
+        const uint64_t far[2] = {far_bits64(fv, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
+                                 far_bits64(fv, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
         float mx[2] = {-INFINITY, -INFINITY};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
@@ -260,8 +263,9 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
 }
 
 // dQ = scale * sum_k dS K with dS = P (dP - delta), dP = dO V^T: query tiles outer.
-template <int D>
+template <int D, bool FAR>
 __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
+    const FarView<FAR> fv(p);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* sq = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __nv_bfloat16* sdo = sq + BQ * (D + PAD);
@@ -306,7 +310,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     float dq_acc[D / 8][4] = {};
     const __nv_bfloat16* kb = p.k + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
     const __nv_bfloat16* vb = p.v + (int64_t)(b * p.kv_heads + kvh) * p.len * D;
-    for (int t = first_tile(p, span, BK); t <= span.key_hi / BK; t = next_tile(p, t, span, BK)) {
+    for (int t = first_tile(fv, span, BK); t <= span.key_hi / BK; t = next_tile(fv, t, span, BK)) {
         const int k0 = t * BK;
         __syncthreads();
         load_tile<D>(sk, kb, k0, p.len);
@@ -327,8 +331,8 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
             }
         // PPA's far bits of this thread's rows: bit i of far[hr] is the distance from its row to
         // column k0 + 2 (lane % 4) + BK - 1 - i.
-        const uint64_t far[2] = {far_bits64(p, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
-                                 far_bits64(p, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
+        const uint64_t far[2] = {far_bits64(fv, pos_row[0] - k0 - (lane % 4) * 2 - (BK - 1)),
+                                 far_bits64(fv, pos_row[1] - k0 - (lane % 4) * 2 - (BK - 1))};
         for (int nb = 0; nb < BK / 8; ++nb)
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
@@ -362,8 +366,9 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
 // dV = sum_q P^T dO and dK = scale * sum_q dS^T Q: key tiles outer, over every query head
 // of the KV head's group and, in each of its list's two groups (full-prefix rows, window
 // rows), the query tiles that can see the keys.
-template <int D>
+template <int D, bool FAR>
 __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
+    const FarView<FAR> fv(p);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* sk = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     __nv_bfloat16* sv = sk + BK * (D + PAD);
@@ -394,13 +399,13 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
             // Queries that can see a key of this tile: positions in [k0, k0 + BK - 1 + window - 1]
             // (PPA: from k0 on).
             srange[0] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, k0);
-            const int64_t last = p.far ? INT32_MAX : (int64_t)k0 + BK - 1 + window;  // exclusive bound on positions
+            const int64_t last = FAR ? INT32_MAX : (int64_t)k0 + BK - 1 + window;  // exclusive bound on positions
             srange[1] = lo + first_at_or_after(p.qpos, qbase + lo, hi - lo, last < INT32_MAX ? (int)last : INT32_MAX);
         }
         __syncthreads();
         const int r_begin = (srange[0] / BQ) * BQ, r_end = srange[1];
-        for (int row0 = seen_rows_from(p, r_begin, r_end, k0, BK, BQ); row0 < r_end;
-             row0 = seen_rows_from(p, row0 + BQ, r_end, k0, BK, BQ)) {
+        for (int row0 = seen_rows_from(fv, r_begin, r_end, k0, BK, BQ); row0 < r_end;
+             row0 = seen_rows_from(fv, row0 + BQ, r_end, k0, BK, BQ)) {
             __syncthreads();
             load_positions<BQ>(spos, p.qpos, qbase, row0, lo, hi);
             for (int i = threadIdx.x; i < BQ; i += THREADS) {
@@ -431,8 +436,8 @@ __global__ void __launch_bounds__(THREADS) dkdv_kernel(Args p) {
             }
             // PPA's far bits (dense lists: row qi at row0 + qi): bit i of far[hr] is the
             // distance from key_row[hr] to the query row0 + 2 (lane % 4) + i.
-            const uint64_t far[2] = {far_bits64(p, row0 + (lane % 4) * 2 - key_row[0]),
-                                     far_bits64(p, row0 + (lane % 4) * 2 - key_row[1])};
+            const uint64_t far[2] = {far_bits64(fv, row0 + (lane % 4) * 2 - key_row[0]),
+                                     far_bits64(fv, row0 + (lane % 4) * 2 - key_row[1])};
             for (int nb = 0; nb < BQ / 8; ++nb)
                 for (int e = 0; e < 4; ++e) {
                     const int qi = nb * 8 + (lane % 4) * 2 + (e & 1), hr = e >> 1;
@@ -578,7 +583,7 @@ __global__ void far_table_kernel(const int* offsets, int n, int len, int* table)
     if (d < len) {
         int* above = table + far_words(len);
         above[d] = lo < n && offsets[lo] < len ? offsets[lo] : INT32_MAX;
-        above[len + d] = far ? d : lo > 0 ? offsets[lo - 1] : -1;
+        above[(int64_t)len + d] = far ? d : lo > 0 ? offsets[lo - 1] : -1;
     }
 }
 
@@ -624,8 +629,10 @@ void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int d = (int)q.size(3);
     dim3 grid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     const size_t smem = (size_t)(4 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
-    if (d == 64) launch(forward_kernel<64>, grid, smem, a);
-    else launch(forward_kernel<128>, grid, smem, a);
+    by_far(list.far, [&](auto far) {
+        if (d == 64) launch(forward_kernel<64, far()>, grid, smem, a);
+        else launch(forward_kernel<128, far()>, grid, smem, a);
+    });
 }
 
 void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list,
@@ -643,16 +650,19 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
     dim3 kgrid((a.len + BK - 1) / BK, k.size(0) * a.kv_heads);
-    if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
-    else if (d == 64) launch(dq_kernel<64>, qgrid, smem, a);
-    else launch(dq_kernel<128>, qgrid, smem, a);
-    // dK, dV on wgmma for wide windows, full prefixes (routed lists have some), PPA's far
-    // distances and head_dim 64 (one launch for both outputs there); narrow windows at head_dim
-    // 128 (two launches) measured slower there than on mma.sync (PERFORMANCE.md, v4 and v7).
-    if (use_sm90() && (window > 512 || list.nfull || list.far || d == 64))
-        sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
-    else if (d == 64) launch(dkdv_kernel<64>, kgrid, smem, a);
-    else launch(dkdv_kernel<128>, kgrid, smem, a);
+    by_far(list.far, [&](auto far) {
+        if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
+        else if (d == 64) launch(dq_kernel<64, far()>, qgrid, smem, a);
+        else launch(dq_kernel<128, far()>, qgrid, smem, a);
+        // dK, dV on wgmma for wide windows, full prefixes (routed lists have some), PPA's far
+        // distances and head_dim 64 (one launch for both outputs there); narrow windows at
+        // head_dim 128 (two launches) measured slower there than on mma.sync (PERFORMANCE.md,
+        // v4 and v7).
+        if (use_sm90() && (window > 512 || list.nfull || list.far || d == 64))
+            sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
+        else if (d == 64) launch(dkdv_kernel<64, far()>, kgrid, smem, a);
+        else launch(dkdv_kernel<128, far()>, kgrid, smem, a);
+    });
 }
 
 void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {

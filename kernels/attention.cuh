@@ -23,7 +23,7 @@ struct QueryList {
 // What every kernel knows of a call: the query list and the shapes.
 struct ListShape {
     const int *qpos, *nq, *nfull;
-    const int* far;  // PPA's far distances (common.cuh, far_above), or null
+    const int* far;  // PPA's far distances (walk.cuh, far_above), or null
     bool at_positions;
     int heads, kv_heads, lq, len, window;
     float scale;  // softmax scale, 1/sqrt(D)
@@ -50,7 +50,7 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
-// PPA's far distances as the table QueryList::far takes (common.cuh has its layout), from
+// PPA's far distances as the table QueryList::far takes (walk.cuh has its layout), from
 // offsets: int32, ascending (entries outside [0, len) see nothing).
 at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len);
 

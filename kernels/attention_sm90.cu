@@ -23,7 +23,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cstdint>
-#include <type_traits>
 
 namespace attnsweep {
 namespace {
@@ -727,13 +726,6 @@ void launch(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& k, co
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Calls f(std::true_type) for PPA lists, f(std::false_type) otherwise: the kernels' FAR.
-template <typename F>
-void by_far(const QueryList& list, F f) {
-    if (list.far) f(std::true_type{});
-    else f(std::false_type{});
-}
-
 }  // namespace
 
 void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
@@ -760,7 +752,7 @@ void sm90_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     Params a = make_params(q, k, list, window, dq);
     a.lse_in = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
-    by_far(list, [&](auto far) {
+    by_far(list.far, [&](auto far) {
         if (q.size(3) == 64) launch<64, 64, true, far()>(q, dout, k, v, a);
         else launch<128, 64, true, far()>(q, dout, k, v, a);
     });
@@ -801,7 +793,7 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
         kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    by_far(list, [&](auto far) {
+    by_far(list.far, [&](auto far) {
         if (d == 64) {
             run(kv_kernel<64, KV_BOTH, far()>);
         } else {

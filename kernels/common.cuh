@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "walk.cuh"
 
@@ -20,6 +21,14 @@ void dispatch_float(const at::Tensor& x, F f) {
         f(float{});
     else
         TORCH_CHECK(false, "the fused kernels take bf16 or fp32 tensors, not ", x.scalar_type());
+}
+
+// Calls f(std::true_type{}) where a call has PPA's far distances (far not null), else
+// f(std::false_type{}): the kernels' FAR flag, so those without PPA carry none of its code.
+template <typename F>
+void by_far(const void* far, F f) {
+    if (far) f(std::true_type{});
+    else f(std::false_type{});
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -49,7 +49,7 @@ __device__ __forceinline__ int far_above(const Shape& p, int d) {
 }
 template <typename Shape>
 __device__ __forceinline__ int far_below(const Shape& p, int d) {
-    return __ldg(p.far + far_words(p.len) + p.len + d);
+    return __ldg(p.far + far_words(p.len) + (int64_t)p.len + d);
 }
 
 // PPA's far bits of the 64 distances from d0 (bit i: distance d0 + i; none outside [0, len),
@@ -136,8 +136,8 @@ __device__ __forceinline__ int64_t out_row(const Shape& p, int64_t qbase, int r)
 template <typename Shape>
 __device__ __forceinline__ int seen_tile_from(const Shape& p, int t, const RowSpan& s, int bk) {
     if (!p.far || t > s.key_hi / bk) return t;
-    const int num = s.pmin - bk + 1 - p.window;  // tile t reaches the window iff t * bk > num
-    const int t_win = num < 0 ? 0 : num / bk + 1;
+    const int64_t num = (int64_t)s.pmin - bk + 1 - p.window;  // tile t reaches the window iff t * bk > num
+    const int t_win = num < 0 ? 0 : (int)(num / bk) + 1;
     if (t >= t_win) return t;
     const int o = far_below(p, min(s.key_hi - t * bk, p.len - 1));
     if (o < 0) return t_win;

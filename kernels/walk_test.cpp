@@ -34,10 +34,12 @@ std::vector<int> build_table(const std::vector<int>& offsets, int len) {
     }
     return t;
 }
-void check(int L, int w, double pw) {
+// The walks for far distances offs (ascending, in [w, L)); pw names the case (a power, or -1
+// for a random set).
+void check(int L, int w, const std::vector<int>& offs, double pw) {
     std::vector<char> ref(L, 0);  // visible distance
-    std::vector<int> offs;
-    for (int d = 0; d < L; ++d) { ref[d] = d < w || is_off(d, pw); if (d >= w && is_off(d, pw)) offs.push_back(d); }
+    for (int d = 0; d < L; ++d) ref[d] = d < w;
+    for (int d : offs) ref[d] = 1;
     std::vector<int> table = build_table(offs, L);
     Shape p{table.data(), L, w};
     auto vis = [&](int q, int k) { return k <= q && q < L && k >= 0 && ref[q - k]; };
@@ -145,9 +147,30 @@ int walks() {
     fails = 0;
     int cases[][2] = {{300, 16}, {200, 7}, {517, 64}, {130, 1}, {2048, 64}, {4100, 128}, {1000, 5}, {777, 200}, {64, 64}, {65, 1}};
     double ps[] = {0.25, 0.5, 0.6, 0.75, 0.9, 0.125};
-    for (auto& c : cases) for (double pw : ps) check(c[0], c[1], pw);
+    auto powers = [](int L, int w, double pw) {
+        std::vector<int> offs;
+        for (int d = w; d < L; ++d)
+            if (is_off(d, pw)) offs.push_back(d);
+        return offs;
+    };
+    for (auto& c : cases) for (double pw : ps) check(c[0], c[1], powers(c[0], c[1], pw), pw);
     std::mt19937 rng(7);
-    for (int i = 0; i < 150; ++i) check(60 + rng() % 1400, 1 + rng() % 300, 0.05 + (rng() % 90) / 100.0);
+    for (int i = 0; i < 150; ++i) {
+        const int L = 60 + rng() % 1400, w = 1 + rng() % 300;
+        const double pw = 0.05 + (rng() % 90) / 100.0;
+        check(L, w, powers(L, w, pw), pw);
+    }
+    // Random far sets of every density, and tiny lengths around a word and a tile.
+    for (int i = 0; i < 150; ++i) {
+        const int L = 1 + rng() % 700, w = 1 + rng() % 100, every = 1 + rng() % 200;
+        std::vector<int> offs;
+        for (int d = w; d < L; ++d)
+            if (rng() % every == 0) offs.push_back(d);
+        check(L, w, offs, -1);
+    }
+    for (int L : {1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129})
+        for (int w : {1, 2, 64})
+            check(L, w, powers(L, w, 0.5), 0.5);
     return fails;
 }
 
