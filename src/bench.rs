@@ -107,6 +107,128 @@ fn pairs(r: &Row, heads: i64) -> f64 {
     per_seq * heads as f64
 }
 
+/// Least-squares slope of ln y against ln x: e in y ~ x^e.
+fn log_slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    let mx = points.iter().map(|p| p.0.ln()).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1.ln()).sum::<f64>() / n;
+    let sxy: f64 = points
+        .iter()
+        .map(|p| (p.0.ln() - mx) * (p.1.ln() - my))
+        .sum();
+    let sxx: f64 = points.iter().map(|p| (p.0.ln() - mx).powi(2)).sum();
+    sxy / sxx
+}
+
+/// How one case's time grows with L over the bench's lengths: the fitted exponents of
+/// forward and forward+backward time and of the attended pairs (PPA's should grow like
+/// L^(1+p), as its pairs do).
+#[derive(Debug)]
+struct Scaling {
+    imp: String,
+    case: String,
+    dim: i64,
+    window: i64,
+    sparsity: f64,
+    lengths: Vec<i64>,
+    fwd: f64,
+    fwdbwd: f64,
+    pairs: f64,
+}
+
+/// One `Scaling` per (impl, case, D, window, sparsity) timed at two or more lengths (a
+/// failed measurement, not finite, is left out); a window of L or more (causal, sparse
+/// queries) is the whole prefix at every length, window -1. In the order the rows first name
+/// them.
+fn scaling(rows: &[Row], heads: i64) -> Vec<Scaling> {
+    let window_of = |r: &Row| if r.window >= r.len { -1 } else { r.window };
+    let mut out: Vec<Scaling> = Vec::new();
+    for r in rows {
+        let same = |c: &Row| {
+            c.imp == r.imp
+                && c.case == r.case
+                && c.dim == r.dim
+                && window_of(c) == window_of(r)
+                && c.sparsity == r.sparsity
+        };
+        let seen = out.iter().any(|s| {
+            s.imp == r.imp
+                && s.case == r.case
+                && s.dim == r.dim
+                && s.window == window_of(r)
+                && s.sparsity == r.sparsity
+        });
+        let group: Vec<&Row> = rows
+            .iter()
+            .filter(|c| same(c))
+            .filter(|c| {
+                c.fwd_ms.is_finite()
+                    && c.fwdbwd_ms.is_finite()
+                    && c.fwd_ms > 0.0
+                    && c.fwdbwd_ms > 0.0
+            })
+            .collect();
+        if seen || group.len() < 2 {
+            continue;
+        }
+        let fit = |f: &dyn Fn(&Row) -> f64| {
+            log_slope(
+                &group
+                    .iter()
+                    .map(|c| (c.len as f64, f(c)))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        out.push(Scaling {
+            imp: r.imp.clone(),
+            case: r.case.clone(),
+            dim: r.dim,
+            window: window_of(r),
+            sparsity: r.sparsity,
+            lengths: group.iter().map(|c| c.len).collect(),
+            fwd: fit(&|c| c.fwd_ms),
+            fwdbwd: fit(&|c| c.fwdbwd_ms),
+            pairs: fit(&|c| pairs(c, heads)),
+        });
+    }
+    out
+}
+
+/// `attention_scaling.csv`, written whole or not at all.
+fn write_scaling(rows: &[Scaling], path: &std::path::Path) -> Result<()> {
+    let tmp = path.with_extension("csv.tmp");
+    let mut w = csv::Writer::from_path(&tmp)?;
+    w.write_record([
+        "impl",
+        "case",
+        "D",
+        "window",
+        "sparsity",
+        "lengths",
+        "fwd_exponent",
+        "fwdbwd_exponent",
+        "pairs_exponent",
+    ])?;
+    for s in rows {
+        let lengths: Vec<String> = s.lengths.iter().map(|l| l.to_string()).collect();
+        w.write_record([
+            s.imp.clone(),
+            s.case.clone(),
+            s.dim.to_string(),
+            s.window.to_string(),
+            s.sparsity.to_string(),
+            lengths.join(" "),
+            format!("{:.3}", s.fwd),
+            format!("{:.3}", s.fwdbwd),
+            format!("{:.3}", s.pairs),
+        ])?;
+    }
+    w.flush()?;
+    drop(w);
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
 pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     ensure!(
         kern.cuda && tch::Cuda::is_available(),
@@ -313,6 +435,10 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         ])?;
     }
     w.flush()?;
+    write_scaling(
+        &scaling(&rows, b.heads),
+        &b.out.join("attention_scaling.csv"),
+    )?;
     // Speed-up of sparse-query attention over dense causal cuDNN, against sparsity.
     let mut series = Vec::new();
     for imp in ["ours", "flex"] {
@@ -658,4 +784,65 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
     drop(w);
     std::fs::rename(&tmp, &csv_path)?;
     Ok(csv_path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(imp: &str, case: &str, len: i64, window: i64, fwd_ms: f64) -> Row {
+        Row {
+            imp: imp.into(),
+            case: case.into(),
+            len,
+            dim: 128,
+            window,
+            sparsity: 0.0,
+            fwd_ms,
+            fwdbwd_ms: 3.0 * fwd_ms,
+        }
+    }
+
+    #[test]
+    fn scaling_fits_each_cases_exponents() {
+        let lengths = [4096i64, 8192, 16384, 32768];
+        let mut rows = Vec::new();
+        for &l in &lengths {
+            let x = l as f64;
+            rows.push(row("ours", "ppa_p0.5", l, 64, 1e-6 * x.powf(1.5)));
+            rows.push(row("sdpa_cudnn", "causal", l, l, 2e-8 * x * x));
+            rows.push(row("ours", "swa", l, 256, 1e-5 * x));
+        }
+        // A failed peer measurement and a case timed at one length only.
+        rows.push(row("flex", "ppa_p0.5", 4096, 64, 1.0));
+        rows.push(row("flex", "ppa_p0.5", 8192, 64, f64::NAN));
+        let fits = scaling(&rows, 16);
+        assert_eq!(fits.len(), 3, "{fits:?}");
+        let get = |imp: &str, case: &str| {
+            fits.iter()
+                .find(|s| s.imp == imp && s.case == case)
+                .unwrap()
+        };
+        let ppa = get("ours", "ppa_p0.5");
+        assert_eq!(ppa.lengths, lengths);
+        assert!((ppa.fwd - 1.5).abs() < 1e-9 && (ppa.fwdbwd - 1.5).abs() < 1e-9);
+        // PPA p = 0.5's attended pairs: the window's, plus L - s per square s >= 64 below L.
+        let pattern_pairs = |l: f64| {
+            let w = 64.0;
+            let squares: f64 = (8..)
+                .map(|j: i64| (j * j) as f64)
+                .take_while(|&s| s < l)
+                .map(|s| l - s)
+                .sum();
+            w * l - w * (w - 1.0) / 2.0 + squares
+        };
+        let want = log_slope(&lengths.map(|l| (l as f64, pattern_pairs(l as f64))));
+        assert!((ppa.pairs - want).abs() < 1e-9, "{} vs {want}", ppa.pairs);
+        assert!((ppa.pairs - 1.28).abs() < 0.02, "{}", ppa.pairs);
+        // Causal pairs grow like L^2 (slightly less: L (L + 1) / 2); a fixed window like L.
+        let causal = get("sdpa_cudnn", "causal");
+        assert!((causal.fwd - 2.0).abs() < 1e-9 && (causal.pairs - 2.0).abs() < 1e-3);
+        let swa = get("ours", "swa");
+        assert!((swa.fwd - 1.0).abs() < 1e-9 && (swa.pairs - 1.0).abs() < 0.02);
+    }
 }
