@@ -143,10 +143,11 @@ variable_list cuda_attention_backward(const at::Tensor& q, const at::Tensor& k, 
 struct ListAttention : public torch::autograd::Function<ListAttention> {
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor qpos,
                                  at::Tensor nq, int64_t window, at::Tensor offsets) {
-        at::Tensor out, lse;
+        at::Tensor out, lse, far = none(q);  // far: the kernels' PPA table, built once for both passes
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far_table(offsets, k)), window);
+            far = far_table(offsets, k);
+            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far), window);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
@@ -155,21 +156,22 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             out = r.first.to(q.scalar_type());
             lse = r.second;
         }
-        ctx->save_for_backward({q, k, v, qpos, nq, out, lse, offsets});
+        ctx->save_for_backward({q, k, v, qpos, nq, out, lse, offsets, far});
         ctx->saved_data["window"] = window;
         return {out};
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         auto s = ctx->get_saved_variables();
-        const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7];
+        const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7],
+                   &far = s[8];
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
         auto delta = row_delta(dout, out);
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far_table(offsets, k)), window, lse, delta, dout);
+            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far), window, lse, delta, dout);
 #endif
         } else {
             g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);

@@ -3,6 +3,10 @@
 // and the pairs kept must be exactly the PPA mask, for fixed and random (L, window, p); the
 // far-distance helpers are checked against brute force. The table is built by the host twin of
 // far_table_kernel. Prints the failures and exits non-zero on any.
+// With --tiles it prints instead the share of the causal tiles the Hopper forward's walks visit
+// for PPA, w = 64 (128-row blocks and their 64-row warpgroups, 64-key tiles), L 4096 to
+// 32768, and the exponent fitted to the visited tiles against L: the performance log's
+// prediction for the PPA tile path.
 // Build: g++ -std=c++17 -O2 -I kernels kernels/walk_test.cpp (the test suite does).
 #include "walk.cuh"
 
@@ -10,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace attnsweep;
@@ -204,7 +209,59 @@ int helpers() {
     return fails;
 }
 
-int main() {
+// Least-squares slope of ln y against ln x.
+double log_slope(const std::vector<double>& x, const std::vector<double>& y) {
+    double mx = 0, my = 0, sxy = 0, sxx = 0;
+    for (size_t i = 0; i < x.size(); ++i) mx += std::log(x[i]) / x.size(), my += std::log(y[i]) / y.size();
+    for (size_t i = 0; i < x.size(); ++i) {
+        sxy += (std::log(x[i]) - mx) * (std::log(y[i]) - my);
+        sxx += (std::log(x[i]) - mx) * (std::log(x[i]) - mx);
+    }
+    return sxy / sxx;
+}
+
+// The tiles the sm90 forward's block walk (first_tile / next_tile) and its warpgroups' checks
+// (sees_any) visit, against all causal tiles, for PPA w = 64.
+void tiles() {
+    const int w = 64, BQ = 128, BK = 64;
+    printf("p,L,block_tiles,warpgroup_tiles,causal_block_tiles,causal_warpgroup_tiles\n");
+    for (double pw : {0.25, 0.5, 0.75}) {
+        std::vector<double> ls, blocks, groups;
+        for (int L : {4096, 8192, 16384, 32768}) {
+            std::vector<int> offs;
+            for (int d = w; d < L; ++d)
+                if (is_off(d, pw)) offs.push_back(d);
+            const std::vector<int> table = build_table(offs, L);
+            const Shape p{table.data(), L, w};
+            long nb = 0, ng = 0, cb = 0, cg = 0;
+            for (int row0 = 0; row0 < L; row0 += BQ) {
+                int spos[BQ];
+                for (int i = 0; i < BQ; ++i) spos[i] = row0 + i < L ? row0 + i : -1;
+                const int last = std::min(row0 + BQ, L) - 1 - row0;
+                const RowSpan span = row_span(spos, 0, last, -1 - row0, w, L);
+                cb += span.key_hi / BK + 1;
+                for (int t = first_tile(p, span, BK); t <= span.key_hi / BK; t = next_tile(p, t, span, BK)) {
+                    ++nb;
+                    for (int wg = 0; wg * 64 <= last; ++wg) {
+                        const RowSpan ws = row_span(spos, wg * 64, std::min(wg * 64 + 63, last), -1 - row0, w, L);
+                        ng += sees_any(p, ws.pmin - (t * BK + BK - 1), ws.key_hi - t * BK, w);
+                    }
+                }
+                for (int wg = 0; wg * 64 <= last; ++wg) cg += std::min(row0 + wg * 64 + 63, L - 1) / BK + 1;
+            }
+            printf("%g,%d,%ld,%ld,%ld,%ld\n", pw, L, nb, ng, cb, cg);
+            ls.push_back(L), blocks.push_back(nb), groups.push_back(ng);
+        }
+        printf("# p=%g: fitted exponent, block tiles %.2f, warpgroup tiles %.2f\n", pw, log_slope(ls, blocks),
+               log_slope(ls, groups));
+    }
+}
+
+int main(int argc, char** argv) {
+    if (argc > 1 && std::string(argv[1]) == "--tiles") {
+        tiles();
+        return 0;
+    }
     const int f = walks() + helpers();
     printf("%d failures\n", f);
     return f != 0;

@@ -7,7 +7,7 @@ use crate::attention::{routed_paths, KeyPattern};
 use crate::kernels::Kernels;
 use crate::plot::{Figure, Series};
 use anyhow::{ensure, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
@@ -107,6 +107,18 @@ fn pairs(r: &Row, heads: i64) -> f64 {
     per_seq * heads as f64
 }
 
+/// A CSV of `header` and `records`, written whole or not at all (`atomic`).
+fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
+    crate::atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(header)?;
+        for r in records {
+            w.write_record(r)?;
+        }
+        Ok(w.flush()?)
+    })
+}
+
 /// Least-squares slope of ln y against ln x: e in y ~ x^e.
 fn log_slope(points: &[(f64, f64)]) -> f64 {
     let n = points.len() as f64;
@@ -142,25 +154,25 @@ struct Scaling {
 /// them.
 fn scaling(rows: &[Row], heads: i64) -> Vec<Scaling> {
     let window_of = |r: &Row| if r.window >= r.len { -1 } else { r.window };
+    let key = |r: &Row| {
+        (
+            r.imp.clone(),
+            r.case.clone(),
+            r.dim,
+            window_of(r),
+            r.sparsity.to_bits(),
+        )
+    };
+    let mut done = Vec::new();
     let mut out: Vec<Scaling> = Vec::new();
     for r in rows {
-        let same = |c: &Row| {
-            c.imp == r.imp
-                && c.case == r.case
-                && c.dim == r.dim
-                && window_of(c) == window_of(r)
-                && c.sparsity == r.sparsity
-        };
-        let seen = out.iter().any(|s| {
-            s.imp == r.imp
-                && s.case == r.case
-                && s.dim == r.dim
-                && s.window == window_of(r)
-                && s.sparsity == r.sparsity
-        });
+        if done.contains(&key(r)) {
+            continue;
+        }
+        done.push(key(r));
         let group: Vec<&Row> = rows
             .iter()
-            .filter(|c| same(c))
+            .filter(|c| key(c) == key(r))
             .filter(|c| {
                 c.fwd_ms.is_finite()
                     && c.fwdbwd_ms.is_finite()
@@ -168,7 +180,7 @@ fn scaling(rows: &[Row], heads: i64) -> Vec<Scaling> {
                     && c.fwdbwd_ms > 0.0
             })
             .collect();
-        if seen || group.len() < 2 {
+        if group.len() < 2 {
             continue;
         }
         let fit = |f: &dyn Fn(&Row) -> f64| {
@@ -194,11 +206,9 @@ fn scaling(rows: &[Row], heads: i64) -> Vec<Scaling> {
     out
 }
 
-/// `attention_scaling.csv`, written whole or not at all.
-fn write_scaling(rows: &[Scaling], path: &std::path::Path) -> Result<()> {
-    let tmp = path.with_extension("csv.tmp");
-    let mut w = csv::Writer::from_path(&tmp)?;
-    w.write_record([
+/// `attention_scaling.csv`.
+fn write_scaling(rows: &[Scaling], path: &Path) -> Result<()> {
+    let header = [
         "impl",
         "case",
         "D",
@@ -208,25 +218,25 @@ fn write_scaling(rows: &[Scaling], path: &std::path::Path) -> Result<()> {
         "fwd_exponent",
         "fwdbwd_exponent",
         "pairs_exponent",
-    ])?;
-    for s in rows {
-        let lengths: Vec<String> = s.lengths.iter().map(|l| l.to_string()).collect();
-        w.write_record([
-            s.imp.clone(),
-            s.case.clone(),
-            s.dim.to_string(),
-            s.window.to_string(),
-            s.sparsity.to_string(),
-            lengths.join(" "),
-            format!("{:.3}", s.fwd),
-            format!("{:.3}", s.fwdbwd),
-            format!("{:.3}", s.pairs),
-        ])?;
-    }
-    w.flush()?;
-    drop(w);
-    std::fs::rename(&tmp, path)?;
-    Ok(())
+    ];
+    let records = rows
+        .iter()
+        .map(|s| {
+            let lengths: Vec<String> = s.lengths.iter().map(|l| l.to_string()).collect();
+            vec![
+                s.imp.clone(),
+                s.case.clone(),
+                s.dim.to_string(),
+                s.window.to_string(),
+                s.sparsity.to_string(),
+                lengths.join(" "),
+                format!("{:.3}", s.fwd),
+                format!("{:.3}", s.fwdbwd),
+                format!("{:.3}", s.pairs),
+            ]
+        })
+        .collect();
+    write_csv(path, &header, records)
 }
 
 pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
@@ -396,45 +406,50 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         }
     }
     let csv_path = b.out.join("attention_bench.csv");
-    let mut w = csv::Writer::from_path(&csv_path)?;
-    w.write_record([
-        "impl",
-        "case",
-        "L",
-        "D",
-        "window",
-        "sparsity",
-        "fwd_ms",
-        "fwdbwd_ms",
-        "fwd_tflops",
-        "fwd_vs_cudnn_causal",
-        "fwdbwd_vs_cudnn_causal",
-    ])?;
     let cudnn = |r: &Row| {
         rows.iter()
             .find(|c| c.imp == "sdpa_cudnn" && c.len == r.len && c.dim == r.dim)
             .cloned()
     };
-    for r in &rows {
-        let tflops = 4.0 * pairs(r, b.heads) * r.dim as f64 / (r.fwd_ms * 1e-3) / 1e12;
-        let (sf, sb) = cudnn(r).map_or((f64::NAN, f64::NAN), |c| {
-            (c.fwd_ms / r.fwd_ms, c.fwdbwd_ms / r.fwdbwd_ms)
-        });
-        w.write_record([
-            r.imp.clone(),
-            r.case.clone(),
-            r.len.to_string(),
-            r.dim.to_string(),
-            r.window.to_string(),
-            r.sparsity.to_string(),
-            format!("{:.4}", r.fwd_ms),
-            format!("{:.4}", r.fwdbwd_ms),
-            format!("{:.1}", tflops),
-            format!("{:.3}", sf),
-            format!("{:.3}", sb),
-        ])?;
-    }
-    w.flush()?;
+    let records = rows
+        .iter()
+        .map(|r| {
+            let tflops = 4.0 * pairs(r, b.heads) * r.dim as f64 / (r.fwd_ms * 1e-3) / 1e12;
+            let (sf, sb) = cudnn(r).map_or((f64::NAN, f64::NAN), |c| {
+                (c.fwd_ms / r.fwd_ms, c.fwdbwd_ms / r.fwdbwd_ms)
+            });
+            vec![
+                r.imp.clone(),
+                r.case.clone(),
+                r.len.to_string(),
+                r.dim.to_string(),
+                r.window.to_string(),
+                r.sparsity.to_string(),
+                format!("{:.4}", r.fwd_ms),
+                format!("{:.4}", r.fwdbwd_ms),
+                format!("{:.1}", tflops),
+                format!("{:.3}", sf),
+                format!("{:.3}", sb),
+            ]
+        })
+        .collect();
+    write_csv(
+        &csv_path,
+        &[
+            "impl",
+            "case",
+            "L",
+            "D",
+            "window",
+            "sparsity",
+            "fwd_ms",
+            "fwdbwd_ms",
+            "fwd_tflops",
+            "fwd_vs_cudnn_causal",
+            "fwdbwd_vs_cudnn_causal",
+        ],
+        records,
+    )?;
     write_scaling(
         &scaling(&rows, b.heads),
         &b.out.join("attention_scaling.csv"),
@@ -737,31 +752,16 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
         }
     }
     let csv_path = b.out.join("train_bench.csv");
-    let tmp = csv_path.with_extension("csv.tmp");
-    let mut w = csv::Writer::from_path(&tmp)?;
-    w.write_record([
-        "impl",
-        "method",
-        "L",
-        "batch",
-        "step_ms",
-        "tokens_per_s",
-        "full_usage",
-        "vs_same_impl_full",
-        "vs_eager_full",
-        "fwd_ms",
-        "bwd_ms",
-        "opt_ms",
-    ])?;
     let full_of = |imp: &str, len: i64| {
         rows.iter()
             .find(|r| r.imp == imp && r.method == "full" && r.len == len)
             .map(|r| r.step_ms)
     };
-    for r in &rows {
-        let ratio =
-            |base: Option<f64>| base.map_or(String::new(), |s| format!("{:.3}", s / r.step_ms));
-        w.write_record(
+    let records = rows
+        .iter()
+        .map(|r| {
+            let ratio =
+                |base: Option<f64>| base.map_or(String::new(), |s| format!("{:.3}", s / r.step_ms));
             [
                 r.imp.clone(),
                 r.method.clone(),
@@ -777,12 +777,28 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
             .chain((0..3).map(|i| {
                 r.phases_ms
                     .map_or(String::new(), |p| format!("{:.3}", p[i]))
-            })),
-        )?;
-    }
-    w.flush()?;
-    drop(w);
-    std::fs::rename(&tmp, &csv_path)?;
+            }))
+            .collect()
+        })
+        .collect();
+    write_csv(
+        &csv_path,
+        &[
+            "impl",
+            "method",
+            "L",
+            "batch",
+            "step_ms",
+            "tokens_per_s",
+            "full_usage",
+            "vs_same_impl_full",
+            "vs_eager_full",
+            "fwd_ms",
+            "bwd_ms",
+            "opt_ms",
+        ],
+        records,
+    )?;
     Ok(csv_path)
 }
 
