@@ -587,7 +587,51 @@ __global__ void far_table_kernel(const int* offsets, int n, int len, int* table)
     }
 }
 
+// delta = rowsum(dO * O) in fp32 (ops.cpp, row_delta), row i of the list in D / 8 lanes, one
+// 16-byte load of each a lane; with perm the list's row i is position perm[i] of its (b, h).
+// The products of two bf16 are exact in fp32, so only the order of the sum differs from the
+// reference's.
+__global__ void row_delta_kernel(const uint4* dout, const uint4* out, const int* perm, int lq, int chunks,
+                                 int64_t rows, float* delta) {
+    const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / chunks;
+    const int c = threadIdx.x % chunks;
+    float sum = 0.f;
+    if (i < rows) {
+        const int64_t row = perm ? i - i % lq + perm[i] : i;
+        const uint4 a = dout[row * chunks + c], b = out[row * chunks + c];
+        const auto *x = reinterpret_cast<const __nv_bfloat162*>(&a), *y = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 fx = __bfloat1622float2(x[j]), fy = __bfloat1622float2(y[j]);
+            sum = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, sum));
+        }
+    }
+    // The lanes of a row are an aligned group of `chunks` (a power of two dividing 32).
+    for (int o = chunks / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (i < rows && c == 0) delta[i] = sum;
+}
+
 }  // namespace
+
+at::Tensor cuda_row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm) {
+    const at::cuda::CUDAGuard guard(dout.device());
+    TORCH_CHECK(dout.sizes() == out.sizes() && dout.is_contiguous() && out.is_contiguous() &&
+                    dout.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+                "row delta: dO and O must be contiguous bf16 tensors of one shape");
+    const int64_t d = dout.size(3), chunks = d / 8;
+    TORCH_CHECK(d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0,
+                "row delta: head_dim must be 8 times a power of two up to 256, not ", d);
+    auto delta = at::empty({dout.size(0), dout.size(1), dout.size(2)}, dout.options().dtype(at::kFloat));
+    const int64_t rows = delta.numel();
+    if (rows > 0) {
+        constexpr int threads = 256;
+        row_delta_kernel<<<(rows * chunks + threads - 1) / threads, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            reinterpret_cast<const uint4*>(dout.data_ptr()), reinterpret_cast<const uint4*>(out.data_ptr()),
+            perm ? perm->data_ptr<int>() : nullptr, (int)dout.size(2), (int)chunks, rows, delta.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return delta;
+}
 
 at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len) {
     const at::cuda::CUDAGuard guard(offsets.device());

@@ -13,11 +13,13 @@ namespace attnsweep {
 // qpos holds a permutation of all Lq = L positions, and the outputs (O, dQ) are written at
 // the rows' positions instead of in list order (lse stays in list order).
 // far: PPA's distances beyond the window as a table (cuda_far_table), or null; with it every
-// query also sees the keys at those distances back (dense lists only).
+// query also sees the keys at those distances back (dense lists only). far_count: how many
+// far distances the table holds (the forward's key tile follows their spacing).
 struct QueryList {
     const at::Tensor *qpos = nullptr, *nq = nullptr, *nfull = nullptr;
     bool at_positions = false;
     const at::Tensor* far = nullptr;
+    int64_t far_count = 0;
 };
 
 // What every kernel knows of a call: the query list and the shapes.
@@ -49,6 +51,11 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list,
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// delta [B, H, Lq] fp32 = rowsum(dO * O) of each list row, for the backward; dout and out
+// [B, H, Lq, D] bf16, contiguous. With perm ([B, H, Lq] int32, a list at positions) row i of
+// (b, h) is read at position perm[b, h, i].
+at::Tensor cuda_row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm);
 
 // PPA's far distances as the table QueryList::far takes (walk.cuh has its layout), from
 // offsets: int32, ascending (entries outside [0, len) see nothing).

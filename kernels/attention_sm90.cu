@@ -736,10 +736,16 @@ void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // with 90% of queries skipped, L = 16384, D = 128); narrow windows 64 (13% faster at w = 256).
     // A routed list's full-prefix rows do most of its work (measured: 0.50 ms against 0.54 with
     // 64-key tiles, 10% on the full prefix, w = 256, L = 16384, D = 128).
-    // PPA takes 64: a far tile holding a single far distance is mostly masked.
+    // PPA takes 64 where its far distances lie more than a 128-key tile apart on average: the
+    // walk skips the far tiles no pair of which is seen, and a tile holding a single far
+    // distance is mostly masked. Closer, nearly every tile is seen and 128 is faster (measured
+    // at D = 128, w = 64, results/bench/v8/ppa_key_tiles: p = 0.75 10-17% at L = 4096-32768,
+    // p = 0.5 9-10% at 4096-8192 and even at 16384, where the mean gap is 136; p = 0.25 takes
+    // 19-28% longer).
     if (list.far) {
-        if (q.size(3) == 64) launch<64, 64, false, true>(q, q, k, v, a);
-        else launch<128, 64, false, true>(q, q, k, v, a);
+        const bool dense = (int64_t)a.len - a.window < 128 * list.far_count;
+        if (q.size(3) == 64) dense ? launch<64, 128, false, true>(q, q, k, v, a) : launch<64, 64, false, true>(q, q, k, v, a);
+        else dense ? launch<128, 128, false, true>(q, q, k, v, a) : launch<128, 64, false, true>(q, q, k, v, a);
         return;
     }
     const bool wide = window > 512 || list.nfull;

@@ -101,20 +101,28 @@ variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const
     return {dq.to(q.scalar_type()), fold(dk).to(k.scalar_type()), fold(dv).to(v.scalar_type())};
 }
 
-// delta = rowsum(dO * O) in fp32, which the backward kernels and the reference take.
-at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out) {
-    return (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+// delta = rowsum(dO * O) in fp32 of each list row (at perm's positions, for a list at
+// positions), which the backward kernels and the reference take. On the GPU one kernel: the
+// four fp32 passes of the formula below cost the backward more than its dQ kernel (SWA,
+// L = 16384, D = 128; PERFORMANCE.md).
+at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm = nullptr) {
+#ifdef ATTNSWEEP_CUDA
+    if (dout.is_cuda()) return attnsweep::cuda_row_delta(dout, out.contiguous(), perm);
+#endif
+    auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+    return perm ? delta.gather(2, perm->to(at::kLong)) : delta;
 }
 
 // The empty tensor that stands for "no list" (or no offsets) inside this file.
 at::Tensor none(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kInt)); }
 
 #ifdef ATTNSWEEP_CUDA
-// far: PPA's far distances (cuda_far_table), or an empty tensor.
-attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& far) {
+// far: PPA's far distances (cuda_far_table of offsets), or an empty tensor.
+attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& far,
+                                const at::Tensor& offsets) {
     attnsweep::QueryList list;
     if (qpos.numel() > 0) list.qpos = &qpos, list.nq = &nq;
-    if (far.numel() > 0) list.far = &far;
+    if (far.numel() > 0) list.far = &far, list.far_count = offsets.numel();
     return list;
 }
 
@@ -147,7 +155,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
             far = far_table(offsets, k);
-            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far), window);
+            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far, offsets), window);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
@@ -171,7 +179,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far), window, lse, delta, dout);
+            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far, offsets), window, lse, delta, dout);
 #endif
         } else {
             g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);
@@ -240,7 +248,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
         const auto &q = s[0], &k = s[1], &v = s[2], &perm = s[3], &nq = s[4], &nfull = s[5], &out = s[6], &lse = s[7];
         const int64_t window = ctx->saved_data["window"].toInt();
         auto dout = grads[0].contiguous();
-        auto delta = row_delta(dout, out).gather(2, perm.to(at::kLong));
+        auto delta = row_delta(dout, out, &perm);
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
