@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 
 namespace attnsweep {
 namespace {
@@ -587,50 +588,97 @@ __global__ void far_table_kernel(const int* offsets, int n, int len, int* table)
     }
 }
 
-// delta = rowsum(dO * O) in fp32 (ops.cpp, row_delta), row i of the list in D / 8 lanes, one
-// 16-byte load of each a lane; with perm the list's row i is position perm[i] of its (b, h).
-// The products of two bf16 are exact in fp32, so only the order of the sum differs from the
-// reference's.
-__global__ void row_delta_kernel(const uint4* dout, const uint4* out, const int* perm, int lq, int chunks,
-                                 int64_t rows, float* delta) {
+// rowsum(a * (b - minus)) in fp32 (minus may be null) of list row i, in D / 8 lanes with one
+// 16-byte load of each input a lane; with perm the list's row i is position perm[i] of its
+// (b, h). The backward's delta (ops.cpp, row_delta: a = dO, b = O) and the straight-through
+// mix's weight gradient (ops.cpp, StraightThroughMix). The products of two bf16 are exact in
+// fp32, so a delta differs from the ATen formula's only in the order of the sum.
+__global__ void row_dot_kernel(const uint4* a, const uint4* b, const uint4* minus, const int* perm, int lq,
+                               int chunks, int64_t rows, float* dot) {
     const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / chunks;
     const int c = threadIdx.x % chunks;
     float sum = 0.f;
     if (i < rows) {
-        const int64_t row = perm ? i - i % lq + perm[i] : i;
-        const uint4 a = dout[row * chunks + c], b = out[row * chunks + c];
-        const auto *x = reinterpret_cast<const __nv_bfloat162*>(&a), *y = reinterpret_cast<const __nv_bfloat162*>(&b);
+        const int64_t at = (perm ? i - i % lq + perm[i] : i) * chunks + c;
+        const uint4 va = a[at], vb = b[at], vm = minus ? minus[at] : uint4{0, 0, 0, 0};
+        const auto *x = reinterpret_cast<const __nv_bfloat162*>(&va), *y = reinterpret_cast<const __nv_bfloat162*>(&vb),
+                   *z = reinterpret_cast<const __nv_bfloat162*>(&vm);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const float2 fx = __bfloat1622float2(x[j]), fy = __bfloat1622float2(y[j]);
-            sum = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, sum));
+            const float2 fx = __bfloat1622float2(x[j]), fy = __bfloat1622float2(y[j]), fz = __bfloat1622float2(z[j]);
+            sum = fmaf(fx.x, fy.x - fz.x, fmaf(fx.y, fy.y - fz.y, sum));
         }
     }
     // The lanes of a row are an aligned group of `chunks` (a power of two dividing 32).
     for (int o = chunks / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (i < rows && c == 0) delta[i] = sum;
+    if (i < rows && c == 0) dot[i] = sum;
+}
+
+// AHA's straight-through mix, y = c + w (c - o) with one fp32 weight per row of `chunks`
+// 16-byte chunks: one pass instead of ATen's subtract, broadcast multiply and add.
+__global__ void st_mix_kernel(const uint4* c, const uint4* o, const float* w, int chunks, int64_t n, uint4* y) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float wr = w[i / chunks];
+    const uint4 vc = c[i], vo = o[i];
+    uint4 out;
+    const auto *x = reinterpret_cast<const __nv_bfloat162*>(&vc), *z = reinterpret_cast<const __nv_bfloat162*>(&vo);
+    auto* r = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 fx = __bfloat1622float2(x[j]), fz = __bfloat1622float2(z[j]);
+        r[j] = __floats2bfloat162_rn(fmaf(wr, fx.x - fz.x, fx.x), fmaf(wr, fx.y - fz.y, fx.y));
+    }
+    y[i] = out;
+}
+
+// bf16 rows [B, H, L, D] of one shape, contiguous, D / 8 a power of two up to 32: the 16-byte
+// chunks a row of them holds.
+int64_t row_chunks(const char* what, std::initializer_list<const at::Tensor*> xs) {
+    const at::Tensor& x0 = **xs.begin();
+    for (const at::Tensor* x : xs)
+        TORCH_CHECK(x->sizes() == x0.sizes() && x->dim() == 4 && x->is_contiguous() &&
+                        x->scalar_type() == at::kBFloat16 && x->device() == x0.device(),
+                    what, ": inputs must be contiguous bf16 tensors [B, H, L, D] of one shape on one device");
+    const int64_t d = x0.size(3), chunks = d / 8;
+    TORCH_CHECK(d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0, what,
+                ": head_dim must be 8 times a power of two up to 256, not ", d);
+    return chunks;
 }
 
 }  // namespace
 
-at::Tensor cuda_row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm) {
-    const at::cuda::CUDAGuard guard(dout.device());
-    TORCH_CHECK(dout.sizes() == out.sizes() && dout.is_contiguous() && out.is_contiguous() &&
-                    dout.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-                "row delta: dO and O must be contiguous bf16 tensors of one shape");
-    const int64_t d = dout.size(3), chunks = d / 8;
-    TORCH_CHECK(d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0,
-                "row delta: head_dim must be 8 times a power of two up to 256, not ", d);
-    auto delta = at::empty({dout.size(0), dout.size(1), dout.size(2)}, dout.options().dtype(at::kFloat));
-    const int64_t rows = delta.numel();
+at::Tensor cuda_row_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor* minus, const at::Tensor* perm) {
+    const at::cuda::CUDAGuard guard(a.device());
+    const int64_t chunks = minus ? row_chunks("row dot", {&a, &b, minus}) : row_chunks("row dot", {&a, &b});
+    auto dot = at::empty({a.size(0), a.size(1), a.size(2)}, a.options().dtype(at::kFloat));
+    const int64_t rows = dot.numel();
     if (rows > 0) {
         constexpr int threads = 256;
-        row_delta_kernel<<<(rows * chunks + threads - 1) / threads, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            reinterpret_cast<const uint4*>(dout.data_ptr()), reinterpret_cast<const uint4*>(out.data_ptr()),
-            perm ? perm->data_ptr<int>() : nullptr, (int)dout.size(2), (int)chunks, rows, delta.data_ptr<float>());
+        row_dot_kernel<<<(rows * chunks + threads - 1) / threads, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            reinterpret_cast<const uint4*>(a.data_ptr()), reinterpret_cast<const uint4*>(b.data_ptr()),
+            minus ? reinterpret_cast<const uint4*>(minus->data_ptr()) : nullptr, perm ? perm->data_ptr<int>() : nullptr,
+            (int)a.size(2), (int)chunks, rows, dot.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    return delta;
+    return dot;
+}
+
+at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tensor& w) {
+    const at::cuda::CUDAGuard guard(c.device());
+    const int64_t chunks = row_chunks("straight-through mix", {&c, &o});
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() * chunks * 8 == c.numel(),
+                "straight-through mix: the weight must be contiguous fp32 [B, H, L]");
+    auto y = at::empty_like(c);
+    const int64_t n = c.numel() / 8;
+    if (n > 0) {
+        constexpr int threads = 256;
+        st_mix_kernel<<<(n + threads - 1) / threads, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            reinterpret_cast<const uint4*>(c.data_ptr()), reinterpret_cast<const uint4*>(o.data_ptr()),
+            w.data_ptr<float>(), (int)chunks, n, reinterpret_cast<uint4*>(y.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return y;
 }
 
 at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len) {

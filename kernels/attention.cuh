@@ -52,10 +52,15 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
-// delta [B, H, Lq] fp32 = rowsum(dO * O) of each list row, for the backward; dout and out
-// [B, H, Lq, D] bf16, contiguous. With perm ([B, H, Lq] int32, a list at positions) row i of
-// (b, h) is read at position perm[b, h, i].
-at::Tensor cuda_row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm);
+// [B, H, Lq] fp32 rowsum(a * (b - minus)) of each list row (minus may be null): the
+// backward's delta = rowsum(dO * O), and the straight-through mix's weight gradient. a, b,
+// minus [B, H, Lq, D] bf16, contiguous. With perm ([B, H, Lq] int32, a list at positions) row
+// i of (b, h) is read at position perm[b, h, i].
+at::Tensor cuda_row_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor* minus, const at::Tensor* perm);
+
+// AHA's straight-through mix y = c + w (c - o): c, o [B, H, L, D] bf16, contiguous, w
+// [B, H, L] fp32 contiguous.
+at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tensor& w);
 
 // PPA's far distances as the table QueryList::far takes (walk.cuh has its layout), from
 // offsets: int32, ascending (entries outside [0, len) see nothing).

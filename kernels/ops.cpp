@@ -107,7 +107,7 @@ variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const
 // L = 16384, D = 128; PERFORMANCE.md).
 at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const at::Tensor* perm = nullptr) {
 #ifdef ATTNSWEEP_CUDA
-    if (dout.is_cuda()) return attnsweep::cuda_row_delta(dout, out.contiguous(), perm);
+    if (dout.is_cuda()) return attnsweep::cuda_row_dot(dout, out.contiguous(), nullptr, perm);
 #endif
     auto delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
     return perm ? delta.gather(2, perm->to(at::kLong)) : delta;
@@ -260,6 +260,45 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
             g[0] = from_list(g[0], perm);
         }
         return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+    }
+};
+
+// AHA's straight-through mix of one routed layer (attention.rs, SelfAttention::per_head):
+// y = c + w (sg(c) - o), c the output of the paths the gates picked, o the other paths' output
+// (no gradient), w one weight per row. Its value is c where w is 0; the gradients are dc = dy
+// and dw = rowsum(dy (c - o)). One kernel each way on the GPU instead of ATen's subtract,
+// broadcast multiply and add, and multiply and sum.
+struct StraightThroughMix : public torch::autograd::Function<StraightThroughMix> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor c, at::Tensor o, at::Tensor w) {
+        auto wf = w.to(at::kFloat).contiguous();
+        at::Tensor y;
+        if (c.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            y = attnsweep::cuda_st_mix(c, o, wf);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            auto cf = c.to(at::kFloat);
+            y = (cf + wf.unsqueeze(-1) * (cf - o.to(at::kFloat))).to(c.scalar_type());
+        }
+        ctx->save_for_backward({c, o, w});
+        return {y};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &c = s[0], &o = s[1], &w = s[2];
+        auto dy = grads[0].to(c.scalar_type()).contiguous();
+        at::Tensor dw;
+        if (c.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dw = attnsweep::cuda_row_dot(dy, c, &o, nullptr);
+#endif
+        } else {
+            dw = (dy.to(at::kFloat) * (c.to(at::kFloat) - o.to(at::kFloat))).sum(-1);
+        }
+        return {dy, at::Tensor(), dw.to(w.scalar_type())};
     }
 };
 
@@ -483,7 +522,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 5; }
+int64_t attnsweep_kernels_abi() { return 6; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -525,6 +564,22 @@ void* attnsweep_routed_attention(const at::Tensor* q, const at::Tensor* k, const
         TORCH_CHECK(path->is_cuda() || path->numel() == 0 || path->max().item<int>() <= 2,
                     "path values must be 0 (nothing), 1 (window) or 2 (full prefix)");
         auto out = RoutedAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), path->contiguous(), window);
+        return new at::Tensor(out[0]);
+    });
+}
+
+// AHA's straight-through mix y = c + w (sg(c) - o) of c, o [B, H, L, D] (fp32 or bf16; bf16 on
+// the GPU) and w [B, H, L] (any float dtype), with autograd in c and w (o gets none). Returns a
+// new at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_st_mix(const at::Tensor* c, const at::Tensor* o, const at::Tensor* w, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(c->dim() == 4 && o->sizes() == c->sizes(), "mix: c and o must be [B, H, L, D] of one shape");
+        TORCH_CHECK(w->sizes() == c->sizes().slice(0, 3), "mix: the weight must be [B, H, L] for c [B, H, L, D]");
+        TORCH_CHECK(c->scalar_type() == o->scalar_type(), "mix: c and o differ in dtype");
+        TORCH_CHECK(at::isFloatingType(c->scalar_type()) && at::isFloatingType(w->scalar_type()),
+                    "mix: inputs must be floating point");
+        TORCH_CHECK(c->device() == o->device() && c->device() == w->device(), "mix: inputs on different devices");
+        auto out = StraightThroughMix::apply(c->contiguous(), o->detach().contiguous(), *w);
         return new at::Tensor(out[0]);
     });
 }

@@ -797,9 +797,9 @@ impl SelfAttention {
                 // full - local is chosen minus the other path on the full path's rows and the
                 // other way round on the window's: the sign goes on the per-row weight (rows
                 // where neither is needed get a finite value that a zero gradient weight
-                // multiplies).
-                let weight = (gv(g) - gv(on)) * (gv(on) * 2.0 - 1.0);
-                &chosen + weight * (chosen.detach() - other)
+                // multiplies). One fused kernel each way (`Kernels::st_mix`).
+                let weight = ((g - on) * (on * 2.0 - 1.0)).transpose(1, 2);
+                kern.st_mix(&chosen, &other, &weight).expect(KERNEL_FAILED)
             }
             _ => {
                 let (full, local) = self.branches(q, k, v, on, keys, false);

@@ -34,7 +34,7 @@ const SOURCES: [(&str, &str); 14] = [
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 5;
+const ABI: i64 = 6;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -315,7 +315,8 @@ type TokenNllFn =
     unsafe extern "C" fn(*const c_void, *const c_void, *mut c_char, usize) -> *mut c_void;
 type RmsNormFn =
     unsafe extern "C" fn(*const c_void, *const c_void, f64, *mut c_char, usize) -> *mut c_void;
-type RopeFn = unsafe extern "C" fn(
+/// Three tensors in, one new tensor out (rope, the straight-through mix).
+type Tensor3Fn = unsafe extern "C" fn(
     *const c_void,
     *const c_void,
     *const c_void,
@@ -359,6 +360,23 @@ pub enum QueryPath {
     Full = 2,
 }
 
+/// One three-tensor entry point of the library: its new tensor, or its message as an error.
+fn call3(f: Tensor3Fn, what: &str, a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Tensor> {
+    let mut err = vec![0 as c_char; 1024];
+    let out = unsafe {
+        f(
+            a.as_ptr() as *const c_void,
+            b.as_ptr() as *const c_void,
+            c.as_ptr() as *const c_void,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    ensure!(!out.is_null(), "{what}: {}", library_error(&err));
+    // Safety: a heap at::Tensor* whose ownership passes to us.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
 /// A loaded kernel library.
 pub struct Kernels {
     _lib: Library,
@@ -366,7 +384,8 @@ pub struct Kernels {
     routed_attention: RoutedAttentionFn,
     token_nll: TokenNllFn,
     rms_norm: RmsNormFn,
-    rope: RopeFn,
+    rope: Tensor3Fn,
+    st_mix: Tensor3Fn,
     grad_norm: GradNormFn,
     adamw: AdamWFn,
     pub cuda: bool,
@@ -394,7 +413,8 @@ impl Kernels {
             let routed_attention = *lib.get::<RoutedAttentionFn>(b"attnsweep_routed_attention")?;
             let token_nll = *lib.get::<TokenNllFn>(b"attnsweep_token_nll")?;
             let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
-            let rope = *lib.get::<RopeFn>(b"attnsweep_rope")?;
+            let rope = *lib.get::<Tensor3Fn>(b"attnsweep_rope")?;
+            let st_mix = *lib.get::<Tensor3Fn>(b"attnsweep_st_mix")?;
             let grad_norm = *lib.get::<GradNormFn>(b"attnsweep_grad_norm")?;
             let adamw = *lib.get::<AdamWFn>(b"attnsweep_adamw")?;
             Ok(Kernels {
@@ -404,6 +424,7 @@ impl Kernels {
                 token_nll,
                 rms_norm,
                 rope,
+                st_mix,
                 grad_norm,
                 adamw,
                 cuda,
@@ -560,19 +581,14 @@ impl Kernels {
     /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`,
     /// returned transposed to `[B, H, L, D]` (as attention reads it); differentiable in x.
     pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let mut err = vec![0 as c_char; 1024];
-        let out = unsafe {
-            (self.rope)(
-                x.as_ptr() as *const c_void,
-                cos.as_ptr() as *const c_void,
-                sin.as_ptr() as *const c_void,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        ensure!(!out.is_null(), "rope kernel: {}", library_error(&err));
-        // Safety: a heap at::Tensor* whose ownership passes to us.
-        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+        call3(self.rope, "rope kernel", x, cos, sin)
+    }
+
+    /// AHA's straight-through mix `c + w * (sg(c) - o)` of `c, o: [B, H, L, D]` (bf16 on the
+    /// GPU) with one weight a row, `w: [B, H, L]`: equal to `c` where `w` is 0, with gradient
+    /// `dy` for `c` and `rowsum(dy * (c - o))` for `w` (none for `o`). One kernel each way.
+    pub fn st_mix(&self, c: &Tensor, o: &Tensor, w: &Tensor) -> Result<Tensor> {
+        call3(self.st_mix, "straight-through mix kernel", c, o, w)
     }
 
     /// Global L2 norm of `grads` (fp32, contiguous, one device), in one launch.
@@ -1015,6 +1031,71 @@ pub(crate) mod tests {
     fn cuda_rope_matches_reference() {
         on_cuda("cuda_rope_matches_reference", |k| {
             rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+        });
+    }
+
+    /// The straight-through mix against its ATen form in fp32 from the same (rounded) inputs:
+    /// output (exactly `c` where the weight is 0) and the gradients of `c` and `w`, at both
+    /// head_dims the row kernels take.
+    fn st_mix_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+        for d in [64i64, 128] {
+            tch::manual_seed(d);
+            let shape = [2, 3, 77, d];
+            let c = Tensor::randn(shape, (Kind::Float, device))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let o = Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
+            // A third of the rows at weight 0, as AHA's forward has them all.
+            let w = (Tensor::randn([2, 3, 77], (Kind::Float, device))
+                * Tensor::rand([2, 3, 77], (Kind::Float, device)).gt(0.33))
+            .set_requires_grad(true);
+            let dy = Tensor::randn(shape, (Kind::Float, device));
+            let got = kern.st_mix(&c, &o, &w).unwrap();
+            assert_eq!(got.kind(), kind);
+            (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+            let (cr, wr) = (
+                c.detach().to_kind(Kind::Float).set_requires_grad(true),
+                w.detach().set_requires_grad(true),
+            );
+            let want = &cr + wr.unsqueeze(-1) * (cr.detach() - o.to_kind(Kind::Float));
+            (&want * &dy).sum(Kind::Float).backward();
+            let zero = w.detach().eq(0.0).unsqueeze(-1);
+            let (g0, c0) = (
+                got.detach().masked_select(&zero),
+                c.detach().masked_select(&zero),
+            );
+            assert!(g0.equal(&c0), "D={d}: rows at weight 0 are not c exactly");
+            for (name, g, r) in [
+                ("y", got.detach().to_kind(Kind::Float), want.detach()),
+                ("dc", c.grad().to_kind(Kind::Float), cr.grad()),
+                ("dw", w.grad(), wr.grad()),
+            ] {
+                let e = rel_err(&g, &r);
+                assert!(e < tol, "D={d}: {name} differs by {e:.2e}");
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_st_mix_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        st_mix_matches_reference(kern, Device::Cpu, Kind::Float, 1e-6);
+        let c = Tensor::zeros([1, 2, 3, 8], (Kind::Float, Device::Cpu));
+        let err = kern.st_mix(
+            &c,
+            &c,
+            &Tensor::zeros([1, 2, 4], (Kind::Float, Device::Cpu)),
+        );
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("weight must be [B, H, L]"));
+    }
+
+    #[test]
+    fn cuda_st_mix_matches_reference() {
+        on_cuda("cuda_st_mix_matches_reference", |k| {
+            st_mix_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
         });
     }
 
