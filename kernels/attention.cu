@@ -641,8 +641,11 @@ int64_t row_chunks(const char* what, std::initializer_list<const at::Tensor*> xs
                         x->scalar_type() == at::kBFloat16 && x->device() == x0.device(),
                     what, ": inputs must be contiguous bf16 tensors [B, H, L, D] of one shape on one device");
     const int64_t d = x0.size(3), chunks = d / 8;
-    TORCH_CHECK(d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0, what,
+    TORCH_CHECK(d >= 8 && d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0, what,
                 ": head_dim must be 8 times a power of two up to 256, not ", d);
+    // The kernels read 16-byte chunks.
+    for (const at::Tensor* x : xs)
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0, what, ": inputs must be 16-byte aligned");
     return chunks;
 }
 
@@ -652,6 +655,9 @@ at::Tensor cuda_row_dot(const at::Tensor& a, const at::Tensor& b, const at::Tens
     const at::cuda::CUDAGuard guard(a.device());
     const int64_t chunks = minus ? row_chunks("row dot", {&a, &b, minus}) : row_chunks("row dot", {&a, &b});
     auto dot = at::empty({a.size(0), a.size(1), a.size(2)}, a.options().dtype(at::kFloat));
+    TORCH_CHECK(!perm || (perm->sizes() == dot.sizes() && perm->scalar_type() == at::kInt && perm->is_contiguous() &&
+                          perm->device() == a.device()),
+                "row dot: perm must be contiguous int32 [B, H, L] on the inputs' device");
     const int64_t rows = dot.numel();
     if (rows > 0) {
         constexpr int threads = 256;

@@ -54,8 +54,8 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 // [B, H, Lq] fp32 rowsum(a * (b - minus)) of each list row (minus may be null): the
 // backward's delta = rowsum(dO * O), and the straight-through mix's weight gradient. a, b,
-// minus [B, H, Lq, D] bf16, contiguous. With perm ([B, H, Lq] int32, a list at positions) row
-// i of (b, h) is read at position perm[b, h, i].
+// minus [B, H, Lq, D] bf16, contiguous. With perm ([B, H, Lq] int32, a list at positions,
+// which holds all Lq = L positions) row i of (b, h) is read at position perm[b, h, i].
 at::Tensor cuda_row_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor* minus, const at::Tensor* perm);
 
 // AHA's straight-through mix y = c + w (c - o): c, o [B, H, L, D] bf16, contiguous, w

@@ -267,7 +267,8 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
 // y = c + w (sg(c) - o), c the output of the paths the gates picked, o the other paths' output
 // (no gradient), w one weight per row. Its value is c where w is 0; the gradients are dc = dy
 // and dw = rowsum(dy (c - o)). One kernel each way on the GPU instead of ATen's subtract,
-// broadcast multiply and add, and multiply and sum.
+// broadcast multiply and add, and multiply and sum. The CPU reference computes in fp32, as
+// the other references here do.
 struct StraightThroughMix : public torch::autograd::Function<StraightThroughMix> {
     static variable_list forward(AutogradContext* ctx, at::Tensor c, at::Tensor o, at::Tensor w) {
         auto wf = w.to(at::kFloat).contiguous();
@@ -290,6 +291,7 @@ struct StraightThroughMix : public torch::autograd::Function<StraightThroughMix>
         auto s = ctx->get_saved_variables();
         const auto &c = s[0], &o = s[1], &w = s[2];
         auto dy = grads[0].to(c.scalar_type()).contiguous();
+        if (!ctx->needs_input_grad(2)) return {dy, at::Tensor(), at::Tensor()};
         at::Tensor dw;
         if (c.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA

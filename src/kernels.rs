@@ -1045,21 +1045,24 @@ pub(crate) mod tests {
                 .to_kind(kind)
                 .set_requires_grad(true);
             let o = Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
-            // A third of the rows at weight 0, as AHA's forward has them all.
-            let w = (Tensor::randn([2, 3, 77], (Kind::Float, device))
-                * Tensor::rand([2, 3, 77], (Kind::Float, device)).gt(0.33))
+            // A third of the rows at weight 0, as AHA's forward has them all; transposed, as
+            // the layer passes it ([B, T, H] to [B, H, T]).
+            let w = (Tensor::randn([2, 77, 3], (Kind::Float, device))
+                * Tensor::rand([2, 77, 3], (Kind::Float, device)).gt(0.33))
             .set_requires_grad(true);
+            let wt = w.transpose(1, 2);
             let dy = Tensor::randn(shape, (Kind::Float, device));
-            let got = kern.st_mix(&c, &o, &w).unwrap();
+            let got = kern.st_mix(&c, &o, &wt).unwrap();
             assert_eq!(got.kind(), kind);
             (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
             let (cr, wr) = (
                 c.detach().to_kind(Kind::Float).set_requires_grad(true),
                 w.detach().set_requires_grad(true),
             );
-            let want = &cr + wr.unsqueeze(-1) * (cr.detach() - o.to_kind(Kind::Float));
+            let want =
+                &cr + wr.transpose(1, 2).unsqueeze(-1) * (cr.detach() - o.to_kind(Kind::Float));
             (&want * &dy).sum(Kind::Float).backward();
-            let zero = w.detach().eq(0.0).unsqueeze(-1);
+            let zero = wt.detach().eq(0.0).unsqueeze(-1);
             let (g0, c0) = (
                 got.detach().masked_select(&zero),
                 c.detach().masked_select(&zero),
