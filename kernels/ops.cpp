@@ -21,6 +21,7 @@
 #include "norm.cuh"
 #include "optim.cuh"
 #include "rope.cuh"
+#include "swiglu.cuh"
 #else
 namespace attnsweep {
 struct AdamWStep {
@@ -388,6 +389,44 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     }
 };
 
+// The MLP's gate y = silu(g) u (see swiglu.cu), g and u of one shape. The reference is the
+// same formula in ATen, in fp32.
+struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor g, at::Tensor u) {
+        at::Tensor y;
+        if (g.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            y = at::empty_like(g);
+            attnsweep::cuda_swiglu(g, u, y);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            y = (at::silu(g.to(at::kFloat)) * u.to(at::kFloat)).to(g.scalar_type());
+        }
+        ctx->save_for_backward({g, u});
+        return {y};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &g = s[0], &u = s[1];
+        auto dy = grads[0].to(g.scalar_type()).contiguous();
+        at::Tensor dg, du;
+        if (g.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            dg = at::empty_like(g), du = at::empty_like(u);
+            attnsweep::cuda_swiglu_backward(dy, g, u, dg, du);
+#endif
+        } else {
+            auto a = g.to(at::kFloat), d = dy.to(at::kFloat), sg = at::sigmoid(a);
+            du = (d * a * sg).to(u.scalar_type());
+            dg = (d * u.to(at::kFloat) * sg * (1 + a * (1 - sg))).to(g.scalar_type());
+        }
+        return {dg, du};
+    }
+};
+
 // Rotary embedding with the head transpose: x [B, L, H, D] to y [B, H, L, D] (see rope.cu);
 // cos, sin [L, D] fp32. The reference is the same rotation in ATen, in fp32.
 struct RopeFn : public torch::autograd::Function<RopeFn> {
@@ -524,7 +563,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 6; }
+int64_t attnsweep_kernels_abi() { return 7; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -602,6 +641,20 @@ void* attnsweep_token_nll(const at::Tensor* logits, const at::Tensor* targets, c
         TORCH_CHECK(vocab > 0, "empty vocabulary");
         auto out = CrossEntropy::apply(x.reshape({-1, vocab}).contiguous(), y.reshape({-1}).contiguous());
         return new at::Tensor(out[0].view(y.sizes()));
+    });
+}
+
+// The MLP's gate silu(g) u of g, u [...] (bf16 or fp32, alike), with autograd in both.
+// Returns a new at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_swiglu(const at::Tensor* g, const at::Tensor* u, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(g->sizes() == u->sizes(), "SwiGLU: gate and up must have one shape");
+        TORCH_CHECK(g->scalar_type() == u->scalar_type() &&
+                        (g->scalar_type() == at::kFloat || g->scalar_type() == at::kBFloat16),
+                    "SwiGLU: gate and up must both be fp32 or both bf16");
+        TORCH_CHECK(g->device() == u->device(), "SwiGLU: gate and up on different devices");
+        auto out = SwiGluFn::apply(g->contiguous(), u->contiguous());
+        return new at::Tensor(out[0]);
     });
 }
 

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 16] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
@@ -31,10 +31,12 @@ const SOURCES: [(&str, &str); 14] = [
     ("optim.cuh", include_str!("../kernels/optim.cuh")),
     ("rope.cu", include_str!("../kernels/rope.cu")),
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
+    ("swiglu.cu", include_str!("../kernels/swiglu.cu")),
+    ("swiglu.cuh", include_str!("../kernels/swiglu.cuh")),
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 6;
+const ABI: i64 = 7;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -251,6 +253,7 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                 .arg(tmp.join("norm.cu"))
                 .arg(tmp.join("optim.cu"))
                 .arg(tmp.join("rope.cu"))
+                .arg(tmp.join("swiglu.cu"))
                 .arg(tmp.join("ops.cpp"))
                 .args(&links)
                 .args(["-ltorch_cuda", "-lc10_cuda"])
@@ -311,7 +314,8 @@ type RoutedAttentionFn = unsafe extern "C" fn(
     usize,
 ) -> *mut c_void;
 
-type TokenNllFn =
+/// Two tensors in, one new tensor out (the cross-entropy, SwiGLU).
+type Tensor2Fn =
     unsafe extern "C" fn(*const c_void, *const c_void, *mut c_char, usize) -> *mut c_void;
 type RmsNormFn =
     unsafe extern "C" fn(*const c_void, *const c_void, f64, *mut c_char, usize) -> *mut c_void;
@@ -360,6 +364,22 @@ pub enum QueryPath {
     Full = 2,
 }
 
+/// One two-tensor entry point of the library: its new tensor, or its message as an error.
+fn call2(f: Tensor2Fn, what: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mut err = vec![0 as c_char; 1024];
+    let out = unsafe {
+        f(
+            a.as_ptr() as *const c_void,
+            b.as_ptr() as *const c_void,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    ensure!(!out.is_null(), "{what}: {}", library_error(&err));
+    // Safety: a heap at::Tensor* whose ownership passes to us.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
 /// One three-tensor entry point of the library: its new tensor, or its message as an error.
 fn call3(f: Tensor3Fn, what: &str, a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Tensor> {
     let mut err = vec![0 as c_char; 1024];
@@ -382,7 +402,8 @@ pub struct Kernels {
     _lib: Library,
     list_attention: ListAttentionFn,
     routed_attention: RoutedAttentionFn,
-    token_nll: TokenNllFn,
+    token_nll: Tensor2Fn,
+    swiglu: Tensor2Fn,
     rms_norm: RmsNormFn,
     rope: Tensor3Fn,
     st_mix: Tensor3Fn,
@@ -411,7 +432,8 @@ impl Kernels {
             let f: Symbol<ListAttentionFn> = lib.get(b"attnsweep_list_attention")?;
             let list_attention = *f;
             let routed_attention = *lib.get::<RoutedAttentionFn>(b"attnsweep_routed_attention")?;
-            let token_nll = *lib.get::<TokenNllFn>(b"attnsweep_token_nll")?;
+            let token_nll = *lib.get::<Tensor2Fn>(b"attnsweep_token_nll")?;
+            let swiglu = *lib.get::<Tensor2Fn>(b"attnsweep_swiglu")?;
             let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
             let rope = *lib.get::<Tensor3Fn>(b"attnsweep_rope")?;
             let st_mix = *lib.get::<Tensor3Fn>(b"attnsweep_st_mix")?;
@@ -422,6 +444,7 @@ impl Kernels {
                 list_attention,
                 routed_attention,
                 token_nll,
+                swiglu,
                 rms_norm,
                 rope,
                 st_mix,
@@ -542,22 +565,13 @@ impl Kernels {
     /// Per-token next-token NLL (fp32, shaped like `targets`) of `logits: [..., V]` (fp32 or
     /// bf16, read in their dtype; the gradient comes back in it), differentiable in logits.
     pub fn token_nll(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let mut err = vec![0 as c_char; 1024];
-        let out = unsafe {
-            (self.token_nll)(
-                logits.as_ptr() as *const c_void,
-                targets.as_ptr() as *const c_void,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        ensure!(
-            !out.is_null(),
-            "cross-entropy kernel: {}",
-            library_error(&err)
-        );
-        // Safety: a heap at::Tensor* whose ownership passes to us.
-        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+        call2(self.token_nll, "cross-entropy kernel", logits, targets)
+    }
+
+    /// The MLP's gate `silu(gate) * up` (both fp32 or both bf16, one shape) in one kernel,
+    /// computed in fp32; differentiable in both.
+    pub fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        call2(self.swiglu, "SwiGLU kernel", gate, up)
     }
 
     /// RMSNorm of `x: [..., d]` (fp32 or bf16) with `weight: [d]` (fp32), computed in fp32,
@@ -1077,6 +1091,52 @@ pub(crate) mod tests {
                 assert!(e < tol, "D={d}: {name} differs by {e:.2e}");
             }
         }
+    }
+
+    /// The fused SwiGLU gate against `silu(g) * u` in fp32 from the same (rounded) inputs:
+    /// output and both gradients, over a size that is not a multiple of the block.
+    fn swiglu_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+        tch::manual_seed(7);
+        let mk = || {
+            (Tensor::randn([3, 37, 100], (Kind::Float, device)) * 3.0)
+                .to_kind(kind)
+                .set_requires_grad(true)
+        };
+        let (g, u) = (mk(), mk());
+        let dy = Tensor::randn([3, 37, 100], (Kind::Float, device));
+        let got = kern.swiglu(&g, &u).unwrap();
+        assert_eq!(got.kind(), kind);
+        (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+        let (gr, ur) = (
+            g.detach().to_kind(Kind::Float).set_requires_grad(true),
+            u.detach().to_kind(Kind::Float).set_requires_grad(true),
+        );
+        let want = gr.silu() * &ur;
+        (&want * &dy).sum(Kind::Float).backward();
+        for (name, a, b) in [
+            ("y", got.detach().to_kind(Kind::Float), want.detach()),
+            ("dg", g.grad().to_kind(Kind::Float), gr.grad()),
+            ("du", u.grad().to_kind(Kind::Float), ur.grad()),
+        ] {
+            let e = rel_err(&a, &b);
+            assert!(e < tol, "{name} differs by {e:.2e}");
+        }
+    }
+
+    #[test]
+    fn cpu_swiglu_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        swiglu_matches_reference(kern, Device::Cpu, Kind::Float, 1e-6);
+        let x = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+        let err = kern.swiglu(&x, &Tensor::zeros([3, 2], (Kind::Float, Device::Cpu)));
+        assert!(err.unwrap_err().to_string().contains("one shape"));
+    }
+
+    #[test]
+    fn cuda_swiglu_matches_reference() {
+        on_cuda("cuda_swiglu_matches_reference", |k| {
+            swiglu_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+        });
     }
 
     #[test]

@@ -184,10 +184,16 @@ pub struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// The fused gate (`kernels/swiglu.cu`) where a library is loaded.
+    kernels: Option<&'static crate::kernels::Kernels>,
 }
 
 impl Mlp {
-    fn new(p: nn::Path, m: &ModelConfig) -> Self {
+    fn new(
+        p: nn::Path,
+        m: &ModelConfig,
+        kernels: Option<&'static crate::kernels::Kernels>,
+    ) -> Self {
         let (d, f, std) = (
             m.hidden_size as i64,
             m.intermediate_size as i64,
@@ -197,12 +203,19 @@ impl Mlp {
             gate_proj: Linear::new(&p / "gate_proj", d, f, false, std),
             up_proj: Linear::new(&p / "up_proj", d, f, false, std),
             down_proj: Linear::new(&p / "down_proj", f, d, false, std),
+            kernels,
         }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        self.down_proj
-            .forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
+        let (gate, up) = (self.gate_proj.forward(x), self.up_proj.forward(x));
+        let h = match self.kernels {
+            Some(k) => k
+                .swiglu(&gate, &up)
+                .expect("SwiGLU kernel on the MLP's own tensors"),
+            None => gate.silu() * up,
+        };
+        self.down_proj.forward(&h)
     }
 }
 
@@ -331,7 +344,7 @@ impl Llama {
                         RmsNorm::new(&p / "post_feedforward_layernorm", d, eps)
                             .with_kernels(kernels)
                     }),
-                    mlp: Mlp::new(&p / "mlp", cfg),
+                    mlp: Mlp::new(&p / "mlp", cfg, kernels),
                 }
             })
             .collect();

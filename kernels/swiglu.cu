@@ -1,0 +1,90 @@
+// The MLP's gate, y = silu(g) u with silu(g) = g sigmoid(g), and its backward
+//   du = dy silu(g),   dg = dy u sigmoid(g) (1 + g (1 - sigmoid(g))),
+// computed in fp32 and rounded once per output. Unfused, ATen runs silu and a product
+// forward, and two products and silu's backward, each a pass over [tokens, intermediate].
+
+#include "swiglu.cuh"
+#include "common.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace attnsweep {
+namespace {
+
+constexpr int THREADS = 256;
+
+// One 16-byte load of each input a thread (8 bf16 or 4 fp32 elements), as ATen's vectorised
+// element-wise kernels do; the last thread of a size that is not a multiple takes its few
+// elements one by one. Forward: out = y. BACKWARD: out = dg, du too.
+template <typename T, bool BACKWARD>
+__global__ void swiglu_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dy, int64_t n,
+                              T* __restrict__ out, T* __restrict__ du) {
+    constexpr int V = 16 / sizeof(T);
+    const int64_t i0 = (blockIdx.x * (int64_t)THREADS + threadIdx.x) * V;
+    if (i0 >= n) return;
+    const int m = n - i0 < V ? (int)(n - i0) : V;
+    alignas(16) T a[V] = {}, b[V] = {}, d[V] = {}, r[V], q[V];
+    if (m == V) {
+        *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(g + i0);
+        *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(u + i0);
+        if (BACKWARD) *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(dy + i0);
+    } else {
+        // Unrolled with constant indices, so the arrays stay in registers.
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if (k < m) a[k] = g[i0 + k], b[k] = u[i0 + k], d[k] = BACKWARD ? dy[i0 + k] : T{};
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const float x = to_float(a[k]), s = 1.f / (1.f + __expf(-x));
+        if (BACKWARD) {
+            const float e = to_float(d[k]);
+            r[k] = static_cast<T>(e * to_float(b[k]) * s * (1.f + x * (1.f - s)));
+            q[k] = static_cast<T>(e * x * s);
+        } else {
+            r[k] = static_cast<T>(x * s * to_float(b[k]));
+        }
+    }
+    if (m == V) {
+        *reinterpret_cast<uint4*>(out + i0) = *reinterpret_cast<const uint4*>(r);
+        if (BACKWARD) *reinterpret_cast<uint4*>(du + i0) = *reinterpret_cast<const uint4*>(q);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            if (k >= m) break;
+            out[i0 + k] = r[k];
+            if (BACKWARD) du[i0 + k] = q[k];
+        }
+    }
+}
+
+template <bool BACKWARD>
+void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, at::Tensor& out, at::Tensor* du) {
+    const c10::cuda::CUDAGuard guard(g.device());
+    const int64_t n = g.numel();
+    if (n == 0) return;
+    for (const at::Tensor* t : {&g, &u, dy, (const at::Tensor*)&out, (const at::Tensor*)du})
+        TORCH_CHECK(!t || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "SwiGLU: tensors must be 16-byte aligned");
+    dispatch_float(g, [&](auto t) {
+        using T = decltype(t);
+        constexpr int64_t v = 16 / sizeof(T);
+        const int64_t blocks = ((n + v - 1) / v + THREADS - 1) / THREADS;
+        swiglu_kernel<T, BACKWARD><<<blocks, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+            static_cast<const T*>(g.data_ptr()), static_cast<const T*>(u.data_ptr()),
+            dy ? static_cast<const T*>(dy->data_ptr()) : nullptr, n, static_cast<T*>(out.data_ptr()),
+            du ? static_cast<T*>(du->data_ptr()) : nullptr);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void cuda_swiglu(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) { launch<false>(g, u, nullptr, y, nullptr); }
+
+void cuda_swiglu_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg,
+                          at::Tensor& du) {
+    launch<true>(g, u, &dy, dg, &du);
+}
+
+}  // namespace attnsweep

@@ -1,0 +1,12 @@
+// The fused SwiGLU gate (swiglu.cu), called by ops.cpp. g, u, y, dy, dg, du: one shape,
+// contiguous, bf16 or fp32 alike.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace attnsweep {
+
+void cuda_swiglu(const at::Tensor& g, const at::Tensor& u, at::Tensor& y);
+void cuda_swiglu_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg,
+                          at::Tensor& du);
+
+}  // namespace attnsweep
