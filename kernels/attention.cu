@@ -23,7 +23,6 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 #include <cstdlib>
-#include <initializer_list>
 
 namespace attnsweep {
 namespace {
@@ -643,9 +642,7 @@ int64_t row_chunks(const char* what, std::initializer_list<const at::Tensor*> xs
     const int64_t d = x0.size(3), chunks = d / 8;
     TORCH_CHECK(d >= 8 && d % 8 == 0 && chunks <= 32 && (chunks & (chunks - 1)) == 0, what,
                 ": head_dim must be 8 times a power of two up to 256, not ", d);
-    // The kernels read 16-byte chunks.
-    for (const at::Tensor* x : xs)
-        TORCH_CHECK(reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0, what, ": inputs must be 16-byte aligned");
+    check_aligned16(what, xs);
     return chunks;
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "walk.cuh"
@@ -21,6 +22,13 @@ void dispatch_float(const at::Tensor& x, F f) {
         f(float{});
     else
         TORCH_CHECK(false, "the fused kernels take bf16 or fp32 tensors, not ", x.scalar_type());
+}
+
+// The kernels that move 16 bytes a thread need their tensors (those not null) 16-byte aligned.
+inline void check_aligned16(const char* what, std::initializer_list<const at::Tensor*> xs) {
+    for (const at::Tensor* x : xs)
+        TORCH_CHECK(!x || reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0, what,
+                    ": tensors must be 16-byte aligned");
 }
 
 // Calls f(std::true_type{}) where a call has PPA's far distances (far not null), else

@@ -64,8 +64,7 @@ void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, at::
     const c10::cuda::CUDAGuard guard(g.device());
     const int64_t n = g.numel();
     if (n == 0) return;
-    for (const at::Tensor* t : {&g, &u, dy, (const at::Tensor*)&out, (const at::Tensor*)du})
-        TORCH_CHECK(!t || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "SwiGLU: tensors must be 16-byte aligned");
+    check_aligned16("SwiGLU", {&g, &u, dy, &out, du});
     dispatch_float(g, [&](auto t) {
         using T = decltype(t);
         constexpr int64_t v = 16 / sizeof(T);
