@@ -587,6 +587,38 @@ __global__ void far_table_kernel(const int* offsets, int n, int len, int* table)
     }
 }
 
+// AHA's gates (walk.cuh, aha_route) of scores [B, L, H], a thread each: hard [B, L, H] (1 open),
+// the paths chosen and other and the gradient factor coef [B, H, L], and the chosen paths'
+// pairs added to *pairs. One pass over a [B, L, H] tensor of a few hundred thousand floats,
+// where ATen took some fifty launches (the hash alone a dozen int64 passes).
+constexpr int GATE_THREADS = 256;
+__global__ void __launch_bounds__(GATE_THREADS)
+    aha_gates_kernel(const float* s, int64_t n, int len, int heads, AhaGateArgs a, float* hard, uint8_t* chosen,
+                     uint8_t* other, float* coef, double* pairs) {
+    __shared__ long long warp_pairs[GATE_THREADS / 32];
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    long long mine = 0;
+    if (i < n) {
+        const int64_t h = i % heads, l = i / heads % len, b = i / heads / len;
+        const AhaRoute r = aha_route(a, s[i], b, l, h);
+        const int64_t at = (b * heads + h) * len + l;
+        hard[i] = r.on ? 1.f : 0.f;
+        chosen[at] = r.chosen;
+        other[at] = r.other;
+        coef[at] = r.coef;
+        mine = r.pairs;
+    }
+    for (int o = 16; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    if (threadIdx.x % 32 == 0) warp_pairs[threadIdx.x / 32] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long sum = 0;
+        for (int w = 0; w < GATE_THREADS / 32; ++w) sum += warp_pairs[w];
+        // Integer sums below 2^53 are exact in fp64 in any order: the total is deterministic.
+        atomicAdd(pairs, (double)sum);
+    }
+}
+
 // rowsum(a * (b - minus)) in fp32 (minus may be null) of list row i, in D / 8 lanes with one
 // 16-byte load of each input a lane; with perm the list's row i is position perm[i] of its
 // (b, h). The backward's delta (ops.cpp, row_delta: a = dO, b = O) and the straight-through
@@ -758,6 +790,18 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         else if (d == 64) launch(dkdv_kernel<64, far()>, kgrid, smem, a);
         else launch(dkdv_kernel<128, far()>, kgrid, smem, a);
     });
+}
+
+void cuda_aha_gates(const at::Tensor& scores, double tau, double sample, uint32_t salt, int64_t start, int64_t window,
+                    at::Tensor& hard, at::Tensor& chosen, at::Tensor& other, at::Tensor& coef, at::Tensor& pairs) {
+    const at::cuda::CUDAGuard guard(scores.device());
+    const int64_t n = scores.numel();
+    if (n == 0) return;
+    const AhaGateArgs a{(float)tau, sample, salt, start, (int)window};
+    aha_gates_kernel<<<(n + GATE_THREADS - 1) / GATE_THREADS, GATE_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        scores.data_ptr<float>(), n, (int)scores.size(1), (int)scores.size(2), a, hard.data_ptr<float>(),
+        chosen.data_ptr<uint8_t>(), other.data_ptr<uint8_t>(), coef.data_ptr<float>(), pairs.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {

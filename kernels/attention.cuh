@@ -66,6 +66,13 @@ at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tenso
 // offsets: int32, ascending (entries outside [0, len) see nothing).
 at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len);
 
+// AHA's gates of one layer (walk.cuh, aha_route; salt: aha_salt of the seed and the layer) from
+// router scores [B, L, H] fp32, contiguous: hard [B, L, H] fp32, chosen and other [B, H, L]
+// uint8, coef [B, H, L] fp32, and the chosen paths' key-query pairs added to pairs (fp64, one
+// element).
+void cuda_aha_gates(const at::Tensor& scores, double tau, double sample, uint32_t salt, int64_t start, int64_t window,
+                    at::Tensor& hard, at::Tensor& chosen, at::Tensor& other, at::Tensor& coef, at::Tensor& pairs);
+
 // The routed list of each (b, h) from path [B, H, L] (uint8: 2 the query sees its whole
 // prefix, 1 its window, 0 or any other value nothing; the C API rejects other values where it
 // can read them without a device synchronisation): perm [B, H, L] int32, the positions in list order

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <string>
 
+#include "walk.cuh"
+
 #ifdef ATTNSWEEP_CUDA
 #include "attention.cuh"
 #include "loss.cuh"
@@ -305,6 +307,56 @@ struct StraightThroughMix : public torch::autograd::Function<StraightThroughMix>
     }
 };
 
+// AHA's gates of one layer from its router scores s [B, L, H] (fp32): walk.cuh, aha_route, on
+// both devices (one kernel on the GPU, the same function in a loop on the CPU; attention.rs
+// computes the same gates in ATen on the reference path). Outputs: the mix weight w [B, H, L]
+// (all zeros, so the straight-through mix returns the chosen output exactly) whose gradient
+// reaches s as ds = coef dw, transposed; then, without gradient, hard [B, L, H], the paths
+// chosen and other [B, H, L] (uint8) and the chosen paths' key-query pairs (fp64 scalar).
+struct AhaGates : public torch::autograd::Function<AhaGates> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor s, double tau, double sample, int64_t seed,
+                                 int64_t layer, int64_t start, int64_t window) {
+        const auto B = s.size(0), L = s.size(1), H = s.size(2);
+        auto f = s.options();
+        auto hard = at::empty({B, L, H}, f), coef = at::empty({B, H, L}, f);
+        auto chosen = at::empty({B, H, L}, f.dtype(at::kByte)), other = at::empty_like(chosen);
+        auto pairs = at::zeros({}, f.dtype(at::kDouble));
+        const uint32_t salt = attnsweep::aha_salt((uint64_t)seed, (uint64_t)layer);
+        if (s.is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            attnsweep::cuda_aha_gates(s, tau, sample, salt, start, window, hard, chosen, other, coef, pairs);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        } else {
+            const attnsweep::AhaGateArgs a{(float)tau, sample, salt, start, (int)window};
+            auto sa = s.accessor<float, 3>();
+            auto ha = hard.accessor<float, 3>(), ca = coef.accessor<float, 3>();
+            auto cha = chosen.accessor<uint8_t, 3>(), oa = other.accessor<uint8_t, 3>();
+            int64_t total = 0;
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t l = 0; l < L; ++l)
+                    for (int64_t h = 0; h < H; ++h) {
+                        const auto r = attnsweep::aha_route(a, sa[b][l][h], b, l, h);
+                        ha[b][l][h] = r.on ? 1.f : 0.f;
+                        cha[b][h][l] = r.chosen;
+                        oa[b][h][l] = r.other;
+                        ca[b][h][l] = r.coef;
+                        total += r.pairs;
+                    }
+            pairs.fill_((double)total);
+        }
+        ctx->save_for_backward({coef});
+        ctx->mark_non_differentiable({hard, chosen, other, pairs});
+        return {at::zeros({B, H, L}, f), hard, chosen, other, pairs};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto ds = (grads[0] * ctx->get_saved_variables()[0]).transpose(1, 2);
+        return {ds, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
 // Next-token cross-entropy: nll [N] (fp32) of logits x [N, V] at targets y [N]; the backward
 // writes the logits' gradient in x's dtype (see loss.cu). Reference: log-softmax in fp32.
 struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
@@ -563,7 +615,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 7; }
+int64_t attnsweep_kernels_abi() { return 8; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -622,6 +674,23 @@ void* attnsweep_st_mix(const at::Tensor* c, const at::Tensor* o, const at::Tenso
         TORCH_CHECK(c->device() == o->device() && c->device() == w->device(), "mix: inputs on different devices");
         auto out = StraightThroughMix::apply(c->contiguous(), o->detach().contiguous(), *w);
         return new at::Tensor(out[0]);
+    });
+}
+
+// AHA's gates (AhaGates) of router scores s [B, L, H] (fp32) with threshold tau, probe rate
+// sample in (0, 1], the draws' seed, the layer, the chunk's first position and the window: five
+// new at::Tensor* written to out (the caller owns them): the mix weight (with autograd in s),
+// hard, chosen, other and pairs. Returns 0, or -1 with a message in err.
+int attnsweep_aha_gates(const at::Tensor* s, double tau, double sample, uint64_t seed, int64_t layer, int64_t start,
+                        int64_t window, void** out, char* err, size_t err_len) {
+    return guarded<int>(err, err_len, -1, [&]() -> int {
+        TORCH_CHECK(s->dim() == 3 && s->scalar_type() == at::kFloat, "gates: scores must be [B, L, H] fp32");
+        TORCH_CHECK(sample > 0.0 && sample <= 1.0, "gates: the probe rate must lie in (0, 1], not ", sample);
+        TORCH_CHECK(window >= 1 && window <= INT32_MAX, "gates: window must be in [1, 2^31), not ", window);
+        TORCH_CHECK(start >= 0 && layer >= 0, "gates: the start position and the layer must be non-negative");
+        auto r = AhaGates::apply(s->contiguous(), tau, sample, (int64_t)seed, layer, start, window);
+        for (size_t i = 0; i < r.size(); ++i) out[i] = new at::Tensor(r[i]);
+        return 0;
     });
 }
 

@@ -1,7 +1,7 @@
-// Which keys a query sees and which tiles the attention kernels' walks visit: the window,
-// routed lists' row groups, and PPA's far distances. Host-compilable (walk_test.cpp checks
-// the walks on the CPU against the masks they stand for); common.cuh includes it for the
-// kernels.
+// Which keys a query sees and which tiles the attention kernels' walks visit: AHA's gates
+// (which path a (token, head) takes), the window, routed lists' row groups, and PPA's far
+// distances. Host-compilable (walk_test.cpp checks the walks on the CPU against the masks they
+// stand for; ops.cpp runs the gates on CPU tensors); common.cuh includes it for the kernels.
 #pragma once
 #include <cstdint>
 
@@ -24,6 +24,56 @@ namespace {
 // Whether query position pos sees key (pos < 0 marks a row without a query).
 __device__ __forceinline__ bool visible(int key, int pos, int window, int len) {
     return pos >= 0 && key <= pos && pos - key < window && key < len;
+}
+
+// AHA's gates of one layer (attention.rs, SelfAttention::forward, has the reference in ATen):
+// the gate of (batch row b, position pos, head h) is open (the whole prefix) where its router
+// score s > tau, else the window. With the router's gradient, a window query is probed (also
+// runs the whole prefix, for the straight-through gradient dy . (full - local)) where a uniform
+// draw u(seed, layer, b, pos, h) < sample; its gradient is then scaled by 1 / sample (sample
+// 1: every window query, the exact gradient).
+struct AhaGateArgs {
+    float tau;
+    double sample;
+    uint32_t salt;  // of (seed, layer): aha_salt
+    int64_t start;  // position of the chunk's first query
+    int window;
+};
+
+__host__ __device__ __forceinline__ uint32_t aha_salt(uint64_t seed, uint64_t layer) {
+    return (uint32_t)(seed ^ (seed >> 32) ^ layer * 0x9E3779B9ull);
+}
+
+// The draw in [0, 1): attention.rs's hash_uniform, which computes it in int64 ATen ops masked
+// to 32 bits, is the same arithmetic modulo 2^32.
+__host__ __device__ __forceinline__ double aha_uniform(uint32_t salt, int64_t b, int64_t pos, int64_t h) {
+    uint32_t x = (uint32_t)b * 0x2545F491u + (uint32_t)pos * 0x1B873593u + (uint32_t)h * 0x5BD1E995u + salt;
+    const uint32_t muls[3] = {0x7FEB352Du, 0x046B2B8Bu, 0x2C1B3C6Du};
+    for (int i = 0; i < 3; ++i) x = (x ^ x >> 16) * muls[i];
+    return (double)(x ^ x >> 15) / 4294967296.0;
+}
+
+// What one gate decides: the path its query runs with gradient (`chosen`, QueryPath values: 2
+// whole prefix, 1 window), the path the straight-through gradient also needs (`other`: the
+// window for an open gate, the whole prefix for a probed one, 0 nothing), the factor
+// d score = coef * d w of the mix weight w (attention.rs, per_head: (g - on) (2 on - 1)), and
+// the key-query pairs the chosen path attends.
+struct AhaRoute {
+    uint8_t chosen, other;
+    float coef;
+    bool on;
+    int64_t pairs;
+};
+__host__ __device__ __forceinline__ AhaRoute aha_route(const AhaGateArgs& a, float s, int64_t b, int64_t l, int64_t h) {
+    const int64_t pos = a.start + l;
+    const bool on = s > a.tau, probe = !on && aha_uniform(a.salt, b, pos, h) < a.sample;
+    AhaRoute r;
+    r.on = on;
+    r.chosen = on ? 2 : 1;
+    r.other = on ? 1 : probe ? 2 : 0;
+    r.coef = on ? 1.f : probe ? -(float)(1.0 / a.sample) : 0.f;
+    r.pairs = on || pos < a.window ? pos + 1 : a.window;
+    return r;
 }
 
 // PPA's far distances (ListShape::far, null for the other patterns): the distances d >= window

@@ -497,11 +497,13 @@ impl Projections {
             &normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm),
             kernels,
         );
-        (
-            q,
-            k,
-            split(self.v_proj.forward(x), self.n_kv_heads).transpose(1, 2),
-        )
+        let v = split(self.v_proj.forward(x), self.n_kv_heads).transpose(1, 2);
+        // The kernels read v contiguous: one copy here, not one in each of a layer's launches.
+        let v = match kernels {
+            Some(_) => v.contiguous(),
+            None => v,
+        };
+        (q, k, v)
     }
 
     /// `[B, H, L, D]` to `[B, L, H*D]`.
@@ -618,7 +620,13 @@ enum Values<'a> {
 /// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk starting
 /// at position `start`: an integer hash of (seed, layer, row, position, head) computed on the
 /// device, so it does not depend on the device, the chunking, or any generator's state.
-fn hash_uniform(seed: u64, layer: usize, shape: [i64; 3], start: i64, device: Device) -> Tensor {
+pub(crate) fn hash_uniform(
+    seed: u64,
+    layer: usize,
+    shape: [i64; 3],
+    start: i64,
+    device: Device,
+) -> Tensor {
     let [b, l, h] = shape;
     let ar = |n: i64, at: i64| Tensor::arange_start(at, at + n, (Kind::Int64, device));
     let mask = 0xFFFF_FFFFi64;
@@ -806,6 +814,54 @@ impl SelfAttention {
                 let g = gv(g);
                 &g * full + (1.0 - &g) * local
             }
+        }
+    }
+
+    /// AHA's layer with a learned router on the kernels, over the chunk's own keys: what the
+    /// generic branch of `forward` and `per_head` compute, with the gates, probes, paths and
+    /// pairs in one kernel (`Kernels::aha_gates`) where ATen took some fifty launches a layer,
+    /// whose host cost bounded the training step's forward at L 8192 (PERFORMANCE.md).
+    #[allow(clippy::too_many_arguments)]
+    fn per_head_fused(
+        &self,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        router: &Linear,
+        tau: f64,
+        lambda: f64,
+        start: i64,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        let kern = self.kernels.expect("the fused path runs on the kernels");
+        // Routers run in fp32 so thresholding does not depend on the compute dtype.
+        let scores = router.forward(&upcast(x)).sigmoid();
+        let grad = q.requires_grad();
+        // Without gradient no query is probed; with it, `ste_sample` 1 probes every window
+        // query (the exact straight-through gradient).
+        let sample = if grad { self.ste_sample } else { 1.0 };
+        let w = self.window as i64;
+        let g = kern
+            .aha_gates(&scores, tau, sample, ctx.gate_seed, self.layer, start, w)
+            .expect(KERNEL_FAILED);
+        let chosen = kern
+            .routed_attention(q, k, v, &g.chosen, w)
+            .expect(KERNEL_FAILED);
+        let y = if grad {
+            let other =
+                tch::no_grad(|| kern.routed_attention(q, k, v, &g.other, w)).expect(KERNEL_FAILED);
+            kern.st_mix(&chosen, &other, &g.weight)
+                .expect(KERNEL_FAILED)
+        } else {
+            chosen
+        };
+        AttnOutput {
+            y: self.proj.out(&y),
+            pairs: g.pairs,
+            reg: Some(Regulariser::Term(scores.mean(Kind::Float) * lambda)),
+            gates: Some(g.hard),
+            scores: Some(scores),
         }
     }
 
@@ -1021,6 +1077,20 @@ impl SelfAttention {
                     reg: None,
                     pairs: Tensor::from(pairs),
                 }
+            }
+            Route::PerHead {
+                gates:
+                    GateSource::Learned {
+                        router,
+                        tau,
+                        inclusive: false,
+                        lambda,
+                    },
+            } if self.kernels.is_some()
+                && matches!(keys, Keys::Chunk(_))
+                && ctx.gate_override.is_none() =>
+            {
+                self.per_head_fused(x, &q, &k, &v, router, *tau, *lambda, start, ctx)
             }
             Route::PerHead { gates } => {
                 let g = self.gates(gates, x, [b, l, h], start, ctx);

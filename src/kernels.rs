@@ -36,7 +36,7 @@ const SOURCES: [(&str, &str); 16] = [
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 7;
+const ABI: i64 = 8;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -327,6 +327,18 @@ type Tensor3Fn = unsafe extern "C" fn(
     *mut c_char,
     usize,
 ) -> *mut c_void;
+type AhaGatesFn = unsafe extern "C" fn(
+    *const c_void,
+    f64,
+    f64,
+    u64,
+    i64,
+    i64,
+    i64,
+    *mut *mut c_void,
+    *mut c_char,
+    usize,
+) -> i32;
 type GradNormFn =
     unsafe extern "C" fn(*const *const c_void, usize, *mut f64, *mut c_char, usize) -> i32;
 type AdamWFn = unsafe extern "C" fn(
@@ -352,6 +364,23 @@ pub struct AdamWStep {
     pub bc2: f64,
     /// Factor the gradients are scaled by first (1: no clipping).
     pub clip: f64,
+}
+
+/// AHA's gates of one layer ([`Kernels::aha_gates`]).
+#[derive(Debug)]
+pub struct AhaGates {
+    /// `[B, H, L]` zeros whose gradient reaches the router scores: the straight-through mix's
+    /// weight (`Kernels::st_mix`).
+    pub weight: Tensor,
+    /// `[B, L, H]` fp32, 1 where the gate is open (the whole prefix).
+    pub hard: Tensor,
+    /// `[B, H, L]` `QueryPath`s each query runs with gradient: the one its gate picked.
+    pub chosen: Tensor,
+    /// `[B, H, L]` `QueryPath`s the straight-through gradient also reads: the window of open
+    /// gates, the whole prefix of probed window gates, nothing elsewhere.
+    pub other: Tensor,
+    /// Key-query pairs the chosen paths attend (fp64 scalar).
+    pub pairs: Tensor,
 }
 
 /// What a query of routed attention sees: `Kernels::routed_attention`'s `path` values (uint8),
@@ -407,6 +436,7 @@ pub struct Kernels {
     rms_norm: RmsNormFn,
     rope: Tensor3Fn,
     st_mix: Tensor3Fn,
+    aha_gates: AhaGatesFn,
     grad_norm: GradNormFn,
     adamw: AdamWFn,
     pub cuda: bool,
@@ -437,6 +467,7 @@ impl Kernels {
             let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
             let rope = *lib.get::<Tensor3Fn>(b"attnsweep_rope")?;
             let st_mix = *lib.get::<Tensor3Fn>(b"attnsweep_st_mix")?;
+            let aha_gates = *lib.get::<AhaGatesFn>(b"attnsweep_aha_gates")?;
             let grad_norm = *lib.get::<GradNormFn>(b"attnsweep_grad_norm")?;
             let adamw = *lib.get::<AdamWFn>(b"attnsweep_adamw")?;
             Ok(Kernels {
@@ -448,6 +479,7 @@ impl Kernels {
                 rms_norm,
                 rope,
                 st_mix,
+                aha_gates,
                 grad_norm,
                 adamw,
                 cuda,
@@ -603,6 +635,51 @@ impl Kernels {
     /// `dy` for `c` and `rowsum(dy * (c - o))` for `w` (none for `o`). One kernel each way.
     pub fn st_mix(&self, c: &Tensor, o: &Tensor, w: &Tensor) -> Result<Tensor> {
         call3(self.st_mix, "straight-through mix kernel", c, o, w)
+    }
+
+    /// AHA's gates of one layer from router scores `s: [B, L, H]` (fp32) in one pass: open
+    /// where `s > tau`; with `sample < 1` a window gate is probed where the hash draw of
+    /// `(seed, layer, b, start + l, h)` is below `sample` (`attention.rs`, `hash_uniform`), and
+    /// `sample = 1` probes every one (the exact straight-through gradient). The weight's
+    /// gradient reaches `s` as the straight-through gradient, scaled by `1 / sample` at probes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn aha_gates(
+        &self,
+        s: &Tensor,
+        tau: f64,
+        sample: f64,
+        seed: u64,
+        layer: usize,
+        start: i64,
+        window: i64,
+    ) -> Result<AhaGates> {
+        let mut err = vec![0 as c_char; 1024];
+        let mut out = [std::ptr::null_mut::<c_void>(); 5];
+        let rc = unsafe {
+            (self.aha_gates)(
+                s.as_ptr() as *const c_void,
+                tau,
+                sample,
+                seed,
+                layer as i64,
+                start,
+                window,
+                out.as_mut_ptr(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        ensure!(rc == 0, "AHA gate kernel: {}", library_error(&err));
+        // Safety: five heap at::Tensor* whose ownership passes to us.
+        let [weight, hard, chosen, other, pairs] =
+            out.map(|p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) });
+        Ok(AhaGates {
+            weight,
+            hard,
+            chosen,
+            other,
+            pairs,
+        })
     }
 
     /// Global L2 norm of `grads` (fp32, contiguous, one device), in one launch.
@@ -1159,6 +1236,69 @@ pub(crate) mod tests {
     fn cuda_st_mix_matches_reference() {
         on_cuda("cuda_st_mix_matches_reference", |k| {
             st_mix_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+        });
+    }
+
+    /// AHA's gates against the layer's ATen reference (`attention.rs`: `threshold`,
+    /// `hash_uniform`'s probes, `routed_pairs`) and the straight-through weight's gradient,
+    /// for gates open at random, all open and all closed, at two chunk starts.
+    fn aha_gates_match_reference(kern: &Kernels, device: Device) {
+        use crate::attention::{hash_uniform, routed_pairs, threshold};
+        let (b, l, h, window) = (2i64, 150i64, 3i64, 16i64);
+        tch::manual_seed(5);
+        let mut s = Tensor::rand([b, l, h], (Kind::Float, device)).set_requires_grad(true);
+        let dw = Tensor::randn([b, h, l], (Kind::Float, device));
+        for (tau, sample, start) in [(0.5, 0.3, 0), (0.5, 1.0, 37), (-1.0, 0.3, 5), (2.0, 0.3, 0)] {
+            let (seed, layer) = (0x1234_5678_9abc_def0u64, 3);
+            let g = kern
+                .aha_gates(&s, tau, sample, seed, layer, start, window)
+                .unwrap();
+            let on = threshold(&s.detach(), tau, false);
+            let probe = hash_uniform(seed, layer, [b, l, h], start, device)
+                .lt(sample)
+                .logical_and(&on.le(0.5))
+                .to_kind(Kind::Float);
+            let at = |t: &Tensor| t.transpose(1, 2).to_kind(Kind::Float);
+            let case = format!("tau {tau}, sample {sample}, start {start}");
+            assert!(g.hard.equal(&on), "{case}: hard gates");
+            assert!(
+                at(&(&on + 1.0)).equal(&g.chosen.to_kind(Kind::Float)),
+                "{case}"
+            );
+            assert!(
+                at(&(&on + &probe * 2.0)).equal(&g.other.to_kind(Kind::Float)),
+                "{case}"
+            );
+            let pairs = routed_pairs(&on, window as usize, start).double_value(&[]);
+            assert_eq!(g.pairs.double_value(&[]), pairs, "{case}: pairs");
+            assert_eq!(
+                g.weight.abs().max().double_value(&[]),
+                0.0,
+                "{case}: weight"
+            );
+            s.zero_grad();
+            (&g.weight * &dw).sum(Kind::Float).backward();
+            let want = (&dw * at(&(&on - &probe / sample))).transpose(1, 2);
+            let e = rel_err(&s.grad(), &want);
+            assert!(e < 1e-6, "{case}: gradient differs by {e:.2e}");
+        }
+    }
+
+    #[test]
+    fn cpu_aha_gates_match_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        aha_gates_match_reference(kern, Device::Cpu);
+        let s = Tensor::zeros([1, 4, 2], (Kind::Float, Device::Cpu));
+        let err = kern.aha_gates(&s, 0.5, 0.0, 1, 0, 0, 8);
+        assert!(err.unwrap_err().to_string().contains("probe rate"));
+        let err = kern.aha_gates(&s.to_kind(Kind::Double), 0.5, 0.5, 1, 0, 0, 8);
+        assert!(err.unwrap_err().to_string().contains("fp32"));
+    }
+
+    #[test]
+    fn cuda_aha_gates_match_reference() {
+        on_cuda("cuda_aha_gates_match_reference", |k| {
+            aha_gates_match_reference(k, Device::Cuda(0))
         });
     }
 
