@@ -23,6 +23,7 @@
 #include "norm.cuh"
 #include "optim.cuh"
 #include "rope.cuh"
+#include "router.cuh"
 #include "swiglu.cuh"
 #else
 namespace attnsweep {
@@ -357,6 +358,59 @@ struct AhaGates : public torch::autograd::Function<AhaGates> {
     }
 };
 
+// A router's scores s = sigmoid(x w^T + b) (fp32) of x [..., d] (bf16 or fp32), w [heads, d]
+// and b [heads] (fp32; empty: no bias), with autograd in all three (router.cu). The reference,
+// for CPU tensors and shapes the kernels do not take, is the layer's own form: x in fp32,
+// ATen's linear and sigmoid.
+struct RouterFn : public torch::autograd::Function<RouterFn> {
+    static bool fused(const at::Tensor& x, const at::Tensor& w) {
+#ifdef ATTNSWEEP_CUDA
+        return x.is_cuda() && attnsweep::cuda_router_fits(x, w);
+#else
+        return false;
+#endif
+    }
+
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, at::Tensor b) {
+        const bool bias = b.numel() > 0;
+        at::Tensor s;
+        if (fused(x, w)) {
+#ifdef ATTNSWEEP_CUDA
+            auto shape = x.sizes().vec();
+            shape.back() = w.size(0);
+            s = at::empty(shape, x.options().dtype(at::kFloat));
+            attnsweep::cuda_router_forward(x, w, bias ? &b : nullptr, s);
+#endif
+        } else {
+            s = at::sigmoid(at::linear(x.to(at::kFloat), w, bias ? std::optional<at::Tensor>(b) : std::nullopt));
+        }
+        ctx->save_for_backward({x, w, s});
+        ctx->saved_data["bias"] = bias;
+        return {s};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto saved = ctx->get_saved_variables();
+        const auto &x = saved[0], &w = saved[1], &s = saved[2];
+        const bool bias = ctx->saved_data["bias"].toBool();
+        auto ds = grads[0].to(at::kFloat).contiguous();
+        at::Tensor dx, dw, db;
+        if (fused(x, w)) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty_like(x), dw = at::empty_like(w), db = at::empty({w.size(0)}, w.options());
+            attnsweep::cuda_router_backward(ds, s, x, w, dx, dw, db);
+#endif
+        } else {
+            auto dl = (ds * s * (1 - s)).reshape({-1, w.size(0)});
+            auto xf = x.to(at::kFloat).reshape({-1, w.size(1)});
+            dx = dl.mm(w).view(x.sizes()).to(x.scalar_type());
+            dw = dl.t().mm(xf);
+            db = dl.sum(0);
+        }
+        return {dx, dw, bias ? db : at::Tensor()};
+    }
+};
+
 // Next-token cross-entropy: nll [N] (fp32) of logits x [N, V] at targets y [N]; the backward
 // writes the logits' gradient in x's dtype (see loss.cu). Reference: log-softmax in fp32.
 struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
@@ -615,7 +669,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 8; }
+int64_t attnsweep_kernels_abi() { return 9; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -673,6 +727,22 @@ void* attnsweep_st_mix(const at::Tensor* c, const at::Tensor* o, const at::Tenso
                     "mix: inputs must be floating point");
         TORCH_CHECK(c->device() == o->device() && c->device() == w->device(), "mix: inputs on different devices");
         auto out = StraightThroughMix::apply(c->contiguous(), o->detach().contiguous(), *w);
+        return new at::Tensor(out[0]);
+    });
+}
+
+// A router's scores (RouterFn) of x [..., d] with w [heads, d] and b [heads] (empty: no bias):
+// a new at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_router(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(x->dim() >= 1 && w->dim() == 2 && x->size(-1) == w->size(1),
+                    "router: x must be [..., d] for a weight [heads, d]");
+        TORCH_CHECK(x->scalar_type() == at::kBFloat16 || x->scalar_type() == at::kFloat, "router: x must be bf16 or fp32");
+        TORCH_CHECK(w->scalar_type() == at::kFloat && b->scalar_type() == at::kFloat,
+                    "router: the weight and the bias must be fp32");
+        TORCH_CHECK(b->numel() == 0 || b->sizes() == at::IntArrayRef({w->size(0)}), "router: the bias must be [heads]");
+        TORCH_CHECK(x->device() == w->device() && x->device() == b->device(), "router: inputs on different devices");
+        auto out = RouterFn::apply(x->contiguous(), w->contiguous(), *b);
         return new at::Tensor(out[0]);
     });
 }

@@ -819,7 +819,8 @@ impl SelfAttention {
 
     /// AHA's layer with a learned router on the kernels, over the chunk's own keys: what the
     /// generic branch of `forward` and `per_head` compute, with the gates, probes, paths and
-    /// pairs in one kernel (`Kernels::aha_gates`) where ATen took some fifty launches a layer,
+    /// pairs in one kernel (`Kernels::aha_gates`) and the router's scores in one
+    /// (`Kernels::router`), where ATen took some fifty launches a layer,
     /// whose host cost bounded the training step's forward at L 8192 (PERFORMANCE.md).
     #[allow(clippy::too_many_arguments)]
     fn per_head_fused(
@@ -835,8 +836,10 @@ impl SelfAttention {
         ctx: &ForwardCtx,
     ) -> AttnOutput {
         let kern = self.kernels.expect("the fused path runs on the kernels");
-        // Routers run in fp32 so thresholding does not depend on the compute dtype.
-        let scores = router.forward(&upcast(x)).sigmoid();
+        // In fp32, as `gates` computes them (`Kernels::router` reads x in its own dtype).
+        let scores = kern
+            .router(x, &router.weight, router.bias.as_ref())
+            .expect(KERNEL_FAILED);
         let grad = q.requires_grad();
         // Without gradient no query is probed; with it, `ste_sample` 1 probes every window
         // query (the exact straight-through gradient).

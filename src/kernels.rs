@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-const SOURCES: [(&str, &str); 16] = [
+const SOURCES: [(&str, &str); 18] = [
     ("attention.cu", include_str!("../kernels/attention.cu")),
     (
         "attention_sm90.cu",
@@ -33,10 +33,12 @@ const SOURCES: [(&str, &str); 16] = [
     ("rope.cuh", include_str!("../kernels/rope.cuh")),
     ("swiglu.cu", include_str!("../kernels/swiglu.cu")),
     ("swiglu.cuh", include_str!("../kernels/swiglu.cuh")),
+    ("router.cu", include_str!("../kernels/router.cu")),
+    ("router.cuh", include_str!("../kernels/router.cuh")),
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 8;
+const ABI: i64 = 9;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -254,6 +256,7 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                 .arg(tmp.join("optim.cu"))
                 .arg(tmp.join("rope.cu"))
                 .arg(tmp.join("swiglu.cu"))
+                .arg(tmp.join("router.cu"))
                 .arg(tmp.join("ops.cpp"))
                 .args(&links)
                 .args(["-ltorch_cuda", "-lc10_cuda"])
@@ -437,6 +440,7 @@ pub struct Kernels {
     rope: Tensor3Fn,
     st_mix: Tensor3Fn,
     aha_gates: AhaGatesFn,
+    router: Tensor3Fn,
     grad_norm: GradNormFn,
     adamw: AdamWFn,
     pub cuda: bool,
@@ -468,6 +472,7 @@ impl Kernels {
             let rope = *lib.get::<Tensor3Fn>(b"attnsweep_rope")?;
             let st_mix = *lib.get::<Tensor3Fn>(b"attnsweep_st_mix")?;
             let aha_gates = *lib.get::<AhaGatesFn>(b"attnsweep_aha_gates")?;
+            let router = *lib.get::<Tensor3Fn>(b"attnsweep_router")?;
             let grad_norm = *lib.get::<GradNormFn>(b"attnsweep_grad_norm")?;
             let adamw = *lib.get::<AdamWFn>(b"attnsweep_adamw")?;
             Ok(Kernels {
@@ -480,6 +485,7 @@ impl Kernels {
                 rope,
                 st_mix,
                 aha_gates,
+                router,
                 grad_norm,
                 adamw,
                 cuda,
@@ -635,6 +641,15 @@ impl Kernels {
     /// `dy` for `c` and `rowsum(dy * (c - o))` for `w` (none for `o`). One kernel each way.
     pub fn st_mix(&self, c: &Tensor, o: &Tensor, w: &Tensor) -> Result<Tensor> {
         call3(self.st_mix, "straight-through mix kernel", c, o, w)
+    }
+
+    /// A router's scores `sigmoid(x w^T + b)` (fp32, `[..., heads]`) of `x: [..., d]` (bf16 or
+    /// fp32) with `w: [heads, d]` and `b: [heads]` (fp32), as `Linear::forward` on the fp32 `x`
+    /// followed by a sigmoid computes them, reading `x` once in its own dtype each way;
+    /// differentiable in x, w and b.
+    pub fn router(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        let none = Tensor::zeros([0], (Kind::Float, x.device()));
+        call3(self.router, "router kernel", x, w, b.unwrap_or(&none))
     }
 
     /// AHA's gates of one layer from router scores `s: [B, L, H]` (fp32) in one pass: open
@@ -1282,6 +1297,83 @@ pub(crate) mod tests {
             let e = rel_err(&s.grad(), &want);
             assert!(e < 1e-6, "{case}: gradient differs by {e:.2e}");
         }
+    }
+
+    /// A router's scores and gradients against `Linear::forward` on the fp32 input and a
+    /// sigmoid: with and without bias, one head and several, a width the kernels take in
+    /// 16-byte chunks of a few lanes, and one (17 heads) they leave to ATen.
+    fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
+        use crate::model::Linear;
+        for (heads, d, bias) in [
+            (8i64, 512i64, true),
+            (1, 72, false),
+            (3, 40, true),
+            (17, 64, true),
+        ] {
+            tch::manual_seed(heads * 1000 + d);
+            let x = (Tensor::randn([2, 33, d], (Kind::Float, device)))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let w =
+                (Tensor::randn([heads, d], (Kind::Float, device)) * 0.1).set_requires_grad(true);
+            let b =
+                bias.then(|| Tensor::randn([heads], (Kind::Float, device)).set_requires_grad(true));
+            let ds = Tensor::randn([2, 33, heads], (Kind::Float, device));
+            let got = kern.router(&x, &w, b.as_ref()).unwrap();
+            (&got * &ds).sum(Kind::Float).backward();
+            let (xr, wr) = (
+                x.detach().set_requires_grad(true),
+                w.detach().set_requires_grad(true),
+            );
+            let br = b.as_ref().map(|b| b.detach().set_requires_grad(true));
+            let lin = Linear {
+                weight: wr.shallow_clone(),
+                bias: br.as_ref().map(|b| b.shallow_clone()),
+            };
+            let want = lin.forward(&xr.to_kind(Kind::Float)).sigmoid();
+            (&want * &ds).sum(Kind::Float).backward();
+            let case = format!("{heads} heads, d {d}, {kind:?}");
+            let mut pairs = vec![
+                ("s", got.detach(), want.detach()),
+                (
+                    "dx",
+                    x.grad().to_kind(Kind::Float),
+                    xr.grad().to_kind(Kind::Float),
+                ),
+                ("dw", w.grad(), wr.grad()),
+            ];
+            if let (Some(b), Some(br)) = (&b, &br) {
+                pairs.push(("db", b.grad(), br.grad()));
+            }
+            for (name, g, r) in pairs {
+                // dx is rounded to x's dtype: the sums' order moves bf16 results by an ulp.
+                let tol = if name == "dx" && kind == Kind::BFloat16 {
+                    1e-2
+                } else {
+                    1e-5
+                };
+                let e = rel_err(&g, &r);
+                assert!(e < tol, "{case}: {name} differs by {e:.2e}");
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_router_matches_reference() {
+        let kern = cpu().expect("the CPU kernel library builds");
+        router_matches_reference(kern, Device::Cpu, Kind::Float);
+        let x = Tensor::zeros([4, 8], (Kind::Float, Device::Cpu));
+        let err = kern.router(&x, &Tensor::zeros([2, 9], (Kind::Float, Device::Cpu)), None);
+        assert!(err.unwrap_err().to_string().contains("[..., d]"));
+    }
+
+    #[test]
+    fn cuda_router_matches_reference() {
+        on_cuda("cuda_router_matches_reference", |k| {
+            for kind in [Kind::BFloat16, Kind::Float] {
+                router_matches_reference(k, Device::Cuda(0), kind)
+            }
+        });
     }
 
     #[test]

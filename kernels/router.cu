@@ -1,0 +1,216 @@
+// A router's scores, s = sigmoid(x W^T + b) per token, in fp32 from x in its own dtype, and the
+// backward: dl = ds s (1 - s), dx = dl W, dW = dl^T x, db = sum dl. The reference (ops.cpp)
+// upcasts x to fp32 and runs ATen's linear: an fp32 copy of the [tokens, hidden] input, then
+// SIMT sgemms that read it, for a handful of outputs. Here each pass reads x once as stored;
+// W (a few KB) sits in shared memory.
+
+#include "router.cuh"
+#include "common.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace attnsweep {
+namespace {
+
+constexpr int THREADS = 256, WARPS = THREADS / 32;
+constexpr int MAX_HEADS = 16;
+constexpr int64_t ROUTER_SMEM = 96 * 1024;  // W in shared memory, at most
+
+// W in shared memory as [heads][V][d / V]: element k of 16-byte chunk c of row h at
+// (h V + k) (d / V) + c. A warp's lanes read consecutive chunks, so each of their reads of one
+// (h, k) hits 32 consecutive words, one bank each (row-major, they would be V words apart:
+// a V-way conflict, which made a first version 4-6x slower than this).
+template <int V>
+__device__ __forceinline__ void load_weight(const float* w, int heads, int d, float* sw) {
+    const int chunks = d / V;
+    for (int i = threadIdx.x; i < heads * d; i += THREADS) {
+        const int h = i / d, col = i % d;
+        sw[(h * V + col % V) * chunks + col / V] = w[i];
+    }
+    __syncthreads();
+}
+
+// A warp per token: each lane takes 16-byte chunks of the token's x and keeps a partial dot
+// with every head's row of W; the warp sums them.
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+    router_forward(const T* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b, int64_t n,
+                   int d, int heads, float* __restrict__ s) {
+    extern __shared__ float sw[];
+    constexpr int V = 16 / sizeof(T);
+    load_weight<V>(w, heads, d, sw);
+    const int lane = threadIdx.x % 32, chunks = d / V;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * WARPS) {
+        float acc[MAX_HEADS] = {};
+        for (int c = lane * V; c < d; c += 32 * V) {
+            alignas(16) T xv[V];
+            *reinterpret_cast<uint4*>(xv) = *reinterpret_cast<const uint4*>(x + t * d + c);
+#pragma unroll
+            for (int h = 0; h < MAX_HEADS; ++h) {
+                if (h >= heads) break;
+#pragma unroll
+                for (int k = 0; k < V; ++k) acc[h] = fmaf(to_float(xv[k]), sw[(h * V + k) * chunks + c / V], acc[h]);
+            }
+        }
+        float mine = 0.f;
+#pragma unroll
+        for (int h = 0; h < MAX_HEADS; ++h) {
+            if (h >= heads) break;
+            for (int o = 16; o; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+            if (lane == h) mine = acc[h] + (b ? b[h] : 0.f);
+        }
+        if (lane < heads) s[t * heads + lane] = 1.f / (1.f + expf(-mine));
+    }
+}
+
+// dl = ds s (1 - s) of each token (written for the weight's kernel) and dx = dl W, a warp per
+// token as in the forward.
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+    router_dx(const float* __restrict__ ds, const float* __restrict__ s, const float* __restrict__ w, int64_t n, int d,
+              int heads, float* __restrict__ dl, T* __restrict__ dx) {
+    extern __shared__ float sw[];
+    constexpr int V = 16 / sizeof(T);
+    load_weight<V>(w, heads, d, sw);
+    const int lane = threadIdx.x % 32, chunks = d / V;
+    for (int64_t t = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * WARPS) {
+        float g = 0.f;
+        if (lane < heads) {
+            const float sv = s[t * heads + lane];
+            g = ds[t * heads + lane] * sv * (1.f - sv);
+            dl[t * heads + lane] = g;
+        }
+        float gh[MAX_HEADS];
+#pragma unroll
+        for (int h = 0; h < MAX_HEADS; ++h) gh[h] = __shfl_sync(0xffffffffu, g, h);
+        for (int c = lane * V; c < d; c += 32 * V) {
+            float o[V] = {};
+#pragma unroll
+            for (int h = 0; h < MAX_HEADS; ++h) {
+                if (h >= heads) break;
+#pragma unroll
+                for (int k = 0; k < V; ++k) o[k] = fmaf(gh[h], sw[(h * V + k) * chunks + c / V], o[k]);
+            }
+            alignas(16) T r[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) r[k] = static_cast<T>(o[k]);
+            *reinterpret_cast<uint4*>(dx + t * d + c) = *reinterpret_cast<const uint4*>(r);
+        }
+    }
+}
+
+// Per block, the weight's and the bias's gradient over one fixed range of tokens: a thread per
+// column of x, the block's dl staged in shared memory a chunk of tokens at a time. The caller
+// sums the blocks' partials (fixed ranges and order: the result does not depend on scheduling).
+constexpr int CHUNK = 64;  // a multiple of 4
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+    router_dw(const float* __restrict__ dl, const T* __restrict__ x, int64_t n, int d, int heads, int64_t per_block,
+              float* __restrict__ dw, float* __restrict__ db) {
+    __shared__ float sdl[CHUNK * MAX_HEADS];
+    const int64_t t0 = blockIdx.x * per_block, t1 = t0 + per_block < n ? t0 + per_block : n;
+    for (int c0 = 0; c0 < d; c0 += THREADS) {
+        const int col = c0 + threadIdx.x;
+        float acc[MAX_HEADS] = {}, bias = 0.f;
+        for (int64_t t = t0; t < t1; t += CHUNK) {
+            const int m = t1 - t < CHUNK ? (int)(t1 - t) : CHUNK;
+            __syncthreads();
+            // Zeros past the range's end, which the last group of four reads.
+            for (int i = threadIdx.x; i < CHUNK * heads; i += THREADS) sdl[i] = i < m * heads ? dl[t * heads + i] : 0.f;
+            __syncthreads();
+            if (c0 == 0 && threadIdx.x < heads)
+                for (int j = 0; j < m; ++j) bias += sdl[j * heads + threadIdx.x];
+            if (col < d)
+                // Four tokens' loads in flight at once: a block's range is short, and one load
+                // at a time left each thread waiting on memory.
+                for (int j = 0; j < m; j += 4) {
+                    float xv[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) xv[u] = j + u < m ? to_float(x[(t + j + u) * d + col]) : 0.f;
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+#pragma unroll
+                        for (int h = 0; h < MAX_HEADS; ++h) {
+                            if (h >= heads) break;
+                            acc[h] = fmaf(sdl[(j + u) * heads + h], xv[u], acc[h]);
+                        }
+                }
+        }
+        if (col < d)
+#pragma unroll
+            for (int h = 0; h < MAX_HEADS; ++h) {
+                if (h >= heads) break;
+                dw[((int64_t)blockIdx.x * heads + h) * d + col] = acc[h];
+            }
+        if (c0 == 0 && threadIdx.x < heads) db[blockIdx.x * heads + threadIdx.x] = bias;
+    }
+}
+
+// Warps for n tokens: enough blocks to fill the GPU, each warp looping over tokens.
+int64_t token_blocks(int64_t n) { return std::min<int64_t>((n + WARPS - 1) / WARPS, 132 * 8); }
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+}  // namespace
+
+bool cuda_router_fits(const at::Tensor& x, const at::Tensor& w) {
+    const int64_t d = x.size(-1), heads = w.size(0);
+    const int64_t v = x.scalar_type() == at::kBFloat16 ? 8 : 4;
+    return (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.is_contiguous() &&
+           reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && d % v == 0 && heads >= 1 && heads <= MAX_HEADS &&
+           heads * d * 4 <= ROUTER_SMEM;
+}
+
+void cuda_router_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b, at::Tensor& s) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t n = s.numel() / w.size(0);
+    if (n == 0) return;
+    const int d = (int)x.size(-1), heads = (int)w.size(0);
+    const size_t smem = (size_t)heads * d * 4;
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        set_smem(router_forward<T>, smem);
+        router_forward<T><<<token_blocks(n), THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(
+            static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr, n, d, heads,
+            s.data_ptr<float>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void cuda_router_backward(const at::Tensor& ds, const at::Tensor& s, const at::Tensor& x, const at::Tensor& w,
+                          at::Tensor& dx, at::Tensor& dw, at::Tensor& db) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t n = s.numel() / w.size(0);
+    const int d = (int)x.size(-1), heads = (int)w.size(0);
+    if (n == 0) {
+        dw.zero_(), db.zero_();
+        return;
+    }
+    auto dl = at::empty_like(s);
+    const size_t smem = (size_t)heads * d * 4;
+    // Token ranges of the weight's partial sums: enough blocks to fill the GPU, a few thousand
+    // floats of partials each.
+    const int64_t blocks = std::min<int64_t>(n, 132 * 4), per_block = (n + blocks - 1) / blocks;
+    const int64_t used = (n + per_block - 1) / per_block;
+    auto pw = at::empty({used, heads, d}, s.options()), pb = at::empty({used, heads}, s.options());
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        set_smem(router_dx<T>, smem);
+        router_dx<T><<<token_blocks(n), THREADS, smem, stream>>>(ds.data_ptr<float>(), s.data_ptr<float>(),
+                                                                 w.data_ptr<float>(), n, d, heads, dl.data_ptr<float>(),
+                                                                 static_cast<T*>(dx.data_ptr()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        router_dw<T><<<used, THREADS, 0, stream>>>(dl.data_ptr<float>(), static_cast<const T*>(x.data_ptr()), n, d,
+                                                   heads, per_block, pw.data_ptr<float>(), pb.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    at::sum_out(dw, pw, {0});
+    at::sum_out(db, pb, {0});
+}
+
+}  // namespace attnsweep
