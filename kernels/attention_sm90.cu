@@ -222,8 +222,18 @@ __device__ __forceinline__ float ex2(float x) {
 //   MN-major for dQ) as V does in the forward.
 // BK keys per tile: 128 halves the per-tile overhead (waits, row reductions, rescales), 64
 // wastes less on a narrow band's edge tiles (and leaves dQ's three accumulators room).
+// Blocks an SM: two for the head_dim-64 forward on 64-key tiles, one for the others. Two
+// blocks of nine warps fit an SM's register file only at 96 registers a thread or fewer (an
+// SM sub-partition holds five of their warps): this kernel takes 100 unbounded (118 for PPA)
+// and 94-96 bounded (PPA spills 8 bytes); 128-key tiles (138) and dQ (136) would spill
+// hundreds of bytes, so they keep one.
+template <int D, int BK, bool DQ>
+constexpr int list_blocks() {
+    return D == 64 && BK == 64 && !DQ ? 2 : 1;
+}
+
 template <int D, int BK, bool DQ, bool FAR>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(THREADS, list_blocks<D, BK, DQ>())
     list_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                 const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
     static_assert(!DQ || BK == 64, "dQ keeps S, dP and dQ in registers: 64-key tiles only");
@@ -722,6 +732,10 @@ void launch(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& k, co
     const size_t smem = (size_t)((DQ ? 2 : 1) * BQ + 2 * stages * BK) * D * 2 + 1024;
     auto kernel = list_kernel<D, BK, DQ, FAR>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // Left to choose, the driver configured shared memory for one block (measured: 102 KB).
+    if (list_blocks<D, BK, DQ>() > 1)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            (int)cudaSharedmemCarveoutMaxShared));
     kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
