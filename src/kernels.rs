@@ -7,7 +7,7 @@
 //! `$ATTNSWEEP_KERNELS_DIR`, else `kernels-cache/` beside the binary.
 
 use crate::config::AttnImpl;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use libloading::{Library, Symbol};
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -396,37 +396,29 @@ pub enum QueryPath {
     Full = 2,
 }
 
-/// One two-tensor entry point of the library: its new tensor, or its message as an error.
-fn call2(f: Tensor2Fn, what: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// A tensor's handle as the library's entry points take it.
+fn ptr(t: &Tensor) -> *const c_void {
+    t.as_ptr() as *const c_void
+}
+
+/// Runs an entry point that returns a new at::Tensor* (null with a message in its error
+/// buffer, which `f` receives): the tensor, or the message as an error.
+fn new_tensor(what: &str, f: impl FnOnce(*mut c_char, usize) -> *mut c_void) -> Result<Tensor> {
     let mut err = vec![0 as c_char; 1024];
-    let out = unsafe {
-        f(
-            a.as_ptr() as *const c_void,
-            b.as_ptr() as *const c_void,
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
+    let out = f(err.as_mut_ptr(), err.len());
     ensure!(!out.is_null(), "{what}: {}", library_error(&err));
     // Safety: a heap at::Tensor* whose ownership passes to us.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
-/// One three-tensor entry point of the library: its new tensor, or its message as an error.
+/// One two-tensor entry point of the library.
+fn call2(f: Tensor2Fn, what: &str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    new_tensor(what, |e, n| unsafe { f(ptr(a), ptr(b), e, n) })
+}
+
+/// One three-tensor entry point of the library.
 fn call3(f: Tensor3Fn, what: &str, a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Tensor> {
-    let mut err = vec![0 as c_char; 1024];
-    let out = unsafe {
-        f(
-            a.as_ptr() as *const c_void,
-            b.as_ptr() as *const c_void,
-            c.as_ptr() as *const c_void,
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    ensure!(!out.is_null(), "{what}: {}", library_error(&err));
-    // Safety: a heap at::Tensor* whose ownership passes to us.
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    new_tensor(what, |e, n| unsafe { f(ptr(a), ptr(b), ptr(c), e, n) })
 }
 
 /// A loaded kernel library.
@@ -520,23 +512,9 @@ impl Kernels {
         path: &Tensor,
         window: i64,
     ) -> Result<Tensor> {
-        let mut err = vec![0 as c_char; 1024];
-        let out = unsafe {
-            (self.routed_attention)(
-                q.as_ptr() as *const c_void,
-                k.as_ptr() as *const c_void,
-                v.as_ptr() as *const c_void,
-                path.as_ptr() as *const c_void,
-                window,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        if out.is_null() {
-            bail!("routed attention kernel: {}", library_error(&err));
-        }
-        // Safety: the library returns a heap at::Tensor* whose ownership passes to us.
-        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+        new_tensor("routed attention kernel", |e, n| unsafe {
+            (self.routed_attention)(ptr(q), ptr(k), ptr(v), ptr(path), window, e, n)
+        })
     }
 
     /// PPA attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees its
@@ -562,30 +540,14 @@ impl Kernels {
         window: i64,
         offsets: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let mut err = vec![0 as c_char; 1024];
         let (qpos, nq) = match list {
-            Some((p, n)) => (p.as_ptr() as *const c_void, n.as_ptr() as *const c_void),
+            Some((p, n)) => (ptr(p), ptr(n)),
             None => (std::ptr::null(), std::ptr::null()),
         };
-        let offsets = offsets.map_or(std::ptr::null(), |o| o.as_ptr() as *const c_void);
-        let out = unsafe {
-            (self.list_attention)(
-                q.as_ptr() as *const c_void,
-                k.as_ptr() as *const c_void,
-                v.as_ptr() as *const c_void,
-                qpos,
-                nq,
-                window,
-                offsets,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        if out.is_null() {
-            bail!("attention kernel: {}", library_error(&err));
-        }
-        // Safety: the library returns a heap at::Tensor* whose ownership passes to us.
-        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+        let offsets = offsets.map_or(std::ptr::null(), ptr);
+        new_tensor("attention kernel", |e, n| unsafe {
+            (self.list_attention)(ptr(q), ptr(k), ptr(v), qpos, nq, window, offsets, e, n)
+        })
     }
 }
 
@@ -596,7 +558,7 @@ fn library_error(err: &[c_char]) -> String {
 }
 
 fn pointers(ts: &[Tensor]) -> Vec<*const c_void> {
-    ts.iter().map(|t| t.as_ptr() as *const c_void).collect()
+    ts.iter().map(ptr).collect()
 }
 
 impl Kernels {
@@ -615,19 +577,9 @@ impl Kernels {
     /// RMSNorm of `x: [..., d]` (fp32 or bf16) with `weight: [d]` (fp32), computed in fp32,
     /// returned in x's dtype; differentiable in both.
     pub fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-        let mut err = vec![0 as c_char; 1024];
-        let out = unsafe {
-            (self.rms_norm)(
-                x.as_ptr() as *const c_void,
-                weight.as_ptr() as *const c_void,
-                eps,
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        ensure!(!out.is_null(), "RMSNorm kernel: {}", library_error(&err));
-        // Safety: a heap at::Tensor* whose ownership passes to us.
-        Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+        new_tensor("RMSNorm kernel", |e, n| unsafe {
+            (self.rms_norm)(ptr(x), ptr(weight), eps, e, n)
+        })
     }
 
     /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`,
@@ -672,7 +624,7 @@ impl Kernels {
         let mut out = [std::ptr::null_mut::<c_void>(); 5];
         let rc = unsafe {
             (self.aha_gates)(
-                s.as_ptr() as *const c_void,
+                ptr(s),
                 tau,
                 sample,
                 seed,
