@@ -147,8 +147,11 @@ __global__ void __launch_bounds__(THREADS)
     }
 }
 
+// The device's SMs times k: enough blocks to fill it.
+int64_t filling(int k) { return (int64_t)at::cuda::getCurrentDeviceProperties()->multiProcessorCount * k; }
+
 // Warps for n tokens: enough blocks to fill the GPU, each warp looping over tokens.
-int64_t token_blocks(int64_t n) { return std::min<int64_t>((n + WARPS - 1) / WARPS, 132 * 8); }
+int64_t token_blocks(int64_t n) { return std::min<int64_t>((n + WARPS - 1) / WARPS, filling(8)); }
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
@@ -194,7 +197,7 @@ void cuda_router_backward(const at::Tensor& ds, const at::Tensor& s, const at::T
     const size_t smem = (size_t)heads * d * 4;
     // Token ranges of the weight's partial sums: enough blocks to fill the GPU, a few thousand
     // floats of partials each.
-    const int64_t blocks = std::min<int64_t>(n, 132 * 4), per_block = (n + blocks - 1) / blocks;
+    const int64_t blocks = std::min<int64_t>(n, filling(4)), per_block = (n + blocks - 1) / blocks;
     const int64_t used = (n + per_block - 1) / per_block;
     auto pw = at::empty({used, heads, d}, s.options()), pb = at::empty({used, heads}, s.options());
     auto stream = at::cuda::getCurrentCUDAStream();
