@@ -746,6 +746,7 @@ ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const QueryList& 
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
                   at::Tensor& out, at::Tensor& lse) {
     const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0) return;  // a grid of zero blocks would not launch
     if (use_sm90()) {
         sm90_forward(q, k, v, list, window, out, lse);
         return;
@@ -766,6 +767,10 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
     const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0) {  // no query sees a key
+        dk.zero_(), dv.zero_();
+        return;
+    }
     Args a = make_args(q, k, v, list, window);
     a.lse_in = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
@@ -806,6 +811,7 @@ void cuda_aha_gates(const at::Tensor& scores, double tau, double sample, uint32_
 
 void cuda_route_list(const at::Tensor& path, at::Tensor& perm, at::Tensor& nq, at::Tensor& nfull) {
     const at::cuda::CUDAGuard guard(path.device());
+    if (nq.numel() == 0) return;
     const int len = (int)path.size(2);
     route_kernel<<<path.size(0) * path.size(1), ROUTE_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
         path.data_ptr<uint8_t>(), len, perm.data_ptr<int>(), nq.data_ptr<int>(), nfull.data_ptr<int>());

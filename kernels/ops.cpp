@@ -633,6 +633,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, L, D]");
     TORCH_CHECK(k.sizes() == v.sizes(), "k and v differ in shape");
     TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "q and k differ in batch or head_dim");
+    TORCH_CHECK(k.size(1) >= 1, "k and v need at least one key-value head");
     TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of key-value heads");
     TORCH_CHECK(window >= 1, "window must be at least 1");
     TORCH_CHECK(q.device() == k.device() && k.device() == v.device(), "q, k, v on different devices");
@@ -640,6 +641,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         TORCH_CHECK(qpos.scalar_type() == at::kInt && nq.scalar_type() == at::kInt, "qpos and nq must be int32");
         TORCH_CHECK(qpos.sizes() == at::IntArrayRef({q.size(0), q.size(1), q.size(2)}), "qpos must be [B, H, Lq]");
         TORCH_CHECK(nq.sizes() == at::IntArrayRef({q.size(0), q.size(1)}), "nq must be [B, H]");
+        TORCH_CHECK(qpos.device() == q.device() && nq.device() == q.device(), "qpos and nq on another device than q");
+        // As for offsets below: the model builds the lists, and reading them back would stall.
+        TORCH_CHECK(nq.is_cuda() || nq.numel() == 0 || (nq.min().item<int>() >= 0 && nq.max().item<int>() <= q.size(2)),
+                    "nq must lie in [0, Lq]");
     } else {
         TORCH_CHECK(q.size(2) == k.size(2), "dense queries need Lq == L");
     }
@@ -742,7 +747,7 @@ void* attnsweep_router(const at::Tensor* x, const at::Tensor* w, const at::Tenso
                     "router: the weight and the bias must be fp32");
         TORCH_CHECK(b->numel() == 0 || b->sizes() == at::IntArrayRef({w->size(0)}), "router: the bias must be [heads]");
         TORCH_CHECK(x->device() == w->device() && x->device() == b->device(), "router: inputs on different devices");
-        auto out = RouterFn::apply(x->contiguous(), w->contiguous(), *b);
+        auto out = RouterFn::apply(x->contiguous(), w->contiguous(), b->contiguous());
         return new at::Tensor(out[0]);
     });
 }
@@ -802,6 +807,7 @@ void* attnsweep_swiglu(const at::Tensor* g, const at::Tensor* u, char* err, size
 void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
+        TORCH_CHECK(x->size(-1) >= 1, "RMSNorm needs d >= 1");
         TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
         TORCH_CHECK(x->device() == w->device(), "RMSNorm input and weight on different devices");
@@ -809,7 +815,7 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
         TORCH_CHECK(!x->is_cuda() || x->size(-1) <= attnsweep::cuda_norm_max_dim(), "RMSNorm kernel takes d <= ",
                     attnsweep::cuda_norm_max_dim());
 #endif
-        auto out = RmsNormFn::apply(x->contiguous(), *w, eps);
+        auto out = RmsNormFn::apply(x->contiguous(), w->contiguous(), eps);
         return new at::Tensor(out[0]);
     });
 }

@@ -105,7 +105,8 @@ std::vector<Slot> slots_of(const std::vector<at::Tensor>& p, const std::vector<a
 at::Tensor cuda_grad_norm(const std::vector<at::Tensor>& grads) {
     const c10::cuda::CUDAGuard guard(grads[0].device());
     auto t = upload(slots_of(grads, grads, {}, {}, nullptr), grads[0]);
-    auto partial = at::empty({t.n_chunks}, grads[0].options());
+    auto partial = at::zeros({t.n_chunks}, grads[0].options());
+    if (t.n_chunks == 0) return partial.sum();  // every gradient empty: no launch of zero blocks
     auto stream = at::cuda::getCurrentCUDAStream();
     sumsq_kernel<<<t.n_chunks, THREADS, 0, stream>>>(t.slots, t.chunks, partial.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -116,6 +117,7 @@ void cuda_adamw(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>&
                 const std::vector<at::Tensor>& v, const AdamWStep& h) {
     const c10::cuda::CUDAGuard guard(p[0].device());
     auto t = upload(slots_of(p, g, m, v, &h), p[0]);
+    if (t.n_chunks == 0) return;
     adamw_kernel<<<t.n_chunks, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(t.slots, t.chunks, h);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -282,11 +282,25 @@ fn which(prog: &str) -> Result<()> {
 
 /// The built library for `variant` matching this binary's sources, if any.
 pub fn find(variant: Variant) -> Option<PathBuf> {
-    let prefix = format!("{}-{}-", variant.name(), source_hash());
-    let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(cache_dir())
+    newest_build(
+        &cache_dir(),
+        &format!("{}-{}-", variant.name(), source_hash()),
+    )
+}
+
+/// The newest library in `cache` among the finished builds named `prefix` + a torch hash
+/// (built against any torch: a prebuilt library travels to machines whose torch lies
+/// elsewhere). A build in progress writes into `<name>.tmp-<pid>-<n>` and renames it when
+/// done, so its half-written library is never picked.
+fn newest_build(cache: &Path, prefix: &str) -> Option<PathBuf> {
+    let finished = |name: &str| {
+        name.strip_prefix(prefix)
+            .is_some_and(|t| t.len() == 8 && t.bytes().all(|c| c.is_ascii_hexdigit()))
+    };
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(cache)
         .ok()?
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .filter(|e| finished(&e.file_name().to_string_lossy()))
         .map(|e| e.path().join(LIB))
         .filter(|p| p.is_file())
         .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
@@ -734,11 +748,11 @@ pub fn cpu() -> Result<&'static Kernels> {
     if let Some(k) = CPU_KERNELS.get() {
         return Ok(k);
     }
-    let path = match find(Variant::Cpu) {
-        Some(p) => p,
-        None => build(Some(Variant::Cpu), true)?,
+    let k = match find(Variant::Cpu).map(|p| Kernels::load(&p)) {
+        Some(Ok(k)) => k,
+        // None built, or one built against a torch that no longer loads: build for this one.
+        _ => Kernels::load(&build(Some(Variant::Cpu), true)?)?,
     };
-    let k = Kernels::load(&path)?;
     Ok(CPU_KERNELS.get_or_init(|| k))
 }
 
@@ -759,7 +773,7 @@ pub fn for_model(
         }),
         AttnImpl::Cuda if device.is_cuda() => {
             ensure!(fits, "attention.attn_impl = \"cuda\" needs train.dtype = \"bf16\" and head_dim 64 or 128 (got {compute:?}, {head_dim})");
-            cuda().map(Some).context("attention.attn_impl = \"cuda\" but no CUDA kernel library is built for this binary; run `attnsweep kernels build`")
+            cuda().map(Some).context("attention.attn_impl = \"cuda\" but no CUDA kernel library is built for this binary (or the one found failed to load: see the warning above); run `attnsweep kernels build`")
         }
         AttnImpl::Cuda => cpu().map(Some),
     }
@@ -1032,7 +1046,12 @@ pub(crate) mod tests {
                 .set_requires_grad(true);
             let w = (Tensor::rand([d], (Kind::Float, device)) + 0.5).set_requires_grad(true);
             let dy = Tensor::randn([3, 67, d], (Kind::Float, device));
-            let got = kern.rms_norm(&x, &w, 1e-5).unwrap();
+            // At d = 100 the kernel gets the weight as a strided view (of the same values).
+            let w_in = match d {
+                100 => Tensor::stack(&[&w, &w], 1).select(1, 0),
+                _ => w.shallow_clone(),
+            };
+            let got = kern.rms_norm(&x, &w_in, 1e-5).unwrap();
             assert_eq!(got.kind(), kind);
             (got.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
             let (xr, wr) = (
@@ -1271,7 +1290,12 @@ pub(crate) mod tests {
             let b =
                 bias.then(|| Tensor::randn([heads], (Kind::Float, device)).set_requires_grad(true));
             let ds = Tensor::randn([2, 33, heads], (Kind::Float, device));
-            let got = kern.router(&x, &w, b.as_ref()).unwrap();
+            // With 17 heads the kernel gets the bias as a strided view (of the same values).
+            let b_in = b.as_ref().map(|b| match heads {
+                17 => Tensor::stack(&[b, b], 1).select(1, 0),
+                _ => b.shallow_clone(),
+            });
+            let got = kern.router(&x, &w, b_in.as_ref()).unwrap();
             (&got * &ds).sum(Kind::Float).backward();
             let (xr, wr) = (
                 x.detach().set_requires_grad(true),
@@ -1353,6 +1377,12 @@ pub(crate) mod tests {
         let x = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
         let err = kern.rms_norm(&x, &Tensor::ones([4], (Kind::Float, Device::Cpu)), 1e-5);
         assert!(err.unwrap_err().to_string().contains("weight must be [d]"));
+        let (x, w) = (
+            Tensor::zeros([2, 0], (Kind::Float, Device::Cpu)),
+            Tensor::ones([0], (Kind::Float, Device::Cpu)),
+        );
+        let err = kern.rms_norm(&x, &w, 1e-5);
+        assert!(err.unwrap_err().to_string().contains("d >= 1"));
     }
 
     #[test]
@@ -1428,6 +1458,51 @@ pub(crate) mod tests {
         }
     }
 
+    #[test]
+    fn only_finished_builds_are_found() {
+        let cache = std::env::temp_dir().join(format!("attnsweep-find-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let lib = |dir: &str| {
+            std::fs::create_dir_all(cache.join(dir)).unwrap();
+            std::fs::write(cache.join(dir).join(LIB), b"").unwrap();
+            cache.join(dir).join(LIB)
+        };
+        let done = lib("cpu-0123abcd-89abcdef");
+        assert_eq!(newest_build(&cache, "cpu-0123abcd-"), Some(done.clone()));
+        // Written later, but in progress, of other sources, or of another variant.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        lib("cpu-0123abcd-89abcdef.tmp-77-0");
+        lib("cpu-0123abcd-0000ffff.tmp-78-1");
+        lib("cpu-99999999-89abcdef");
+        lib("cuda-sm90-0123abcd-89abcdef");
+        assert_eq!(newest_build(&cache, "cpu-0123abcd-"), Some(done));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let other_torch = lib("cpu-0123abcd-fedcba98");
+        assert_eq!(newest_build(&cache, "cpu-0123abcd-"), Some(other_torch));
+        assert_eq!(newest_build(&cache, "cpu-00000000-"), None);
+        std::fs::remove_dir_all(&cache).unwrap();
+    }
+
+    /// Empty batches give empty outputs and gradients, and key-value tensors without heads an
+    /// error, on either device (the CUDA launchers must not launch grids of zero blocks).
+    fn empty_and_headless_inputs(kern: &Kernels, device: Device, kind: Kind, d: i64) {
+        let q = Tensor::zeros([0, 2, 4, d], (kind, device)).set_requires_grad(true);
+        let out = kern.list_attention(&q, &q, &q, None, 4).unwrap();
+        assert_eq!(out.size(), [0, 2, 4, d]);
+        out.sum(Kind::Float).backward();
+        assert_eq!(q.grad().size(), [0, 2, 4, d]);
+        let path = Tensor::zeros([0, 2, 4], (Kind::Uint8, device));
+        let out = kern.routed_attention(&q, &q, &q, &path, 4).unwrap();
+        assert_eq!(out.size(), [0, 2, 4, d]);
+        let q = Tensor::zeros([1, 2, 4, d], (kind, device));
+        let k = Tensor::zeros([1, 0, 4, d], (kind, device));
+        let err = kern
+            .list_attention(&q, &k, &k, None, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least one key-value head"), "{err}");
+    }
+
     /// Runs a GPU test with the CUDA library, or reports it as skipped.
     pub(crate) fn on_cuda(test: &str, f: impl FnOnce(&'static Kernels)) {
         match cuda() {
@@ -1497,6 +1572,14 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("multiple of key-value heads"), "{err}");
+        empty_and_headless_inputs(kern, Device::Cpu, Kind::Float, 8);
+        let qpos = Tensor::zeros([1, 2, 4], (Kind::Int, Device::Cpu));
+        let nq = Tensor::from_slice(&[4i32, 5]).view([1, 2]);
+        let err = kern
+            .list_attention(&q, &q, &q, Some((&qpos, &nq)), 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nq must lie in [0, Lq]"), "{err}");
         assert!(kern
             .list_attention(&q, &q, &q, None, 0)
             .unwrap_err()
@@ -1523,6 +1606,16 @@ pub(crate) mod tests {
             compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
             compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
             compare_routed_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+            empty_and_headless_inputs(kern, Device::Cuda(0), Kind::BFloat16, 64);
+            // A list on the host for queries on the GPU would hand the kernels host pointers.
+            let q = Tensor::zeros([1, 2, 4, 64], (Kind::BFloat16, Device::Cuda(0)));
+            let qpos = Tensor::zeros([1, 2, 4], (Kind::Int, Device::Cpu));
+            let nq = Tensor::zeros([1, 2], (Kind::Int, Device::Cpu));
+            let err = kern
+                .list_attention(&q, &q, &q, Some((&qpos, &nq)), 4)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("another device than q"), "{err}");
         });
     }
 }
