@@ -29,6 +29,101 @@ pub struct AttentionBench {
     pub peers: bool,
 }
 
+/// Every value of `flag` satisfies `ok`, or an error names the flag, what it needs and the
+/// value.
+fn check_each<T: std::fmt::Display + Copy>(
+    flag: &str,
+    values: &[T],
+    ok: impl Fn(T) -> bool,
+    need: &str,
+) -> Result<()> {
+    for &v in values {
+        ensure!(ok(v), "{flag} {need} (got {v})");
+    }
+    Ok(())
+}
+
+/// At least one length, each at least 1, none twice (each is a point of the fitted
+/// exponents).
+fn check_lengths(lengths: &[i64]) -> Result<()> {
+    ensure!(!lengths.is_empty(), "--lengths needs at least one length");
+    check_each("--lengths", lengths, |l| l >= 1, "must be at least 1")?;
+    let mut distinct = lengths.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    ensure!(
+        distinct.len() == lengths.len(),
+        "--lengths repeats a length ({lengths:?})"
+    );
+    Ok(())
+}
+
+impl AttentionBench {
+    /// The flags, checked before anything runs or is written.
+    pub fn validate(&self) -> Result<()> {
+        check_lengths(&self.lengths)?;
+        ensure!(
+            !self.head_dims.is_empty(),
+            "--head-dims needs at least one head_dim"
+        );
+        check_each(
+            "--head-dims",
+            &self.head_dims,
+            |d| d == 64 || d == 128,
+            "must be 64 or 128, the kernels' head dims",
+        )?;
+        check_each("--windows", &self.windows, |w| w >= 1, "must be at least 1")?;
+        check_each(
+            "--sparsities",
+            &self.sparsities,
+            |s| (0.0..1.0).contains(&s),
+            "must lie in [0, 1)",
+        )?;
+        check_each(
+            "--routed-usages",
+            &self.routed_usages,
+            |u| (0.0..=1.0).contains(&u),
+            "must lie in [0, 1]",
+        )?;
+        check_each(
+            "--ppa-powers",
+            &self.ppa_powers,
+            |p| (0.0..=1.0).contains(&p),
+            "must lie in [0, 1]",
+        )?;
+        ensure!(self.ppa_window >= 1, "--ppa-window must be at least 1");
+        ensure!(self.heads >= 1, "--heads must be at least 1");
+        ensure!(self.reps >= 1, "--reps must be at least 1");
+        Ok(())
+    }
+}
+
+/// Runs the peer script `name` (written to `out`) with `args` and returns what it printed. A
+/// peer that cannot start or fails is reported and leaves its rows out (those printed before
+/// it failed are kept): our own cases still run and are written.
+fn run_peer(out: &Path, python: &str, name: &str, text: &str, args: &[String]) -> Result<String> {
+    let script = out.join(name);
+    std::fs::write(&script, text).with_context(|| format!("cannot write {}", script.display()))?;
+    match Command::new(python).arg(&script).args(args).output() {
+        Ok(o) => {
+            eprint!("{}", String::from_utf8_lossy(&o.stderr));
+            if !o.status.success() {
+                eprintln!(
+                    "warning: the peer {name} failed ({}); its missing rows are left out",
+                    o.status
+                );
+            }
+            Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+        }
+        Err(e) => {
+            eprintln!(
+                "warning: cannot run {python} for the peer {name} ({e}); its rows are left out"
+            );
+            Ok(String::new())
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Row {
     imp: String,
@@ -249,50 +344,35 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     let mut rows: Vec<Row> = Vec::new();
     // The peers first: their process must find the GPU's memory free.
     if b.peers {
-        let script = b.out.join("bench_peers.py");
-        std::fs::write(&script, include_str!("../kernels/bench_peers.py"))?;
-        let join = |v: Vec<String>| v.join(",");
-        let out = Command::new(&b.python)
-            .arg(&script)
-            .args([
-                "--lengths",
-                &join(b.lengths.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args([
-                "--head-dims",
-                &join(b.head_dims.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args([
-                "--windows",
-                &join(b.windows.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args([
-                "--sparsities",
-                &join(b.sparsities.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args([
-                "--routed-usages",
-                &join(b.routed_usages.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args([
-                "--ppa-powers",
-                &join(b.ppa_powers.iter().map(|x| x.to_string()).collect()),
-            ])
-            .args(["--ppa-window", &b.ppa_window.to_string()])
-            .args([
-                "--heads",
-                &b.heads.to_string(),
-                "--reps",
-                &b.reps.to_string(),
-            ])
-            .output()
-            .with_context(|| format!("cannot run {} for the peers", b.python))?;
-        eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        ensure!(out.status.success(), "the peer script failed");
-        for line in String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-        {
+        let list = |v: Vec<String>| v.join(",");
+        let args = [
+            "--lengths".to_string(),
+            list(b.lengths.iter().map(|x| x.to_string()).collect()),
+            "--head-dims".into(),
+            list(b.head_dims.iter().map(|x| x.to_string()).collect()),
+            "--windows".into(),
+            list(b.windows.iter().map(|x| x.to_string()).collect()),
+            "--sparsities".into(),
+            list(b.sparsities.iter().map(|x| x.to_string()).collect()),
+            "--routed-usages".into(),
+            list(b.routed_usages.iter().map(|x| x.to_string()).collect()),
+            "--ppa-powers".into(),
+            list(b.ppa_powers.iter().map(|x| x.to_string()).collect()),
+            "--ppa-window".into(),
+            b.ppa_window.to_string(),
+            "--heads".into(),
+            b.heads.to_string(),
+            "--reps".into(),
+            b.reps.to_string(),
+        ];
+        let printed = run_peer(
+            &b.out,
+            &b.python,
+            "bench_peers.py",
+            include_str!("../kernels/bench_peers.py"),
+            &args,
+        )?;
+        for line in printed.lines().filter(|l| !l.starts_with('#')) {
             let f: Vec<&str> = line.split(',').collect();
             if f.len() == 8 {
                 rows.push(Row {
@@ -394,7 +474,8 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 });
                 rows.push(Row {
                     imp: "ours".into(),
-                    case: format!("ppa_p{p}"),
+                    // As the peer script names it (Python's float repr: 0.0, 0.25).
+                    case: format!("ppa_p{p:?}"),
                     len,
                     dim: d,
                     window: b.ppa_window,
@@ -475,7 +556,13 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             }
         }
     }
-    if !series.is_empty() {
+    let figure = b.out.join("attention_speedup");
+    if series.is_empty() {
+        // No sparse case beside cuDNN in this run: an earlier run's figure must not stay.
+        for ext in ["png", "svg"] {
+            let _ = std::fs::remove_file(figure.with_extension(ext));
+        }
+    } else {
         Figure::Lines {
             title: "Sparse-query attention: forward speed-up over cuDNN causal".into(),
             x: "fraction of queries skipped".into(),
@@ -483,7 +570,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             series,
             log_x: false,
         }
-        .save(&b.out.join("attention_speedup"))?;
+        .save(&figure)?;
     }
     Ok(csv_path)
 }
@@ -511,6 +598,41 @@ pub struct TrainBench {
     pub out: PathBuf,
     pub python: String,
     pub peers: bool,
+}
+
+impl TrainBench {
+    /// The flags, checked before anything runs or is written.
+    pub fn validate(&self) -> Result<()> {
+        check_lengths(&self.lengths)?;
+        ensure!(
+            !self.methods.is_empty(),
+            "--methods needs at least one method"
+        );
+        ensure!(self.tokens >= 1, "--tokens must be at least 1");
+        ensure!(self.layers >= 1, "--layers must be at least 1");
+        ensure!(self.heads >= 1, "--heads must be at least 1");
+        ensure!(
+            self.hidden % self.heads == 0,
+            "--hidden {} is not a multiple of --heads {}",
+            self.hidden,
+            self.heads
+        );
+        ensure!(self.intermediate >= 1, "--intermediate must be at least 1");
+        ensure!(self.vocab >= 2, "--vocab must be at least 2");
+        ensure!(self.window >= 1, "--window must be at least 1");
+        ensure!(
+            self.full_usage > 0.0 && self.full_usage < 1.0,
+            "--full-usage must lie strictly between 0 and 1 (got {})",
+            self.full_usage
+        );
+        ensure!(
+            self.ste_sample > 0.0 && self.ste_sample <= 1.0,
+            "--ste-sample must lie in (0, 1] (got {})",
+            self.ste_sample
+        );
+        ensure!(self.steps >= 1, "--steps must be at least 1");
+        Ok(())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -697,28 +819,34 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
             .map(|m| m.name().to_string())
             .collect(),
     );
-    if b.peers {
-        let script = b.out.join("train_peer.py");
-        std::fs::write(&script, include_str!("../kernels/train_peer.py"))?;
-        let out = Command::new(&b.python)
-            .arg(&script)
-            .args(["--lengths", &lengths, "--methods", &methods])
-            .args(["--tokens", &b.tokens.to_string()])
-            .args(["--layers", &b.layers.to_string()])
-            .args(["--hidden", &b.hidden.to_string()])
-            .args(["--heads", &b.heads.to_string()])
-            .args(["--intermediate", &b.intermediate.to_string()])
-            .args(["--vocab", &b.vocab.to_string()])
-            .args(["--window", &b.window.to_string()])
-            .args(["--full-usage", &b.full_usage.to_string()])
-            .args(["--steps", &b.steps.to_string()])
-            .args(["--warmup", &b.warmup.to_string()])
-            .args(["--lr", "0"])
-            .output()
-            .with_context(|| format!("cannot run {} for the eager peer", b.python))?;
-        eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        ensure!(out.status.success(), "the eager peer failed");
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
+    // A list of aha-sampled alone leaves the peer nothing to run.
+    if b.peers && !methods.is_empty() {
+        let args: Vec<String> = [
+            ("--lengths", lengths),
+            ("--methods", methods),
+            ("--tokens", b.tokens.to_string()),
+            ("--layers", b.layers.to_string()),
+            ("--hidden", b.hidden.to_string()),
+            ("--heads", b.heads.to_string()),
+            ("--intermediate", b.intermediate.to_string()),
+            ("--vocab", b.vocab.to_string()),
+            ("--window", b.window.to_string()),
+            ("--full-usage", b.full_usage.to_string()),
+            ("--steps", b.steps.to_string()),
+            ("--warmup", b.warmup.to_string()),
+            ("--lr", "0".to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_string(), value])
+        .collect();
+        let printed = run_peer(
+            &b.out,
+            &b.python,
+            "train_peer.py",
+            include_str!("../kernels/train_peer.py"),
+            &args,
+        )?;
+        for line in printed.lines() {
             if let Some(note) = line.strip_prefix("# ") {
                 eprintln!("{note}");
                 continue;
@@ -805,6 +933,20 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that fails keeps the rows it printed, one that cannot start gives none, and
+    /// neither stops the bench.
+    #[test]
+    fn failing_peers_leave_their_rows_out_without_stopping_the_bench() {
+        let out = std::env::temp_dir().join(format!("attnsweep-peer-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let script = "import sys\nprint('flex,swa,4096,64,256,0,0.1,0.2')\nsys.exit(3)\n";
+        let printed = run_peer(&out, "python3", "peer.py", script, &[]).unwrap();
+        assert_eq!(printed.trim(), "flex,swa,4096,64,256,0,0.1,0.2");
+        let none = run_peer(&out, "no-such-python-here", "peer.py", script, &[]).unwrap();
+        assert!(none.is_empty());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 
     fn row(imp: &str, case: &str, len: i64, window: i64, fwd_ms: f64) -> Row {
         Row {

@@ -4,7 +4,7 @@ use crate::config::Config;
 use crate::data::{self, SynthSpec};
 use crate::eval;
 use crate::train::{self, TrainArgs};
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -503,15 +503,6 @@ pub fn main() -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCmd::Attention(c)) => {
-            ensure!(
-                c.ppa_powers.iter().all(|p| (0.0..=1.0).contains(p)),
-                "--ppa-powers must lie in [0, 1] (got {:?})",
-                c.ppa_powers
-            );
-            ensure!(c.ppa_window >= 1, "--ppa-window must be at least 1");
-            let kern = crate::kernels::cuda().context(
-                "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-            )?;
             let b = crate::bench::AttentionBench {
                 lengths: c.lengths,
                 head_dims: c.head_dims,
@@ -526,29 +517,14 @@ pub fn main() -> Result<()> {
                 python: c.python,
                 peers: !c.no_peers,
             };
+            b.validate()?;
+            let kern = crate::kernels::cuda().context(
+                "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
             println!("{}", crate::bench::run(&b, kern)?.display());
             Ok(())
         }
         Command::Bench(BenchCmd::Train(c)) => {
-            ensure!(
-                c.full_usage > 0.0 && c.full_usage < 1.0,
-                "--full-usage must lie strictly between 0 and 1 (got {})",
-                c.full_usage
-            );
-            ensure!(
-                c.ste_sample > 0.0 && c.ste_sample <= 1.0,
-                "--ste-sample must lie in (0, 1] (got {})",
-                c.ste_sample
-            );
-            ensure!(
-                c.hidden % c.heads == 0,
-                "--hidden {} is not a multiple of --heads {}",
-                c.hidden,
-                c.heads
-            );
-            crate::kernels::cuda().context(
-                "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-            )?;
             let b = crate::bench::TrainBench {
                 lengths: c.lengths,
                 tokens: c.tokens,
@@ -561,12 +537,16 @@ pub fn main() -> Result<()> {
                 window: c.window,
                 full_usage: c.full_usage,
                 ste_sample: c.ste_sample,
-                steps: c.steps.max(1),
+                steps: c.steps,
                 warmup: c.warmup,
                 out: c.out,
                 python: c.python,
                 peers: !c.no_peers,
             };
+            b.validate()?;
+            crate::kernels::cuda().context(
+                "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
             println!("{}", crate::bench::run_train(&b)?.display());
             Ok(())
         }

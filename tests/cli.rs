@@ -437,8 +437,36 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
             "multiple of --heads",
         ),
         (vec!["--methods", "ppa"], "invalid value 'ppa'"),
+        (vec!["--heads", "0"], "--heads must be at least 1"),
+        (vec!["--layers", "0"], "--layers must be at least 1"),
+        (vec!["--window", "0"], "--window must be at least 1"),
+        (vec!["--steps", "0"], "--steps must be at least 1"),
+        (vec!["--lengths", "0"], "--lengths must be at least 1"),
     ] {
         let mut args = vec!["bench", "train", "--out", b];
+        args.extend(flags);
+        let err = fails(&args);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    for (flags, needle) in [
+        (vec!["--reps", "0"], "--reps must be at least 1"),
+        (vec!["--head-dims", "96"], "--head-dims must be 64 or 128"),
+        (vec!["--windows", "0"], "--windows must be at least 1"),
+        (vec!["--heads", "0"], "--heads must be at least 1"),
+        (
+            vec!["--sparsities", "1.5"],
+            "--sparsities must lie in [0, 1)",
+        ),
+        (vec!["--sparsities=-0.5"], "--sparsities must lie in [0, 1)"),
+        (
+            vec!["--routed-usages", "1.5"],
+            "--routed-usages must lie in [0, 1]",
+        ),
+        (vec!["--lengths", "0"], "--lengths must be at least 1"),
+        (vec!["--lengths", "4096,4096"], "--lengths repeats a length"),
+        (vec!["--ppa-powers", "2"], "--ppa-powers must lie in [0, 1]"),
+    ] {
+        let mut args = vec!["bench", "attention", "--out", b];
         args.extend(flags);
         let err = fails(&args);
         assert!(err.contains(needle), "{args:?}: {err}");
