@@ -89,11 +89,12 @@ pub fn save(
         return Err(e).with_context(|| format!("writing checkpoint {}", final_dir.display()));
     }
     atomic::write_bytes(&root.join("latest"), name.as_bytes())?;
-    prune(&root, keep)?;
+    prune(&root, keep, &name)?;
     Ok(final_dir)
 }
 
-/// Removes checkpoint directories that crashed processes left half-written.
+/// Removes what crashed processes left half-written: checkpoint directories, and the file
+/// that was to replace `latest`.
 pub fn remove_temporaries(run: &Path) -> Result<()> {
     let root = checkpoints_dir(run);
     let Ok(entries) = std::fs::read_dir(&root) else {
@@ -101,25 +102,37 @@ pub fn remove_temporaries(run: &Path) -> Result<()> {
     };
     for e in entries.flatten() {
         if e.file_name().to_string_lossy().starts_with(".tmp-") {
-            std::fs::remove_dir_all(e.path())
-                .with_context(|| format!("removing {}", e.path().display()))?;
+            let path = e.path();
+            match path.is_dir() {
+                true => std::fs::remove_dir_all(&path),
+                false => std::fs::remove_file(&path),
+            }
+            .with_context(|| format!("removing {}", path.display()))?;
         }
     }
     Ok(())
 }
 
-fn prune(root: &Path, keep: usize) -> Result<()> {
+/// Keeps `latest` (the checkpoint just written) and the newest `keep - 1` others. A run
+/// resumed from an older `latest` (one interrupted before it named a newer checkpoint) can
+/// leave checkpoints of higher steps behind: they never count against `latest`.
+fn prune(root: &Path, keep: usize, latest: &str) -> Result<()> {
     let mut steps: Vec<PathBuf> = std::fs::read_dir(root)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.is_dir()
-                && p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("step_"))
+                && p.file_name().is_some_and(|n| {
+                    let n = n.to_string_lossy();
+                    n.starts_with("step_") && n != latest
+                })
         })
         .collect();
     steps.sort();
     let n = steps.len();
-    for old in steps.into_iter().take(n.saturating_sub(keep)) {
+    for old in steps
+        .into_iter()
+        .take(n.saturating_sub(keep.saturating_sub(1)))
+    {
         std::fs::remove_dir_all(&old)
             .with_context(|| format!("removing old checkpoint {}", old.display()))?;
     }
@@ -224,4 +237,71 @@ pub fn load_into(
         }
     });
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("attnsweep-ckpt-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn save_step(run: &Path, step: usize, keep: usize) -> PathBuf {
+        let w = vec![(
+            "w".to_string(),
+            Tensor::ones([2], (Kind::Float, Device::Cpu)),
+        )];
+        let state = TrainState {
+            step,
+            rng_state: 1,
+            gate_rng_state: 2,
+            tokens_seen: 3,
+        };
+        save(run, &w, &w, &state, keep).unwrap()
+    }
+
+    #[test]
+    fn leftovers_of_a_crash_are_removed_files_and_directories_alike() {
+        let run = scratch("leftovers");
+        save_step(&run, 100, 2);
+        let root = checkpoints_dir(&run);
+        // A crash while replacing `latest`, and one while writing a checkpoint.
+        std::fs::write(root.join(".tmp-77-latest"), b"step_00000200").unwrap();
+        std::fs::create_dir_all(root.join(".tmp-78-step_00000200")).unwrap();
+        remove_temporaries(&run).unwrap();
+        let left: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.iter().all(|n| !n.starts_with(".tmp-")), "{left:?}");
+        assert_eq!(latest(&run).unwrap(), Some(root.join("step_00000100")));
+        std::fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn pruning_never_removes_the_checkpoint_latest_names() {
+        let run = scratch("prune");
+        let s200 = save_step(&run, 200, 1);
+        // A crash after step 400's directory was renamed into place, before `latest` named
+        // it: the resumed run goes on from step 200 and saves step 300.
+        let s400 = checkpoints_dir(&run).join("step_00000400");
+        std::fs::create_dir_all(&s400).unwrap();
+        for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+            std::fs::copy(s200.join(f), s400.join(f)).unwrap();
+        }
+        let s300 = save_step(&run, 300, 1);
+        assert_eq!(latest(&run).unwrap(), Some(s300.clone()));
+        assert!(s300.is_dir() && !s200.exists() && !s400.exists());
+        // keep 2: latest and the newest other.
+        let s500 = save_step(&run, 500, 2);
+        assert!(s500.is_dir() && s300.is_dir());
+        save_step(&run, 600, 2);
+        assert!(!s300.exists() && s500.is_dir());
+        std::fs::remove_dir_all(&run).unwrap();
+    }
 }

@@ -125,13 +125,20 @@ pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> 
         "config.json: mlp_bias = true is not supported"
     );
     let heads = int("num_attention_heads")?;
-    let rope_scaling = match &v["rope_scaling"] {
+    // transformers 5 writes the rotary settings, theta included, as rope_parameters; earlier
+    // versions as rope_theta and rope_scaling.
+    let (rope, rope_key) = match (&v["rope_parameters"], &v["rope_scaling"]) {
+        (Value::Null, r) => (r, "rope_scaling"),
+        (p, Value::Null) => (p, "rope_parameters"),
+        _ => bail!("config.json has both rope_parameters and rope_scaling"),
+    };
+    let rope_scaling = match rope {
         Value::Null => None,
         r => {
             let t = r["rope_type"]
                 .as_str()
                 .or(r["type"].as_str())
-                .context("config.json: rope_scaling without a type")?;
+                .with_context(|| format!("config.json: {rope_key} without a type"))?;
             if t == "default" {
                 None
             } else {
@@ -139,7 +146,7 @@ pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> 
                     rope_type: t.to_string(),
                     factor: r["factor"]
                         .as_f64()
-                        .context("config.json: rope_scaling without factor")?,
+                        .with_context(|| format!("config.json: {rope_key} without factor"))?,
                     low_freq_factor: r["low_freq_factor"].as_f64(),
                     high_freq_factor: r["high_freq_factor"].as_f64(),
                     original_max_position_embeddings: r["original_max_position_embeddings"]
@@ -158,7 +165,10 @@ pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> 
             .as_u64()
             .map_or(heads, |x| x as usize),
         head_dim: v["head_dim"].as_u64().map_or(0, |x| x as usize),
-        rope_theta: v["rope_theta"].as_f64().unwrap_or(10_000.0),
+        rope_theta: rope["rope_theta"]
+            .as_f64()
+            .or(v["rope_theta"].as_f64())
+            .unwrap_or(10_000.0),
         rms_norm_eps: v["rms_norm_eps"].as_f64().unwrap_or(1e-6),
         attention_bias: match family {
             // Qwen2 always has q, k, v biases.
@@ -343,6 +353,9 @@ pub fn convert(
 
     let scratch = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
+    // What this conversion wrote into `out`, removed if it fails before the end: a later
+    // attempt would otherwise find weights without a config, and refuse the directory.
+    let mut written: Vec<PathBuf> = Vec::new();
     let result = (|| -> Result<ConvertReport> {
         let files = weight_files(src, allow_pickle, &scratch)?;
         let maps: Vec<Mmap> = files.iter().map(|f| mmap(f)).collect::<Result<_>>()?;
@@ -455,6 +468,7 @@ pub fn convert(
             safetensors::tensor::serialize_to_file(views, &None, tmp)
                 .map_err(|e| anyhow::anyhow!("writing weights: {e:?}"))
         })?;
+        written.push(out.join("model.safetensors"));
         if src.is_dir() {
             for f in [
                 "tokenizer.json",
@@ -463,6 +477,7 @@ pub fn convert(
             ] {
                 if src.join(f).is_file() {
                     atomic::write_bytes(&out.join(f), &std::fs::read(src.join(f))?)?;
+                    written.push(out.join(f));
                 }
             }
         }
@@ -476,6 +491,11 @@ pub fn convert(
         })
     })();
     let _ = std::fs::remove_dir_all(&scratch);
+    if result.is_err() {
+        for p in &written {
+            let _ = std::fs::remove_file(p);
+        }
+    }
     result
 }
 
@@ -483,11 +503,22 @@ pub fn convert(
 /// config.json (Llama, Mistral for a window, Qwen2, Qwen3 or OLMo-2, by the model's
 /// features) and model.safetensors.
 pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> Result<PathBuf> {
-    ensure!(
-        !out.join("config.json").exists(),
-        "{} already holds a model; choose another --out",
-        out.display()
-    );
+    // A run directory or a conversion there would be shadowed: `resolve_weights` reads a
+    // model.safetensors beside the checkpoints first.
+    let taken = [
+        "config.json",
+        "model.safetensors",
+        "config.toml",
+        "checkpoints",
+    ]
+    .into_iter()
+    .find(|n| out.join(n).exists());
+    if let Some(name) = taken {
+        bail!(
+            "{} already holds a model or a run ({name}); choose another --out",
+            out.display()
+        );
+    }
     let loaded = crate::train::LoadedRun::open(run, &[], ckpt)?;
     let (m, a) = (&loaded.cfg.model, &loaded.cfg.attention);
     let family = match (m.norm_placement, m.qk_norm, m.attention_bias) {
@@ -551,4 +582,49 @@ pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> R
         serde_json::to_string_pretty(&c)?.as_bytes(),
     )?;
     Ok(out.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config of transformers 5 (rotary settings under rope_parameters) converts as the
+    /// same config of transformers 4 does (rope_theta and rope_scaling).
+    #[test]
+    fn rope_parameters_read_as_rope_theta_and_rope_scaling() {
+        let base = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        });
+        let with = |extra: Value| {
+            let mut v = base.clone();
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            model_from_hf(&v)
+        };
+        let scaling = serde_json::json!({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        });
+        let v4 = with(serde_json::json!({"rope_theta": 500000.0, "rope_scaling": scaling}))
+            .unwrap()
+            .1;
+        let mut params = scaling.clone();
+        params["rope_theta"] = serde_json::json!(500000.0);
+        let v5 = with(serde_json::json!({ "rope_parameters": params }))
+            .unwrap()
+            .1;
+        assert_eq!(v5.rope_theta, 500000.0);
+        assert_eq!(v5.rope_scaling, v4.rope_scaling);
+        assert_eq!(v5.rope_scaling.unwrap().rope_type, "llama3");
+        let plain = with(serde_json::json!({
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}
+        }))
+        .unwrap()
+        .1;
+        assert_eq!((plain.rope_theta, plain.rope_scaling), (1e6, None));
+        let both = with(serde_json::json!({"rope_parameters": params, "rope_scaling": scaling}));
+        assert!(format!("{:#}", both.unwrap_err()).contains("both rope_parameters"));
+    }
 }

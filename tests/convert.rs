@@ -232,6 +232,19 @@ fn export_then_import_is_exact_and_continued_training_works() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Nothing is exported over a model or into a run, whose checkpoints it would shadow.
+    for taken in [&hf, &as_run] {
+        let o = bin()
+            .args(["export", "--run", as_run.to_str().unwrap(), "--out"])
+            .arg(taken)
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && e.contains("already holds a model or a run"),
+            "{e}"
+        );
+    }
     let back = scratch("exp-back");
     assert!(convert(&[
         "--from",
@@ -349,4 +362,26 @@ fn bad_sources_fail_clearly_and_write_nothing() {
         e.contains("no place for") && e.contains("model.layers.1."),
         "{e}"
     );
+    // A disk that fills after the weights (the second write fails): nothing is left, and the
+    // same command then converts.
+    let d = copy("full-disk");
+    let out = work.join("full-disk-out");
+    let args = [
+        "convert",
+        "--from",
+        d.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let o = bin()
+        .args(args)
+        .env("ATTNSWEEP_FAIL_WRITE", "2")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("No space left"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(&out).unwrap().collect();
+    assert!(left.is_empty(), "partial output: {left:?}");
+    let o = bin().args(args).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
