@@ -98,12 +98,28 @@ impl AttentionBench {
     }
 }
 
-/// Runs the peer script `name` (written to `out`) with `args` and returns what it printed. A
-/// peer that cannot start or fails is reported and leaves its rows out (those printed before
-/// it failed are kept): our own cases still run and are written.
-fn run_peer(out: &Path, python: &str, name: &str, text: &str, args: &[String]) -> Result<String> {
+/// Values as one comma-separated flag value.
+fn joined<T: std::fmt::Display>(values: &[T]) -> String {
+    values
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs the peer script `name` (written to `out`) with its `flags` and returns what it
+/// printed. A peer that cannot start or fails is reported and leaves its rows out (those
+/// printed before it failed are kept): our own cases still run and are written.
+fn run_peer(
+    out: &Path,
+    python: &str,
+    name: &str,
+    text: &str,
+    flags: &[(&str, String)],
+) -> Result<String> {
     let script = out.join(name);
     std::fs::write(&script, text).with_context(|| format!("cannot write {}", script.display()))?;
+    let args = flags.iter().flat_map(|(f, v)| [*f, v.as_str()]);
     match Command::new(python).arg(&script).args(args).output() {
         Ok(o) => {
             eprint!("{}", String::from_utf8_lossy(&o.stderr));
@@ -344,33 +360,23 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     let mut rows: Vec<Row> = Vec::new();
     // The peers first: their process must find the GPU's memory free.
     if b.peers {
-        let list = |v: Vec<String>| v.join(",");
-        let args = [
-            "--lengths".to_string(),
-            list(b.lengths.iter().map(|x| x.to_string()).collect()),
-            "--head-dims".into(),
-            list(b.head_dims.iter().map(|x| x.to_string()).collect()),
-            "--windows".into(),
-            list(b.windows.iter().map(|x| x.to_string()).collect()),
-            "--sparsities".into(),
-            list(b.sparsities.iter().map(|x| x.to_string()).collect()),
-            "--routed-usages".into(),
-            list(b.routed_usages.iter().map(|x| x.to_string()).collect()),
-            "--ppa-powers".into(),
-            list(b.ppa_powers.iter().map(|x| x.to_string()).collect()),
-            "--ppa-window".into(),
-            b.ppa_window.to_string(),
-            "--heads".into(),
-            b.heads.to_string(),
-            "--reps".into(),
-            b.reps.to_string(),
+        let flags = [
+            ("--lengths", joined(&b.lengths)),
+            ("--head-dims", joined(&b.head_dims)),
+            ("--windows", joined(&b.windows)),
+            ("--sparsities", joined(&b.sparsities)),
+            ("--routed-usages", joined(&b.routed_usages)),
+            ("--ppa-powers", joined(&b.ppa_powers)),
+            ("--ppa-window", b.ppa_window.to_string()),
+            ("--heads", b.heads.to_string()),
+            ("--reps", b.reps.to_string()),
         ];
         let printed = run_peer(
             &b.out,
             &b.python,
             "bench_peers.py",
             include_str!("../kernels/bench_peers.py"),
-            &args,
+            &flags,
         )?;
         for line in printed.lines().filter(|l| !l.starts_with('#')) {
             let f: Vec<&str> = line.split(',').collect();
@@ -809,21 +815,18 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
     );
     std::fs::create_dir_all(&b.out)?;
     let mut rows: Vec<TrainRow> = Vec::new();
-    let join = |v: Vec<String>| v.join(",");
-    let lengths = join(b.lengths.iter().map(|x| x.to_string()).collect());
     // The eager peer has the paper's AHA only.
-    let methods = join(
-        b.methods
-            .iter()
-            .filter(|&&m| m != TrainMethod::AhaSampled)
-            .map(|m| m.name().to_string())
-            .collect(),
-    );
+    let peer_methods: Vec<&str> = b
+        .methods
+        .iter()
+        .filter(|&&m| m != TrainMethod::AhaSampled)
+        .map(|m| m.name())
+        .collect();
     // A list of aha-sampled alone leaves the peer nothing to run.
-    if b.peers && !methods.is_empty() {
-        let args: Vec<String> = [
-            ("--lengths", lengths),
-            ("--methods", methods),
+    if b.peers && !peer_methods.is_empty() {
+        let flags = [
+            ("--lengths", joined(&b.lengths)),
+            ("--methods", joined(&peer_methods)),
             ("--tokens", b.tokens.to_string()),
             ("--layers", b.layers.to_string()),
             ("--hidden", b.hidden.to_string()),
@@ -835,16 +838,13 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
             ("--steps", b.steps.to_string()),
             ("--warmup", b.warmup.to_string()),
             ("--lr", "0".to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(flag, value)| [flag.to_string(), value])
-        .collect();
+        ];
         let printed = run_peer(
             &b.out,
             &b.python,
             "train_peer.py",
             include_str!("../kernels/train_peer.py"),
-            &args,
+            &flags,
         )?;
         for line in printed.lines() {
             if let Some(note) = line.strip_prefix("# ") {
@@ -938,8 +938,7 @@ mod tests {
     /// neither stops the bench.
     #[test]
     fn failing_peers_leave_their_rows_out_without_stopping_the_bench() {
-        let out = std::env::temp_dir().join(format!("attnsweep-peer-{}", std::process::id()));
-        std::fs::create_dir_all(&out).unwrap();
+        let out = crate::scratch_dir("peer");
         let script = "import sys\nprint('flex,swa,4096,64,256,0,0.1,0.2')\nsys.exit(3)\n";
         let printed = run_peer(&out, "python3", "peer.py", script, &[]).unwrap();
         assert_eq!(printed.trim(), "flex,swa,4096,64,256,0,0.1,0.2");

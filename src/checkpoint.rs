@@ -244,13 +244,6 @@ mod tests {
     use super::*;
     use tch::{Device, Kind};
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("attnsweep-ckpt-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     fn save_step(run: &Path, step: usize, keep: usize) -> PathBuf {
         let w = vec![(
             "w".to_string(),
@@ -267,7 +260,7 @@ mod tests {
 
     #[test]
     fn leftovers_of_a_crash_are_removed_files_and_directories_alike() {
-        let run = scratch("leftovers");
+        let run = crate::scratch_dir("ckpt-leftovers");
         save_step(&run, 100, 2);
         let root = checkpoints_dir(&run);
         // A crash while replacing `latest`, and one while writing a checkpoint.
@@ -285,7 +278,7 @@ mod tests {
 
     #[test]
     fn pruning_never_removes_the_checkpoint_latest_names() {
-        let run = scratch("prune");
+        let run = crate::scratch_dir("ckpt-prune");
         let s200 = save_step(&run, 200, 1);
         // A crash after step 400's directory was renamed into place, before `latest` named
         // it: the resumed run goes on from step 200 and saves step 300.

@@ -1460,8 +1460,7 @@ pub(crate) mod tests {
 
     #[test]
     fn only_finished_builds_are_found() {
-        let cache = std::env::temp_dir().join(format!("attnsweep-find-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&cache);
+        let cache = crate::scratch_dir("find");
         let lib = |dir: &str| {
             std::fs::create_dir_all(cache.join(dir)).unwrap();
             std::fs::write(cache.join(dir).join(LIB), b"").unwrap();

@@ -19,3 +19,12 @@ pub mod sweep;
 pub mod tables;
 pub mod tasks;
 pub mod train;
+
+/// A fresh, empty directory of this test process for a unit test named `tag`.
+#[cfg(test)]
+pub(crate) fn scratch_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("attnsweep-unit-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
