@@ -495,6 +495,17 @@ Args make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     return a;
 }
 
+// The backward's inputs and outputs in a.
+void bind_backward(Args& a, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq,
+                   at::Tensor& dk, at::Tensor& dv) {
+    a.lse_in = lse.data_ptr<float>();
+    a.delta = delta.data_ptr<float>();
+    a.dout = reinterpret_cast<const __nv_bfloat16*>(dout.data_ptr());
+    a.dq = reinterpret_cast<__nv_bfloat16*>(dq.data_ptr());
+    a.dk = reinterpret_cast<__nv_bfloat16*>(dk.data_ptr());
+    a.dv = reinterpret_cast<__nv_bfloat16*>(dv.data_ptr());
+}
+
 // Whether to run the wgmma kernels (attention_sm90.cu): on compute capability 9.0, in a library
 // built for sm_90a, unless ATTNSWEEP_PORTABLE_KERNELS=1 keeps Hopper on the mma.sync kernels
 // (to compare the two).
@@ -663,6 +674,266 @@ __global__ void st_mix_kernel(const uint4* c, const uint4* o, const float* w, in
     y[i] = out;
 }
 
+// PPA's sparse far distances, pair by pair. Past the distance where consecutive offsets lie
+// PPA_PAIR_GAP or more apart (kernels.rs, ppa_pairs_from), a tile holds about one seen pair per
+// row in that many columns, and the tile kernels would pay a whole tile for it; here PAIR_LANES
+// lanes own a row (a query's; a key's for dK and dV) and gather the rows its far distances pair
+// it with from L2, PAIR_UNROLL pairs in flight. No key row is shared by two rows of a group
+// (their pairs at one distance are consecutive keys), so shared memory would not cut traffic.
+// The forward merges its pairs into the tile pass's (out, lse) by log-sum-exp; the backward
+// adds its terms to the tile pass's gradients. Scores are kept in log2 units (exp2).
+constexpr int PAIR_LANES = 8;
+constexpr int PAIR_THREADS = 128;
+constexpr int PAIR_ROWS = PAIR_THREADS / PAIR_LANES;
+constexpr int PAIR_UNROLL = 4;
+constexpr float LOG2E = 1.4426950408889634f;
+
+// The list kernels' arguments (a dense list: heads, KV heads, length, scale and the tensors)
+// plus the far distances of the pair kernels, ascending.
+struct PairArgs : Args {
+    const int* offsets;
+    int n;
+};
+
+// A lane's D / PAIR_LANES columns of a bf16 row: 16-byte pieces strided by PAIR_LANES, so each
+// load instruction reads whole 128-byte lines of a group's row.
+template <int D>
+struct RowPiece {
+    static constexpr int N = D / (8 * PAIR_LANES), E = D / PAIR_LANES;
+    uint4 u[N];
+    __device__ __forceinline__ void load(const __nv_bfloat16* row, int sub) {
+#pragma unroll
+        for (int c = 0; c < N; ++c) u[c] = __ldg(reinterpret_cast<const uint4*>(row) + c * PAIR_LANES + sub);
+    }
+    // f(i, x) for each of the lane's E columns i of the row, x its value in fp32.
+    template <typename F>
+    __device__ __forceinline__ void each(F f) const {
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const auto* x = reinterpret_cast<const __nv_bfloat162*>(&u[c]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 v = __bfloat1622float2(x[j]);
+                f(c * 8 + 2 * j, v.x);
+                f(c * 8 + 2 * j + 1, v.y);
+            }
+        }
+    }
+    __device__ __forceinline__ void scaled(float b, float* y) const {
+        each([&](int i, float x) { y[i] = b * x; });
+    }
+    __device__ __forceinline__ void axpby(float a, float b, float* y) const {
+        each([&](int i, float x) { y[i] = fmaf(b, x, a * y[i]); });
+    }
+    // The lane's share of row . w.
+    __device__ __forceinline__ float dot(const float* w) const {
+        float s = 0.f;
+        each([&](int i, float x) { s = fmaf(x, w[i], s); });
+        return s;
+    }
+};
+
+// Stores a lane's E columns (RowPiece's layout) of a row as bf16, times `mul`.
+template <int D>
+__device__ __forceinline__ void store_piece(__nv_bfloat16* row, int sub, const float* y, float mul) {
+#pragma unroll
+    for (int c = 0; c < RowPiece<D>::N; ++c) {
+        uint4 w;
+        uint32_t* x = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] = pack_bf16(y[c * 8 + 2 * j] * mul, y[c * 8 + 2 * j + 1] * mul);
+        reinterpret_cast<uint4*>(row)[c * PAIR_LANES + sub] = w;
+    }
+}
+
+// The sum of a row's lanes (an aligned group of PAIR_LANES), in each of them.
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = PAIR_LANES / 2; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// How many of the n ascending offsets are at most x.
+__device__ __forceinline__ int count_at_most(const int* offsets, int n, int x) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (__ldg(offsets + mid) <= x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// The most pairs of any row of the warp: every lane runs that many, so the shuffles stay
+// converged; a row's pairs beyond its own count weigh zero.
+__device__ __forceinline__ int warp_trips(int count) {
+#pragma unroll
+    for (int o = 16; o >= PAIR_LANES; o >>= 1) count = max(count, __shfl_xor_sync(0xffffffffu, count, o));
+    return count;
+}
+
+// The block's row of this lane's group (highest rows first: a query's far pairs grow with its
+// position) and its (b, h) and KV head.
+struct PairRow {
+    int sub, row, bh, kvh;
+    bool ok;
+    __device__ PairRow(const PairArgs& p, bool highest_first, int heads) {
+        sub = threadIdx.x % PAIR_LANES;
+        const int blk = highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        row = blk * PAIR_ROWS + threadIdx.x / PAIR_LANES;
+        ok = row < p.len;
+        if (!ok) row = 0;  // loads stay in bounds; nothing is written
+        bh = blockIdx.y;
+        kvh = bh / heads * p.kv_heads + bh % heads / (heads / p.kv_heads);
+    }
+};
+
+// A query row's far pairs (forward and dQ): how many, the warp's trip count, the row's index in
+// [B, H, L], and its KV head's K and V.
+template <int D>
+struct QueryPairs : PairRow {
+    int count, trips;
+    int64_t at;
+    const __nv_bfloat16 *kb, *vb;
+    __device__ explicit QueryPairs(const PairArgs& p) : PairRow(p, true, p.heads) {
+        count = ok ? count_at_most(p.offsets, p.n, row) : 0;
+        trips = warp_trips(count);
+        at = (int64_t)bh * p.len + row;
+        kb = p.k + (int64_t)kvh * p.len * D;
+        vb = p.v + (int64_t)kvh * p.len * D;
+    }
+    // The key and value rows of pairs j0, j0 + 1, ... (the row's own past its count: callers
+    // weigh those zero).
+    __device__ __forceinline__ void gather(const PairArgs& p, int j0, RowPiece<D>* kr, RowPiece<D>* vr) const {
+#pragma unroll
+        for (int u = 0; u < PAIR_UNROLL; ++u) {
+            const int key = j0 + u < count ? row - __ldg(p.offsets + j0 + u) : row;
+            kr[u].load(kb + (int64_t)key * D, sub);
+            vr[u].load(vb + (int64_t)key * D, sub);
+        }
+    }
+};
+
+// Forward: query row i also sees keys i - offsets[j]; its pairs join the tile pass's softmax
+// state (m = lse, l = 1, acc = out) and the merged row replaces out and lse.
+template <int D>
+__global__ void __launch_bounds__(PAIR_THREADS) far_forward_kernel(PairArgs p) {
+    constexpr int E = RowPiece<D>::E;
+    const QueryPairs<D> r(p);
+    if (r.trips == 0) return;
+    float qs[E], acc[E];
+    RowPiece<D> x;
+    x.load(p.q + r.at * D, r.sub);
+    x.scaled(p.scale * LOG2E, qs);
+    x.load(p.out + r.at * D, r.sub);
+    x.scaled(1.f, acc);
+    const float lse = p.lse[r.at];
+    float m = lse * LOG2E, l = lse == -INFINITY ? 0.f : 1.f;
+    for (int j0 = 0; j0 < r.trips; j0 += PAIR_UNROLL) {
+        RowPiece<D> kr[PAIR_UNROLL], vr[PAIR_UNROLL];
+        r.gather(p, j0, kr, vr);
+        float s[PAIR_UNROLL], mx = m;
+#pragma unroll
+        for (int u = 0; u < PAIR_UNROLL; ++u) {
+            s[u] = group_sum(kr[u].dot(qs));
+            if (j0 + u >= r.count) s[u] = -INFINITY;
+            mx = fmaxf(mx, s[u]);
+        }
+        const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing seen yet stays empty
+        const float corr = exp2f(m - base);
+        m = mx;
+#pragma unroll
+        for (int u = 0; u < PAIR_UNROLL; ++u) {
+            const float pr = exp2f(s[u] - base);
+            l = l * (u == 0 ? corr : 1.f) + pr;
+            vr[u].axpby(u == 0 ? corr : 1.f, pr, acc);
+        }
+    }
+    if (r.count == 0) return;
+    store_piece<D>(p.out + r.at * D, r.sub, acc, 1.f / l);
+    if (r.sub == 0) p.lse[r.at] = (m + __log2f(l)) / LOG2E;
+}
+
+// dQ: query row i's far pairs, dQ_i += scale sum_j dS_ij k_j with P = exp(s - lse) and
+// dS = P (dO . v - delta), added to the tile pass's dQ.
+template <int D>
+__global__ void __launch_bounds__(PAIR_THREADS) far_dq_kernel(PairArgs p) {
+    constexpr int E = RowPiece<D>::E;
+    const QueryPairs<D> r(p);
+    if (r.trips == 0) return;
+    float qs[E], dos[E], dq[E];
+    RowPiece<D> x;
+    x.load(p.q + r.at * D, r.sub);
+    x.scaled(p.scale * LOG2E, qs);
+    x.load(p.dout + r.at * D, r.sub);
+    x.scaled(1.f, dos);
+    for (int e = 0; e < E; ++e) dq[e] = 0.f;
+    const float lse2 = p.lse_in[r.at] * LOG2E, delta = p.delta[r.at];
+    for (int j0 = 0; j0 < r.trips; j0 += PAIR_UNROLL) {
+        RowPiece<D> kr[PAIR_UNROLL], vr[PAIR_UNROLL];
+        r.gather(p, j0, kr, vr);
+#pragma unroll
+        for (int u = 0; u < PAIR_UNROLL; ++u) {
+            const float s = group_sum(kr[u].dot(qs)), dp = group_sum(vr[u].dot(dos));
+            const float pr = j0 + u < r.count ? exp2f(s - lse2) : 0.f;
+            kr[u].axpby(1.f, pr * (dp - delta), dq);
+        }
+    }
+    if (r.count == 0) return;
+    x.load(p.dq + r.at * D, r.sub);
+    x.axpby(p.scale, 1.f, dq);
+    store_piece<D>(p.dq + r.at * D, r.sub, dq, 1.f);
+}
+
+// dK and dV: key row k's far pairs are the queries k + offsets[j] of each query head sharing
+// its KV head; dK_k += scale sum dS q, dV_k += sum P dO, added to the tile pass's.
+template <int D>
+__global__ void __launch_bounds__(PAIR_THREADS) far_dkdv_kernel(PairArgs p) {
+    constexpr int E = RowPiece<D>::E;
+    const PairRow r(p, false, p.kv_heads);  // lowest keys first: they have the most pairs
+    const int count = r.ok ? count_at_most(p.offsets, p.n, p.len - 1 - r.row) : 0;
+    const int trips = warp_trips(count);
+    if (trips == 0) return;
+    const int64_t at = (int64_t)r.bh * p.len + r.row;  // r.bh: the (b, KV head) here
+    float ks[E], vs[E], dk[E], dv[E];
+    RowPiece<D> x;
+    x.load(p.k + at * D, r.sub);
+    x.scaled(p.scale * LOG2E, ks);
+    x.load(p.v + at * D, r.sub);
+    x.scaled(1.f, vs);
+    for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
+    const int group = p.heads / p.kv_heads;
+    for (int g = 0; g < group; ++g) {
+        const int64_t qh = (int64_t)(r.bh / p.kv_heads * p.heads + r.bh % p.kv_heads * group + g) * p.len;
+        for (int j0 = 0; j0 < trips; j0 += PAIR_UNROLL) {
+            RowPiece<D> qr[PAIR_UNROLL], dr[PAIR_UNROLL];
+            float lse2[PAIR_UNROLL], delta[PAIR_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PAIR_UNROLL; ++u) {
+                const int64_t qi = qh + (j0 + u < count ? r.row + __ldg(p.offsets + j0 + u) : r.row);
+                qr[u].load(p.q + qi * D, r.sub);
+                dr[u].load(p.dout + qi * D, r.sub);
+                lse2[u] = p.lse_in[qi] * LOG2E;
+                delta[u] = p.delta[qi];
+            }
+#pragma unroll
+            for (int u = 0; u < PAIR_UNROLL; ++u) {
+                const float s = group_sum(qr[u].dot(ks)), dp = group_sum(dr[u].dot(vs));
+                const float pr = j0 + u < count ? exp2f(s - lse2[u]) : 0.f;
+                qr[u].axpby(1.f, pr * (dp - delta[u]), dk);
+                dr[u].axpby(1.f, pr, dv);
+            }
+        }
+    }
+    if (count == 0) return;
+    x.load(p.dk + at * D, r.sub);
+    x.axpby(p.scale, 1.f, dk);
+    store_piece<D>(p.dk + at * D, r.sub, dk, 1.f);
+    x.load(p.dv + at * D, r.sub);
+    x.axpby(1.f, 1.f, dv);
+    store_piece<D>(p.dv + at * D, r.sub, dv, 1.f);
+}
+
 // bf16 rows [B, H, L, D] of one shape, contiguous, D / 8 a power of two up to 32: the 16-byte
 // chunks a row of them holds.
 int64_t row_chunks(const char* what, std::initializer_list<const at::Tensor*> xs) {
@@ -772,12 +1043,7 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         return;
     }
     Args a = make_args(q, k, v, list, window);
-    a.lse_in = lse.data_ptr<float>();
-    a.delta = delta.data_ptr<float>();
-    a.dout = reinterpret_cast<const __nv_bfloat16*>(dout.data_ptr());
-    a.dq = reinterpret_cast<__nv_bfloat16*>(dq.data_ptr());
-    a.dk = reinterpret_cast<__nv_bfloat16*>(dk.data_ptr());
-    a.dv = reinterpret_cast<__nv_bfloat16*>(dv.data_ptr());
+    bind_backward(a, lse, delta, dout, dq, dk, dv);
     const int d = (int)q.size(3);
     const size_t smem = (size_t)(2 * BQ + 2 * BK) * (d + PAD) * sizeof(__nv_bfloat16);
     dim3 qgrid((a.lq + BQ - 1) / BQ, q.size(0) * a.heads);
@@ -795,6 +1061,56 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         else if (d == 64) launch(dkdv_kernel<64, far()>, kgrid, smem, a);
         else launch(dkdv_kernel<128, far()>, kgrid, smem, a);
     });
+}
+
+namespace {
+
+// The pair kernels' arguments, with far's distances (int32 on q's device, ascending, each
+// below L: the far distances the tile kernels leave out).
+PairArgs pair_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& far) {
+    TORCH_CHECK(far.scalar_type() == at::kInt && far.dim() == 1 && far.is_contiguous() && far.device() == q.device(),
+                "far pairs: the distances must be a contiguous 1-d int32 tensor on q's device");
+    PairArgs a{};
+    static_cast<Args&>(a) = make_args(q, k, v, QueryList{}, 0);
+    a.offsets = far.data_ptr<int>();
+    a.n = (int)far.numel();
+    return a;
+}
+
+template <typename Kernel>
+void launch_pairs(Kernel kernel, int rows, int64_t heads, const PairArgs& a) {
+    const dim3 grid((rows + PAIR_ROWS - 1) / PAIR_ROWS, heads);
+    kernel<<<grid, PAIR_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void cuda_far_pairs_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& far,
+                            at::Tensor& out, at::Tensor& lse) {
+    const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0 || far.numel() == 0) return;
+    PairArgs a = pair_args(q, k, v, far);
+    a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    a.lse = lse.data_ptr<float>();
+    if (q.size(3) == 64) launch_pairs(far_forward_kernel<64>, a.len, q.size(0) * a.heads, a);
+    else launch_pairs(far_forward_kernel<128>, a.len, q.size(0) * a.heads, a);
+}
+
+void cuda_far_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& far,
+                             const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq,
+                             at::Tensor& dk, at::Tensor& dv) {
+    const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0 || far.numel() == 0) return;
+    PairArgs a = pair_args(q, k, v, far);
+    bind_backward(a, lse, delta, dout, dq, dk, dv);
+    if (q.size(3) == 64) {
+        launch_pairs(far_dq_kernel<64>, a.len, q.size(0) * a.heads, a);
+        launch_pairs(far_dkdv_kernel<64>, a.len, k.size(0) * a.kv_heads, a);
+    } else {
+        launch_pairs(far_dq_kernel<128>, a.len, q.size(0) * a.heads, a);
+        launch_pairs(far_dkdv_kernel<128>, a.len, k.size(0) * a.kv_heads, a);
+    }
 }
 
 void cuda_aha_gates(const at::Tensor& scores, double tau, double sample, uint32_t salt, int64_t start, int64_t window,

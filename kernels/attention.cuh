@@ -58,6 +58,15 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // which holds all Lq = L positions) row i of (b, h) is read at position perm[b, h, i].
 at::Tensor cuda_row_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor* minus, const at::Tensor* perm);
 
+// PPA's far distances the tile kernels leave out, pair by pair (far: int32, ascending, each
+// below L, on q's device; dense lists): the forward merges their pairs into the tile pass's out
+// and lse, the backward adds their terms to the tile pass's dq, dk and dv (both in place).
+void cuda_far_pairs_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& far,
+                            at::Tensor& out, at::Tensor& lse);
+void cuda_far_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& far,
+                             const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq,
+                             at::Tensor& dk, at::Tensor& dv);
+
 // AHA's straight-through mix y = c + w (c - o): c, o [B, H, L, D] bf16, contiguous, w
 // [B, H, L] fp32 contiguous.
 at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tensor& w);

@@ -152,14 +152,19 @@ variable_list cuda_attention_backward(const at::Tensor& q, const at::Tensor& k, 
 }
 #endif
 
+// PPA's offsets split at pairs_from: the nearer ones run in the tile kernels (through their
+// far-distance table), offsets[pairs_from:] pair by pair (attention.cuh, cuda_far_pairs_*). The
+// reference path takes all of them at once.
 struct ListAttention : public torch::autograd::Function<ListAttention> {
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor qpos,
-                                 at::Tensor nq, int64_t window, at::Tensor offsets) {
+                                 at::Tensor nq, int64_t window, at::Tensor offsets, int64_t pairs_from) {
         at::Tensor out, lse, far = none(q);  // far: the kernels' PPA table, built once for both passes
+        auto near = offsets.slice(0, 0, pairs_from), pairs = offsets.slice(0, pairs_from);
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            far = far_table(offsets, k);
-            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far, offsets), window);
+            far = far_table(near, k);
+            std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far, near), window);
+            attnsweep::cuda_far_pairs_forward(q, k, v, pairs, out, lse);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
@@ -170,6 +175,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         }
         ctx->save_for_backward({q, k, v, qpos, nq, out, lse, offsets, far});
         ctx->saved_data["window"] = window;
+        ctx->saved_data["pairs_from"] = pairs_from;
         return {out};
     }
 
@@ -177,18 +183,20 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         auto s = ctx->get_saved_variables();
         const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7],
                    &far = s[8];
-        const int64_t window = ctx->saved_data["window"].toInt();
+        const int64_t window = ctx->saved_data["window"].toInt(), pairs_from = ctx->saved_data["pairs_from"].toInt();
         auto dout = grads[0].contiguous();
         auto delta = row_delta(dout, out);
         variable_list g;
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far, offsets), window, lse, delta, dout);
+            auto near = offsets.slice(0, 0, pairs_from), pairs = offsets.slice(0, pairs_from);
+            g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far, near), window, lse, delta, dout);
+            attnsweep::cuda_far_pairs_backward(q, k, v, pairs, lse, delta, dout, g[0], g[1], g[2]);
 #endif
         } else {
             g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);
         }
-        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -674,7 +682,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 9; }
+int64_t attnsweep_kernels_abi() { return 10; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -686,17 +694,21 @@ int attnsweep_kernels_cuda() {
 }
 
 // out = attention of q over (k, v) for the query list (qpos, nq may be null: dense), each
-// query seeing its window and, where offsets is not null, the keys at those distances (PPA),
-// with autograd. Returns a new at::Tensor* (the caller owns it), or null with a message in err.
+// query seeing its window and, where offsets is not null, the keys at those distances (PPA;
+// on the GPU, offsets from index pairs_from on run pair by pair), with autograd. Returns a new
+// at::Tensor* (the caller owns it), or null with a message in err.
 void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* qpos,
-                               const at::Tensor* nq, int64_t window, const at::Tensor* offsets, char* err,
-                               size_t err_len) {
+                               const at::Tensor* nq, int64_t window, const at::Tensor* offsets, int64_t pairs_from,
+                               char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK((qpos == nullptr) == (nq == nullptr), "qpos and nq come together");
         at::Tensor qp = qpos ? qpos->contiguous() : none(*q), n = nq ? nq->contiguous() : none(*q);
         at::Tensor off = offsets ? offsets->contiguous() : none(*q);
         check_inputs(*q, *k, *v, qp, n, window, off);
-        auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off);
+        TORCH_CHECK(pairs_from >= 0 && pairs_from <= off.numel(), "pairs_from must lie in [0, ", off.numel(),
+                    "] (the offsets' count), not ", pairs_from);
+        auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off,
+                                        pairs_from);
         return new at::Tensor(out[0]);
     });
 }

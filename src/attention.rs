@@ -13,7 +13,7 @@
 //! and combines them; CUDA kernels replace it behind the same interface.
 
 use crate::config::{AttentionConfig, Method, ModelConfig, QkNorm, Router};
-use crate::kernels::{Kernels, QueryPath};
+use crate::kernels::{Kernels, PpaOffsets, QueryPath};
 use crate::model::{upcast, Linear, RmsNorm, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
@@ -210,7 +210,7 @@ pub struct MaskCache {
     len: usize,
     device: Device,
     masks: RefCell<Vec<(KeyPattern, Tensor)>>,
-    ppa: RefCell<Vec<(KeyPattern, Option<Tensor>)>>,
+    ppa: RefCell<Vec<(KeyPattern, Option<PpaOffsets>)>>,
 }
 
 impl MaskCache {
@@ -226,15 +226,17 @@ impl MaskCache {
     /// PPA `pattern`'s offsets beyond its window at this length (int32, on the device),
     /// built and copied at most once per forward; None where no offset reaches beyond the
     /// window, so the window kernels alone run it.
-    fn ppa_offsets(&self, pattern: KeyPattern) -> Option<Tensor> {
+    fn ppa_offsets(&self, pattern: KeyPattern) -> Option<PpaOffsets> {
         let mut all = self.ppa.borrow_mut();
         if let Some((_, offsets)) = all.iter().find(|(p, _)| *p == pattern) {
-            return offsets.as_ref().map(Tensor::shallow_clone);
+            return offsets.as_ref().map(PpaOffsets::shallow_clone);
         }
+        let KeyPattern::Ppa { window, .. } = pattern else {
+            return None;
+        };
         let offsets = pattern.offsets_beyond_window(self.len);
-        let offsets =
-            (!offsets.is_empty()).then(|| Tensor::from_slice(&offsets).to_device(self.device));
-        all.push((pattern, offsets.as_ref().map(Tensor::shallow_clone)));
+        let offsets = (!offsets.is_empty()).then(|| PpaOffsets::new(&offsets, window, self.device));
+        all.push((pattern, offsets.as_ref().map(PpaOffsets::shallow_clone)));
         offsets
     }
 

@@ -4,7 +4,7 @@
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
 use crate::attention::{routed_paths, KeyPattern};
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, PpaOffsets};
 use crate::plot::{Figure, Series};
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -470,9 +470,9 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     window: b.ppa_window as usize,
                 };
                 let offsets = pattern.offsets_beyond_window(len as usize);
-                let offsets = Tensor::from_slice(&offsets).to_device(dev);
+                let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
                 let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
-                    match offsets.numel() {
+                    match offsets.tensor.numel() {
                         0 => kern.list_attention(q, k, v, None, b.ppa_window),
                         _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
                     }

@@ -38,7 +38,7 @@ const SOURCES: [(&str, &str); 18] = [
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 9;
+const ABI: i64 = 10;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -317,6 +317,7 @@ type ListAttentionFn = unsafe extern "C" fn(
     *const c_void,
     i64,
     *const c_void,
+    i64,
     *mut c_char,
     usize,
 ) -> *mut c_void;
@@ -532,15 +533,15 @@ impl Kernels {
     }
 
     /// PPA attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees its
-    /// window and the keys at the distances in `offsets` (int32, strictly ascending, each in
-    /// `[window, L)`: the power offsets beyond the window). Differentiable in q, k, v.
+    /// window and the keys at the distances in `offsets` (the power offsets beyond the window).
+    /// Differentiable in q, k, v.
     pub fn ppa_attention(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         window: i64,
-        offsets: &Tensor,
+        offsets: &PpaOffsets,
     ) -> Result<Tensor> {
         self.call_attention(q, k, v, None, window, Some(offsets))
     }
@@ -552,16 +553,88 @@ impl Kernels {
         v: &Tensor,
         list: Option<(&Tensor, &Tensor)>,
         window: i64,
-        offsets: Option<&Tensor>,
+        offsets: Option<&PpaOffsets>,
     ) -> Result<Tensor> {
         let (qpos, nq) = match list {
             Some((p, n)) => (ptr(p), ptr(n)),
             None => (std::ptr::null(), std::ptr::null()),
         };
-        let offsets = offsets.map_or(std::ptr::null(), ptr);
+        let (offsets, pairs_from) = offsets.map_or((std::ptr::null(), 0), |o| {
+            (ptr(&o.tensor), o.pairs_from as i64)
+        });
         new_tensor("attention kernel", |e, n| unsafe {
-            (self.list_attention)(ptr(q), ptr(k), ptr(v), qpos, nq, window, offsets, e, n)
+            (self.list_attention)(
+                ptr(q),
+                ptr(k),
+                ptr(v),
+                qpos,
+                nq,
+                window,
+                offsets,
+                pairs_from,
+                e,
+                n,
+            )
         })
+    }
+}
+
+/// PPA's offsets beyond the window (int32, strictly ascending, each in `[window, L)`) on a
+/// device, and where the GPU kernels split them: the nearer ones run in the tile kernels, those
+/// from index `pairs_from` on pair by pair (kernels/attention.cu, far pairs). The CPU reference
+/// takes them all at once, whatever the split.
+pub struct PpaOffsets {
+    pub tensor: Tensor,
+    pub pairs_from: usize,
+}
+
+/// The gap between consecutive far distances from which the pair kernels take them over. Past
+/// it a tile holds about one seen pair a row per PPA_PAIR_GAP keys; measured on the attention
+/// bench from 16 to 96 and tiles only (PERFORMANCE.md, "PPA's sparse far distances pair by
+/// pair"): 24 to 48 within a few percent of each other, 96 up to 40% slower for p = 0.5, 16
+/// 13% slower for p = 0.75 at L 32768.
+pub const PPA_PAIR_GAP: i64 = 32;
+
+impl PpaOffsets {
+    /// Split where the GPU kernels run fastest: pairs from the first offset after which every
+    /// one lies at least PPA_PAIR_GAP from a neighbour (the previous offset, or the window's
+    /// last distance for the first; or the next). A lone offset near the window (p = 0.25's 81
+    /// at w = 64) goes to the pairs too: kept, it alone held the tile kernels on their PPA
+    /// instantiation, whose forward took as long at w = 64 as the window kernel at w = 256
+    /// (PERFORMANCE.md, "PPA's sparse far distances pair by pair").
+    pub fn new(offsets: &[i32], window: usize, device: Device) -> Self {
+        let gap = |a: Option<&i32>, b: Option<&i32>| match (a, b) {
+            (Some(&a), Some(&b)) => b as i64 - a as i64,
+            _ => 0,
+        };
+        let edge = window as i32 - 1;
+        let pairs_from = (0..offsets.len())
+            .rev()
+            .find(|&j| {
+                let prev = if j == 0 {
+                    Some(&edge)
+                } else {
+                    offsets.get(j - 1)
+                };
+                gap(prev, offsets.get(j)) < PPA_PAIR_GAP
+                    && gap(offsets.get(j), offsets.get(j + 1)) < PPA_PAIR_GAP
+            })
+            .map_or(0, |j| j + 1);
+        Self::split_at(offsets, pairs_from, device)
+    }
+
+    pub fn split_at(offsets: &[i32], pairs_from: usize, device: Device) -> Self {
+        PpaOffsets {
+            tensor: Tensor::from_slice(offsets).to_device(device),
+            pairs_from,
+        }
+    }
+
+    pub fn shallow_clone(&self) -> Self {
+        PpaOffsets {
+            tensor: self.tensor.shallow_clone(),
+            pairs_from: self.pairs_from,
+        }
     }
 }
 
@@ -1436,26 +1509,64 @@ pub(crate) mod tests {
                 }
                 tch::manual_seed(len + window as i64 + d);
                 let pattern = KeyPattern::Ppa { power, window };
-                let offsets = pattern.offsets_beyond_window(len as usize);
+                let all = pattern.offsets_beyond_window(len as usize);
                 assert!(
-                    !offsets.is_empty(),
+                    !all.is_empty(),
                     "L={len} w={window} p={power}: no offsets to test"
                 );
-                let offsets = Tensor::from_slice(&offsets).to_device(device);
-                check_against(
-                    [b, h, len, d],
-                    [b, hkv, len, d],
-                    (kind, device),
-                    tol,
-                    &format!("PPA D={d} L={len} w={window} p={power}"),
-                    |q, k, v| {
-                        kern.ppa_attention(q, k, v, window as i64, &offsets)
-                            .unwrap()
-                    },
-                    |q, k, v| attend(q, k, v, &pattern, None),
-                );
+                // The split the kernels pick, and on the GPU also every far distance in the
+                // tile kernels and every one pair by pair.
+                let mut splits = vec![PpaOffsets::new(&all, window, device).pairs_from];
+                if device != Device::Cpu {
+                    splits.extend([0, all.len()]);
+                    splits.sort();
+                    splits.dedup();
+                }
+                for pairs_from in splits {
+                    let offsets = PpaOffsets::split_at(&all, pairs_from, device);
+                    check_against(
+                        [b, h, len, d],
+                        [b, hkv, len, d],
+                        (kind, device),
+                        tol,
+                        &format!(
+                            "PPA D={d} L={len} w={window} p={power}, pairs from {pairs_from} of {}",
+                            all.len()
+                        ),
+                        |q, k, v| {
+                            kern.ppa_attention(q, k, v, window as i64, &offsets)
+                                .unwrap()
+                        },
+                        |q, k, v| attend(q, k, v, &pattern, None),
+                    );
+                }
             }
         }
+    }
+
+    /// The pair kernels take over PPA's far distances from the last one lying closer than
+    /// PPA_PAIR_GAP to both neighbours: squares from 256 (225 - 196 = 29, 256 - 225 = 31,
+    /// 289 - 256 = 33), all of p = 0.25's fourth powers (81 lies 18 past the window's edge but
+    /// 175 before 256), none of the dense p = 0.75.
+    #[test]
+    fn ppa_pairs_start_where_the_gaps_stay_wide() {
+        assert_eq!(PPA_PAIR_GAP, 32, "the cases below assume it");
+        let split = |power, window: usize, len: usize| {
+            let all = KeyPattern::Ppa { power, window }.offsets_beyond_window(len);
+            let from = PpaOffsets::new(&all, window, Device::Cpu).pairs_from;
+            (all.get(from).copied(), all.len() - from)
+        };
+        assert_eq!(split(0.5, 64, 4096), (Some(256), 64 - 16));
+        assert_eq!(split(0.25, 64, 4096), (Some(81), 5));
+        assert_eq!(split(0.25, 200, 4096), (Some(256), 4));
+        assert_eq!(split(0.75, 64, 32768), (None, 0));
+        // Offsets close on both sides keep those before them in the tiles; the first offset
+        // counts its gap from the window's edge.
+        let from = |o: &[i32]| PpaOffsets::new(o, 64, Device::Cpu).pairs_from;
+        assert_eq!(from(&[90, 200, 300, 310, 320, 400]), 4);
+        assert_eq!(from(&[70, 80, 200]), 1);
+        assert_eq!(from(&[96, 200]), 0);
+        assert_eq!(from(&[]), 0);
     }
 
     #[test]
@@ -1551,12 +1662,13 @@ pub(crate) mod tests {
         compare_routed_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
         let (q, off) = (
             Tensor::zeros([1, 2, 10, 8], (Kind::Float, Device::Cpu)),
-            |o: &[i32]| Tensor::from_slice(o),
+            |o: &[i32], pairs_from| PpaOffsets::split_at(o, pairs_from, Device::Cpu),
         );
         for (offsets, needle) in [
-            (off(&[2, 5]), "[window, L)"),
-            (off(&[4, 10]), "[window, L)"),
-            (off(&[6, 5]), "strictly ascending"),
+            (off(&[2, 5], 0), "[window, L)"),
+            (off(&[4, 10], 0), "[window, L)"),
+            (off(&[6, 5], 0), "strictly ascending"),
+            (off(&[4, 5], 3), "pairs_from must lie in [0, 2]"),
         ] {
             let err = kern
                 .ppa_attention(&q, &q, &q, 3, &offsets)
