@@ -283,8 +283,9 @@ struct TrainCmd {
     /// Run directory: resolved config, logs, checkpoints and the final evaluation go here.
     #[arg(long, short)]
     out: PathBuf,
-    /// Continue the run in --out from its latest checkpoint (its saved config is used;
-    /// --set still applies on top of it).
+    /// Continue the run in --out from its latest checkpoint (its saved config is used; --set
+    /// may change only how it logs, checkpoints, evaluates, where it runs and the attention
+    /// implementation: other changes are refused, naming each setting).
     #[arg(long)]
     resume: bool,
     /// Start from another run's weights (continued pretraining): a run directory, a

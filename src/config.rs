@@ -588,6 +588,37 @@ impl Config {
         toml::to_string_pretty(self).expect("config serialises")
     }
 
+    /// The settings whose values differ between self and other, dotted (`train.lr`), with
+    /// both values as TOML writes them.
+    pub fn differences(&self, other: &Config) -> Vec<(String, String, String)> {
+        fn walk(
+            prefix: &str,
+            a: &toml::Table,
+            b: &toml::Table,
+            out: &mut Vec<(String, String, String)>,
+        ) {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                let key = format!("{prefix}{k}");
+                match (a.get(k), b.get(k)) {
+                    (Some(toml::Value::Table(x)), Some(toml::Value::Table(y))) => {
+                        walk(&format!("{key}."), x, y, out)
+                    }
+                    (x, y) if x != y => {
+                        let show =
+                            |v: Option<&toml::Value>| v.map_or("(unset)".into(), |v| v.to_string());
+                        out.push((key, show(x), show(y)));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let table = |c: &Config| toml::Table::try_from(c).expect("config serialises");
+        let mut out = Vec::new();
+        walk("", &table(self), &table(other), &mut out);
+        out
+    }
+
     /// The settings that differ from the defaults, as TOML: what identifies a computation,
     /// unchanged when a later version adds settings with defaults.
     pub fn non_default_toml(&self) -> String {
@@ -606,6 +637,30 @@ impl Config {
         strip(&mut t, &table(&Config::default()));
         toml::to_string_pretty(&t).expect("table serialises")
     }
+}
+
+/// The settings a resumed run may change (a dotted key, or a whole section): where and how often
+/// it logs, checkpoints and evaluates, and which attention implementation computes the same
+/// function. The others define the run: changed mid-run, its result would match neither
+/// configuration, so `train --resume` refuses them.
+pub const RESUME_MAY_CHANGE: &[&str] = &[
+    "train.device",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_checkpoints",
+    "train.eval_every",
+    "attention.attn_impl",
+    "eval",
+];
+
+/// Whether `train --resume` may change the dotted setting `key`.
+pub fn resume_may_change(key: &str) -> bool {
+    RESUME_MAY_CHANGE.iter().any(|k| {
+        key == *k
+            || key
+                .strip_prefix(k)
+                .is_some_and(|rest| rest.starts_with('.'))
+    })
 }
 
 /// `section.key=value`; the value is read as a TOML value (number, bool, array, quoted string)
@@ -666,6 +721,43 @@ mod tests {
         std::fs::write(&p, toml_text).unwrap();
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         format!("{:#}", Config::load(Some(&p), &sets).unwrap_err())
+    }
+
+    /// Differences name every changed leaf setting with both values; resume may change the
+    /// listed keys and every key of a listed section, nothing that merely shares a prefix.
+    #[test]
+    fn differences_and_what_resume_may_change() {
+        let a = Config::default();
+        let set = |s: &[&str]| {
+            let sets: Vec<String> = s.iter().map(|x| x.to_string()).collect();
+            Config::load(None, &sets).unwrap()
+        };
+        assert!(a.differences(&a).is_empty());
+        let b = set(&["train.lr=0.5", "attention.method=swa", "eval.batch_size=3"]);
+        let keys: Vec<String> = a.differences(&b).into_iter().map(|d| d.0).collect();
+        assert_eq!(keys, ["attention.method", "eval.batch_size", "train.lr"]);
+        let (_, was, now) = &a.differences(&b)[2];
+        assert_eq!(
+            (was.as_str(), now.as_str()),
+            (&*a.train.lr.to_string(), "0.5")
+        );
+        for key in [
+            "train.device",
+            "eval.batch_size",
+            "eval",
+            "attention.attn_impl",
+        ] {
+            assert!(resume_may_change(key), "{key}");
+        }
+        for key in [
+            "train.lr",
+            "train.steps",
+            "evaluation.x",
+            "train.device_x",
+            "attention",
+        ] {
+            assert!(!resume_may_change(key), "{key}");
+        }
     }
 
     #[test]

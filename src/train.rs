@@ -447,6 +447,31 @@ pub fn resolve_with_data(cfg: &mut Config) -> Result<data::Meta> {
     Ok(meta)
 }
 
+/// What a resumed run changes against the config.toml it was started with: only settings that
+/// leave the run's computation as it was (`config::RESUME_MAY_CHANGE`); any other difference
+/// is an error naming each setting, before anything is written.
+fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, String)>> {
+    let saved = Config::load(Some(cfg_path), &[])?;
+    let (changed, refused): (Vec<_>, Vec<_>) = saved
+        .differences(cfg)
+        .into_iter()
+        .partition(|(key, _, _)| crate::config::resume_may_change(key));
+    ensure!(
+        refused.is_empty(),
+        "--resume continues the run as {} describes it, and these settings would change it: {}. \
+         A resumed run may change only {}; for other settings start a new run (--init-from \
+         takes this one's weights)",
+        cfg_path.display(),
+        refused
+            .iter()
+            .map(|(k, was, now)| format!("{k} (saved {was}, now {now})"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        crate::config::RESUME_MAY_CHANGE.join(", ")
+    );
+    Ok(changed)
+}
+
 pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let out = &args.out;
     let cfg_path = out.join("config.toml");
@@ -463,6 +488,11 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         );
     }
     let meta = resolve_with_data(&mut cfg)?;
+    let changed = if args.resume {
+        resume_changes(&cfg_path, &cfg)?
+    } else {
+        Vec::new()
+    };
     let device = resolve_device(&cfg.train.device)?;
     let train_split = Split::open(&cfg.data.dir, &meta, "train")?;
     let val_split = Split::open(&cfg.data.dir, &meta, "val")?;
@@ -494,8 +524,13 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             .map(|s| PathBuf::from(s.trim())),
         _ => None,
     };
-    if !args.resume {
+    if !args.resume || !changed.is_empty() {
         atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
+    }
+    if !args.quiet {
+        for (key, was, now) in &changed {
+            eprintln!("resuming with {key} = {now} (was {was})");
+        }
     }
 
     let built = Built::new(&cfg, device)?;

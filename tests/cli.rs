@@ -172,7 +172,56 @@ fn resume_equals_uninterrupted_bitwise() {
         })
         .unwrap();
     let parts = d.join("parts");
-    ok(&["train", "-q", "--resume", "--out", parts.to_str().unwrap()]);
+    let p = parts.to_str().unwrap();
+    // Settings that define the run are refused on resume, each named, and nothing is written.
+    let before = std::fs::read(parts.join("config.toml")).unwrap();
+    let listing = |dir: &Path| {
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let ckpts = listing(&parts.join("checkpoints"));
+    let err = fails(&[
+        "train",
+        "-q",
+        "--resume",
+        "--out",
+        p,
+        "--set",
+        "train.steps=12",
+        "--set",
+        "attention.method=swa",
+        "--set",
+        "train.log_every=2",
+    ]);
+    for needle in [
+        "train.steps (saved 9, now 12)",
+        "attention.method",
+        "--init-from",
+    ] {
+        assert!(err.contains(needle), "{needle:?} not in: {err}");
+    }
+    assert!(
+        !err.contains("train.log_every ("),
+        "a setting resume may change is not refused: {err}"
+    );
+    assert_eq!(std::fs::read(parts.join("config.toml")).unwrap(), before);
+    assert_eq!(listing(&parts.join("checkpoints")), ckpts);
+    // Settings that leave the computation as it was change, and config.toml records them.
+    ok(&[
+        "train",
+        "-q",
+        "--resume",
+        "--out",
+        p,
+        "--set",
+        "train.eval_every=4",
+    ]);
+    let saved = std::fs::read_to_string(parts.join("config.toml")).unwrap();
+    assert!(saved.contains("eval_every = 4"), "{saved}");
     let a = std::fs::read(d.join("whole/checkpoints/step_00000009/model.safetensors")).unwrap();
     let b = std::fs::read(d.join("parts/checkpoints/step_00000009/model.safetensors")).unwrap();
     assert!(a == b, "resumed weights differ from the uninterrupted run");
