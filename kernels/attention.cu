@@ -886,9 +886,12 @@ __global__ void __launch_bounds__(PAIR_THREADS) far_dq_kernel(PairArgs p) {
 }
 
 // dK and dV: key row k's far pairs are the queries k + offsets[j] of each query head sharing
-// its KV head; dK_k += scale sum dS q, dV_k += sum P dO, added to the tile pass's.
+// its KV head; dK_k += scale sum dS q, dV_k += sum P dO, added to the tile pass's. At D = 128
+// bounded to three blocks an SM (240 registers to 168, 24 bytes of spill): 10% faster, the
+// loads in flight being what bounds it; D = 64 runs three at 140 without the bound, which
+// measured 3% slower with it (PERFORMANCE.md, "PPA's sparse far distances pair by pair").
 template <int D>
-__global__ void __launch_bounds__(PAIR_THREADS) far_dkdv_kernel(PairArgs p) {
+__global__ void __launch_bounds__(PAIR_THREADS, D == 128 ? 3 : 1) far_dkdv_kernel(PairArgs p) {
     constexpr int E = RowPiece<D>::E;
     const PairRow r(p, false, p.kv_heads);  // lowest keys first: they have the most pairs
     const int count = r.ok ? count_at_most(p.offsets, p.n, p.len - 1 - r.row) : 0;
