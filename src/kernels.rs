@@ -603,22 +603,21 @@ impl PpaOffsets {
     /// instantiation, whose forward took as long at w = 64 as the window kernel at w = 256
     /// (PERFORMANCE.md, "PPA's sparse far distances pair by pair").
     pub fn new(offsets: &[i32], window: usize, device: Device) -> Self {
-        let gap = |a: Option<&i32>, b: Option<&i32>| match (a, b) {
-            (Some(&a), Some(&b)) => b as i64 - a as i64,
-            _ => 0,
+        let gap_before = |j: usize| {
+            offsets[j] as i64
+                - if j == 0 {
+                    window as i64 - 1
+                } else {
+                    offsets[j - 1] as i64
+                }
         };
-        let edge = window as i32 - 1;
+        let crowded = |j: usize| {
+            gap_before(j) < PPA_PAIR_GAP
+                && (j + 1 == offsets.len() || gap_before(j + 1) < PPA_PAIR_GAP)
+        };
         let pairs_from = (0..offsets.len())
             .rev()
-            .find(|&j| {
-                let prev = if j == 0 {
-                    Some(&edge)
-                } else {
-                    offsets.get(j - 1)
-                };
-                gap(prev, offsets.get(j)) < PPA_PAIR_GAP
-                    && gap(offsets.get(j), offsets.get(j + 1)) < PPA_PAIR_GAP
-            })
+            .find(|&j| crowded(j))
             .map_or(0, |j| j + 1);
         Self::split_at(offsets, pairs_from, device)
     }
