@@ -25,6 +25,8 @@
 #include "rope.cuh"
 #include "router.cuh"
 #include "swiglu.cuh"
+
+#include <ATen/cuda/CUDAEvent.h>
 #else
 namespace attnsweep {
 struct AdamWStep {
@@ -541,46 +543,47 @@ struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
     }
 };
 
-// Rotary embedding with the head transpose: x [B, L, H, D] to y [B, H, L, D] (see rope.cu);
-// cos, sin [L, D] fp32. The reference is the same rotation in ATen, in fp32.
-struct RopeFn : public torch::autograd::Function<RopeFn> {
-    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor cos, at::Tensor sin) {
-        at::Tensor y;
-        if (x.is_cuda()) {
+// The head transpose x [B, L, H, D] <-> [B, H, L, D] (to_heads: rightwards), with the rotary
+// embedding of cos, sin [L, D] where they are not empty (see rope.cu); transposed: the
+// rotation's transpose. The reference is the same rotation in ATen, in fp32.
+at::Tensor move_heads(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool to_heads,
+                      bool transposed) {
+    const bool rotate = cos.numel() > 0;
+    if (x.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            y = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options());
-            attnsweep::cuda_rope(x, cos, sin, y);
+        auto y = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options());
+        attnsweep::cuda_heads(x, rotate ? &cos : nullptr, rotate ? &sin : nullptr, to_heads, transposed, y);
+        return y;
 #else
-            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+        TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
+    }
+    auto t = (to_heads ? x.transpose(1, 2) : x).to(at::kFloat);  // [B, H, L, D]
+    if (rotate) {
+        const auto half = x.size(3) / 2;
+        auto c = cos.to(at::kFloat), s = sin.to(at::kFloat);
+        if (transposed) {
+            auto ts = t * s;
+            t = t * c + at::cat({ts.narrow(3, half, half), -ts.narrow(3, 0, half)}, 3);
         } else {
-            const auto half = x.size(3) / 2;
-            auto xt = x.transpose(1, 2).to(at::kFloat);
-            auto rot = at::cat({-xt.narrow(3, half, half), xt.narrow(3, 0, half)}, 3);
-            y = (xt * cos + rot * sin).to(x.scalar_type()).contiguous();
+            t = t * c + at::cat({-t.narrow(3, half, half), t.narrow(3, 0, half)}, 3) * s;
         }
+    }
+    return (to_heads ? t : t.transpose(1, 2)).to(x.scalar_type()).contiguous();
+}
+
+struct HeadsFn : public torch::autograd::Function<HeadsFn> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor cos, at::Tensor sin, bool to_heads) {
         ctx->save_for_backward({cos, sin});
-        return {y};
+        ctx->saved_data["to_heads"] = to_heads;
+        return {move_heads(x, cos, sin, to_heads, false)};
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         auto s = ctx->get_saved_variables();
-        const auto &cos = s[0], &sin = s[1];
-        auto dy = grads[0].contiguous();
-        at::Tensor dx;
-        if (dy.is_cuda()) {
-#ifdef ATTNSWEEP_CUDA
-            dx = at::empty({dy.size(0), dy.size(2), dy.size(1), dy.size(3)}, dy.options());
-            attnsweep::cuda_rope_backward(dy, cos, sin, dx);
-#endif
-        } else {
-            const auto half = dy.size(3) / 2;
-            auto g = dy.to(at::kFloat);
-            auto gs = g * sin;
-            auto dxt = g * cos + at::cat({gs.narrow(3, half, half), -gs.narrow(3, 0, half)}, 3);
-            dx = dxt.transpose(1, 2).to(dy.scalar_type()).contiguous();
-        }
-        return {dx, at::Tensor(), at::Tensor()};
+        const bool to_heads = ctx->saved_data["to_heads"].toBool();
+        return {move_heads(grads[0].contiguous(), s[0], s[1], !to_heads, true), at::Tensor(), at::Tensor(),
+                at::Tensor()};
     }
 };
 
@@ -682,7 +685,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 10; }
+int64_t attnsweep_kernels_abi() { return 11; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
@@ -690,6 +693,47 @@ int attnsweep_kernels_cuda() {
     return 1;
 #else
     return 0;
+#endif
+}
+
+// Timing events on the current stream of GPU 0, as the bench's PyTorch peers time theirs
+// (torch.cuda.Event): a new event, or null with a message in err.
+void* attnsweep_event_new(char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+#ifdef ATTNSWEEP_CUDA
+        return new at::cuda::CUDAEvent(cudaEventDefault);
+#else
+        TORCH_CHECK(false, "this kernel library was built without CUDA");
+#endif
+    });
+}
+
+// Records the event on the current stream. Returns 0, or 1 with a message in err.
+int attnsweep_event_record(void* event, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        static_cast<at::cuda::CUDAEvent*>(event)->record();
+#endif
+        return 0;
+    });
+}
+
+// Waits for `end`, then writes the milliseconds between the two recorded events to *ms.
+// Returns 0, or 1 with a message in err.
+int attnsweep_event_elapsed(void* start, void* end, double* ms, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        auto* e = static_cast<at::cuda::CUDAEvent*>(end);
+        e->synchronize();
+        *ms = static_cast<at::cuda::CUDAEvent*>(start)->elapsed_time(*e);
+#endif
+        return 0;
+    });
+}
+
+void attnsweep_event_free(void* event) {
+#ifdef ATTNSWEEP_CUDA
+    delete static_cast<at::cuda::CUDAEvent*>(event);
 #endif
 }
 
@@ -832,19 +876,30 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
     });
 }
 
-// Rotary embedding of x [B, L, H, D] (bf16 or fp32) with cos, sin [L, D], returned as
-// [B, H, L, D], with autograd. Returns a new at::Tensor* (the caller owns it), or null with
-// a message in err.
-void* attnsweep_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, char* err, size_t err_len) {
+// x [B, L, H, D] as [B, H, L, D] (to_heads), or x [B, H, L, D] as [B, L, H, D], bf16 or
+// fp32, with autograd; rotated by cos, sin [L, D] (fp32 or x's dtype) where they are not null.
+// Returns a new at::Tensor* (the caller owns it), or null with a message in err.
+void* attnsweep_heads(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, int to_heads, char* err,
+                      size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
-        TORCH_CHECK(x->dim() == 4 && x->size(3) % 2 == 0, "rope input must be [B, L, H, D] with D even");
-        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "rope input must be fp32 or bf16");
-        TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == x->size(1) &&
-                        cos->size(1) == x->size(3),
-                    "cos and sin must be [L, D] for x [B, L, H, D]");
-        TORCH_CHECK(x->device() == cos->device() && x->device() == sin->device(), "rope inputs on different devices");
-        auto out = RopeFn::apply(x->contiguous(), cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous());
-        return new at::Tensor(out[0]);
+        TORCH_CHECK(x->dim() == 4 && x->size(3) % 2 == 0, "head transpose input must be 4-d with an even last dimension");
+        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16,
+                    "head transpose input must be fp32 or bf16");
+        TORCH_CHECK(!cos == !sin, "rotation needs both cos and sin");
+        // Empty angles for no rotation: autograd takes no undefined tensors.
+        auto c = at::empty({0}, x->options()), s = c;
+        if (cos) {
+            const auto l = to_heads ? x->size(1) : x->size(2);
+            TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == l && cos->size(1) == x->size(3),
+                        "cos and sin must be [L, D] for the positions and head size of x");
+            TORCH_CHECK(x->device() == cos->device() && x->device() == sin->device(), "rope inputs on different devices");
+            TORCH_CHECK(cos->scalar_type() == sin->scalar_type() &&
+                            (cos->scalar_type() == at::kFloat || cos->scalar_type() == x->scalar_type()),
+                        "cos and sin must be fp32 or x's dtype");
+            c = cos->contiguous();
+            s = sin->contiguous();
+        }
+        return new at::Tensor(HeadsFn::apply(x->contiguous(), c, s, to_heads != 0)[0]);
     });
 }
 

@@ -1,11 +1,12 @@
-// Rotary position embedding fused with the head transpose: x [B, L, H, D] (the projection's
-// output as laid out) to y [B, H, L, D] (as attention reads it), in the "rotate half"
+// The head transpose between a projection's layout x [B, L, H, D] and attention's
+// [B, H, L, D], both ways, optionally with the rotary position embedding in the "rotate half"
 // layout where dimension c pairs with c + D/2:
 //   y[c]       = x[c] cos[c]       - x[c + D/2] sin[c]
 //   y[c + D/2] = x[c + D/2] cos[c + D/2] + x[c] sin[c + D/2]
-// computed in fp32, rounded once. The backward is the transposed rotation, back to x's
-// layout. Unfused, this is a copy for the transpose, the concatenation of the rotated
-// halves, a negation, two products and a sum, each a pass over q or k.
+// computed in fp32, rounded once. The backward of a move is the move the other way, with the
+// transposed rotation. Unfused, the rotation is a copy for the transpose, the concatenation of
+// the rotated halves, a negation, two products and a sum, each a pass over q or k; and ATen's
+// copy of a transposed view (v going in, the output coming out) moves two bytes at a time.
 
 #include "rope.cuh"
 #include "common.cuh"
@@ -19,57 +20,119 @@ namespace {
 
 constexpr int THREADS = 256;
 
+enum Rotation { NONE, FORWARD, TRANSPOSED };
+
+// The [B, L, H, D] side's shape.
 struct Shape {
     int64_t b, l, h, d;
 };
 
-// One thread per (b, l, h, c < D/2). BACKWARD: src is dy [B, H, L, D], dst dx [B, L, H, D],
-// the rotation transposed (sin negated).
-template <typename T, bool BACKWARD>
-__global__ void rope_kernel(const T* __restrict__ src, const float* __restrict__ cos, const float* __restrict__ sin,
-                            Shape s, T* __restrict__ dst) {
-    const int64_t half = s.d / 2;
-    const int64_t i = blockIdx.x * (int64_t)THREADS + threadIdx.x;
-    if (i >= s.b * s.l * s.h * half) return;
-    const int64_t c = i % half, h = (i / half) % s.h, l = (i / (half * s.h)) % s.l, b = i / (half * s.h * s.l);
-    const int64_t blhd = ((b * s.l + l) * s.h + h) * s.d, bhld = ((b * s.h + h) * s.l + l) * s.d;
-    const float c0 = cos[l * s.d + c], c1 = cos[l * s.d + c + half];
-    const float s0 = sin[l * s.d + c], s1 = sin[l * s.d + c + half];
-    const int64_t in = BACKWARD ? bhld : blhd, out = BACKWARD ? blhd : bhld;
-    const float a = to_float(src[in + c]), z = to_float(src[in + c + half]);
-    if (BACKWARD) {
-        dst[out + c] = static_cast<T>(a * c0 + z * s1);
-        dst[out + c + half] = static_cast<T>(z * c1 - a * s0);
+// N elements through 16-byte moves where they fill whole ones (the host then checked the
+// alignment), else one by one.
+template <int N, typename T>
+__device__ __forceinline__ void move(T* __restrict__ dst, const T* __restrict__ src) {
+    if constexpr (N * sizeof(T) % 16 == 0) {
+#pragma unroll
+        for (int k = 0; k < (int)(N * sizeof(T) / 16); ++k)
+            reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
     } else {
-        dst[out + c] = static_cast<T>(a * c0 - z * s0);
-        dst[out + c + half] = static_cast<T>(z * c1 + a * s1);
+#pragma unroll
+        for (int k = 0; k < N; ++k) dst[k] = src[k];
     }
 }
 
-template <bool BACKWARD>
-void launch(const at::Tensor& src, const at::Tensor& cos, const at::Tensor& sin, Shape s, at::Tensor& dst) {
-    const c10::cuda::CUDAGuard guard(src.device());
-    const int64_t n = s.b * s.l * s.h * (s.d / 2);
-    if (n == 0) return;
-    const auto blocks = (n + THREADS - 1) / THREADS;
-    auto stream = at::cuda::getCurrentCUDAStream();
-    dispatch_float(src, [&](auto t) {
-        using T = decltype(t);
-        rope_kernel<T, BACKWARD><<<blocks, THREADS, 0, stream>>>(static_cast<const T*>(src.data_ptr()),
-                                                                 cos.data_ptr<float>(), sin.data_ptr<float>(), s,
-                                                                 static_cast<T*>(dst.data_ptr()));
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+// One thread per (b, l, h) row and chunk of V elements of the row's first half, with the
+// matching chunk of its second half: the pair the rotation mixes. TO_HEADS: src [B, L, H, D],
+// dst [B, H, L, D]; else the reverse. Angles A: fp32, or T as the model keeps them.
+// Indices in 32 bits: the host checked that the threads fit.
+template <typename T, typename A, int V, Rotation R>
+__global__ void heads_kernel(const T* __restrict__ src, const A* __restrict__ cos, const A* __restrict__ sin,
+                             Shape s, bool to_heads, T* __restrict__ dst) {
+    const uint32_t half = s.d / 2, chunks = half / V, h = s.h, l = s.l;
+    const uint32_t i = blockIdx.x * THREADS + threadIdx.x;
+    if (i >= s.b * s.l * s.h * chunks) return;
+    const uint32_t row = i / chunks, c = (i - row * chunks) * V;  // row: (b, l, h) in [B, L, H] order
+    const uint32_t bl = row / h, head = row - bl * h, b = bl / l, pos = bl - b * l;
+    const int64_t blhd = int64_t(row) * s.d, bhld = ((int64_t(b) * h + head) * l + pos) * s.d;
+    const T* in = src + (to_heads ? blhd : bhld);
+    T* out = dst + (to_heads ? bhld : blhd);
+    alignas(16) T x[V], z[V];
+    move<V>(x, in + c);
+    move<V>(z, in + c + half);
+    if constexpr (R != NONE) {
+        alignas(16) A c0[V], c1[V], s0[V], s1[V];
+        const A* ca = cos + int64_t(pos) * s.d + c;
+        const A* sa = sin + int64_t(pos) * s.d + c;
+        move<V>(c0, ca);
+        move<V>(c1, ca + half);
+        move<V>(s0, sa);
+        move<V>(s1, sa + half);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float a = to_float(x[k]), e = to_float(z[k]);
+            if (R == FORWARD) {
+                x[k] = static_cast<T>(a * to_float(c0[k]) - e * to_float(s0[k]));
+                z[k] = static_cast<T>(e * to_float(c1[k]) + a * to_float(s1[k]));
+            } else {
+                x[k] = static_cast<T>(a * to_float(c0[k]) + e * to_float(s1[k]));
+                z[k] = static_cast<T>(e * to_float(c1[k]) - a * to_float(s0[k]));
+            }
+        }
+    }
+    move<V>(out + c, x);
+    move<V>(out + c + half, z);
 }
+
+// Calls f(A{}) with A the angles' element type: fp32, or the moved tensor's T.
+template <typename T, typename F>
+void by_angle(const at::Tensor* cos, F f) {
+    if (!cos || cos->scalar_type() != at::kFloat)
+        f(T{});
+    else
+        f(float{});
+}
+
+bool aligned16(const at::Tensor* x) { return !x || reinterpret_cast<uintptr_t>(x->data_ptr()) % 16 == 0; }
 
 }  // namespace
 
-void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y) {
-    launch<false>(x, cos, sin, {x.size(0), x.size(1), x.size(2), x.size(3)}, y);
-}
-
-void cuda_rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& dx) {
-    launch<true>(dy, cos, sin, {dx.size(0), dx.size(1), dx.size(2), dx.size(3)}, dx);
+void cuda_heads(const at::Tensor& src, const at::Tensor* cos, const at::Tensor* sin, bool to_heads, bool transposed,
+                at::Tensor& dst) {
+    const c10::cuda::CUDAGuard guard(src.device());
+    const auto& blhd = to_heads ? src : dst;
+    const Shape s{blhd.size(0), blhd.size(1), blhd.size(2), blhd.size(3)};
+    if (src.numel() == 0) return;
+    TORCH_CHECK(s.b * s.l * s.h * (s.d / 2) < (int64_t(1) << 31), "head transpose: tensor too large");
+    const bool vector = aligned16(&src) && aligned16(&dst) && aligned16(cos) && aligned16(sin);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch_float(src, [&](auto t) {
+        using T = decltype(t);
+        by_angle<T>(cos, [&](auto a) {
+            using A = decltype(a);
+            auto run = [&](auto v, auto r) {
+                constexpr int V = decltype(v)::value;
+                const int64_t n = s.b * s.l * s.h * (s.d / 2 / V);
+                heads_kernel<T, A, V, decltype(r)::value><<<(n + THREADS - 1) / THREADS, THREADS, 0, stream>>>(
+                    static_cast<const T*>(src.data_ptr()), cos ? static_cast<const A*>(cos->data_ptr()) : nullptr,
+                    sin ? static_cast<const A*>(sin->data_ptr()) : nullptr, s, to_heads,
+                    static_cast<T*>(dst.data_ptr()));
+            };
+            auto by_rotation = [&](auto v) {
+                if (!cos)
+                    run(v, std::integral_constant<Rotation, NONE>{});
+                else if (transposed)
+                    run(v, std::integral_constant<Rotation, TRANSPOSED>{});
+                else
+                    run(v, std::integral_constant<Rotation, FORWARD>{});
+            };
+            constexpr int V = 16 / sizeof(T);
+            if (vector && (s.d / 2) % V == 0)
+                by_rotation(std::integral_constant<int, V>{});
+            else
+                by_rotation(std::integral_constant<int, 1>{});
+        });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace attnsweep

@@ -1,11 +1,13 @@
-// The fused rotary embedding (rope.cu), called by ops.cpp. x, dx: [B, L, H, D]; y, dy:
-// [B, H, L, D]; all contiguous, bf16 or fp32 alike; cos, sin: [L, D] fp32.
+// The head transpose with the optional rotary embedding (rope.cu), called by ops.cpp.
+// to_heads: src [B, L, H, D], dst [B, H, L, D]; else the reverse. Both contiguous, bf16 or
+// fp32 alike. cos, sin: [L, D] contiguous, fp32 or the tensors' dtype, or both null for no
+// rotation; transposed: the rotation's transpose (the backward's).
 #pragma once
 #include <ATen/ATen.h>
 
 namespace attnsweep {
 
-void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y);
-void cuda_rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& dx);
+void cuda_heads(const at::Tensor& src, const at::Tensor* cos, const at::Tensor* sin, bool to_heads, bool transposed,
+                at::Tensor& dst);
 
 }  // namespace attnsweep

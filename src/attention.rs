@@ -13,7 +13,7 @@
 //! and combines them; CUDA kernels replace it behind the same interface.
 
 use crate::config::{AttentionConfig, Method, ModelConfig, QkNorm, Router};
-use crate::kernels::{Kernels, PpaOffsets, QueryPath};
+use crate::kernels::{kernel_for, Kernels, PpaOffsets, QueryPath};
 use crate::model::{upcast, Linear, RmsNorm, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
@@ -499,24 +499,29 @@ impl Projections {
             &normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm),
             kernels,
         );
-        let v = split(self.v_proj.forward(x), self.n_kv_heads).transpose(1, 2);
         // The kernels read v contiguous: one copy here, not one in each of a layer's launches.
-        let v = match kernels {
-            Some(_) => v.contiguous(),
-            None => v,
+        let v = split(self.v_proj.forward(x), self.n_kv_heads);
+        let v = match kernel_for(kernels, &v) {
+            Some(k) => k.to_heads(&v).expect("head transpose kernel on v"),
+            None => v.transpose(1, 2),
         };
         (q, k, v)
     }
 
     /// `[B, H, L, D]` to `[B, L, H*D]`.
-    fn merge(&self, y: &Tensor) -> Tensor {
+    fn merge(&self, y: &Tensor, kernels: Option<&Kernels>) -> Tensor {
         let (b, _, l, _) = y.size4().expect("[B, H, L, D]");
-        y.transpose(1, 2)
-            .reshape([b, l, self.n_heads * self.head_dim])
+        let y = match kernel_for(kernels, y) {
+            Some(k) => k
+                .from_heads(y)
+                .expect("head transpose kernel on the output"),
+            None => y.transpose(1, 2),
+        };
+        y.reshape([b, l, self.n_heads * self.head_dim])
     }
 
-    fn out(&self, y: &Tensor) -> Tensor {
-        self.o_proj.forward(&self.merge(y))
+    fn out(&self, y: &Tensor, kernels: Option<&Kernels>) -> Tensor {
+        self.o_proj.forward(&self.merge(y, kernels))
     }
 
     /// Bytes of keys and values kept per cached position.
@@ -862,7 +867,7 @@ impl SelfAttention {
             chosen
         };
         AttnOutput {
-            y: self.proj.out(&y),
+            y: self.proj.out(&y, Some(kern)),
             pairs: g.pairs,
             reg: Some(Regulariser::Term(scores.mean(Kind::Float) * lambda)),
             gates: Some(g.hard),
@@ -1074,9 +1079,10 @@ impl SelfAttention {
             Route::Static(pattern) => {
                 let pairs = (b * h) as f64 * pattern.pairs_between(first, end) as f64;
                 AttnOutput {
-                    y: self
-                        .proj
-                        .out(&self.attend_all(&q, &k, &v, *pattern, keys, 0)),
+                    y: self.proj.out(
+                        &self.attend_all(&q, &k, &v, *pattern, keys, 0),
+                        self.kernels,
+                    ),
                     gates: None,
                     scores: None,
                     reg: None,
@@ -1122,7 +1128,7 @@ impl SelfAttention {
                 };
                 let y = self.per_head(&q, &k, &v, &g.hard, &value, keys, values);
                 AttnOutput {
-                    y: self.proj.out(&y),
+                    y: self.proj.out(&y, self.kernels),
                     pairs: routed_pairs(&g.hard, self.window, start),
                     reg: learned_lambda(gates).map(|lambda| {
                         Regulariser::Term(
@@ -1134,7 +1140,9 @@ impl SelfAttention {
                 }
             }
             Route::Global { gates, global } => {
-                let s = self.proj.out(&self.attend_all(&q, &k, &v, window, keys, 0));
+                let s = self
+                    .proj
+                    .out(&self.attend_all(&q, &k, &v, window, keys, 0), self.kernels);
                 let g = self.gates(gates, &s, [b, l, 1], start, ctx);
                 let (qg, kg, vg) = global.qkv(&s, rope, self.kernels);
                 // Every token's s is a key of the global module, routed or not.
@@ -1149,7 +1157,7 @@ impl SelfAttention {
                 let a = match (self.kernels, keys) {
                     (Some(kern), Keys::Chunk(_)) => {
                         let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
-                        global.out(&full_rows(kern, &qg, &kg, &vg, &active))
+                        global.out(&full_rows(kern, &qg, &kg, &vg, &active), self.kernels)
                     }
                     // Decoding: no token of the chunk routed, so global attention is skipped.
                     (_, Keys::Cache { .. })
@@ -1158,8 +1166,10 @@ impl SelfAttention {
                         s.zeros_like()
                     }
                     _ => {
-                        global.out(&keys.attend(1, &qg, &kg, &vg, KeyPattern::Full))
-                            * executed.to_kind(x.kind())
+                        global.out(
+                            &keys.attend(1, &qg, &kg, &vg, KeyPattern::Full),
+                            self.kernels,
+                        ) * executed.to_kind(x.kind())
                     }
                 };
                 let y = &s + g.value.to_kind(x.kind()) * a;
@@ -1195,10 +1205,10 @@ impl SelfAttention {
                 let learned = matches!(gates, GateSource::Learned { .. });
                 let (full, local) =
                     self.branches(&q, &k, &v, &g.hard.expand([b, l, h], false), keys, learned);
-                let full = self.proj.out(&full);
+                let full = self.proj.out(&full, self.kernels);
                 let local = match swa_o_proj {
-                    Some(o) => o.forward(&self.proj.merge(&local)),
-                    None => self.proj.out(&local),
+                    Some(o) => o.forward(&self.proj.merge(&local, self.kernels)),
+                    None => self.proj.out(&local, self.kernels),
                 };
                 let gv = g.value.to_kind(x.kind());
                 let reg = match gates {

@@ -152,18 +152,31 @@ struct Row {
     fwdbwd_ms: f64,
 }
 
-/// Median wall time of `f` in milliseconds, the device synchronised around each call.
-fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
+/// Median time of `f` in milliseconds over `reps` calls, after three to warm up: on the GPU's
+/// clock between CUDA events recorded around each call, as the peers time theirs
+/// (`kernels/bench_peers.py`), where the library has CUDA; else host wall time.
+fn median_ms(kern: &Kernels, reps: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
         f();
     }
+    let events = kern.cuda.then(|| {
+        let e = || kern.event().expect("CUDA event");
+        (e(), e())
+    });
     tch::Cuda::synchronize(0);
     let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            tch::Cuda::synchronize(0);
-            start.elapsed().as_secs_f64() * 1e3
+        .map(|_| match &events {
+            Some((start, end)) => {
+                start.record().expect("CUDA event");
+                f();
+                end.record().expect("CUDA event");
+                end.ms_since(start).expect("CUDA event")
+            }
+            None => {
+                let start = Instant::now();
+                f();
+                start.elapsed().as_secs_f64() * 1e3
+            }
         })
         .collect();
     t.sort_by(f64::total_cmp);
@@ -171,20 +184,21 @@ fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn time_op(
+    kern: &Kernels,
     reps: usize,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     op: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
 ) -> (f64, f64) {
-    let fwd = tch::no_grad(|| median_ms(reps, || drop(op(q, k, v))));
+    let fwd = tch::no_grad(|| median_ms(kern, reps, || drop(op(q, k, v))));
     let (qg, kg, vg) = (
         q.detach().set_requires_grad(true),
         k.detach().set_requires_grad(true),
         v.detach().set_requires_grad(true),
     );
     let dout = op(&qg, &kg, &vg).detach().randn_like();
-    let both = median_ms(reps, || {
+    let both = median_ms(kern, reps, || {
         (op(&qg, &kg, &vg) * &dout).sum(Kind::Float).backward()
     });
     (fwd, both)
@@ -400,7 +414,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
             let (q, k, v) = (mk(), mk(), mk());
             for &w in &b.windows {
-                let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                     kern.list_attention(q, k, v, None, w).expect("kernel")
                 });
                 rows.push(Row {
@@ -427,7 +441,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     .contiguous();
                 let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
                 let qc = q.index_select(2, &pos).contiguous();
-                let (f, fb) = time_op(b.reps, &qc, &k, &v, |q, k, v| {
+                let (f, fb) = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
                     kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
                         .expect("kernel")
                 });
@@ -448,7 +462,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     // other cases' query lists are.
                     let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
                     let paths = routed_paths(&on);
-                    let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                    let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                         kern.routed_attention(q, k, v, &paths, w)
                             .expect("routed attention on the bench's inputs")
                     });
@@ -471,7 +485,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 };
                 let offsets = pattern.offsets_beyond_window(len as usize);
                 let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
-                let (f, fb) = time_op(b.reps, &q, &k, &v, |q, k, v| {
+                let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                     match offsets.tensor.numel() {
                         0 => kern.list_attention(q, k, v, None, b.ppa_window),
                         _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),

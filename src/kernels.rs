@@ -38,7 +38,7 @@ const SOURCES: [(&str, &str); 18] = [
     ("walk.cuh", include_str!("../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../kernels/ops.cpp")),
 ];
-const ABI: i64 = 10;
+const ABI: i64 = 11;
 const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -337,7 +337,7 @@ type Tensor2Fn =
     unsafe extern "C" fn(*const c_void, *const c_void, *mut c_char, usize) -> *mut c_void;
 type RmsNormFn =
     unsafe extern "C" fn(*const c_void, *const c_void, f64, *mut c_char, usize) -> *mut c_void;
-/// Three tensors in, one new tensor out (rope, the straight-through mix).
+/// Three tensors in, one new tensor out (the straight-through mix, the router).
 type Tensor3Fn = unsafe extern "C" fn(
     *const c_void,
     *const c_void,
@@ -345,6 +345,18 @@ type Tensor3Fn = unsafe extern "C" fn(
     *mut c_char,
     usize,
 ) -> *mut c_void;
+type HeadsFn = unsafe extern "C" fn(
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    i32,
+    *mut c_char,
+    usize,
+) -> *mut c_void;
+type EventNewFn = unsafe extern "C" fn(*mut c_char, usize) -> *mut c_void;
+type EventRecordFn = unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
+type EventElapsedFn =
+    unsafe extern "C" fn(*mut c_void, *mut c_void, *mut f64, *mut c_char, usize) -> i32;
 type AhaGatesFn = unsafe extern "C" fn(
     *const c_void,
     f64,
@@ -411,6 +423,43 @@ pub enum QueryPath {
     Full = 2,
 }
 
+/// A CUDA timing event of a library built with CUDA ([`Kernels::event`]).
+pub struct Event<'a> {
+    kern: &'a Kernels,
+    raw: *mut c_void,
+}
+
+impl Event<'_> {
+    /// Records the event on the current stream.
+    pub fn record(&self) -> Result<()> {
+        let mut err = vec![0 as c_char; 1024];
+        let rc = unsafe { (self.kern.event_record)(self.raw, err.as_mut_ptr(), err.len()) };
+        ensure!(rc == 0, "CUDA event: {}", library_error(&err));
+        Ok(())
+    }
+
+    /// Milliseconds on the device's clock from `start` to this event, once this one is reached.
+    pub fn ms_since(&self, start: &Event) -> Result<f64> {
+        let (mut err, mut ms) = (vec![0 as c_char; 1024], 0f64);
+        let rc = unsafe {
+            (self.kern.event_elapsed)(start.raw, self.raw, &mut ms, err.as_mut_ptr(), err.len())
+        };
+        ensure!(rc == 0, "CUDA event: {}", library_error(&err));
+        Ok(ms)
+    }
+}
+
+impl Drop for Event<'_> {
+    fn drop(&mut self) {
+        unsafe { (self.kern.event_free)(self.raw) }
+    }
+}
+
+/// The library where it takes `x`'s dtype: the fused element-wise kernels take fp32 and bf16.
+pub fn kernel_for<'a>(kernels: Option<&'a Kernels>, x: &Tensor) -> Option<&'a Kernels> {
+    kernels.filter(|_| matches!(x.kind(), Kind::Float | Kind::BFloat16))
+}
+
 /// A tensor's handle as the library's entry points take it.
 fn ptr(t: &Tensor) -> *const c_void {
     t.as_ptr() as *const c_void
@@ -444,12 +493,16 @@ pub struct Kernels {
     token_nll: Tensor2Fn,
     swiglu: Tensor2Fn,
     rms_norm: RmsNormFn,
-    rope: Tensor3Fn,
+    heads: HeadsFn,
     st_mix: Tensor3Fn,
     aha_gates: AhaGatesFn,
     router: Tensor3Fn,
     grad_norm: GradNormFn,
     adamw: AdamWFn,
+    event_new: EventNewFn,
+    event_record: EventRecordFn,
+    event_elapsed: EventElapsedFn,
+    event_free: unsafe extern "C" fn(*mut c_void),
     pub cuda: bool,
     pub path: PathBuf,
 }
@@ -476,12 +529,17 @@ impl Kernels {
             let token_nll = *lib.get::<Tensor2Fn>(b"attnsweep_token_nll")?;
             let swiglu = *lib.get::<Tensor2Fn>(b"attnsweep_swiglu")?;
             let rms_norm = *lib.get::<RmsNormFn>(b"attnsweep_rms_norm")?;
-            let rope = *lib.get::<Tensor3Fn>(b"attnsweep_rope")?;
+            let heads = *lib.get::<HeadsFn>(b"attnsweep_heads")?;
             let st_mix = *lib.get::<Tensor3Fn>(b"attnsweep_st_mix")?;
             let aha_gates = *lib.get::<AhaGatesFn>(b"attnsweep_aha_gates")?;
             let router = *lib.get::<Tensor3Fn>(b"attnsweep_router")?;
             let grad_norm = *lib.get::<GradNormFn>(b"attnsweep_grad_norm")?;
             let adamw = *lib.get::<AdamWFn>(b"attnsweep_adamw")?;
+            let event_new = *lib.get::<EventNewFn>(b"attnsweep_event_new")?;
+            let event_record = *lib.get::<EventRecordFn>(b"attnsweep_event_record")?;
+            let event_elapsed = *lib.get::<EventElapsedFn>(b"attnsweep_event_elapsed")?;
+            let event_free =
+                *lib.get::<unsafe extern "C" fn(*mut c_void)>(b"attnsweep_event_free")?;
             Ok(Kernels {
                 _lib: lib,
                 list_attention,
@@ -489,12 +547,16 @@ impl Kernels {
                 token_nll,
                 swiglu,
                 rms_norm,
-                rope,
+                heads,
                 st_mix,
                 aha_gates,
                 router,
                 grad_norm,
                 adamw,
+                event_new,
+                event_record,
+                event_elapsed,
+                event_free,
                 cuda,
                 path: path.to_path_buf(),
             })
@@ -668,10 +730,45 @@ impl Kernels {
         })
     }
 
-    /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`,
-    /// returned transposed to `[B, H, L, D]` (as attention reads it); differentiable in x.
+    /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`
+    /// (fp32 or x's dtype), returned transposed to `[B, H, L, D]` (as attention reads it);
+    /// differentiable in x.
     pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        call3(self.rope, "rope kernel", x, cos, sin)
+        self.move_heads("rope kernel", x, Some((cos, sin)), true)
+    }
+
+    /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
+    /// the library was built without CUDA.
+    pub fn event(&self) -> Result<Event<'_>> {
+        let mut err = vec![0 as c_char; 1024];
+        let raw = unsafe { (self.event_new)(err.as_mut_ptr(), err.len()) };
+        ensure!(!raw.is_null(), "CUDA event: {}", library_error(&err));
+        Ok(Event { kern: self, raw })
+    }
+
+    /// `x: [B, L, H, D]` (fp32 or bf16) as a contiguous `[B, H, L, D]`; differentiable.
+    pub fn to_heads(&self, x: &Tensor) -> Result<Tensor> {
+        self.move_heads("head transpose kernel", x, None, true)
+    }
+
+    /// `y: [B, H, L, D]` (fp32 or bf16) as a contiguous `[B, L, H, D]`; differentiable.
+    pub fn from_heads(&self, y: &Tensor) -> Result<Tensor> {
+        self.move_heads("head transpose kernel", y, None, false)
+    }
+
+    fn move_heads(
+        &self,
+        what: &str,
+        x: &Tensor,
+        rotation: Option<(&Tensor, &Tensor)>,
+        to_heads: bool,
+    ) -> Result<Tensor> {
+        let (cos, sin) = rotation.map_or((std::ptr::null(), std::ptr::null()), |(c, s)| {
+            (ptr(c), ptr(s))
+        });
+        new_tensor(what, |e, n| unsafe {
+            (self.heads)(ptr(x), cos, sin, i32::from(to_heads), e, n)
+        })
     }
 
     /// AHA's straight-through mix `c + w * (sg(c) - o)` of `c, o: [B, H, L, D]` (bf16 on the
@@ -1145,14 +1242,21 @@ pub(crate) mod tests {
     }
 
     /// The fused rotary embedding (with the head transpose) against `Rope::apply` in fp32
-    /// from the same (rounded) inputs: output and gradient.
+    /// from the same (rounded) inputs, with fp32 angles and with angles in x's dtype: output
+    /// and gradient. Head size 6 takes the element-by-element path (its halves are not whole
+    /// 16-byte moves).
     fn rope_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
-        for d in [64i64, 128] {
+        for (d, angles) in [
+            (64i64, Kind::Float),
+            (128, Kind::Float),
+            (64, kind),
+            (6, kind),
+        ] {
             tch::manual_seed(d);
             let inv: Vec<f64> = (0..d / 2)
                 .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
                 .collect();
-            let rope = crate::model::Rope::new(300, &inv, Kind::Float, device).slice(37, 203);
+            let rope = crate::model::Rope::new(300, &inv, angles, device).slice(37, 203);
             let x = Tensor::randn([2, 203, 3, d], (Kind::Float, device))
                 .to_kind(kind)
                 .set_requires_grad(true);
@@ -1164,9 +1268,43 @@ pub(crate) mod tests {
             let want = rope.apply_transposed(&xr, None);
             (&want * &dy).sum(Kind::Float).backward();
             let e = rel_err(&got.detach().to_kind(Kind::Float), &want.detach());
-            assert!(e < tol, "D={d}: output differs by {e:.2e}");
+            assert!(
+                e < tol,
+                "D={d}, {angles:?} angles: output differs by {e:.2e}"
+            );
             let e = rel_err(&x.grad().to_kind(Kind::Float), &xr.grad());
-            assert!(e < tol, "D={d}: gradient differs by {e:.2e}");
+            assert!(
+                e < tol,
+                "D={d}, {angles:?} angles: gradient differs by {e:.2e}"
+            );
+        }
+    }
+
+    /// The head transposes without rotation move data only: equal to ATen's transposed copies
+    /// bit for bit, both ways and in the gradient, on the 16-byte path and element by element
+    /// (head size 6, and a view starting two bytes into its storage).
+    fn head_moves_are_transposes(kern: &Kernels, device: Device, kind: Kind) {
+        let shape = [2i64, 37, 3, 64];
+        let n: i64 = shape.iter().product();
+        let misaligned = Tensor::randn([n + 1], (Kind::Float, device))
+            .to_kind(kind)
+            .narrow(0, 1, n)
+            .view(shape);
+        let inputs = [
+            Tensor::randn(shape, (Kind::Float, device)).to_kind(kind),
+            Tensor::randn([2, 37, 3, 6], (Kind::Float, device)).to_kind(kind),
+            misaligned,
+        ];
+        for x in inputs {
+            let x = x.set_requires_grad(true);
+            let y = kern.to_heads(&x).unwrap();
+            assert!(y.equal(&x.transpose(1, 2)), "to_heads {:?}", x.size());
+            assert!(y.is_contiguous());
+            let back = kern.from_heads(&y).unwrap();
+            assert!(back.equal(&x), "from_heads {:?}", x.size());
+            let dy = Tensor::randn(back.size(), (Kind::Float, device)).to_kind(kind);
+            (&back * &dy).sum(Kind::Float).backward();
+            assert!(x.grad().equal(&dy), "gradient {:?}", x.size());
         }
     }
 
@@ -1174,12 +1312,15 @@ pub(crate) mod tests {
     fn cpu_rope_matches_reference() {
         let kern = cpu().expect("the CPU kernel library builds");
         rope_matches_reference(kern, Device::Cpu, Kind::Float, 1e-6);
+        head_moves_are_transposes(kern, Device::Cpu, Kind::Float);
     }
 
     #[test]
     fn cuda_rope_matches_reference() {
         on_cuda("cuda_rope_matches_reference", |k| {
-            rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2)
+            rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2);
+            head_moves_are_transposes(k, Device::Cuda(0), Kind::BFloat16);
+            head_moves_are_transposes(k, Device::Cuda(0), Kind::Float);
         });
     }
 

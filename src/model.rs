@@ -126,11 +126,11 @@ impl Rope {
         x: &Tensor,
         kernels: Option<&crate::kernels::Kernels>,
     ) -> Tensor {
-        match kernels {
-            Some(k) if matches!(x.kind(), Kind::Float | Kind::BFloat16) => k
+        match crate::kernels::kernel_for(kernels, x) {
+            Some(k) => k
                 .rope(x, &self.cos, &self.sin)
                 .expect("rope kernel on the model's own projections"),
-            _ => self.apply(&x.transpose(1, 2)),
+            None => self.apply(&x.transpose(1, 2)),
         }
     }
 
