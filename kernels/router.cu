@@ -24,15 +24,28 @@ constexpr int64_t ROUTER_SMEM = 96 * 1024;  // W in shared memory, at most
 template <int V>
 __device__ __forceinline__ void load_weight(const float* w, int heads, int d, float* sw) {
     const int chunks = d / V;
-    for (int i = threadIdx.x; i < heads * d; i += THREADS) {
-        const int h = i / d, col = i % d;
-        sw[(h * V + col % V) * chunks + col / V] = w[i];
-    }
+    for (int h = 0; h < heads; ++h)
+        for (int col = threadIdx.x; col < d; col += THREADS) sw[(h * V + col % V) * chunks + col / V] = w[h * d + col];
     __syncthreads();
 }
 
-// A warp per token: each lane takes 16-byte chunks of the token's x and keeps a partial dot
-// with every head's row of W; the warp sums them.
+// A warp takes TOKENS tokens at once, each lane 16-byte chunks of their x: every read of W
+// from shared memory then serves the TOKENS tokens (one token at a time, those reads bounded
+// the kernel at a third of the memory's rate).
+constexpr int TOKENS = 4;
+
+// N elements from src in one Vec-sized move where ok, else zeros (past the tokens' end).
+template <typename Vec, int N, typename T>
+__device__ __forceinline__ void load_or_zero(T (&dst)[N], const T* src, bool ok) {
+    static_assert(sizeof(Vec) == N * sizeof(T), "one move");
+    if (ok)
+        *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(src);
+    else
+#pragma unroll
+        for (int k = 0; k < N; ++k) dst[k] = T{};
+}
+
+// Each lane keeps a partial dot of the tokens with every head's row of W; the warp sums them.
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
     router_forward(const T* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b, int64_t n,
@@ -41,31 +54,40 @@ __global__ void __launch_bounds__(THREADS)
     constexpr int V = 16 / sizeof(T);
     load_weight<V>(w, heads, d, sw);
     const int lane = threadIdx.x % 32, chunks = d / V;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * WARPS) {
-        float acc[MAX_HEADS] = {};
+    for (int64_t t0 = ((int64_t)blockIdx.x * WARPS + threadIdx.x / 32) * TOKENS; t0 < n;
+         t0 += (int64_t)gridDim.x * WARPS * TOKENS) {
+        float acc[TOKENS][MAX_HEADS] = {};
         for (int c = lane * V; c < d; c += 32 * V) {
-            alignas(16) T xv[V];
-            *reinterpret_cast<uint4*>(xv) = *reinterpret_cast<const uint4*>(x + t * d + c);
+            alignas(16) T xv[TOKENS][V];
+#pragma unroll
+            for (int u = 0; u < TOKENS; ++u) load_or_zero<uint4>(xv[u], x + (t0 + u) * d + c, t0 + u < n);
 #pragma unroll
             for (int h = 0; h < MAX_HEADS; ++h) {
                 if (h >= heads) break;
 #pragma unroll
-                for (int k = 0; k < V; ++k) acc[h] = fmaf(to_float(xv[k]), sw[(h * V + k) * chunks + c / V], acc[h]);
+                for (int k = 0; k < V; ++k) {
+                    const float wk = sw[(h * V + k) * chunks + c / V];
+#pragma unroll
+                    for (int u = 0; u < TOKENS; ++u) acc[u][h] = fmaf(to_float(xv[u][k]), wk, acc[u][h]);
+                }
             }
         }
-        float mine = 0.f;
 #pragma unroll
-        for (int h = 0; h < MAX_HEADS; ++h) {
-            if (h >= heads) break;
-            for (int o = 16; o; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
-            if (lane == h) mine = acc[h] + (b ? b[h] : 0.f);
+        for (int u = 0; u < TOKENS; ++u) {
+            float mine = 0.f;
+#pragma unroll
+            for (int h = 0; h < MAX_HEADS; ++h) {
+                if (h >= heads) break;
+                for (int o = 16; o; o >>= 1) acc[u][h] += __shfl_xor_sync(0xffffffffu, acc[u][h], o);
+                if (lane == h) mine = acc[u][h] + (b ? b[h] : 0.f);
+            }
+            if (lane < heads && t0 + u < n) s[(t0 + u) * heads + lane] = 1.f / (1.f + expf(-mine));
         }
-        if (lane < heads) s[t * heads + lane] = 1.f / (1.f + expf(-mine));
     }
 }
 
-// dl = ds s (1 - s) of each token (written for the weight's kernel) and dx = dl W, a warp per
-// token as in the forward.
+// dl = ds s (1 - s) of each token (written for the weight's kernel) and dx = dl W, TOKENS
+// tokens a warp as in the forward.
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
     router_dx(const float* __restrict__ ds, const float* __restrict__ s, const float* __restrict__ w, int64_t n, int d,
@@ -74,66 +96,82 @@ __global__ void __launch_bounds__(THREADS)
     constexpr int V = 16 / sizeof(T);
     load_weight<V>(w, heads, d, sw);
     const int lane = threadIdx.x % 32, chunks = d / V;
-    for (int64_t t = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32; t < n; t += (int64_t)gridDim.x * WARPS) {
-        float g = 0.f;
-        if (lane < heads) {
-            const float sv = s[t * heads + lane];
-            g = ds[t * heads + lane] * sv * (1.f - sv);
-            dl[t * heads + lane] = g;
-        }
-        float gh[MAX_HEADS];
+    for (int64_t t0 = ((int64_t)blockIdx.x * WARPS + threadIdx.x / 32) * TOKENS; t0 < n;
+         t0 += (int64_t)gridDim.x * WARPS * TOKENS) {
+        float gh[TOKENS][MAX_HEADS];
 #pragma unroll
-        for (int h = 0; h < MAX_HEADS; ++h) gh[h] = __shfl_sync(0xffffffffu, g, h);
+        for (int u = 0; u < TOKENS; ++u) {
+            const int64_t t = t0 + u;
+            float g = 0.f;
+            if (lane < heads && t < n) {
+                const float sv = s[t * heads + lane];
+                g = ds[t * heads + lane] * sv * (1.f - sv);
+                dl[t * heads + lane] = g;
+            }
+#pragma unroll
+            for (int h = 0; h < MAX_HEADS; ++h) gh[u][h] = __shfl_sync(0xffffffffu, g, h);
+        }
         for (int c = lane * V; c < d; c += 32 * V) {
-            float o[V] = {};
+            float o[TOKENS][V] = {};
 #pragma unroll
             for (int h = 0; h < MAX_HEADS; ++h) {
                 if (h >= heads) break;
 #pragma unroll
-                for (int k = 0; k < V; ++k) o[k] = fmaf(gh[h], sw[(h * V + k) * chunks + c / V], o[k]);
-            }
-            alignas(16) T r[V];
+                for (int k = 0; k < V; ++k) {
+                    const float wk = sw[(h * V + k) * chunks + c / V];
 #pragma unroll
-            for (int k = 0; k < V; ++k) r[k] = static_cast<T>(o[k]);
-            *reinterpret_cast<uint4*>(dx + t * d + c) = *reinterpret_cast<const uint4*>(r);
+                    for (int u = 0; u < TOKENS; ++u) o[u][k] = fmaf(gh[u][h], wk, o[u][k]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < TOKENS; ++u) {
+                if (t0 + u >= n) break;
+                alignas(16) T r[V];
+#pragma unroll
+                for (int k = 0; k < V; ++k) r[k] = static_cast<T>(o[u][k]);
+                *reinterpret_cast<uint4*>(dx + (t0 + u) * d + c) = *reinterpret_cast<const uint4*>(r);
+            }
         }
     }
 }
 
 // Per block, the weight's and the bias's gradient over one fixed range of tokens: a thread per
-// column of x, the block's dl staged in shared memory a chunk of tokens at a time. The caller
-// sums the blocks' partials (fixed ranges and order: the result does not depend on scheduling).
-constexpr int CHUNK = 64;  // a multiple of 4
+// COLS consecutive columns of x (one 8-byte load of bf16, 16 bytes of fp32), eight tokens' loads
+// in flight, the block's dl staged in shared memory a chunk of tokens at a time. The caller sums
+// the blocks' partials (fixed ranges and order: the result does not depend on scheduling).
+constexpr int CHUNK = 64, COLS = 4, IN_FLIGHT = 8;  // CHUNK a multiple of IN_FLIGHT
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
     router_dw(const float* __restrict__ dl, const T* __restrict__ x, int64_t n, int d, int heads, int64_t per_block,
               float* __restrict__ dw, float* __restrict__ db) {
+    using Cols = typename std::conditional<sizeof(T) == 2, uint2, uint4>::type;  // COLS elements
     __shared__ float sdl[CHUNK * MAX_HEADS];
     const int64_t t0 = blockIdx.x * per_block, t1 = t0 + per_block < n ? t0 + per_block : n;
-    for (int c0 = 0; c0 < d; c0 += THREADS) {
-        const int col = c0 + threadIdx.x;
-        float acc[MAX_HEADS] = {}, bias = 0.f;
+    for (int c0 = 0; c0 < d; c0 += blockDim.x * COLS) {
+        const int col = c0 + threadIdx.x * COLS;
+        float acc[COLS][MAX_HEADS] = {}, bias = 0.f;
         for (int64_t t = t0; t < t1; t += CHUNK) {
             const int m = t1 - t < CHUNK ? (int)(t1 - t) : CHUNK;
             __syncthreads();
-            // Zeros past the range's end, which the last group of four reads.
-            for (int i = threadIdx.x; i < CHUNK * heads; i += THREADS) sdl[i] = i < m * heads ? dl[t * heads + i] : 0.f;
+            // Zeros past the range's end, which the last group of IN_FLIGHT reads.
+            for (int i = threadIdx.x; i < CHUNK * heads; i += blockDim.x)
+                sdl[i] = i < m * heads ? dl[t * heads + i] : 0.f;
             __syncthreads();
             if (c0 == 0 && threadIdx.x < heads)
                 for (int j = 0; j < m; ++j) bias += sdl[j * heads + threadIdx.x];
             if (col < d)
-                // Four tokens' loads in flight at once: a block's range is short, and one load
-                // at a time left each thread waiting on memory.
-                for (int j = 0; j < m; j += 4) {
-                    float xv[4];
+                for (int j = 0; j < m; j += IN_FLIGHT) {
+                    alignas(16) T xv[IN_FLIGHT][COLS];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) xv[u] = j + u < m ? to_float(x[(t + j + u) * d + col]) : 0.f;
+                    for (int u = 0; u < IN_FLIGHT; ++u) load_or_zero<Cols>(xv[u], x + (t + j + u) * d + col, j + u < m);
 #pragma unroll
-                    for (int u = 0; u < 4; ++u)
+                    for (int u = 0; u < IN_FLIGHT; ++u)
 #pragma unroll
                         for (int h = 0; h < MAX_HEADS; ++h) {
                             if (h >= heads) break;
-                            acc[h] = fmaf(sdl[(j + u) * heads + h], xv[u], acc[h]);
+                            const float g = sdl[(j + u) * heads + h];
+#pragma unroll
+                            for (int k = 0; k < COLS; ++k) acc[k][h] = fmaf(g, to_float(xv[u][k]), acc[k][h]);
                         }
                 }
         }
@@ -141,7 +179,8 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int h = 0; h < MAX_HEADS; ++h) {
                 if (h >= heads) break;
-                dw[((int64_t)blockIdx.x * heads + h) * d + col] = acc[h];
+#pragma unroll
+                for (int k = 0; k < COLS; ++k) dw[((int64_t)blockIdx.x * heads + h) * d + col + k] = acc[k][h];
             }
         if (c0 == 0 && threadIdx.x < heads) db[blockIdx.x * heads + threadIdx.x] = bias;
     }
@@ -150,8 +189,15 @@ __global__ void __launch_bounds__(THREADS)
 // The device's SMs times k: enough blocks to fill it.
 int64_t filling(int k) { return (int64_t)at::cuda::getCurrentDeviceProperties()->multiProcessorCount * k; }
 
-// Warps for n tokens: enough blocks to fill the GPU, each warp looping over tokens.
-int64_t token_blocks(int64_t n) { return std::min<int64_t>((n + WARPS - 1) / WARPS, filling(8)); }
+// Blocks for n tokens, TOKENS a warp: as many as the GPU holds at once, no more, each warp
+// looping over tokens. Every block first stages W (a 16 KB read for 8 heads of 512), which
+// cost more than its tokens when each warp had but one group of them.
+template <typename K>
+int64_t token_blocks(K kernel, int64_t n, size_t smem) {
+    int resident = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, THREADS, smem));
+    return std::max<int64_t>(1, std::min<int64_t>((n + WARPS * TOKENS - 1) / (WARPS * TOKENS), filling(resident)));
+}
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
@@ -177,7 +223,7 @@ void cuda_router_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
     dispatch_float(x, [&](auto t) {
         using T = decltype(t);
         set_smem(router_forward<T>, smem);
-        router_forward<T><<<token_blocks(n), THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(
+        router_forward<T><<<token_blocks(router_forward<T>, n, smem), THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(
             static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr, n, d, heads,
             s.data_ptr<float>());
     });
@@ -204,11 +250,13 @@ void cuda_router_backward(const at::Tensor& ds, const at::Tensor& s, const at::T
     dispatch_float(x, [&](auto t) {
         using T = decltype(t);
         set_smem(router_dx<T>, smem);
-        router_dx<T><<<token_blocks(n), THREADS, smem, stream>>>(ds.data_ptr<float>(), s.data_ptr<float>(),
+        router_dx<T><<<token_blocks(router_dx<T>, n, smem), THREADS, smem, stream>>>(ds.data_ptr<float>(), s.data_ptr<float>(),
                                                                  w.data_ptr<float>(), n, d, heads, dl.data_ptr<float>(),
                                                                  static_cast<T*>(dx.data_ptr()));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        router_dw<T><<<used, THREADS, 0, stream>>>(dl.data_ptr<float>(), static_cast<const T*>(x.data_ptr()), n, d,
+        // A row of x (d / COLS threads) a block, up to THREADS.
+        const int threads = std::min<int>(THREADS, (d / COLS + 31) / 32 * 32);
+        router_dw<T><<<used, threads, 0, stream>>>(dl.data_ptr<float>(), static_cast<const T*>(x.data_ptr()), n, d,
                                                    heads, per_block, pw.data_ptr<float>(), pb.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

@@ -1488,21 +1488,24 @@ pub(crate) mod tests {
     /// 16-byte chunks of a few lanes, and one (17 heads) they leave to ATen.
     fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
         use crate::model::Linear;
-        for (heads, d, bias) in [
-            (8i64, 512i64, true),
-            (1, 72, false),
-            (3, 40, true),
-            (17, 64, true),
+        // 20001 tokens a row: on a GPU of up to ~300 SMs, blocks of the weight's gradient take
+        // more than one chunk of tokens, and the last one a part of one.
+        for (heads, d, bias, len) in [
+            (8i64, 512i64, true, 33i64),
+            (1, 72, false, 33),
+            (3, 40, true, 33),
+            (17, 64, true, 33),
+            (4, 64, true, 20001),
         ] {
             tch::manual_seed(heads * 1000 + d);
-            let x = (Tensor::randn([2, 33, d], (Kind::Float, device)))
+            let x = (Tensor::randn([2, len, d], (Kind::Float, device)))
                 .to_kind(kind)
                 .set_requires_grad(true);
             let w =
                 (Tensor::randn([heads, d], (Kind::Float, device)) * 0.1).set_requires_grad(true);
             let b =
                 bias.then(|| Tensor::randn([heads], (Kind::Float, device)).set_requires_grad(true));
-            let ds = Tensor::randn([2, 33, heads], (Kind::Float, device));
+            let ds = Tensor::randn([2, len, heads], (Kind::Float, device));
             // With 17 heads the kernel gets the bias as a strided view (of the same values).
             let b_in = b.as_ref().map(|b| match heads {
                 17 => Tensor::stack(&[b, b], 1).select(1, 0),
