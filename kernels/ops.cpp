@@ -569,7 +569,9 @@ at::Tensor move_heads(const at::Tensor& x, const at::Tensor& cos, const at::Tens
             t = t * c + at::cat({-t.narrow(3, half, half), t.narrow(3, 0, half)}, 3) * s;
         }
     }
-    return (to_heads ? t : t.transpose(1, 2)).to(x.scalar_type()).contiguous();
+    // A copy even where the move leaves the layout as it was (one head or one position): a
+    // custom function returns no view of its input.
+    return (to_heads ? t : t.transpose(1, 2)).to(x.scalar_type()).clone(at::MemoryFormat::Contiguous);
 }
 
 struct HeadsFn : public torch::autograd::Function<HeadsFn> {
@@ -696,7 +698,7 @@ int attnsweep_kernels_cuda() {
 #endif
 }
 
-// Timing events on the current stream of GPU 0, as the bench's PyTorch peers time theirs
+// Timing events on the current device's current stream, as the bench's PyTorch peers time theirs
 // (torch.cuda.Event): a new event, or null with a message in err.
 void* attnsweep_event_new(char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
@@ -886,18 +888,18 @@ void* attnsweep_heads(const at::Tensor* x, const at::Tensor* cos, const at::Tens
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16,
                     "head transpose input must be fp32 or bf16");
         TORCH_CHECK(!cos == !sin, "rotation needs both cos and sin");
+        TORCH_CHECK(to_heads || !cos, "the rotation applies on the way to the heads");
         // Empty angles for no rotation: autograd takes no undefined tensors.
         auto c = at::empty({0}, x->options()), s = c;
         if (cos) {
-            const auto l = to_heads ? x->size(1) : x->size(2);
-            TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == l && cos->size(1) == x->size(3),
-                        "cos and sin must be [L, D] for the positions and head size of x");
+            TORCH_CHECK(cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == x->size(1) &&
+                            cos->size(1) == x->size(3),
+                        "cos and sin must be [L, D] for x [B, L, H, D]");
             TORCH_CHECK(x->device() == cos->device() && x->device() == sin->device(), "rope inputs on different devices");
-            TORCH_CHECK(cos->scalar_type() == sin->scalar_type() &&
-                            (cos->scalar_type() == at::kFloat || cos->scalar_type() == x->scalar_type()),
-                        "cos and sin must be fp32 or x's dtype");
-            c = cos->contiguous();
-            s = sin->contiguous();
+            // The kernel reads angles in fp32 or in x's dtype; others become fp32.
+            const auto kind = cos->scalar_type() == x->scalar_type() ? x->scalar_type() : at::kFloat;
+            c = cos->to(kind).contiguous();
+            s = sin->to(kind).contiguous();
         }
         return new at::Tensor(HeadsFn::apply(x->contiguous(), c, s, to_heads != 0)[0]);
     });

@@ -499,7 +499,8 @@ impl Projections {
             &normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm),
             kernels,
         );
-        // The kernels read v contiguous: one copy here, not one in each of a layer's launches.
+        // The kernels read v contiguous: the move makes it so once here, not in each of a
+        // layer's launches.
         let v = split(self.v_proj.forward(x), self.n_kv_heads);
         let v = match kernel_for(kernels, &v) {
             Some(k) => k.to_heads(&v).expect("head transpose kernel on v"),

@@ -731,8 +731,8 @@ impl Kernels {
     }
 
     /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`
-    /// (fp32 or x's dtype), returned transposed to `[B, H, L, D]` (as attention reads it);
-    /// differentiable in x.
+    /// (read in x's dtype where they have it, else in fp32), returned transposed to
+    /// `[B, H, L, D]` (as attention reads it); differentiable in x.
     pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         self.move_heads("rope kernel", x, Some((cos, sin)), true)
     }
@@ -1242,13 +1242,14 @@ pub(crate) mod tests {
     }
 
     /// The fused rotary embedding (with the head transpose) against `Rope::apply` in fp32
-    /// from the same (rounded) inputs, with fp32 angles and with angles in x's dtype: output
-    /// and gradient. Head size 6 takes the element-by-element path (its halves are not whole
-    /// 16-byte moves).
+    /// from the same (rounded) inputs, with fp32 angles, angles in x's dtype and bf16 angles
+    /// (fp32 for the kernel where x is fp32): output and gradient. Head size 6 takes the
+    /// element-by-element path (its halves are not whole 16-byte moves).
     fn rope_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
         for (d, angles) in [
             (64i64, Kind::Float),
             (128, Kind::Float),
+            (64, Kind::BFloat16),
             (64, kind),
             (6, kind),
         ] {
@@ -1282,7 +1283,7 @@ pub(crate) mod tests {
 
     /// The head transposes without rotation move data only: equal to ATen's transposed copies
     /// bit for bit, both ways and in the gradient, on the 16-byte path and element by element
-    /// (head size 6, and a view starting two bytes into its storage).
+    /// (head size 6, and a view starting one element into its storage).
     fn head_moves_are_transposes(kern: &Kernels, device: Device, kind: Kind) {
         let shape = [2i64, 37, 3, 64];
         let n: i64 = shape.iter().product();
@@ -1319,6 +1320,7 @@ pub(crate) mod tests {
     fn cuda_rope_matches_reference() {
         on_cuda("cuda_rope_matches_reference", |k| {
             rope_matches_reference(k, Device::Cuda(0), Kind::BFloat16, 1e-2);
+            rope_matches_reference(k, Device::Cuda(0), Kind::Float, 1e-5);
             head_moves_are_transposes(k, Device::Cuda(0), Kind::BFloat16);
             head_moves_are_transposes(k, Device::Cuda(0), Kind::Float);
         });
@@ -1488,7 +1490,7 @@ pub(crate) mod tests {
     /// 16-byte chunks of a few lanes, and one (17 heads) they leave to ATen.
     fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
         use crate::model::Linear;
-        // 20001 tokens a row: on a GPU of up to ~300 SMs, blocks of the weight's gradient take
+        // 20001 tokens a row: on a GPU of up to ~150 SMs, blocks of the weight's gradient take
         // more than one chunk of tokens, and the last one a part of one.
         for (heads, d, bias, len) in [
             (8i64, 512i64, true, 33i64),
