@@ -21,11 +21,22 @@ constexpr int64_t ROUTER_SMEM = 96 * 1024;  // W in shared memory, at most
 // (h V + k) (d / V) + c. A warp's lanes read consecutive chunks, so each of their reads of one
 // (h, k) hits 32 consecutive words, one bank each (row-major, they would be V words apart:
 // a V-way conflict, which made a first version 4-6x slower than this).
+// A thread's loads all go out before its stores: load-store in turn, each load's round trip
+// is paid one after the other, a fixed cost of every block.
 template <int V>
 __device__ __forceinline__ void load_weight(const float* w, int heads, int d, float* sw) {
-    const int chunks = d / V;
-    for (int h = 0; h < heads; ++h)
-        for (int col = threadIdx.x; col < d; col += THREADS) sw[(h * V + col % V) * chunks + col / V] = w[h * d + col];
+    constexpr int BATCH = 16;  // 8 heads of 512 in one batch
+    const int chunks = d / V, n = heads * d;
+    for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * BATCH) {
+        float v[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) v[u] = i0 + u * THREADS < n ? w[i0 + u * THREADS] : 0.f;
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int i = i0 + u * THREADS, h = i / d, col = i % d;
+            if (i < n) sw[(h * V + col % V) * chunks + col / V] = v[u];
+        }
+    }
     __syncthreads();
 }
 

@@ -198,7 +198,8 @@ struct BenchAttentionCmd {
     /// Query (and key-value) heads; batch 1.
     #[arg(long, default_value_t = 16)]
     heads: i64,
-    /// Timed repetitions per measurement (median reported).
+    /// Timed repetitions per measurement (median reported), each between CUDA events on the
+    /// GPU's clock, for the peers too.
     #[arg(long, default_value_t = 20)]
     reps: usize,
     /// Output directory.
