@@ -432,19 +432,17 @@ pub struct Event<'a> {
 impl Event<'_> {
     /// Records the event on the current stream.
     pub fn record(&self) -> Result<()> {
-        let mut err = vec![0 as c_char; 1024];
-        let rc = unsafe { (self.kern.event_record)(self.raw, err.as_mut_ptr(), err.len()) };
-        ensure!(rc == 0, "CUDA event: {}", library_error(&err));
-        Ok(())
+        status("CUDA event", |e, n| unsafe {
+            (self.kern.event_record)(self.raw, e, n)
+        })
     }
 
     /// Milliseconds on the device's clock from `start` to this event, once this one is reached.
     pub fn ms_since(&self, start: &Event) -> Result<f64> {
-        let (mut err, mut ms) = (vec![0 as c_char; 1024], 0f64);
-        let rc = unsafe {
-            (self.kern.event_elapsed)(start.raw, self.raw, &mut ms, err.as_mut_ptr(), err.len())
-        };
-        ensure!(rc == 0, "CUDA event: {}", library_error(&err));
+        let mut ms = 0f64;
+        status("CUDA event", |e, n| unsafe {
+            (self.kern.event_elapsed)(start.raw, self.raw, &mut ms, e, n)
+        })?;
         Ok(ms)
     }
 }
@@ -465,14 +463,32 @@ fn ptr(t: &Tensor) -> *const c_void {
     t.as_ptr() as *const c_void
 }
 
-/// Runs an entry point that returns a new at::Tensor* (null with a message in its error
-/// buffer, which `f` receives): the tensor, or the message as an error.
-fn new_tensor(what: &str, f: impl FnOnce(*mut c_char, usize) -> *mut c_void) -> Result<Tensor> {
+/// Runs an entry point that returns a new object (null with a message in its error buffer,
+/// which `f` receives): the object, or the message as an error.
+fn new_object(
+    what: &str,
+    f: impl FnOnce(*mut c_char, usize) -> *mut c_void,
+) -> Result<*mut c_void> {
     let mut err = vec![0 as c_char; 1024];
     let out = f(err.as_mut_ptr(), err.len());
     ensure!(!out.is_null(), "{what}: {}", library_error(&err));
+    Ok(out)
+}
+
+/// `new_object` for an entry point that returns a new at::Tensor*.
+fn new_tensor(what: &str, f: impl FnOnce(*mut c_char, usize) -> *mut c_void) -> Result<Tensor> {
+    let out = new_object(what, f)?;
     // Safety: a heap at::Tensor* whose ownership passes to us.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Runs an entry point that returns 0, or 1 with a message in its error buffer (which `f`
+/// receives): the message as an error.
+fn status(what: &str, f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<()> {
+    let mut err = vec![0 as c_char; 1024];
+    let rc = f(err.as_mut_ptr(), err.len());
+    ensure!(rc == 0, "{what}: {}", library_error(&err));
+    Ok(())
 }
 
 /// One two-tensor entry point of the library.
@@ -740,9 +756,7 @@ impl Kernels {
     /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
     /// the library was built without CUDA.
     pub fn event(&self) -> Result<Event<'_>> {
-        let mut err = vec![0 as c_char; 1024];
-        let raw = unsafe { (self.event_new)(err.as_mut_ptr(), err.len()) };
-        ensure!(!raw.is_null(), "CUDA event: {}", library_error(&err));
+        let raw = new_object("CUDA event", |e, n| unsafe { (self.event_new)(e, n) })?;
         Ok(Event { kern: self, raw })
     }
 
@@ -803,9 +817,8 @@ impl Kernels {
         start: i64,
         window: i64,
     ) -> Result<AhaGates> {
-        let mut err = vec![0 as c_char; 1024];
         let mut out = [std::ptr::null_mut::<c_void>(); 5];
-        let rc = unsafe {
+        status("AHA gate kernel", |e, n| unsafe {
             (self.aha_gates)(
                 ptr(s),
                 tau,
@@ -815,11 +828,10 @@ impl Kernels {
                 start,
                 window,
                 out.as_mut_ptr(),
-                err.as_mut_ptr(),
-                err.len(),
+                e,
+                n,
             )
-        };
-        ensure!(rc == 0, "AHA gate kernel: {}", library_error(&err));
+        })?;
         // Safety: five heap at::Tensor* whose ownership passes to us.
         let [weight, hard, chosen, other, pairs] =
             out.map(|p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) });
@@ -834,13 +846,11 @@ impl Kernels {
 
     /// Global L2 norm of `grads` (fp32, contiguous, one device), in one launch.
     pub fn grad_norm(&self, grads: &[Tensor]) -> Result<f64> {
-        let mut err = vec![0 as c_char; 1024];
         let mut norm = 0f64;
         let p = pointers(grads);
-        let rc = unsafe {
-            (self.grad_norm)(p.as_ptr(), p.len(), &mut norm, err.as_mut_ptr(), err.len())
-        };
-        ensure!(rc == 0, "gradient norm kernel: {}", library_error(&err));
+        status("gradient norm kernel", |e, n| unsafe {
+            (self.grad_norm)(p.as_ptr(), p.len(), &mut norm, e, n)
+        })?;
         Ok(norm)
     }
 
@@ -858,7 +868,6 @@ impl Kernels {
             g.len() == p.len() && m.len() == p.len() && v.len() == p.len(),
             "adamw: parameter, gradient and moment lists differ in length"
         );
-        let mut err = vec![0 as c_char; 1024];
         let scalars = [
             h.lr,
             h.beta1,
@@ -870,7 +879,7 @@ impl Kernels {
             h.clip,
         ];
         let (pp, gp, mp, vp) = (pointers(p), pointers(g), pointers(m), pointers(v));
-        let rc = unsafe {
+        status("adamw kernel", |e, n| unsafe {
             (self.adamw)(
                 pp.as_ptr(),
                 gp.as_ptr(),
@@ -878,12 +887,10 @@ impl Kernels {
                 vp.as_ptr(),
                 pp.len(),
                 scalars.as_ptr(),
-                err.as_mut_ptr(),
-                err.len(),
+                e,
+                n,
             )
-        };
-        ensure!(rc == 0, "adamw kernel: {}", library_error(&err));
-        Ok(())
+        })
     }
 }
 

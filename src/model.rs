@@ -74,9 +74,8 @@ impl RmsNorm {
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        if let Some(k) = self.kernels {
-            if matches!(x.kind(), Kind::Float | Kind::BFloat16) && self.weight.kind() == Kind::Float
-            {
+        if let Some(k) = crate::kernels::kernel_for(self.kernels, x) {
+            if self.weight.kind() == Kind::Float {
                 return k
                     .rms_norm(x, &self.weight, self.eps)
                     .expect("RMSNorm kernel on the model's own activations");
