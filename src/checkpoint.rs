@@ -38,6 +38,12 @@ pub fn latest(run: &Path) -> Result<Option<PathBuf>> {
     let p = checkpoints_dir(run).join("latest");
     match std::fs::read_to_string(&p) {
         Ok(name) => {
+            ensure!(
+                !name.trim().is_empty(),
+                "{} is empty; it should name the newest checkpoint directory beside it (such as \
+                 step_00000200): write that name into it, or remove the run to start again",
+                p.display()
+            );
             let dir = checkpoints_dir(run).join(name.trim());
             ensure!(
                 dir.is_dir(),
@@ -180,6 +186,16 @@ pub fn resolve_weights(path: &Path) -> Result<PathBuf> {
         );
     }
     bail!("{} does not exist", path.display())
+}
+
+/// The training step of a weight file that sits in a checkpoint directory (beside its
+/// `state.json`); None for a bare weight file.
+pub fn step_of(weights: &Path) -> Option<usize> {
+    let dir = weights.parent()?;
+    dir.join("state.json")
+        .is_file()
+        .then(|| read_state(dir).ok().map(|s| s.step))
+        .flatten()
 }
 
 /// How loading a weight file into a model went.

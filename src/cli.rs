@@ -81,6 +81,10 @@ struct SweepCmd {
     /// No progress bars.
     #[arg(long, short)]
     quiet: bool,
+    /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
+    /// (cells done, failed and left; the running cells' steps).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::progress::DEFAULT_STATUS_EVERY)]
+    status_every: u64,
 }
 
 #[derive(Args)]
@@ -149,10 +153,10 @@ struct BenchTrainCmd {
     #[arg(long, default_value_t = 256)]
     window: usize,
     /// Fraction of AHA's (token, head) gates open (routers calibrated on random tokens).
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, value_parser = finite, default_value_t = 0.1)]
     full_usage: f64,
     /// attention.ste_sample of the aha-sampled method.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, value_parser = finite, default_value_t = 0.1)]
     ste_sample: f64,
     /// Timed steps per case (median reported), after the warm-up steps.
     #[arg(long, default_value_t = 10)]
@@ -183,14 +187,14 @@ struct BenchAttentionCmd {
     #[arg(long, value_delimiter = ',', default_value = "256,1024")]
     windows: Vec<i64>,
     /// Fractions of queries skipped by sparse-query attention.
-    #[arg(long, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
+    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
     sparsities: Vec<f64>,
     /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
     /// on each of the windows.
-    #[arg(long, value_delimiter = ',', default_value = "0.1")]
+    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.1")]
     routed_usages: Vec<f64>,
     /// PPA powers p (window plus the power offsets S_p).
-    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
     ppa_powers: Vec<f64>,
     /// Sliding window of the PPA cases.
     #[arg(long, default_value_t = 64)]
@@ -227,7 +231,10 @@ struct ConvertCmd {
     /// Weight dtype written: keep, fp32, bf16 or fp16.
     #[arg(long, default_value = "keep")]
     dtype: String,
-    /// Allow reading pickle files (pytorch_model.bin, .pt), which can run code when loaded.
+    /// Read pickled objects that are not tensors, containers or numbers (what the built-in
+    /// reader of torch.save files refuses) by running Python's torch.load, which can run code:
+    /// only for files you trust. The Python is $ATTNSWEEP_PYTHON, else python3, with torch and
+    /// safetensors installed.
     #[arg(long)]
     allow_pickle: bool,
 }
@@ -257,7 +264,7 @@ struct PruneCmd {
     #[arg(long, value_name = "PATH")]
     ckpt: Option<PathBuf>,
     /// Prune layers whose sparsity (1 - mean gate) on the validation split is at least this.
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, value_parser = finite, default_value_t = 0.95)]
     threshold: f64,
     /// Directory for the pruned model (config.toml, model.safetensors, eval/, prune.json)
     /// [default: <run>/pruned-<threshold>]; it must not already hold a model.
@@ -301,6 +308,10 @@ struct TrainCmd {
     /// No progress bar or status lines.
     #[arg(long, short)]
     quiet: bool,
+    /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
+    /// (step, loss, tokens/s, ETA).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::progress::DEFAULT_STATUS_EVERY)]
+    status_every: u64,
 }
 
 #[derive(Args)]
@@ -316,7 +327,9 @@ struct EvalCmd {
     /// --set attention.window=32 evaluates a full-attention model with a window (SWA-ZS).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     sets: Vec<String>,
-    /// Output directory [default: <run>/eval, or <run>/eval-<overrides> when --set is given].
+    /// Output directory [default: <run>/eval, <run>/eval-<overrides> when --set is given; with
+    /// probes or multiple choice, <run>/eval-tasks or <run>/eval-<overrides>-tasks, so the
+    /// training's own report in <run>/eval is never overwritten].
     #[arg(long)]
     out: Option<PathBuf>,
     /// Split to evaluate.
@@ -331,6 +344,11 @@ struct EvalCmd {
     /// log-likelihood (sets eval.mc).
     #[arg(long, num_args = 1..)]
     mc: Vec<PathBuf>,
+    /// Write every multiple-choice item's scoring to samples_<task>.jsonl (each choice's
+    /// log-likelihood and whether it is the greedy continuation, the prediction, the gold),
+    /// as lm-evaluation-harness's --log_samples does, to compare item by item.
+    #[arg(long)]
+    log_samples: bool,
     /// Print nothing but errors.
     #[arg(long, short)]
     quiet: bool,
@@ -359,7 +377,7 @@ struct ProbesCmd {
     #[arg(long)]
     mix_with: Option<PathBuf>,
     /// Share of tokens that are probes when mixing (1: probes only).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, value_parser = finite, default_value_t = 1.0)]
     probe_fraction: f64,
     /// A tokenizer.json when there is no corpus; byte-level when omitted.
     #[arg(long)]
@@ -403,7 +421,7 @@ struct PrepareCmd {
     #[arg(long, short)]
     out: PathBuf,
     /// Fraction of the token stream (its end) held out as the validation split.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, value_parser = finite, default_value_t = 0.05)]
     val_fraction: f64,
     /// Tokens per shard file.
     #[arg(long, default_value_t = 100_000_000)]
@@ -434,10 +452,10 @@ struct SynthCmd {
     #[arg(long, default_value_t = SynthSpec::default().branch)]
     branch: usize,
     /// Probability that a filler position starts a definition.
-    #[arg(long, default_value_t = SynthSpec::default().event_rate)]
+    #[arg(long, value_parser = finite, default_value_t = SynthSpec::default().event_rate)]
     event_rate: f64,
     /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
-    #[arg(long, default_value_t = SynthSpec::default().alpha)]
+    #[arg(long, value_parser = finite, default_value_t = SynthSpec::default().alpha)]
     alpha: f64,
     /// Shortest query-to-definition distance.
     #[arg(long, default_value_t = SynthSpec::default().min_distance)]
@@ -453,7 +471,57 @@ struct SynthCmd {
     val_tokens: usize,
 }
 
+/// A number flag: finite (NaN would pass every range check after it).
+fn finite(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Runs the command line. A panic (a bug, or an allocation that failed inside libtorch)
+/// comes back as an error naming where it happened, never as a Rust panic.
 pub fn main() -> Result<()> {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        // The first panic is the cause; a scope re-raising a worker's panic comes after it.
+        if let Ok(mut first) = PANIC.lock() {
+            first.get_or_insert((msg, at));
+        }
+    }));
+    match std::panic::catch_unwind(run) {
+        Ok(result) => result,
+        Err(_) => {
+            let (msg, at) = PANIC
+                .lock()
+                .ok()
+                .and_then(|mut p| p.take())
+                .unwrap_or_default();
+            if msg.contains("alloc") || msg.contains("out of memory") {
+                let first = msg.lines().next().unwrap_or_default();
+                anyhow::bail!(
+                    "out of memory: {first}; lower the batch size, sequence length or model size"
+                );
+            }
+            anyhow::bail!("internal error{at}: {msg} (please report it)")
+        }
+    }
+}
+
+/// The message and place of the first panic, kept by the panic hook.
+static PANIC: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
+
+fn run() -> Result<()> {
     match Cli::parse().command {
         Command::Train(c) => {
             let cfg = if c.resume {
@@ -473,6 +541,7 @@ pub fn main() -> Result<()> {
                     init_from: c.init_from,
                     stop_at: c.stop_at_step,
                     quiet: c.quiet,
+                    status_every: c.status_every,
                 },
             )
         }
@@ -684,6 +753,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         cell: c.cell,
         retry_failed: c.retry_failed,
         quiet: c.quiet,
+        status_every: c.status_every,
     };
     let o = sweep::run(&grid, &cells, &args)?;
     if c.cell.is_none() {
@@ -696,7 +766,15 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         o.failed,
         o.skipped
     );
-    anyhow::ensure!(o.failed == 0, "{} cells failed; their errors are in <cell>/status.json and log.txt (rerun with --retry-failed)", o.failed);
+    // Cells that failed before and were skipped now count too: the sweep is not complete.
+    let failed = sweep::failed_cells(&cells, &args);
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} cells failed ({}); their errors are in <cell>/status.json and log.txt (rerun with \
+         --retry-failed)",
+        failed.len(),
+        failed.join(", ")
+    );
     Ok(())
 }
 
@@ -709,6 +787,30 @@ fn report_dataset(meta: &data::Meta, out: &std::path::Path) {
     );
 }
 
+/// `<run>/eval`, `<run>/eval-<overrides>` when `--set` is given, and `-tasks` after either
+/// when probes or multiple choice run: the training's final report in `<run>/eval` holds the
+/// loss of the trained model and is never replaced by a task evaluation.
+fn default_eval_dir(run: &std::path::Path, sets: &[String], tasks: bool) -> PathBuf {
+    let mut name = String::from("eval");
+    if !sets.is_empty() {
+        let tag: String = sets
+            .join("_")
+            .chars()
+            .map(
+                |ch| match ch.is_ascii_alphanumeric() || ch == '.' || ch == '-' {
+                    true => ch,
+                    false => '_',
+                },
+            )
+            .collect();
+        name = format!("{name}-{tag}");
+    }
+    if tasks {
+        name.push_str("-tasks");
+    }
+    run.join(name)
+}
+
 fn run_eval(c: EvalCmd) -> Result<()> {
     let quote = |v: &[String]| {
         let items: Vec<String> = v.iter().map(|x| format!("{x:?}")).collect();
@@ -718,44 +820,37 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     if !c.tasks.is_empty() {
         sets.push(format!("eval.tasks={}", quote(&c.tasks)));
     }
+    let mut run = train::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
     if !c.mc.is_empty() {
-        let paths: Vec<String> = c.mc.iter().map(|p| p.display().to_string()).collect();
-        sets.push(format!("eval.mc={}", quote(&paths)));
+        // The paths as given: a path that is not UTF-8 survives, which text would not.
+        run.cfg.eval.mc = c.mc.clone();
     }
-    let run = train::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref())?;
+    if !c.quiet {
+        run.warn_if_unfinished();
+    }
     let (cfg, built) = (&run.cfg, &run.built);
-    let split = data::Split::open(&cfg.data.dir, &run.meta, &c.split)?;
-    let report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device)?;
-    let out = c.out.unwrap_or_else(|| {
-        if c.sets.is_empty() {
-            c.run.join("eval")
-        } else {
-            let tag: String = c
-                .sets
-                .join("_")
-                .chars()
-                .map(|ch| {
-                    if ch.is_ascii_alphanumeric() || ch == '.' || ch == '-' {
-                        ch
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            c.run.join(format!("eval-{tag}"))
-        }
-    });
+    let meta = run.meta()?;
+    let with_tasks = !cfg.eval.tasks.is_empty() || !cfg.eval.mc.is_empty();
+    let out = c
+        .out
+        .clone()
+        .unwrap_or_else(|| default_eval_dir(&c.run, &c.sets, with_tasks));
+    let split = data::Split::open(&cfg.data.dir, meta, &c.split)?;
+    crate::memory::check_eval(cfg, run.device)?;
+    let mut report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device, !c.quiet)?;
+    report.checkpoint_step = run.step;
     eval::write_report(&out, &report, cfg)?;
     if !c.quiet {
         println!(
-            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attention density {:.4}  ({} tokens) -> {}",
+            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attended pairs / full causal {:.4}  ({} tokens of {}-token sequences) -> {}",
             c.split,
             report.loss,
             report.perplexity,
             report.bits_per_token,
             report.unigram_entropy,
-            report.attention.density,
+            report.attention.pairs_vs_full,
             report.tokens,
+            report.seq_len,
             out.display()
         );
         for b in &report.buckets {
@@ -765,9 +860,19 @@ fn run_eval(c: EvalCmd) -> Result<()> {
             );
         }
     }
-    if !cfg.eval.tasks.is_empty() || !cfg.eval.mc.is_empty() {
-        let results =
-            crate::tasks::run(&built.model, cfg, &run.meta, run.device, &out, &run.weights)?;
+    if with_tasks {
+        let opts = crate::tasks::RunOptions {
+            log_samples: c.log_samples,
+        };
+        let results = crate::tasks::run(
+            &built.model,
+            cfg,
+            meta,
+            run.device,
+            &out,
+            &run.weights,
+            &opts,
+        )?;
         if !c.quiet {
             for (task, metrics) in &results {
                 let shown: Vec<String> = metrics

@@ -159,6 +159,14 @@ pub enum Router {
     Bernoulli,
 }
 
+/// How a per-token quantity over the hidden dimension is reduced to one number.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Reduction {
+    Mean,
+    Sum,
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct AttentionConfig {
@@ -203,6 +211,10 @@ pub struct AttentionConfig {
     /// true: both branches share one output projection; false: each owns one, both
     /// initialised from the base model's.
     pub swiattn_shared_o_proj: bool,
+    /// How the branches' disagreement ||O_full - O_swa||^2 is reduced over the hidden
+    /// dimension: the mean (the paper's "mean squared error", the default) or the sum (the
+    /// squared norm, hidden_size times the mean, so alpha weighs it that much more).
+    pub swiattn_disagreement: Reduction,
     /// static_heads: a head_ranking.csv written by `attnsweep eval` of an AHA model.
     pub head_ranking: PathBuf,
     /// static_heads: how many of the top-ranked heads are always full.
@@ -231,6 +243,7 @@ impl Default for AttentionConfig {
             swiattn_adaptive: true,
             swiattn_nll: true,
             swiattn_shared_o_proj: false,
+            swiattn_disagreement: Reduction::Mean,
             head_ranking: PathBuf::new(),
             top_k: 0,
             attn_impl: AttnImpl::Auto,
@@ -326,6 +339,10 @@ pub struct EvalConfig {
     pub batch_size: usize,
     /// At most this many batches of the validation split (0: all of it).
     pub max_batches: usize,
+    /// Length of the sequences the loss and gate statistics are measured on (0: data.seq_len).
+    /// Longer than training measures how a model extends, and lets gaps between a head's
+    /// full-attention calls run longer before the sequence end cuts them off.
+    pub seq_len: usize,
     /// Long-context probes run after the loss evaluation, scored by greedy generation:
     /// niah_single, niah_multikey, niah_multivalue, passkey, mqar, variable_tracking.
     pub tasks: Vec<String>,
@@ -339,12 +356,14 @@ pub struct EvalConfig {
     /// Data set whose val split the text haystack is cut from (empty: data.dir).
     pub haystack_dir: PathBuf,
     pub probe_seed: u64,
-    /// Digits of magic numbers and pass keys.
-    pub digits: usize,
-    /// Needles of the multi-key and multi-value tasks; variables in a tracking chain.
-    pub needles: usize,
-    /// Keys asked at once in MQAR.
-    pub queries: usize,
+    /// Digits of magic numbers and pass keys. Unset: the value the data set's probe documents
+    /// were written with (`data probes`), else 7.
+    pub digits: Option<usize>,
+    /// Needles of the multi-key and multi-value tasks; variables in a tracking chain. Unset:
+    /// the data set's probe documents', else 4.
+    pub needles: Option<usize>,
+    /// Keys asked at once in MQAR. Unset: the data set's probe documents', else 4.
+    pub queries: Option<usize>,
     /// Multiple-choice task files: JSONL lines with context, choices and gold (the index of
     /// the right choice), in the lm-evaluation-harness shape.
     pub mc: Vec<PathBuf>,
@@ -364,20 +383,20 @@ pub enum HaystackKind {
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        let probes = crate::probes::ProbeSpec::default();
         EvalConfig {
             batch_size: 16,
             max_batches: 50,
+            seq_len: 0,
             tasks: Vec::new(),
             lengths: Vec::new(),
             depths: vec![0.0, 0.25, 0.5, 0.75, 1.0],
             samples: 10,
             haystack: HaystackKind::Noise,
             haystack_dir: PathBuf::new(),
-            probe_seed: probes.seed,
-            digits: probes.digits,
-            needles: probes.needles,
-            queries: probes.queries,
+            probe_seed: crate::probes::ProbeSpec::default().seed,
+            digits: None,
+            needles: None,
+            queries: None,
             mc: Vec::new(),
             max_length: 0,
         }
@@ -385,18 +404,21 @@ impl Default for EvalConfig {
 }
 
 impl EvalConfig {
+    /// The probe settings, unset ones at their defaults.
     pub fn probe_spec(&self) -> crate::probes::ProbeSpec {
+        let d = crate::probes::ProbeSpec::default();
         crate::probes::ProbeSpec {
             seed: self.probe_seed,
-            digits: self.digits,
-            needles: self.needles,
-            queries: self.queries,
+            digits: self.digits.unwrap_or(d.digits),
+            needles: self.needles.unwrap_or(d.needles),
+            queries: self.queries.unwrap_or(d.queries),
         }
     }
 }
 
+/// `lo <= v <= hi`, written so that NaN (for which every comparison is false) fails it.
 fn check<T: PartialOrd + std::fmt::Display>(key: &str, v: T, lo: T, hi: T) -> Result<()> {
-    if v < lo || v > hi {
+    if !(v >= lo && v <= hi) {
         bail!("{key} = {v} is out of range: allowed {lo} ..= {hi}");
     }
     Ok(())
@@ -461,7 +483,7 @@ impl Config {
                     ) else {
                         bail!("model.rope_scaling of type llama3 needs low_freq_factor, high_freq_factor and original_max_position_embeddings");
                     };
-                    if !(lo > 0.0 && hi > lo && orig > 0.0) {
+                    if !(lo > 0.0 && hi > lo && orig > 0.0 && hi.is_finite() && orig.is_finite()) {
                         bail!("model.rope_scaling: need 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0");
                     }
                 }
@@ -554,38 +576,97 @@ impl Config {
             bail!("eval.depths is empty; probes need at least one depth");
         }
         check("eval.samples", e.samples, 1, 1 << 24)?;
+        if e.seq_len != 0 {
+            check("eval.seq_len", e.seq_len, 2, 1 << 22)?;
+        }
+        if e.max_length != 0 {
+            // One context token and one continuation token at least.
+            check("eval.max_length", e.max_length, 2, 1 << 24)?;
+        }
         e.probe_spec().validate().context("eval")?;
         Ok(())
     }
 
-    /// Reads an experiment file (or the built-in defaults when `path` is None), applies
-    /// `--set` overrides, and validates the result.
-    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
-        let mut tree = match path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read config {}", p.display()))?;
-                text.parse::<toml::Table>()
-                    .with_context(|| format!("{} is not valid TOML", p.display()))?
-            }
-            None => toml::Table::new(),
-        };
-        for o in overrides {
-            apply_override(&mut tree, o)?;
+    /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`
+    /// when that is unset.
+    pub fn eval_seq_len(&self) -> usize {
+        match self.eval.seq_len {
+            0 => self.data.seq_len,
+            n => n,
         }
-        let what = path
-            .map(|p| p.display().to_string())
-            .unwrap_or_else(|| "defaults".into());
-        let cfg: Config = toml::Value::Table(tree)
-            .try_into()
-            .with_context(|| format!("invalid config ({what})"))?;
-        cfg.validate()
-            .with_context(|| format!("invalid config ({what})"))?;
+    }
+
+    /// Reads an experiment file as a TOML tree (the defaults' empty tree when `path` is None).
+    pub fn read_tree(path: Option<&Path>) -> Result<toml::Table> {
+        let Some(p) = path else {
+            return Ok(toml::Table::new());
+        };
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read config {}", p.display()))?;
+        text.parse::<toml::Table>()
+            .with_context(|| format!("{} is not valid TOML", p.display()))
+    }
+
+    /// A config from its TOML tree: every number finite, every key known, every value in range.
+    pub fn from_tree(tree: toml::Table) -> Result<Config> {
+        reject_non_finite(&tree, "")?;
+        let cfg: Config = toml::Value::Table(tree).try_into()?;
+        cfg.validate()?;
         Ok(cfg)
     }
 
+    /// Reads an experiment file (or the built-in defaults when `path` is None), applies
+    /// `--set` overrides, and validates the result. An error names the file, or the override
+    /// when the file alone is valid.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+        let base = Config::read_tree(path)?;
+        let what = path
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "the defaults".into());
+        let mut tree = base.clone();
+        for o in overrides {
+            apply_override(&mut tree, o)?;
+        }
+        match Config::from_tree(tree) {
+            Ok(cfg) => Ok(cfg),
+            Err(e) if overrides.is_empty() || Config::from_tree(base).is_err() => {
+                Err(e.context(format!("invalid config ({what})")))
+            }
+            Err(e) => {
+                // The file alone is valid: the override that breaks it is named, the first
+                // one the error's key belongs to when it names one.
+                let text = format!("{e:#}");
+                let culprit = overrides
+                    .iter()
+                    .find(|o| {
+                        o.split_once('=')
+                            .is_some_and(|(k, _)| text.contains(k.trim()))
+                    })
+                    .map_or_else(|| overrides.join(" --set "), |o| o.clone());
+                Err(e.context(format!("--set {culprit} makes {what} invalid")))
+            }
+        }
+    }
+
+    /// The config with every path in a form text can hold: a path that is not UTF-8 (an
+    /// `eval --mc` file, say) is recorded as its lossy rendering. For reports only; the run
+    /// itself opens the path as given.
+    pub fn recordable(&self) -> Config {
+        let mut c = self.clone();
+        let lossy = |p: &mut PathBuf| {
+            if p.to_str().is_none() {
+                *p = PathBuf::from(p.to_string_lossy().into_owned());
+            }
+        };
+        lossy(&mut c.data.dir);
+        lossy(&mut c.attention.head_ranking);
+        lossy(&mut c.eval.haystack_dir);
+        c.eval.mc.iter_mut().for_each(lossy);
+        c
+    }
+
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("config serialises")
+        toml::to_string_pretty(&self.recordable()).expect("config serialises")
     }
 
     /// The settings whose values differ between self and other, dotted (`train.lr`), with
@@ -617,6 +698,73 @@ impl Config {
         let mut out = Vec::new();
         walk("", &table(self), &table(other), &mut out);
         out
+    }
+
+    /// The same computation with every attention setting that its method ignores put back to
+    /// its default: `lambda` on a full-attention model, `ppa_power` on a window, the
+    /// regulariser of a context-free (Bernoulli) router. Two configs that differ only there
+    /// compute the same thing, so they identify the same sweep cell.
+    pub fn canonical(&self) -> Config {
+        let mut c = self.clone();
+        let d = AttentionConfig::default();
+        let a = &mut c.attention;
+        let m = a.method;
+        let routed = matches!(m, Method::Aha | Method::L2a | Method::Swiattn);
+        let learned = routed && a.router == Router::Learned;
+        if m == Method::Full {
+            a.window = d.window;
+        }
+        if m != Method::Ppa {
+            a.ppa_power = d.ppa_power;
+        }
+        if m != Method::StaticHybrid {
+            a.hybrid_every = d.hybrid_every;
+        }
+        if !routed {
+            a.router = d.router;
+        }
+        if !(routed && a.router == Router::Bernoulli) {
+            a.bernoulli_p = d.bernoulli_p;
+        }
+        if !learned {
+            a.tau = d.tau;
+        }
+        if !(learned && matches!(m, Method::Aha | Method::L2a)) {
+            a.lambda = d.lambda;
+        }
+        if !(learned && m == Method::Aha) {
+            a.ste_sample = d.ste_sample;
+        }
+        if !(learned && matches!(m, Method::Aha | Method::Swiattn)) {
+            a.router_init_bias = d.router_init_bias;
+        }
+        if !(learned && m == Method::L2a) {
+            a.p_force = d.p_force;
+        }
+        if m != Method::Swiattn {
+            a.swiattn_shared_o_proj = d.swiattn_shared_o_proj;
+        }
+        if !(learned && m == Method::Swiattn) {
+            a.swiattn_gamma_base = d.swiattn_gamma_base;
+            a.swiattn_eps = d.swiattn_eps;
+            a.swiattn_alpha = d.swiattn_alpha;
+            a.swiattn_adaptive = d.swiattn_adaptive;
+            a.swiattn_nll = d.swiattn_nll;
+            a.swiattn_disagreement = d.swiattn_disagreement;
+        } else if !a.swiattn_adaptive {
+            // gamma = gamma_base: the adaptive weight's terms are not read.
+            a.swiattn_eps = d.swiattn_eps;
+            a.swiattn_alpha = d.swiattn_alpha;
+            a.swiattn_nll = d.swiattn_nll;
+            a.swiattn_disagreement = d.swiattn_disagreement;
+        } else if a.swiattn_alpha == 0.0 {
+            a.swiattn_disagreement = d.swiattn_disagreement;
+        }
+        if m != Method::StaticHeads {
+            a.head_ranking = d.head_ranking;
+            a.top_k = d.top_k;
+        }
+        c
     }
 
     /// The settings that differ from the defaults, as TOML: what identifies a computation,
@@ -663,8 +811,51 @@ pub fn resume_may_change(key: &str) -> bool {
     })
 }
 
-/// `section.key=value`; the value is read as a TOML value (number, bool, array, quoted string)
-/// and falls back to a bare string, so `--set attention.method=swa` needs no quotes.
+/// Refuses NaN and infinite numbers anywhere in a TOML tree (TOML allows `nan` and `inf`, and
+/// NaN would pass any range check), naming the dotted key.
+pub fn reject_non_finite(tree: &toml::Table, prefix: &str) -> Result<()> {
+    fn walk(v: &toml::Value, key: &str) -> Result<()> {
+        match v {
+            toml::Value::Float(f) if !f.is_finite() => {
+                bail!("{key} = {f} is not a finite number")
+            }
+            toml::Value::Array(a) => a.iter().try_for_each(|x| walk(x, key)),
+            toml::Value::Table(t) => reject_non_finite(t, &format!("{key}.")),
+            _ => Ok(()),
+        }
+    }
+    tree.iter()
+        .try_for_each(|(k, v)| walk(v, &format!("{prefix}{k}")))
+}
+
+/// A `--set` value: a TOML value (number, bool, array, quoted string), else a bare string, so
+/// `--set attention.method=swa` needs no quotes; in a list, each bare word is a string
+/// (`[passkey, mqar]`).
+pub fn parse_value(raw: &str) -> toml::Value {
+    let raw = raw.trim();
+    let toml_value = |text: &str| {
+        format!("v = {text}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+    };
+    if let Some(v) = toml_value(raw) {
+        return v;
+    }
+    match raw.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+        Some(inner) if !inner.contains(['[', ']', '"', '\'']) => toml::Value::Array(
+            inner
+                .split(',')
+                .map(str::trim)
+                .filter(|w| !w.is_empty())
+                .map(|w| toml_value(w).unwrap_or_else(|| toml::Value::String(w.to_string())))
+                .collect(),
+        ),
+        _ => toml::Value::String(raw.to_string()),
+    }
+}
+
+/// `section.key=value`, the value read by `parse_value`.
 pub fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
     let (key, raw) = spec
         .split_once('=')
@@ -674,10 +865,7 @@ pub fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
     if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
         bail!("--set {spec:?}: key must look like section.key (e.g. attention.window)");
     }
-    let value = match format!("v = {}", raw.trim()).parse::<toml::Table>() {
-        Ok(mut t) => t.remove("v").expect("parsed key"),
-        Err(_) => toml::Value::String(raw.trim().to_string()),
-    };
+    let value = parse_value(raw);
     let mut table = tree;
     for p in &parts[..parts.len() - 1] {
         let entry = table
@@ -717,7 +905,10 @@ mod tests {
     fn err_of(toml_text: &str, sets: &[&str]) -> String {
         let dir = std::env::temp_dir().join(format!("attnsweep-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("c{}.toml", toml_text.len() + sets.len()));
+        // One file per call: tests run in parallel threads.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let p = dir.join(format!("c{n}.toml"));
         std::fs::write(&p, toml_text).unwrap();
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         format!("{:#}", Config::load(Some(&p), &sets).unwrap_err())
@@ -758,6 +949,126 @@ mod tests {
         ] {
             assert!(!resume_may_change(key), "{key}");
         }
+    }
+
+    /// NaN passes any `lo <= v <= hi` written as `v < lo || v > hi`; TOML allows nan and inf.
+    /// Every non-finite number is refused, from a file or an override, naming the key.
+    #[test]
+    fn non_finite_numbers_are_refused_everywhere() {
+        for set in [
+            "attention.ppa_power=nan",
+            "attention.tau=nan",
+            "attention.bernoulli_p=nan",
+            "attention.p_force=nan",
+            "train.weight_decay=nan",
+            "train.grad_clip=inf",
+            "eval.depths=[0.5, nan]",
+            "attention.swiattn_alpha=-inf",
+        ] {
+            let key = set.split('=').next().unwrap();
+            let e = err_of("", &[set]);
+            assert!(
+                e.contains(key) && e.contains("not a finite number"),
+                "{set}: {e}"
+            );
+        }
+        let e = err_of("[train]\ngrad_clip = nan\n", &[]);
+        assert!(e.contains("train.grad_clip") && e.contains("finite"), "{e}");
+        let e = err_of(
+            "[model.rope_scaling]\nrope_type = \"linear\"\nfactor = inf\n",
+            &[],
+        );
+        assert!(e.contains("model.rope_scaling.factor"), "{e}");
+    }
+
+    /// An error caused by an override names the override, not the file it was applied to.
+    #[test]
+    fn errors_blame_the_override_that_caused_them() {
+        let e = err_of("[train]\nlr = 0.01\n", &["data.seq_len=1"]);
+        assert!(
+            e.contains("--set data.seq_len=1") && e.contains("data.seq_len = 1"),
+            "{e}"
+        );
+        let e = err_of("[train]\nsteps = 0\n", &["data.seq_len=64"]);
+        assert!(e.contains("invalid config") && !e.contains("--set"), "{e}");
+        let e = err_of("", &["eval.max_length=1"]);
+        assert!(e.contains("eval.max_length = 1"), "{e}");
+        let e = err_of("", &["eval.seq_len=1"]);
+        assert!(e.contains("eval.seq_len = 1"), "{e}");
+    }
+
+    /// Lists of bare words need no quotes, as single bare words need none.
+    #[test]
+    fn bare_words_in_lists_are_strings() {
+        let c = Config::load(None, &["eval.tasks=[passkey, mqar]".into()]).unwrap();
+        assert_eq!(c.eval.tasks, ["passkey", "mqar"]);
+        let c = Config::load(None, &["eval.lengths=[64,128]".into()]).unwrap();
+        assert_eq!(c.eval.lengths, [64, 128]);
+        assert_eq!(parse_value("[a, 2, true]").as_array().unwrap().len(), 3);
+        assert_eq!(
+            parse_value("[\"a\", b]"),
+            toml::Value::String("[\"a\", b]".into())
+        );
+    }
+
+    /// Settings a method ignores do not make two configs different computations; settings
+    /// it reads do.
+    #[test]
+    fn canonical_sets_aside_what_a_method_ignores() {
+        let load = |sets: &[&str]| {
+            let v: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::load(None, &v).unwrap().canonical()
+        };
+        assert_eq!(
+            load(&[
+                "attention.method=full",
+                "attention.lambda=0.1",
+                "attention.window=8"
+            ]),
+            load(&["attention.method=full"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=swa",
+                "attention.ppa_power=0.9",
+                "attention.tau=0.2"
+            ]),
+            load(&["attention.method=swa"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=aha",
+                "attention.router=bernoulli",
+                "attention.lambda=1"
+            ]),
+            load(&["attention.method=aha", "attention.router=bernoulli"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_adaptive=false",
+                "attention.swiattn_alpha=3"
+            ]),
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_adaptive=false"
+            ])
+        );
+        assert_ne!(
+            load(&["attention.method=aha", "attention.lambda=0.1"]),
+            load(&["attention.method=aha"])
+        );
+        assert_ne!(
+            load(&["attention.method=swa", "attention.window=8"]),
+            load(&["attention.method=swa"])
+        );
+        assert_ne!(
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_disagreement=sum"
+            ]),
+            load(&["attention.method=swiattn"])
+        );
     }
 
     #[test]

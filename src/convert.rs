@@ -202,12 +202,29 @@ pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> 
     Ok((family, m, window))
 }
 
-/// The weight files of a model directory or a single weight file.
-fn weight_files(src: &Path, allow_pickle: bool, scratch: &Path) -> Result<Vec<PathBuf>> {
-    let is_pickle = |p: &Path| {
-        p.extension()
-            .is_some_and(|e| e == "bin" || e == "pt" || e == "pth")
-    };
+/// Whether a weight file is a PyTorch checkpoint (a zip archive or a pickle) rather than
+/// safetensors, by its first bytes.
+fn is_torch_file(path: &Path) -> Result<bool> {
+    let mut head = [0u8; 4];
+    let n = std::io::Read::read(
+        &mut std::fs::File::open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?,
+        &mut head,
+    )?;
+    Ok((n == 4 && head == *b"PK\x03\x04") || (n >= 1 && head[0] == 0x80))
+}
+
+/// The safetensors weight files of a model directory or a single weight file. A PyTorch
+/// checkpoint (`pytorch_model.bin`, a `.pt` of `torch.save`, a TorchScript archive, a tch
+/// `.ot`) is read in-process (`crate::pickle`; Python only with `allow_pickle`, for what
+/// that refuses) and its tensors, a wrapper around the state dict removed, rewritten as one
+/// safetensors file in `scratch`.
+fn weight_files(
+    src: &Path,
+    allow_pickle: bool,
+    scratch: &Path,
+    expected: &[String],
+) -> Result<Vec<PathBuf>> {
     let file = if src.is_file() {
         src.to_path_buf()
     } else if src.join("model.safetensors.index.json").is_file() {
@@ -234,34 +251,14 @@ fn weight_files(src: &Path, allow_pickle: bool, scratch: &Path) -> Result<Vec<Pa
             src.display()
         );
     };
-    if !is_pickle(&file) {
+    if !is_torch_file(&file)? {
         return Ok(vec![file]);
     }
-    ensure!(
-        allow_pickle,
-        "{} is a pickle, which can run code when loaded; pass --allow-pickle if you trust it",
-        file.display()
-    );
-    // torch.load with weights_only=True refuses arbitrary objects; the tensors are rewritten
-    // as safetensors (shared storage, as in tied weights, broken by a copy).
-    let out = scratch.join("from_pickle.safetensors");
-    let script = "import sys, torch\nfrom safetensors.torch import save_file\nsd = torch.load(sys.argv[1], map_location='cpu', weights_only=True)\nif isinstance(sd, dict) and isinstance(sd.get('state_dict'), dict): sd = sd['state_dict']\nsave_file({k: v.detach().clone().contiguous() for k, v in sd.items() if isinstance(v, torch.Tensor)}, sys.argv[2])\n";
-    let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let o = std::process::Command::new(&py)
-        .args(["-c", script])
-        .arg(&file)
-        .arg(&out)
-        .output()
-        .with_context(|| format!("reading a pickle needs {py} with torch and safetensors"))?;
-    ensure!(
-        o.status.success(),
-        "cannot read {}: {}",
-        file.display(),
-        String::from_utf8_lossy(&o.stderr)
-            .lines()
-            .last()
-            .unwrap_or("")
-    );
+    let tensors = crate::pickle::read_checkpoint(&file, allow_pickle, scratch)?;
+    let tensors = crate::pickle::unwrap_state_dict(tensors.into_iter().collect(), expected);
+    let out = scratch.join("from_checkpoint.safetensors");
+    Tensor::write_safetensors(&tensors, &out)
+        .with_context(|| format!("rewriting the tensors of {}", file.display()))?;
     Ok(vec![out])
 }
 
@@ -357,7 +354,9 @@ pub fn convert(
     // attempt would otherwise find weights without a config, and refuse the directory.
     let mut written: Vec<PathBuf> = Vec::new();
     let result = (|| -> Result<ConvertReport> {
-        let files = weight_files(src, allow_pickle, &scratch)?;
+        let expected_names: Vec<String> =
+            manifest(&cfg.model).into_iter().map(|(n, _)| n).collect();
+        let files = weight_files(src, allow_pickle, &scratch, &expected_names)?;
         let maps: Vec<Mmap> = files.iter().map(|f| mmap(f)).collect::<Result<_>>()?;
         let parsed: Vec<SafeTensors> = maps
             .iter()
@@ -519,7 +518,7 @@ pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> R
             out.display()
         );
     }
-    let loaded = crate::train::LoadedRun::open(run, &[], ckpt)?;
+    let loaded = crate::train::LoadedRun::open(run, &[], ckpt, false)?;
     let (m, a) = (&loaded.cfg.model, &loaded.cfg.attention);
     let family = match (m.norm_placement, m.qk_norm, m.attention_bias) {
         (NormPlacement::Post, QkNorm::Full, false) => Family::Olmo2,

@@ -36,6 +36,10 @@ pub struct Meta {
     pub val_tokens: u64,
     /// Present for the synthetic corpus: how it was generated.
     pub synth: Option<SynthSpec>,
+    /// Present when the data set holds probe documents (`data probes`): the settings they
+    /// were written with, which evaluation's probes default to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probes: Option<crate::probes::ProbeSpec>,
 }
 
 /// Values one shard may hold: uint16 or uint32.
@@ -312,6 +316,32 @@ impl TextTokenizer {
         }
     }
 
+    /// The token the tokenizer puts before a text when asked for its special tokens (Llama's
+    /// `<s>`, `<|begin_of_text|>`), found by encoding with and without them; None for
+    /// byte-level and for tokenizers that add none (Qwen, GPT-2).
+    pub fn bos(&self) -> Option<u32> {
+        let TextTokenizer::Hf { tokenizer, .. } = self else {
+            return None;
+        };
+        let with = tokenizer.encode("a", true).ok()?;
+        let without = tokenizer.encode("a", false).ok()?;
+        let (with, without) = (with.get_ids(), without.get_ids());
+        (with.len() > without.len() && with[1..].starts_with(without)).then(|| with[0])
+    }
+
+    /// Tokens of `text` with the tokenizer's special tokens added as its post-processor
+    /// says (a BOS first, for most), as Hugging Face's `tokenizer(text)` gives them.
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer
+                .encode(text, true)
+                .map_err(|e| anyhow::anyhow!("tokenizing with {}: {e}", path.display()))?
+                .get_ids()
+                .to_vec()),
+        }
+    }
+
     /// Text of `ids`; a byte-level end of document ends it.
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {
@@ -416,7 +446,7 @@ pub fn prepare(
         train_tokens > 0 && val_tokens > 0,
         "the split left an empty train or val set"
     );
-    finish_text_dataset(out, tok, (train, train_tokens), (val, val_tokens))
+    finish_text_dataset(out, tok, (train, train_tokens), (val, val_tokens), None)
 }
 
 /// Writes a text data set's tokenizer record and, last, its `meta.json`, given the shard
@@ -426,6 +456,7 @@ pub(crate) fn finish_text_dataset(
     tok: &TextTokenizer,
     (train, train_tokens): (Vec<String>, u64),
     (val, val_tokens): (Vec<String>, u64),
+    probes: Option<&crate::probes::ProbeSpec>,
 ) -> Result<Meta> {
     let tokenizer = match tok {
         TextTokenizer::Bytes => "byte".to_string(),
@@ -445,6 +476,7 @@ pub(crate) fn finish_text_dataset(
         train_tokens,
         val_tokens,
         synth: None,
+        probes: probes.cloned(),
     };
     write_meta(out, &meta)?;
     Ok(meta)
@@ -690,6 +722,7 @@ pub fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
         train_tokens: spec.train_tokens as u64,
         val_tokens: spec.val_tokens as u64,
         synth: Some(spec.clone()),
+        probes: None,
     };
     write_meta(out, &meta)?;
     Ok(meta)
@@ -728,6 +761,18 @@ impl Split {
             .iter()
             .map(|n| Shard::open(&dir.join(n), TOKENS_MAGIC))
             .collect::<Result<Vec<_>>>()?;
+        let want = match split {
+            "train" => meta.train_tokens,
+            _ => meta.val_tokens,
+        };
+        let have: u64 = shards.iter().map(|s| s.len() as u64).sum();
+        ensure!(
+            have == want,
+            "data set {}: meta.json gives the {split} split {want} tokens but its shards hold \
+             {have}; the shards and meta.json do not belong together (a shard rewritten, with \
+             another token width or cut short?): prepare the data set again",
+            dir.display()
+        );
         for (s, n) in shards.iter().zip(names) {
             if let Some((i, t)) = (0..s.len())
                 .map(|i| (i, s.get(i)))

@@ -10,24 +10,32 @@ use crate::attention::ForwardCtx;
 use crate::config::Config;
 use crate::data::{Split, DEP_NONE};
 use crate::model::{token_nll, Llama};
+use crate::progress::Progress;
+use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
-#[derive(Serialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct AttentionWork {
-    /// (query, key) pairs attended over all layers, heads and evaluated sequences.
+    /// (query, key) pairs attended over all layers, heads and evaluated sequences, by the
+    /// paths actually executed: a routed token's full prefix or window, PPA's offsets, and
+    /// for L2A both its local window and its global module.
     pub pairs: f64,
     pub full_causal_pairs: f64,
-    /// pairs / full_causal_pairs.
-    pub density: f64,
+    /// pairs / full_causal_pairs: attention work relative to full causal attention in the
+    /// same model. Not a density: above 1 when a method attends more pairs than full
+    /// attention would (L2A at a low threshold adds its global module's pairs to its window's).
+    pub pairs_vs_full: f64,
     /// 4 * pairs * head_dim: QK^T and PV, a multiply and an add each.
     pub flops: f64,
     pub full_causal_flops: f64,
 }
 
-#[derive(Serialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Bucket {
     /// "unpredictable", "local", "d2-3", "d4-7", ..., or "out_of_context".
     pub bucket: String,
@@ -38,9 +46,16 @@ pub struct Bucket {
     pub loss: f64,
 }
 
-#[derive(Serialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct EvalReport {
     pub split: String,
+    /// Length of the evaluated sequences (`eval.seq_len`, or `data.seq_len`).
+    pub seq_len: usize,
+    /// Training step of the evaluated weights, None when they are a bare weight file.
+    pub checkpoint_step: Option<usize>,
+    /// The run's `train.steps`: a checkpoint step below it is a model evaluated before its
+    /// training finished.
+    pub train_steps: usize,
     pub tokens: u64,
     pub loss: f64,
     pub perplexity: f64,
@@ -60,24 +75,114 @@ pub struct EvalReport {
     pub gates: Option<GateReport>,
 }
 
-#[derive(Serialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct GateReport {
-    /// Mean hard gate over layers, tokens and heads.
+    /// Mean hard gate over layers, tokens and heads (a static layer of a routed model, such
+    /// as a pruned L2A layer, counts as all window).
     pub mu_f: f64,
     pub per_layer: Vec<f64>,
     /// `[layer][head]`.
     pub per_head: Vec<Vec<f64>>,
-    /// `[layer][head]`: mean number of tokens between consecutive gate = 1 events of a head
-    /// within a sequence; None where no head fired twice in one sequence.
-    pub mean_gap: Vec<Vec<Option<f64>>>,
+    /// `[layer][head]`: gaps between consecutive full-path calls of each head.
+    pub gaps: Vec<Vec<GapStats>>,
+    /// Heads whose median gap outlasts the evaluated sequences (more than half their spells
+    /// end at a sequence end before the next call): their median is censored, not measured.
+    pub censored_heads: usize,
     /// Synthetic corpus only.
     pub need: Option<NeedReport>,
+}
+
+/// The distribution of one head's gaps: the number of tokens from one call of its full path to
+/// the next (AHA Table 3 reports their mean). Within a finite sequence a gap is complete only
+/// when both calls fall inside it; the spell after a head's last call, and a sequence in
+/// which it never calls, end at the sequence end, so those gaps are only known to be longer
+/// (right-censored). Dropping them, as a plain mean over complete gaps does, biases gaps
+/// short; the Kaplan-Meier estimator below counts them as what they are.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct GapStats {
+    /// Complete gaps observed.
+    pub gaps: u64,
+    /// Mean of the complete gaps: the paper's statistic, biased short.
+    pub mean: Option<f64>,
+    /// Kaplan-Meier median and 90th percentile of the gap; None when the estimate never
+    /// reaches them (censored: longer than the sequences can show).
+    pub median: Option<u32>,
+    pub p90: Option<u32>,
+    /// Longest complete gap.
+    pub max: Option<u32>,
+    /// Longest censored spell: some gap is longer than this.
+    pub max_censored: Option<u32>,
+    /// Share of the evaluated sequences in which the head called full attention fewer than
+    /// twice (no complete gap).
+    pub censored_share: f64,
+}
+
+/// Running counts behind one head's `GapStats`.
+#[derive(Clone, Debug, Default)]
+struct GapCounts {
+    /// Length -> (complete gaps of that length, spells known to exceed that length).
+    at: BTreeMap<u32, (u64, u64)>,
+    sum: f64,
+    sequences: u64,
+    fewer_than_two: u64,
+}
+
+impl GapCounts {
+    /// One sequence of `len` positions in which the head called full attention at `calls`
+    /// (ascending).
+    fn add_sequence(&mut self, calls: &[usize], len: usize) {
+        self.sequences += 1;
+        self.fewer_than_two += (calls.len() < 2) as u64;
+        for w in calls.windows(2) {
+            let g = (w[1] - w[0]) as u32;
+            self.at.entry(g).or_default().0 += 1;
+            self.sum += g as f64;
+        }
+        // After the last call the next one lies at position len or later; a sequence without
+        // a call lies inside a gap longer than the whole sequence.
+        let censored = match calls.last() {
+            Some(&p) => len - 1 - p,
+            None => len,
+        };
+        if censored > 0 {
+            self.at.entry(censored as u32).or_default().1 += 1;
+        }
+    }
+
+    fn finish(&self) -> GapStats {
+        let gaps: u64 = self.at.values().map(|v| v.0).sum();
+        let observations: u64 = self.at.values().map(|v| v.0 + v.1).sum();
+        // Kaplan-Meier: S(t) = prod over gap lengths g <= t of (1 - events(g) / at_risk(g)),
+        // where a spell censored after c tokens is at risk at every g <= c.
+        let mut quantiles = [(0.5, None), (0.9, None)];
+        let (mut at_risk, mut survival) = (observations as f64, 1.0);
+        for (&t, &(events, censored)) in &self.at {
+            if events > 0 {
+                survival *= 1.0 - events as f64 / at_risk;
+                for (q, found) in quantiles.iter_mut() {
+                    if found.is_none() && survival <= 1.0 - *q + 1e-12 {
+                        *found = Some(t);
+                    }
+                }
+            }
+            at_risk -= (events + censored) as f64;
+        }
+        GapStats {
+            gaps,
+            mean: (gaps > 0).then(|| self.sum / gaps as f64),
+            median: quantiles[0].1,
+            p90: quantiles[1].1,
+            max: self.at.iter().rev().find(|(_, v)| v.0 > 0).map(|(&t, _)| t),
+            max_censored: self.at.iter().rev().find(|(_, v)| v.1 > 0).map(|(&t, _)| t),
+            censored_share: self.fewer_than_two as f64 / self.sequences.max(1) as f64,
+        }
+    }
 }
 
 /// Gate = 1 against need: a position needs global attention at window w when the token it
 /// predicts depends on one at least w back. Positions with no dependency and those whose
 /// dependency lies before the sequence start (no attention can reach it) are left out.
-#[derive(Serialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct NeedReport {
     pub window: usize,
     pub positions: u64,
@@ -88,7 +193,7 @@ pub struct NeedReport {
     pub all_gates: PrecisionRecall,
 }
 
-#[derive(Serialize, Clone, Debug, Default, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 pub struct PrecisionRecall {
     pub true_pos: u64,
     pub false_pos: u64,
@@ -122,8 +227,7 @@ struct GateAccum {
     window: usize,
     on: Vec<f64>,
     tokens: u64,
-    gap_sum: Vec<f64>,
-    gap_n: Vec<u64>,
+    gaps: Vec<GapCounts>,
     need: Option<(u64, u64, Vec<PrecisionRecall>, PrecisionRecall)>,
 }
 
@@ -135,8 +239,7 @@ impl GateAccum {
             window,
             on: vec![0.0; layers * heads],
             tokens: 0,
-            gap_sum: vec![0.0; layers * heads],
-            gap_n: vec![0; layers * heads],
+            gaps: vec![GapCounts::default(); layers * heads],
             need: with_need.then(|| {
                 (
                     0,
@@ -153,21 +256,15 @@ impl GateAccum {
         let h = self.heads;
         self.tokens += (batch * len) as u64;
         let at = |l: usize, b: usize, t: usize, hd: usize| gates[l][(b * len + t) * h + hd] > 0.5;
+        let mut calls = Vec::with_capacity(len);
         for l in 0..self.layers {
             for hd in 0..h {
                 let i = l * h + hd;
                 for b in 0..batch {
-                    let mut last: Option<usize> = None;
-                    for t in 0..len {
-                        if at(l, b, t, hd) {
-                            self.on[i] += 1.0;
-                            if let Some(p) = last {
-                                self.gap_sum[i] += (t - p) as f64;
-                                self.gap_n[i] += 1;
-                            }
-                            last = Some(t);
-                        }
-                    }
+                    calls.clear();
+                    calls.extend((0..len).filter(|&t| at(l, b, t, hd)));
+                    self.on[i] += calls.len() as f64;
+                    self.gaps[i].add_sequence(&calls, len);
                 }
             }
         }
@@ -203,18 +300,13 @@ impl GateAccum {
             .iter()
             .map(|r| r.iter().sum::<f64>() / h as f64)
             .collect();
+        let gaps: Vec<Vec<GapStats>> = (0..self.layers)
+            .map(|l| (0..h).map(|hd| self.gaps[l * h + hd].finish()).collect())
+            .collect();
         GateReport {
             mu_f: per_layer.iter().sum::<f64>() / self.layers as f64,
-            mean_gap: (0..self.layers)
-                .map(|l| {
-                    (0..h)
-                        .map(|hd| {
-                            (self.gap_n[l * h + hd] > 0)
-                                .then(|| self.gap_sum[l * h + hd] / self.gap_n[l * h + hd] as f64)
-                        })
-                        .collect()
-                })
-                .collect(),
+            censored_heads: gaps.iter().flatten().filter(|g| g.median.is_none()).count(),
+            gaps,
             per_layer,
             per_head,
             need: self
@@ -245,32 +337,49 @@ pub fn bucket_of(dep: u32, t: usize) -> (String, u32) {
     }
 }
 
+/// Loss, attention work, buckets and gate statistics of `model` on `split`, over sequences of
+/// `cfg.eval_seq_len()` tokens. `show`: a progress bar (status lines off a terminal) over the
+/// batches.
 pub fn evaluate(
     model: &Llama,
     split: &Split,
     cfg: &Config,
     split_name: &str,
     device: Device,
+    show: bool,
 ) -> Result<EvalReport> {
-    let seq_len = cfg.data.seq_len;
+    let seq_len = cfg.eval_seq_len();
     let batches = split.sequential(cfg.eval.batch_size, seq_len, cfg.eval.max_batches, device);
     anyhow::ensure!(
         !batches.is_empty(),
-        "the {split_name} split holds fewer than seq_len + 1 = {} tokens",
-        seq_len + 1
+        "the {split_name} split holds {} tokens, fewer than the {} that one evaluated sequence \
+         of {} = {seq_len} needs",
+        split.tokens(),
+        seq_len + 1,
+        if cfg.eval.seq_len == 0 {
+            "data.seq_len"
+        } else {
+            "eval.seq_len"
+        }
     );
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
-    let mut buckets: std::collections::BTreeMap<(u32, String), (f64, u64)> = Default::default();
+    let mut buckets: BTreeMap<(u32, String), (f64, u64)> = Default::default();
     let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
     let (layers, heads) = (cfg.model.num_hidden_layers, cfg.model.num_attention_heads);
     let mut gates: Option<GateAccum> = None;
-    // Bernoulli routers draw from a generator seeded by the run, so evaluation repeats.
-    let ctx = ForwardCtx {
-        gate_seed: cfg.train.seed ^ 0xE7A1,
-        ..Default::default()
-    };
+    let mut progress = Progress::new(
+        batches.len() as u64,
+        "batches",
+        !show,
+        Duration::from_secs(crate::progress::DEFAULT_STATUS_EVERY),
+    );
+    // Bernoulli gates draw from a seed of the run, so evaluation repeats; each batch has its
+    // own, so no two batches share a mask.
+    let seed = cfg.train.seed ^ 0xE7A1;
+    let mut ctx = ForwardCtx::default();
     tch::no_grad(|| {
-        for b in &batches {
+        for (i, b) in batches.iter().enumerate() {
+            ctx.gate_seed = Rng::derive(seed, &[i as u64]);
             let out = model.forward(&b.x, &ctx);
             let nll = token_nll(&out.logits, &b.y).to_kind(Kind::Double);
             sum += nll.sum(Kind::Double).double_value(&[]);
@@ -309,8 +418,10 @@ pub fn evaluate(
                     e.1 += 1;
                 }
             }
+            progress.update(i as u64 + 1, "");
         }
     });
+    progress.finish();
     let loss = sum / count as f64;
     let freq = counts.to_kind(Kind::Double) / count as f64;
     let unigram_entropy = -(&freq * freq.clamp_min(1e-300).log())
@@ -321,6 +432,9 @@ pub fn evaluate(
     let kv_full = model.full_kv_cache_bytes(seq_len);
     Ok(EvalReport {
         split: split_name.into(),
+        seq_len,
+        checkpoint_step: None,
+        train_steps: cfg.train.steps,
         tokens: count,
         loss,
         perplexity: loss.exp(),
@@ -329,7 +443,7 @@ pub fn evaluate(
         attention: AttentionWork {
             pairs,
             full_causal_pairs: full_pairs,
-            density: pairs / full_pairs,
+            pairs_vs_full: pairs / full_pairs,
             flops: 4.0 * pairs * head_dim,
             full_causal_flops: 4.0 * full_pairs * head_dim,
         },
@@ -353,7 +467,7 @@ pub fn evaluate(
 /// when there are buckets, `eval_buckets.csv`; also the resolved `config.toml`.
 pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
     atomic::ensure_writable_dir(dir)?;
-    let json = serde_json::json!({ "report": report, "config": cfg });
+    let json = serde_json::json!({ "report": report, "config": cfg.recordable() });
     atomic::write_bytes(
         &dir.join("eval.json"),
         serde_json::to_string_pretty(&json)?.as_bytes(),
@@ -368,18 +482,22 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
         ("unigram_entropy", report.unigram_entropy),
         ("attended_pairs", a.pairs),
         ("full_causal_pairs", a.full_causal_pairs),
-        ("attention_density", a.density),
+        ("pairs_vs_full", a.pairs_vs_full),
         ("attention_flops", a.flops),
         ("full_causal_flops", a.full_causal_flops),
-        ("seq_len", cfg.data.seq_len as f64),
+        ("seq_len", report.seq_len as f64),
         ("kv_cache_bytes", report.kv_cache_bytes_total),
         ("kv_cache_bytes_full", report.kv_cache_bytes_full),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(step) = report.checkpoint_step {
+        rows.push(("checkpoint_step".into(), step as f64));
+    }
     if let Some(g) = &report.gates {
         rows.push(("mu_f".into(), g.mu_f));
+        rows.push(("censored_heads".into(), g.censored_heads as f64));
         rows.extend(
             g.per_layer
                 .iter()
@@ -439,8 +557,8 @@ fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) -> Result<()>
 }
 
 /// `layer_head_usage.csv` (the layer x head matrix of mu_f), `head_usage.csv` (one row per
-/// head with its mean gap) and `head_ranking.csv` (heads by mu_f, highest first: the input of
-/// the static_heads method).
+/// head with its gap distribution) and `head_ranking.csv` (heads by mu_f, highest first: the
+/// input of the static_heads method).
 fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
     let heads = g.per_head.first().map_or(0, |r| r.len());
     let mut header = vec!["layer".to_string()];
@@ -456,34 +574,53 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
         })
         .collect();
     write_csv(&dir.join("layer_head_usage.csv"), &header, &matrix)?;
-    let mut heads_long: Vec<(usize, usize, f64, Option<f64>)> = Vec::new();
+    let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let opt = |v: Option<String>| v.unwrap_or_default();
+    let mut rows: Vec<Vec<String>> = Vec::new();
     for (l, r) in g.per_head.iter().enumerate() {
         for (h, &mu) in r.iter().enumerate() {
-            heads_long.push((l, h, mu, g.mean_gap[l][h]));
-        }
-    }
-    let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let rows: Vec<Vec<String>> = heads_long
-        .iter()
-        .map(|(l, h, mu, gap)| {
-            vec![
+            let gap = &g.gaps[l][h];
+            rows.push(vec![
                 l.to_string(),
                 h.to_string(),
                 mu.to_string(),
-                gap.map(|g| g.to_string()).unwrap_or_default(),
-            ]
-        })
-        .collect();
+                gap.gaps.to_string(),
+                opt(gap.mean.map(|v| v.to_string())),
+                opt(gap.median.map(|v| v.to_string())),
+                opt(gap.p90.map(|v| v.to_string())),
+                opt(gap.max.map(|v| v.to_string())),
+                opt(gap.max_censored.map(|v| v.to_string())),
+                gap.censored_share.to_string(),
+            ]);
+        }
+    }
     write_csv(
         &dir.join("head_usage.csv"),
-        &strs(&["layer", "head", "mu_f", "mean_gap"]),
+        &strs(&[
+            "layer",
+            "head",
+            "mu_f",
+            "gaps",
+            "mean_gap",
+            "gap_median",
+            "gap_p90",
+            "gap_max",
+            "gap_max_censored",
+            "censored_share",
+        ]),
         &rows,
     )?;
-    heads_long.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
-    let rows: Vec<Vec<String>> = heads_long
+    let mut ranked: Vec<(usize, usize, f64)> = g
+        .per_head
         .iter()
         .enumerate()
-        .map(|(rank, (l, h, mu, _))| {
+        .flat_map(|(l, r)| r.iter().enumerate().map(move |(h, &mu)| (l, h, mu)))
+        .collect();
+    ranked.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    let rows: Vec<Vec<String>> = ranked
+        .iter()
+        .enumerate()
+        .map(|(rank, (l, h, mu))| {
             vec![
                 (rank + 1).to_string(),
                 l.to_string(),
@@ -574,16 +711,18 @@ pub fn prune_l2a(
         "{} already holds a model; choose another --out",
         out.display()
     );
-    let loaded = crate::train::LoadedRun::open(run, &[], ckpt)?;
+    let loaded = crate::train::LoadedRun::open(run, &[], ckpt, true)?;
     let cfg = &loaded.cfg;
     ensure!(
         cfg.attention.method == crate::config::Method::L2a,
-        "{} is a {:?} run; pruning applies to l2a",
+        "{} trains attention.method = {}; pruning removes L2A's global modules, so it applies \
+         to runs of method \"l2a\" only",
         run.display(),
-        cfg.attention.method
+        toml::Value::try_from(cfg.attention.method).map_or_else(|_| "?".into(), |v| v.to_string())
     );
-    let split = Split::open(&cfg.data.dir, &loaded.meta, "val")?;
-    let before = evaluate(&loaded.built.model, &split, cfg, "val", loaded.device)?;
+    let split = Split::open(&cfg.data.dir, loaded.meta()?, "val")?;
+    crate::memory::check_eval(cfg, loaded.device)?;
+    let before = evaluate(&loaded.built.model, &split, cfg, "val", loaded.device, true)?;
     let sparsity: Vec<f64> = before
         .gates
         .as_ref()
@@ -604,7 +743,15 @@ pub fn prune_l2a(
         loaded.weights.display(),
         r.initialised
     );
-    let after = evaluate(&pruned.model, &split, &pruned_cfg, "val", loaded.device)?;
+    let mut after = evaluate(
+        &pruned.model,
+        &split,
+        &pruned_cfg,
+        "val",
+        loaded.device,
+        true,
+    )?;
+    after.checkpoint_step = loaded.step;
     atomic::ensure_writable_dir(out)?;
     let tensors: Vec<(String, Tensor)> = pruned.params().into_iter().collect();
     atomic::write_with(&out.join("model.safetensors"), |tmp| {
@@ -633,6 +780,121 @@ pub fn prune_l2a(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Method;
+
+    /// Kaplan-Meier by hand over three sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2;
+    /// the spell after 4 censored at 5), none (censored at 10), and 1, 8 (gap 7; censored at 1).
+    /// At gap 2, 5 observations are at risk and 2 end: S = 0.6; at 7, 2 at risk, 1 ends:
+    /// S = 0.3. So the median is 7, while the mean of the complete gaps is 11/3; p90 is never
+    /// reached (censored).
+    #[test]
+    fn gap_quantiles_count_censored_spells() {
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 2, 4], 10);
+        g.add_sequence(&[], 10);
+        g.add_sequence(&[1, 8], 10);
+        let s = g.finish();
+        assert_eq!(s.gaps, 3);
+        assert!((s.mean.unwrap() - 11.0 / 3.0).abs() < 1e-12);
+        assert_eq!((s.median, s.p90), (Some(7), None));
+        assert_eq!((s.max, s.max_censored), (Some(7), Some(10)));
+        assert!((s.censored_share - 1.0 / 3.0).abs() < 1e-12);
+        // A head that calls every token: gaps of 1, nothing censored but the last call
+        // (which ends at the sequence end: no spell).
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 1, 2, 3], 4);
+        let s = g.finish();
+        assert_eq!((s.median, s.p90, s.max_censored), (Some(1), Some(1), None));
+        // A head that never calls: every quantile censored.
+        let mut g = GapCounts::default();
+        g.add_sequence(&[], 4);
+        assert_eq!(g.finish().median, None);
+    }
+
+    /// A data set whose val split is `rows` copies of one sequence of `len` tokens (a period
+    /// of `len`, so every sequential window is the same), and a routed config over it.
+    fn repeated_rows(tag: &str, len: usize, rows: usize, method: Method) -> (Config, Split) {
+        use crate::data::{write_shard, Meta, Width, TOKENS_MAGIC};
+        let dir = crate::scratch_dir(tag);
+        let tokens: Vec<u32> = (0..len * rows + 1).map(|k| (k % len % 13) as u32).collect();
+        for split in ["train", "val"] {
+            write_shard(
+                &dir.join(format!("{split}_000.bin")),
+                TOKENS_MAGIC,
+                Width::U16,
+                &tokens,
+            )
+            .unwrap();
+        }
+        let meta = Meta {
+            format: 1,
+            tokenizer: "synth".into(),
+            vocab_size: 13,
+            eot_token: None,
+            train: vec!["train_000.bin".into()],
+            val: vec!["val_000.bin".into()],
+            train_tokens: tokens.len() as u64,
+            val_tokens: tokens.len() as u64,
+            synth: None,
+            probes: None,
+        };
+        std::fs::write(dir.join("meta.json"), serde_json::to_string(&meta).unwrap()).unwrap();
+        let mut c = Config::default();
+        c.model.vocab_size = 13;
+        c.model.hidden_size = 16;
+        c.model.intermediate_size = 24;
+        c.model.num_hidden_layers = 2;
+        c.attention.method = method;
+        c.attention.window = 2;
+        c.data.dir = dir.clone();
+        c.data.seq_len = len;
+        c.train.device = "cpu".into();
+        c.eval.batch_size = 1;
+        let split = Split::open(&dir, &meta, "val").unwrap();
+        (c, split)
+    }
+
+    /// Context-free gates are drawn afresh for every evaluated batch: two batches holding the
+    /// same sequence get different masks, so their mean loss is not that of one of them (it
+    /// was, when every batch reused one mask).
+    #[test]
+    fn context_free_gates_differ_between_batches() {
+        let (mut c, split) = repeated_rows("eval-bernoulli", 16, 2, Method::L2a);
+        c.attention.router = crate::config::Router::Bernoulli;
+        c.attention.bernoulli_p = 0.5;
+        let b = crate::train::Built::new(&c, Device::Cpu).unwrap();
+        let loss = |batches: usize| {
+            let c = Config {
+                eval: crate::config::EvalConfig {
+                    max_batches: batches,
+                    ..c.eval.clone()
+                },
+                ..c.clone()
+            };
+            evaluate(&b.model, &split, &c, "val", Device::Cpu, false)
+                .unwrap()
+                .loss
+        };
+        assert!((loss(1) - loss(2)).abs() > 1e-7);
+        assert_eq!(loss(2), loss(2), "evaluation repeats");
+    }
+
+    /// mu_f counts a pruned L2A layer as all window in training's log and in evaluation
+    /// alike (training's average used to skip it).
+    #[test]
+    fn mu_f_is_the_same_in_training_and_evaluation() {
+        let (mut c, split) = repeated_rows("eval-mu-f", 16, 1, Method::L2a);
+        c.attention.pruned_layers = vec![0];
+        let b = crate::train::Built::new(&c, Device::Cpu).unwrap();
+        let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
+        let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
+        let (_, step) =
+            crate::train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
+        let mu = report.gates.unwrap().mu_f;
+        // The zero-initialised router opens every gate of layer 1; layer 0 has none.
+        assert!((mu - 0.5).abs() < 1e-12, "{mu}");
+        assert!((step.full_usage.unwrap() - mu).abs() < 1e-12);
+    }
 
     #[test]
     fn buckets_by_power_of_two_and_context() {

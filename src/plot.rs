@@ -413,7 +413,7 @@ fn grouped(
         .collect()
 }
 
-/// Points no other point beats on both attention density and loss.
+/// Points no other point beats on both attention work (attended pairs over full causal pairs) and loss.
 pub fn pareto_front(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
     let mut sorted: Vec<(f64, f64)> = points
         .iter()
@@ -621,7 +621,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                     line: true,
                     labels: vec![],
                 });
-            s.points.push((r.density, r.loss));
+            s.points.push((r.pairs_vs_full, r.loss));
             s.labels.push(format!("tau={}", r.tau));
         }
         let series: Vec<Series> = groups
@@ -734,13 +734,13 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .unwrap_or("");
     let quality: Vec<&Row> = all
         .iter()
-        .filter(|r| r.kind != "prune" && r.density.is_finite() && r.source == budget)
+        .filter(|r| r.kind != "prune" && r.pairs_vs_full.is_finite() && r.source == budget)
         .collect();
     if quality.len() > 1 {
         let front = pareto_front(
             &quality
                 .iter()
-                .map(|r| (r.density, r.loss))
+                .map(|r| (r.pairs_vs_full, r.loss))
                 .collect::<Vec<_>>(),
         );
         // The front first, so every method's points are drawn over it.
@@ -753,7 +753,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         for mut s in grouped(
             &quality,
             |r| r.method.clone(),
-            |r| Some((r.density, r.loss)),
+            |r| Some((r.pairs_vs_full, r.loss)),
         ) {
             s.line = false;
             series.push(s);

@@ -83,7 +83,8 @@ const WORDS: [&str; 64] = [
 ];
 
 /// Everything a probe's text depends on besides the task and its position in the grid.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ProbeSpec {
     pub seed: u64,
     /// Digits of every magic number and pass key (RULER uses 7).
@@ -596,7 +597,7 @@ pub fn write_dataset(
     }
     let val = splits.pop().expect("val");
     let train = splits.pop().expect("train");
-    data::finish_text_dataset(out, &tok, train, val)
+    data::finish_text_dataset(out, &tok, train, val, Some(spec))
 }
 
 #[cfg(test)]

@@ -23,6 +23,14 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// A seed derived from `seed` and `keys`, each key mixed in by one SplitMix64 step: the
+    /// streams of different keys are independent, and a key's stream does not depend on any
+    /// generator's state.
+    pub fn derive(seed: u64, keys: &[u64]) -> u64 {
+        keys.iter()
+            .fold(seed, |acc, k| Rng::new(acc ^ k).next_u64())
+    }
+
     /// Uniform in [0, 1) with 53 random bits.
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

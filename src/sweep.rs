@@ -32,13 +32,19 @@
 //! thresholds = [0.9, 0.95]
 //! ```
 //!
-//! In string settings, `{source}` stands for the directory of the cell a cell depends on,
-//! e.g. `"attention.head_ranking" = "{source}/eval/head_ranking.csv"`.
+//! In string settings, `{source}` stands for the directory of the cell a cell starts from,
+//! and `{reads}` for that of the cell named by the stage's `reads` (a train stage's second
+//! dependency, whose files it reads without taking its weights), e.g. static heads trained
+//! from the base with `reads = "aha"` and `"attention.head_ranking" =
+//! "{reads}/eval/head_ranking.csv"`.
 //!
-//! A cell's id is its stage name plus a hash of what it computes (resolved config, the cell it
-//! starts from, its kind), so it does not depend on how the grid file orders its keys, and an
-//! edited grid reuses every cell whose computation did not change. A cell depends on the one
-//! cell of the referenced stage whose settings agree with its own on every key both set.
+//! A cell's id is its stage name plus a hash of what it computes (resolved config with the
+//! settings its method ignores set aside, the cells it starts from and reads, its kind), so it
+//! does not depend on how the grid file orders its keys, an edited grid reuses every cell whose
+//! computation did not change, and a stage that computes what an earlier one did shares that
+//! cell (same id and directory) instead of running it twice. A stage that expands to no cells
+//! is an error. A cell depends on the one cell of the referenced stage whose settings agree
+//! with its own on every key both set.
 //!
 //! Runners coordinate through the file system: a cell is run under an exclusive lock on
 //! `<cell>/lock` (released by the OS when a runner dies), its state is `<cell>/status.json`
@@ -46,12 +52,13 @@
 //! and reruns failed ones only with `--retry-failed`.
 
 use crate::atomic;
-use crate::config::{apply_override, Config};
+use crate::config::{apply_override, Config, Method};
 use crate::data::{self, SynthSpec};
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -157,6 +164,11 @@ pub struct Stage {
     /// prune: the sparsity thresholds.
     #[serde(default)]
     pub thresholds: Vec<f64>,
+    /// train: a stage whose matching cell this one reads files of (`{reads}` in string
+    /// settings names its directory) without starting from its weights; e.g. static top-k
+    /// heads ranked by an AHA cell but trained from the same base for the same budget.
+    #[serde(default)]
+    pub reads: Option<String>,
 }
 
 fn default_kind() -> StageKind {
@@ -180,6 +192,9 @@ pub struct Cell {
     pub settings: BTreeMap<String, toml::Value>,
     /// Cell this one starts from (train) or works on (eval, prune).
     pub depends_on: Option<String>,
+    /// Cell whose files this one reads (a stage's `reads`).
+    #[serde(default)]
+    pub reads: Option<String>,
     pub threshold: Option<f64>,
     /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
     pub config: Config,
@@ -295,16 +310,41 @@ fn resolve(
     for (k, v) in overrides {
         apply_override(&mut tree, &format!("{k}={v}")).with_context(|| format!("{what}: {k}"))?;
     }
-    let cfg: Config = toml::Value::Table(tree)
-        .try_into()
-        .with_context(|| format!("{what}: invalid config"))?;
-    cfg.validate()
-        .with_context(|| format!("{what}: invalid config"))?;
-    Ok(cfg)
+    Config::from_tree(tree).with_context(|| format!("{what}: invalid config"))
+}
+
+/// The one cell of stage `src` that agrees with assignment `a` on every varied key both
+/// have (cells that compute the same thing share one id, and count once).
+fn matching_cell<'a>(
+    cells: &'a [Cell],
+    src: &str,
+    a: &BTreeMap<String, toml::Value>,
+    what: &str,
+) -> Result<&'a Cell> {
+    let mut matches: Vec<&Cell> = cells
+        .iter()
+        .filter(|c| {
+            c.stage == src
+                && c.assignment
+                    .iter()
+                    .all(|(k, v)| a.get(k).is_none_or(|x| x == v))
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    matches.retain(|c| seen.insert(c.id.clone()));
+    ensure!(
+        matches.len() == 1,
+        "{what}: {} cells of stage {src:?} match {{{}}}; vary a key they share to pick one",
+        matches.len(),
+        label(a)
+    );
+    Ok(matches[0])
 }
 
 /// Expands and validates a grid: every cell resolves to a valid config and finds its
-/// dependency. Nothing runs.
+/// dependency. Nothing runs. A cell that computes what an earlier one computes (the same
+/// config once the settings its method ignores are set aside, the same starting point and
+/// kind) shares that cell's id and directory, so it is run once.
 pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
     ensure!(
         !grid.stages.is_empty(),
@@ -320,6 +360,7 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
         "grid name {:?} must be letters, digits, '_' or '-'",
         grid.name
     );
+    crate::config::reject_non_finite(&grid.base, "base.")?;
     let mut cells: Vec<Cell> = Vec::new();
     for (si, stage) in grid.stages.iter().enumerate() {
         let what = format!("stage {:?}", stage.name);
@@ -327,14 +368,16 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             grid.stages[..si].iter().all(|s| s.name != stage.name),
             "{what} is defined twice"
         );
-        let earlier = |name: &Option<String>, field: &str| -> Result<Option<String>> {
+        let earlier = |name: &Option<String>, field: &str| -> Result<Option<&Stage>> {
             match name {
                 None => Ok(None),
-                Some(n) if grid.stages[..si].iter().any(|s| &s.name == n) => Ok(Some(n.clone())),
-                Some(n) => bail!("{what}: {field} = {n:?} names no earlier stage"),
+                Some(n) => match grid.stages[..si].iter().find(|s| &s.name == n) {
+                    Some(s) => Ok(Some(s)),
+                    None => bail!("{what}: {field} = {n:?} names no earlier stage"),
+                },
             }
         };
-        let source = match stage.kind {
+        let (source, reads) = match stage.kind {
             StageKind::Train => {
                 ensure!(
                     stage.of.is_none(),
@@ -344,27 +387,65 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                     stage.thresholds.is_empty(),
                     "{what}: thresholds are for prune stages"
                 );
-                earlier(&stage.init_from, "init_from")?
+                (
+                    earlier(&stage.init_from, "init_from")?,
+                    earlier(&stage.reads, "reads")?,
+                )
             }
             StageKind::Eval | StageKind::Prune => {
                 ensure!(
-                    stage.init_from.is_none(),
-                    "{what}: init_from is for train stages"
+                    stage.init_from.is_none() && stage.reads.is_none(),
+                    "{what}: init_from and reads are for train stages"
                 );
                 let of = earlier(&stage.of, "of")?;
-                ensure!(of.is_some(), "{what}: a {:?} stage needs `of`", stage.kind);
-                of
+                let Some(of) = of else {
+                    bail!("{what}: a {:?} stage needs `of`", stage.kind)
+                };
+                // Evaluation needs a model: a trained or a pruned one; pruning a trained one.
+                let allowed = match stage.kind {
+                    StageKind::Eval => of.kind != StageKind::Eval,
+                    _ => of.kind == StageKind::Train,
+                };
+                ensure!(
+                    allowed,
+                    "{what}: of = {:?} names a stage of kind {}, whose cells hold no model to {}",
+                    of.name,
+                    format!("{:?}", of.kind).to_lowercase(),
+                    if stage.kind == StageKind::Eval {
+                        "evaluate"
+                    } else {
+                        "prune"
+                    }
+                );
+                (Some(of), None)
             }
         };
+        let source = source.map(|s| s.name.clone());
+        let reads = reads.map(|s| s.name.clone());
         if stage.kind == StageKind::Prune {
             ensure!(
                 !stage.thresholds.is_empty(),
                 "{what}: a prune stage needs thresholds"
             );
+            if let Some(t) = stage.thresholds.iter().find(|t| !(0.0..=1.0).contains(*t)) {
+                bail!("{what}: threshold {t} is outside 0 ..= 1 (a layer is pruned when its sparsity, 1 - its mean gate, reaches the threshold)");
+            }
             ensure!(
                 stage.axes.is_empty() && stage.zip.is_empty() && stage.include.is_empty(),
                 "{what}: prune stages take thresholds, not axes"
             );
+            let of = source.as_deref().expect("prune stages have `of`");
+            if let Some(c) = cells
+                .iter()
+                .find(|c| c.stage == of && c.config.attention.method != Method::L2a)
+            {
+                bail!(
+                    "{what}: pruning removes L2A's global modules, but cell {} ({}) of stage {of:?} trains method {:?}",
+                    c.id,
+                    c.label,
+                    c.config.attention.method
+                );
+            }
         }
         let stage_assignments = match stage.kind {
             StageKind::Prune => vec![BTreeMap::new()],
@@ -378,28 +459,18 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             // it on every varied key both stages have.
             (Some(src), StageKind::Train) => {
                 for a in stage_assignments {
-                    let matches: Vec<&Cell> = cells
-                        .iter()
-                        .filter(|c| {
-                            &c.stage == src
-                                && c.assignment
-                                    .iter()
-                                    .all(|(k, v)| a.get(k).is_none_or(|x| x == v))
-                        })
-                        .collect();
-                    ensure!(
-                        matches.len() == 1,
-                        "{what}: {} cells of stage {src:?} match {{{}}}; vary a key they share to pick one",
-                        matches.len(),
-                        label(&a)
-                    );
-                    let dep = matches[0].clone();
+                    let dep = matching_cell(&cells, src, &a, &what)?.clone();
                     plans.push((a, Some(dep), None));
                 }
             }
             // Eval and prune cells act on every cell of their source stage.
             (Some(src), _) => {
-                for d in cells.iter().filter(|c| &c.stage == src) {
+                let mut seen = std::collections::BTreeSet::new();
+                let deps: Vec<&Cell> = cells
+                    .iter()
+                    .filter(|c| &c.stage == src && seen.insert(c.id.clone()))
+                    .collect();
+                for d in deps {
                     if stage.kind == StageKind::Prune {
                         plans.extend(
                             stage
@@ -417,6 +488,7 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                 }
             }
         }
+        let first = cells.len();
         for (assignment, dep, threshold) in plans {
             let mut settings: BTreeMap<String, toml::Value> = stage
                 .set
@@ -434,19 +506,24 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                 (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
                 _ => (resolve(&grid.base, &settings, &what)?, settings),
             };
+            let read = match &reads {
+                Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
+                None => None,
+            };
             let fingerprint = format!(
-                "{:?}\n{}\n{}\n{:?}",
+                "{:?}\n{}\n{}\n{:?}{}",
                 stage.kind,
-                config.non_default_toml(),
+                config.canonical().non_default_toml(),
                 dep.as_ref().map_or("", |d| d.id.as_str()),
-                threshold.map(|t| t.to_bits())
+                threshold.map(|t| t.to_bits()),
+                read.as_ref()
+                    .map_or(String::new(), |r| format!("\nreads {r}"))
             );
-            let id = format!("{}-{:08x}", stage.name, fnv1a(fingerprint.as_bytes()) >> 32);
-            ensure!(
-                !cells.iter().any(|c| c.id == id),
-                "{what}: two cells compute the same thing ({})",
-                label(&assignment)
-            );
+            let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+            let id = cells
+                .iter()
+                .find(|c| c.id.ends_with(&hash))
+                .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
             // The label names what varies: the dependency's varied keys, then this cell's.
             let mut shown = dep
                 .as_ref()
@@ -470,10 +547,15 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                 assignment: shown,
                 settings,
                 depends_on: dep.map(|d| d.id),
+                reads: read,
                 threshold,
                 config,
             });
         }
+        ensure!(
+            cells.len() > first,
+            "{what} expands to no cells (every assignment is excluded, or the stage it works on has none); give it axes, include or set"
+        );
     }
     Ok(cells)
 }
@@ -506,6 +588,71 @@ pub struct SweepArgs {
     pub cell: Option<usize>,
     pub retry_failed: bool,
     pub quiet: bool,
+    /// Seconds between status lines when stderr is not a terminal.
+    pub status_every: u64,
+}
+
+/// The cells (ids, once each) of `cells` that `args` would run and whose last attempt failed.
+pub fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
+    let mut ids: Vec<String> = cells
+        .iter()
+        .filter(|c| args.cell.is_none_or(|k| c.index == k))
+        .filter(|c| read_status(&args.out.join(&c.id)).is_some_and(|s| s.state == State::Failed))
+        .map(|c| c.id.clone())
+        .collect();
+    ids.dedup();
+    ids
+}
+
+/// Status lines of a sweep whose stderr is not a terminal (a Slurm log, nohup), where
+/// progress bars would not show: cells done, failed and left, and how far each running cell
+/// has got, every `every`.
+struct StatusLines {
+    every: Duration,
+    /// The sweep directory and the ids of the cells this invocation covers, once each.
+    out: PathBuf,
+    ids: Vec<String>,
+    /// Time of the last line, and each running cell's progress.
+    state: Mutex<(std::time::Instant, BTreeMap<String, String>)>,
+}
+
+impl StatusLines {
+    fn set(&self, cell: &str, progress: Option<String>) {
+        if let Ok(mut s) = self.state.lock() {
+            match progress {
+                Some(p) => s.1.insert(cell.to_string(), p),
+                None => s.1.remove(cell),
+            };
+        }
+    }
+
+    /// Prints the line when it is due: cells done and failed as their status files say
+    /// (earlier runs' included), the rest left, and the running cells' progress.
+    fn tick(&self) {
+        let Ok(mut s) = self.state.lock() else { return };
+        if s.0.elapsed() < self.every {
+            return;
+        }
+        s.0 = std::time::Instant::now();
+        let states: Vec<Option<State>> = self
+            .ids
+            .iter()
+            .map(|id| read_status(&self.out.join(id)).map(|st| st.state))
+            .collect();
+        let count = |x: State| states.iter().filter(|s| **s == Some(x)).count();
+        let (done, failed) = (count(State::Done), count(State::Failed));
+        let running: Vec<String> = s.1.iter().map(|(c, p)| format!("{c} {p}")).collect();
+        eprintln!(
+            "cells: {done} done, {failed} failed, {} left of {}; running: {}",
+            self.ids.len() - done - failed,
+            self.ids.len(),
+            if running.is_empty() {
+                "none".into()
+            } else {
+                running.join(", ")
+            }
+        );
+    }
 }
 
 /// What a run of the sweep ended with.
@@ -558,9 +705,12 @@ pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
     let chosen: Vec<&Cell> = match args.cell {
         Some(k) => {
             let c = cells.get(k).with_context(|| {
-                format!("--cell {k}: the grid has cells 0 ..= {}", cells.len() - 1)
+                format!(
+                    "--cell {k}: the grid has cells 0 ..= {}",
+                    cells.len().saturating_sub(1)
+                )
             })?;
-            if let Some(dep) = &c.depends_on {
+            for dep in c.depends_on.iter().chain(&c.reads) {
                 let st = read_status(&args.out.join(dep));
                 ensure!(
                     st.is_some_and(|s| s.state == State::Done),
@@ -571,6 +721,17 @@ pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
         }
         None => cells.iter().collect(),
     };
+    let status = (!args.quiet && !std::io::stderr().is_terminal()).then(|| {
+        let mut ids: Vec<String> = chosen.iter().map(|c| c.id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        StatusLines {
+            every: Duration::from_secs(args.status_every),
+            out: args.out.clone(),
+            ids,
+            state: Mutex::new((std::time::Instant::now(), BTreeMap::new())),
+        }
+    });
     let overall = mp.add(ProgressBar::new(chosen.len() as u64));
     overall.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} cells {msg}").expect("template"),
@@ -620,11 +781,15 @@ pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
                         &exe,
                         &attempted,
                     );
+                    let watch = Watch {
+                        mp,
+                        status: status.as_ref(),
+                    };
                     s.spawn(move || loop {
                         let i = next.fetch_add(1, Ordering::SeqCst);
                         let Some(cell) = pending.get(i) else { break };
                         let device = args.devices.get(w).copied();
-                        let result = run_cell(cell, args, exe, device, threads_per_job, mp);
+                        let result = run_cell(cell, args, exe, device, threads_per_job, &watch);
                         if !matches!(result, Ok(CellRun::HeldElsewhere)) {
                             attempted.lock().unwrap().insert(cell.id.clone());
                         }
@@ -676,14 +841,21 @@ enum CellRun {
     HeldElsewhere,
 }
 
+/// What shows a running cell's progress: its bar, and the status lines off a terminal.
+struct Watch<'a> {
+    mp: &'a MultiProgress,
+    status: Option<&'a StatusLines>,
+}
+
 fn run_cell(
     cell: &Cell,
     args: &SweepArgs,
     exe: &Path,
     device: Option<usize>,
     threads: usize,
-    mp: &MultiProgress,
+    watch: &Watch,
 ) -> Result<CellRun> {
+    let mp = watch.mp;
     let dir = args.out.join(&cell.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let lock = std::fs::File::create(dir.join("lock"))?;
@@ -709,7 +881,8 @@ fn run_cell(
         },
     )?;
     let dep_dir = cell.depends_on.as_ref().map(|d| args.out.join(d));
-    if let Some(d) = &dep_dir {
+    let reads_dir = cell.reads.as_ref().map(|d| args.out.join(d));
+    for d in dep_dir.iter().chain(&reads_dir) {
         if read_status(d).is_none_or(|s| s.state != State::Done) {
             let error = format!("dependency {} did not finish", d.display());
             write_status(
@@ -728,15 +901,18 @@ fn run_cell(
         StageKind::Train => {
             // `{source}` in a setting names the directory of the cell this one depends on
             // (e.g. a head ranking written by that cell's evaluation).
-            let source = dep_dir
-                .as_ref()
-                .map(|d| d.display().to_string())
-                .unwrap_or_default();
+            // and `{reads}` that of the cell it reads.
+            let shown = |d: &Option<PathBuf>| {
+                d.as_ref()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default()
+            };
             atomic::write_bytes(
                 &dir.join("cell.toml"),
                 cell.config
                     .to_toml()
-                    .replace("{source}", &source)
+                    .replace("{source}", &shown(&dep_dir))
+                    .replace("{reads}", &shown(&reads_dir))
                     .as_bytes(),
             )?;
             cmd.args(["train", "-q", "--out"]).arg(&dir);
@@ -781,8 +957,23 @@ fn run_cell(
     cmd.stdin(Stdio::from(lock.try_clone()?))
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log));
-    let bar = mp.add(ProgressBar::new(cell.config.train.steps as u64));
-    bar.set_style(ProgressStyle::with_template("  {bar:20} {pos}/{len} {msg}").expect("template"));
+    // Training shows its steps; evaluation and pruning, which log no steps, a spinner.
+    let bar = match cell.kind {
+        StageKind::Train => {
+            let b = mp.add(ProgressBar::new(cell.config.train.steps as u64));
+            b.set_style(
+                ProgressStyle::with_template("  {bar:20} {pos}/{len} {msg}").expect("template"),
+            );
+            b
+        }
+        _ => {
+            let b = mp.add(ProgressBar::new_spinner());
+            b.set_style(
+                ProgressStyle::with_template("  {spinner} {elapsed} {msg}").expect("template"),
+            );
+            b
+        }
+    };
     bar.set_message(format!("{} {}", cell.stage, cell.label));
     let mut child = cmd
         .spawn()
@@ -791,11 +982,26 @@ fn run_cell(
         if let Some(s) = child.try_wait()? {
             break s;
         }
-        if cell.kind == StageKind::Train {
-            bar.set_position(last_logged_step(&dir.join("train_log.csv")));
+        let progress = match cell.kind {
+            StageKind::Train => {
+                let step = last_logged_step(&dir.join("train_log.csv"));
+                bar.set_position(step);
+                format!("step {step}/{}", cell.config.train.steps)
+            }
+            _ => {
+                bar.tick();
+                format!("{:?} {}s", cell.kind, bar.elapsed().as_secs()).to_lowercase()
+            }
+        };
+        if let Some(s) = watch.status {
+            s.set(&cell.id, Some(progress));
+            s.tick();
         }
         std::thread::sleep(Duration::from_millis(500));
     };
+    if let Some(s) = watch.status {
+        s.set(&cell.id, None);
+    }
     bar.finish_and_clear();
     mp.remove(&bar);
     crate::fault::point("sweep_cell_finished");
@@ -857,7 +1063,9 @@ pub fn emit_slurm(grid_path: &Path, grid: &Grid, cells: &[Cell], out: &Path) -> 
             .filter(|c| c.stage == stage.name)
             .map(|c| c.index)
             .collect();
-        let (lo, hi) = (idx[0], idx[idx.len() - 1]);
+        let (Some(&lo), Some(&hi)) = (idx.first(), idx.last()) else {
+            bail!("stage {:?} has no cells", stage.name);
+        };
         let script = format!(
             "#!/usr/bin/env bash\n#SBATCH --job-name={name}-{stage}\n#SBATCH --array={lo}-{hi}\n#SBATCH --output={out}/slurm/{stage}-%a.log\n# Site options (partition, time, --gres=gpu:1, ...) go here or on the sbatch command line.\nset -euo pipefail\ncd {cwd}\nexec {exe} sweep --grid {grid} --out {out} --cell \"$SLURM_ARRAY_TASK_ID\" --quiet\n",
             name = grid.name,
@@ -1003,6 +1211,105 @@ axes = {{ "attention.window" = [4, 8], "attention.hybrid_every" = [2] }}
 "#
         ));
         assert_ne!(ids(&a), ids(&c));
+    }
+
+    /// A setting the cell's method ignores does not make it another cell: two stages that
+    /// compute the same thing share one id (run once), and a later stage's dependency on
+    /// either finds that one cell.
+    #[test]
+    fn cells_that_compute_the_same_thing_are_one_cell() {
+        let g = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "full"
+init_from = "base"
+set = {{ "attention.method" = "full", "attention.lambda" = 0.5 }}
+[[stage]]
+name = "cpt"
+init_from = "base"
+set = {{ "attention.method" = "full", "attention.window" = 8 }}
+[[stage]]
+name = "zs"
+kind = "eval"
+of = "cpt"
+set = {{ "attention.method" = "swa" }}
+"#
+        ));
+        let cells = expand(&g).unwrap();
+        assert_eq!(cells.len(), 4);
+        assert_eq!(cells[1].id, cells[2].id, "one full-attention continuation");
+        assert!(cells[1].id.starts_with("full-"));
+        assert_eq!(cells[3].depends_on.as_deref(), Some(cells[1].id.as_str()));
+    }
+
+    /// `reads` names a second dependency, whose directory `{reads}` stands for, without
+    /// taking its weights: the static heads start from the base like the AHA cell.
+    #[test]
+    fn a_stage_reads_another_without_starting_from_it() {
+        let g = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha" }}
+[[stage]]
+name = "static"
+init_from = "base"
+reads = "aha"
+set = {{ "attention.method" = "static_heads", "attention.head_ranking" = "{{reads}}/eval/head_ranking.csv" }}
+axes = {{ "attention.top_k" = [1, 16] }}
+"#
+        ));
+        let cells = expand(&g).unwrap();
+        let (base, aha) = (&cells[0].id, &cells[1].id);
+        for c in &cells[2..] {
+            assert_eq!(c.depends_on.as_ref(), Some(base));
+            assert_eq!(c.reads.as_ref(), Some(aha));
+            assert_eq!(c.config.train.steps, cells[1].config.train.steps);
+        }
+    }
+
+    /// What a run would only find out later is refused at expansion, naming the stage.
+    #[test]
+    fn stages_that_cannot_run_are_refused_when_expanded() {
+        let err = |extra: &str| {
+            format!(
+                "{:#}",
+                expand(&grid(&format!("{BASE}{extra}"))).unwrap_err()
+            )
+        };
+        let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.window\" = [4] }\nexclude = [{ \"attention.window\" = 4 }]\n");
+        assert!(e.contains("stage \"a\" expands to no cells"), "{e}");
+        let base = "\n[[stage]]\nname = \"b\"\nset = { \"attention.method\" = \"l2a\" }\n";
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"b\"\nthresholds = [1.5]\n"
+        ));
+        assert!(e.contains("threshold 1.5") && e.contains("0 ..= 1"), "{e}");
+        let e = err("\n[[stage]]\nname = \"b\"\n[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"b\"\nthresholds = [0.9]\n");
+        assert!(e.contains("trains method Full"), "{e}");
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"e\"\nkind = \"eval\"\nof = \"b\"\n[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"e\"\nthresholds = [0.9]\n"
+        ));
+        assert!(
+            e.contains("kind eval, whose cells hold no model to prune"),
+            "{e}"
+        );
+        let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.tau\" = [0.5, nan] }\n");
+        assert!(e.contains("attention.tau") && e.contains("finite"), "{e}");
+        let e = format!(
+            "{:#}",
+            expand(&grid(
+                "name = \"t\"\n[base.train]\nlr = inf\n[[stage]]\nname = \"a\"\n"
+            ))
+            .unwrap_err()
+        );
+        assert!(e.contains("base.train.lr"), "{e}");
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! where lower is better).
 
 use crate::config::{Config, Method, Router};
-use crate::sweep::{read_status, Cell, State};
+use crate::sweep::{read_status, Cell, StageKind, State};
 use anyhow::{Context, Result};
 use polars::prelude::*;
 use std::collections::BTreeMap;
@@ -43,12 +43,27 @@ pub struct Row {
     pub top_k: f64,
     pub router: String,
     pub variant: String,
+    /// AHA Table 5's row name: "AHA", "top-k" static heads, or "all heads full".
+    pub setting: String,
+    /// SwiAttn's disagreement weight and how the disagreement is reduced ("mean": the
+    /// paper's MSE; "sum": the squared norm, which alpha weighs hidden_size times more).
+    pub swiattn_alpha: Option<f64>,
+    pub swiattn_disagreement: String,
+    /// Training tokens behind the model (its own steps and those of every cell it continued
+    /// from), and what identifies its model and data: the basis of retain %'s reference.
+    pub budget_tokens: f64,
+    pub model_key: String,
+    /// Length of the evaluated sequences.
+    pub eval_seq_len: f64,
     pub loss: f64,
     pub perplexity: f64,
-    pub density: f64,
+    /// Attended pairs over full causal attention's pairs (`AttentionWork::pairs_vs_full`).
+    pub pairs_vs_full: f64,
     pub attention_flops: f64,
     pub kv_cache_bytes: f64,
     pub mu_f: Option<f64>,
+    /// Heads whose median gap between full-path calls outlasts the evaluated sequences.
+    pub censored_heads: Option<f64>,
     pub gate_precision: Option<f64>,
     pub gate_recall: Option<f64>,
     pub threshold: Option<f64>,
@@ -104,7 +119,32 @@ fn read_json(p: &Path) -> Option<serde_json::Value> {
     serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
 }
 
-/// The finished cells of a sweep directory.
+/// Training tokens behind each cell's model: its own (train cells) plus those of the cells
+/// it continued from, evaluated or pruned.
+fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
+    // Cells come in stage order, so a dependency's budget is known before its dependents'.
+    for c in cells {
+        let t = &c.config.train;
+        let own = match c.kind {
+            StageKind::Train => {
+                (t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len) as f64
+            }
+            _ => 0.0,
+        };
+        let before = c
+            .depends_on
+            .as_ref()
+            .and_then(|d| out.get(d))
+            .copied()
+            .unwrap_or(0.0);
+        out.entry(c.id.clone()).or_insert(own + before);
+    }
+    out
+}
+
+/// The finished cells of a sweep directory, each once (cells that several stages share
+/// appear under the first).
 pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
     let cells_path = sweep.join("cells.json");
     let text = std::fs::read_to_string(&cells_path).with_context(|| {
@@ -115,8 +155,12 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
     })?;
     let cells: Vec<Cell> = serde_json::from_str(&text)
         .with_context(|| format!("{} is malformed", cells_path.display()))?;
-    let mut out = Vec::new();
+    let budget = budgets(&cells);
+    let mut out: Vec<Row> = Vec::new();
     for c in &cells {
+        if out.iter().any(|r| r.cell == c.id) {
+            continue;
+        }
         let dir = sweep.join(&c.id);
         if read_status(&dir).is_none_or(|s| s.state != State::Done) {
             continue;
@@ -158,12 +202,40 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             } else {
                 String::new()
             },
+            setting: match a.method {
+                Method::Aha => "AHA".into(),
+                Method::StaticHeads
+                    if a.top_k
+                        == c.config.model.num_hidden_layers
+                            * c.config.model.num_attention_heads =>
+                {
+                    "all heads full".into()
+                }
+                Method::StaticHeads => format!("top-{}", a.top_k),
+                _ => String::new(),
+            },
+            swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
+            swiattn_disagreement: match a.method {
+                Method::Swiattn => toml::Value::try_from(a.swiattn_disagreement)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                _ => String::new(),
+            },
+            budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
+            model_key: format!(
+                "{}\n{}",
+                toml::to_string(&c.config.model).unwrap_or_default(),
+                c.config.data.dir.display()
+            ),
+            eval_seq_len: f(&r["seq_len"]).unwrap_or(c.config.eval_seq_len() as f64),
             loss: f(&r["loss"]).unwrap_or(f64::NAN),
             perplexity: f(&r["perplexity"]).unwrap_or(f64::NAN),
-            density: f(&r["attention"]["density"]).unwrap_or(f64::NAN),
+            pairs_vs_full: f(&r["attention"]["pairs_vs_full"]).unwrap_or(f64::NAN),
             attention_flops: f(&r["attention"]["flops"]).unwrap_or(f64::NAN),
             kv_cache_bytes: f(&r["kv_cache_bytes_total"]).unwrap_or(f64::NAN),
             mu_f: if routed { f(&r["gates"]["mu_f"]) } else { None },
+            censored_heads: f(&r["gates"]["censored_heads"]),
             gate_precision: f(&r["gates"]["need"]["all_gates"]["precision"]),
             gate_recall: f(&r["gates"]["need"]["all_gates"]["recall"]),
             threshold: c.threshold,
@@ -197,18 +269,33 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
     let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
     let n = |f: fn(&Row) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
     let o = |f: fn(&Row) -> Option<f64>| rows.iter().map(f).collect::<Vec<Option<f64>>>();
-    // Retain % against full attention at the same budget: the full-attention cell continued
-    // from the same source, else the sweep's first full-attention cell.
-    let full_train = |x: &&Row| x.method == "full" && x.kind == "train";
-    let full = |r: &Row| {
-        rows.iter()
-            .filter(full_train)
-            .find(|x| x.source == r.source)
-            .or_else(|| rows.iter().find(full_train))
-    };
+    // Retain % against full attention at the same total training budget: a full-attention
+    // train cell of the same model and data whose tokens equal the row's (the one continued
+    // from the same cell when there are several); none when the sweep has no such cell, rather
+    // than a reference trained for longer or shorter.
+    let reference: Vec<Option<&Row>> = rows
+        .iter()
+        .map(|r| {
+            let same = |x: &&Row| {
+                x.method == "full"
+                    && x.kind == "train"
+                    && x.model_key == r.model_key
+                    && x.budget_tokens == r.budget_tokens
+            };
+            rows.iter()
+                .filter(same)
+                .find(|x| x.source == r.source)
+                .or_else(|| rows.iter().find(same))
+        })
+        .collect();
     let retain: Vec<Option<f64>> = rows
         .iter()
-        .map(|r| full(r).map(|f| 100.0 * f.perplexity / r.perplexity))
+        .zip(&reference)
+        .map(|(r, f)| f.map(|f| 100.0 * f.perplexity / r.perplexity))
+        .collect();
+    let retain_ref: Vec<String> = reference
+        .iter()
+        .map(|f| f.map_or(String::new(), |f| f.cell.clone()))
         .collect();
     Ok(df!(
         "cell" => s(|r| r.cell.clone()),
@@ -219,18 +306,25 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "source_method" => s(|r| r.source_method.clone()),
         "router" => s(|r| r.router.clone()),
         "variant" => s(|r| r.variant.clone()),
+        "setting" => s(|r| r.setting.clone()),
         "window" => n(|r| r.window),
         "lambda" => n(|r| r.lambda),
         "tau" => n(|r| r.tau),
         "ppa_power" => n(|r| r.ppa_power),
         "top_k" => n(|r| r.top_k),
+        "swiattn_alpha" => o(|r| r.swiattn_alpha),
+        "swiattn_disagreement" => s(|r| r.swiattn_disagreement.clone()),
+        "budget_tokens" => n(|r| r.budget_tokens),
+        "eval_seq_len" => n(|r| r.eval_seq_len),
         "loss" => n(|r| r.loss),
         "perplexity" => n(|r| r.perplexity),
         "retain_pct" => retain,
-        "attention_density" => n(|r| r.density),
+        "retain_ref" => retain_ref,
+        "pairs_vs_full" => n(|r| r.pairs_vs_full),
         "attention_flops" => n(|r| r.attention_flops),
         "kv_cache_bytes" => n(|r| r.kv_cache_bytes),
         "mu_f" => o(|r| r.mu_f),
+        "censored_heads" => o(|r| r.censored_heads),
         "gate_precision" => o(|r| r.gate_precision),
         "gate_recall" => o(|r| r.gate_recall),
         "threshold" => o(|r| r.threshold),
@@ -262,7 +356,17 @@ fn tidy_frame(summary: &DataFrame) -> Result<DataFrame> {
         .iter()
         .filter(|c| {
             c.dtype() == &DataType::Float64
-                && !["window", "lambda", "tau", "ppa_power", "top_k"].contains(&c.name().as_str())
+                && ![
+                    "window",
+                    "lambda",
+                    "tau",
+                    "ppa_power",
+                    "top_k",
+                    "swiattn_alpha",
+                    "budget_tokens",
+                    "eval_seq_len",
+                ]
+                .contains(&c.name().as_str())
         })
         .map(|c| c.name().to_string())
         .collect();
@@ -324,8 +428,9 @@ fn paper_tables() -> Vec<TableSpec> {
                 "loss",
                 "perplexity",
                 "retain_pct",
+                "retain_ref",
                 "mu_f",
-                "attention_density",
+                "pairs_vs_full",
                 "gate_precision",
                 "gate_recall",
                 "cell",
@@ -345,6 +450,7 @@ fn paper_tables() -> Vec<TableSpec> {
                 "loss",
                 "perplexity",
                 "retain_pct",
+                "retain_ref",
                 "mu_f",
                 "cell",
             ],
@@ -358,6 +464,7 @@ fn paper_tables() -> Vec<TableSpec> {
                 .or(col("method").eq(lit("aha")))
                 .and(train.clone()),
             columns: &[
+                "setting",
                 "method",
                 "top_k",
                 "window",
@@ -365,6 +472,7 @@ fn paper_tables() -> Vec<TableSpec> {
                 "loss",
                 "perplexity",
                 "retain_pct",
+                "retain_ref",
                 "cell",
             ],
             sort: &["method", "mu_f"],
@@ -382,7 +490,7 @@ fn paper_tables() -> Vec<TableSpec> {
                 "loss",
                 "perplexity",
                 "mu_f",
-                "attention_density",
+                "pairs_vs_full",
                 "attention_flops",
                 "cell",
             ],
@@ -417,9 +525,11 @@ fn paper_tables() -> Vec<TableSpec> {
                 "method",
                 "source_method",
                 "window",
+                "swiattn_alpha",
+                "swiattn_disagreement",
                 "loss",
                 "perplexity",
-                "attention_density",
+                "pairs_vs_full",
                 "mu_f",
                 "cell",
             ],
@@ -431,11 +541,13 @@ fn paper_tables() -> Vec<TableSpec> {
             filter: col("method").eq(lit("swiattn")).and(train.clone()),
             columns: &[
                 "variant",
+                "swiattn_alpha",
+                "swiattn_disagreement",
                 "window",
                 "loss",
                 "perplexity",
                 "mu_f",
-                "attention_density",
+                "pairs_vs_full",
                 "cell",
             ],
             sort: &["variant"],
@@ -449,7 +561,7 @@ fn paper_tables() -> Vec<TableSpec> {
                 "window",
                 "loss",
                 "perplexity",
-                "attention_density",
+                "pairs_vs_full",
                 "cell",
             ],
             sort: &["window", "ppa_power"],
@@ -520,7 +632,83 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         write_csv(&mut df, &out.join(t.file))?;
         written.push(out.join(t.file));
     }
+    let gaps = out.join("aha_gaps.csv");
+    match gap_table(sweep, &rows)? {
+        Some(mut df) => {
+            write_csv(&mut df, &gaps)?;
+            written.push(gaps);
+        }
+        None if gaps.exists() => std::fs::remove_file(&gaps)?,
+        None => {}
+    }
     Ok(written)
+}
+
+/// AHA Table 3: every head of every AHA train cell with its usage and the distribution of
+/// its gaps between full-path calls (`eval::GapStats`), heads by usage within a cell. None
+/// when the sweep has no AHA cell.
+fn gap_table(sweep: &Path, rows: &[Row]) -> Result<Option<DataFrame>> {
+    let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
+    let mut cells: Vec<String> = Vec::new();
+    let names = [
+        "window",
+        "lambda",
+        "eval_seq_len",
+        "layer",
+        "head",
+        "mu_f",
+        "gaps",
+        "mean_gap",
+        "gap_median",
+        "gap_p90",
+        "gap_max",
+        "gap_max_censored",
+        "censored_share",
+    ];
+    for r in rows
+        .iter()
+        .filter(|r| r.method == "aha" && r.kind == "train")
+    {
+        let Some(ev) = read_json(&sweep.join(&r.cell).join("eval/eval.json")) else {
+            continue;
+        };
+        let g = &ev["report"]["gates"];
+        let mut heads: Vec<(f64, usize, usize, &serde_json::Value)> = Vec::new();
+        for (l, layer) in g["gaps"].as_array().into_iter().flatten().enumerate() {
+            for (h, gap) in layer.as_array().into_iter().flatten().enumerate() {
+                let mu = g["per_head"][l][h].as_f64().unwrap_or(f64::NAN);
+                heads.push((mu, l, h, gap));
+            }
+        }
+        heads.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        for (mu, l, h, gap) in heads {
+            cells.push(r.cell.clone());
+            let values = [
+                Some(r.window),
+                Some(r.lambda),
+                Some(r.eval_seq_len),
+                Some(l as f64),
+                Some(h as f64),
+                Some(mu),
+                gap["gaps"].as_f64(),
+                gap["mean"].as_f64(),
+                gap["median"].as_f64(),
+                gap["p90"].as_f64(),
+                gap["max"].as_f64(),
+                gap["max_censored"].as_f64(),
+                gap["censored_share"].as_f64(),
+            ];
+            for (n, v) in names.iter().zip(values) {
+                cols.entry(n).or_default().push(v);
+            }
+        }
+    }
+    if cells.is_empty() {
+        return Ok(None);
+    }
+    let mut columns = vec![Column::new("cell".into(), cells)];
+    columns.extend(names.iter().map(|n| Column::new((*n).into(), &cols[n])));
+    Ok(Some(DataFrame::new_infer_height(columns)?))
 }
 
 /// A sweep directory made by hand: one cell per kind of row the tables and figures read.
@@ -760,13 +948,17 @@ pub mod fixture {
             let gates = s.gates.then(|| {
                 serde_json::json!({
                     "mu_f": s.density, "per_layer": [s.density, s.density * 0.5],
-                    "per_head": [[0.9, 0.1], [0.4, 0.6]], "mean_gap": [[1.0, null], [2.0, 3.0]],
+                    "per_head": [[0.9, 0.1], [0.4, 0.6]], "censored_heads": 1,
+                    "gaps": [[{"gaps": 9, "mean": 1.0, "median": 1, "p90": 2, "max": 3, "max_censored": 1, "censored_share": 0.0},
+                              {"gaps": 0, "mean": null, "median": null, "p90": null, "max": null, "max_censored": 64, "censored_share": 1.0}],
+                             [{"gaps": 4, "mean": 2.0, "median": 2, "p90": 3, "max": 3, "max_censored": 5, "censored_share": 0.5},
+                              {"gaps": 5, "mean": 3.0, "median": 3, "p90": 4, "max": 6, "max_censored": 2, "censored_share": 0.25}]],
                     "need": { "all_gates": { "precision": 0.3, "recall": 0.8 } }
                 })
             });
             let report = serde_json::json!({ "report": {
                 "loss": s.loss, "perplexity": s.loss.exp(), "kv_cache_bytes_total": 1000.0,
-                "attention": { "density": s.density, "flops": s.density * 1e6 }, "gates": gates } });
+                "attention": { "pairs_vs_full": s.density, "flops": s.density * 1e6 }, "gates": gates } });
             std::fs::write(cell_dir.join("eval/eval.json"), report.to_string()).unwrap();
             let suite = serde_json::json!({ "results": { "niah_single": {
                 "alias": "niah_single", "exact_match,none": s.loss, "exact_match_stderr,none": 0.1 } } });
@@ -791,6 +983,7 @@ pub mod fixture {
                 assignment: Default::default(),
                 settings: Default::default(),
                 depends_on: s.dep.map(String::from),
+                reads: None,
                 threshold: s.threshold,
                 config,
             });
@@ -880,7 +1073,48 @@ mod tests {
         let p = csv(&dir.join("l2a_pruning.csv"));
         assert_eq!(p[1][..3], ["0.9", "1.0", "2000.0"]);
         assert_eq!(csv(&dir.join("ppa.csv")).len(), 3);
-        assert_eq!(csv(&dir.join("aha_static_heads.csv")).len(), 5);
+        let heads = csv(&dir.join("aha_static_heads.csv"));
+        assert_eq!(heads.len(), 5);
+        // Retain % needs a full-attention model of the same budget: the static heads
+        // continued from an AHA cell have trained longer than any, so they get none.
+        let col = |t: &[Vec<String>], name: &str| t[0].iter().position(|c| c == name).unwrap();
+        let (setting, retain, reference) = (
+            col(&heads, "setting"),
+            col(&heads, "retain_pct"),
+            col(&heads, "retain_ref"),
+        );
+        let static_row = heads.iter().find(|r| r[setting] == "top-2").unwrap();
+        // (CSV writes an empty string as "".)
+        let empty = |v: &str| v.trim_matches('"').is_empty();
+        assert!(
+            empty(&static_row[retain]) && empty(&static_row[reference]),
+            "{static_row:?}"
+        );
+        let aha_row = heads.iter().find(|r| r[setting] == "AHA").unwrap();
+        assert_eq!(aha_row[reference], "full-0");
+        let summary = csv(&dir.join("summary.csv"));
+        let (cell, reference) = (col(&summary, "cell"), col(&summary, "retain_ref"));
+        for (c, want) in [
+            ("base-0", "base-0"),
+            ("zs-0", "base-0"),
+            ("aha-4", "full-0"),
+        ] {
+            let row = summary.iter().find(|r| r[cell] == c).unwrap();
+            assert_eq!(row[reference], want, "{c}");
+        }
+        // AHA Table 3: every head of every AHA train cell, with its gap distribution.
+        let gaps = csv(&dir.join("aha_gaps.csv"));
+        assert_eq!(gaps.len(), 1 + 3 * 4);
+        let (median, share) = (col(&gaps, "gap_median"), col(&gaps, "censored_share"));
+        assert!(gaps[1..]
+            .iter()
+            .any(|r| r[median].is_empty() && r[share] == "1.0"));
+        let swi = csv(&dir.join("swiattn_ablations.csv"));
+        assert_eq!(
+            swi[1][col(&swi, "swiattn_disagreement")],
+            "mean",
+            "the reduction stands beside alpha"
+        );
         let tidy = csv(&dir.join("tidy.csv"));
         assert_eq!(
             tidy[0],

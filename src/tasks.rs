@@ -11,6 +11,7 @@ use crate::config::{Config, HaystackKind};
 use crate::data::{self, Split, TextTokenizer};
 use crate::model::{ForwardOutput, Llama};
 use crate::probes::{self, Haystack, Probe, Task};
+use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -177,10 +178,10 @@ pub fn run_probes(
     } else {
         e.lengths.clone()
     };
-    let ctx = ForwardCtx {
-        gate_seed: cfg.train.seed ^ 0xE7A1,
-        ..Default::default()
-    };
+    crate::memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
+    // Context-free gates draw from a seed of the run, a batch of probes its own.
+    let seed = cfg.train.seed ^ 0xE7A1;
+    let mut batch_index = 0u64;
     let enc = |s: &str| tok.encode(s.as_bytes(), Path::new("probe answer"));
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     for name in &e.tasks {
@@ -229,6 +230,11 @@ pub fn run_probes(
                     let prompts = Tensor::from_slice(&ids)
                         .view([chunk.len() as i64, length as i64])
                         .to_device(device);
+                    let ctx = ForwardCtx {
+                        gate_seed: Rng::derive(seed, &[batch_index]),
+                        ..Default::default()
+                    };
+                    batch_index += 1;
                     let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
                     for (r, p) in chunk.iter().enumerate() {
                         let text = tok.decode(&g.tokens[r]);
@@ -321,19 +327,28 @@ pub fn read_mc(path: &Path) -> Result<Vec<McItem>> {
         if line.trim().is_empty() {
             continue;
         }
+        let at = || format!("{} line {}", path.display(), i + 1);
         let item: McItem = serde_json::from_str(line).with_context(|| {
             format!(
-                "{} line {}: expected {{\"context\": str, \"choices\": [str], \"gold\": int}}",
-                path.display(),
-                i + 1
+                "{}: expected {{\"context\": str, \"choices\": [str], \"gold\": int}}",
+                at()
             )
         })?;
+        let n = item.choices.len();
+        ensure!(n > 0, "{}: the item has no choices", at());
         ensure!(
-            item.choices.len() >= 2 && item.gold < item.choices.len(),
-            "{} line {}: needs at least 2 choices and gold < {}",
-            path.display(),
-            i + 1,
-            item.choices.len()
+            n >= 2,
+            "{}: the item has one choice; scoring needs at least 2 choices",
+            at()
+        );
+        if let Some(k) = item.choices.iter().position(|c| c.is_empty()) {
+            bail!("{}: choice {k} is empty (no text to score)", at());
+        }
+        ensure!(
+            item.gold < n,
+            "{}: gold = {} but the item has {n} choices (gold counts from 0)",
+            at(),
+            item.gold
         );
         items.push(item);
     }
@@ -341,48 +356,77 @@ pub fn read_mc(path: &Path) -> Result<Vec<McItem>> {
     Ok(items)
 }
 
-/// Context and continuation tokens as the harness splits them: trailing spaces of the
-/// context move to the continuation, the pair is encoded whole, and the continuation is what
-/// follows the context's own encoding.
+/// The length of `s` without its trailing whitespace as Python's `str.rstrip()` sees it:
+/// Unicode's White_Space (what Rust's `trim_end` strips) and the separators U+001C..U+001F.
+fn rstripped_len(s: &str) -> usize {
+    s.trim_end_matches(|c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+        .len()
+}
+
+/// Context and continuation tokens as lm-evaluation-harness 0.4 makes them
+/// (`TemplateLM.loglikelihood` and `_encode_pair`): an empty context is the prefix token
+/// alone (the tokenizer's BOS, else its end-of-text token) before the continuation encoded on
+/// its own; otherwise trailing whitespace of the context moves to the continuation, the pair
+/// is encoded whole with the tokenizer's special tokens, and the continuation is what follows
+/// the context's own encoding.
 fn encode_pair(
     tok: &TextTokenizer,
     context: &str,
     continuation: &str,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
-    let trimmed = context.trim_end();
-    let moved = &context[trimmed.len()..];
-    let continuation = format!("{moved}{continuation}");
-    let origin = Path::new("multiple-choice item");
-    let whole = tok.encode(format!("{trimmed}{continuation}").as_bytes(), origin)?;
-    let mut ctx = tok.encode(trimmed.as_bytes(), origin)?;
+    let prefix = || {
+        tok.bos()
+            .or(tok.eot())
+            .context("an empty context needs a tokenizer with a beginning- or end-of-text token")
+    };
+    if context.is_empty() {
+        let mut cont = tok.encode_with_special(continuation)?;
+        // The prefix already is the BOS: never twice.
+        if cont.first().is_some_and(|&t| Some(t) == tok.bos()) {
+            cont.remove(0);
+        }
+        return Ok((vec![prefix()?], cont));
+    }
+    let n = rstripped_len(context);
+    let continuation = format!("{}{continuation}", &context[n..]);
+    let context = &context[..n];
+    let whole = tok.encode_with_special(&format!("{context}{continuation}"))?;
+    let mut ctx = tok.encode_with_special(context)?;
     let cont = whole[ctx.len().min(whole.len())..].to_vec();
     if ctx.is_empty() {
-        // The first continuation token needs something to be predicted from.
-        ctx.extend(tok.eot());
+        // A context of whitespace alone, with a tokenizer that adds nothing before text:
+        // the first continuation token needs something to be predicted from.
+        ctx.push(prefix()?);
     }
     Ok((ctx, cont))
 }
 
-/// Log-likelihood of each choice's tokens after the context. Inputs longer than `max_len`
-/// lose the start of their context.
+/// One choice scored: the sum of its tokens' log-likelihoods, and whether each of them is
+/// the model's most likely next token (the harness's `is_greedy`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChoiceScore {
+    pub loglik: f64,
+    pub greedy: bool,
+}
+
+/// Each choice's score after the context. Inputs longer than `max_len` lose the start of
+/// their context. `gate_seed` seeds context-free (Bernoulli) gates.
 pub fn choice_logliks(
     model: &Llama,
     tok: &TextTokenizer,
     item: &McItem,
     max_len: usize,
     device: Device,
-) -> Result<Vec<f64>> {
+    gate_seed: u64,
+) -> Result<Vec<ChoiceScore>> {
     let mut seqs = Vec::new();
     for c in &item.choices {
         let (ctx, cont) =
             encode_pair(tok, &item.context, &format!("{}{c}", item.target_delimiter))?;
         ensure!(
-            !ctx.is_empty(),
-            "an empty context needs a tokenizer with an end-of-document token"
-        );
-        ensure!(
             !cont.is_empty() && cont.len() < max_len,
-            "choice {c:?} encodes to {} tokens; it needs 1 ..= {}",
+            "choice {c:?} encodes to {} tokens; with eval.max_length = {max_len} (0: \
+             data.seq_len) it may have 1 ..= {}",
             cont.len(),
             max_len - 1
         );
@@ -407,53 +451,121 @@ pub fn choice_logliks(
     let x = Tensor::from_slice(&inputs)
         .view([seqs.len() as i64, width as i64])
         .to_device(device);
+    let ctx = ForwardCtx {
+        gate_seed,
+        ..Default::default()
+    };
     let logp = tch::no_grad(|| {
         model
-            .forward(&x, &ForwardCtx::default())
+            .forward(&x, &ctx)
             .logits
             .to_kind(Kind::Double)
             .log_softmax(-1, Kind::Double)
             .to_device(Device::Cpu)
     });
+    let best = logp.argmax(-1, false);
     Ok(seqs
         .iter()
         .enumerate()
         .map(|(r, (ids, n_cont))| {
             let n = ids.len() - 1;
-            (n - n_cont..n)
-                .map(|t| logp.double_value(&[r as i64, t as i64, ids[t + 1]]))
-                .sum()
+            let (r, targets) = (r as i64, n - n_cont..n);
+            ChoiceScore {
+                loglik: targets
+                    .clone()
+                    .map(|t| logp.double_value(&[r, t as i64, ids[t + 1]]))
+                    .sum(),
+                greedy: targets
+                    .into_iter()
+                    .all(|t| best.int64_value(&[r, t as i64]) == ids[t + 1]),
+            }
         })
         .collect())
 }
 
-/// acc and acc_norm of one task (per item 0 or 1): the choice of highest log-likelihood,
-/// and of highest log-likelihood per character of the choice.
+/// One item's result: every choice's score, the predictions by log-likelihood and by
+/// log-likelihood per character, and whether each is the gold.
+#[derive(Clone, Debug)]
+pub struct McResult {
+    pub scores: Vec<ChoiceScore>,
+    pub prediction: usize,
+    pub prediction_norm: usize,
+    pub acc: f64,
+    pub acc_norm: f64,
+}
+
+/// Scores every item: `acc` takes the choice of highest log-likelihood, `acc_norm` the
+/// highest per character of the choice (ties to the first, as numpy's argmax does).
 pub fn score_mc(
     model: &Llama,
     tok: &TextTokenizer,
     items: &[McItem],
     max_len: usize,
     device: Device,
-) -> Result<(Vec<f64>, Vec<f64>)> {
+    seed: u64,
+) -> Result<Vec<McResult>> {
     let argmax = |v: &[f64]| {
         (0..v.len())
             .max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a)))
             .expect("choices")
     };
-    let (mut acc, mut acc_norm) = (Vec::new(), Vec::new());
+    let mut out = Vec::new();
     for (i, item) in items.iter().enumerate() {
-        let ll = choice_logliks(model, tok, item, max_len, device)
-            .with_context(|| format!("item {}", i + 1))?;
+        // Each item draws its own context-free gates.
+        let scores = choice_logliks(
+            model,
+            tok,
+            item,
+            max_len,
+            device,
+            Rng::derive(seed, &[i as u64]),
+        )
+        .with_context(|| format!("item {}", i + 1))?;
+        let ll: Vec<f64> = scores.iter().map(|s| s.loglik).collect();
         let norm: Vec<f64> = ll
             .iter()
             .zip(&item.choices)
-            .map(|(l, c)| l / c.chars().count().max(1) as f64)
+            .map(|(l, c)| l / c.chars().count() as f64)
             .collect();
-        acc.push((argmax(&ll) == item.gold) as u8 as f64);
-        acc_norm.push((argmax(&norm) == item.gold) as u8 as f64);
+        let (prediction, prediction_norm) = (argmax(&ll), argmax(&norm));
+        out.push(McResult {
+            scores,
+            prediction,
+            prediction_norm,
+            acc: (prediction == item.gold) as u8 as f64,
+            acc_norm: (prediction_norm == item.gold) as u8 as f64,
+        });
     }
-    Ok((acc, acc_norm))
+    Ok(out)
+}
+
+/// `samples_<task>.jsonl`: one line per item in the shape of lm-evaluation-harness's logged
+/// samples (`doc`, `arguments`, `resps` of (log-likelihood, is_greedy), `acc`, `acc_norm`),
+/// with the predictions.
+fn write_mc_samples(path: &Path, items: &[McItem], results: &[McResult]) -> Result<()> {
+    let mut text = String::new();
+    for (i, (item, r)) in items.iter().zip(results).enumerate() {
+        let resps: Vec<serde_json::Value> = r
+            .scores
+            .iter()
+            .map(|s| serde_json::json!([s.loglik, s.greedy]))
+            .collect();
+        let line = serde_json::json!({
+            "doc_id": i,
+            "doc": {"context": item.context, "choices": item.choices, "gold": item.gold},
+            "target": item.gold,
+            "arguments": item.choices.iter().map(|c| [item.context.clone(), format!("{}{c}", item.target_delimiter)]).collect::<Vec<_>>(),
+            "resps": resps.iter().map(|r| [r]).collect::<Vec<_>>(),
+            "filtered_resps": resps,
+            "prediction": r.prediction,
+            "prediction_norm": r.prediction_norm,
+            "acc": r.acc,
+            "acc_norm": r.acc_norm,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    atomic::write_bytes(path, text.as_bytes())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -484,6 +596,13 @@ struct TidyRow {
     n: usize,
 }
 
+/// How `run` reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOptions {
+    /// Write every multiple-choice item's scoring (`samples_<task>.jsonl`).
+    pub log_samples: bool,
+}
+
 /// Runs every task `cfg.eval` names (probes and multiple choice) and writes `results.json`,
 /// `tasks.csv`, `niah.csv` (tasks with a needle depth) and `efficiency.csv` to `dir`.
 /// Returns the overall metrics per task.
@@ -494,6 +613,7 @@ pub fn run(
     device: Device,
     dir: &Path,
     model_path: &Path,
+    opts: &RunOptions,
 ) -> Result<BTreeMap<String, BTreeMap<String, f64>>> {
     let e = &cfg.eval;
     if e.tasks.is_empty() && e.mc.is_empty() {
@@ -573,18 +693,31 @@ pub fn run(
         e.max_length
     };
     for path in &e.mc {
+        // The task's name is for display; the path itself is opened as given.
         let name = path
             .file_stem()
-            .and_then(|s| s.to_str())
             .with_context(|| format!("multiple-choice file {} has no name", path.display()))?
-            .to_string();
+            .to_string_lossy()
+            .into_owned();
         ensure!(
             !results.contains_key(&name),
             "two tasks are named {name}; rename one multiple-choice file"
         );
         let items = read_mc(path)?;
-        let (acc, acc_norm) = score_mc(model, &tok, &items, max_len, device)
-            .with_context(|| format!("scoring {}", path.display()))?;
+        let scored = score_mc(
+            model,
+            &tok,
+            &items,
+            max_len,
+            device,
+            cfg.train.seed ^ 0xE7A1,
+        )
+        .with_context(|| format!("scoring {}", path.display()))?;
+        if opts.log_samples {
+            write_mc_samples(&dir.join(format!("samples_{name}.jsonl")), &items, &scored)?;
+        }
+        let acc: Vec<f64> = scored.iter().map(|r| r.acc).collect();
+        let acc_norm: Vec<f64> = scored.iter().map(|r| r.acc_norm).collect();
         let r = results.entry(name.clone()).or_default();
         for (metric, v) in [("acc", &acc), ("acc_norm", &acc_norm)] {
             r.insert(metric.into(), mean(v));
@@ -597,7 +730,7 @@ pub fn run(
             serde_json::json!({
                 "task": name,
                 "output_type": "multiple_choice",
-                "dataset_path": path,
+                "dataset_path": path.display().to_string(),
                 "max_length": max_len,
                 "metric_list": ["acc", "acc_norm"],
             }),
@@ -630,7 +763,7 @@ pub fn run(
         "n-samples": n_samples.iter().map(|(k, n)| (k.clone(), serde_json::json!({"original": n, "effective": n}))).collect::<serde_json::Map<_, _>>(),
         "config": {
             "model": "attnsweep",
-            "model_args": model_path,
+            "model_args": model_path.display().to_string(),
             "method": cfg.attention.method,
             "batch_size": e.batch_size,
             "device": format!("{device:?}"),
@@ -779,6 +912,7 @@ fn write_efficiency(
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::data::BYTE_EOT;
     use crate::train::Built;
 
     fn tiny() -> Built {
@@ -838,9 +972,9 @@ mod tests {
                 by_hand(&b, format!("the cat{cont}").as_bytes(), cont.len())
             })
             .collect();
-        let got = choice_logliks(&b.model, &tok, &item, 64, Device::Cpu).unwrap();
+        let got = choice_logliks(&b.model, &tok, &item, 64, Device::Cpu, 0).unwrap();
         for (g, h) in got.iter().zip(&hand) {
-            assert!((g - h).abs() < 1e-5, "{g} vs {h}");
+            assert!((g.loglik - h).abs() < 1e-5, "{g:?} vs {h}");
         }
         let argmax = |v: &[f64]| (0..v.len()).max_by(|&a, &c| v[a].total_cmp(&v[c])).unwrap();
         let norm: Vec<f64> = hand
@@ -848,10 +982,21 @@ mod tests {
             .zip(&item.choices)
             .map(|(l, c)| l / c.len() as f64)
             .collect();
-        let (acc, acc_norm) =
-            score_mc(&b.model, &tok, std::slice::from_ref(&item), 64, Device::Cpu).unwrap();
-        assert_eq!(acc, vec![(argmax(&hand) == 1) as u8 as f64]);
-        assert_eq!(acc_norm, vec![(argmax(&norm) == 1) as u8 as f64]);
+        let r = score_mc(
+            &b.model,
+            &tok,
+            std::slice::from_ref(&item),
+            64,
+            Device::Cpu,
+            0,
+        )
+        .unwrap();
+        assert_eq!(r[0].acc, (argmax(&hand) == 1) as u8 as f64);
+        assert_eq!(r[0].acc_norm, (argmax(&norm) == 1) as u8 as f64);
+        assert_eq!(
+            (r[0].prediction, r[0].prediction_norm),
+            (argmax(&hand), argmax(&norm))
+        );
 
         // A window of 6 tokens keeps the end of the context: 5 inputs and the last target.
         let long = McItem {
@@ -860,13 +1005,122 @@ mod tests {
             gold: 0,
             target_delimiter: " ".into(),
         };
-        let got = choice_logliks(&b.model, &tok, &long, 6, Device::Cpu).unwrap();
+        let got = choice_logliks(&b.model, &tok, &long, 6, Device::Cpu, 0).unwrap();
         let ids = b"the cat sat on the mat bc";
-        assert!((got[1] - by_hand(&b, &ids[ids.len() - 7..], 3)).abs() < 1e-5);
+        assert!((got[1].loglik - by_hand(&b, &ids[ids.len() - 7..], 3)).abs() < 1e-5);
         assert!(
-            choice_logliks(&b.model, &tok, &long, 3, Device::Cpu).is_err(),
+            choice_logliks(&b.model, &tok, &long, 3, Device::Cpu, 0).is_err(),
             "continuation longer than the window"
         );
+    }
+
+    /// is_greedy: true exactly when every continuation token is the model's argmax.
+    #[test]
+    fn greedy_flag_follows_the_argmax() {
+        let b = tiny();
+        let tok = TextTokenizer::Bytes;
+        let x = Tensor::from_slice(&[b'a' as i64]).view([1, 1]);
+        let next = tch::no_grad(|| b.model.forward(&x, &ForwardCtx::default()).logits)
+            .argmax(-1, false)
+            .int64_value(&[0, 0]) as u8;
+        let other = if next == b'z' { b'y' } else { b'z' };
+        let item = McItem {
+            context: "a".into(),
+            choices: vec![(next as char).to_string(), (other as char).to_string()],
+            gold: 0,
+            target_delimiter: String::new(),
+        };
+        let s = choice_logliks(&b.model, &tok, &item, 16, Device::Cpu, 0).unwrap();
+        assert!(s[0].greedy && !s[1].greedy, "{s:?}");
+    }
+
+    /// A tokenizer.json of whole words whose post-processor puts `<s>` before a text, as
+    /// Llama's does.
+    fn bos_tokenizer() -> TextTokenizer {
+        let dir = crate::scratch_dir("mc-bos");
+        let path = dir.join("tokenizer.json");
+        let vocab: Vec<String> = ["<s>", "</s>", "the", "cat", "sat", "on", "mat"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| format!("\"{w}\": {i}"))
+            .collect();
+        let json = format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [
+              {{"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}},
+              {{"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}}],
+            "normalizer": null, "pre_tokenizer": {{"type": "WhitespaceSplit"}},
+            "post_processor": {{"type": "TemplateProcessing",
+              "single": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}}],
+              "pair": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}}, {{"Sequence": {{"id": "B", "type_id": 1}}}}],
+              "special_tokens": {{"<s>": {{"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}}}},
+            "decoder": null,
+            "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "</s>"}}}}"#,
+            vocab.join(", ")
+        );
+        std::fs::write(&path, json).unwrap();
+        TextTokenizer::hf(&path).unwrap()
+    }
+
+    /// The harness's encodings (lm-evaluation-harness 0.4): special tokens on both the pair
+    /// and the context, BOS as the prefix of an empty context (never twice), and trailing
+    /// whitespace as Python's rstrip sees it.
+    #[test]
+    fn pairs_are_encoded_as_the_harness_encodes_them() {
+        let tok = bos_tokenizer();
+        assert_eq!(tok.bos(), Some(0));
+        assert_eq!(
+            encode_pair(&tok, "the cat ", "sat").unwrap(),
+            (vec![0, 2, 3], vec![4])
+        );
+        assert_eq!(
+            encode_pair(&tok, "", "the cat").unwrap(),
+            (vec![0], vec![2, 3])
+        );
+        // Byte-level: no BOS; an empty context is the end-of-text token.
+        let bytes = TextTokenizer::Bytes;
+        assert_eq!(bytes.bos(), None);
+        assert_eq!(
+            encode_pair(&bytes, "", "ab").unwrap(),
+            (vec![BYTE_EOT], vec![97, 98])
+        );
+        // Python's str.rstrip also strips the separators U+001C..U+001F.
+        assert_eq!(
+            encode_pair(&bytes, "a\u{1c}\u{1f} ", "b").unwrap(),
+            (vec![97], vec![0x1c, 0x1f, 32, 98])
+        );
+        for (s, n) in [
+            ("x\u{85}\u{a0}\u{3000}\t", 1),
+            ("x\u{200b}", 4),
+            ("\u{1d}", 0),
+        ] {
+            assert_eq!(rstripped_len(s), n, "{s:?}");
+        }
+    }
+
+    /// Items the harness could not score are refused, each with its own reason.
+    #[test]
+    fn unscorable_items_are_refused() {
+        let dir = crate::scratch_dir("mc-bad");
+        let p = dir.join("t.jsonl");
+        for (line, says) in [
+            (
+                r#"{"context": "a", "choices": [], "gold": 0}"#,
+                "no choices",
+            ),
+            (
+                r#"{"context": "a", "choices": ["b", ""], "gold": 0}"#,
+                "choice 1 is empty",
+            ),
+            (
+                r#"{"context": "a", "choices": ["b", "c"], "gold": 2}"#,
+                "gold = 2",
+            ),
+        ] {
+            std::fs::write(&p, line).unwrap();
+            let e = format!("{:#}", read_mc(&p).unwrap_err());
+            assert!(e.contains(says) && e.contains("line 1"), "{e}");
+        }
     }
 
     #[test]

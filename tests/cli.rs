@@ -25,6 +25,11 @@ fn ok(args: &[&str]) -> Output {
 }
 
 /// Runs a command that must fail; returns its stderr.
+/// The binary on arguments that need not be UTF-8.
+fn run_os(args: &[std::ffi::OsString]) -> Output {
+    bin().args(args).output().unwrap()
+}
+
 fn fails(args: &[&str]) -> String {
     let o = run(args);
     assert!(!o.status.success(), "{args:?} unexpectedly succeeded");
@@ -112,8 +117,14 @@ fn train_then_eval_writes_everything() {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("eval/eval.json")).unwrap())
             .unwrap();
-    let density = json["report"]["attention"]["density"].as_f64().unwrap();
-    assert!(density > 0.0 && density < 0.5, "PPA density {density}");
+    let work = json["report"]["attention"]["pairs_vs_full"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        work > 0.0 && work < 0.5,
+        "PPA attends {work} of full attention's pairs"
+    );
+    assert_eq!(json["report"]["checkpoint_step"], 6);
 
     // SWA-ZS: the same weights evaluated with a window, written beside, not over, the original.
     let o = ok(&[
@@ -134,7 +145,9 @@ fn train_then_eval_writes_everything() {
     let zs: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(zs).unwrap()).unwrap();
     let expected = (8.0 * 64.0 - 8.0 * 7.0 / 2.0) / (64.0 * 65.0 / 2.0);
-    assert!((zs["report"]["attention"]["density"].as_f64().unwrap() - expected).abs() < 1e-12);
+    assert!(
+        (zs["report"]["attention"]["pairs_vs_full"].as_f64().unwrap() - expected).abs() < 1e-12
+    );
     assert_eq!(zs["config"]["attention"]["method"], "swa");
 }
 
@@ -475,6 +488,172 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     let err = fails(&["data", "synth", "--out", d.join("data").to_str().unwrap()]);
     assert!(err.contains("already holds a data set"), "{err}");
 
+    // Non-finite numbers, from overrides and flags, and settings an override breaks, are
+    // refused naming the override; nothing is created.
+    for (sets, needle) in [
+        (
+            &["attention.ppa_power=nan"][..],
+            "attention.ppa_power = NaN is not a finite number",
+        ),
+        (
+            &["train.grad_clip=inf"],
+            "train.grad_clip = inf is not a finite number",
+        ),
+        (&["data.seq_len=1"], "--set data.seq_len=1"),
+        (&["eval.max_length=1"], "eval.max_length = 1"),
+        // The val split (4096 tokens) cannot hold one evaluated sequence: found before the
+        // first step, not after the last.
+        (&["data.seq_len=5000"], "the val split"),
+        (&["eval.seq_len=5000"], "eval.seq_len = 5000"),
+        // Memory the machine does not have, refused with the estimate.
+        (&["train.batch_size=1048576"], "GiB of memory"),
+        (
+            &["model.hidden_size=65536", "model.num_attention_heads=64"],
+            "GiB of memory",
+        ),
+    ] {
+        let mut args = vec!["train", "--out", out_s, "--set", &data];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let err = fails(&args);
+        assert!(err.contains(needle), "{sets:?}: {err}");
+        assert!(!err.contains("panicked"), "{sets:?}: {err}");
+    }
+    for args in [
+        vec!["prune", "--run", out_s, "--threshold", "nan"],
+        vec!["data", "synth", "--out", out_s, "--alpha", "nan"],
+    ] {
+        let err = fails(&args);
+        assert!(err.contains("not a finite number"), "{args:?}: {err}");
+    }
+    assert!(!out.exists());
+
+    // meta.json that does not describe its shards: a vocabulary beyond any model, and token
+    // counts the shards do not have.
+    let meta_path = d.join("data/meta.json");
+    let meta_text = std::fs::read_to_string(&meta_path).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&meta_text).unwrap();
+    let bad_data = d.join("bad-data");
+    std::fs::create_dir_all(&bad_data).unwrap();
+    for f in std::fs::read_dir(d.join("data")).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), bad_data.join(f.file_name())).unwrap();
+    }
+    let bad_set = format!("data.dir={}", bad_data.display());
+    for (key, value, needle) in [
+        ("vocab_size", 100_000_000u64, "model.vocab_size = 100000000"),
+        (
+            "val_tokens",
+            4097,
+            "meta.json gives the val split 4097 tokens",
+        ),
+    ] {
+        let mut m = meta.clone();
+        m[key] = value.into();
+        std::fs::write(bad_data.join("meta.json"), m.to_string()).unwrap();
+        let err = fails(&["train", "--out", out_s, "--set", &bad_set]);
+        assert!(err.contains(needle), "{key}: {err}");
+    }
+    assert!(!out.exists());
+
+    // A checkpoint of a longer run than config.toml describes is refused on resume; an
+    // empty `latest` is named; a bad override of eval is blamed, not the run.
+    let state = run.join("checkpoints/step_00000002/state.json");
+    let state_text = std::fs::read_to_string(&state).unwrap();
+    std::fs::write(&state, state_text.replace("\"step\": 2", "\"step\": 5")).unwrap();
+    let err = fails(&["train", "--out", run.to_str().unwrap(), "--resume"]);
+    assert!(err.contains("beyond train.steps = 2"), "{err}");
+    std::fs::write(&state, &state_text).unwrap();
+    let latest = run.join("checkpoints/latest");
+    let latest_text = std::fs::read(&latest).unwrap();
+    std::fs::write(&latest, b"").unwrap();
+    let err = fails(&["eval", "--run", run.to_str().unwrap()]);
+    assert!(err.contains("checkpoints/latest is empty"), "{err}");
+    std::fs::write(&latest, &latest_text).unwrap();
+    let err = fails(&[
+        "eval",
+        "--run",
+        run.to_str().unwrap(),
+        "--set",
+        "attention.window=0",
+    ]);
+    assert!(
+        err.contains("--set attention.window=0") && !err.contains("not a run directory"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&run), before);
+
+    // A run evaluated before it finished: eval says so and records the step.
+    let part = d.join("part");
+    let mut partial = vec![
+        "train",
+        "--out",
+        part.to_str().unwrap(),
+        "--set",
+        &data,
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.warmup_steps=0",
+        "--stop-at-step",
+        "1",
+        "--status-every",
+        "0",
+    ];
+    partial.extend(TINY);
+    let o = ok(&partial);
+    // stderr is not a terminal here: a status line instead of a bar.
+    let status = String::from_utf8_lossy(&o.stderr);
+    assert!(status.contains("1/3 steps loss"), "{status}");
+    let o = ok(&["eval", "--run", part.to_str().unwrap()]);
+    let warned = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        warned.contains("checkpoint of step 1, before training finished"),
+        "{warned}"
+    );
+    assert_eq!(
+        json(&part.join("eval/eval.json"))["report"]["checkpoint_step"],
+        1
+    );
+
+    // A path that is not UTF-8 survives a resume from before the first checkpoint
+    // (init_from.txt keeps its bytes).
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let odd = d.join(std::ffi::OsStr::from_bytes(b"src-\xff"));
+        std::fs::create_dir_all(&odd).unwrap();
+        std::fs::copy(&ckpt, odd.join("model.safetensors")).unwrap();
+        let cont = d.join("cont");
+        let mut first = vec![
+            "train".into(),
+            "-q".into(),
+            "--out".into(),
+            cont.clone().into_os_string(),
+            "--set".into(),
+            data.clone().into(),
+            "--init-from".into(),
+            odd.clone().into_os_string(),
+            "--stop-at-step".into(),
+            "0".into(),
+            "--set".into(),
+            "train.steps=2".into(),
+            "--set".into(),
+            "train.warmup_steps=0".into(),
+        ];
+        first.extend(TINY.iter().map(|s| std::ffi::OsString::from(*s)));
+        let o = run_os(&first);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let o = run_os(&[
+            "train".into(),
+            "-q".into(),
+            "--out".into(),
+            cont.clone().into_os_string(),
+            "--resume".into(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+
     // Benchmark flags are checked before anything runs or is written.
     let bench_out = d.join("bench");
     let b = bench_out.to_str().unwrap();
@@ -743,6 +922,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     let bw = weights(&base.join("checkpoints/step_00000003/model.safetensors"));
     let lw = weights(&d.join("l2a/checkpoints/step_00000003/model.safetensors"));
     assert!(lw["model.layers.1.mlp.up_proj.weight"].equal(&bw["model.layers.1.mlp.up_proj.weight"]));
+    assert!(lw["model.embed_tokens.weight"].equal(&bw["model.embed_tokens.weight"]));
     assert!(!lw["model.layers.1.self_attn.q_proj.weight"]
         .equal(&bw["model.layers.1.self_attn.q_proj.weight"]));
     assert!(lw.contains_key("model.layers.1.self_attn.global_attn.q_proj.weight"));
@@ -782,7 +962,10 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     ]);
     assert!(err.contains("already holds a model"), "{err}");
     let err = fails(&["prune", "--run", base_s]);
-    assert!(err.contains("pruning applies to l2a"), "{err}");
+    assert!(
+        err.contains("attention.method = \"full\"") && err.contains("method \"l2a\" only"),
+        "{err}"
+    );
 }
 
 fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
@@ -890,26 +1073,38 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
         3
     );
 
-    // A rerun skips finished cells and, without --retry-failed, leaves the failure alone.
+    // A rerun skips finished cells and, without --retry-failed, leaves the failure alone,
+    // and says so by failing: the sweep is still incomplete.
     let ckpt = aha[0].join("checkpoints/step_00000003/model.safetensors");
     let before = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
-    ok(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    assert!(
+        err.contains("1 cells failed") && err.contains("0 failed, 4 skipped"),
+        "{err}"
+    );
     assert_eq!(
         std::fs::metadata(&ckpt).unwrap().modified().unwrap(),
         before
     );
     assert_eq!(status(&heads)["state"], "failed");
-    // Once the cause is fixed, --retry-failed finishes the sweep.
+    // Once the cause is fixed, --retry-failed finishes the sweep; its stderr is not a
+    // terminal, so it reports in status lines.
     std::fs::write(&ranking, "rank,layer,head,mu_f\n1,0,0,0.9\n").unwrap();
-    ok(&[
+    let retried = ok(&[
         "sweep",
         "--grid",
         g,
         "--out",
         o,
-        "--quiet",
         "--retry-failed",
+        "--status-every",
+        "0",
     ]);
+    let lines = String::from_utf8_lossy(&retried.stderr);
+    assert!(
+        lines.contains("cells: 3 done, 0 failed, 1 left of 4; running: heads-"),
+        "{lines}"
+    );
     let st = status(&heads);
     assert_eq!(
         (
@@ -1181,8 +1376,17 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             "eval.digits=3",
             "--set",
             "eval.queries=1",
+            "--log-samples",
         ]);
         assert!(String::from_utf8_lossy(&o.stdout).contains("toy_mc"));
+        // One line per item, as the harness logs samples: each choice's log-likelihood and
+        // whether it is the greedy continuation, the prediction, the gold.
+        let logged = std::fs::read_to_string(ev.join("samples_toy_mc.jsonl")).unwrap();
+        let first: serde_json::Value =
+            serde_json::from_str(logged.lines().next().unwrap()).unwrap();
+        assert_eq!(logged.lines().count(), 2);
+        assert_eq!(first["resps"].as_array().unwrap().len(), 2);
+        assert!(first["filtered_resps"][0][1].is_boolean() && first["prediction"].is_u64());
         let r = json(&ev.join("results.json"));
         for (task, metric) in [
             ("niah_single", "exact_match,none"),
@@ -1214,8 +1418,63 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
         let tidy = std::fs::read_to_string(ev.join("tasks.csv")).unwrap();
         assert!(tidy.starts_with("task,length,depth,metric,value,n\n"));
     }
-    let run_dir = dir.join("swa");
-    let run_dir = run_dir.to_str().unwrap();
+    let swa = dir.join("swa");
+    let run_dir = swa.to_str().unwrap();
+
+    // Without --out, task results go beside the training's report, never over it; the
+    // probes default to the digits the data set's probe documents were written with (3).
+    let report = std::fs::read(swa.join("eval/eval.json")).unwrap();
+    ok(&[
+        "eval",
+        "-q",
+        "--run",
+        run_dir,
+        "--tasks",
+        "passkey",
+        "--set",
+        "eval.samples=2",
+        "--set",
+        "eval.depths=[0.5]",
+    ]);
+    assert_eq!(std::fs::read(swa.join("eval/eval.json")).unwrap(), report);
+    let tasks_dir = swa.join("eval-eval.samples_2_eval.depths__0.5_-tasks");
+    let probes = std::fs::read_to_string(tasks_dir.join("probe_samples.jsonl")).unwrap();
+    for line in probes.lines() {
+        let target = serde_json::from_str::<serde_json::Value>(line).unwrap()["target"]
+            .as_str()
+            .unwrap()
+            .trim()
+            .to_string();
+        assert_eq!(target.len(), 3, "{target:?}");
+    }
+    // A multiple-choice file whose name is not UTF-8 is read from its own path.
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let odd = dir.join(std::ffi::OsStr::from_bytes(b"mc-\xff.jsonl"));
+        std::fs::copy(&mc, &odd).unwrap();
+        let o = run_os(&[
+            "eval".into(),
+            "-q".into(),
+            "--run".into(),
+            run_dir.into(),
+            "--out".into(),
+            dir.join("odd-eval").into_os_string(),
+            "--mc".into(),
+            odd.into_os_string(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    // Prompts of a million tokens are refused with the memory they would take.
+    assert!(fails(&[
+        "eval",
+        "--run",
+        run_dir,
+        "--tasks",
+        "niah_single",
+        "--set",
+        "eval.lengths=[1000000]"
+    ])
+    .contains("GiB of memory"));
     assert!(fails(&["eval", "--run", run_dir, "--tasks", "needle"]).contains("unknown probe task"));
     assert!(fails(&[
         "eval",

@@ -6,6 +6,7 @@ Writes OUT_DIR/<family>/ (config.json, model.safetensors or shards) and
 OUT_DIR/<family>/expected.safetensors with `ids` (int64 [2, 12]) and `logits` (fp32).
 """
 
+import argparse
 import os
 import sys
 
@@ -39,6 +40,38 @@ FAMILIES = {
 }
 
 
+class Holder(torch.nn.Module):
+    """A module that only holds parameters, so TorchScript can save a state dict's tree."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def save_pytorch_formats(model, out):
+    """The same weights as PyTorch and transformers save them without safetensors."""
+    sd = model.state_dict()
+    # torch.save of a state dict (an OrderedDict), plain and wrapped as training scripts do.
+    torch.save(sd, os.path.join(out, "llama_state_dict.pt"))
+    torch.save({"model": sd, "step": 3, "optimizer": {"lr": 0.1, "betas": (0.9, 0.95)}},
+               os.path.join(out, "llama_wrapped.pt"))
+    # An object only Python can rebuild.
+    torch.save({"model": sd, "args": argparse.Namespace(lr=0.1)},
+               os.path.join(out, "llama_namespace.pt"))
+    # transformers' own pickle: pytorch_model.bin beside config.json.
+    model.save_pretrained(os.path.join(out, "llama_bin"), safe_serialization=False)
+    # A TorchScript archive whose parameters carry the state dict's names.
+    root = Holder()
+    for name, p in sd.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, Holder())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, torch.nn.Parameter(p.clone()))
+    torch.jit.save(torch.jit.script(root), os.path.join(out, "llama_script.pt"))
+
+
 def main(out):
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26],
                         [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 0]], dtype=torch.int64)
@@ -59,8 +92,7 @@ def main(out):
         model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
         save_file({"ids": ids, "logits": logits.contiguous()}, os.path.join(d, "expected.safetensors"))
         if name == "llama":
-            # The same weights as a plain PyTorch state dict (a pickle).
-            torch.save(model.state_dict(), os.path.join(out, "llama_state_dict.pt"))
+            save_pytorch_formats(model, out)
     print("transformers", tf.__version__)
 
 
