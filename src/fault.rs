@@ -1,13 +1,15 @@
 //! Crash points and failing writes for the reliability tests. With
 //! `ATTNSWEEP_CRASH_AT=<point>:<n>` in the environment the process dies at once (abort: no
 //! unwinding, no flushing, like a power cut or an out-of-memory kill) the n-th time it passes
-//! `point` (counting from 1); with `ATTNSWEEP_FAIL_WRITE=<n>` the n-th file write fails as on
-//! a full disk. Without the variables a point costs a relaxed atomic load.
+//! `point` (counting from 1); `<point>:<n>:panic` panics there instead, as a bug would, and
+//! `<point>:<n>:alloc` as libtorch's failed allocations do through tch, so tests see that no
+//! panic reaches the user. With `ATTNSWEEP_FAIL_WRITE=<n>` the n-th file write fails as on a
+//! full disk. Without the variables a point costs a relaxed atomic load.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-static TARGET: OnceLock<Option<(String, usize)>> = OnceLock::new();
+static TARGET: OnceLock<Option<(String, usize, String)>> = OnceLock::new();
 static PASSED: AtomicUsize = AtomicUsize::new(0);
 static FAIL_AT: OnceLock<Option<usize>> = OnceLock::new();
 static WRITES: AtomicUsize = AtomicUsize::new(0);
@@ -28,12 +30,23 @@ pub fn write_error() -> std::io::Result<()> {
 pub fn point(name: &str) {
     let target = TARGET.get_or_init(|| {
         let v = std::env::var("ATTNSWEEP_CRASH_AT").ok()?;
-        let (p, n) = v.rsplit_once(':')?;
-        Some((p.to_string(), n.parse().ok()?))
+        let mut parts = v.split(':');
+        let (p, n) = (parts.next()?, parts.next()?.parse().ok()?);
+        Some((
+            p.to_string(),
+            n,
+            parts.next().unwrap_or("abort").to_string(),
+        ))
     });
-    if let Some((p, n)) = target {
+    if let Some((p, n, how)) = target {
         if p == name && PASSED.fetch_add(1, Ordering::Relaxed) + 1 == *n {
-            std::process::abort();
+            match how.as_str() {
+                "panic" => panic!("injected panic at {name}"),
+                "alloc" => panic!(
+                    "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes (injected at {name})"
+                ),
+                _ => std::process::abort(),
+            }
         }
     }
 }

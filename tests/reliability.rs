@@ -149,6 +149,25 @@ fn killed_training_resumes_to_the_uninterrupted_result() {
         }
     }
     assert!(kills >= 8, "crash points were reached {kills} times");
+    // A panic (a bug, or libtorch failing an allocation, which unwinds through tch) comes
+    // back as an error, never as a Rust panic, and leaves the run as consistent as a crash.
+    let panicked = dir.join("panicked");
+    for (how, says) in [
+        ("panic", "internal error at src/fault.rs"),
+        (
+            "alloc",
+            "out of memory: DefaultCPUAllocator: can't allocate memory",
+        ),
+    ] {
+        let o = train_cmd(&panicked, &settings)
+            .env("ATTNSWEEP_CRASH_AT", format!("step_applied:2:{how}"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains(says) && !err.contains("panicked at"), "{err}");
+        check_consistent(&panicked);
+    }
     // Random SIGKILLs, from process start-up to the final evaluation.
     let mut rng = Rng::new(20261122);
     let random_kills = if long() { 200 } else { 14 };
