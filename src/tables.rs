@@ -839,6 +839,19 @@ pub mod fixture {
                 },
             },
             Spec {
+                id: "heads-16",
+                kind: StageKind::Train,
+                dep: Some("aha-16"),
+                loss: 1.83,
+                density: 1.0,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::StaticHeads;
+                    c.attention.top_k = 16
+                },
+            },
+            Spec {
                 id: "l2a-0",
                 kind: StageKind::Train,
                 dep: Some("base-0"),
@@ -1074,7 +1087,7 @@ mod tests {
         assert_eq!(p[1][..3], ["0.9", "1.0", "2000.0"]);
         assert_eq!(csv(&dir.join("ppa.csv")).len(), 3);
         let heads = csv(&dir.join("aha_static_heads.csv"));
-        assert_eq!(heads.len(), 5);
+        assert_eq!(heads.len(), 6);
         // Retain % needs a full-attention model of the same budget: the static heads
         // continued from an AHA cell have trained longer than any, so they get none.
         let col = |t: &[Vec<String>], name: &str| t[0].iter().position(|c| c == name).unwrap();
@@ -1089,6 +1102,10 @@ mod tests {
         assert!(
             empty(&static_row[retain]) && empty(&static_row[reference]),
             "{static_row:?}"
+        );
+        assert!(
+            heads.iter().any(|r| r[setting] == "all heads full"),
+            "{heads:?}"
         );
         let aha_row = heads.iter().find(|r| r[setting] == "AHA").unwrap();
         assert_eq!(aha_row[reference], "full-0");

@@ -149,6 +149,27 @@ fn train_then_eval_writes_everything() {
         (zs["report"]["attention"]["pairs_vs_full"].as_f64().unwrap() - expected).abs() < 1e-12
     );
     assert_eq!(zs["config"]["attention"]["method"], "swa");
+
+    // Evaluated on sequences twice as long as training's.
+    ok(&[
+        "eval",
+        "-q",
+        "--run",
+        run.to_str().unwrap(),
+        "--set",
+        "eval.seq_len=128",
+    ]);
+    let long: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run.join("eval-eval.seq_len_128/eval.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(long["report"]["seq_len"], 128);
+    // Full causal pairs: rows x 4 heads x 2 layers x 128 * 129 / 2.
+    let rows = long["report"]["tokens"].as_f64().unwrap() / 128.0;
+    assert_eq!(
+        long["report"]["attention"]["full_causal_pairs"].as_f64(),
+        Some(rows * 4.0 * 2.0 * (128.0 * 129.0 / 2.0))
+    );
 }
 
 #[test]
