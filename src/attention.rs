@@ -1610,15 +1610,28 @@ mod tests {
         (a - b).abs().max().double_value(&[])
     }
 
-    /// Router weights set to random values so gates differ between tokens.
-    fn randomise_routers(b: &Built, std: f64) {
+    /// Every parameter `std` gives a deviation for set to uniform noise of that deviation
+    /// (around 1 for norm weights), from a generator of the test's own: tests running beside
+    /// this one draw from tch's global generator, which would make the values vary.
+    fn randomise(b: &Built, seed: u64, std: impl Fn(&str) -> Option<f64>) {
+        let mut rng = Rng::new(seed);
         tch::no_grad(|| {
             for (name, p) in b.params() {
-                if name.contains("router") {
-                    p.shallow_clone().copy_(&(p.randn_like() * std));
-                }
+                let Some(std) = std(&name) else { continue };
+                // Uniform on [-a, a] has deviation a / sqrt(3).
+                let v: Vec<f32> = (0..p.numel())
+                    .map(|_| ((2.0 * rng.uniform() - 1.0) * std * 3f64.sqrt()) as f32)
+                    .collect();
+                let base = if name.contains("norm") { 1.0 } else { 0.0 };
+                p.shallow_clone()
+                    .copy_(&(Tensor::from_slice(&v).view(p.size().as_slice()) + base));
             }
         });
+    }
+
+    /// Router weights set to random values so gates differ between tokens.
+    fn randomise_routers(b: &Built, std: f64) {
+        randomise(b, 7, |name| name.contains("router").then_some(std));
     }
 
     #[test]
@@ -2236,19 +2249,8 @@ mod tests {
     fn sampled_straight_through_gradient_is_unbiased() {
         let cfg = routed_cfg(Method::Aha, |c| c.model.num_hidden_layers = 1);
         let b = Built::new(&cfg, Device::Cpu).unwrap();
-        // Weights from a generator of the test's own: tests running beside this one draw
-        // from tch's global one, which would make the draws (and the verdict) vary.
-        let mut rng = Rng::new(11);
-        tch::no_grad(|| {
-            for (name, p) in b.params() {
-                let std = if name.contains("router") { 1.0 } else { 0.3 };
-                let v: Vec<f32> = (0..p.numel())
-                    .map(|_| ((rng.uniform() - 0.5) * 3.46 * std) as f32)
-                    .collect();
-                let base = if name.contains("norm") { 1.0 } else { 0.0 };
-                p.shallow_clone()
-                    .copy_(&(Tensor::from_slice(&v).view(p.size().as_slice()) + base));
-            }
+        randomise(&b, 11, |name| {
+            Some(if name.contains("router") { 1.0 } else { 0.3 })
         });
         let router = &b.params()["model.layers.0.self_attn.router.weight"];
         let grad = |ste_sample: f64, seed: u64| {

@@ -507,7 +507,8 @@ pub fn main() -> Result<()> {
                 .ok()
                 .and_then(|mut p| p.take())
                 .unwrap_or_default();
-            if msg.contains("alloc") || msg.contains("out of memory") {
+            // libtorch's failed allocations, on the host and on a GPU.
+            if msg.contains("can't allocate memory") || msg.contains("out of memory") {
                 let first = msg.lines().next().unwrap_or_default();
                 anyhow::bail!(
                     "out of memory: {first}; lower the batch size, sequence length or model size"

@@ -596,6 +596,14 @@ impl Config {
         }
     }
 
+    /// The setting `eval_seq_len` comes from, for messages.
+    pub fn eval_seq_len_key(&self) -> &'static str {
+        match self.eval.seq_len {
+            0 => "data.seq_len",
+            _ => "eval.seq_len",
+        }
+    }
+
     /// Reads an experiment file as a TOML tree (the defaults' empty tree when `path` is None).
     pub fn read_tree(path: Option<&Path>) -> Result<toml::Table> {
         let Some(p) = path else {

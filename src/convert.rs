@@ -202,18 +202,6 @@ pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> 
     Ok((family, m, window))
 }
 
-/// Whether a weight file is a PyTorch checkpoint (a zip archive or a pickle) rather than
-/// safetensors, by its first bytes.
-fn is_torch_file(path: &Path) -> Result<bool> {
-    let mut head = [0u8; 4];
-    let n = std::io::Read::read(
-        &mut std::fs::File::open(path)
-            .with_context(|| format!("cannot open {}", path.display()))?,
-        &mut head,
-    )?;
-    Ok((n == 4 && head == *b"PK\x03\x04") || (n >= 1 && head[0] == 0x80))
-}
-
 /// The safetensors weight files of a model directory or a single weight file. A PyTorch
 /// checkpoint (`pytorch_model.bin`, a `.pt` of `torch.save`, a TorchScript archive, a tch
 /// `.ot`) is read in-process (`crate::pickle`; Python only with `allow_pickle`, for what
@@ -251,11 +239,13 @@ fn weight_files(
             src.display()
         );
     };
-    if !is_torch_file(&file)? {
+    // A `.safetensors` name is taken at its word; other files are told by their contents.
+    let named_safetensors = file.extension().is_some_and(|e| e == "safetensors");
+    if named_safetensors || crate::pickle::format(&file)? == crate::pickle::Format::Safetensors {
         return Ok(vec![file]);
     }
     let tensors = crate::pickle::read_checkpoint(&file, allow_pickle, scratch)?;
-    let tensors = crate::pickle::unwrap_state_dict(tensors.into_iter().collect(), expected);
+    let tensors = crate::pickle::unwrap_state_dict(tensors.into_iter().collect(), expected)?;
     let out = scratch.join("from_checkpoint.safetensors");
     Tensor::write_safetensors(&tensors, &out)
         .with_context(|| format!("rewriting the tensors of {}", file.display()))?;

@@ -808,6 +808,12 @@ impl Split {
         self.shards.iter().map(|s| s.len()).sum()
     }
 
+    /// Tokens of the split's largest shard: a sequence never crosses shards, so the longest
+    /// it can give (inputs and the next token) is this many.
+    pub fn largest_shard(&self) -> usize {
+        self.shards.iter().map(|s| s.len()).max().unwrap_or(0)
+    }
+
     /// Every token of the split, shards in order.
     pub fn all_tokens(&self) -> Vec<u32> {
         self.shards

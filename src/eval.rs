@@ -85,8 +85,8 @@ pub struct GateReport {
     pub per_head: Vec<Vec<f64>>,
     /// `[layer][head]`: gaps between consecutive full-path calls of each head.
     pub gaps: Vec<Vec<GapStats>>,
-    /// Heads whose median gap outlasts the evaluated sequences (more than half their spells
-    /// end at a sequence end before the next call): their median is censored, not measured.
+    /// Heads without a measured median gap: their estimated survival never falls to one half
+    /// within the evaluated sequences (or they never call twice in one).
     pub censored_heads: usize,
     /// Synthetic corpus only.
     pub need: Option<NeedReport>,
@@ -94,18 +94,21 @@ pub struct GateReport {
 
 /// The distribution of one head's gaps: the number of tokens from one call of its full path to
 /// the next (AHA Table 3 reports their mean). Within a finite sequence a gap is complete only
-/// when both calls fall inside it; the spell after a head's last call, and a sequence in
-/// which it never calls, end at the sequence end, so those gaps are only known to be longer
-/// (right-censored). Dropping them, as a plain mean over complete gaps does, biases gaps
-/// short; the Kaplan-Meier estimator below counts them as what they are.
+/// when both calls fall inside it; the spell after a head's last call ends at the sequence
+/// end, so that gap is only known to be longer (right-censored). Dropping those, as a plain
+/// mean over complete gaps does, biases gaps short; the Kaplan-Meier estimator below counts
+/// them as what they are. Spells whose start lies before the sequence (before the first call,
+/// or a whole sequence without a call) are left out of the estimate: only long gaps cover a
+/// sequence start, so they would bias it long. `censored_share` reports how often a head
+/// calls fewer than twice in a sequence.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct GapStats {
     /// Complete gaps observed.
     pub gaps: u64,
     /// Mean of the complete gaps: the paper's statistic, biased short.
     pub mean: Option<f64>,
-    /// Kaplan-Meier median and 90th percentile of the gap; None when the estimate never
-    /// reaches them (censored: longer than the sequences can show).
+    /// Kaplan-Meier median and 90th percentile of the gap; None when the estimated survival
+    /// never falls that low (too many spells censored, or no complete gap at all).
     pub median: Option<u32>,
     pub p90: Option<u32>,
     /// Longest complete gap.
@@ -138,14 +141,13 @@ impl GapCounts {
             self.at.entry(g).or_default().0 += 1;
             self.sum += g as f64;
         }
-        // After the last call the next one lies at position len or later; a sequence without
-        // a call lies inside a gap longer than the whole sequence.
-        let censored = match calls.last() {
-            Some(&p) => len - 1 - p,
-            None => len,
-        };
-        if censored > 0 {
-            self.at.entry(censored as u32).or_default().1 += 1;
+        // After the last call the next one lies at position len or later: the gap exceeds
+        // the tokens left.
+        if let Some(&p) = calls.last() {
+            let censored = len - 1 - p;
+            if censored > 0 {
+                self.at.entry(censored as u32).or_default().1 += 1;
+            }
         }
     }
 
@@ -352,15 +354,10 @@ pub fn evaluate(
     let batches = split.sequential(cfg.eval.batch_size, seq_len, cfg.eval.max_batches, device);
     anyhow::ensure!(
         !batches.is_empty(),
-        "the {split_name} split holds {} tokens, fewer than the {} that one evaluated sequence \
-         of {} = {seq_len} needs",
-        split.tokens(),
-        seq_len + 1,
-        if cfg.eval.seq_len == 0 {
-            "data.seq_len"
-        } else {
-            "eval.seq_len"
-        }
+        "the {split_name} split has no shard of more than {} = {seq_len} tokens (its largest \
+         has {}), which one evaluated sequence needs",
+        cfg.eval_seq_len_key(),
+        split.largest_shard()
     );
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
     let mut buckets: BTreeMap<(u32, String), (f64, u64)> = Default::default();
@@ -782,23 +779,32 @@ mod tests {
     use super::*;
     use crate::config::Method;
 
-    /// Kaplan-Meier by hand over three sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2;
-    /// the spell after 4 censored at 5), none (censored at 10), and 1, 8 (gap 7; censored at 1).
-    /// At gap 2, 5 observations are at risk and 2 end: S = 0.6; at 7, 2 at risk, 1 ends:
-    /// S = 0.3. So the median is 7, while the mean of the complete gaps is 11/3; p90 is never
-    /// reached (censored).
+    /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
+    /// spell after 4 censored at 5), none (no spell observed from its start: left out), 1, 8
+    /// (gap 7; censored at 1), and 3 (censored at 6). At 2, 5 observations are at risk (the
+    /// spell censored at 1 has left) and 2 end: S = 0.6; at 7, 1 is at risk and it ends: S = 0.
+    /// So the median and p90 are 7, while the mean of the complete gaps is 11/3.
     #[test]
     fn gap_quantiles_count_censored_spells() {
         let mut g = GapCounts::default();
         g.add_sequence(&[0, 2, 4], 10);
         g.add_sequence(&[], 10);
         g.add_sequence(&[1, 8], 10);
+        g.add_sequence(&[3], 10);
         let s = g.finish();
         assert_eq!(s.gaps, 3);
         assert!((s.mean.unwrap() - 11.0 / 3.0).abs() < 1e-12);
-        assert_eq!((s.median, s.p90), (Some(7), None));
-        assert_eq!((s.max, s.max_censored), (Some(7), Some(10)));
-        assert!((s.censored_share - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!((s.median, s.p90), (Some(7), Some(7)));
+        assert_eq!((s.max, s.max_censored), (Some(7), Some(6)));
+        assert!((s.censored_share - 0.5).abs() < 1e-12);
+        // Without the long complete gap, the censored spells keep the estimate above one
+        // half: the median is not measured, though the plain mean says 2.
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 2, 4], 10);
+        g.add_sequence(&[3], 10);
+        g.add_sequence(&[5], 10);
+        let s = g.finish();
+        assert_eq!((s.mean, s.median), (Some(2.0), None));
         // A head that calls every token: gaps of 1, nothing censored but the last call
         // (which ends at the sequence end: no spell).
         let mut g = GapCounts::default();

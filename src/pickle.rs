@@ -23,9 +23,11 @@ use std::path::Path;
 use std::rc::Rc;
 use tch::{Kind, Tensor};
 
-/// What kind of PyTorch file `path` is, by its first bytes and zip contents.
+/// What kind of weight file `path` is, by its first bytes and zip contents.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Format {
+    /// Safetensors: a little-endian u64 header length, then the JSON header.
+    Safetensors,
     /// `torch.save`'s zip archive (PyTorch >= 1.6).
     TorchSave,
     /// A module archive: `torch.jit.save`, or a tch `VarStore::save` (`.ot`).
@@ -35,11 +37,22 @@ pub enum Format {
 }
 
 pub fn format(path: &Path) -> Result<Format> {
-    let mut head = [0u8; 4];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| f.read(&mut head))
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    if n == 4 && head == *b"PK\x03\x04" {
+    let mut head = [0u8; 9];
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut n = 0;
+    while n < head.len() {
+        match f.read(&mut head[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    // A safetensors header is JSON: its first byte follows the 8-byte length. (The length's
+    // own first byte may be anything, 0x80 included, so it is not a pickle's mark.)
+    if n == 9 && head[8] == b'{' {
+        return Ok(Format::Safetensors);
+    }
+    if n >= 4 && head[..4] == *b"PK\x03\x04" {
         let zip = zip::ZipArchive::new(std::fs::File::open(path)?)
             .with_context(|| format!("{} is not a readable zip archive", path.display()))?;
         let module = zip
@@ -55,11 +68,13 @@ pub fn format(path: &Path) -> Result<Format> {
             ),
         };
     }
-    if n >= 2 && head[0] == 0x80 {
+    // A pickle opens with PROTO and a protocol number.
+    if n >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
         return Ok(Format::LegacyPickle);
     }
     bail!(
-        "{} is not a PyTorch checkpoint (a torch.save or TorchScript zip archive, or a pickle)",
+        "{} is neither safetensors nor a PyTorch checkpoint (a torch.save or TorchScript zip \
+         archive, or a pickle)",
         path.display()
     )
 }
@@ -79,6 +94,7 @@ pub fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
                 .collect())
         }
         Format::TorchSave => TorchSave::open(path)?.tensors(),
+        Format::Safetensors => Ok(Tensor::read_safetensors(path)?),
         Format::LegacyPickle => bail!(
             "{} is in torch.save's legacy format (PyTorch < 1.6), which only Python reads; pass \
              --allow-pickle if you trust it, or save it again with a current torch",
@@ -94,7 +110,7 @@ enum Value {
     Scalar(&'static str),
     Int(i64),
     Str(String),
-    Tuple(Vec<Value>),
+    Tuple(Rc<[Value]>),
     List(Rc<RefCell<Vec<Value>>>),
     Dict(Rc<RefCell<Vec<(Value, Value)>>>),
     /// A global the interpreter knows (module, name); calling it is the only way it acts.
@@ -190,7 +206,8 @@ impl TorchSave {
             .zip
             .by_name(&full)
             .with_context(|| format!("{} lacks {full}", self.path.display()))?;
-        let mut out = Vec::with_capacity(f.size() as usize);
+        // No capacity from the header's claimed size: the bytes that arrive decide.
+        let mut out = Vec::new();
         f.read_to_end(&mut out)?;
         Ok(out)
     }
@@ -207,8 +224,8 @@ impl TorchSave {
         let root = Machine::new(&pickle)
             .run()
             .with_context(|| format!("reading {}", self.path.display()))?;
-        let mut leaves = Vec::new();
-        flatten(&root, String::new(), &mut leaves);
+        let (mut leaves, mut budget) = (Vec::new(), MAX_VALUES);
+        flatten(&root, String::new(), 0, &mut budget, &mut leaves)?;
         // Each storage is read once, however many tensors view it (tied weights).
         let mut storages: HashMap<String, Vec<u8>> = HashMap::new();
         let mut out = Vec::new();
@@ -218,39 +235,72 @@ impl TorchSave {
                 storages.insert(t.key.clone(), bytes);
             }
             let bytes = &storages[&t.key];
-            let want = t.numel as usize * t.kind.elt_size_in_bytes();
-            ensure!(
-                bytes.len() >= want,
-                "{}: storage {} holds {} bytes, its tensors need {want}",
-                self.path.display(),
-                t.key,
-                bytes.len()
-            );
-            let extent: i64 = t
+            let malformed = || {
+                anyhow::anyhow!(
+                    "{}: tensor {name} does not fit its storage {} ({} bytes)",
+                    self.path.display(),
+                    t.key,
+                    bytes.len()
+                )
+            };
+            let want = (t.numel as usize)
+                .checked_mul(t.kind.elt_size_in_bytes())
+                .filter(|&w| w <= bytes.len())
+                .ok_or_else(malformed)?;
+            // The last element the view reads, in checked arithmetic (sizes and strides come
+            // from the file).
+            let last = t
                 .size
                 .iter()
                 .zip(&t.stride)
-                .map(|(s, st)| (s - 1).max(0) * st)
-                .sum::<i64>()
-                + 1;
+                .try_fold(t.offset, |acc, (s, st)| {
+                    (s - 1)
+                        .max(0)
+                        .checked_mul(*st)
+                        .and_then(|x| acc.checked_add(x))
+                })
+                .ok_or_else(malformed)?;
             ensure!(
-                t.size.iter().any(|&s| s == 0) || t.offset + extent <= t.numel,
+                t.size.contains(&0) || last < t.numel,
                 "{}: tensor {name} reaches beyond its storage",
                 self.path.display()
             );
-            let storage = Tensor::from_data_size(&bytes[..want], &[t.numel], t.kind);
-            let view = storage
-                .as_strided(&t.size, &t.stride, Some(t.offset))
-                .contiguous()
-                .copy();
+            let view = Tensor::f_from_data_size(&bytes[..want], &[t.numel], t.kind)
+                .and_then(|s| s.f_as_strided(&t.size, &t.stride, Some(t.offset)))
+                .and_then(|v| {
+                    // Its own storage, not a view of one that other tensors share.
+                    let mut own = v.f_zeros_like()?;
+                    own.f_copy_(&v)?;
+                    Ok(own)
+                })
+                .map_err(|e| anyhow::anyhow!("{}: tensor {name}: {e}", self.path.display()))?;
             out.push((name, view));
         }
         Ok(out)
     }
 }
 
-/// The tensors of a pickled value at dotted names.
-fn flatten(v: &Value, name: String, out: &mut Vec<(String, Rc<TensorRef>)>) {
+/// Containers nested deeper than this, or more values than `MAX_VALUES` reached through
+/// them, are refused: a state dict is a few levels deep and holds one value per tensor, while
+/// a pickle can build a container that holds itself, or a few that refer to each other over
+/// and over (memo references make that cheap to write and exponential to walk).
+const MAX_DEPTH: usize = 64;
+const MAX_VALUES: usize = 10_000_000;
+
+/// The tensors of a pickled value at dotted names; `budget` counts down the values visited.
+fn flatten(
+    v: &Value,
+    name: String,
+    depth: usize,
+    budget: &mut usize,
+    out: &mut Vec<(String, Rc<TensorRef>)>,
+) -> Result<()> {
+    ensure!(
+        depth <= MAX_DEPTH && *budget > 0,
+        "the pickle nests containers more than {MAX_DEPTH} deep or reaches more than \
+         {MAX_VALUES} values through them (a container inside itself?)"
+    );
+    *budget -= 1;
     let join = |k: &str| match name.is_empty() {
         true => k.to_string(),
         false => format!("{name}.{k}"),
@@ -264,21 +314,22 @@ fn flatten(v: &Value, name: String, out: &mut Vec<(String, Rc<TensorRef>)>) {
                     Value::Int(i) => i.to_string(),
                     _ => continue,
                 };
-                flatten(x, join(&key), out);
+                flatten(x, join(&key), depth + 1, budget, out)?;
             }
         }
         Value::List(l) => {
             for (i, x) in l.borrow().iter().enumerate() {
-                flatten(x, join(&i.to_string()), out);
+                flatten(x, join(&i.to_string()), depth + 1, budget, out)?;
             }
         }
         Value::Tuple(l) => {
             for (i, x) in l.iter().enumerate() {
-                flatten(x, join(&i.to_string()), out);
+                flatten(x, join(&i.to_string()), depth + 1, budget, out)?;
             }
         }
         _ => {}
     }
+    Ok(())
 }
 
 /// The pickle virtual machine, restricted to building values.
@@ -303,8 +354,9 @@ impl<'a> Machine<'a> {
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        // (Lengths come from the file: `pos + n` could wrap.)
         ensure!(
-            self.pos + n <= self.data.len(),
+            n <= self.data.len() - self.pos,
             "the pickle ends in the middle of an instruction"
         );
         let s = &self.data[self.pos..self.pos + n];
@@ -476,16 +528,16 @@ impl<'a> Machine<'a> {
                     let v = Value::Str(l.trim_matches(|c| c == '\'' || c == '"').to_string());
                     self.stack.push(v);
                 }
-                b')' => self.stack.push(Value::Tuple(vec![])),
+                b')' => self.stack.push(Value::Tuple(Rc::new([]))),
                 b't' => {
                     let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items));
+                    self.stack.push(Value::Tuple(items.into()));
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
                     ensure!(self.stack.len() >= n, "the pickle's stack is too short");
                     let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(items));
+                    self.stack.push(Value::Tuple(items.into()));
                 }
                 b']' => self.stack.push(Value::List(Rc::default())),
                 b'l' => {
@@ -558,7 +610,7 @@ impl<'a> Machine<'a> {
                     let Value::Tuple(args) = args else {
                         bail!("the pickle calls with arguments that are not a tuple")
                     };
-                    let v = call(f, args)?;
+                    let v = call(f, &args)?;
                     self.stack.push(v);
                 }
                 0x92 => {
@@ -568,7 +620,7 @@ impl<'a> Machine<'a> {
                     let Value::Tuple(args) = args else {
                         bail!("the pickle calls with arguments that are not a tuple")
                     };
-                    let v = call(f, args)?;
+                    let v = call(f, &args)?;
                     self.stack.push(v);
                 }
                 b'b' => {
@@ -671,7 +723,7 @@ fn storage(pid: Value) -> Result<Value> {
     let Value::Tuple(t) = pid else {
         bail!("the pickle's persistent id is not a tuple")
     };
-    match t.as_slice() {
+    match &t[..] {
         [Value::Str(tag), Value::Global(_, class), Value::Str(key), _, Value::Int(numel)]
             if tag == "storage" =>
         {
@@ -702,16 +754,16 @@ fn ints(v: &Value) -> Result<Vec<i64>> {
 }
 
 /// Calls one of the allowed globals.
-fn call(f: Value, args: Vec<Value>) -> Result<Value> {
+fn call(f: Value, args: &[Value]) -> Result<Value> {
     let Value::Global(module, name) = f else {
         bail!("the pickle calls a {}", kind_name(&f))
     };
     Ok(match (module.as_str(), name.as_str()) {
         ("collections", "OrderedDict") => Value::Dict(Rc::default()),
-        ("builtins", "set" | "frozenset") => match args.into_iter().next() {
-            Some(Value::List(l)) => Value::List(l),
+        ("builtins", "set" | "frozenset") => match args.first() {
+            Some(Value::List(l)) => Value::List(l.clone()),
             None => Value::List(Rc::default()),
-            Some(other) => bail!("set() of a {}", kind_name(&other)),
+            Some(other) => bail!("set() of a {}", kind_name(other)),
         },
         ("torch", "device") => match args.first() {
             Some(Value::Str(s)) => Value::Str(s.clone()),
@@ -727,7 +779,9 @@ fn call(f: Value, args: Vec<Value>) -> Result<Value> {
             };
             let (size, stride) = (ints(&args[2])?, ints(&args[3])?);
             ensure!(
-                size.len() == stride.len() && size.iter().all(|&s| s >= 0) && offset >= 0,
+                size.len() == stride.len()
+                    && size.iter().chain(&stride).all(|&s| s >= 0)
+                    && offset >= 0,
                 "a tensor of storage {key} has a malformed size or stride"
             );
             Value::Tensor(Rc::new(TensorRef {
@@ -741,18 +795,15 @@ fn call(f: Value, args: Vec<Value>) -> Result<Value> {
         }
         // A parameter is its tensor here.
         ("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state") => {
-            match args.into_iter().next() {
-                Some(t @ Value::Tensor(_)) => t,
+            match args.first() {
+                Some(t @ Value::Tensor(_)) => t.clone(),
                 _ => bail!("{name} of something that is not a tensor"),
             }
         }
         // (function, type, arguments, state): rebuilt by the function, for a plain tensor or
         // a parameter only.
         ("torch._tensor", "_rebuild_from_type_v2") => {
-            let mut it = args.into_iter();
-            let (Some(func), Some(ty), Some(Value::Tuple(inner))) =
-                (it.next(), it.next(), it.next())
-            else {
+            let [func, ty, Value::Tuple(inner), ..] = args else {
                 bail!("_rebuild_from_type_v2 with malformed arguments")
             };
             match &ty {
@@ -761,7 +812,7 @@ fn call(f: Value, args: Vec<Value>) -> Result<Value> {
                         || (m == "torch.nn.parameter" && n == "Parameter") => {}
                 other => bail!("a tensor of type {other:?} is not supported"),
             }
-            call(func, inner)?
+            call(func.clone(), inner)?
         }
         _ => return Err(refused(&module, &name)),
     })
@@ -769,38 +820,56 @@ fn call(f: Value, args: Vec<Value>) -> Result<Value> {
 
 /// Tensors read at dotted names, with a wrapper around the state dict removed when that
 /// makes more names match `expected`: checkpoints often hold `{"model": state_dict, "step":
-/// ..., "optimizer": ...}` or `{"state_dict": ...}`.
+/// ..., "optimizer": ...}` or `{"state_dict": ...}`. Two wrappers that match equally well
+/// (`{"model": ..., "ema": ...}`) are an error naming both: which one is meant is the user's
+/// call.
 pub fn unwrap_state_dict(
     tensors: Vec<(String, Tensor)>,
     expected: &[String],
-) -> Vec<(String, Tensor)> {
+) -> Result<Vec<(String, Tensor)>> {
     let known = |names: &mut dyn Iterator<Item = &str>| {
         names.filter(|n| expected.iter().any(|e| e == n)).count()
     };
     let as_is = known(&mut tensors.iter().map(|(n, _)| n.as_str()));
-    let mut best: Option<(String, usize)> = None;
     let firsts: std::collections::BTreeSet<&str> = tensors
         .iter()
         .filter_map(|(n, _)| n.split_once('.').map(|(f, _)| f))
         .collect();
-    for f in firsts {
-        let prefix = format!("{f}.");
-        let n = known(&mut tensors.iter().filter_map(|(n, _)| n.strip_prefix(&prefix)));
-        if n > as_is && best.as_ref().is_none_or(|b| n > b.1) {
-            best = Some((prefix, n));
-        }
-    }
-    match best {
-        None => tensors,
-        Some((prefix, _)) => tensors
+    let scored: Vec<(String, usize)> = firsts
+        .into_iter()
+        .map(|f| {
+            let prefix = format!("{f}.");
+            let n = known(&mut tensors.iter().filter_map(|(n, _)| n.strip_prefix(&prefix)));
+            (prefix, n)
+        })
+        .filter(|(_, n)| *n > as_is)
+        .collect();
+    let best = scored.iter().map(|s| s.1).max().unwrap_or(0);
+    let winners: Vec<&String> = scored
+        .iter()
+        .filter(|s| s.1 == best)
+        .map(|s| &s.0)
+        .collect();
+    match winners.as_slice() {
+        [] => Ok(tensors),
+        [prefix] => Ok(tensors
             .into_iter()
-            .filter_map(|(n, t)| n.strip_prefix(&prefix).map(|s| (s.to_string(), t)))
-            .collect(),
+            .filter_map(|(n, t)| n.strip_prefix(prefix.as_str()).map(|s| (s.to_string(), t)))
+            .collect()),
+        many => bail!(
+            "the checkpoint holds the model's tensors under several keys ({}); save the one \
+             state dict to convert on its own",
+            many.iter()
+                .map(|p| p.trim_end_matches('.'))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 
-/// The tensors of a pickle as Python's restricted `torch.load(weights_only=True)` reads
-/// them, for what the reader above refuses; needs a trusted file and a Python with torch.
+/// The tensors of a pickle as Python's `torch.load` reads them (unrestricted: it runs what
+/// the pickle names), for what the reader above refuses; for trusted files only, and needs a
+/// Python with torch and safetensors.
 pub fn read_with_python(path: &Path, scratch: &Path) -> Result<Vec<(String, Tensor)>> {
     let out = scratch.join("from_python.safetensors");
     let script = "import sys, torch\nfrom safetensors.torch import save_file\nsd = torch.load(sys.argv[1], map_location='cpu', weights_only=False)\nflat = {}\ndef walk(v, name):\n    if isinstance(v, torch.Tensor):\n        flat[name] = v.detach().clone().contiguous()\n    elif isinstance(v, dict):\n        for k, x in v.items(): walk(x, f'{name}.{k}' if name else str(k))\n    elif isinstance(v, (list, tuple)):\n        for i, x in enumerate(v): walk(x, f'{name}.{i}' if name else str(i))\nwalk(sd, '')\nsave_file(flat, sys.argv[2])\n";
@@ -871,8 +940,8 @@ mod tests {
         p.extend(b"X\x03\x00\x00\x00sub}(X\x01\x00\x00\x00aG\x3f\xf0\x00\x00\x00\x00\x00\x00u");
         p.extend(b"u.");
         let root = Machine::new(&p).run().unwrap();
-        let mut leaves = Vec::new();
-        flatten(&root, String::new(), &mut leaves);
+        let (mut leaves, mut budget) = (Vec::new(), MAX_VALUES);
+        flatten(&root, String::new(), 0, &mut budget, &mut leaves).unwrap();
         assert_eq!(leaves.len(), 1);
         let (name, t) = &leaves[0];
         assert_eq!(name, "w");
@@ -910,6 +979,7 @@ mod tests {
             ("optimizer.state.0.exp_avg".to_string(), t()),
         ];
         let names: Vec<String> = unwrap_state_dict(wrapped, &expected)
+            .unwrap()
             .into_iter()
             .map(|(n, _)| n)
             .collect();
@@ -919,6 +989,13 @@ mod tests {
             ("model.norm.weight".to_string(), t()),
             ("lm_head.weight".to_string(), t()),
         ];
-        assert_eq!(unwrap_state_dict(plain, &expected).len(), 2);
+        assert_eq!(unwrap_state_dict(plain, &expected).unwrap().len(), 2);
+        // Two wrappers of the same model: which one is meant is not guessed.
+        let two = vec![
+            ("model.model.norm.weight".to_string(), t()),
+            ("ema.model.norm.weight".to_string(), t()),
+        ];
+        let e = format!("{:#}", unwrap_state_dict(two, &expected).unwrap_err());
+        assert!(e.contains("ema, model"), "{e}");
     }
 }

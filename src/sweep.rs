@@ -362,6 +362,9 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
     );
     crate::config::reject_non_finite(&grid.base, "base.")?;
     let mut cells: Vec<Cell> = Vec::new();
+    // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
+    // computation, not a collision of the 32-bit hashes.
+    let mut fingerprints: BTreeMap<String, String> = BTreeMap::new();
     for (si, stage) in grid.stages.iter().enumerate() {
         let what = format!("stage {:?}", stage.name);
         ensure!(
@@ -387,10 +390,14 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                     stage.thresholds.is_empty(),
                     "{what}: thresholds are for prune stages"
                 );
-                (
-                    earlier(&stage.init_from, "init_from")?,
-                    earlier(&stage.reads, "reads")?,
-                )
+                let from = earlier(&stage.init_from, "init_from")?;
+                if let Some(f) = from.filter(|f| f.kind == StageKind::Eval) {
+                    bail!(
+                        "{what}: init_from = {:?} names a stage of kind eval, whose cells hold no weights to start from",
+                        f.name
+                    );
+                }
+                (from, earlier(&stage.reads, "reads")?)
             }
             StageKind::Eval | StageKind::Prune => {
                 ensure!(
@@ -520,6 +527,12 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                     .map_or(String::new(), |r| format!("\nreads {r}"))
             );
             let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+            match fingerprints.get(&hash) {
+                Some(f) if *f != fingerprint => bail!(
+                    "{what}: two different cells share the hash {hash}; change any setting of one"
+                ),
+                _ => fingerprints.insert(hash.clone(), fingerprint),
+            };
             let id = cells
                 .iter()
                 .find(|c| c.id.ends_with(&hash))
@@ -594,14 +607,13 @@ pub struct SweepArgs {
 
 /// The cells (ids, once each) of `cells` that `args` would run and whose last attempt failed.
 pub fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
-    let mut ids: Vec<String> = cells
+    let ids: std::collections::BTreeSet<String> = cells
         .iter()
         .filter(|c| args.cell.is_none_or(|k| c.index == k))
         .filter(|c| read_status(&args.out.join(&c.id)).is_some_and(|s| s.state == State::Failed))
         .map(|c| c.id.clone())
         .collect();
-    ids.dedup();
-    ids
+    ids.into_iter().collect()
 }
 
 /// Status lines of a sweep whose stderr is not a terminal (a Slurm log, nohup), where
@@ -1271,8 +1283,8 @@ axes = {{ "attention.top_k" = [1, 16] }}
         for c in &cells[2..] {
             assert_eq!(c.depends_on.as_ref(), Some(base));
             assert_eq!(c.reads.as_ref(), Some(aha));
-            assert_eq!(c.config.train.steps, cells[1].config.train.steps);
         }
+        assert_ne!(cells[2].id, cells[3].id);
     }
 
     /// What a run would only find out later is refused at expansion, naming the stage.

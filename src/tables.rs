@@ -281,6 +281,7 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
                     && x.kind == "train"
                     && x.model_key == r.model_key
                     && x.budget_tokens == r.budget_tokens
+                    && x.eval_seq_len == r.eval_seq_len
             };
             rows.iter()
                 .filter(same)

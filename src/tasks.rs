@@ -363,11 +363,26 @@ fn rstripped_len(s: &str) -> usize {
         .len()
 }
 
-/// Context and continuation tokens as lm-evaluation-harness 0.4 makes them
-/// (`TemplateLM.loglikelihood` and `_encode_pair`): an empty context is the prefix token
-/// alone (the tokenizer's BOS, else its end-of-text token) before the continuation encoded on
-/// its own; otherwise trailing whitespace of the context moves to the continuation, the pair
-/// is encoded whole with the tokenizer's special tokens, and the continuation is what follows
+/// Tokens of `text` as the harness's `tok_encode` gives them by default: with the
+/// tokenizer's special tokens (a BOS first, for tokenizers that add one), unless the text
+/// already begins with the prefix token's text.
+fn harness_encode(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
+    let prefix_text = tok.bos().or(tok.eot()).map(|t| tok.decode(&[t]));
+    match prefix_text {
+        Some(p) if !p.is_empty() && text.starts_with(&p) => {
+            tok.encode(text.as_bytes(), Path::new("multiple-choice item"))
+        }
+        _ => tok.encode_with_special(text),
+    }
+}
+
+/// Context and continuation tokens as lm-evaluation-harness makes them for a causal model
+/// (`TemplateLM.loglikelihood` and `_encode_pair`, 0.4.9.2 and later, where `add_bos_token`
+/// is unset by default and the tokenizer's own special tokens are used): an empty context is
+/// the prefix token alone (the tokenizer's BOS, else its end-of-text token), before the
+/// continuation encoded without special tokens, unless that begins with the prefix token
+/// itself; otherwise trailing whitespace of the context moves to the continuation, the pair
+/// and the context are each encoded (`harness_encode`), and the continuation is what follows
 /// the context's own encoding.
 fn encode_pair(
     tok: &TextTokenizer,
@@ -380,18 +395,19 @@ fn encode_pair(
             .context("an empty context needs a tokenizer with a beginning- or end-of-text token")
     };
     if context.is_empty() {
-        let mut cont = tok.encode_with_special(continuation)?;
-        // The prefix already is the BOS: never twice.
-        if cont.first().is_some_and(|&t| Some(t) == tok.bos()) {
-            cont.remove(0);
+        let p = prefix()?;
+        let mut cont = tok.encode(continuation.as_bytes(), Path::new("multiple-choice item"))?;
+        if cont.first() == Some(&p) {
+            let rest = cont.split_off(1);
+            return Ok((cont, rest));
         }
-        return Ok((vec![prefix()?], cont));
+        return Ok((vec![p], cont));
     }
     let n = rstripped_len(context);
     let continuation = format!("{}{continuation}", &context[n..]);
     let context = &context[..n];
-    let whole = tok.encode_with_special(&format!("{context}{continuation}"))?;
-    let mut ctx = tok.encode_with_special(context)?;
+    let whole = harness_encode(tok, &format!("{context}{continuation}"))?;
+    let mut ctx = harness_encode(tok, context)?;
     let cont = whole[ctx.len().min(whole.len())..].to_vec();
     if ctx.is_empty() {
         // A context of whitespace alone, with a tokenizer that adds nothing before text:
@@ -1062,9 +1078,10 @@ mod tests {
         TextTokenizer::hf(&path).unwrap()
     }
 
-    /// The harness's encodings (lm-evaluation-harness 0.4): special tokens on both the pair
-    /// and the context, BOS as the prefix of an empty context (never twice), and trailing
-    /// whitespace as Python's rstrip sees it.
+    /// The harness's encodings (lm-evaluation-harness 0.4.9.2 and later, by default): special
+    /// tokens on both the pair and the context, none when a text already starts with the BOS;
+    /// BOS as the prefix of an empty context, before the continuation without special tokens
+    /// (never two BOS); trailing whitespace as Python's rstrip sees it.
     #[test]
     fn pairs_are_encoded_as_the_harness_encodes_them() {
         let tok = bos_tokenizer();
@@ -1074,8 +1091,16 @@ mod tests {
             (vec![0, 2, 3], vec![4])
         );
         assert_eq!(
+            encode_pair(&tok, "<s> the cat", " sat").unwrap(),
+            (vec![0, 2, 3], vec![4])
+        );
+        assert_eq!(
             encode_pair(&tok, "", "the cat").unwrap(),
             (vec![0], vec![2, 3])
+        );
+        assert_eq!(
+            encode_pair(&tok, "", "<s> the").unwrap(),
+            (vec![0], vec![2])
         );
         // Byte-level: no BOS; an empty context is the end-of-text token.
         let bytes = TextTokenizer::Bytes;

@@ -16,6 +16,7 @@ use crate::progress::Progress;
 use crate::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tch::{nn, Device, Kind, Tensor};
@@ -564,27 +565,25 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let device = resolve_device(&cfg.train.device)?;
     let train_split = Split::open(&cfg.data.dir, &meta, "train")?;
     let val_split = Split::open(&cfg.data.dir, &meta, "val")?;
-    ensure!(
-        train_split.tokens() > cfg.data.seq_len,
-        "the train split has {} tokens, not more than data.seq_len = {}",
-        train_split.tokens(),
-        cfg.data.seq_len
-    );
-    // The final evaluation needs one whole sequence of the val split: found out now, not
-    // after the last step.
-    ensure!(
-        val_split.tokens() > cfg.eval_seq_len(),
-        "the val split of {} has {} tokens, not more than the evaluated sequence length {} = {}; \
-         lower it or prepare a larger val split",
-        cfg.data.dir.display(),
-        val_split.tokens(),
-        if cfg.eval.seq_len == 0 {
-            "data.seq_len"
-        } else {
-            "eval.seq_len"
-        },
-        cfg.eval_seq_len()
-    );
+    // A sequence (and its next token) lies inside one shard. The final evaluation needs one
+    // of the val split: found out now, not after the last step.
+    for (split, name, len, key) in [
+        (&train_split, "train", cfg.data.seq_len, "data.seq_len"),
+        (
+            &val_split,
+            "val",
+            cfg.eval_seq_len(),
+            cfg.eval_seq_len_key(),
+        ),
+    ] {
+        ensure!(
+            split.largest_shard() > len,
+            "the {name} split of {} has no shard of more than {key} = {len} tokens (its largest \
+             has {}); lower {key} or prepare the data set with larger shards",
+            cfg.data.dir.display(),
+            split.largest_shard()
+        );
+    }
     crate::memory::check_training(&cfg, device)?;
     atomic::ensure_writable_dir(out)?;
     // One trainer per run directory; the OS releases the lock when the process dies.
@@ -601,12 +600,15 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let init_from = match &args.init_from {
         Some(src) if !args.resume => {
             let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
-            atomic::write_bytes(&init_record, abs.as_os_str().as_encoded_bytes())?;
+            atomic::write_bytes(&init_record, abs.as_os_str().as_bytes())?;
             Some(abs)
         }
-        _ if args.resume => std::fs::read(&init_record).ok().map(|bytes| {
-            // Safety: the bytes are what `as_encoded_bytes` wrote on this platform.
-            PathBuf::from(unsafe { std::ffi::OsString::from_encoded_bytes_unchecked(bytes) })
+        _ if args.resume => std::fs::read(&init_record).ok().map(|mut bytes| {
+            // A newline added by an editor is not part of the path.
+            if bytes.last() == Some(&b'\n') {
+                bytes.pop();
+            }
+            PathBuf::from(std::ffi::OsStr::from_bytes(&bytes))
         }),
         _ => None,
     };
