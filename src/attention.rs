@@ -16,7 +16,7 @@ use crate::config::{
     AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm, Reduction, Router,
 };
 use crate::kernels::{kernel_for, Kernels, PpaOffsets, QueryPath};
-use crate::model::{upcast, Linear, RmsNorm, Rope};
+use crate::nn::{upcast, Linear, RmsNorm, Rope};
 use crate::rng::Rng;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
@@ -1559,8 +1559,9 @@ mod tests {
     // ---- routed methods -------------------------------------------------------------
 
     use crate::config::Config;
-    use crate::model::{token_nll, ForwardOutput};
-    use crate::train::Built;
+    use crate::model::ForwardOutput;
+    use crate::nn::token_nll;
+    use crate::run::Built;
 
     fn routed_cfg(method: Method, f: impl FnOnce(&mut Config)) -> Config {
         let mut c = Config::default();
@@ -1717,7 +1718,7 @@ mod tests {
         let x = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
         let rope = Rope::new(
             5,
-            &crate::model::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+            &crate::nn::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
             Kind::Float,
             Device::Cpu,
         );
@@ -1841,7 +1842,7 @@ mod tests {
         let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
         let rope = Rope::new(
             6,
-            &crate::model::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+            &crate::nn::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
             Kind::Float,
             Device::Cpu,
         );
@@ -1893,9 +1894,14 @@ mod tests {
             b.model = {
                 // Rebuild the model view over the fp64 parameters with fp64 compute.
                 let mut vs = nn::VarStore::new(Device::Cpu);
-                let m =
-                    crate::model::Llama::new(&vs.root(), &cfg.model, &cfg.attention, Kind::Double)
-                        .unwrap();
+                let m = crate::model::Llama::new(
+                    &vs.root(),
+                    &cfg.model,
+                    &cfg.attention,
+                    Kind::Double,
+                    None,
+                )
+                .unwrap();
                 vs.double();
                 vs.copy(&b.vs).unwrap();
                 b.vs = vs;
@@ -2086,7 +2092,7 @@ mod tests {
             let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
             let rope = Rope::new(
                 6,
-                &crate::model::inv_freq(&cfg.model),
+                &crate::nn::inv_freq(&cfg.model),
                 Kind::Float,
                 Device::Cpu,
             );

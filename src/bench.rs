@@ -717,7 +717,8 @@ impl TrainBench {
     /// medians of its phases (forward with the loss, backward, optimizer).
     fn measure(&self, method: TrainMethod, len: i64) -> Result<TrainRow> {
         use crate::attention::ForwardCtx;
-        use crate::train::{forward_loss, AdamW, Built};
+        use crate::run::Built;
+        use crate::train::{forward_loss, AdamW};
         let cfg = self.config(method, len);
         let dev = Device::Cuda(0);
         let built = Built::new(&cfg, dev)?;
@@ -788,7 +789,7 @@ fn is_aha(m: TrainMethod) -> bool {
 /// tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
 /// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
 /// quantile of the measured logits.
-fn calibrate_routers(built: &crate::train::Built, usage: f64, len: i64) {
+fn calibrate_routers(built: &crate::run::Built, usage: f64, len: i64) {
     use crate::attention::ForwardCtx;
     let params = built.params();
     let dev = Device::Cuda(0);

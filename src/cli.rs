@@ -640,7 +640,7 @@ fn run() -> Result<()> {
             let out = c
                 .out
                 .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
-            let r = eval::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
+            let r = crate::prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
             println!(
                 "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
                 r.pruned_layers,
@@ -821,7 +821,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     if !c.tasks.is_empty() {
         sets.push(format!("eval.tasks={}", quote(&c.tasks)));
     }
-    let mut run = train::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
+    let mut run = crate::run::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
     if !c.mc.is_empty() {
         // The paths as given: a path that is not UTF-8 survives, which text would not.
         run.cfg.eval.mc = c.mc.clone();

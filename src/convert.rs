@@ -508,7 +508,7 @@ pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> R
             out.display()
         );
     }
-    let loaded = crate::train::LoadedRun::open(run, &[], ckpt, false)?;
+    let loaded = crate::run::LoadedRun::open(run, &[], ckpt, false)?;
     let (m, a) = (&loaded.cfg.model, &loaded.cfg.attention);
     let family = match (m.norm_placement, m.qk_norm, m.attention_bias) {
         (NormPlacement::Post, QkNorm::Full, false) => Family::Olmo2,

@@ -39,7 +39,17 @@ pub struct Meta {
     /// Present when the data set holds probe documents (`data probes`): the settings they
     /// were written with, which evaluation's probes default to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub probes: Option<crate::probes::ProbeSpec>,
+    pub probes: Option<ProbeDocs>,
+}
+
+/// What a data set's probe documents were written with, beyond their seed: evaluation's
+/// probes take these unless `eval.digits`, `eval.needles` or `eval.queries` say otherwise.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeDocs {
+    pub digits: usize,
+    pub needles: usize,
+    pub queries: usize,
 }
 
 /// Values one shard may hold: uint16 or uint32.
@@ -456,7 +466,7 @@ pub(crate) fn finish_text_dataset(
     tok: &TextTokenizer,
     (train, train_tokens): (Vec<String>, u64),
     (val, val_tokens): (Vec<String>, u64),
-    probes: Option<&crate::probes::ProbeSpec>,
+    probes: Option<ProbeDocs>,
 ) -> Result<Meta> {
     let tokenizer = match tok {
         TextTokenizer::Bytes => "byte".to_string(),
@@ -476,7 +486,7 @@ pub(crate) fn finish_text_dataset(
         train_tokens,
         val_tokens,
         synth: None,
-        probes: probes.cloned(),
+        probes,
     };
     write_meta(out, &meta)?;
     Ok(meta)

@@ -1201,7 +1201,7 @@ pub(crate) mod tests {
             assert_eq!(got.size(), [3, 7]);
             (&got * &g).sum(Kind::Float).backward();
             let xr = x.detach().to_kind(Kind::Float).set_requires_grad(true);
-            let want = crate::model::token_nll(&xr, &y);
+            let want = crate::nn::token_nll(&xr, &y);
             (&want * &g).sum(Kind::Float).backward();
             let e = rel_err(&got.detach(), &want.detach());
             assert!(e < tol, "V={vocab}: loss differs by {e:.2e}");
@@ -1264,7 +1264,7 @@ pub(crate) mod tests {
             let inv: Vec<f64> = (0..d / 2)
                 .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
                 .collect();
-            let rope = crate::model::Rope::new(300, &inv, angles, device).slice(37, 203);
+            let rope = crate::nn::Rope::new(300, &inv, angles, device).slice(37, 203);
             let x = Tensor::randn([2, 203, 3, d], (Kind::Float, device))
                 .to_kind(kind)
                 .set_requires_grad(true);
@@ -1499,7 +1499,7 @@ pub(crate) mod tests {
     /// sigmoid: with and without bias, one head and several, a width the kernels take in
     /// 16-byte chunks of a few lanes, and one (17 heads) they leave to ATen.
     fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
-        use crate::model::Linear;
+        use crate::nn::Linear;
         // 20001 tokens a row: on a GPU of up to ~150 SMs, blocks of the weight's gradient take
         // more than one chunk of tokens, and the last one a part of one.
         for (heads, d, bias, len) in [

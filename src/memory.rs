@@ -203,7 +203,7 @@ pub fn check_probes(cfg: &Config, device: Device, longest: usize) -> Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::Built;
+    use crate::run::Built;
 
     /// The count from the config is the constructed model's, for every method that adds
     /// parameters, tied and untied.

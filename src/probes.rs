@@ -83,8 +83,7 @@ const WORDS: [&str; 64] = [
 ];
 
 /// Everything a probe's text depends on besides the task and its position in the grid.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ProbeSpec {
     pub seed: u64,
     /// Digits of every magic number and pass key (RULER uses 7).
@@ -597,7 +596,12 @@ pub fn write_dataset(
     }
     let val = splits.pop().expect("val");
     let train = splits.pop().expect("train");
-    data::finish_text_dataset(out, &tok, train, val, Some(spec))
+    let docs = data::ProbeDocs {
+        digits: spec.digits,
+        needles: spec.needles,
+        queries: spec.queries,
+    };
+    data::finish_text_dataset(out, &tok, train, val, Some(docs))
 }
 
 #[cfg(test)]

@@ -929,7 +929,7 @@ mod tests {
     use super::*;
     use crate::config::ModelConfig;
     use crate::data::BYTE_EOT;
-    use crate::train::Built;
+    use crate::run::Built;
 
     fn tiny() -> Built {
         let mut c = Config::default();

@@ -7,7 +7,7 @@ use common::bin;
 
 use attnsweep::attention::ForwardCtx;
 use attnsweep::config::Config;
-use attnsweep::train::Built;
+use attnsweep::run::Built;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
