@@ -1,0 +1,121 @@
+//! Where a layer's keys and values come from in one forward: the chunk being processed alone
+//! (training, whole-sequence evaluation), or a decoding cache the chunk extends, which keeps
+//! what later tokens may read (a window layer only its window).
+
+use super::patterns::{KeyPattern, MaskCache};
+use std::cell::RefCell;
+use tch::{Kind, Tensor};
+
+/// One stream of cached keys and values with their absolute positions.
+struct Slot {
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+}
+
+/// A layer's decoding cache: slot 0 holds the attention's keys and values, slot 1 those of
+/// L2A's global module. Layers that only ever look back a window keep only that window.
+#[derive(Default)]
+pub struct LayerCache {
+    slots: [Option<Slot>; 2],
+}
+
+impl LayerCache {
+    /// Bytes held (keys and values).
+    pub fn bytes(&self) -> f64 {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| (s.k.numel() + s.v.numel()) as f64 * s.k.kind().elt_size_in_bytes() as f64)
+            .sum()
+    }
+}
+
+/// Where a layer's keys and values come from: the chunk being processed alone (training,
+/// whole-sequence evaluation), or a decoding cache the chunk's keys extend.
+pub enum Keys<'a> {
+    Chunk(&'a MaskCache),
+    Cache {
+        cache: &'a RefCell<LayerCache>,
+        start: i64,
+    },
+}
+
+impl Keys<'_> {
+    /// Position of the chunk's first token.
+    pub(super) fn start(&self) -> i64 {
+        match self {
+            Keys::Chunk(_) => 0,
+            Keys::Cache { start, .. } => *start,
+        }
+    }
+
+    /// The keys and values to attend over: the chunk's, after the cached ones of `slot`.
+    pub(super) fn extend(&self, slot: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        let Keys::Cache { cache, start } = self else {
+            return (k, v);
+        };
+        let mut c = cache.borrow_mut();
+        let n = k.size()[2];
+        let pos = Tensor::arange_start(*start, start + n, (Kind::Int64, k.device()));
+        let merged = match c.slots[slot].take() {
+            Some(s) => Slot {
+                k: Tensor::cat(&[&s.k, &k], 2),
+                v: Tensor::cat(&[&s.v, &v], 2),
+                pos: Tensor::cat(&[&s.pos, &pos], 0),
+            },
+            None => Slot { k, v, pos },
+        };
+        let out = (merged.k.shallow_clone(), merged.v.shallow_clone());
+        c.slots[slot] = Some(merged);
+        out
+    }
+
+    /// `pattern` for queries of this chunk over keys from `extend(slot, ..)`.
+    pub(super) fn attend(
+        &self,
+        slot: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pattern: KeyPattern,
+    ) -> Tensor {
+        match self {
+            Keys::Chunk(masks) => masks.attend(q, k, v, pattern),
+            Keys::Cache { cache, start } => {
+                let c = cache.borrow();
+                let kpos = &c.slots[slot]
+                    .as_ref()
+                    .expect("extended before attending")
+                    .pos;
+                let n = q.size()[2];
+                let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
+                let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
+                let table = Tensor::from_slice(&pattern.distance_table((start + n) as usize))
+                    .to_device(q.device());
+                let mask = table
+                    .index_select(0, &dist.clamp_min(0).flatten(0, 1))
+                    .view([n, kpos.size()[0]])
+                    .logical_and(&dist.ge(0));
+                let gqa = q.size()[1] != k.size()[1];
+                Tensor::scaled_dot_product_attention(q, k, v, Some(&mask), 0.0, false, None, gqa)
+            }
+        }
+    }
+
+    /// Drops cached keys of `slot` that no later query can see through a window of `w`.
+    pub(super) fn trim(&self, slot: usize, w: usize, end: i64) {
+        let Keys::Cache { cache, .. } = self else {
+            return;
+        };
+        let mut c = cache.borrow_mut();
+        if let Some(s) = c.slots[slot].as_mut() {
+            // The last w keys, the window of the last query: a rolling buffer at its peak
+            // size (the next query needs w - 1 of them beside its own).
+            let keep = s.pos.ge(end - w as i64).nonzero().squeeze_dim(-1);
+            s.k = s.k.index_select(2, &keep);
+            s.v = s.v.index_select(2, &keep);
+            s.pos = s.pos.index_select(0, &keep);
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! L2A, Learning to Attend: every layer first attends its window, `s_t = LocalAttn(x_t)`; a
+//! router `d_hat_t = sigmoid(W s_t)` (W zero at the start, so every token is global) decides
+//! per token whether a second, global attention module (its own Q, K, V, O, starting as
+//! copies of the base attention) reads the local outputs `s` of every earlier token:
+//! `o_t = s_t + d_t * a_t` with the straight-through `d`. The loss adds
+//! `lambda * mean(d_hat^2)`. With probability `p_force` a training step runs the global module
+//! for every token, so the router gets a gradient on tokens it masked. Pruned layers keep only
+//! the window (`attention.pruned_layers`, `attnsweep prune`).
+
+use super::aha::full_rows;
+use super::cache::Keys;
+use super::gates::GateSource;
+use super::patterns::KeyPattern;
+use super::{AttnOutput, Exec, ForwardCtx, Projections, Regulariser, SelfAttention};
+use crate::nn::Rope;
+use tch::{Kind, Tensor};
+
+impl SelfAttention {
+    /// L2A's layer over `q, k, v` of the chunk whose input is `x`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn l2a_forward(
+        &self,
+        gates: &GateSource,
+        global: &Projections,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let h = self.proj.n_heads;
+        let start = keys.start();
+        let window = KeyPattern::Window(self.window);
+        let s = self
+            .proj
+            .out(&self.attend_all(q, k, v, window, keys, 0), self.kernels);
+        let g = gates.gates(self.layer, &s, [b, l, 1], start, ctx);
+        let (qg, kg, vg) = global.qkv(&s, rope, self.kernels);
+        // Every token's s is a key of the global module, routed or not.
+        let (kg, vg) = keys.extend(1, kg, vg);
+        // Global attention runs only for routed tokens (all of them when forced), so an
+        // unrouted token's a_t is zero and sends the router no language-model gradient.
+        let executed = if ctx.force_global {
+            g.hard.ones_like()
+        } else {
+            g.hard.shallow_clone()
+        };
+        let a = match self.exec(keys) {
+            Exec::Kernels(kern, _) => {
+                let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
+                global.out(&full_rows(kern, &qg, &kg, &vg, &active), self.kernels)
+            }
+            // Decoding: no token of the chunk routed, so global attention is skipped.
+            Exec::Decode if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 => {
+                s.zeros_like()
+            }
+            _ => {
+                global.out(
+                    &keys.attend(1, &qg, &kg, &vg, KeyPattern::Full),
+                    self.kernels,
+                ) * executed.to_kind(x.kind())
+            }
+        };
+        let y = &s + g.value.to_kind(x.kind()) * a;
+        let (first, end) = (start as usize, (start + l) as usize);
+        let local_pairs = (b * h) as f64 * window.pairs_between(first, end) as f64;
+        let positions = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, x.device()));
+        let global_pairs = (executed.squeeze_dim(-1) * positions).sum(Kind::Float) * h as f64;
+        AttnOutput {
+            y,
+            pairs: global_pairs + local_pairs,
+            reg: gates.lambda().map(|lambda| {
+                Regulariser::Term(
+                    g.scores
+                        .as_ref()
+                        .expect("scored")
+                        .square()
+                        .mean(Kind::Float)
+                        * lambda,
+                )
+            }),
+            gates: Some(g.hard.expand([b, l, h], false)),
+            scores: g.scores,
+        }
+    }
+}
