@@ -687,7 +687,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 extern "C" {
 
 // Version of this C interface; Rust refuses a library whose version differs.
-int64_t attnsweep_kernels_abi() { return 11; }
+#ifndef ATTNSWEEP_ABI
+#error "build with -DATTNSWEEP_ABI=<version> (the Rust side passes it)"
+#endif
+int64_t attnsweep_kernels_abi() { return ATTNSWEEP_ABI; }
 
 // Whether the library was built with the CUDA kernels.
 int attnsweep_kernels_cuda() {
