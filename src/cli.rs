@@ -153,10 +153,10 @@ struct BenchTrainCmd {
     #[arg(long, default_value_t = 256)]
     window: usize,
     /// Fraction of AHA's (token, head) gates open (routers calibrated on random tokens).
-    #[arg(long, value_parser = finite, default_value_t = 0.1)]
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.1)]
     full_usage: f64,
     /// attention.ste_sample of the aha-sampled method.
-    #[arg(long, value_parser = finite, default_value_t = 0.1)]
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.1)]
     ste_sample: f64,
     /// Timed steps per case (median reported), after the warm-up steps.
     #[arg(long, default_value_t = 10)]
@@ -187,14 +187,14 @@ struct BenchAttentionCmd {
     #[arg(long, value_delimiter = ',', default_value = "256,1024")]
     windows: Vec<i64>,
     /// Fractions of queries skipped by sparse-query attention.
-    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
+    #[arg(long, value_parser = crate::config::finite_flag, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
     sparsities: Vec<f64>,
     /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
     /// on each of the windows.
-    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.1")]
+    #[arg(long, value_parser = crate::config::finite_flag, value_delimiter = ',', default_value = "0.1")]
     routed_usages: Vec<f64>,
     /// PPA powers p (window plus the power offsets S_p).
-    #[arg(long, value_parser = finite, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    #[arg(long, value_parser = crate::config::finite_flag, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
     ppa_powers: Vec<f64>,
     /// Sliding window of the PPA cases.
     #[arg(long, default_value_t = 64)]
@@ -264,7 +264,7 @@ struct PruneCmd {
     #[arg(long, value_name = "PATH")]
     ckpt: Option<PathBuf>,
     /// Prune layers whose sparsity (1 - mean gate) on the validation split is at least this.
-    #[arg(long, value_parser = finite, default_value_t = 0.95)]
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.95)]
     threshold: f64,
     /// Directory for the pruned model (config.toml, model.safetensors, eval/, prune.json)
     /// [default: <run>/pruned-<threshold>]; it must not already hold a model.
@@ -377,7 +377,7 @@ struct ProbesCmd {
     #[arg(long)]
     mix_with: Option<PathBuf>,
     /// Share of tokens that are probes when mixing (1: probes only).
-    #[arg(long, value_parser = finite, default_value_t = 1.0)]
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 1.0)]
     probe_fraction: f64,
     /// A tokenizer.json when there is no corpus; byte-level when omitted.
     #[arg(long)]
@@ -421,7 +421,7 @@ struct PrepareCmd {
     #[arg(long, short)]
     out: PathBuf,
     /// Fraction of the token stream (its end) held out as the validation split.
-    #[arg(long, value_parser = finite, default_value_t = 0.05)]
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.05)]
     val_fraction: f64,
     /// Tokens per shard file.
     #[arg(long, default_value_t = 100_000_000)]
@@ -436,48 +436,8 @@ struct SynthCmd {
     /// Output directory (must not already hold a data set).
     #[arg(long, short)]
     out: PathBuf,
-    /// Seed of the filler language and of both splits.
-    #[arg(long, default_value_t = SynthSpec::default().seed)]
-    seed: u64,
-    /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
-    #[arg(long, default_value_t = SynthSpec::default().vocab_size)]
-    vocab_size: usize,
-    /// Distinct keys; a key is reused with a new value once its query has been asked.
-    #[arg(long, default_value_t = SynthSpec::default().n_keys)]
-    n_keys: usize,
-    /// Distinct values.
-    #[arg(long, default_value_t = SynthSpec::default().n_values)]
-    n_values: usize,
-    /// Successors per token in the filler bigram model.
-    #[arg(long, default_value_t = SynthSpec::default().branch)]
-    branch: usize,
-    /// Probability that a filler position starts a definition.
-    #[arg(long, value_parser = finite, default_value_t = SynthSpec::default().event_rate)]
-    event_rate: f64,
-    /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
-    #[arg(long, value_parser = finite, default_value_t = SynthSpec::default().alpha)]
-    alpha: f64,
-    /// Shortest query-to-definition distance.
-    #[arg(long, default_value_t = SynthSpec::default().min_distance)]
-    min_distance: usize,
-    /// Longest query-to-definition distance (normally the training sequence length).
-    #[arg(long, default_value_t = SynthSpec::default().max_distance)]
-    max_distance: usize,
-    /// Tokens in the training split.
-    #[arg(long, default_value_t = SynthSpec::default().train_tokens)]
-    train_tokens: usize,
-    /// Tokens in the validation split.
-    #[arg(long, default_value_t = SynthSpec::default().val_tokens)]
-    val_tokens: usize,
-}
-
-/// A number flag: finite (NaN would pass every range check after it).
-fn finite(s: &str) -> std::result::Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() => Ok(v),
-        Ok(v) => Err(format!("{v} is not a finite number")),
-        Err(e) => Err(e.to_string()),
-    }
+    #[command(flatten)]
+    spec: SynthSpec,
 }
 
 /// Runs the command line. A panic (a bug, or an allocation that failed inside libtorch)
@@ -694,20 +654,7 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Data(DataCmd::Synth(c)) => {
-            let spec = SynthSpec {
-                seed: c.seed,
-                vocab_size: c.vocab_size,
-                n_keys: c.n_keys,
-                n_values: c.n_values,
-                branch: c.branch,
-                event_rate: c.event_rate,
-                alpha: c.alpha,
-                min_distance: c.min_distance,
-                max_distance: c.max_distance,
-                train_tokens: c.train_tokens,
-                val_tokens: c.val_tokens,
-            };
-            let meta = data::synth(&spec, &c.out)?;
+            let meta = data::synth(&c.spec, &c.out)?;
             report_dataset(&meta, &c.out);
             Ok(())
         }

@@ -819,6 +819,15 @@ pub fn resume_may_change(key: &str) -> bool {
     })
 }
 
+/// A number given as a command-line flag: finite (NaN would pass every range check after it).
+pub fn finite_flag(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Refuses NaN and infinite numbers anywhere in a TOML tree (TOML allows `nan` and `inf`, and
 /// NaN would pass any range check), naming the dotted key.
 pub fn reject_non_finite(tree: &toml::Table, prefix: &str) -> Result<()> {

@@ -496,23 +496,44 @@ pub(crate) fn finish_text_dataset(
 // Synthetic long-tail dependency corpus.
 
 /// How the synthetic corpus is generated. Token ids: 0 = DEF, 1 = ASK, then `n_keys` keys,
-/// then `n_values` values, then filler.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[serde(deny_unknown_fields)]
+/// then `n_values` values, then filler. One type for every place that takes it: the flags of
+/// `data synth`, a grid's `[synth]` section (unset fields at their defaults) and a data set's
+/// `meta.json`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
+#[serde(deny_unknown_fields, default)]
 pub struct SynthSpec {
+    /// Seed of the filler language and of both splits.
+    #[arg(long, default_value_t = SynthSpec::default().seed)]
     pub seed: u64,
+    /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
+    #[arg(long, default_value_t = SynthSpec::default().vocab_size)]
     pub vocab_size: usize,
+    /// Distinct keys; a key is reused with a new value once its query has been asked.
+    #[arg(long, default_value_t = SynthSpec::default().n_keys)]
     pub n_keys: usize,
+    /// Distinct values.
+    #[arg(long, default_value_t = SynthSpec::default().n_values)]
     pub n_values: usize,
     /// Successors per token in the filler bigram model (its entropy is at most log(branch)).
+    #[arg(long, default_value_t = SynthSpec::default().branch)]
     pub branch: usize,
     /// Probability that a filler position starts a definition.
+    #[arg(long, default_value_t = SynthSpec::default().event_rate)]
     pub event_rate: f64,
-    /// P(D) ∝ D^(-alpha) for the distance D from a query back to its definition.
+    /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
+    #[arg(long, default_value_t = SynthSpec::default().alpha)]
     pub alpha: f64,
+    /// Shortest query-to-definition distance.
+    #[arg(long, default_value_t = SynthSpec::default().min_distance)]
     pub min_distance: usize,
+    /// Longest query-to-definition distance (normally the training sequence length).
+    #[arg(long, default_value_t = SynthSpec::default().max_distance)]
     pub max_distance: usize,
+    /// Tokens in the training split.
+    #[arg(long, default_value_t = SynthSpec::default().train_tokens)]
     pub train_tokens: usize,
+    /// Tokens in the validation split.
+    #[arg(long, default_value_t = SynthSpec::default().val_tokens)]
     pub val_tokens: usize,
 }
 
@@ -543,6 +564,9 @@ pub const DEP_NONE: u32 = 0;
 
 impl SynthSpec {
     pub fn validate(&self) -> Result<()> {
+        for (name, v) in [("event rate", self.event_rate), ("alpha", self.alpha)] {
+            ensure!(v.is_finite(), "synth {name} {v} is not a finite number");
+        }
         ensure!(
             self.n_keys >= 1 && self.n_values >= 2,
             "synth needs at least 1 key and 2 values"

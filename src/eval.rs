@@ -461,14 +461,44 @@ pub fn evaluate(
     })
 }
 
+/// `eval.json`: a report and the resolved config it was computed with. `write_report` writes
+/// it and `read_report` reads it (the sweep tables do), through this one type, so a field
+/// renamed on one side cannot silently vanish on the other.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct EvalFile {
+    pub report: EvalReport,
+    pub config: Config,
+}
+
+/// The `eval.json` in `dir`; None when there is none, an error naming the file when it is not
+/// one this version writes.
+pub fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
+    let path = dir.join("eval.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    serde_json::from_str(&text).map(Some).with_context(|| {
+        format!(
+            "{} is not an evaluation report of this version of attnsweep; evaluate the run again",
+            path.display()
+        )
+    })
+}
+
 /// Writes `eval.json` (report plus the resolved config), `eval.csv` (one metric per row) and,
 /// when there are buckets, `eval_buckets.csv`; also the resolved `config.toml`.
 pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
     atomic::ensure_writable_dir(dir)?;
-    let json = serde_json::json!({ "report": report, "config": cfg.recordable() });
+    let file = EvalFile {
+        report: report.clone(),
+        config: cfg.recordable(),
+    };
     atomic::write_bytes(
         &dir.join("eval.json"),
-        serde_json::to_string_pretty(&json)?.as_bytes(),
+        serde_json::to_string_pretty(&file)?.as_bytes(),
     )?;
     crate::fault::point("eval_report");
     let a = &report.attention;

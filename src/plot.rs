@@ -13,7 +13,9 @@
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto` | all methods: quality against attention work, with the Pareto front |
 
-use crate::tables::{rows, Row};
+use crate::config::{Method, Router};
+use crate::sweep::StageKind;
+use crate::tables::{name_of, rows, Row};
 use anyhow::{anyhow, Result};
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::coord::Shift;
@@ -367,24 +369,6 @@ impl Figure {
     }
 }
 
-fn read_json(p: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
-}
-
-fn matrix(v: &serde_json::Value) -> Vec<Vec<f64>> {
-    v.as_array()
-        .map(|rows| {
-            rows.iter()
-                .map(|r| {
-                    r.as_array()
-                        .map(|c| c.iter().filter_map(|x| x.as_f64()).collect())
-                        .unwrap_or_default()
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn series(name: String, mut points: Vec<(f64, f64)>, line: bool) -> Series {
     points.sort_by(|a, b| a.0.total_cmp(&b.0));
     Series {
@@ -510,21 +494,18 @@ fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
 /// Every figure the sweep directory's cells can fill, as (file stem, figure).
 pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     let all = rows(sweep)?;
-    let train: Vec<&Row> = all.iter().filter(|r| r.kind == "train").collect();
+    let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
     let aha: Vec<&Row> = train
         .iter()
         .copied()
-        .filter(|r| r.method == "aha" && r.router == "learned")
+        .filter(|r| r.method == Method::Aha && r.router == Router::Learned)
         .collect();
     let mut figs: Vec<(String, Figure)> = Vec::new();
-    let gates = |r: &Row| {
-        read_json(&sweep.join(&r.cell).join("eval/eval.json")).map(|v| v["report"]["gates"].clone())
-    };
 
     let routed_by_window: Vec<&Row> = train
         .iter()
         .copied()
-        .filter(|r| r.mu_f.is_some() && r.router == "learned")
+        .filter(|r| r.mu_f().is_some() && r.router == Router::Learned)
         .collect();
     if routed_by_window
         .iter()
@@ -541,8 +522,8 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 y: "full-attention usage mu_f".into(),
                 series: grouped(
                     &routed_by_window,
-                    |r| format!("{} lambda={}", r.method, r.lambda),
-                    |r| r.mu_f.map(|m| (r.window, m)),
+                    |r| format!("{} lambda={}", name_of(r.method), r.lambda),
+                    |r| r.mu_f().map(|m| (r.window, m)),
                 ),
                 log_x: true,
             },
@@ -550,8 +531,8 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     }
     let mut sorted_usage = Vec::new();
     for r in &aha {
-        let Some(g) = gates(r) else { continue };
-        let m = matrix(&g["per_head"]);
+        let Some(g) = r.gates() else { continue };
+        let m = g.per_head.clone();
         if m.is_empty() {
             continue;
         }
@@ -600,7 +581,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 series: grouped(
                     &aha,
                     |r| format!("w={}", r.window),
-                    |r| r.mu_f.map(|m| (r.lambda, m)),
+                    |r| r.mu_f().map(|m| (r.lambda, m)),
                 ),
                 log_x: true,
             },
@@ -608,7 +589,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     }
     let tau: Vec<&Row> = all
         .iter()
-        .filter(|r| r.method == "l2a" && r.kind == "eval" && r.mu_f.is_some())
+        .filter(|r| r.method == Method::L2a && r.kind == StageKind::Eval && r.mu_f().is_some())
         .collect();
     if !tau.is_empty() {
         let mut groups: BTreeMap<String, Series> = BTreeMap::new();
@@ -621,7 +602,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                     line: true,
                     labels: vec![],
                 });
-            s.points.push((r.pairs_vs_full, r.loss));
+            s.points.push((r.pairs_vs_full(), r.loss()));
             s.labels.push(format!("tau={}", r.tau));
         }
         let series: Vec<Series> = groups
@@ -645,18 +626,16 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
-    for r in all.iter().filter(|r| {
-        (r.method == "l2a" || r.method == "swiattn") && r.kind == "train" && r.mu_f.is_some()
-    }) {
-        let Some(g) = gates(r) else { continue };
-        let per_layer: Vec<f64> = g["per_layer"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
-            .unwrap_or_default();
+    for r in all
+        .iter()
+        .filter(|r| matches!(r.method, Method::L2a | Method::Swiattn) && r.kind == StageKind::Train)
+    {
+        let Some(g) = r.gates() else { continue };
+        let per_layer = &g.per_layer;
         figs.push((
             format!("layer_sparsity_{}", r.cell),
             Figure::Bars {
-                title: format!("Sparsity per layer: {} {}", r.method, r.label),
+                title: format!("Sparsity per layer: {} {}", name_of(r.method), r.label),
                 x: "layer".into(),
                 y: "sparsity 1 - mu_f".into(),
                 bars: per_layer
@@ -670,7 +649,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     let ppa: Vec<&Row> = train
         .iter()
         .copied()
-        .filter(|r| r.method == "ppa")
+        .filter(|r| r.method == Method::Ppa)
         .collect();
     if !ppa.is_empty() {
         let curves: Vec<Series> = ppa
@@ -707,7 +686,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 series: grouped(
                     &ppa,
                     |r| format!("w={}", r.window),
-                    |r| Some((r.ppa_power, r.loss)),
+                    |r| Some((r.ppa_power, r.loss())),
                 ),
                 log_x: false,
             },
@@ -716,7 +695,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     for r in &all {
         let p = sweep.join(&r.cell).join("eval/niah.csv");
         if p.is_file() {
-            for (stem, f) in niah_figures(&p, &format!("{} {}", r.method, r.label))? {
+            for (stem, f) in niah_figures(&p, &format!("{} {}", name_of(r.method), r.label))? {
                 figs.push((format!("{stem}_{}", r.cell), f));
             }
         }
@@ -724,7 +703,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     // One budget: the cells continued from the most common source (a base trained for
     // longer or shorter is not comparable).
     let mut sources: BTreeMap<&str, usize> = BTreeMap::new();
-    for r in all.iter().filter(|r| r.kind == "train") {
+    for r in all.iter().filter(|r| r.kind == StageKind::Train) {
         *sources.entry(r.source.as_str()).or_default() += 1;
     }
     let budget = sources
@@ -734,13 +713,15 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .unwrap_or("");
     let quality: Vec<&Row> = all
         .iter()
-        .filter(|r| r.kind != "prune" && r.pairs_vs_full.is_finite() && r.source == budget)
+        .filter(|r| {
+            r.kind != StageKind::Prune && r.pairs_vs_full().is_finite() && r.source == budget
+        })
         .collect();
     if quality.len() > 1 {
         let front = pareto_front(
             &quality
                 .iter()
-                .map(|r| (r.pairs_vs_full, r.loss))
+                .map(|r| (r.pairs_vs_full(), r.loss()))
                 .collect::<Vec<_>>(),
         );
         // The front first, so every method's points are drawn over it.
@@ -752,8 +733,8 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         }];
         for mut s in grouped(
             &quality,
-            |r| r.method.clone(),
-            |r| Some((r.pairs_vs_full, r.loss)),
+            |r| name_of(r.method),
+            |r| Some((r.pairs_vs_full(), r.loss())),
         ) {
             s.line = false;
             series.push(s);

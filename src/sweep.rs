@@ -69,66 +69,14 @@ use std::time::Duration;
 #[serde(deny_unknown_fields)]
 pub struct Grid {
     pub name: String,
+    /// `data synth`'s settings (unset ones at their defaults): the corpus is generated at
+    /// `base.data.dir` when it holds none.
     #[serde(default)]
-    pub synth: Option<SynthSection>,
+    pub synth: Option<SynthSpec>,
     #[serde(default)]
     pub base: toml::Table,
     #[serde(rename = "stage")]
     pub stages: Vec<Stage>,
-}
-
-/// `data synth` parameters; the corpus is generated at `base.data.dir` when it holds none.
-#[derive(Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields, default)]
-pub struct SynthSection {
-    pub seed: u64,
-    pub vocab_size: usize,
-    pub n_keys: usize,
-    pub n_values: usize,
-    pub branch: usize,
-    pub event_rate: f64,
-    pub alpha: f64,
-    pub min_distance: usize,
-    pub max_distance: usize,
-    pub train_tokens: usize,
-    pub val_tokens: usize,
-}
-
-impl Default for SynthSection {
-    fn default() -> Self {
-        let s = SynthSpec::default();
-        SynthSection {
-            seed: s.seed,
-            vocab_size: s.vocab_size,
-            n_keys: s.n_keys,
-            n_values: s.n_values,
-            branch: s.branch,
-            event_rate: s.event_rate,
-            alpha: s.alpha,
-            min_distance: s.min_distance,
-            max_distance: s.max_distance,
-            train_tokens: s.train_tokens,
-            val_tokens: s.val_tokens,
-        }
-    }
-}
-
-impl SynthSection {
-    fn spec(&self) -> SynthSpec {
-        SynthSpec {
-            seed: self.seed,
-            vocab_size: self.vocab_size,
-            n_keys: self.n_keys,
-            n_values: self.n_values,
-            branch: self.branch,
-            event_rate: self.event_rate,
-            alpha: self.alpha,
-            min_distance: self.min_distance,
-            max_distance: self.max_distance,
-            train_tokens: self.train_tokens,
-            val_tokens: self.val_tokens,
-        }
-    }
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -687,7 +635,7 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path) -> Result<()> {
     let lock = std::fs::File::create(out.join("data.lock"))?;
     lock.lock()?;
     if !dir.join("meta.json").exists() {
-        data::synth(&synth.spec(), dir).with_context(|| {
+        data::synth(synth, dir).with_context(|| {
             format!(
                 "generating the grid's synthetic corpus at {}",
                 dir.display()

@@ -18,7 +18,9 @@
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
 //! where lower is better).
 
-use crate::config::{Config, Method, Router};
+use crate::config::{Config, Method, Reduction, Router};
+use crate::eval::{EvalReport, GateReport};
+use crate::prune::PruneReport;
 use crate::sweep::{read_status, Cell, StageKind, State};
 use anyhow::{Context, Result};
 use polars::prelude::*;
@@ -26,52 +28,66 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// What the tables know of one finished cell.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Row {
     pub cell: String,
     pub stage: String,
-    pub kind: String,
+    pub kind: StageKind,
     pub label: String,
-    pub method: String,
-    /// The cell this one continued from or evaluates, and its method ("" when none).
+    pub method: Method,
+    /// The cell this one continued from or evaluates ("" when none), and its method.
     pub source: String,
-    pub source_method: String,
+    pub source_method: Option<Method>,
     pub window: f64,
     pub lambda: f64,
     pub tau: f64,
     pub ppa_power: f64,
     pub top_k: f64,
-    pub router: String,
+    pub router: Router,
+    pub bernoulli_p: f64,
     pub variant: String,
     /// AHA Table 5's row name: "AHA", "top-k" static heads, or "all heads full".
     pub setting: String,
-    /// SwiAttn's disagreement weight and how the disagreement is reduced ("mean": the
-    /// paper's MSE; "sum": the squared norm, which alpha weighs hidden_size times more).
+    /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
+    /// the squared norm, which alpha weighs hidden_size times more).
     pub swiattn_alpha: Option<f64>,
-    pub swiattn_disagreement: String,
+    pub swiattn_disagreement: Option<Reduction>,
     /// Training tokens behind the model (its own steps and those of every cell it continued
     /// from), and what identifies its model and data: the basis of retain %'s reference.
     pub budget_tokens: f64,
     pub model_key: String,
-    /// Length of the evaluated sequences.
-    pub eval_seq_len: f64,
-    pub loss: f64,
-    pub perplexity: f64,
-    /// Attended pairs over full causal attention's pairs (`AttentionWork::pairs_vs_full`).
-    pub pairs_vs_full: f64,
-    pub attention_flops: f64,
-    pub kv_cache_bytes: f64,
-    pub mu_f: Option<f64>,
-    /// Heads whose median gap between full-path calls outlasts the evaluated sequences.
-    pub censored_heads: Option<f64>,
-    pub gate_precision: Option<f64>,
-    pub gate_recall: Option<f64>,
-    pub threshold: Option<f64>,
-    pub pruned_layers: Option<f64>,
-    pub kv_before: Option<f64>,
-    pub loss_before: Option<f64>,
+    /// The cell's evaluation (`eval.json`), and its pruning (`prune.json`) for prune cells.
+    pub report: EvalReport,
+    pub prune: Option<PruneReport>,
     /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
     pub tasks: BTreeMap<String, f64>,
+}
+
+impl Row {
+    pub fn loss(&self) -> f64 {
+        self.report.loss
+    }
+
+    pub fn pairs_vs_full(&self) -> f64 {
+        self.report.attention.pairs_vs_full
+    }
+
+    /// Full-attention usage of a routed model (pruned L2A layers counted as window).
+    pub fn mu_f(&self) -> Option<f64> {
+        self.report.gates.as_ref().map(|g| g.mu_f)
+    }
+
+    pub fn gates(&self) -> Option<&GateReport> {
+        self.report.gates.as_ref()
+    }
+}
+
+/// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
+pub fn name_of<T: serde::Serialize>(v: T) -> String {
+    toml::Value::try_from(v)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
 }
 
 /// SwiAttn regulariser variant by its Table 4 name.
@@ -106,17 +122,6 @@ pub fn swiattn_variant(c: &Config) -> String {
         ),
         (x, e) => format!("alpha={x} eps={e}"),
     }
-}
-
-fn method_name(m: Method) -> String {
-    serde_json::to_value(m)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
-}
-
-fn read_json(p: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
 }
 
 /// Training tokens behind each cell's model: its own (train cells) plus those of the cells
@@ -165,38 +170,37 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
         if read_status(&dir).is_none_or(|s| s.state != State::Done) {
             continue;
         }
-        let Some(ev) = read_json(&dir.join("eval/eval.json")) else {
+        let Some(ev) = crate::eval::read_report(&dir.join("eval"))? else {
             continue;
         };
-        let r = &ev["report"];
-        let f = |v: &serde_json::Value| v.as_f64();
         let a = &c.config.attention;
         let source = c
             .depends_on
             .as_ref()
             .and_then(|d| cells.iter().find(|x| &x.id == d));
-        let prune = read_json(&dir.join("prune.json"));
-        let routed = a.method.is_routed() || !a.pruned_layers.is_empty();
+        let prune_path = dir.join("prune.json");
+        let prune = match prune_path.is_file() {
+            true => Some(
+                serde_json::from_str::<PruneReport>(&std::fs::read_to_string(&prune_path)?)
+                    .with_context(|| format!("{} is malformed", prune_path.display()))?,
+            ),
+            false => None,
+        };
         out.push(Row {
             cell: c.id.clone(),
             stage: c.stage.clone(),
-            kind: format!("{:?}", c.kind).to_lowercase(),
+            kind: c.kind,
             label: c.label.clone(),
-            method: method_name(a.method),
+            method: a.method,
             source: source.map(|s| s.id.clone()).unwrap_or_default(),
-            source_method: source
-                .map(|s| method_name(s.config.attention.method))
-                .unwrap_or_default(),
+            source_method: source.map(|s| s.config.attention.method),
             window: a.window as f64,
             lambda: a.lambda,
             tau: a.tau,
             ppa_power: a.ppa_power,
             top_k: a.top_k as f64,
-            router: if a.router == Router::Bernoulli {
-                format!("bernoulli({})", a.bernoulli_p)
-            } else {
-                "learned".into()
-            },
+            router: a.router,
+            bernoulli_p: a.bernoulli_p,
             variant: if a.method == Method::Swiattn {
                 swiattn_variant(&c.config)
             } else {
@@ -215,39 +219,23 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
                 _ => String::new(),
             },
             swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
-            swiattn_disagreement: match a.method {
-                Method::Swiattn => toml::Value::try_from(a.swiattn_disagreement)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default(),
-                _ => String::new(),
-            },
+            swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
             budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
             model_key: format!(
                 "{}\n{}",
                 toml::to_string(&c.config.model).unwrap_or_default(),
                 c.config.data.dir.display()
             ),
-            eval_seq_len: f(&r["seq_len"]).unwrap_or(c.config.eval_seq_len() as f64),
-            loss: f(&r["loss"]).unwrap_or(f64::NAN),
-            perplexity: f(&r["perplexity"]).unwrap_or(f64::NAN),
-            pairs_vs_full: f(&r["attention"]["pairs_vs_full"]).unwrap_or(f64::NAN),
-            attention_flops: f(&r["attention"]["flops"]).unwrap_or(f64::NAN),
-            kv_cache_bytes: f(&r["kv_cache_bytes_total"]).unwrap_or(f64::NAN),
-            mu_f: if routed { f(&r["gates"]["mu_f"]) } else { None },
-            censored_heads: f(&r["gates"]["censored_heads"]),
-            gate_precision: f(&r["gates"]["need"]["all_gates"]["precision"]),
-            gate_recall: f(&r["gates"]["need"]["all_gates"]["recall"]),
-            threshold: c.threshold,
-            pruned_layers: prune
-                .as_ref()
-                .and_then(|p| p["pruned_layers"].as_array().map(|a| a.len() as f64)),
-            kv_before: prune.as_ref().and_then(|p| f(&p["kv_cache_bytes_before"])),
-            loss_before: prune.as_ref().and_then(|p| f(&p["loss_before"])),
+            report: ev.report,
+            prune,
             tasks: task_metrics(&dir.join("eval/results.json")),
         });
     }
     Ok(out)
+}
+
+fn read_json(p: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
 }
 
 /// `<task>.<metric>` of a harness-shaped results file (standard errors left out).
@@ -277,11 +265,11 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         .iter()
         .map(|r| {
             let same = |x: &&Row| {
-                x.method == "full"
-                    && x.kind == "train"
+                x.method == Method::Full
+                    && x.kind == StageKind::Train
                     && x.model_key == r.model_key
                     && x.budget_tokens == r.budget_tokens
-                    && x.eval_seq_len == r.eval_seq_len
+                    && x.report.seq_len == r.report.seq_len
             };
             rows.iter()
                 .filter(same)
@@ -292,20 +280,33 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
     let retain: Vec<Option<f64>> = rows
         .iter()
         .zip(&reference)
-        .map(|(r, f)| f.map(|f| 100.0 * f.perplexity / r.perplexity))
+        .map(|(r, f)| f.map(|f| 100.0 * f.report.perplexity / r.report.perplexity))
         .collect();
     let retain_ref: Vec<String> = reference
         .iter()
         .map(|f| f.map_or(String::new(), |f| f.cell.clone()))
         .collect();
+    let prune = |f: fn(&PruneReport) -> f64| {
+        rows.iter()
+            .map(|r| r.prune.as_ref().map(f))
+            .collect::<Vec<Option<f64>>>()
+    };
+    let gates = |f: fn(&GateReport) -> Option<f64>| {
+        rows.iter()
+            .map(|r| r.gates().and_then(f))
+            .collect::<Vec<Option<f64>>>()
+    };
     Ok(df!(
         "cell" => s(|r| r.cell.clone()),
         "stage" => s(|r| r.stage.clone()),
-        "kind" => s(|r| r.kind.clone()),
+        "kind" => s(|r| name_of(r.kind)),
         "label" => s(|r| r.label.clone()),
-        "method" => s(|r| r.method.clone()),
-        "source_method" => s(|r| r.source_method.clone()),
-        "router" => s(|r| r.router.clone()),
+        "method" => s(|r| name_of(r.method)),
+        "source_method" => s(|r| r.source_method.map(name_of).unwrap_or_default()),
+        "router" => s(|r| match r.router {
+            Router::Bernoulli => format!("bernoulli({})", r.bernoulli_p),
+            Router::Learned => "learned".into(),
+        }),
         "variant" => s(|r| r.variant.clone()),
         "setting" => s(|r| r.setting.clone()),
         "window" => n(|r| r.window),
@@ -314,24 +315,24 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "ppa_power" => n(|r| r.ppa_power),
         "top_k" => n(|r| r.top_k),
         "swiattn_alpha" => o(|r| r.swiattn_alpha),
-        "swiattn_disagreement" => s(|r| r.swiattn_disagreement.clone()),
+        "swiattn_disagreement" => s(|r| r.swiattn_disagreement.map(name_of).unwrap_or_default()),
         "budget_tokens" => n(|r| r.budget_tokens),
-        "eval_seq_len" => n(|r| r.eval_seq_len),
-        "loss" => n(|r| r.loss),
-        "perplexity" => n(|r| r.perplexity),
+        "eval_seq_len" => n(|r| r.report.seq_len as f64),
+        "loss" => n(|r| r.report.loss),
+        "perplexity" => n(|r| r.report.perplexity),
         "retain_pct" => retain,
         "retain_ref" => retain_ref,
-        "pairs_vs_full" => n(|r| r.pairs_vs_full),
-        "attention_flops" => n(|r| r.attention_flops),
-        "kv_cache_bytes" => n(|r| r.kv_cache_bytes),
-        "mu_f" => o(|r| r.mu_f),
-        "censored_heads" => o(|r| r.censored_heads),
-        "gate_precision" => o(|r| r.gate_precision),
-        "gate_recall" => o(|r| r.gate_recall),
-        "threshold" => o(|r| r.threshold),
-        "pruned_layers" => o(|r| r.pruned_layers),
-        "kv_cache_bytes_before" => o(|r| r.kv_before),
-        "loss_before" => o(|r| r.loss_before),
+        "pairs_vs_full" => n(|r| r.report.attention.pairs_vs_full),
+        "attention_flops" => n(|r| r.report.attention.flops),
+        "kv_cache_bytes" => n(|r| r.report.kv_cache_bytes_total),
+        "mu_f" => o(|r| r.mu_f()),
+        "censored_heads" => gates(|g| Some(g.censored_heads as f64)),
+        "gate_precision" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.precision)),
+        "gate_recall" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.recall)),
+        "threshold" => prune(|p| p.threshold),
+        "pruned_layers" => prune(|p| p.pruned_layers.len() as f64),
+        "kv_cache_bytes_before" => prune(|p| p.kv_cache_bytes_before),
+        "loss_before" => prune(|p| p.loss_before),
     )?
     .hstack(&task_columns(rows))?)
 }
@@ -412,15 +413,24 @@ struct TableSpec {
     sort: &'static [&'static str],
 }
 
+/// The summary's rows of method `m`.
+fn method_is(m: Method) -> Expr {
+    col("method").eq(lit(name_of(m)))
+}
+
+/// The summary's rows of cells of kind `k`.
+fn kind_is(k: StageKind) -> Expr {
+    col("kind").eq(lit(name_of(k)))
+}
+
 fn paper_tables() -> Vec<TableSpec> {
-    let learned = col("router").eq(lit("learned"));
-    let train = col("kind").eq(lit("train"));
+    let learned = col("router").eq(lit(name_of(Router::Learned)));
+    let train = kind_is(StageKind::Train);
     vec![
         TableSpec {
             file: "aha_windows.csv",
-            require: col("method").eq(lit("aha")),
-            filter: col("method")
-                .eq(lit("aha"))
+            require: method_is(Method::Aha),
+            filter: method_is(Method::Aha)
                 .and(train.clone())
                 .and(learned.clone()),
             columns: &[
@@ -440,9 +450,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_lambda.csv",
-            require: col("method").eq(lit("aha")),
-            filter: col("method")
-                .eq(lit("aha"))
+            require: method_is(Method::Aha),
+            filter: method_is(Method::Aha)
                 .and(train.clone())
                 .and(learned.clone()),
             columns: &[
@@ -459,10 +468,9 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_static_heads.csv",
-            require: col("method").eq(lit("static_heads")),
-            filter: col("method")
-                .eq(lit("static_heads"))
-                .or(col("method").eq(lit("aha")))
+            require: method_is(Method::StaticHeads),
+            filter: method_is(Method::StaticHeads)
+                .or(method_is(Method::Aha))
                 .and(train.clone()),
             columns: &[
                 "setting",
@@ -480,10 +488,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "l2a_threshold.csv",
-            require: col("kind").eq(lit("eval")),
-            filter: col("method")
-                .eq(lit("l2a"))
-                .and(col("kind").neq(lit("prune"))),
+            require: kind_is(StageKind::Eval),
+            filter: method_is(Method::L2a).and(kind_is(StageKind::Prune).not()),
             columns: &[
                 "tau",
                 "window",
@@ -499,8 +505,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "l2a_pruning.csv",
-            require: col("kind").eq(lit("prune")),
-            filter: col("kind").eq(lit("prune")),
+            require: kind_is(StageKind::Prune),
+            filter: kind_is(StageKind::Prune),
             columns: &[
                 "threshold",
                 "pruned_layers",
@@ -515,12 +521,10 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "swiattn_baselines.csv",
-            require: col("method").neq(lit("full")),
-            filter: ["swa", "static_hybrid", "swiattn"]
-                .iter()
-                .fold(col("method").eq(lit("full")), |e, m| {
-                    e.or(col("method").eq(lit(*m)))
-                }),
+            require: method_is(Method::Full).not(),
+            filter: [Method::Swa, Method::StaticHybrid, Method::Swiattn]
+                .into_iter()
+                .fold(method_is(Method::Full), |e, m| e.or(method_is(m))),
             columns: &[
                 "baseline",
                 "method",
@@ -538,8 +542,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "swiattn_ablations.csv",
-            require: col("method").eq(lit("swiattn")),
-            filter: col("method").eq(lit("swiattn")).and(train.clone()),
+            require: method_is(Method::Swiattn),
+            filter: method_is(Method::Swiattn).and(train.clone()),
             columns: &[
                 "variant",
                 "swiattn_alpha",
@@ -555,8 +559,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "ppa.csv",
-            require: col("method").eq(lit("ppa")),
-            filter: col("method").eq(lit("ppa")),
+            require: method_is(Method::Ppa),
+            filter: method_is(Method::Ppa),
             columns: &[
                 "ppa_power",
                 "window",
@@ -574,23 +578,18 @@ fn paper_tables() -> Vec<TableSpec> {
 /// window model continued from a full one.
 fn baseline_expr() -> Expr {
     when(
-        col("method")
-            .eq(lit("swa"))
-            .and(col("kind").eq(lit("eval")))
-            .and(col("source_method").eq(lit("full"))),
+        method_is(Method::Swa)
+            .and(kind_is(StageKind::Eval))
+            .and(col("source_method").eq(lit(name_of(Method::Full)))),
     )
     .then(lit("SWA-ZS"))
-    .when(
-        col("method")
-            .eq(lit("swa"))
-            .and(col("source_method").eq(lit("full"))),
-    )
+    .when(method_is(Method::Swa).and(col("source_method").eq(lit(name_of(Method::Full)))))
     .then(lit("SWA-CPT"))
-    .when(col("method").eq(lit("swa")))
+    .when(method_is(Method::Swa))
     .then(lit("SWA"))
-    .when(col("method").eq(lit("static_hybrid")))
+    .when(method_is(Method::StaticHybrid))
     .then(lit("StaticHybrid"))
-    .when(col("method").eq(lit("full")))
+    .when(method_is(Method::Full))
     .then(lit("FullAttn"))
     .otherwise(lit("SwiAttn"))
     .alias("baseline")
@@ -634,7 +633,7 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         written.push(out.join(t.file));
     }
     let gaps = out.join("aha_gaps.csv");
-    match gap_table(sweep, &rows)? {
+    match gap_table(&rows)? {
         Some(mut df) => {
             write_csv(&mut df, &gaps)?;
             written.push(gaps);
@@ -648,7 +647,7 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
 /// AHA Table 3: every head of every AHA train cell with its usage and the distribution of
 /// its gaps between full-path calls (`eval::GapStats`), heads by usage within a cell. None
 /// when the sweep has no AHA cell.
-fn gap_table(sweep: &Path, rows: &[Row]) -> Result<Option<DataFrame>> {
+fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
     let names = [
@@ -668,36 +667,33 @@ fn gap_table(sweep: &Path, rows: &[Row]) -> Result<Option<DataFrame>> {
     ];
     for r in rows
         .iter()
-        .filter(|r| r.method == "aha" && r.kind == "train")
+        .filter(|r| r.method == Method::Aha && r.kind == StageKind::Train)
     {
-        let Some(ev) = read_json(&sweep.join(&r.cell).join("eval/eval.json")) else {
-            continue;
-        };
-        let g = &ev["report"]["gates"];
-        let mut heads: Vec<(f64, usize, usize, &serde_json::Value)> = Vec::new();
-        for (l, layer) in g["gaps"].as_array().into_iter().flatten().enumerate() {
-            for (h, gap) in layer.as_array().into_iter().flatten().enumerate() {
-                let mu = g["per_head"][l][h].as_f64().unwrap_or(f64::NAN);
-                heads.push((mu, l, h, gap));
-            }
-        }
+        let Some(g) = r.gates() else { continue };
+        let mut heads: Vec<(f64, usize, usize)> = g
+            .per_head
+            .iter()
+            .enumerate()
+            .flat_map(|(l, row)| row.iter().enumerate().map(move |(h, &mu)| (mu, l, h)))
+            .collect();
         heads.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        for (mu, l, h, gap) in heads {
+        for (mu, l, h) in heads {
+            let gap = &g.gaps[l][h];
             cells.push(r.cell.clone());
             let values = [
                 Some(r.window),
                 Some(r.lambda),
-                Some(r.eval_seq_len),
+                Some(r.report.seq_len as f64),
                 Some(l as f64),
                 Some(h as f64),
                 Some(mu),
-                gap["gaps"].as_f64(),
-                gap["mean"].as_f64(),
-                gap["median"].as_f64(),
-                gap["p90"].as_f64(),
-                gap["max"].as_f64(),
-                gap["max_censored"].as_f64(),
-                gap["censored_share"].as_f64(),
+                Some(gap.gaps as f64),
+                gap.mean,
+                gap.median.map(f64::from),
+                gap.p90.map(f64::from),
+                gap.max.map(f64::from),
+                gap.max_censored.map(f64::from),
+                Some(gap.censored_share),
             ];
             for (n, v) in names.iter().zip(values) {
                 cols.entry(n).or_default().push(v);
@@ -716,6 +712,10 @@ fn gap_table(sweep: &Path, rows: &[Row]) -> Result<Option<DataFrame>> {
 #[cfg(test)]
 pub mod fixture {
     use crate::config::{Config, Method};
+    use crate::eval::{
+        AttentionWork, EvalFile, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
+    };
+    use crate::prune::PruneReport;
     use crate::sweep::{Cell, StageKind};
     use std::path::{Path, PathBuf};
 
@@ -959,21 +959,69 @@ pub mod fixture {
                 r#"{"state":"done","attempts":1,"error":null}"#,
             )
             .unwrap();
-            let gates = s.gates.then(|| {
-                serde_json::json!({
-                    "mu_f": s.density, "per_layer": [s.density, s.density * 0.5],
-                    "per_head": [[0.9, 0.1], [0.4, 0.6]], "censored_heads": 1,
-                    "gaps": [[{"gaps": 9, "mean": 1.0, "median": 1, "p90": 2, "max": 3, "max_censored": 1, "censored_share": 0.0},
-                              {"gaps": 0, "mean": null, "median": null, "p90": null, "max": null, "max_censored": 64, "censored_share": 1.0}],
-                             [{"gaps": 4, "mean": 2.0, "median": 2, "p90": 3, "max": 3, "max_censored": 5, "censored_share": 0.5},
-                              {"gaps": 5, "mean": 3.0, "median": 3, "p90": 4, "max": 6, "max_censored": 2, "censored_share": 0.25}]],
-                    "need": { "all_gates": { "precision": 0.3, "recall": 0.8 } }
-                })
+            let gap = |gaps: u64, median: Option<u32>, share: f64| GapStats {
+                gaps,
+                mean: median.map(f64::from),
+                median,
+                p90: median.map(|m| m + 1),
+                max: median.map(|m| m + 2),
+                max_censored: Some(64),
+                censored_share: share,
+            };
+            let gates = s.gates.then(|| GateReport {
+                mu_f: s.density,
+                per_layer: vec![s.density, s.density * 0.5],
+                per_head: vec![vec![0.9, 0.1], vec![0.4, 0.6]],
+                gaps: vec![
+                    vec![gap(9, Some(1), 0.0), gap(0, None, 1.0)],
+                    vec![gap(4, Some(2), 0.5), gap(5, Some(3), 0.25)],
+                ],
+                censored_heads: 1,
+                need: Some(NeedReport {
+                    window: 64,
+                    positions: 10,
+                    needing: 4,
+                    per_layer: vec![],
+                    all_gates: PrecisionRecall {
+                        precision: Some(0.3),
+                        recall: Some(0.8),
+                        ..Default::default()
+                    },
+                }),
             });
-            let report = serde_json::json!({ "report": {
-                "loss": s.loss, "perplexity": s.loss.exp(), "kv_cache_bytes_total": 1000.0,
-                "attention": { "pairs_vs_full": s.density, "flops": s.density * 1e6 }, "gates": gates } });
-            std::fs::write(cell_dir.join("eval/eval.json"), report.to_string()).unwrap();
+            let pairs = s.density * 1e6;
+            let report = EvalReport {
+                split: "val".into(),
+                seq_len: config.eval_seq_len(),
+                checkpoint_step: Some(config.train.steps),
+                train_steps: config.train.steps,
+                tokens: 1000,
+                loss: s.loss,
+                perplexity: s.loss.exp(),
+                bits_per_token: s.loss / std::f64::consts::LN_2,
+                unigram_entropy: 3.0,
+                attention: AttentionWork {
+                    pairs,
+                    full_causal_pairs: 1e6,
+                    pairs_vs_full: s.density,
+                    flops: 4.0 * pairs,
+                    full_causal_flops: 4e6,
+                },
+                kv_cache_bytes: vec![500.0, 500.0],
+                kv_cache_bytes_total: 1000.0,
+                kv_cache_bytes_full: 1000.0,
+                buckets: vec![],
+                gates,
+            };
+            let file = EvalFile {
+                report,
+                config: config.clone(),
+            };
+            std::fs::write(
+                cell_dir.join("eval/eval.json"),
+                serde_json::to_string(&file).unwrap(),
+            )
+            .unwrap();
             let suite = serde_json::json!({ "results": { "niah_single": {
                 "alias": "niah_single", "exact_match,none": s.loss, "exact_match_stderr,none": 0.1 } } });
             std::fs::write(cell_dir.join("eval/results.json"), suite.to_string()).unwrap();
@@ -984,9 +1032,22 @@ pub mod fixture {
                 )
                 .unwrap();
             }
-            if s.threshold.is_some() {
-                let p = serde_json::json!({ "pruned_layers": [1], "kv_cache_bytes_before": 2000.0, "loss_before": 1.83 });
-                std::fs::write(cell_dir.join("prune.json"), p.to_string()).unwrap();
+            if let Some(threshold) = s.threshold {
+                let p = PruneReport {
+                    threshold,
+                    sparsity: vec![0.5, 0.95],
+                    pruned_layers: vec![1],
+                    kv_cache_bytes_before: 2000.0,
+                    kv_cache_bytes_after: 1000.0,
+                    kv_cache_bytes_full: 2000.0,
+                    loss_before: 1.83,
+                    loss_after: s.loss,
+                };
+                std::fs::write(
+                    cell_dir.join("prune.json"),
+                    serde_json::to_string(&p).unwrap(),
+                )
+                .unwrap();
             }
             cells.push(Cell {
                 index: i,

@@ -288,7 +288,7 @@ impl Kernels {
 
     /// AHA's gates of one layer from router scores `s: [B, L, H]` (fp32) in one pass: open
     /// where `s > tau`; with `sample < 1` a window gate is probed where the hash draw of
-    /// `(seed, layer, b, start + l, h)` is below `sample` (`attention.rs`, `hash_uniform`), and
+    /// `(seed, layer, b, start + l, h)` is below `sample` (`attention/gates.rs`, `hash_uniform`), and
     /// `sample = 1` probes every one (the exact straight-through gradient). The weight's
     /// gradient reaches `s` as the straight-through gradient, scaled by `1 / sample` at probes.
     #[allow(clippy::too_many_arguments)]

@@ -486,7 +486,7 @@ fn cuda_st_mix_matches_reference() {
     });
 }
 
-/// AHA's gates against the layer's ATen reference (`attention.rs`: `threshold`,
+/// AHA's gates against the layer's ATen reference (`attention/gates.rs`: `threshold`,
 /// `hash_uniform`'s probes, `routed_pairs`) and the straight-through weight's gradient,
 /// for gates open at random, all open and all closed, at two chunk starts.
 fn aha_gates_match_reference(kern: &Kernels, device: Device) {
