@@ -8,10 +8,63 @@
 
 use super::cache::Keys;
 use super::gates::{hash_uniform, router_input, GateSource};
-use super::{AttnOutput, Exec, ForwardCtx, Regulariser, SelfAttention, KERNEL_FAILED};
+use super::{
+    AttnOutput, Build, Exec, ForwardCtx, Regulariser, Route, SelfAttention, KERNEL_FAILED,
+};
+use crate::config::Method;
 use crate::kernels::{Kernels, QueryPath};
-use crate::nn::Linear;
+use crate::nn::{Linear, Rope};
 use tch::{Kind, Tensor};
+
+/// AHA's layer, or static top-k heads': a gate per (token, head) choosing the whole prefix or
+/// the window over the shared q, k, v.
+struct PerHead {
+    gates: GateSource,
+}
+
+/// AHA's router scores each head (`W: d x H`) and starts with every gate open
+/// (`attention.router_init_bias`); static heads take the layer's fixed assignment.
+pub(super) fn build(b: &Build) -> Box<dyn Route> {
+    let gates = match b.a.method {
+        Method::StaticHeads => {
+            let on: Vec<f32> = b
+                .fixed_heads
+                .expect("static_heads needs a head assignment")
+                .iter()
+                .map(|&h| h as u8 as f32)
+                .collect();
+            GateSource::Fixed(Tensor::from_slice(&on).to_device(b.p.device()))
+        }
+        _ => b.gates(
+            b.m.num_attention_heads as i64,
+            Some(b.a.router_init_bias),
+            false,
+            true,
+        ),
+    };
+    Box::new(PerHead { gates })
+}
+
+impl Route for PerHead {
+    fn forward(
+        &self,
+        layer: &SelfAttention,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        layer.aha_forward(&self.gates, x, q, k, v, keys, ctx)
+    }
+
+    /// Any token may route to the full path, which reads the one shared cache.
+    fn kv_cache_bytes(&self, _: &SelfAttention, len: usize, per_position: f64, _: usize) -> f64 {
+        len as f64 * per_position
+    }
+}
 
 /// The routed kernels' per-query paths `[B, H, L]` (uint8) from bool masks: the whole prefix
 /// where `full`, else the window where `window`, else nothing.

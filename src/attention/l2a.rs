@@ -10,10 +10,81 @@
 use super::aha::full_rows;
 use super::cache::Keys;
 use super::gates::GateSource;
-use super::patterns::KeyPattern;
-use super::{AttnOutput, Exec, ForwardCtx, Projections, Regulariser, SelfAttention};
+use super::patterns::{KeyPattern, Static};
+use super::{AttnOutput, Build, Exec, ForwardCtx, Projections, Regulariser, Route, SelfAttention};
 use crate::nn::Rope;
 use tch::{Kind, Tensor};
+
+/// L2A's layer: the window, and the global module for routed tokens.
+struct Global {
+    gates: GateSource,
+    global: Projections,
+}
+
+/// The router is `W s` with no bias, zero at the start (d_hat = 0.5: every token global); a
+/// pruned layer keeps only its window.
+pub(super) fn build(b: &Build) -> Box<dyn Route> {
+    if b.a.pruned_layers.contains(&b.layer) {
+        return Box::new(Static(KeyPattern::Window(b.a.window)));
+    }
+    Box::new(Global {
+        gates: b.gates(1, None, true, false),
+        global: Projections::new(&(b.p / "global_attn"), b.m),
+    })
+}
+
+impl Route for Global {
+    fn forward(
+        &self,
+        layer: &SelfAttention,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        layer.l2a_forward(&self.gates, &self.global, x, q, k, v, rope, keys, ctx)
+    }
+
+    /// The local module's window plus the global module's own full cache.
+    fn kv_cache_bytes(
+        &self,
+        layer: &SelfAttention,
+        len: usize,
+        per_position: f64,
+        elt: usize,
+    ) -> f64 {
+        layer.window.min(len) as f64 * per_position
+            + len as f64 * self.global.kv_bytes_per_position(elt)
+    }
+
+    /// The global module starts as a copy of the base attention.
+    fn derived_params(&self) -> Vec<(String, String)> {
+        let mut names: Vec<&str> = vec![
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "o_proj.weight",
+        ];
+        if self.global.q_norm.is_some() {
+            names.extend(["q_norm.weight", "k_norm.weight"]);
+        }
+        if self.global.q_proj.bias.is_some() {
+            names.extend(["q_proj.bias", "k_proj.bias", "v_proj.bias"]);
+        }
+        names
+            .into_iter()
+            .map(|n| (format!("global_attn.{n}"), n.to_string()))
+            .collect()
+    }
+
+    /// The local module's; the global module's keys (slot 1) are all kept.
+    fn window_only(&self, layer: &SelfAttention) -> Option<usize> {
+        Some(layer.window)
+    }
+}
 
 impl SelfAttention {
     /// L2A's layer over `q, k, v` of the chunk whose input is `x`.

@@ -191,30 +191,104 @@ impl Projections {
     }
 }
 
-/// The method-specific part of a layer.
-enum Route {
-    /// One fixed pattern for every token and head.
-    Static(KeyPattern),
-    /// AHA (and static top-k heads): per (token, head) full or window over shared q, k, v.
-    PerHead { gates: GateSource },
-    /// L2A: window attention s, then a second module over s for routed tokens: o = s + d a.
-    Global {
-        gates: GateSource,
-        global: Box<Projections>,
-    },
-    /// SwiAttn: per token full or window branch over shared q, k, v.
-    Switch {
-        gates: GateSource,
-        swa_o_proj: Option<Linear>,
-        reg: SwiAttnReg,
-    },
+/// What a method adds to the layer every method shares. Each method's file implements it
+/// (`patterns.rs` for the static patterns) with a `build` function, and
+/// `SelfAttention::new` picks the file by `attention.method`: a new method is a new file and
+/// its arm there.
+trait Route {
+    /// The layer's output for `q, k, v` (the keys already extended by a decoding cache) of
+    /// the chunk whose input is `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        layer: &SelfAttention,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput;
+
+    /// Bytes of the key-value cache decoding keeps for `len` tokens, where one position of
+    /// the base attention takes `per_position` bytes and a value `elt`.
+    fn kv_cache_bytes(
+        &self,
+        layer: &SelfAttention,
+        len: usize,
+        per_position: f64,
+        elt: usize,
+    ) -> f64;
+
+    /// Parameters the method adds that start as copies of the base attention's, as `(new,
+    /// base)` names below the layer's `self_attn.`.
+    fn derived_params(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    /// How far back the base attention's queries ever look, when that is a window (a decoding
+    /// cache keeps only it); None when a query may read the whole prefix.
+    fn window_only(&self, _layer: &SelfAttention) -> Option<usize> {
+        None
+    }
+
+    /// The pattern of a static layer, None for routed ones.
+    fn static_pattern(&self) -> Option<KeyPattern> {
+        None
+    }
+}
+
+/// What a method's `build` makes its part of a layer from.
+struct Build<'a> {
+    /// `model.layers.N.self_attn`.
+    p: &'a nn::Path<'a>,
+    layer: usize,
+    m: &'a ModelConfig,
+    a: &'a AttentionConfig,
+    /// static_heads: this layer's heads, true where always full.
+    fixed_heads: Option<&'a [bool]>,
+    kernels: Option<&'static Kernels>,
+}
+
+impl Build<'_> {
+    /// The source of `outputs` gates a token: context-free draws under `attention.router =
+    /// "bernoulli"`, else a learned router (`self_attn.router`) whose weight starts at zero,
+    /// with a bias starting at `bias` if any, opening where `s > tau` (`s >= tau` when
+    /// `inclusive`). `reads_hidden`: it reads the layer's hidden state (AHA, SwiAttn), not a
+    /// module's output (L2A), and so gets an RMSNorm of its own in a post-norm model.
+    fn gates(
+        &self,
+        outputs: i64,
+        bias: Option<f64>,
+        inclusive: bool,
+        reads_hidden: bool,
+    ) -> GateSource {
+        let (p, m, a) = (self.p, self.m, self.a);
+        if a.router == Router::Bernoulli {
+            return GateSource::Bernoulli(a.bernoulli_p);
+        }
+        let d = m.hidden_size as i64;
+        let rp = p / "router";
+        let weight = rp.var("weight", &[outputs, d], nn::Init::Const(0.0));
+        let bias = bias.map(|b| rp.var("bias", &[outputs], nn::Init::Const(b)));
+        let norm = (reads_hidden && m.norm_placement == NormPlacement::Post)
+            .then(|| RmsNorm::new(p / "router_norm", d, m.rms_norm_eps).with_kernels(self.kernels));
+        GateSource::Learned {
+            router: Linear { weight, bias },
+            norm,
+            tau: a.tau,
+            inclusive,
+            lambda: a.lambda,
+        }
+    }
 }
 
 /// One attention layer of any method, with Hugging Face parameter names for the base
 /// module; parameters a method adds sit beside them (`router`, `global_attn.*`, `swa_o_proj`).
 pub struct SelfAttention {
     proj: Projections,
-    route: Route,
+    route: Box<dyn Route>,
     window: usize,
     /// AHA: `attention.ste_sample`.
     ste_sample: f64,
@@ -248,74 +322,24 @@ impl SelfAttention {
         fixed_heads: Option<&[bool]>,
         kernels: Option<&'static Kernels>,
     ) -> Self {
+        // The base projections first: parameters draw their initial values from tch's
+        // generator in the order they are created.
         let proj = Projections::new(&p, m);
-        let (d, h) = (m.hidden_size as i64, m.num_attention_heads as i64);
-        // `reads_hidden`: the router reads the layer's hidden state (AHA, SwiAttn), not a
-        // module's output (L2A).
-        let learned = |outputs: i64, bias: Option<f64>, inclusive: bool, reads_hidden: bool| {
-            let rp = &p / "router";
-            let weight = rp.var("weight", &[outputs, d], nn::Init::Const(0.0));
-            let bias = bias.map(|b| rp.var("bias", &[outputs], nn::Init::Const(b)));
-            let norm = (reads_hidden && m.norm_placement == NormPlacement::Post)
-                .then(|| RmsNorm::new(&p / "router_norm", d, m.rms_norm_eps).with_kernels(kernels));
-            GateSource::Learned {
-                router: Linear { weight, bias },
-                norm,
-                tau: a.tau,
-                inclusive,
-                lambda: a.lambda,
-            }
+        let build = Build {
+            p: &p,
+            layer,
+            m,
+            a,
+            fixed_heads,
+            kernels,
         };
-        let source =
-            |outputs: i64, bias: Option<f64>, inclusive: bool, reads_hidden: bool| match a.router {
-                Router::Learned => learned(outputs, bias, inclusive, reads_hidden),
-                Router::Bernoulli => GateSource::Bernoulli(a.bernoulli_p),
-            };
         let route = match a.method {
             Method::Full | Method::Swa | Method::Ppa | Method::StaticHybrid => {
-                Route::Static(layer_pattern(a, layer))
+                patterns::build(&build)
             }
-            Method::L2a if a.pruned_layers.contains(&layer) => {
-                Route::Static(KeyPattern::Window(a.window))
-            }
-            // The L2A router is W s with no bias, zero-initialised (d_hat = 0.5: every token global).
-            Method::L2a => Route::Global {
-                gates: source(1, None, true, false),
-                global: Box::new(Projections::new(&(&p / "global_attn"), m)),
-            },
-            Method::Aha => Route::PerHead {
-                gates: source(h, Some(a.router_init_bias), false, true),
-            },
-            Method::StaticHeads => {
-                let on: Vec<f32> = fixed_heads
-                    .expect("static_heads needs a head assignment")
-                    .iter()
-                    .map(|&b| b as u8 as f32)
-                    .collect();
-                Route::PerHead {
-                    gates: GateSource::Fixed(Tensor::from_slice(&on).to_device(p.device())),
-                }
-            }
-            Method::Swiattn => Route::Switch {
-                gates: source(1, Some(a.router_init_bias), false, true),
-                swa_o_proj: (!a.swiattn_shared_o_proj).then(|| {
-                    Linear::new(
-                        &p / "swa_o_proj",
-                        h * m.head_dim() as i64,
-                        d,
-                        false,
-                        m.initializer_range,
-                    )
-                }),
-                reg: SwiAttnReg {
-                    gamma_base: a.swiattn_gamma_base,
-                    eps: a.swiattn_eps,
-                    alpha: a.swiattn_alpha,
-                    adaptive: a.swiattn_adaptive,
-                    nll: a.swiattn_nll,
-                    disagreement: a.swiattn_disagreement,
-                },
-            },
+            Method::Aha | Method::StaticHeads => aha::build(&build),
+            Method::L2a => l2a::build(&build),
+            Method::Swiattn => swiattn::build(&build),
         };
         SelfAttention {
             proj,
@@ -358,59 +382,18 @@ impl SelfAttention {
     /// L2A's global module and SwiAttn's window-branch output projection.
     pub fn derived_params(&self) -> Vec<(String, String)> {
         let p = &self.prefix;
-        match &self.route {
-            Route::Global { global, .. } => {
-                let mut v: Vec<(String, String)> = ["q_proj", "k_proj", "v_proj", "o_proj"]
-                    .iter()
-                    .map(|n| {
-                        (
-                            format!("{p}.global_attn.{n}.weight"),
-                            format!("{p}.{n}.weight"),
-                        )
-                    })
-                    .collect();
-                if global.q_norm.is_some() {
-                    v.extend(["q_norm", "k_norm"].iter().map(|n| {
-                        (
-                            format!("{p}.global_attn.{n}.weight"),
-                            format!("{p}.{n}.weight"),
-                        )
-                    }));
-                }
-                if global.q_proj.bias.is_some() {
-                    v.extend(
-                        ["q_proj", "k_proj", "v_proj"].iter().map(|n| {
-                            (format!("{p}.global_attn.{n}.bias"), format!("{p}.{n}.bias"))
-                        }),
-                    );
-                }
-                v
-            }
-            Route::Switch {
-                swa_o_proj: Some(_),
-                ..
-            } => vec![(
-                format!("{p}.swa_o_proj.weight"),
-                format!("{p}.o_proj.weight"),
-            )],
-            _ => vec![],
-        }
+        self.route
+            .derived_params()
+            .into_iter()
+            .map(|(new, base)| (format!("{p}.{new}"), format!("{p}.{base}")))
+            .collect()
     }
 
     /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
     /// decode time (`elt` bytes per value).
     pub fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
         let per = self.proj.kv_bytes_per_position(elt);
-        let window = self.window.min(len) as f64 * per;
-        match &self.route {
-            Route::Static(KeyPattern::Window(w)) => (*w).min(len) as f64 * per,
-            // PPA reaches back to the oldest offset, so it keeps everything.
-            Route::Static(_) => len as f64 * per,
-            // Any token may route to the full path, which reads the one shared cache.
-            Route::PerHead { .. } | Route::Switch { .. } => len as f64 * per,
-            // The local module's window plus the global module's own full cache.
-            Route::Global { global, .. } => window + len as f64 * global.kv_bytes_per_position(elt),
-        }
+        self.route.kv_cache_bytes(self, len, per, elt)
     }
 
     /// Where this call runs: see `Exec`.
@@ -425,59 +408,20 @@ impl SelfAttention {
     /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
     /// `keys.start() ..`; `rope` covers those positions. The method's file computes the rest.
     pub fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
-        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let l = x.size()[1];
         let start = keys.start();
         let (q, k, v) = self.proj.qkv(x, rope, self.kernels);
         let (k, v) = keys.extend(0, k, v);
-        let out = match &self.route {
-            Route::Static(pattern) => {
-                let (first, end) = (start as usize, (start + l) as usize);
-                let pairs =
-                    (b * self.proj.n_heads) as f64 * pattern.pairs_between(first, end) as f64;
-                AttnOutput {
-                    y: self.proj.out(
-                        &self.attend_all(&q, &k, &v, *pattern, keys, 0),
-                        self.kernels,
-                    ),
-                    gates: None,
-                    scores: None,
-                    reg: None,
-                    pairs: Tensor::from(pairs),
-                }
-            }
-            Route::PerHead { gates } => self.aha_forward(gates, x, &q, &k, &v, keys, ctx),
-            Route::Global { gates, global } => {
-                self.l2a_forward(gates, global, x, &q, &k, &v, rope, keys, ctx)
-            }
-            Route::Switch {
-                gates,
-                swa_o_proj,
-                reg,
-            } => self.swiattn_forward(gates, swa_o_proj, reg, x, &q, &k, &v, keys, ctx),
-        };
+        let out = self.route.forward(self, x, &q, &k, &v, rope, keys, ctx);
         // Keys that no later query can reach through this layer's window are dropped.
-        if let Some(w) = self.window_only() {
+        if let Some(w) = self.route.window_only(self) {
             keys.trim(0, w, start + l);
         }
         out
     }
 
-    /// The window of a layer whose (base) attention never looks further back, None when some
-    /// query may read the whole prefix.
-    fn window_only(&self) -> Option<usize> {
-        match self.route {
-            Route::Static(KeyPattern::Window(w)) => Some(w),
-            // L2A's local module; the global module's keys (slot 1) are all kept.
-            Route::Global { .. } => Some(self.window),
-            _ => None,
-        }
-    }
-
     /// The pattern of a static layer, None for routed ones.
     pub fn static_pattern(&self) -> Option<KeyPattern> {
-        match self.route {
-            Route::Static(p) => Some(p),
-            _ => None,
-        }
+        self.route.static_pattern()
     }
 }

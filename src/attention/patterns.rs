@@ -6,8 +6,10 @@
 //! them; the dense mask, the pair count, the kernels' offset lists and the per-layer
 //! assignment of `static_hybrid` all derive from it.
 
+use super::{AttnOutput, Build, ForwardCtx, Keys, Route, SelfAttention};
 use crate::config::{AttentionConfig, Method};
 use crate::kernels::PpaOffsets;
+use crate::nn::Rope;
 use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
@@ -204,5 +206,61 @@ impl MaskCache {
             .expect("just inserted")
             .1;
         attend(q, k, v, &pattern, Some(mask))
+    }
+}
+
+/// A layer of one fixed pattern for every token and head: full, window, PPA, or the layer's
+/// pattern under static_hybrid.
+pub(super) struct Static(pub(super) KeyPattern);
+
+/// The static patterns' layer.
+pub(super) fn build(b: &Build) -> Box<dyn Route> {
+    Box::new(Static(layer_pattern(b.a, b.layer)))
+}
+
+impl Route for Static {
+    fn forward(
+        &self,
+        layer: &SelfAttention,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _rope: &Rope,
+        keys: &Keys,
+        _ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let start = keys.start();
+        let (first, end) = (start as usize, (start + l) as usize);
+        let pairs = (b * layer.proj.n_heads) as f64 * self.0.pairs_between(first, end) as f64;
+        AttnOutput {
+            y: layer
+                .proj
+                .out(&layer.attend_all(q, k, v, self.0, keys, 0), layer.kernels),
+            gates: None,
+            scores: None,
+            reg: None,
+            pairs: Tensor::from(pairs),
+        }
+    }
+
+    fn kv_cache_bytes(&self, _: &SelfAttention, len: usize, per_position: f64, _: usize) -> f64 {
+        match self.0 {
+            KeyPattern::Window(w) => w.min(len) as f64 * per_position,
+            // Full attention, and PPA, which reaches back to its oldest offset, keep everything.
+            _ => len as f64 * per_position,
+        }
+    }
+
+    fn window_only(&self, _: &SelfAttention) -> Option<usize> {
+        match self.0 {
+            KeyPattern::Window(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    fn static_pattern(&self) -> Option<KeyPattern> {
+        Some(self.0)
     }
 }

@@ -10,10 +10,83 @@ use super::aha::{full_rows, routed_attention, routed_pairs};
 use super::cache::Keys;
 use super::gates::GateSource;
 use super::patterns::KeyPattern;
-use super::{AttnOutput, Exec, ForwardCtx, Regulariser, SelfAttention};
+use super::{AttnOutput, Build, Exec, ForwardCtx, Regulariser, Route, SelfAttention};
 use crate::config::Reduction;
-use crate::nn::Linear;
+use crate::nn::{Linear, Rope};
 use tch::{Kind, Tensor};
+
+/// SwiAttn's layer: a gate per token choosing the full or the window branch.
+struct Switch {
+    gates: GateSource,
+    /// The window branch's own output projection (None: it shares `o_proj`).
+    swa_o_proj: Option<Linear>,
+    reg: SwiAttnReg,
+}
+
+/// The router reads the normalised hidden state and starts with every gate open
+/// (`attention.router_init_bias`).
+pub(super) fn build(b: &Build) -> Box<dyn Route> {
+    let (m, a) = (b.m, b.a);
+    Box::new(Switch {
+        gates: b.gates(1, Some(a.router_init_bias), false, true),
+        swa_o_proj: (!a.swiattn_shared_o_proj).then(|| {
+            Linear::new(
+                b.p / "swa_o_proj",
+                (m.num_attention_heads * m.head_dim()) as i64,
+                m.hidden_size as i64,
+                false,
+                m.initializer_range,
+            )
+        }),
+        reg: SwiAttnReg {
+            gamma_base: a.swiattn_gamma_base,
+            eps: a.swiattn_eps,
+            alpha: a.swiattn_alpha,
+            adaptive: a.swiattn_adaptive,
+            nll: a.swiattn_nll,
+            disagreement: a.swiattn_disagreement,
+        },
+    })
+}
+
+impl Route for Switch {
+    fn forward(
+        &self,
+        layer: &SelfAttention,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        layer.swiattn_forward(
+            &self.gates,
+            &self.swa_o_proj,
+            &self.reg,
+            x,
+            q,
+            k,
+            v,
+            keys,
+            ctx,
+        )
+    }
+
+    /// Both branches read the one shared cache; the full branch, all of it.
+    fn kv_cache_bytes(&self, _: &SelfAttention, len: usize, per_position: f64, _: usize) -> f64 {
+        len as f64 * per_position
+    }
+
+    /// The window branch's own output projection starts as a copy of the base one.
+    fn derived_params(&self) -> Vec<(String, String)> {
+        match self.swa_o_proj {
+            Some(_) => vec![("swa_o_proj.weight".into(), "o_proj.weight".into())],
+            None => Vec::new(),
+        }
+    }
+}
 
 /// SwiAttn's regulariser settings (`attention.swiattn_*`).
 #[derive(Clone, Copy, Debug)]
