@@ -356,8 +356,11 @@ struct EvalCmd {
 
 #[derive(Subcommand)]
 enum DataCmd {
-    /// Tokenise text files (byte-level, or with a tokenizer.json) into train/val token shards
-    /// plus meta.json.
+    /// Tokenise a corpus (files and directories of text, JSON Lines or Parquet, optionally
+    /// gzip/zstd/xz-compressed; byte-level, or with a tokenizer.json) into train/val token
+    /// shards plus meta.json, in parallel. Each file, line or row is one document. E.g. the
+    /// Python sources of the installed torch:
+    /// `data prepare --python-package torch --glob '*.py' --out data/torch-py`.
     Prepare(PrepareCmd),
     /// Generate the synthetic long-tail dependency corpus (tokens plus each position's
     /// dependency distance).
@@ -413,22 +416,11 @@ struct ProbesCmd {
 
 #[derive(Args)]
 struct PrepareCmd {
-    /// Text files; each becomes one document, followed by the end-of-document token (256
-    /// byte-level; the tokenizer's <|endoftext|>, </s> or similar when it has one).
-    #[arg(long, short, required = true, num_args = 1..)]
-    input: Vec<PathBuf>,
     /// Output directory (must not already hold a data set).
     #[arg(long, short)]
     out: PathBuf,
-    /// Fraction of the token stream (its end) held out as the validation split.
-    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.05)]
-    val_fraction: f64,
-    /// Tokens per shard file.
-    #[arg(long, default_value_t = 100_000_000)]
-    shard_tokens: usize,
-    /// A Hugging Face tokenizer.json (e.g. from a converted model); byte-level when omitted.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    spec: crate::corpus::PrepareSpec,
 }
 
 #[derive(Args)]
@@ -617,12 +609,8 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Data(DataCmd::Prepare(c)) => {
-            let tok = match &c.tokenizer {
-                Some(p) => data::TextTokenizer::hf(p)?,
-                None => data::TextTokenizer::Bytes,
-            };
-            let meta = data::prepare(&c.input, &c.out, c.val_fraction, c.shard_tokens, &tok)?;
-            report_dataset(&meta, &c.out);
+            let summary = crate::corpus::prepare(&c.spec, &c.out, false)?;
+            eprintln!("{}", summary.report(&c.out));
             Ok(())
         }
         Command::Data(DataCmd::Probes(c)) => {

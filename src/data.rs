@@ -40,6 +40,9 @@ pub struct Meta {
     /// were written with, which evaluation's probes default to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probes: Option<ProbeDocs>,
+    /// Present for a data set prepared from text (`data prepare`): what it was read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub corpus: Option<crate::corpus::CorpusRecord>,
 }
 
 /// What a data set's probe documents were written with, beyond their seed: evaluation's
@@ -84,8 +87,19 @@ fn version_of(width: Width) -> i32 {
 
 /// Writes one shard atomically.
 pub fn write_shard(path: &Path, magic: i32, width: Width, values: &[u32]) -> Result<()> {
+    write_shard_from(path, magic, width, values.len(), values.iter().copied())
+}
+
+/// Writes one shard of the `len` values `values` yields, atomically.
+pub(crate) fn write_shard_from(
+    path: &Path,
+    magic: i32,
+    width: Width,
+    len: usize,
+    values: impl Iterator<Item = u32>,
+) -> Result<()> {
     ensure!(
-        values.len() <= i32::MAX as usize,
+        len <= i32::MAX as usize,
         "shard {} would hold more than 2^31 values",
         path.display()
     );
@@ -94,11 +108,12 @@ pub fn write_shard(path: &Path, magic: i32, width: Width, values: &[u32]) -> Res
         let mut header = [0i32; HEADER_INTS];
         header[0] = magic;
         header[1] = version_of(width);
-        header[2] = values.len() as i32;
+        header[2] = len as i32;
         for h in header {
             w.write_all(&h.to_le_bytes())?;
         }
-        for &v in values {
+        let mut written = 0usize;
+        for v in values.take(len) {
             match width {
                 Width::U16 => {
                     ensure!(
@@ -109,7 +124,12 @@ pub fn write_shard(path: &Path, magic: i32, width: Width, values: &[u32]) -> Res
                 }
                 Width::U32 => w.write_all(&v.to_le_bytes())?,
             }
+            written += 1;
         }
+        ensure!(
+            written == len,
+            "a shard of {len} values was given {written}"
+        );
         w.flush()?;
         Ok(())
     })
@@ -367,96 +387,17 @@ impl TextTokenizer {
         }
     }
 
-    /// Tokens of `text` (a document's bytes, or a part of them cut at a character boundary).
-    pub fn encode(&self, text: &[u8], origin: &Path) -> Result<Vec<u32>> {
+    /// Tokens of `text`, without special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
-            TextTokenizer::Bytes => Ok(text.iter().map(|&b| b as u32).collect()),
-            TextTokenizer::Hf { tokenizer, .. } => {
-                let s = std::str::from_utf8(text)
-                    .with_context(|| format!("{} is not UTF-8 text", origin.display()))?;
-                let enc = tokenizer
-                    .encode(s, false)
-                    .map_err(|e| anyhow::anyhow!("tokenizing {}: {e}", origin.display()))?;
-                Ok(enc.get_ids().to_vec())
-            }
+            TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer
+                .encode(text, false)
+                .map_err(|e| anyhow::anyhow!("tokenizing with {}: {e}", path.display()))?
+                .get_ids()
+                .to_vec()),
         }
     }
-}
-
-/// Tokenises text files into train/val shards. Documents (files) are separated by the
-/// end-of-document token when the tokenizer has one; the text from the point where the last
-/// `val_fraction` of the input bytes begins becomes `val` (for bytes: exactly that fraction
-/// of the tokens).
-pub fn prepare(
-    inputs: &[PathBuf],
-    out: &Path,
-    val_fraction: f64,
-    shard_tokens: usize,
-    tok: &TextTokenizer,
-) -> Result<Meta> {
-    ensure!(!inputs.is_empty(), "no input files given");
-    ensure!(
-        (0.0..1.0).contains(&val_fraction) && val_fraction > 0.0,
-        "--val-fraction must be in (0, 1), got {val_fraction}"
-    );
-    ensure!(shard_tokens >= 1, "--shard-tokens must be at least 1");
-    // Positions count input bytes plus one per document end.
-    let mut total = 0u64;
-    for p in inputs {
-        let md =
-            std::fs::metadata(p).with_context(|| format!("cannot read input {}", p.display()))?;
-        ensure!(md.is_file(), "input {} is not a file", p.display());
-        total += md.len() + 1;
-    }
-    let n_val = ((total as f64 * val_fraction).ceil() as u64).max(1);
-    ensure!(
-        total > n_val,
-        "inputs hold only {total} bytes: too few to split into train and val"
-    );
-    let split_at = total - n_val;
-    prepare_out_dir(out)?;
-    let vocab = tok.vocab_size();
-    let width = Width::for_vocab(vocab);
-    let mut train = ShardWriter::new(out, "train", TOKENS_MAGIC, width, shard_tokens);
-    let mut val = ShardWriter::new(out, "val", TOKENS_MAGIC, width, shard_tokens);
-    let mut pos = 0u64;
-    for p in inputs {
-        let text =
-            std::fs::read(p).with_context(|| format!("cannot read input {}", p.display()))?;
-        ensure!(
-            pos + text.len() as u64 + 1 <= total,
-            "input {} grew while it was read",
-            p.display()
-        );
-        let mut cut = (split_at.saturating_sub(pos) as usize).min(text.len());
-        // A tokenizer needs whole characters: move the cut to the next character start.
-        while cut < text.len() && (text[cut] & 0xC0) == 0x80 && !matches!(tok, TextTokenizer::Bytes)
-        {
-            cut += 1;
-        }
-        for t in tok.encode(&text[..cut], p)? {
-            train.push(t)?;
-        }
-        for t in tok.encode(&text[cut..], p)? {
-            val.push(t)?;
-        }
-        pos += text.len() as u64;
-        if let Some(eot) = tok.eot() {
-            if pos < split_at {
-                train.push(eot)?
-            } else {
-                val.push(eot)?
-            }
-        }
-        pos += 1;
-    }
-    let (train, train_tokens) = train.finish()?;
-    let (val, val_tokens) = val.finish()?;
-    ensure!(
-        train_tokens > 0 && val_tokens > 0,
-        "the split left an empty train or val set"
-    );
-    finish_text_dataset(out, tok, (train, train_tokens), (val, val_tokens), None)
 }
 
 /// Writes a text data set's tokenizer record and, last, its `meta.json`, given the shard
@@ -467,6 +408,7 @@ pub(crate) fn finish_text_dataset(
     (train, train_tokens): (Vec<String>, u64),
     (val, val_tokens): (Vec<String>, u64),
     probes: Option<ProbeDocs>,
+    corpus: Option<crate::corpus::CorpusRecord>,
 ) -> Result<Meta> {
     let tokenizer = match tok {
         TextTokenizer::Bytes => "byte".to_string(),
@@ -487,6 +429,7 @@ pub(crate) fn finish_text_dataset(
         val_tokens,
         synth: None,
         probes,
+        corpus,
     };
     write_meta(out, &meta)?;
     Ok(meta)
@@ -757,6 +700,7 @@ pub fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
         val_tokens: spec.val_tokens as u64,
         synth: Some(spec.clone()),
         probes: None,
+        corpus: None,
     };
     write_meta(out, &meta)?;
     Ok(meta)
@@ -970,47 +914,6 @@ mod tests {
         }
         assert!(write_shard(&d.join("x.bin"), TOKENS_MAGIC, Width::U16, &[70000]).is_err());
         assert!(!d.join("x.bin").exists());
-    }
-
-    #[test]
-    fn prepare_splits_bytes_and_refuses_to_overwrite() {
-        let d = tmp("prep");
-        let (a, b) = (d.join("a.txt"), d.join("b.txt"));
-        std::fs::write(&a, b"hello world").unwrap();
-        std::fs::write(&b, b"xyz").unwrap();
-        let out = d.join("ds");
-        let meta = prepare(
-            &[a.clone(), b.clone()],
-            &out,
-            0.25,
-            5,
-            &TextTokenizer::Bytes,
-        )
-        .unwrap();
-        assert_eq!(meta.train_tokens + meta.val_tokens, 16);
-        assert_eq!(meta.val_tokens, 4);
-        let read = |split: &str| {
-            let s = Split::open(&out, &meta, split).unwrap();
-            s.shards
-                .iter()
-                .flat_map(|sh| (0..sh.len()).map(|i| sh.get(i)).collect::<Vec<_>>())
-                .collect::<Vec<u32>>()
-        };
-        let mut all = read("train");
-        all.extend(read("val"));
-        let mut want: Vec<u32> = b"hello world".iter().map(|&c| c as u32).collect();
-        want.push(BYTE_EOT);
-        want.extend(b"xyz".iter().map(|&c| c as u32));
-        want.push(BYTE_EOT);
-        assert_eq!(all, want);
-        assert_eq!(meta.train.len(), 3, "12 train tokens in shards of 5");
-        let before = std::fs::read(out.join("meta.json")).unwrap();
-        assert!(format!(
-            "{:#}",
-            prepare(&[a], &out, 0.25, 5, &TextTokenizer::Bytes).unwrap_err()
-        )
-        .contains("already holds"));
-        assert_eq!(std::fs::read(out.join("meta.json")).unwrap(), before);
     }
 
     #[test]

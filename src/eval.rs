@@ -777,6 +777,7 @@ mod tests {
             val_tokens: tokens.len() as u64,
             synth: None,
             probes: None,
+            corpus: None,
         };
         std::fs::write(dir.join("meta.json"), serde_json::to_string(&meta).unwrap()).unwrap();
         let mut c = Config::default();

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod convert;
+pub mod corpus;
 pub mod data;
 pub mod eval;
 pub mod fault;

@@ -289,7 +289,7 @@ pub fn generate(
             .iter()
             .fold(spec.seed, |acc, k| Rng::new(acc ^ k).next_u64()),
     );
-    let enc = |s: &str| tok.encode(s.as_bytes(), Path::new("probe template"));
+    let enc = |s: &str| tok.encode(s);
     if task == Task::Mqar {
         return mqar(spec, &mut rng, tok, length);
     }
@@ -395,7 +395,7 @@ pub fn generate(
 /// MQAR: the context is key-value pairs " {key}: {value}." up to the length, then a
 /// question naming `queries` of the keys; the answer lists their values in that order.
 fn mqar(spec: &ProbeSpec, rng: &mut Rng, tok: &TextTokenizer, length: usize) -> Result<Probe> {
-    let enc = |s: &str| tok.encode(s.as_bytes(), Path::new("probe template"));
+    let enc = |s: &str| tok.encode(s);
     // Keys must be distinct; at most as many pairs as there are keys.
     let mut keys: Vec<String> = Vec::new();
     let mut pairs: Vec<(String, String, Vec<u32>)> = Vec::new();
@@ -465,10 +465,7 @@ impl Probe {
     /// The probe as a training document: prompt, target, end of answer, end of document.
     pub fn document(&self, tok: &TextTokenizer) -> Result<Vec<u32>> {
         let mut doc = self.prompt.clone();
-        doc.extend(tok.encode(
-            format!("{}{END}", self.target).as_bytes(),
-            Path::new("probe template"),
-        )?);
+        doc.extend(tok.encode(&format!("{}{END}", self.target))?);
         doc.extend(tok.eot());
         Ok(doc)
     }
@@ -601,7 +598,7 @@ pub fn write_dataset(
         needles: spec.needles,
         queries: spec.queries,
     };
-    data::finish_text_dataset(out, &tok, train, val, Some(docs))
+    data::finish_text_dataset(out, &tok, train, val, Some(docs), None)
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 //! name = "demo"                     # results go to results/<name> unless --out says otherwise
 //! [synth]                           # optional: generate the synthetic corpus at base.data.dir
 //! train_tokens = 300000             #   when no data set is there (fields of `data synth`)
+//! # or [corpus]: prepare a text corpus there instead (fields of `data prepare`), e.g.
+//! # python_package = "torch", glob = ["*.py"]
 //! [base]                            # an experiment config ([base.model], [base.train], ...)
 //! data.dir = "runs/demo/data"
 //! [[stage]]                         # stages run in order
@@ -53,6 +55,7 @@
 
 use crate::atomic;
 use crate::config::{apply_override, Config, Method};
+use crate::corpus::{self, PrepareSpec};
 use crate::data::{self, SynthSpec};
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -73,6 +76,10 @@ pub struct Grid {
     /// `base.data.dir` when it holds none.
     #[serde(default)]
     pub synth: Option<SynthSpec>,
+    /// `data prepare`'s settings: a text corpus prepared at `base.data.dir` when it holds
+    /// none (instead of `[synth]`).
+    #[serde(default)]
+    pub corpus: Option<PrepareSpec>,
     #[serde(default)]
     pub base: toml::Table,
     #[serde(rename = "stage")]
@@ -309,6 +316,17 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
         grid.name
     );
     crate::config::reject_non_finite(&grid.base, "base.")?;
+    ensure!(
+        grid.synth.is_none() || grid.corpus.is_none(),
+        "grid {}: [synth] and [corpus] both describe the data set at base.data.dir; keep one",
+        grid.name
+    );
+    if let Some(s) = &grid.synth {
+        s.validate().context("in the grid's [synth]")?;
+    }
+    if let Some(c) = &grid.corpus {
+        c.validate().context("in the grid's [corpus]")?;
+    }
     let mut cells: Vec<Cell> = Vec::new();
     // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
     // computation, not a collision of the 32-bit hashes.
@@ -623,10 +641,12 @@ pub struct Outcome {
     pub skipped: usize,
 }
 
-fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path) -> Result<()> {
-    let Some(synth) = &grid.synth else {
+/// Generates the grid's synthetic corpus or prepares its text corpus at `base.data.dir` when
+/// no data set is there yet.
+fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<()> {
+    if grid.synth.is_none() && grid.corpus.is_none() {
         return Ok(());
-    };
+    }
     let dir = &cells[0].config.data.dir;
     if dir.join("meta.json").exists() {
         return Ok(());
@@ -634,13 +654,23 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path) -> Result<()> {
     // One runner generates; others wait on the lock and then find the data set.
     let lock = std::fs::File::create(out.join("data.lock"))?;
     lock.lock()?;
-    if !dir.join("meta.json").exists() {
+    if dir.join("meta.json").exists() {
+        return Ok(());
+    }
+    if let Some(synth) = &grid.synth {
         data::synth(synth, dir).with_context(|| {
             format!(
                 "generating the grid's synthetic corpus at {}",
                 dir.display()
             )
         })?;
+    }
+    if let Some(spec) = &grid.corpus {
+        let summary = corpus::prepare(spec, dir, quiet)
+            .with_context(|| format!("preparing the grid's corpus at {}", dir.display()))?;
+        if !quiet {
+            eprintln!("{}", summary.report(dir));
+        }
     }
     Ok(())
 }
@@ -652,7 +682,7 @@ pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
         &args.out.join("cells.json"),
         serde_json::to_string_pretty(cells)?.as_bytes(),
     )?;
-    ensure_data(grid, cells, &args.out)?;
+    ensure_data(grid, cells, &args.out, args.quiet)?;
     let exe = std::env::current_exe().context("cannot locate the attnsweep binary")?;
     let outcome = Mutex::new(Outcome::default());
     // Each cell is attempted at most once per invocation, so a failing cell cannot loop.

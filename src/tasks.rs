@@ -182,7 +182,7 @@ pub fn run_probes(
     // Context-free gates draw from a seed of the run, a batch of probes its own.
     let seed = cfg.train.seed ^ 0xE7A1;
     let mut batch_index = 0u64;
-    let enc = |s: &str| tok.encode(s.as_bytes(), Path::new("probe answer"));
+    let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     for name in &e.tasks {
         let task = Task::parse(name)?;
@@ -369,9 +369,7 @@ fn rstripped_len(s: &str) -> usize {
 fn harness_encode(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
     let prefix_text = tok.bos().or(tok.eot()).map(|t| tok.decode(&[t]));
     match prefix_text {
-        Some(p) if !p.is_empty() && text.starts_with(&p) => {
-            tok.encode(text.as_bytes(), Path::new("multiple-choice item"))
-        }
+        Some(p) if !p.is_empty() && text.starts_with(&p) => tok.encode(text),
         _ => tok.encode_with_special(text),
     }
 }
@@ -396,7 +394,7 @@ fn encode_pair(
     };
     if context.is_empty() {
         let p = prefix()?;
-        let mut cont = tok.encode(continuation.as_bytes(), Path::new("multiple-choice item"))?;
+        let mut cont = tok.encode(continuation)?;
         if cont.first() == Some(&p) {
             let rest = cont.split_off(1);
             return Ok((cont, rest));

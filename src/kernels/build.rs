@@ -206,25 +206,21 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
         "-std=c++17".into(),
         "-O3".into(),
     ];
-    let links: Vec<String> = vec![
+    let mut links: Vec<String> = vec![
         format!("-L{}", tlib.display()),
         "-ltorch".into(),
         "-ltorch_cpu".into(),
         "-lc10".into(),
     ];
-    let out = tmp.join(LIB);
-    let mut cmd = match variant {
-        Variant::Cpu => {
-            let mut c = Command::new(std::env::var("CXX").unwrap_or_else(|_| "g++".into()));
-            c.args(&common)
-                .args(["-fPIC", "-shared"])
-                .arg(tmp.join("ops.cpp"))
-                .args(&links);
-            c.arg(format!("-Wl,-rpath,{}", tlib.display()))
-                .arg("-o")
-                .arg(&out);
-            c
-        }
+    // One compiler process per translation unit (every CUDA source and the C++ interface),
+    // then one link: each unit parses torch's headers on its own, so they take about as long
+    // one by one as at once on enough cores.
+    let (compiler, flags, units): (String, Vec<String>, Vec<&str>) = match variant {
+        Variant::Cpu => (
+            std::env::var("CXX").unwrap_or_else(|_| "g++".into()),
+            [common, vec!["-fPIC".into()]].concat(),
+            vec!["ops.cpp"],
+        ),
         Variant::Cuda(cc) => {
             let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
             which(&nvcc).with_context(|| format!("{nvcc} (the CUDA compiler) is not on PATH; install the CUDA toolkit or set NVCC"))?;
@@ -234,40 +230,126 @@ pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
             } else {
                 cc.to_string()
             };
-            let mut c = Command::new(&nvcc);
-            c.args(&common)
-                .arg(format!("-gencode=arch=compute_{arch},code=sm_{arch}"))
-                .args((cc == 90).then_some("-DATTNSWEEP_SM90A"))
-                .args([
+            let mut flags = common;
+            flags.push(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
+            if cc == 90 {
+                flags.push("-DATTNSWEEP_SM90A".into());
+            }
+            flags.extend(
+                [
                     "-DATTNSWEEP_CUDA",
                     "-Xcompiler",
                     "-fPIC",
-                    "-shared",
                     "--expt-relaxed-constexpr",
-                ])
-                // Every CUDA source compiled in, and the C++ interface.
-                .args(
-                    SOURCES
-                        .iter()
-                        .filter(|(n, _)| n.ends_with(".cu") || *n == "ops.cpp")
-                        .map(|(n, _)| tmp.join(n)),
-                )
-                .args(&links)
-                .args(["-ltorch_cuda", "-lc10_cuda"])
-                .arg(format!("-Xlinker=-rpath,{}", tlib.display()))
-                .arg("-o")
-                .arg(&out);
-            c
+                ]
+                .map(String::from),
+            );
+            links.extend(["-ltorch_cuda".into(), "-lc10_cuda".into()]);
+            let units = SOURCES
+                .iter()
+                .map(|(n, _)| *n)
+                .filter(|n| n.ends_with(".cu") || *n == "ops.cpp")
+                .collect();
+            (nvcc, flags, units)
         }
     };
+    let object = |unit: &str| tmp.join(format!("{unit}.o"));
+    let compiles: Vec<(&str, Command)> = units
+        .iter()
+        .map(|&u| {
+            let mut c = Command::new(&compiler);
+            c.args(&flags)
+                .arg("-c")
+                .arg(tmp.join(u))
+                .arg("-o")
+                .arg(object(u));
+            (u, c)
+        })
+        .collect();
     if !quiet {
-        eprintln!("building {} kernels in {}", variant.name(), dir.display());
+        eprintln!(
+            "building {} kernels in {} ({} units)",
+            variant.name(),
+            dir.display(),
+            compiles.len()
+        );
     }
-    run(&mut cmd)?;
+    compile_in_parallel(compiles, quiet)?;
+    let rpath = match variant {
+        Variant::Cpu => format!("-Wl,-rpath,{}", tlib.display()),
+        Variant::Cuda(_) => format!("-Xlinker=-rpath,{}", tlib.display()),
+    };
+    let out = tmp.join(LIB);
+    run(Command::new(&compiler)
+        .arg("-shared")
+        .args(units.iter().map(|u| object(u)))
+        .args(&links)
+        .arg(rpath)
+        .arg("-o")
+        .arg(&out))?;
     std::fs::rename(&tmp, &dir)
         .or_else(|e| if lib.is_file() { Ok(()) } else { Err(e) })
         .with_context(|| format!("cannot move the build to {}", dir.display()))?;
     Ok(lib)
+}
+
+/// Runs the compiler commands `(unit, command)`, as many at once as there are cores, each
+/// unit's time reported as it finishes unless `quiet`; the first failure's output is the
+/// error (the others still finish, so no compiler is left running).
+fn compile_in_parallel(units: Vec<(&str, Command)>, quiet: bool) -> Result<()> {
+    let n = units.len();
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |c| c.get())
+        .min(n);
+    // Popped from the end: the sources' first units (attention, the longest) start first.
+    let mut units = units;
+    units.reverse();
+    let queue = std::sync::Mutex::new(units);
+    let (done, finished) = std::sync::mpsc::channel();
+    let start = std::time::Instant::now();
+    let mut progress = crate::progress::Progress::new(
+        n as u64,
+        "units compiled",
+        quiet,
+        std::time::Duration::ZERO,
+    );
+    let mut first_error = None;
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            let (queue, done) = (&queue, done.clone());
+            s.spawn(move || loop {
+                let Some((unit, mut cmd)) = queue.lock().map_or(None, |mut q| q.pop()) else {
+                    break;
+                };
+                let unit_start = std::time::Instant::now();
+                let result = run(&mut cmd).map(|_| ());
+                let _ = done.send((unit, unit_start.elapsed(), result));
+            });
+        }
+        drop(done);
+        for (k, (unit, took, result)) in finished.iter().enumerate() {
+            match result {
+                Ok(()) => progress.update(
+                    k as u64 + 1,
+                    &format!("{unit} ({:.0} s)", took.as_secs_f64()),
+                ),
+                Err(e) => {
+                    first_error.get_or_insert(e.context(format!("compiling {unit}")));
+                }
+            }
+        }
+    });
+    progress.finish();
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    if !quiet {
+        eprintln!(
+            "compiled {n} units in {:.0} s on {workers} cores",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
 }
 
 fn which(prog: &str) -> Result<()> {
