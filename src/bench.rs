@@ -588,7 +588,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             x: "fraction of queries skipped".into(),
             y: "speed-up (x)".into(),
             series,
-            log_x: false,
+            x_axis: crate::plot::XAxis::LinearSwept,
         }
         .save(&figure)?;
     }

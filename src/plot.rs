@@ -3,13 +3,15 @@
 //!
 //! | figure | paper item |
 //! |---|---|
-//! | `mu_f_vs_window` | AHA Table 1/2: full-attention usage against the window |
+//! | `mu_f_vs_window` | AHA Table 1/2: full-attention usage and validation loss against the window |
 //! | `head_usage_<cell>` | AHA Fig. 3: layer x head usage heatmap with a colour bar |
 //! | `head_usage_sorted` | AHA Fig. 4: every head's usage, sorted |
-//! | `lambda_ablation` | AHA Table 4: usage against lambda |
+//! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda |
 //! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
 //! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
-//! | `ppa_eval_loss`, `ppa_s_curve` | PPA Fig. 2/3 and Table 1: loss curves by p, final loss against p |
+//! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
+//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p |
+//! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto` | all methods: quality against attention work, with the Pareto front |
 
@@ -17,7 +19,9 @@ use crate::config::{Method, Router};
 use crate::sweep::StageKind;
 use crate::tables::{name_of, rows, Row};
 use anyhow::{anyhow, Result};
-use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::combinators::LogCoord;
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
@@ -50,15 +54,35 @@ pub struct Series {
     pub labels: Vec<String>,
 }
 
+/// One x-y chart of a [`Figure::Panels`].
+pub struct Panel {
+    pub title: String,
+    pub x: String,
+    pub y: String,
+    pub series: Vec<Series>,
+    pub x_axis: XAxis,
+}
+
+/// How a chart's x axis is scaled and where its ticks go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XAxis {
+    /// Linear, ticks at round numbers: measured values (steps, attention work).
+    Linear,
+    /// Linear, ticks at the values a sweep set (PPA's p, needle depth) when there are few.
+    LinearSwept,
+    /// Log scale, ticks at the values a sweep set (windows, lambdas, distances).
+    LogSwept,
+}
+
 /// What a figure is drawn from; `draw` renders it on any plotters backend.
 pub enum Figure {
-    /// x-y chart; `log_x` plots x on a log10 axis.
+    /// x-y chart.
     Lines {
         title: String,
         x: String,
         y: String,
         series: Vec<Series>,
-        log_x: bool,
+        x_axis: XAxis,
     },
     /// Rows by columns of values with a colour bar.
     Heatmap {
@@ -68,6 +92,9 @@ pub enum Figure {
         values: Vec<Vec<f64>>,
         range: (f64, f64),
     },
+    /// Charts side by side over the same series (e.g. usage and quality against the same
+    /// swept value), with one legend.
+    Panels { title: String, panels: Vec<Panel> },
     /// One bar per category.
     Bars {
         title: String,
@@ -125,86 +152,257 @@ fn cell_index(v: f64) -> String {
     }
 }
 
-fn fmt_tick(v: f64) -> String {
-    if v == 0.0 {
-        "0".into()
-    } else if v.abs() >= 1e4 || v.abs() < 1e-2 {
-        format!("{v:.1e}")
+/// Line and marker colours: Okabe and Ito's colour-blind-safe palette without its yellow,
+/// which is hard to see on white.
+const PALETTE: [RGBColor; 7] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 180, 233),
+    RGBColor(230, 159, 0),
+    RGBColor(0, 0, 0),
+];
+
+/// Width of the legend panel beside a chart.
+const LEGEND_W: u32 = 240;
+
+/// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
+/// windows, powers, lambdas) rather than at round numbers.
+const SWEPT_TICKS: usize = 12;
+
+/// The marker of series `i`: colours cycle through 7, shapes through 5 (35 distinct), and
+/// every other series is hollow and larger, so coinciding points of two series both show.
+fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(i: usize, p: C) -> DynElement<'a, DB, C> {
+    let c = PALETTE[i % PALETTE.len()];
+    let hollow = i % 2 == 1;
+    let size = if hollow { 7 } else { 5 };
+    let style = if hollow {
+        c.stroke_width(2)
     } else {
-        let s = format!("{v:.3}");
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
+        c.filled()
+    };
+    let at = EmptyElement::at(p);
+    match i % 5 {
+        0 => (at + Circle::new((0, 0), size, style)).into_dyn(),
+        1 => (at + TriangleMarker::new((0, 0), size + 1, style)).into_dyn(),
+        2 => (at + Rectangle::new([(-size, -size), (size, size)], style)).into_dyn(),
+        3 => {
+            let d = size + 2;
+            let corners = vec![(0, -d), (d, 0), (0, d), (-d, 0), (0, -d)];
+            if hollow {
+                (at + PathElement::new(corners, style)).into_dyn()
+            } else {
+                (at + Polygon::new(corners, style)).into_dyn()
+            }
+        }
+        _ => (at + Cross::new((0, 0), size, c.stroke_width(2))).into_dyn(),
     }
 }
 
-/// An x-y chart on a linear or logarithmic x axis.
-fn draw_lines<DB: DrawingBackend, X: AsRangedCoord<Value = f64>>(
+/// Tick labels for values `step` apart: as many decimals as tell neighbours apart, so a
+/// narrow range never repeats a label.
+fn tick_format(step: f64) -> impl Fn(&f64) -> String {
+    let decimals = if step > 0.0 && step.is_finite() {
+        (-step.log10()).ceil().clamp(0.0, 8.0) as usize
+    } else {
+        3
+    };
+    move |v: &f64| {
+        if *v == 0.0 {
+            "0".into()
+        } else if v.abs() >= 1e5 || (v.abs() < 1e-3 && decimals > 4) {
+            let s = format!("{v:.1e}");
+            s.replace(".0e", "e")
+        } else {
+            let s = format!("{v:.decimals$}");
+            if s.contains('.') {
+                s.trim_end_matches('0').trim_end_matches('.').to_string()
+            } else {
+                s
+            }
+        }
+    }
+}
+
+/// An axis labelled at given values (the swept ones) rather than at round numbers.
+struct Swept<R> {
+    axis: R,
+    at: Vec<f64>,
+}
+
+impl<R: Ranged<ValueType = f64>> Ranged for Swept<R> {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
+        self.axis.map(v, limit)
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, _hint: Hint) -> Vec<f64> {
+        self.at.clone()
+    }
+
+    fn range(&self) -> std::ops::Range<f64> {
+        self.axis.range()
+    }
+
+    fn axis_pixel_range(&self, limit: (i32, i32)) -> std::ops::Range<i32> {
+        self.axis.axis_pixel_range(limit)
+    }
+}
+
+/// The x values of every series, when there are few enough to label each one.
+fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
+    let mut xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|v| v.is_finite())
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    (xs.len() >= 2 && xs.len() <= SWEPT_TICKS).then_some(xs)
+}
+
+/// The smallest gap between neighbouring values.
+fn min_gap(xs: &[f64]) -> f64 {
+    xs.windows(2)
+        .map(|w| w[1] - w[0])
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// An x-y chart (no legend: see `draw_legend`) on a linear or logarithmic x axis, its x axis
+/// labelled at the swept values when there are few.
+fn draw_lines<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
-    xr: X,
-    yr: std::ops::Range<f64>,
     title: &str,
     x: &str,
     y: &str,
     series: &[Series],
-) -> Result<()>
-where
-    X::CoordDescType: ValueFormatter<f64>,
-{
+    x_axis: XAxis,
+) -> Result<()> {
     let text = |size: u32| (FAMILY, size).into_font();
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, text(22))
+    let (y0, y1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+    let swept = match x_axis {
+        XAxis::Linear => None,
+        XAxis::LinearSwept | XAxis::LogSwept => swept_values(series),
+    };
+    let x_step = match &swept {
+        Some(xs) => min_gap(xs),
+        None => {
+            let (a, b) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
+            (b - a) / 10.0
+        }
+    };
+    let y_fmt = tick_format((y1 - y0) / 10.0);
+    let x_fmt = tick_format(x_step);
+    let mut builder = ChartBuilder::on(root);
+    builder
+        .caption(title, text(20))
         .margin(16)
         .x_label_area_size(48)
-        .y_label_area_size(72)
-        .build_cartesian_2d(xr, yr)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc(x)
-        .y_desc(y)
-        .axis_desc_style(text(16))
-        .label_style(text(15))
-        .x_label_formatter(&|v| fmt_tick(*v))
-        .y_label_formatter(&|v| fmt_tick(*v))
-        .light_line_style(WHITE.mix(0.0))
-        .draw()
-        .map_err(err)?;
-    for (i, s) in series.iter().enumerate() {
-        let c = Palette99::pick(i).to_rgba();
-        let drawn = if s.line {
+        .y_label_area_size(72);
+    // One body for the four axis kinds; only the coordinate type differs.
+    macro_rules! body {
+        ($xr:expr) => {{
+            let mut chart = builder.build_cartesian_2d($xr, y0..y1).map_err(err)?;
             chart
-                .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
-                .map_err(err)?
-        } else {
-            chart
-                .draw_series(s.points.iter().map(|&p| Circle::new(p, 0, c)))
-                .map_err(err)?
-        };
-        drawn
-            .label(s.name.as_str())
-            .legend(move |(a, b)| Circle::new((a + 8, b), 5, c.filled()));
-        chart
-            .draw_series(s.points.iter().map(|&p| Circle::new(p, 4, c.filled())))
-            .map_err(err)?;
-        chart
-            .draw_series(
-                s.points
-                    .iter()
-                    .zip(&s.labels)
-                    .map(|(&p, l)| Text::new(l.clone(), p, text(13))),
-            )
-            .map_err(err)?;
+                .configure_mesh()
+                .x_desc(x)
+                .y_desc(y)
+                .axis_desc_style(text(16))
+                .label_style(text(14))
+                .x_label_formatter(&x_fmt)
+                .y_label_formatter(&y_fmt)
+                .light_line_style(WHITE.mix(0.0))
+                .draw()
+                .map_err(err)?;
+            for (i, s) in series.iter().enumerate() {
+                let c = PALETTE[i % PALETTE.len()];
+                if s.line {
+                    chart
+                        .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
+                        .map_err(err)?;
+                }
+                // One draw per marker: the shapes differ in type.
+                for &p in &s.points {
+                    chart.plotting_area().draw(&marker(i, p)).map_err(err)?;
+                }
+                chart
+                    .draw_series(
+                        s.points
+                            .iter()
+                            .zip(&s.labels)
+                            .map(|(&p, l)| Text::new(l.clone(), p, text(13))),
+                    )
+                    .map_err(err)?;
+            }
+        }};
     }
-    if series.len() > 1 || series.iter().any(|s| !s.name.is_empty()) {
-        chart
-            .configure_series_labels()
-            .label_font(text(14))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(err)?;
+    let finite_x = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|v| v.is_finite());
+    if x_axis == XAxis::LogSwept {
+        let (lo, hi) = finite_x
+            .filter(|v| *v > 0.0)
+            .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(v), b.max(v)));
+        let (lo, hi) = if lo.is_finite() {
+            (lo / 1.3, hi * 1.3)
+        } else {
+            (1.0, 10.0)
+        };
+        let axis: LogCoord<f64> = (lo..hi).log_scale().into();
+        match swept {
+            Some(at) => body!(Swept { axis, at }),
+            None => body!(axis),
+        }
+    } else {
+        let (x0, x1) = bounds(finite_x);
+        let axis: RangedCoordf64 = (x0..x1).into();
+        match swept {
+            Some(at) => body!(Swept { axis, at }),
+            None => body!(axis),
+        }
     }
     Ok(())
+}
+
+/// The legend of `series` in its own panel (beside the data, never over it), in the series'
+/// order, each with its line and marker.
+fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Series]) -> Result<()> {
+    let text = (FAMILY, 14).into_font();
+    let (_, h) = area.dim_in_pixel();
+    let row = 22i32;
+    let fits = ((h as i32 - 70) / row).max(1) as usize;
+    for (i, s) in series.iter().enumerate().take(fits) {
+        let y = 60 + i as i32 * row;
+        let c = PALETTE[i % PALETTE.len()];
+        if s.line {
+            area.draw(&PathElement::new(vec![(4, y), (36, y)], c.stroke_width(2)))
+                .map_err(err)?;
+        }
+        area.draw(&marker::<DB, (i32, i32)>(i, (20, y)))
+            .map_err(err)?;
+        let name: String = s.name.chars().take(30).collect();
+        area.draw(&Text::new(name, (44, y - 8), text.clone()))
+            .map_err(err)?;
+    }
+    if series.len() > fits {
+        let y = 60 + fits as i32 * row;
+        area.draw(&Text::new(
+            format!("... and {} more", series.len() - fits),
+            (44, y - 8),
+            text,
+        ))
+        .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Whether a chart of `series` needs a legend.
+fn has_legend(series: &[Series]) -> bool {
+    series.len() > 1 || series.iter().any(|s| !s.name.is_empty())
 }
 
 impl Figure {
@@ -212,6 +410,7 @@ impl Figure {
         match self {
             Figure::Lines { title, .. }
             | Figure::Heatmap { title, .. }
+            | Figure::Panels { title, .. }
             | Figure::Bars { title, .. } => title,
         }
     }
@@ -226,24 +425,30 @@ impl Figure {
                 x,
                 y,
                 series,
-                log_x,
+                x_axis,
             } => {
-                let (y0, y1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
-                if *log_x {
-                    let (lo, hi) = series
-                        .iter()
-                        .flat_map(|s| s.points.iter().map(|p| p.0))
-                        .filter(|v| *v > 0.0)
-                        .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(v), b.max(v)));
-                    let (lo, hi) = if lo.is_finite() {
-                        (lo / 1.25, hi * 1.25)
-                    } else {
-                        (1.0, 10.0)
-                    };
-                    draw_lines(root, (lo..hi).log_scale(), y0..y1, title, x, y, series)?;
+                if has_legend(series) {
+                    let (w, _) = root.dim_in_pixel();
+                    let (chart, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                    draw_lines(&chart, title, x, y, series, *x_axis)?;
+                    draw_legend(&legend, series)?;
                 } else {
-                    let (x0, x1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
-                    draw_lines(root, x0..x1, y0..y1, title, x, y, series)?;
+                    draw_lines(root, title, x, y, series, *x_axis)?;
+                }
+            }
+            Figure::Panels { title, panels } => {
+                // Side by side over the same series, so one legend (the first panel's) serves.
+                let (w, _) = root.dim_in_pixel();
+                let (body, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                let body = body.titled(title, text(22)).map_err(err)?;
+                let areas = body.split_evenly((1, panels.len().max(1)));
+                for (area, p) in areas.iter().zip(panels) {
+                    draw_lines(area, &p.title, &p.x, &p.y, &p.series, p.x_axis)?;
+                }
+                if let Some(first) = panels.first() {
+                    if has_legend(&first.series) {
+                        draw_legend(&legend, &first.series)?;
+                    }
                 }
             }
             Figure::Heatmap {
@@ -300,7 +505,7 @@ impl Figure {
                     .disable_mesh()
                     .disable_x_axis()
                     .label_style(text(12))
-                    .y_label_formatter(&|v| fmt_tick(*v))
+                    .y_label_formatter(&tick_format(span / 10.0))
                     .draw()
                     .map_err(err)?;
                 let steps = 64;
@@ -340,10 +545,10 @@ impl Figure {
                             .and_then(|i| names.get(i).cloned())
                             .unwrap_or_default()
                     })
-                    .y_label_formatter(&|v| fmt_tick(*v))
+                    .y_label_formatter(&tick_format(y1 / 10.0))
                     .draw()
                     .map_err(err)?;
-                let c = Palette99::pick(0).to_rgba();
+                let c = PALETTE[0];
                 chart
                     .draw_series(bars.iter().enumerate().map(|(i, b)| {
                         Rectangle::new([(i as f64 + 0.15, 0.0), (i as f64 + 0.85, b.1)], c.filled())
@@ -355,15 +560,24 @@ impl Figure {
         Ok(())
     }
 
+    /// Pixels of the figure: panels side by side widen it.
+    pub fn size(&self) -> (u32, u32) {
+        match self {
+            Figure::Panels { panels, .. } => (LEGEND_W + 560 * panels.len() as u32, SIZE.1),
+            _ => SIZE,
+        }
+    }
+
     /// Writes `<stem>.png` and `<stem>.svg`.
     pub fn save(&self, stem: &Path) -> Result<Vec<PathBuf>> {
         let png = stem.with_extension("png");
         let svg = stem.with_extension("svg");
+        let size = self.size();
         crate::atomic::write_with(&png, |tmp| {
-            self.draw(&BitMapBackend::new(tmp, SIZE).into_drawing_area())
+            self.draw(&BitMapBackend::new(tmp, size).into_drawing_area())
         })?;
         crate::atomic::write_with(&svg, |tmp| {
-            self.draw(&SVGBackend::new(tmp, SIZE).into_drawing_area())
+            self.draw(&SVGBackend::new(tmp, size).into_drawing_area())
         })?;
         Ok(vec![png, svg])
     }
@@ -391,10 +605,118 @@ fn grouped(
             groups.entry(key(r)).or_default().push(p);
         }
     }
-    groups
-        .into_iter()
-        .map(|(k, v)| series(k, v, true))
-        .collect()
+    sorted(
+        groups
+            .into_iter()
+            .map(|(k, v)| series(k, v, true))
+            .collect(),
+    )
+}
+
+/// `a` before `b` in reading order: numbers inside names compare by value ("w=16" before
+/// "w=128", "lambda=0.0003" before "lambda=0.001").
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    /// Bytes of the number `s` starts with: digits, a fraction, an exponent (`1e-4`).
+    fn number_len(s: &str) -> usize {
+        let b = s.as_bytes();
+        let digits = |from: usize| {
+            b.get(from..)
+                .map_or(0, |r| r.iter().take_while(|c| c.is_ascii_digit()).count())
+        };
+        let mut n = digits(0);
+        if n == 0 {
+            return 0;
+        }
+        if b.get(n) == Some(&b'.') && digits(n + 1) > 0 {
+            n += 1 + digits(n + 1);
+        }
+        if matches!(b.get(n), Some(b'e' | b'E')) {
+            let sign = usize::from(matches!(b.get(n + 1), Some(b'-' | b'+')));
+            let d = digits(n + 1 + sign);
+            if d > 0 {
+                n += 1 + sign + d;
+            }
+        }
+        n
+    }
+    /// The name as runs of text (Err) and numbers (Ok).
+    fn parts(mut s: &str) -> Vec<Result<f64, &str>> {
+        let mut out = Vec::new();
+        while !s.is_empty() {
+            let n = number_len(s);
+            let cut = if n > 0 {
+                n
+            } else {
+                s.find(|c: char| c.is_ascii_digit()).unwrap_or(s.len())
+            };
+            let (head, tail) = s.split_at(cut);
+            out.push(if n > 0 {
+                head.parse::<f64>().map_err(|_| head)
+            } else {
+                Err(head)
+            });
+            s = tail;
+        }
+        out
+    }
+    let (pa, pb) = (parts(a), parts(b));
+    for (x, y) in pa.iter().zip(&pb) {
+        let o = match (x, y) {
+            (Ok(u), Ok(v)) => u.total_cmp(v),
+            (Err(u), Err(v)) => u.cmp(v),
+            (Ok(_), Err(_)) => std::cmp::Ordering::Less,
+            (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
+        };
+        if o != std::cmp::Ordering::Equal {
+            return o;
+        }
+    }
+    pa.len().cmp(&pb.len())
+}
+
+/// Series in reading order of their names (the legend's order).
+fn sorted(mut series: Vec<Series>) -> Vec<Series> {
+    series.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+    series
+}
+
+/// A cell's name in a legend: its stage and the settings its stage sweeps, without the
+/// sections' prefixes (`aha window=16`).
+fn legend_name(r: &Row) -> String {
+    let settings = r
+        .label
+        .split_whitespace()
+        .map(|kv| match kv.split_once('=') {
+            Some((key, v)) => format!("{}={v}", key.rsplit('.').next().unwrap_or(key)),
+            None => kv.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!("{} {settings}", r.stage).trim().to_string()
+}
+
+/// Usage (mu_f) and validation loss against the same swept value, side by side.
+fn usage_and_loss(title: &str, x: &str, usage: Vec<Series>, loss: Vec<Series>) -> Figure {
+    let x_axis = XAxis::LogSwept;
+    Figure::Panels {
+        title: title.into(),
+        panels: vec![
+            Panel {
+                title: "full-attention usage".into(),
+                x: format!("{x}, log scale"),
+                y: "mu_f".into(),
+                series: usage,
+                x_axis,
+            },
+            Panel {
+                title: "quality".into(),
+                x: format!("{x}, log scale"),
+                y: "validation loss".into(),
+                series: loss,
+                x_axis,
+            },
+        ],
+    }
 }
 
 /// Points no other point beats on both attention work (attended pairs over full causal pairs) and loss.
@@ -456,7 +778,7 @@ fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
                 "context length (columns: {})",
                 lengths
                     .iter()
-                    .map(|v| fmt_tick(*v))
+                    .map(tick_format(1.0))
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -484,7 +806,7 @@ fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
                 x: "needle depth".into(),
                 y: "full-attention ratio".into(),
                 series: vec![series(label.to_string(), pts, true)],
-                log_x: false,
+                x_axis: XAxis::LinearSwept,
             },
         ));
     }
@@ -514,19 +836,15 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .len()
         > 1
     {
+        let key = |r: &Row| format!("{} lambda={}", name_of(r.method), r.lambda);
         figs.push((
             "mu_f_vs_window".into(),
-            Figure::Lines {
-                title: "Full-attention usage against window".into(),
-                x: "window w (tokens, log scale)".into(),
-                y: "full-attention usage mu_f".into(),
-                series: grouped(
-                    &routed_by_window,
-                    |r| format!("{} lambda={}", name_of(r.method), r.lambda),
-                    |r| r.mu_f().map(|m| (r.window, m)),
-                ),
-                log_x: true,
-            },
+            usage_and_loss(
+                "Full-attention usage and quality against window",
+                "window w (tokens)",
+                grouped(&routed_by_window, key, |r| r.mu_f().map(|m| (r.window, m))),
+                grouped(&routed_by_window, key, |r| Some((r.window, r.loss()))),
+            ),
         ));
     }
     let mut sorted_usage = Vec::new();
@@ -566,25 +884,21 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 x: "head rank".into(),
                 y: "mu_f".into(),
                 series: sorted_usage,
-                log_x: false,
+                x_axis: XAxis::Linear,
             },
         ));
     }
     let lambdas: std::collections::BTreeSet<u64> = aha.iter().map(|r| r.lambda.to_bits()).collect();
     if lambdas.len() > 1 {
+        let key = |r: &Row| format!("w={}", r.window);
         figs.push((
             "lambda_ablation".into(),
-            Figure::Lines {
-                title: "Full-attention usage against lambda".into(),
-                x: "lambda (log scale)".into(),
-                y: "full-attention usage mu_f".into(),
-                series: grouped(
-                    &aha,
-                    |r| format!("w={}", r.window),
-                    |r| r.mu_f().map(|m| (r.lambda, m)),
-                ),
-                log_x: true,
-            },
+            usage_and_loss(
+                "Full-attention usage and quality against lambda",
+                "lambda",
+                grouped(&aha, key, |r| r.mu_f().map(|m| (r.lambda, m))),
+                grouped(&aha, key, |r| Some((r.lambda, r.loss()))),
+            ),
         ));
     }
     let tau: Vec<&Row> = all
@@ -622,7 +936,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 x: "attended pairs / full causal".into(),
                 y: "validation loss".into(),
                 series,
-                log_x: false,
+                x_axis: XAxis::Linear,
             },
         ));
     }
@@ -646,37 +960,68 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+    let curves: Vec<Series> = train
+        .iter()
+        .filter_map(|r| {
+            let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("val_log.csv")).ok()?;
+            let pts: Vec<(f64, f64)> = rdr
+                .records()
+                .filter_map(|x| x.ok())
+                .filter_map(|x| Some((x.get(0)?.parse().ok()?, x.get(1)?.parse().ok()?)))
+                .filter(|p: &(f64, f64)| p.0.is_finite() && p.1.is_finite())
+                .collect();
+            (pts.len() > 1).then(|| series(legend_name(r), pts, true))
+        })
+        .collect();
+    if !curves.is_empty() {
+        figs.push((
+            "loss_curves".into(),
+            Figure::Lines {
+                title: "Validation loss during training".into(),
+                x: "step (of the cell's own training)".into(),
+                y: "validation loss".into(),
+                series: sorted(curves),
+                x_axis: XAxis::Linear,
+            },
+        ));
+    }
+    let buckets: Vec<&Row> = all
+        .iter()
+        .filter(|r| r.kind != StageKind::Prune && r.report.buckets.len() > 1)
+        .collect();
+    if !buckets.is_empty() {
+        // Recall buckets only: distances 1 (local), 2-3, 4-7, ... at their smallest distance.
+        let recall = |r: &Row| -> Vec<(f64, f64)> {
+            r.report
+                .buckets
+                .iter()
+                .filter(|b| b.min_distance >= 1 && b.min_distance < u32::MAX && b.tokens > 0)
+                .map(|b| (b.min_distance as f64, b.loss))
+                .collect()
+        };
+        figs.push((
+            "bucket_loss".into(),
+            Figure::Lines {
+                title: "Loss by dependency distance (synthetic corpus)".into(),
+                x: "dependency distance (bucket's smallest: 1, 2-3, 4-7, ...)".into(),
+                y: "validation loss on the bucket's tokens".into(),
+                series: sorted(
+                    buckets
+                        .iter()
+                        .map(|r| series(legend_name(r), recall(r), true))
+                        .filter(|s| !s.points.is_empty())
+                        .collect(),
+                ),
+                x_axis: XAxis::LogSwept,
+            },
+        ));
+    }
     let ppa: Vec<&Row> = train
         .iter()
         .copied()
         .filter(|r| r.method == Method::Ppa)
         .collect();
     if !ppa.is_empty() {
-        let curves: Vec<Series> = ppa
-            .iter()
-            .filter_map(|r| {
-                let mut rdr =
-                    csv::Reader::from_path(sweep.join(&r.cell).join("val_log.csv")).ok()?;
-                let pts: Vec<(f64, f64)> = rdr
-                    .records()
-                    .filter_map(|x| x.ok())
-                    .filter_map(|x| Some((x.get(0)?.parse().ok()?, x.get(1)?.parse().ok()?)))
-                    .collect();
-                Some(series(format!("p={}", r.ppa_power), pts, true))
-            })
-            .collect();
-        if !curves.is_empty() {
-            figs.push((
-                "ppa_eval_loss".into(),
-                Figure::Lines {
-                    title: "PPA: validation loss by p".into(),
-                    x: "step".into(),
-                    y: "validation loss".into(),
-                    series: curves,
-                    log_x: false,
-                },
-            ));
-        }
         figs.push((
             "ppa_s_curve".into(),
             Figure::Lines {
@@ -688,7 +1033,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                     |r| format!("w={}", r.window),
                     |r| Some((r.ppa_power, r.loss())),
                 ),
-                log_x: false,
+                x_axis: XAxis::LinearSwept,
             },
         ));
     }
@@ -746,7 +1091,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 x: "attended pairs / full causal".into(),
                 y: "validation loss".into(),
                 series,
-                log_x: false,
+                x_axis: XAxis::Linear,
             },
         ));
     }
@@ -770,14 +1115,114 @@ mod tests {
 
     /// Renders into memory: (pixels that are not the white background, the SVG text).
     fn render(f: &Figure) -> (usize, String) {
-        let mut buf = vec![0u8; (SIZE.0 * SIZE.1 * 3) as usize];
-        f.draw(&BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area())
+        let size = f.size();
+        let mut buf = vec![0u8; (size.0 * size.1 * 3) as usize];
+        f.draw(&BitMapBackend::with_buffer(&mut buf, size).into_drawing_area())
             .unwrap();
         let ink = buf.chunks(3).filter(|p| p != &[255, 255, 255]).count();
         let mut svg = String::new();
-        f.draw(&SVGBackend::with_string(&mut svg, SIZE).into_drawing_area())
+        f.draw(&SVGBackend::with_string(&mut svg, size).into_drawing_area())
             .unwrap();
         (ink, svg)
+    }
+
+    /// The text of the SVG's `<text>` elements, in order.
+    fn texts(svg: &str) -> Vec<String> {
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| {
+                Some(
+                    t.split_once('>')?
+                        .1
+                        .split_once("</text>")?
+                        .0
+                        .trim()
+                        .to_string(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn swept_values_label_the_axis_and_the_legend_sits_beside_the_data_in_order() {
+        let f = Figure::Lines {
+            title: "usage".into(),
+            x: "window w".into(),
+            y: "mu_f".into(),
+            series: grouped_fixture(),
+            x_axis: XAxis::LogSwept,
+        };
+        let (_, svg) = render(&f);
+        let t = texts(&svg);
+        for w in ["4", "8", "16", "32", "64", "128"] {
+            assert!(t.iter().any(|x| x == w), "tick {w} missing: {t:?}");
+        }
+        // The legend lists w=16 before w=128 (by value, not as text), and lies right of the
+        // plotting area: every legend text starts beyond the chart's width.
+        let pos = |name: &str| t.iter().position(|x| x == name).unwrap();
+        assert!(pos("lambda=0.0003") < pos("lambda=0.001"), "{t:?}");
+        let x_of = |name: &str| -> f64 {
+            let at = svg.find(&format!("\n{name}\n</text>")).unwrap();
+            let open = svg[..at].rfind("<text").unwrap();
+            let attrs = &svg[open..at];
+            let x = attrs
+                .split("x=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            x.parse().unwrap()
+        };
+        assert!(x_of("lambda=0.001") > (SIZE.0 - LEGEND_W) as f64);
+    }
+
+    fn grouped_fixture() -> Vec<Series> {
+        sorted(vec![
+            series(
+                "lambda=0.001".into(),
+                vec![(4.0, 0.9), (16.0, 0.6), (64.0, 0.3)],
+                true,
+            ),
+            series(
+                "lambda=0.0003".into(),
+                vec![(8.0, 0.95), (32.0, 0.7), (128.0, 0.5)],
+                true,
+            ),
+        ])
+    }
+
+    #[test]
+    fn narrow_ranges_never_repeat_a_tick_label() {
+        let f = tick_format((2.3459 - 2.3451) / 10.0);
+        let labels: Vec<String> = (0..9).map(|i| f(&(2.3451 + 1e-4 * i as f64))).collect();
+        let mut unique = labels.clone();
+        unique.dedup();
+        assert_eq!(unique.len(), labels.len(), "{labels:?}");
+        assert_eq!(tick_format(1.0)(&16.0), "16");
+        assert_eq!(tick_format(0.1)(&0.5), "0.5");
+    }
+
+    #[test]
+    fn names_sort_by_the_numbers_in_them() {
+        let mut v = vec![
+            "w=128",
+            "w=16",
+            "aha lambda=1e-3",
+            "aha lambda=3e-4",
+            "w=16 p=0.5",
+        ];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            [
+                "aha lambda=3e-4",
+                "aha lambda=1e-3",
+                "w=16",
+                "w=16 p=0.5",
+                "w=128"
+            ]
+        );
     }
 
     fn fixtures() -> Vec<Figure> {
@@ -791,7 +1236,7 @@ mod tests {
                     vec![(4.0, 0.9), (8.0, 0.7), (16.0, 0.6), (32.0, 0.4)],
                     true,
                 )],
-                log_x: true,
+                x_axis: XAxis::LogSwept,
             },
             Figure::Heatmap {
                 title: "heads".into(),
@@ -806,6 +1251,12 @@ mod tests {
                 y: "sparsity".into(),
                 bars: vec![("0".into(), 0.2), ("1".into(), 0.96)],
             },
+            usage_and_loss(
+                "usage and loss",
+                "window w",
+                grouped_fixture(),
+                grouped_fixture(),
+            ),
         ]
     }
 
@@ -818,6 +1269,7 @@ mod tests {
                 Figure::Lines { x, y, .. }
                 | Figure::Heatmap { x, y, .. }
                 | Figure::Bars { x, y, .. } => (x, y),
+                Figure::Panels { panels, .. } => (&panels[1].x, &panels[1].y),
             };
             for label in [x, y, &f.title().to_string()] {
                 assert!(
@@ -856,7 +1308,8 @@ mod tests {
             "threshold_sweep",
             "layer_sparsity_l2a-0",
             "layer_sparsity_swi-0",
-            "ppa_eval_loss",
+            "loss_curves",
+            "bucket_loss",
             "ppa_s_curve",
             "pareto",
         ] {

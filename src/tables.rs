@@ -61,6 +61,8 @@ pub struct Row {
     pub prune: Option<PruneReport>,
     /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
     pub tasks: BTreeMap<String, f64>,
+    /// Training throughput of a train cell: the median of its `train_log.csv` rates.
+    pub tokens_per_s: Option<f64>,
 }
 
 impl Row {
@@ -229,9 +231,31 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             report: ev.report,
             prune,
             tasks: task_metrics(&dir.join("eval/results.json")),
+            tokens_per_s: median_rate(&dir.join("train_log.csv")),
         });
     }
     Ok(out)
+}
+
+/// The median of a training log's `tokens_per_s` column (robust to the first steps, which
+/// include compilation and warm-up), None without a log.
+fn median_rate(log: &Path) -> Option<f64> {
+    let mut rdr = csv::Reader::from_path(log).ok()?;
+    let col = rdr
+        .headers()
+        .ok()?
+        .iter()
+        .position(|h| h == "tokens_per_s")?;
+    let mut rates: Vec<f64> = rdr
+        .records()
+        .filter_map(|r| r.ok()?.get(col)?.parse::<f64>().ok())
+        .filter(|v| v.is_finite())
+        .collect();
+    if rates.is_empty() {
+        return None;
+    }
+    rates.sort_by(f64::total_cmp);
+    Some(rates[rates.len() / 2])
 }
 
 fn read_json(p: &Path) -> Option<serde_json::Value> {
@@ -317,6 +341,7 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "swiattn_alpha" => o(|r| r.swiattn_alpha),
         "swiattn_disagreement" => s(|r| r.swiattn_disagreement.map(name_of).unwrap_or_default()),
         "budget_tokens" => n(|r| r.budget_tokens),
+        "tokens_per_s" => o(|r| r.tokens_per_s),
         "eval_seq_len" => n(|r| r.report.seq_len as f64),
         "loss" => n(|r| r.report.loss),
         "perplexity" => n(|r| r.report.perplexity),
@@ -713,7 +738,8 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
 pub mod fixture {
     use crate::config::{Config, Method};
     use crate::eval::{
-        AttentionWork, EvalFile, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
+        AttentionWork, Bucket, EvalFile, EvalReport, GapStats, GateReport, NeedReport,
+        PrecisionRecall,
     };
     use crate::prune::PruneReport;
     use crate::sweep::{Cell, StageKind};
@@ -1010,7 +1036,15 @@ pub mod fixture {
                 kv_cache_bytes: vec![500.0, 500.0],
                 kv_cache_bytes_total: 1000.0,
                 kv_cache_bytes_full: 1000.0,
-                buckets: vec![],
+                buckets: [("unpredictable", 0), ("local", 1), ("d2-3", 2), ("d4-7", 4)]
+                    .iter()
+                    .map(|&(name, lo)| Bucket {
+                        bucket: name.into(),
+                        min_distance: lo,
+                        tokens: 100,
+                        loss: s.loss + 0.1 * lo as f64,
+                    })
+                    .collect(),
                 gates,
             };
             let file = EvalFile {
@@ -1029,6 +1063,13 @@ pub mod fixture {
                 std::fs::write(
                     cell_dir.join("val_log.csv"),
                     format!("step,val_loss\n100,{}\n200,{}\n", s.loss + 0.1, s.loss),
+                )
+                .unwrap();
+                // Rates 1000, 3000, 2000: the median is 2000.
+                std::fs::write(
+                    cell_dir.join("train_log.csv"),
+                    "step,loss,lr,grad_norm,tokens_per_s,tokens_seen,reg,mu_f\n\
+                     10,3,0.001,1,1000.0,100,,\n20,3,0.001,1,3000.0,200,,\n30,3,0.001,1,2000.0,300,,\n",
                 )
                 .unwrap();
             }
@@ -1109,6 +1150,11 @@ mod tests {
         ] {
             assert!(names.contains(&f.to_string()), "{f} not written: {names:?}");
         }
+        // Throughput: the median of a train cell's logged rates; none for an eval cell.
+        let summary = csv(&dir.join("summary.csv"));
+        let rate = summary[0].iter().position(|c| c == "tokens_per_s").unwrap();
+        let of = |id: &str| summary.iter().find(|r| r[0] == id).unwrap()[rate].clone();
+        assert_eq!((of("base-0").as_str(), of("zs-0").as_str()), ("2000.0", ""));
         let t = csv(&dir.join("aha_windows.csv"));
         assert_eq!(
             t[0][..5],
