@@ -613,11 +613,14 @@ pub struct TrainBench {
     pub full_usage: f64,
     /// `attention.ste_sample` of the aha-sampled rows.
     pub ste_sample: f64,
+    /// `attention.ppa_power` of the ppa rows.
+    pub ppa_power: f64,
     pub steps: usize,
     pub warmup: usize,
     pub out: PathBuf,
     pub python: String,
-    pub peers: bool,
+    /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
+    pub peers: Vec<String>,
 }
 
 impl TrainBench {
@@ -651,6 +654,17 @@ impl TrainBench {
             self.ste_sample
         );
         ensure!(self.steps >= 1, "--steps must be at least 1");
+        ensure!(
+            (0.0..=1.0).contains(&self.ppa_power),
+            "--ppa-power must lie in [0, 1] (got {})",
+            self.ppa_power
+        );
+        for p in &self.peers {
+            ensure!(
+                p == "eager" || p == "compile",
+                "--peers takes eager and compile (got {p:?})"
+            );
+        }
         Ok(())
     }
 }
@@ -659,10 +673,20 @@ impl TrainBench {
 pub enum TrainMethod {
     Full,
     Swa,
+    /// PPA at `--ppa-power`.
+    Ppa,
+    /// Every fourth layer full, the others the window.
+    #[value(name = "static_hybrid")]
+    StaticHybrid,
     /// AHA with the exact straight-through router gradient (the paper's).
     Aha,
     /// AHA with the sampled straight-through gradient (`--ste-sample`).
     AhaSampled,
+    /// L2A with context-free gates open for `--full-usage` of the tokens: what costs is how
+    /// many tokens take the global module, not how the router picks them.
+    L2a,
+    /// SwiAttn with its router calibrated like AHA's.
+    Swiattn,
 }
 
 impl TrainMethod {
@@ -670,8 +694,12 @@ impl TrainMethod {
         match self {
             TrainMethod::Full => "full",
             TrainMethod::Swa => "swa",
+            TrainMethod::Ppa => "ppa",
+            TrainMethod::StaticHybrid => "static_hybrid",
             TrainMethod::Aha => "aha",
             TrainMethod::AhaSampled => "aha-sampled",
+            TrainMethod::L2a => "l2a",
+            TrainMethod::Swiattn => "swiattn",
         }
     }
 }
@@ -689,7 +717,7 @@ struct TrainRow {
 
 impl TrainBench {
     fn config(&self, method: TrainMethod, len: i64) -> crate::config::Config {
-        use crate::config::{AttnImpl, Config, Dtype, Method};
+        use crate::config::{AttnImpl, Config, Dtype, Method, Router};
         let mut c = Config::default();
         c.model.vocab_size = self.vocab;
         c.model.hidden_size = self.hidden;
@@ -700,11 +728,20 @@ impl TrainBench {
         c.attention.method = match method {
             TrainMethod::Full => Method::Full,
             TrainMethod::Swa => Method::Swa,
+            TrainMethod::Ppa => Method::Ppa,
+            TrainMethod::StaticHybrid => Method::StaticHybrid,
             TrainMethod::Aha | TrainMethod::AhaSampled => Method::Aha,
+            TrainMethod::L2a => Method::L2a,
+            TrainMethod::Swiattn => Method::Swiattn,
         };
         if method == TrainMethod::AhaSampled {
             c.attention.ste_sample = self.ste_sample;
         }
+        if method == TrainMethod::L2a {
+            c.attention.router = Router::Bernoulli;
+            c.attention.bernoulli_p = self.full_usage;
+        }
+        c.attention.ppa_power = self.ppa_power;
         c.attention.window = self.window;
         c.attention.attn_impl = AttnImpl::Cuda;
         c.data.seq_len = len as usize;
@@ -722,7 +759,7 @@ impl TrainBench {
         let cfg = self.config(method, len);
         let dev = Device::Cuda(0);
         let built = Built::new(&cfg, dev)?;
-        if is_aha(method) {
+        if calibrated(method) {
             calibrate_routers(&built, self.full_usage, len);
         }
         let params = built.params();
@@ -781,12 +818,16 @@ impl TrainBench {
     }
 }
 
-fn is_aha(m: TrainMethod) -> bool {
-    matches!(m, TrainMethod::Aha | TrainMethod::AhaSampled)
+/// Methods whose learned routers `calibrate_routers` sets.
+fn calibrated(m: TrainMethod) -> bool {
+    matches!(
+        m,
+        TrainMethod::Aha | TrainMethod::AhaSampled | TrainMethod::Swiattn
+    )
 }
 
-/// Sets every router so that about `usage` of its (token, head) gates open on random
-/// tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
+/// Sets every router so that about `usage` of its gates (AHA: per token and head; SwiAttn:
+/// per token) open on random tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
 /// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
 /// quantile of the measured logits.
 fn calibrate_routers(built: &crate::run::Built, usage: f64, len: i64) {
@@ -812,7 +853,7 @@ fn calibrate_routers(built: &crate::run::Built, usage: f64, len: i64) {
             let s = out.layers[layer]
                 .scores
                 .as_ref()
-                .expect("AHA layers have router scores");
+                .expect("layers with learned routers have router scores");
             let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
             // Logits with the current (zero) bias of this layer.
             let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
@@ -830,15 +871,15 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
     );
     std::fs::create_dir_all(&b.out)?;
     let mut rows: Vec<TrainRow> = Vec::new();
-    // The eager peer has the paper's AHA only.
+    // The peers have the paper's AHA only.
     let peer_methods: Vec<&str> = b
         .methods
         .iter()
         .filter(|&&m| m != TrainMethod::AhaSampled)
         .map(|m| m.name())
         .collect();
-    // A list of aha-sampled alone leaves the peer nothing to run.
-    if b.peers && !peer_methods.is_empty() {
+    // A list of aha-sampled alone leaves the peers nothing to run.
+    if !b.peers.is_empty() && !peer_methods.is_empty() {
         let flags = [
             ("--lengths", joined(&b.lengths)),
             ("--methods", joined(&peer_methods)),
@@ -850,6 +891,8 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
             ("--vocab", b.vocab.to_string()),
             ("--window", b.window.to_string()),
             ("--full-usage", b.full_usage.to_string()),
+            ("--ppa-power", b.ppa_power.to_string()),
+            ("--impls", b.peers.join(",")),
             ("--steps", b.steps.to_string()),
             ("--warmup", b.warmup.to_string()),
             ("--lr", "0".to_string()),
@@ -915,6 +958,7 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
                 r.full_usage.map_or(String::new(), |u| format!("{u:.4}")),
                 ratio(full_of(&r.imp, r.len)),
                 ratio(full_of("torch_eager", r.len)),
+                ratio(full_of("torch_compile", r.len)),
             ]
             .into_iter()
             .chain((0..3).map(|i| {
@@ -936,6 +980,7 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
             "full_usage",
             "vs_same_impl_full",
             "vs_eager_full",
+            "vs_compile_full",
             "fwd_ms",
             "bwd_ms",
             "opt_ms",

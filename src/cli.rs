@@ -131,7 +131,7 @@ struct BenchTrainCmd {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "full,swa,aha,aha-sampled"
+        default_value = "full,swa,ppa,static_hybrid,aha,aha-sampled,l2a,swiattn"
     )]
     methods: Vec<crate::bench::TrainMethod>,
     /// Decoder layers.
@@ -152,9 +152,13 @@ struct BenchTrainCmd {
     /// Sliding window of swa and of AHA's local path.
     #[arg(long, default_value_t = 256)]
     window: usize,
-    /// Fraction of AHA's (token, head) gates open (routers calibrated on random tokens).
+    /// Fraction of the gates open: AHA's (token, head) and SwiAttn's token gates (routers
+    /// calibrated on random tokens), L2A's context-free token gates.
     #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.1)]
     full_usage: f64,
+    /// PPA's power p.
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.5)]
+    ppa_power: f64,
     /// attention.ste_sample of the aha-sampled method.
     #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 0.1)]
     ste_sample: f64,
@@ -167,10 +171,13 @@ struct BenchTrainCmd {
     /// Output directory.
     #[arg(long, default_value = "results/bench_train")]
     out: PathBuf,
-    /// Python with torch for the eager peer.
+    /// Python with torch for the peers.
     #[arg(long, default_value = "python3")]
     python: String,
-    /// Skip the eager peer.
+    /// Plain-PyTorch peers run beside, the same model: eager, and under torch.compile.
+    #[arg(long, value_delimiter = ',', default_value = "eager,compile")]
+    peers: Vec<String>,
+    /// Skip the peers.
     #[arg(long)]
     no_peers: bool,
 }
@@ -561,11 +568,12 @@ fn run() -> Result<()> {
                 window: c.window,
                 full_usage: c.full_usage,
                 ste_sample: c.ste_sample,
+                ppa_power: c.ppa_power,
                 steps: c.steps,
                 warmup: c.warmup,
                 out: c.out,
                 python: c.python,
-                peers: !c.no_peers,
+                peers: if c.no_peers { Vec::new() } else { c.peers },
             };
             b.validate()?;
             crate::kernels::cuda().context(

@@ -964,11 +964,14 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .iter()
         .filter_map(|r| {
             let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("val_log.csv")).ok()?;
+            // At the tokens behind the model, so a continuation starts where its source ended.
+            let at = |step: f64| (r.start_tokens + step * r.tokens_per_step) / 1e6;
             let pts: Vec<(f64, f64)> = rdr
                 .records()
                 .filter_map(|x| x.ok())
                 .filter_map(|x| Some((x.get(0)?.parse().ok()?, x.get(1)?.parse().ok()?)))
-                .filter(|p: &(f64, f64)| p.0.is_finite() && p.1.is_finite())
+                .map(|(step, loss): (f64, f64)| (at(step), loss))
+                .filter(|p| p.0.is_finite() && p.1.is_finite())
                 .collect();
             (pts.len() > 1).then(|| series(legend_name(r), pts, true))
         })
@@ -978,7 +981,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             "loss_curves".into(),
             Figure::Lines {
                 title: "Validation loss during training".into(),
-                x: "step (of the cell's own training)".into(),
+                x: "training tokens (millions, with those of the cell continued from)".into(),
                 y: "validation loss".into(),
                 series: sorted(curves),
                 x_axis: XAxis::Linear,

@@ -55,6 +55,9 @@ pub struct Row {
     /// Training tokens behind the model (its own steps and those of every cell it continued
     /// from), and what identifies its model and data: the basis of retain %'s reference.
     pub budget_tokens: f64,
+    /// Tokens behind the model before the cell's own training began, and per step of it.
+    pub start_tokens: f64,
+    pub tokens_per_step: f64,
     pub model_key: String,
     /// The cell's evaluation (`eval.json`), and its pruning (`prune.json`) for prune cells.
     pub report: EvalReport,
@@ -126,19 +129,22 @@ pub fn swiattn_variant(c: &Config) -> String {
     }
 }
 
+/// Tokens of one training step of a train cell (0 for the other kinds).
+fn tokens_per_step(c: &Cell) -> f64 {
+    let t = &c.config.train;
+    match c.kind {
+        StageKind::Train => (t.batch_size * t.grad_accum * c.config.data.seq_len) as f64,
+        _ => 0.0,
+    }
+}
+
 /// Training tokens behind each cell's model: its own (train cells) plus those of the cells
 /// it continued from, evaluated or pruned.
 fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
     let mut out: BTreeMap<String, f64> = BTreeMap::new();
     // Cells come in stage order, so a dependency's budget is known before its dependents'.
     for c in cells {
-        let t = &c.config.train;
-        let own = match c.kind {
-            StageKind::Train => {
-                (t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len) as f64
-            }
-            _ => 0.0,
-        };
+        let own = c.config.train.steps as f64 * tokens_per_step(c);
         let before = c
             .depends_on
             .as_ref()
@@ -223,6 +229,9 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
             swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
             budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
+            start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
+                - c.config.train.steps as f64 * tokens_per_step(c),
+            tokens_per_step: tokens_per_step(c),
             model_key: format!(
                 "{}\n{}",
                 toml::to_string(&c.config.model).unwrap_or_default(),
@@ -304,7 +313,7 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
     let retain: Vec<Option<f64>> = rows
         .iter()
         .zip(&reference)
-        .map(|(r, f)| f.map(|f| 100.0 * f.report.perplexity / r.report.perplexity))
+        .map(|(r, f)| f.map(|f| 100.0 * (f.report.perplexity / r.report.perplexity)))
         .collect();
     let retain_ref: Vec<String> = reference
         .iter()
