@@ -678,9 +678,10 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     Ok(written)
 }
 
-/// AHA Table 3: every head of every AHA train cell with its usage and the distribution of
-/// its gaps between full-path calls (`eval::GapStats`), heads by usage within a cell. None
-/// when the sweep has no AHA cell.
+/// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
+/// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
+/// usage and the distribution of its gaps between full-path calls (`eval::GapStats`), heads by
+/// usage within a cell. None when the sweep has no AHA cell.
 fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
@@ -701,7 +702,7 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     ];
     for r in rows
         .iter()
-        .filter(|r| r.method == Method::Aha && r.kind == StageKind::Train)
+        .filter(|r| r.method == Method::Aha && r.kind != StageKind::Prune)
     {
         let Some(g) = r.gates() else { continue };
         let mut heads: Vec<(f64, usize, usize)> = g
@@ -832,6 +833,21 @@ pub mod fixture {
                 edit: |c| {
                     c.attention.method = Method::Aha;
                     c.attention.window = 4
+                },
+            },
+            // aha-4 evaluated again on sequences four times longer, for its gaps alone.
+            Spec {
+                id: "gaps-4",
+                kind: StageKind::Eval,
+                dep: Some("aha-4"),
+                loss: 1.95,
+                density: 0.8,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 4;
+                    c.eval.seq_len = 4 * c.data.seq_len
                 },
             },
             Spec {
@@ -1236,9 +1252,16 @@ mod tests {
             let row = summary.iter().find(|r| r[cell] == c).unwrap();
             assert_eq!(row[reference], want, "{c}");
         }
-        // AHA Table 3: every head of every AHA train cell, with its gap distribution.
+        // AHA Table 3: every head of every AHA cell, trained or evaluated at a longer context,
+        // with its gap distribution; the long evaluation stays out of the quality tables.
         let gaps = csv(&dir.join("aha_gaps.csv"));
-        assert_eq!(gaps.len(), 1 + 3 * 4);
+        assert_eq!(gaps.len(), 1 + 4 * 4);
+        let long = gaps.iter().filter(|r| r[0] == "gaps-4").collect::<Vec<_>>();
+        assert_eq!(long.len(), 4);
+        let seq = col(&gaps, "eval_seq_len");
+        assert!(long
+            .iter()
+            .all(|r| r[seq] != gaps[1..].iter().find(|r| r[0] == "aha-4").unwrap()[seq]));
         let (median, share) = (col(&gaps, "gap_median"), col(&gaps, "censored_share"));
         assert!(gaps[1..]
             .iter()
