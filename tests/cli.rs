@@ -1516,3 +1516,160 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             .contains("bad.jsonl line 1")
     );
 }
+
+/// Every committed grid expands: its stages, axes, references and [corpus]/[synth] sections are
+/// valid and it names its cells, without preparing data or training.
+#[test]
+fn every_committed_grid_dry_runs() {
+    let d = scratch("grids");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("sweeps");
+    let mut grids: Vec<PathBuf> = ["", "gpu"]
+        .iter()
+        .flat_map(|sub| std::fs::read_dir(root.join(sub)).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    grids.sort();
+    assert!(grids.len() >= 8, "{grids:?}");
+    for g in &grids {
+        let out = d.join(g.file_stem().unwrap());
+        let o = ok(&[
+            "sweep",
+            "--grid",
+            g.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--dry-run",
+        ]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains(" cells in "), "{}: {text}", g.display());
+        assert!(
+            !out.exists(),
+            "{}: a dry run wrote {}",
+            g.display(),
+            out.display()
+        );
+    }
+}
+
+/// The reproduction path on the CPU in miniature: a directory of plain text, gzip JSON Lines,
+/// Parquet, xz text and one binary file becomes a corpus through a grid's [corpus]; the grid
+/// trains a base, evaluates it windowed and continues it windowed; the tables and figures follow.
+#[test]
+fn harness_prepares_mixed_files_trains_tables_and_figures() {
+    use std::io::Write;
+    let d = scratch("harness");
+    let src = d.join("corpus");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    let doc = |i: usize| format!("def f{i}(x):\n    return x * {i} + f{}(x)\n", i + 1).repeat(40);
+    std::fs::write(src.join("a.txt"), doc(0)).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    for i in 1..4 {
+        writeln!(gz, "{}", serde_json::json!({ "text": doc(i) })).unwrap();
+    }
+    std::fs::write(src.join("b.jsonl.gz"), gz.finish().unwrap()).unwrap();
+    let rows: Vec<String> = (4..6).map(doc).collect();
+    let mut df = polars::prelude::DataFrame::new_infer_height(vec![polars::prelude::Column::new(
+        "text".into(),
+        rows,
+    )])
+    .unwrap();
+    let mut parquet = Vec::new();
+    polars::prelude::ParquetWriter::new(&mut parquet)
+        .finish(&mut df)
+        .unwrap();
+    std::fs::write(src.join("c.parquet"), parquet).unwrap();
+    let mut xz = liblzma::write::XzEncoder::new(Vec::new(), 6);
+    xz.write_all(doc(6).as_bytes()).unwrap();
+    std::fs::write(src.join("sub/d.txt.xz"), xz.finish().unwrap()).unwrap();
+    std::fs::write(src.join("e.bin"), b"\x7fELF\x00\x01\x02").unwrap();
+
+    let data = d.join("data");
+    let grid = d.join("grid.toml");
+    std::fs::write(
+        &grid,
+        format!(
+            r#"
+name = "harness"
+[corpus]
+input = ["{src}"]
+val_fraction = 0.2
+[base.data]
+dir = "{data}"
+seq_len = 64
+[base.model]
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+[base.train]
+steps = 4
+warmup_steps = 1
+batch_size = 4
+log_every = 1
+eval_every = 2
+device = "cpu"
+[base.eval]
+max_batches = 2
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "full"
+init_from = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "swa_zs"
+kind = "eval"
+of = "base"
+set = {{ "attention.method" = "swa", "attention.window" = 8 }}
+[[stage]]
+name = "swa_cpt"
+init_from = "base"
+set = {{ "attention.method" = "swa", "attention.window" = 8 }}
+"#,
+            src = src.display(),
+            data = data.display()
+        ),
+    )
+    .unwrap();
+    let out = d.join("sweep");
+    ok(&[
+        "sweep",
+        "--grid",
+        grid.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let corpus = &json(&data.join("meta.json"))["corpus"];
+    assert_eq!(corpus["files"], 4, "{corpus}");
+    assert_eq!(corpus["documents"], 7, "{corpus}");
+    assert_eq!(corpus["skipped_files"], 1, "{corpus}");
+    assert_eq!(corpus["tokens_sha256"].as_str().unwrap().len(), 64);
+
+    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    let summary = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let header: Vec<&str> = summary.lines().next().unwrap().split(',').collect();
+    let (cell, rate, retain) = (
+        header.iter().position(|c| *c == "cell").unwrap(),
+        header.iter().position(|c| *c == "tokens_per_s").unwrap(),
+        header.iter().position(|c| *c == "retain_pct").unwrap(),
+    );
+    let rows: Vec<Vec<&str>> = summary
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{summary}");
+    for r in &rows {
+        let trained = !r[cell].starts_with("swa_zs-");
+        assert_eq!(!r[rate].is_empty(), trained, "{summary}");
+        let pct: f64 = r[retain].parse().unwrap();
+        assert!(pct.is_finite() && pct > 0.0, "{summary}");
+    }
+    for f in ["loss_curves", "pareto"] {
+        for ext in ["png", "svg"] {
+            let p = out.join("figures").join(format!("{f}.{ext}"));
+            assert!(std::fs::metadata(&p).unwrap().len() > 0, "{}", p.display());
+        }
+    }
+}
