@@ -164,8 +164,8 @@ const PALETTE: [RGBColor; 7] = [
     RGBColor(0, 0, 0),
 ];
 
-/// Width of the legend panel beside a chart.
-const LEGEND_W: u32 = 240;
+/// Width of the legend panel beside a chart: room for the 30 characters a label keeps.
+const LEGEND_W: u32 = 300;
 
 /// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
 /// windows, powers, lambdas) rather than at round numbers.
