@@ -217,7 +217,8 @@ pub struct AttentionConfig {
     pub swiattn_disagreement: Reduction,
     /// static_heads: a head_ranking.csv written by `attnsweep eval` of an AHA model.
     pub head_ranking: PathBuf,
-    /// static_heads: how many of the top-ranked heads are always full.
+    /// static_heads: how many of the top-ranked heads are always full; 0 takes the ranked
+    /// model's budget (its per-head usage summed and rounded: the same share of full calls).
     pub top_k: usize,
     pub attn_impl: AttnImpl,
 }

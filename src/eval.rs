@@ -665,7 +665,9 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
 }
 
 /// Reads a `head_ranking.csv` and marks its first `top_k` (layer, head) pairs as full:
-/// `[layer][head]`.
+/// `[layer][head]`. `top_k` 0 takes the ranked model's own budget: as many heads as its
+/// per-head usage adds up to (rounded), so the static model calls the full path for the same
+/// share of (token, head) pairs (AHA Table 5 at equal budget).
 pub fn read_head_assignment(
     path: &Path,
     top_k: usize,
@@ -674,36 +676,51 @@ pub fn read_head_assignment(
 ) -> Result<Vec<Vec<bool>>> {
     let mut rdr = csv::Reader::from_path(path)
         .with_context(|| format!("cannot read head ranking {}", path.display()))?;
-    let mut on = vec![vec![false; heads]; layers];
-    let mut seen = 0usize;
+    let mut ranked: Vec<(usize, usize)> = Vec::new();
+    let mut usage = 0.0;
     for (i, row) in rdr.records().enumerate() {
         let row = row.with_context(|| format!("{}: malformed row {}", path.display(), i + 2))?;
+        let bad = || {
+            format!(
+                "{}: row {} needs rank,layer,head,mu_f",
+                path.display(),
+                i + 2
+            )
+        };
         let field = |k: usize| -> Result<usize> {
-            row.get(k).and_then(|v| v.parse().ok()).with_context(|| {
-                format!(
-                    "{}: row {} needs rank,layer,head,mu_f",
-                    path.display(),
-                    i + 2
-                )
-            })
+            row.get(k).and_then(|v| v.parse().ok()).with_context(bad)
         };
         let (layer, head) = (field(1)?, field(2)?);
+        let mu: f64 = row.get(3).and_then(|v| v.parse().ok()).with_context(bad)?;
+        ensure!(
+            mu.is_finite() && (0.0..=1.0).contains(&mu),
+            "{}: row {} gives head usage {mu}; it must be a share between 0 and 1",
+            path.display(),
+            i + 2
+        );
         ensure!(
             layer < layers && head < heads,
             "{}: row {} names layer {layer} head {head}, but the model has {layers} layers of {heads} heads",
             path.display(),
             i + 2
         );
-        if seen < top_k {
-            on[layer][head] = true;
-        }
-        seen += 1;
+        ranked.push((layer, head));
+        usage += mu;
     }
-    if seen < top_k {
+    let k = match top_k {
+        0 => usage.round() as usize,
+        k => k,
+    };
+    if ranked.len() < k {
         bail!(
-            "{} ranks {seen} heads, fewer than attention.top_k = {top_k}",
-            path.display()
+            "{} ranks {} heads, fewer than attention.top_k = {k}",
+            path.display(),
+            ranked.len()
         );
+    }
+    let mut on = vec![vec![false; heads]; layers];
+    for &(layer, head) in &ranked[..k] {
+        on[layer][head] = true;
     }
     Ok(on)
 }

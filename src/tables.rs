@@ -46,7 +46,8 @@ pub struct Row {
     pub router: Router,
     pub bernoulli_p: f64,
     pub variant: String,
-    /// AHA Table 5's row name: "AHA", "top-k" static heads, or "all heads full".
+    /// AHA Table 5's row name: "AHA", "top-k" static heads (at AHA's budget when top_k is 0),
+    /// "all heads full", or "all heads window" (SWA trained as long).
     pub setting: String,
     /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
     /// the squared norm, which alpha weighs hidden_size times more).
@@ -214,17 +215,20 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             } else {
                 String::new()
             },
-            setting: match a.method {
-                Method::Aha => "AHA".into(),
-                Method::StaticHeads
-                    if a.top_k
-                        == c.config.model.num_hidden_layers
-                            * c.config.model.num_attention_heads =>
-                {
-                    "all heads full".into()
+            setting: {
+                let heads = c.config.model.num_hidden_layers * c.config.model.num_attention_heads;
+                match a.method {
+                    Method::Aha => "AHA".into(),
+                    Method::StaticHeads if a.top_k == heads => "all heads full".into(),
+                    // top_k 0 took the ranked model's budget: its heads, counted from the gates.
+                    Method::StaticHeads if a.top_k == 0 => {
+                        let mu_f = ev.report.gates.as_ref().map_or(0.0, |g| g.mu_f);
+                        format!("top-{} (AHA's budget)", (mu_f * heads as f64).round())
+                    }
+                    Method::StaticHeads => format!("top-{}", a.top_k),
+                    Method::Swa if c.kind == StageKind::Train => "all heads window".into(),
+                    _ => String::new(),
                 }
-                Method::StaticHeads => format!("top-{}", a.top_k),
-                _ => String::new(),
             },
             swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
             swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
@@ -505,6 +509,7 @@ fn paper_tables() -> Vec<TableSpec> {
             require: method_is(Method::StaticHeads),
             filter: method_is(Method::StaticHeads)
                 .or(method_is(Method::Aha))
+                .or(method_is(Method::Swa))
                 .and(train.clone()),
             columns: &[
                 "setting",
@@ -891,6 +896,19 @@ pub mod fixture {
                 },
             },
             Spec {
+                id: "heads-budget",
+                kind: StageKind::Train,
+                dep: Some("aha-16"),
+                loss: 1.84,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::StaticHeads;
+                    c.attention.top_k = 0
+                },
+            },
+            Spec {
                 id: "heads-16",
                 kind: StageKind::Train,
                 dep: Some("aha-16"),
@@ -1220,7 +1238,7 @@ mod tests {
         assert_eq!(p[1][..3], ["0.9", "1.0", "2000.0"]);
         assert_eq!(csv(&dir.join("ppa.csv")).len(), 3);
         let heads = csv(&dir.join("aha_static_heads.csv"));
-        assert_eq!(heads.len(), 6);
+        assert_eq!(heads.len(), 8);
         // Retain % needs a full-attention model of the same budget: the static heads
         // continued from an AHA cell have trained longer than any, so they get none.
         let col = |t: &[Vec<String>], name: &str| t[0].iter().position(|c| c == name).unwrap();
@@ -1236,10 +1254,11 @@ mod tests {
             empty(&static_row[retain]) && empty(&static_row[reference]),
             "{static_row:?}"
         );
-        assert!(
-            heads.iter().any(|r| r[setting] == "all heads full"),
-            "{heads:?}"
-        );
+        // Top-k at AHA's budget names the heads it resolved to (half of 16); SWA trained as
+        // long is the all-window row.
+        for row in ["all heads full", "top-8 (AHA's budget)", "all heads window"] {
+            assert!(heads.iter().any(|r| r[setting] == row), "{row}: {heads:?}");
+        }
         let aha_row = heads.iter().find(|r| r[setting] == "AHA").unwrap();
         assert_eq!(aha_row[reference], "full-0");
         let summary = csv(&dir.join("summary.csv"));

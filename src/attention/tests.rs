@@ -728,21 +728,29 @@ fn bernoulli_and_static_head_gates() {
         "rank,layer,head,mu_f\n1,1,2,0.9\n2,0,0,0.5\n3,0,1,0.1\n",
     )
     .unwrap();
-    let cfg = routed_cfg(Method::StaticHeads, |c| {
-        c.attention.head_ranking = ranking.clone();
-        c.attention.top_k = 2;
-    });
-    let b = Built::new(&cfg, Device::Cpu).unwrap();
-    let out = run(&b, &ForwardCtx::default());
-    let per_head = |l: usize| {
-        vec64(&out.layers[l].gates.as_ref().unwrap().mean_dim(
-            [0i64, 1].as_slice(),
-            false,
-            Kind::Float,
-        ))
+    // Each layer's gates per head, averaged over tokens, of a static model taking `top_k`.
+    let heads_on = |top_k: usize| -> Vec<Vec<f64>> {
+        let cfg = routed_cfg(Method::StaticHeads, |c| {
+            c.attention.head_ranking = ranking.clone();
+            c.attention.top_k = top_k;
+        });
+        let out = run(
+            &Built::new(&cfg, Device::Cpu).unwrap(),
+            &ForwardCtx::default(),
+        );
+        out.layers
+            .iter()
+            .map(|l| {
+                let g = l.gates.as_ref().unwrap();
+                vec64(&g.mean_dim([0i64, 1].as_slice(), false, Kind::Float))
+            })
+            .collect()
     };
-    assert_eq!(per_head(0), vec![1.0, 0.0, 0.0, 0.0]);
-    assert_eq!(per_head(1), vec![0.0, 0.0, 1.0, 0.0]);
+    let two = heads_on(2);
+    assert_eq!(two[0], vec![1.0, 0.0, 0.0, 0.0]);
+    assert_eq!(two[1], vec![0.0, 0.0, 1.0, 0.0]);
+    // top_k 0: the ranked model's budget, 0.9 + 0.5 + 0.1 = 1.5 heads, rounded to the same 2.
+    assert_eq!(heads_on(0), two);
     let too_many = routed_cfg(Method::StaticHeads, |c| {
         c.attention.head_ranking = ranking.clone();
         c.attention.top_k = 4;
