@@ -991,15 +991,10 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     );
 }
 
-fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
-    let g = dir.join("grid.toml");
-    let text = format!(
+/// A grid's base for tiny CPU cells on the data set at `data`.
+fn tiny_base(data: &Path) -> String {
+    format!(
         r#"
-name = "tiny"
-[synth]
-train_tokens = 20000
-val_tokens = 4096
-max_distance = 64
 [base.data]
 dir = "{data}"
 seq_len = 64
@@ -1015,6 +1010,21 @@ log_every = 1
 device = "cpu"
 [base.eval]
 max_batches = 2
+"#,
+        data = data.display()
+    )
+}
+
+fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
+    let g = dir.join("grid.toml");
+    let text = format!(
+        r#"
+name = "tiny"
+[synth]
+train_tokens = 20000
+val_tokens = 4096
+max_distance = 64
+{base}
 [[stage]]
 name = "base"
 set = {{ "attention.method" = "full" }}
@@ -1025,7 +1035,7 @@ set = {{ "attention.method" = "aha" }}
 axes = {{ "attention.window" = [4, 8] }}
 {extra}
 "#,
-        data = dir.join("data").display()
+        base = tiny_base(&dir.join("data"))
     );
     std::fs::write(&g, text).unwrap();
     g
@@ -1594,25 +1604,10 @@ name = "harness"
 [corpus]
 input = ["{src}"]
 val_fraction = 0.2
-[base.data]
-dir = "{data}"
-seq_len = 64
-[base.model]
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-[base.train]
-steps = 4
-warmup_steps = 1
-batch_size = 4
-log_every = 1
-eval_every = 2
-device = "cpu"
-[base.eval]
-max_batches = 2
+{base}
 [[stage]]
 name = "base"
-set = {{ "attention.method" = "full" }}
+set = {{ "attention.method" = "full", "train.eval_every" = 2 }}
 [[stage]]
 name = "full"
 init_from = "base"
@@ -1628,7 +1623,7 @@ init_from = "base"
 set = {{ "attention.method" = "swa", "attention.window" = 8 }}
 "#,
             src = src.display(),
-            data = data.display()
+            base = tiny_base(&data)
         ),
     )
     .unwrap();
