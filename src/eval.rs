@@ -572,7 +572,7 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
     atomic::write_bytes(&dir.join("config.toml"), cfg.to_toml().as_bytes())
 }
 
-fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) -> Result<()> {
+pub(crate) fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) -> Result<()> {
     atomic::write_with(path, |tmp| {
         let mut w = csv::Writer::from_path(tmp)?;
         w.write_record(header)?;

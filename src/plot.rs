@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `mu_f_vs_window` | AHA Table 1/2: full-attention usage and validation loss against the window |
 //! | `head_usage_<cell>` | AHA Fig. 3: layer x head usage heatmap with a colour bar |
+//! | `head_usage_<cell>_<task>` | AHA Fig. 3 per task, from a cell's `eval/probe_head_usage.csv` |
 //! | `head_usage_sorted` | AHA Fig. 4: every head's usage, sorted |
 //! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda |
 //! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
@@ -736,6 +737,64 @@ pub fn pareto_front(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
     front
 }
 
+/// AHA Fig. 3: a layer x head map of full-attention usage.
+fn usage_map(title: String, values: Vec<Vec<f64>>) -> Figure {
+    Figure::Heatmap {
+        title,
+        x: "head".into(),
+        y: "layer".into(),
+        values,
+        range: (0.0, 1.0),
+    }
+}
+
+/// A usage map per probe task of one cell, from its `eval/probe_head_usage.csv` (columns
+/// task, layer, head, mu_f), as (task, figure).
+fn probe_usage_maps(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
+    let mut by_task: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
+    let mut rdr = csv::Reader::from_path(path)?;
+    for (i, rec) in rdr.records().enumerate() {
+        let rec = rec?;
+        let bad = || {
+            anyhow!(
+                "{}: row {} needs task,layer,head,mu_f",
+                path.display(),
+                i + 2
+            )
+        };
+        let index = |k: usize| {
+            rec.get(k)
+                .and_then(|v| v.parse::<usize>().ok())
+                .ok_or_else(bad)
+        };
+        let (layer, head) = (index(1)?, index(2)?);
+        let mu: f64 = rec.get(3).and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        anyhow::ensure!(
+            mu.is_finite(),
+            "{}: row {} gives mu_f {mu}",
+            path.display(),
+            i + 2
+        );
+        let m = by_task
+            .entry(rec.get(0).ok_or_else(bad)?.to_string())
+            .or_default();
+        if m.len() <= layer {
+            m.resize(layer + 1, vec![]);
+        }
+        if m[layer].len() <= head {
+            m[layer].resize(head + 1, f64::NAN);
+        }
+        m[layer][head] = mu;
+    }
+    Ok(by_task
+        .into_iter()
+        .map(|(task, m)| {
+            let title = format!("Head usage mu_f on {task} prompts: {label}");
+            (task, usage_map(title, m))
+        })
+        .collect())
+}
+
 /// NIAH figures of one cell from its `eval/niah.csv` (columns depth, length, accuracy and
 /// optionally full_ratio), as the evaluation suite writes it.
 fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
@@ -867,13 +926,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         ));
         figs.push((
             format!("head_usage_{}", r.cell),
-            Figure::Heatmap {
-                title: format!("Head usage mu_f: {}", r.label),
-                x: "head".into(),
-                y: "layer".into(),
-                values: m,
-                range: (0.0, 1.0),
-            },
+            usage_map(format!("Head usage mu_f: {}", r.label), m),
         ));
     }
     if !sorted_usage.is_empty() {
@@ -1041,6 +1094,12 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         ));
     }
     for r in &all {
+        let p = sweep.join(&r.cell).join("eval/probe_head_usage.csv");
+        if p.is_file() {
+            for (task, f) in probe_usage_maps(&p, &format!("{} {}", name_of(r.method), r.label))? {
+                figs.push((format!("head_usage_{}_{task}", r.cell), f));
+            }
+        }
         let p = sweep.join(&r.cell).join("eval/niah.csv");
         if p.is_file() {
             for (stem, f) in niah_figures(&p, &format!("{} {}", name_of(r.method), r.label))? {
@@ -1341,6 +1400,27 @@ mod tests {
             pareto_front(&pts),
             vec![(0.2, 3.0), (0.5, 2.5), (0.9, 2.1), (1.0, 1.9)]
         );
+    }
+
+    #[test]
+    fn probe_head_usage_gives_a_map_per_task() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-probe-map-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("probe_head_usage.csv");
+        std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,0,0.5\npasskey,0,1,1.0\npasskey,1,0,0.0\npasskey,1,1,0.25\nniah_single,0,0,1.0\nniah_single,0,1,0.0\nniah_single,1,0,0.5\nniah_single,1,1,0.5\n").unwrap();
+        let maps = probe_usage_maps(&p, "aha").unwrap();
+        let names: Vec<&str> = maps.iter().map(|(t, _)| t.as_str()).collect();
+        assert_eq!(names, ["niah_single", "passkey"]);
+        match &maps[1].1 {
+            Figure::Heatmap { values, range, .. } => {
+                assert_eq!(values, &vec![vec![0.5, 1.0], vec![0.0, 0.25]]);
+                assert_eq!(*range, (0.0, 1.0));
+            }
+            _ => panic!("heatmap expected"),
+        }
+        std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,x,0.5\n").unwrap();
+        let e = probe_usage_maps(&p, "aha").err().unwrap().to_string();
+        assert!(e.contains("row 2 needs task,layer,head,mu_f"), "{e}");
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct Generation {
     /// `[row][i]`: mean hard gate over layers and heads of the query that produced generated
     /// token i (the last prompt position for i = 0); None for static methods.
     pub gates: Option<Vec<Vec<f64>>>,
+    /// The prompts' head usage: hard gates summed over rows and prompt positions per layer
+    /// and head; None for static methods.
+    pub prompt_gates: Option<HeadGates>,
     /// Cache bytes after the last step, all rows.
     pub cache_bytes: f64,
     pub prefill_seconds: f64,
@@ -65,6 +68,57 @@ fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Vec<f64>> {
     )
 }
 
+/// Hard gates summed per layer and head over `positions` (row, position) pairs: AHA Fig. 3's
+/// usage map of the text they were summed over. A layer without gates (a pruned L2A layer)
+/// counts as window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadGates {
+    pub sums: Vec<Vec<f64>>,
+    pub positions: f64,
+}
+
+impl HeadGates {
+    /// The gates of every layer of one forward, summed over its rows and positions.
+    fn of(out: &ForwardOutput) -> Option<HeadGates> {
+        let heads = out.layers.iter().find_map(|l| l.gates.as_ref())?.size()[2] as usize;
+        let sizes = out.logits.size();
+        let sums = out
+            .layers
+            .iter()
+            .map(|l| match &l.gates {
+                Some(g) => Vec::<f64>::try_from(g.to_kind(Kind::Double).sum_dim_intlist(
+                    [0i64, 1].as_slice(),
+                    false,
+                    Kind::Double,
+                ))
+                .expect("gates to vec"),
+                None => vec![0.0; heads],
+            })
+            .collect();
+        Some(HeadGates {
+            sums,
+            positions: (sizes[0] * sizes[1]) as f64,
+        })
+    }
+
+    fn add(&mut self, other: &HeadGates) {
+        for (a, b) in self.sums.iter_mut().zip(&other.sums) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+        self.positions += other.positions;
+    }
+
+    /// Usage per layer and head: the share of positions whose gate chose the full path.
+    pub fn usage(&self) -> Vec<Vec<f64>> {
+        self.sums
+            .iter()
+            .map(|r| r.iter().map(|s| s / self.positions).collect())
+            .collect()
+    }
+}
+
 /// Greedy decoding of `max_new` tokens after `prompts: [B, L]` (int64) with the model's
 /// key-value cache.
 pub fn greedy(
@@ -88,6 +142,7 @@ pub fn greedy(
             .collect();
         let prefill_seconds = start.elapsed().as_secs_f64();
         let prefill_pairs = out.attended_pairs();
+        let prompt_gates = HeadGates::of(&out);
         let mut gates =
             position_gates(&out, -1).map(|g| g.into_iter().map(|v| vec![v]).collect::<Vec<_>>());
         let mut decode_pairs = Vec::with_capacity(max_new);
@@ -123,6 +178,7 @@ pub fn greedy(
             prefill_pairs,
             decode_pairs,
             gates,
+            prompt_gates,
             cache_bytes: cache.bytes(),
             prefill_seconds,
             decode_seconds,
@@ -163,6 +219,15 @@ pub struct Cost {
     pub decode_seconds: f64,
 }
 
+/// What the probes of `cfg.eval.tasks` measured: a cell per (task, length, depth), the
+/// inference cost per (task, length), and each task's head usage over its prompts (routed
+/// methods).
+pub struct ProbeRun {
+    pub cells: Vec<ProbeCell>,
+    pub costs: BTreeMap<(Task, usize), Cost>,
+    pub head_gates: BTreeMap<Task, HeadGates>,
+}
+
 /// The probes of `cfg.eval.tasks` over lengths and depths.
 pub fn run_probes(
     model: &Llama,
@@ -170,7 +235,7 @@ pub fn run_probes(
     tok: &TextTokenizer,
     haystack: &Haystack,
     device: Device,
-) -> Result<(Vec<ProbeCell>, BTreeMap<(Task, usize), Cost>)> {
+) -> Result<ProbeRun> {
     let e = &cfg.eval;
     let spec = e.probe_spec();
     let lengths = if e.lengths.is_empty() {
@@ -184,6 +249,7 @@ pub fn run_probes(
     let mut batch_index = 0u64;
     let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
+    let mut head_gates: BTreeMap<Task, HeadGates> = BTreeMap::new();
     for name in &e.tasks {
         let task = Task::parse(name)?;
         for &length in &lengths {
@@ -236,6 +302,14 @@ pub fn run_probes(
                     };
                     batch_index += 1;
                     let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
+                    if let Some(pg) = &g.prompt_gates {
+                        match head_gates.get_mut(&task) {
+                            Some(h) => h.add(pg),
+                            None => {
+                                head_gates.insert(task, pg.clone());
+                            }
+                        }
+                    }
                     for (r, p) in chunk.iter().enumerate() {
                         let text = tok.decode(&g.tokens[r]);
                         let (em, rec) = p.score(&text);
@@ -267,7 +341,11 @@ pub fn run_probes(
             }
         }
     }
-    Ok((cells, costs))
+    Ok(ProbeRun {
+        cells,
+        costs,
+        head_gates,
+    })
 }
 
 /// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
@@ -649,7 +727,11 @@ pub fn run(
     };
     if !e.tasks.is_empty() {
         let hay = haystack(cfg, meta)?;
-        let (cells, costs) = run_probes(model, cfg, &tok, &hay, device)?;
+        let ProbeRun {
+            cells,
+            costs,
+            head_gates,
+        } = run_probes(model, cfg, &tok, &hay, device)?;
         let mut by_task: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
         for c in &cells {
             let name = c.task.name();
@@ -700,6 +782,9 @@ pub fn run(
         write_niah(&dir.join("niah.csv"), &cells)?;
         write_samples(&dir.join("probe_samples.jsonl"), &cells)?;
         write_efficiency(&dir.join("efficiency.csv"), &costs, cfg, device)?;
+        if !head_gates.is_empty() {
+            write_probe_head_usage(&dir.join("probe_head_usage.csv"), &head_gates)?;
+        }
     }
     let max_len = if e.max_length == 0 {
         cfg.data.seq_len
@@ -806,6 +891,26 @@ fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
         }
     }
     atomic::write_bytes(path, text.as_bytes())
+}
+
+/// `probe_head_usage.csv`: per task, layer and head, the share of prompt positions whose gate
+/// chose the full path (AHA Fig. 3 per task).
+fn write_probe_head_usage(path: &Path, by_task: &BTreeMap<Task, HeadGates>) -> Result<()> {
+    let mut rows = Vec::new();
+    for (task, g) in by_task {
+        for (l, heads) in g.usage().iter().enumerate() {
+            for (h, mu) in heads.iter().enumerate() {
+                rows.push(vec![
+                    task.name().to_string(),
+                    l.to_string(),
+                    h.to_string(),
+                    mu.to_string(),
+                ]);
+            }
+        }
+    }
+    let header = ["task", "layer", "head", "mu_f"].map(String::from);
+    crate::eval::write_csv(path, &header, &rows)
 }
 
 /// `niah.csv`: per (depth, length), RULER's accuracy (recall of the answers) and the mean
@@ -930,6 +1035,10 @@ mod tests {
     use crate::run::Built;
 
     fn tiny() -> Built {
+        Built::new(&tiny_config(), Device::Cpu).unwrap()
+    }
+
+    fn tiny_config() -> Config {
         let mut c = Config::default();
         c.model = ModelConfig {
             vocab_size: 257,
@@ -941,7 +1050,7 @@ mod tests {
             ..Default::default()
         };
         c.train.device = "cpu".into();
-        Built::new(&c, Device::Cpu).unwrap()
+        c
     }
 
     /// Sum of log p(ids[t + 1] | ids[..=t]) over the last `n` targets, from one unpadded
@@ -1025,6 +1134,37 @@ mod tests {
         assert!(
             choice_logliks(&b.model, &tok, &long, 3, Device::Cpu, 0).is_err(),
             "continuation longer than the window"
+        );
+    }
+
+    /// A static-heads model fixes which heads are full, so the prompts' head usage must be
+    /// that assignment exactly, over every row and prompt position.
+    #[test]
+    fn prompt_head_usage_is_the_fixed_assignment_of_static_heads() {
+        let dir =
+            std::env::temp_dir().join(format!("attnsweep-probe-heads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ranking = dir.join("head_ranking.csv");
+        std::fs::write(
+            &ranking,
+            "rank,layer,head,mu_f\n1,1,0,0.9\n2,0,1,0.5\n3,0,0,0.1\n4,1,1,0.0\n",
+        )
+        .unwrap();
+        let mut c = tiny_config();
+        c.attention.method = crate::config::Method::StaticHeads;
+        c.attention.window = 2;
+        c.attention.head_ranking = ranking;
+        c.attention.top_k = 2;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let prompts = Tensor::from_slice(&[5i64, 9, 2, 7, 1, 3, 8, 4, 6, 2, 5, 1]).view([2, 6]);
+        let g = greedy(&b.model, &prompts, 3, None, &ForwardCtx::default());
+        let hg = g.prompt_gates.expect("a routed model reports its gates");
+        assert_eq!(hg.positions, 12.0);
+        assert_eq!(hg.usage(), vec![vec![0.0, 1.0], vec![1.0, 0.0]]);
+        assert!(
+            greedy(&tiny().model, &prompts, 1, None, &ForwardCtx::default())
+                .prompt_gates
+                .is_none()
         );
     }
 

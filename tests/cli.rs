@@ -1436,6 +1436,18 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             r["results"]["niah_single"]["full_ratio,none"].is_f64(),
             method == "aha"
         );
+        // AHA's usage per task, layer and head over the probes' prompts (AHA Fig. 3 per
+        // task): the tiny model has 2 layers of 4 heads.
+        let usage = ev.join("probe_head_usage.csv");
+        assert_eq!(usage.is_file(), method == "aha");
+        if method == "aha" {
+            let rows = log_rows(&usage);
+            assert_eq!(rows.len(), 2 * 2 * 4);
+            assert!(rows.iter().all(|r| {
+                let mu: f64 = r[3].parse().unwrap();
+                (r[0] == "mqar" || r[0] == "niah_single") && (0.0..=1.0).contains(&mu)
+            }));
+        }
         let niah = std::fs::read_to_string(ev.join("niah.csv")).unwrap();
         assert!(niah.starts_with("depth,length,accuracy,full_ratio\n"));
         assert_eq!(niah.lines().count(), 1 + 4, "{niah}");
@@ -1621,6 +1633,15 @@ set = {{ "attention.method" = "swa", "attention.window" = 8 }}
 name = "swa_cpt"
 init_from = "base"
 set = {{ "attention.method" = "swa", "attention.window" = 8 }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha", "attention.window" = 8 }}
+[[stage]]
+name = "probes"
+kind = "eval"
+of = "aha"
+set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }}
 "#,
             src = src.display(),
             base = tiny_base(&data)
@@ -1654,14 +1675,28 @@ set = {{ "attention.method" = "swa", "attention.window" = 8 }}
         .skip(1)
         .map(|l| l.split(',').collect())
         .collect();
-    assert_eq!(rows.len(), 4, "{summary}");
+    assert_eq!(rows.len(), 6, "{summary}");
     for r in &rows {
-        let trained = !r[cell].starts_with("swa_zs-");
+        let trained = !r[cell].starts_with("swa_zs-") && !r[cell].starts_with("probes-");
         assert_eq!(!r[rate].is_empty(), trained, "{summary}");
         let pct: f64 = r[retain].parse().unwrap();
         assert!(pct.is_finite() && pct > 0.0, "{summary}");
     }
-    for f in ["loss_curves", "pareto"] {
+    // The AHA cell's usage map on its own data and, evaluated on probes, on their prompts.
+    let probes = rows
+        .iter()
+        .find(|r| r[cell].starts_with("probes-"))
+        .unwrap()[cell];
+    let aha = rows.iter().find(|r| r[cell].starts_with("aha-")).unwrap()[cell];
+    let maps = [
+        format!("head_usage_{aha}"),
+        format!("head_usage_{probes}_passkey"),
+    ];
+    for f in ["loss_curves", "pareto"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(maps)
+    {
         for ext in ["png", "svg"] {
             let p = out.join("figures").join(format!("{f}.{ext}"));
             assert!(std::fs::metadata(&p).unwrap().len() > 0, "{}", p.display());
