@@ -303,12 +303,10 @@ pub fn run_probes(
                     batch_index += 1;
                     let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
                     if let Some(pg) = &g.prompt_gates {
-                        match head_gates.get_mut(&task) {
-                            Some(h) => h.add(pg),
-                            None => {
-                                head_gates.insert(task, pg.clone());
-                            }
-                        }
+                        head_gates
+                            .entry(task)
+                            .and_modify(|h| h.add(pg))
+                            .or_insert_with(|| pg.clone());
                     }
                     for (r, p) in chunk.iter().enumerate() {
                         let text = tok.decode(&g.tokens[r]);

@@ -9,11 +9,11 @@
 use super::cache::Keys;
 use super::gates::{hash_uniform, router_input, GateSource};
 use super::{
-    AttnOutput, Build, Exec, ForwardCtx, Regulariser, Route, SelfAttention, KERNEL_FAILED,
+    AttnOutput, Build, Chunk, Exec, ForwardCtx, Regulariser, Route, SelfAttention, KERNEL_FAILED,
 };
 use crate::config::Method;
 use crate::kernels::{Kernels, QueryPath};
-use crate::nn::{Linear, Rope};
+use crate::nn::Linear;
 use tch::{Kind, Tensor};
 
 /// AHA's layer, or static top-k heads': a gate per (token, head) choosing the whole prefix or
@@ -46,18 +46,8 @@ pub(super) fn build(b: &Build) -> Box<dyn Route> {
 }
 
 impl Route for PerHead {
-    fn forward(
-        &self,
-        layer: &SelfAttention,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _rope: &Rope,
-        keys: &Keys,
-        ctx: &ForwardCtx,
-    ) -> AttnOutput {
-        layer.aha_forward(&self.gates, x, q, k, v, keys, ctx)
+    fn forward(&self, layer: &SelfAttention, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        layer.aha_forward(&self.gates, c, ctx)
     }
 
     /// Any token may route to the full path, which reads the one shared cache.
@@ -121,18 +111,16 @@ enum Values<'a> {
 
 impl SelfAttention {
     /// AHA's layer (and static heads'): gates, the mixed paths, the regulariser and the pairs
-    /// the executed paths attend, for `q, k, v` of the chunk whose input is `x`.
-    #[allow(clippy::too_many_arguments)]
+    /// the executed paths attend, for the chunk `c`.
     pub(super) fn aha_forward(
         &self,
         gates: &GateSource,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        keys: &Keys,
+        c: &Chunk,
         ctx: &ForwardCtx,
     ) -> AttnOutput {
+        let Chunk {
+            x, q, k, v, keys, ..
+        } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = self.proj.n_heads;
         let start = keys.start();

@@ -8,11 +8,11 @@
 //! the window (`attention.pruned_layers`, `attnsweep prune`).
 
 use super::aha::full_rows;
-use super::cache::Keys;
 use super::gates::GateSource;
 use super::patterns::{KeyPattern, Static};
-use super::{AttnOutput, Build, Exec, ForwardCtx, Projections, Regulariser, Route, SelfAttention};
-use crate::nn::Rope;
+use super::{
+    AttnOutput, Build, Chunk, Exec, ForwardCtx, Projections, Regulariser, Route, SelfAttention,
+};
 use tch::{Kind, Tensor};
 
 /// L2A's layer: the window, and the global module for routed tokens.
@@ -34,18 +34,8 @@ pub(super) fn build(b: &Build) -> Box<dyn Route> {
 }
 
 impl Route for Global {
-    fn forward(
-        &self,
-        layer: &SelfAttention,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rope: &Rope,
-        keys: &Keys,
-        ctx: &ForwardCtx,
-    ) -> AttnOutput {
-        layer.l2a_forward(&self.gates, &self.global, x, q, k, v, rope, keys, ctx)
+    fn forward(&self, layer: &SelfAttention, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        layer.l2a_forward(&self.gates, &self.global, c, ctx)
     }
 
     /// The local module's window plus the global module's own full cache.
@@ -87,20 +77,22 @@ impl Route for Global {
 }
 
 impl SelfAttention {
-    /// L2A's layer over `q, k, v` of the chunk whose input is `x`.
-    #[allow(clippy::too_many_arguments)]
+    /// L2A's layer over the chunk `c`.
     pub(super) fn l2a_forward(
         &self,
         gates: &GateSource,
         global: &Projections,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rope: &Rope,
-        keys: &Keys,
+        c: &Chunk,
         ctx: &ForwardCtx,
     ) -> AttnOutput {
+        let Chunk {
+            x,
+            q,
+            k,
+            v,
+            rope,
+            keys,
+        } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = self.proj.n_heads;
         let start = keys.start();

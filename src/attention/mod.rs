@@ -195,21 +195,22 @@ impl Projections {
 /// (`patterns.rs` for the static patterns) with a `build` function, and
 /// `SelfAttention::new` picks the file by `attention.method`: a new method is a new file and
 /// its arm there.
+/// One forward's chunk: its input `x: [B, T, hidden]`, the projections `q, k, v` (the keys
+/// already extended by a decoding cache), the rotary embedding of its positions and the keys'
+/// bookkeeping.
+#[derive(Clone, Copy)]
+struct Chunk<'a, 'k> {
+    x: &'a Tensor,
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    rope: &'a Rope,
+    keys: &'a Keys<'k>,
+}
+
 trait Route {
-    /// The layer's output for `q, k, v` (the keys already extended by a decoding cache) of
-    /// the chunk whose input is `x`.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        layer: &SelfAttention,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        rope: &Rope,
-        keys: &Keys,
-        ctx: &ForwardCtx,
-    ) -> AttnOutput;
+    /// The layer's output for the chunk `c`.
+    fn forward(&self, layer: &SelfAttention, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput;
 
     /// Bytes of the key-value cache decoding keeps for `len` tokens, where one position of
     /// the base attention takes `per_position` bytes and a value `elt`.
@@ -412,7 +413,15 @@ impl SelfAttention {
         let start = keys.start();
         let (q, k, v) = self.proj.qkv(x, rope, self.kernels);
         let (k, v) = keys.extend(0, k, v);
-        let out = self.route.forward(self, x, &q, &k, &v, rope, keys, ctx);
+        let chunk = Chunk {
+            x,
+            q: &q,
+            k: &k,
+            v: &v,
+            rope,
+            keys,
+        };
+        let out = self.route.forward(self, &chunk, ctx);
         // Keys that no later query can reach through this layer's window are dropped.
         if let Some(w) = self.route.window_only(self) {
             keys.trim(0, w, start + l);

@@ -6,10 +6,9 @@
 //! them; the dense mask, the pair count, the kernels' offset lists and the per-layer
 //! assignment of `static_hybrid` all derive from it.
 
-use super::{AttnOutput, Build, ForwardCtx, Keys, Route, SelfAttention};
+use super::{AttnOutput, Build, Chunk, ForwardCtx, Route, SelfAttention};
 use crate::config::{AttentionConfig, Method};
 use crate::kernels::PpaOffsets;
-use crate::nn::Rope;
 use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
@@ -219,17 +218,10 @@ pub(super) fn build(b: &Build) -> Box<dyn Route> {
 }
 
 impl Route for Static {
-    fn forward(
-        &self,
-        layer: &SelfAttention,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _rope: &Rope,
-        keys: &Keys,
-        _ctx: &ForwardCtx,
-    ) -> AttnOutput {
+    fn forward(&self, layer: &SelfAttention, c: &Chunk, _ctx: &ForwardCtx) -> AttnOutput {
+        let Chunk {
+            x, q, k, v, keys, ..
+        } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let start = keys.start();
         let (first, end) = (start as usize, (start + l) as usize);

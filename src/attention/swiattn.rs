@@ -10,9 +10,9 @@ use super::aha::{full_rows, routed_attention, routed_pairs};
 use super::cache::Keys;
 use super::gates::GateSource;
 use super::patterns::KeyPattern;
-use super::{AttnOutput, Build, Exec, ForwardCtx, Regulariser, Route, SelfAttention};
+use super::{AttnOutput, Build, Chunk, Exec, ForwardCtx, Regulariser, Route, SelfAttention};
 use crate::config::Reduction;
-use crate::nn::{Linear, Rope};
+use crate::nn::Linear;
 use tch::{Kind, Tensor};
 
 /// SwiAttn's layer: a gate per token choosing the full or the window branch.
@@ -50,28 +50,8 @@ pub(super) fn build(b: &Build) -> Box<dyn Route> {
 }
 
 impl Route for Switch {
-    fn forward(
-        &self,
-        layer: &SelfAttention,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _rope: &Rope,
-        keys: &Keys,
-        ctx: &ForwardCtx,
-    ) -> AttnOutput {
-        layer.swiattn_forward(
-            &self.gates,
-            &self.swa_o_proj,
-            &self.reg,
-            x,
-            q,
-            k,
-            v,
-            keys,
-            ctx,
-        )
+    fn forward(&self, layer: &SelfAttention, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        layer.swiattn_forward(&self.gates, &self.swa_o_proj, &self.reg, c, ctx)
     }
 
     /// Both branches read the one shared cache; the full branch, all of it.
@@ -130,20 +110,18 @@ impl SwiAttnReg {
 }
 
 impl SelfAttention {
-    /// SwiAttn's layer over `q, k, v` of the chunk whose input is `x`.
-    #[allow(clippy::too_many_arguments)]
+    /// SwiAttn's layer over the chunk `c`.
     pub(super) fn swiattn_forward(
         &self,
         gates: &GateSource,
         swa_o_proj: &Option<Linear>,
         reg: &SwiAttnReg,
-        x: &Tensor,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        keys: &Keys,
+        c: &Chunk,
         ctx: &ForwardCtx,
     ) -> AttnOutput {
+        let Chunk {
+            x, q, k, v, keys, ..
+        } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = self.proj.n_heads;
         let start = keys.start();
