@@ -305,6 +305,13 @@ pub struct TrainConfig {
     pub eval_every: usize,
     /// Keep the MLP weights fixed; train attention, routers and norms only (L2A E.1.3).
     pub freeze_mlp: bool,
+    /// L2A with a learned router: for the first N steps of the run every gate is held open
+    /// (every token runs global attention) and the router does not learn, so the global
+    /// module trains on every token before the router judges it. Not in the paper (0, the
+    /// default): a diagnostic of router collapse, which happens when the router closes
+    /// before the global module, started as a copy of attention reading other inputs, has
+    /// become useful.
+    pub router_hold_steps: usize,
 }
 
 impl Default for TrainConfig {
@@ -329,6 +336,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 2,
             eval_every: 0,
             freeze_mlp: false,
+            router_hold_steps: 0,
         }
     }
 }
@@ -522,6 +530,15 @@ impl Config {
         }
         if !a.pruned_layers.is_empty() && a.method != Method::L2a {
             bail!("attention.pruned_layers applies to method \"l2a\" only");
+        }
+        if self.train.router_hold_steps > 0
+            && !(a.method == Method::L2a && a.router == Router::Learned)
+        {
+            bail!(
+                "train.router_hold_steps = {} applies to method \"l2a\" with a learned router only; \
+                 set it to 0 or use attention.method = \"l2a\"",
+                self.train.router_hold_steps
+            );
         }
         check(
             "attention.swiattn_gamma_base",
@@ -1013,6 +1030,16 @@ mod tests {
         assert!(e.contains("eval.max_length = 1"), "{e}");
         let e = err_of("", &["eval.seq_len=1"]);
         assert!(e.contains("eval.seq_len = 1"), "{e}");
+        let e = err_of("", &["train.router_hold_steps=5"]);
+        assert!(
+            e.contains("train.router_hold_steps = 5") && e.contains("\"l2a\""),
+            "{e}"
+        );
+        let e = err_of(
+            "[attention]\nmethod = \"l2a\"\nrouter = \"bernoulli\"\n",
+            &["train.router_hold_steps=5"],
+        );
+        assert!(e.contains("learned router only"), "{e}");
     }
 
     /// Lists of bare words need no quotes, as single bare words need none.

@@ -5,7 +5,7 @@
 //! moments must be saved and restored exactly for a resumed run to match an uninterrupted one.
 
 use crate::atomic;
-use crate::attention::ForwardCtx;
+use crate::attention::{ForwardCtx, GateOverride};
 use crate::checkpoint::{self, TrainState};
 use crate::config::{Config, Method, Router};
 use crate::data::Split;
@@ -530,6 +530,12 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         (Method::L2a, Router::Learned) => cfg.attention.p_force,
         _ => 0.0,
     };
+    // train.router_hold_steps: the routers' weights, kept out of the update while held.
+    let routers: Vec<&Tensor> = trainable
+        .iter()
+        .filter(|(n, _)| t.router_hold_steps > 0 && n.contains(".router."))
+        .map(|(_, p)| p)
+        .collect();
     let last = args.stop_at.map_or(t.steps, |s| s.min(t.steps));
     if !args.quiet {
         let n: i64 = params.values().map(|p| p.numel() as i64).sum();
@@ -566,6 +572,13 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         opt.zero_grad();
         // L2A's anti-collapse draw: once per optimizer step, from the gate generator.
         ctx.force_global = p_force > 0.0 && gate_rng.uniform() < p_force;
+        // While held, every gate is open and the router gets no gradient (so AdamW leaves it
+        // and its moments untouched).
+        let held = (state.step as usize) < t.router_hold_steps;
+        ctx.gate_override = held.then_some(GateOverride::Constant(1.0));
+        for r in &routers {
+            let _ = r.set_requires_grad(!held);
+        }
         // Context-free (Bernoulli) gates are drawn afresh each step.
         ctx.gate_seed = gate_rng.next_u64();
         let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);

@@ -931,19 +931,40 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     assert!((b - 0.5).abs() < 0.05, "Bernoulli(0.5) gates: mu_f {b}");
 
     // L2A from the base with frozen MLPs: the global module starts as a copy of the base
-    // attention and the MLP weights do not move.
+    // attention and the MLP weights do not move. Routers held open for 2 steps: every gate
+    // open and the router unchanged until then, learning after.
     let mut l2a = short.to_vec();
     l2a.extend([
         "--set",
         "attention.method=l2a",
         "--set",
         "train.freeze_mlp=true",
+        "--set",
+        "train.router_hold_steps=2",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.ckpt_every=1",
         "--init-from",
         base_s,
     ]);
     train(&d, &data, "l2a", &l2a);
     let bw = weights(&base.join("checkpoints/step_00000003/model.safetensors"));
     let lw = weights(&d.join("l2a/checkpoints/step_00000003/model.safetensors"));
+    let held = weights(&d.join("l2a/checkpoints/step_00000002/model.safetensors"));
+    let router = "model.layers.1.self_attn.router.weight";
+    assert_eq!(
+        held[router].abs().sum(tch::Kind::Float).double_value(&[]),
+        0.0
+    );
+    assert!(lw[router].abs().sum(tch::Kind::Float).double_value(&[]) > 0.0);
+    let log = std::fs::read_to_string(d.join("l2a/train_log.csv")).unwrap();
+    let mu_f: Vec<f64> = log
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(7).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(mu_f[..2], [1.0, 1.0], "{log}");
     assert!(lw["model.layers.1.mlp.up_proj.weight"].equal(&bw["model.layers.1.mlp.up_proj.weight"]));
     assert!(lw["model.embed_tokens.weight"].equal(&bw["model.embed_tokens.weight"]));
     assert!(!lw["model.layers.1.self_attn.q_proj.weight"]
