@@ -217,6 +217,10 @@ def time_case(a, impl, l):
     torch.manual_seed(0)
     try:
         model = Model(a).to(dev)
+        if impl == "compile":
+            # Each case compiles afresh: one process compiling many (method, length) cases
+            # otherwise reaches dynamo's recompile limit and silently runs the rest eagerly.
+            torch._dynamo.reset()
         step_model = torch.compile(model) if impl == "compile" else model
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
         ids = torch.randint(0, a.vocab, (batch, l + 1), device=dev)

@@ -45,6 +45,11 @@ pub struct Bucket {
     pub min_distance: u32,
     pub tokens: u64,
     pub loss: f64,
+    /// Share of the bucket's tokens the model's argmax predicts exactly (a recall's answer is
+    /// a copy of its definition's value, so this is the recall task's accuracy); None in
+    /// reports written before it was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -361,7 +366,8 @@ pub fn evaluate(
         split.largest_shard()
     );
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
-    let mut buckets: BTreeMap<(u32, String), (f64, u64)> = Default::default();
+    // Per bucket: summed loss, tokens, tokens predicted exactly.
+    let mut buckets: BTreeMap<(u32, String), (f64, u64, u64)> = Default::default();
     let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
     let (layers, heads) = (cfg.model.num_hidden_layers, cfg.model.num_attention_heads);
     let mut gates: Option<GateAccum> = None;
@@ -409,11 +415,14 @@ pub fn evaluate(
             }
             if let Some(deps) = &b.deps {
                 let v = Vec::<f64>::try_from(nll.flatten(0, 1)).expect("nll to vec");
-                for (i, (&d, &l)) in deps.iter().zip(&v).enumerate() {
+                let hit = out.logits.argmax(-1, false).eq_tensor(&b.y);
+                let hit = Vec::<bool>::try_from(hit.flatten(0, 1)).expect("hits to vec");
+                for (i, ((&d, &l), &h)) in deps.iter().zip(&v).zip(&hit).enumerate() {
                     let (name, lo) = bucket_of(d, i % seq_len);
                     let e = buckets.entry((lo, name)).or_default();
                     e.0 += l;
                     e.1 += 1;
+                    e.2 += h as u64;
                 }
             }
             progress.update(i as u64 + 1, "");
@@ -450,11 +459,12 @@ pub fn evaluate(
         kv_cache_bytes_full: kv_full,
         buckets: buckets
             .into_iter()
-            .map(|((lo, name), (s, n))| Bucket {
+            .map(|((lo, name), (s, n, hits))| Bucket {
                 bucket: name,
                 min_distance: lo,
                 tokens: n,
                 loss: s / n as f64,
+                accuracy: Some(hits as f64 / n as f64),
             })
             .collect(),
         gates: gates.map(GateAccum::finish),

@@ -11,7 +11,8 @@
 //! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
 //! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
 //! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
-//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p |
+//! | `router_curves` | every learned router's gate usage and training loss over its steps (L2A router collapse) |
+//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, and on the synthetic corpus the accuracy on dependencies at least w back |
 //! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto` | all methods: quality against attention work, with the Pareto front |
@@ -1041,6 +1042,56 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+    // The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
+    // usage and training loss over its own steps, from `train_log.csv`.
+    let logs: Vec<(&Row, Vec<(f64, f64, f64)>)> = train
+        .iter()
+        .filter(|r| r.router == Router::Learned && r.mu_f().is_some())
+        .filter_map(|r| {
+            let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("train_log.csv")).ok()?;
+            let h = rdr.headers().ok()?.clone();
+            let at = |name: &str| h.iter().position(|c| c == name);
+            let (step, loss, mu) = (at("step")?, at("loss")?, at("mu_f")?);
+            let pts: Vec<(f64, f64, f64)> = rdr
+                .records()
+                .filter_map(|x| x.ok())
+                .filter_map(|x| {
+                    let num = |i: usize| x.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite());
+                    Some((num(step)?, num(loss)?, num(mu)?))
+                })
+                .collect();
+            (pts.len() > 1).then_some((*r, pts))
+        })
+        .collect();
+    if !logs.is_empty() {
+        let panel = |y: &str, f: fn(&(f64, f64, f64)) -> f64| Panel {
+            title: y.into(),
+            x: "training step".into(),
+            y: y.into(),
+            series: sorted(
+                logs.iter()
+                    .map(|(r, pts)| {
+                        series(
+                            legend_name(r),
+                            pts.iter().map(|p| (p.0, f(p))).collect(),
+                            true,
+                        )
+                    })
+                    .collect(),
+            ),
+            x_axis: XAxis::Linear,
+        };
+        figs.push((
+            "router_curves".into(),
+            Figure::Panels {
+                title: "Routers while training".into(),
+                panels: vec![
+                    panel("gates open (mu_f)", |p| p.2),
+                    panel("training loss", |p| p.1),
+                ],
+            },
+        ));
+    }
     let buckets: Vec<&Row> = all
         .iter()
         .filter(|r| r.kind != StageKind::Prune && r.report.buckets.len() > 1)
@@ -1078,20 +1129,45 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .filter(|r| r.method == Method::Ppa)
         .collect();
     if !ppa.is_empty() {
-        figs.push((
-            "ppa_s_curve".into(),
+        let by_window = |f: fn(&Row) -> Option<f64>| {
+            grouped(
+                &ppa,
+                |r| format!("w={}", r.window),
+                move |r| Some((r.ppa_power, f(r)?)),
+            )
+        };
+        let loss = by_window(|r| Some(r.loss()));
+        let accuracy = by_window(|r| r.far()?.1);
+        let fig = if accuracy.iter().all(|s| s.points.is_empty()) {
             Figure::Lines {
                 title: "PPA: final validation loss against p".into(),
                 x: "power p".into(),
                 y: "validation loss".into(),
-                series: grouped(
-                    &ppa,
-                    |r| format!("w={}", r.window),
-                    |r| Some((r.ppa_power, r.loss())),
-                ),
+                series: loss,
                 x_axis: XAxis::LinearSwept,
-            },
-        ));
+            }
+        } else {
+            // The synthetic corpus's long-range task beside the loss (PPA Table 1's accuracy).
+            let panel = |title: &str, y: &str, series| Panel {
+                title: title.into(),
+                x: "power p".into(),
+                y: y.into(),
+                series,
+                x_axis: XAxis::LinearSwept,
+            };
+            Figure::Panels {
+                title: "PPA against p".into(),
+                panels: vec![
+                    panel("validation loss", "loss", loss),
+                    panel(
+                        "recall of dependencies >= w back",
+                        "exact-match accuracy",
+                        accuracy,
+                    ),
+                ],
+            }
+        };
+        figs.push(("ppa_s_curve".into(), fig));
     }
     for r in &all {
         let p = sweep.join(&r.cell).join("eval/probe_head_usage.csv");

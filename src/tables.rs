@@ -86,6 +86,30 @@ impl Row {
     pub fn gates(&self) -> Option<&GateReport> {
         self.report.gates.as_ref()
     }
+
+    /// Loss and exact-match accuracy of the predictions whose dependency lies at least the
+    /// cell's window back (full attention's window setting, 64 by default, where it has
+    /// none), pooled over those distance buckets: the long-range task of the synthetic
+    /// corpus. None without buckets, or with none that far.
+    pub fn far(&self) -> Option<(f64, Option<f64>)> {
+        let far: Vec<&crate::eval::Bucket> = self
+            .report
+            .buckets
+            .iter()
+            .filter(|b| b.min_distance as f64 >= self.window && b.min_distance < u32::MAX)
+            .collect();
+        let n: u64 = far.iter().map(|b| b.tokens).sum();
+        (n > 0).then(|| {
+            let mean = |f: &dyn Fn(&crate::eval::Bucket) -> f64| {
+                far.iter().map(|b| f(b) * b.tokens as f64).sum::<f64>() / n as f64
+            };
+            let acc = far
+                .iter()
+                .all(|b| b.accuracy.is_some())
+                .then(|| mean(&|b| b.accuracy.unwrap_or(0.0)));
+            (mean(&|b| b.loss), acc)
+        })
+    }
 }
 
 /// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
@@ -367,6 +391,8 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "censored_heads" => gates(|g| Some(g.censored_heads as f64)),
         "gate_precision" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.precision)),
         "gate_recall" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.recall)),
+        "far_loss" => o(|r| r.far().map(|f| f.0)),
+        "far_accuracy" => o(|r| r.far().and_then(|f| f.1)),
         "threshold" => prune(|p| p.threshold),
         "pruned_layers" => prune(|p| p.pruned_layers.len() as f64),
         "kv_cache_bytes_before" => prune(|p| p.kv_cache_bytes_before),
@@ -605,7 +631,10 @@ fn paper_tables() -> Vec<TableSpec> {
                 "window",
                 "loss",
                 "perplexity",
+                "far_loss",
+                "far_accuracy",
                 "pairs_vs_full",
+                "tokens_per_s",
                 "cell",
             ],
             sort: &["window", "ppa_power"],
@@ -1079,15 +1108,23 @@ pub mod fixture {
                 kv_cache_bytes: vec![500.0, 500.0],
                 kv_cache_bytes_total: 1000.0,
                 kv_cache_bytes_full: 1000.0,
-                buckets: [("unpredictable", 0), ("local", 1), ("d2-3", 2), ("d4-7", 4)]
-                    .iter()
-                    .map(|&(name, lo)| Bucket {
-                        bucket: name.into(),
-                        min_distance: lo,
-                        tokens: 100,
-                        loss: s.loss + 0.1 * lo as f64,
-                    })
-                    .collect(),
+                buckets: [
+                    ("unpredictable", 0),
+                    ("local", 1),
+                    ("d2-3", 2),
+                    ("d4-7", 4),
+                    ("d64-127", 64),
+                    ("d128-255", 128),
+                ]
+                .iter()
+                .map(|&(name, lo)| Bucket {
+                    bucket: name.into(),
+                    min_distance: lo,
+                    tokens: 100 + lo as u64,
+                    loss: s.loss + 0.1 * lo as f64,
+                    accuracy: Some(1.0 / (1.0 + lo as f64)),
+                })
+                .collect(),
                 gates,
             };
             let file = EvalFile {
@@ -1224,6 +1261,17 @@ mod tests {
                 "SwiAttn"
             ]
         );
+        // Far dependencies: the buckets at least the window (64) back, pooled by tokens.
+        let p = csv(&dir.join("ppa.csv"));
+        let at = |name: &str| p[0].iter().position(|c| c == name).unwrap();
+        let (n64, n128) = (164.0, 228.0);
+        let want = (n64 / 65.0 + n128 / 129.0) / (n64 + n128);
+        let got: f64 = p[1][at("far_accuracy")].parse().unwrap();
+        assert!((got - want).abs() < 1e-12, "{got} {want}");
+        let loss: f64 = p[1][at("loss")].parse().unwrap();
+        let far: f64 = p[1][at("far_loss")].parse().unwrap();
+        let want = loss + (n64 * 6.4 + n128 * 12.8) / (n64 + n128);
+        assert!((far - want).abs() < 1e-9, "{far} {want}");
         let a = csv(&dir.join("swiattn_ablations.csv"));
         assert_eq!(
             a[1..].iter().map(|r| r[0].as_str()).collect::<Vec<_>>(),

@@ -725,23 +725,27 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     assert!(!bench_out.exists());
 }
 
-/// Mean loss over the in-context recall buckets whose dependency reaches `window` or further.
-fn beyond_window_loss(eval_dir: &Path, window: u32) -> (f64, u64) {
+/// Mean loss and exact-match accuracy over the in-context recall buckets whose dependency
+/// reaches `window` or further, and how many tokens they hold.
+fn beyond_window(eval_dir: &Path, window: u32) -> (f64, f64, u64) {
     let mut rdr = csv::Reader::from_path(eval_dir.join("eval_buckets.csv")).unwrap();
-    let (mut sum, mut n) = (0.0, 0u64);
+    let (mut sum, mut hits, mut n) = (0.0, 0.0, 0u64);
     for row in rdr.records() {
         let row = row.unwrap();
-        let (lo, tokens, loss): (u32, u64, f64) = (
+        let (lo, tokens, loss, acc): (u32, u64, f64, f64) = (
             row[1].parse().unwrap(),
             row[2].parse().unwrap(),
             row[3].parse().unwrap(),
+            row[4].parse().unwrap(),
         );
+        assert!((0.0..=1.0).contains(&acc), "accuracy {acc}");
         if lo >= window && lo != u32::MAX {
             sum += loss * tokens as f64;
+            hits += acc * tokens as f64;
             n += tokens;
         }
     }
-    (sum / n as f64, n)
+    (sum / n as f64, hits / n as f64, n)
 }
 
 /// The synthetic corpus does what it is for: a full-attention model learns to recall
@@ -809,13 +813,17 @@ fn full_attention_beats_a_window_on_dependencies_beyond_it() {
             val < 0.5 * unigram,
             "{method}: val loss {val} is not far below the unigram entropy {unigram}"
         );
-        loss.push(beyond_window_loss(&out.join("eval"), 8));
+        loss.push(beyond_window(&out.join("eval"), 8));
     }
-    let ((full, n), (swa, _)) = (loss[0], loss[1]);
+    let ((full, full_acc, n), (swa, swa_acc, _)) = (loss[0], loss[1]);
     assert!(n > 300, "only {n} tokens depend on keys beyond the window");
     assert!(
         full + 0.5 < swa,
         "full attention ({full:.3}) should beat SWA w=8 ({swa:.3}) on dependencies >= 8 back"
+    );
+    assert!(
+        full_acc > swa_acc + 0.1,
+        "full attention should recall more of them: accuracy {full_acc:.3} against {swa_acc:.3}"
     );
 }
 
