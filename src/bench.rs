@@ -5,7 +5,7 @@
 
 use crate::attention::{routed_paths, KeyPattern};
 use crate::kernels::{Kernels, PpaOffsets};
-use crate::plot::{Figure, Series};
+use crate::plot::{Figure, Panel, Series};
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -150,6 +150,13 @@ struct Row {
     sparsity: f64,
     fwd_ms: f64,
     fwdbwd_ms: f64,
+}
+
+impl Row {
+    /// The backward's share of the timed forward-and-backward pair.
+    fn bwd_ms(&self) -> f64 {
+        self.fwdbwd_ms - self.fwd_ms
+    }
 }
 
 /// Median time of `f` in milliseconds over `reps` calls, after three to warm up: on the GPU's
@@ -507,19 +514,27 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         }
     }
     let csv_path = b.out.join("attention_bench.csv");
-    let cudnn = |r: &Row| {
+    // The dense causal peers of the same length and head dim: cuDNN, the fastest, and
+    // FlashAttention-2 (SDPA's flash backend), the paper's reference.
+    let peer = |name: &str, r: &Row| {
         rows.iter()
-            .find(|c| c.imp == "sdpa_cudnn" && c.len == r.len && c.dim == r.dim)
+            .find(|c| c.imp == name && c.len == r.len && c.dim == r.dim)
             .cloned()
+    };
+    // Speed-ups over a peer's forward and backward (empty without that peer in the run).
+    let over = |name: &str, r: &Row| {
+        peer(name, r).map_or([String::new(), String::new()], |c| {
+            [
+                format!("{:.3}", c.fwd_ms / r.fwd_ms),
+                format!("{:.3}", c.bwd_ms() / r.bwd_ms()),
+            ]
+        })
     };
     let records = rows
         .iter()
         .map(|r| {
             let tflops = 4.0 * pairs(r, b.heads) * r.dim as f64 / (r.fwd_ms * 1e-3) / 1e12;
-            let (sf, sb) = cudnn(r).map_or((f64::NAN, f64::NAN), |c| {
-                (c.fwd_ms / r.fwd_ms, c.fwdbwd_ms / r.fwdbwd_ms)
-            });
-            vec![
+            let mut rec = vec![
                 r.imp.clone(),
                 r.case.clone(),
                 r.len.to_string(),
@@ -527,11 +542,13 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 r.window.to_string(),
                 r.sparsity.to_string(),
                 format!("{:.4}", r.fwd_ms),
+                format!("{:.4}", r.bwd_ms()),
                 format!("{:.4}", r.fwdbwd_ms),
                 format!("{:.1}", tflops),
-                format!("{:.3}", sf),
-                format!("{:.3}", sb),
-            ]
+            ];
+            rec.extend(over("sdpa_cudnn", r));
+            rec.extend(over("sdpa_flash", r));
+            rec
         })
         .collect();
     write_csv(
@@ -544,10 +561,13 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             "window",
             "sparsity",
             "fwd_ms",
+            "bwd_ms",
             "fwdbwd_ms",
             "fwd_tflops",
             "fwd_vs_cudnn_causal",
-            "fwdbwd_vs_cudnn_causal",
+            "bwd_vs_cudnn_causal",
+            "fwd_vs_flash_causal",
+            "bwd_vs_flash_causal",
         ],
         records,
     )?;
@@ -555,15 +575,62 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         &scaling(&rows, b.heads),
         &b.out.join("attention_scaling.csv"),
     )?;
-    // Speed-up of sparse-query attention over dense causal cuDNN, against sparsity.
-    let mut series = Vec::new();
-    for imp in ["ours", "flex"] {
-        for &len in &b.lengths {
-            for &d in &b.head_dims {
+    let figure = b.out.join("attention_speedup");
+    match speedup_figure(&rows) {
+        Some(f) => {
+            f.save(&figure)?;
+        }
+        None => {
+            // No sparse case beside FlashAttention-2 in this run: an earlier run's figure
+            // must not stay.
+            for ext in ["png", "svg"] {
+                let _ = std::fs::remove_file(figure.with_extension(ext));
+            }
+        }
+    }
+    Ok(csv_path)
+}
+
+/// L2A Fig. 8: speed-up of sparse-query attention (ours and FlexAttention over compacted
+/// queries) over dense causal FlashAttention-2, against the fraction of queries skipped, the
+/// forward and the backward in two panels; cuDNN's dense causal kernel is drawn beside as a
+/// flat line at its own speed-up. None without FlashAttention-2 or a sparse case in the run.
+fn speedup_figure(rows: &[Row]) -> Option<Figure> {
+    let flash = |r: &Row| {
+        rows.iter()
+            .find(|c| c.imp == "sdpa_flash" && c.len == r.len && c.dim == r.dim)
+    };
+    let sparsities: Vec<f64> = {
+        let mut v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.case == "sparse")
+            .map(|r| r.sparsity)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.dedup();
+        v
+    };
+    let mut keys: Vec<(i64, i64)> = rows.iter().map(|r| (r.len, r.dim)).collect();
+    keys.sort();
+    keys.dedup();
+    let panel = |title: &str, ms: fn(&Row) -> f64| {
+        let mut series = Vec::new();
+        for imp in ["ours", "flex", "sdpa_cudnn"] {
+            for &(len, d) in &keys {
                 let pts: Vec<(f64, f64)> = rows
                     .iter()
-                    .filter(|r| r.imp == imp && r.case == "sparse" && r.len == len && r.dim == d)
-                    .filter_map(|r| cudnn(r).map(|c| (r.sparsity, c.fwd_ms / r.fwd_ms)))
+                    .filter(|r| r.imp == imp && r.len == len && r.dim == d)
+                    .filter(|r| r.case == "sparse" || imp == "sdpa_cudnn")
+                    .filter_map(|r| flash(r).map(|f| (r, ms(f) / ms(r))))
+                    .flat_map(|(r, x)| {
+                        // The dense peer has no sparsity: a flat line across the swept ones.
+                        let at = if imp == "sdpa_cudnn" {
+                            sparsities.clone()
+                        } else {
+                            vec![r.sparsity]
+                        };
+                        at.into_iter().map(move |s| (s, x))
+                    })
                     .collect();
                 if !pts.is_empty() {
                     series.push(Series {
@@ -575,24 +642,23 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 }
             }
         }
-    }
-    let figure = b.out.join("attention_speedup");
-    if series.is_empty() {
-        // No sparse case beside cuDNN in this run: an earlier run's figure must not stay.
-        for ext in ["png", "svg"] {
-            let _ = std::fs::remove_file(figure.with_extension(ext));
-        }
-    } else {
-        Figure::Lines {
-            title: "Sparse-query attention: forward speed-up over cuDNN causal".into(),
+        Panel {
+            title: title.into(),
             x: "fraction of queries skipped".into(),
-            y: "speed-up (x)".into(),
+            y: "speed-up over FlashAttention-2 causal (x)".into(),
             series,
             x_axis: crate::plot::XAxis::LinearSwept,
         }
-        .save(&figure)?;
-    }
-    Ok(csv_path)
+    };
+    let panels = vec![
+        panel("forward", |r| r.fwd_ms),
+        panel("backward", Row::bwd_ms),
+    ];
+    let sparse = |p: &Panel| p.series.iter().any(|s| !s.name.starts_with("sdpa"));
+    panels.iter().all(sparse).then(|| Figure::Panels {
+        title: "Sparse-query attention against dense causal attention".into(),
+        panels,
+    })
 }
 
 /// `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
@@ -1018,6 +1084,50 @@ mod tests {
             fwd_ms,
             fwdbwd_ms: 3.0 * fwd_ms,
         }
+    }
+
+    /// Fig. 8's panels: speed-ups over FlashAttention-2's forward and backward (the pair's
+    /// time less the forward), cuDNN flat across the swept sparsities; none without FA2.
+    #[test]
+    fn speedup_figure_divides_forward_and_backward_by_flash_attention() {
+        let sparse = |imp: &str, s: f64, fwd: f64, fwdbwd: f64| Row {
+            sparsity: s,
+            fwdbwd_ms: fwdbwd,
+            ..row(imp, "sparse", 4096, 4096, fwd)
+        };
+        let mut rows = vec![
+            Row {
+                fwdbwd_ms: 10.0,
+                ..row("sdpa_flash", "causal", 4096, 4096, 2.0)
+            },
+            Row {
+                fwdbwd_ms: 5.0,
+                ..row("sdpa_cudnn", "causal", 4096, 4096, 1.0)
+            },
+            sparse("ours", 0.5, 1.0, 3.0),
+            sparse("ours", 0.9, 0.25, 1.25),
+            sparse("flex", 0.9, 0.5, 4.5),
+        ];
+        let Some(Figure::Panels { panels, .. }) = speedup_figure(&rows) else {
+            panic!("two panels expected");
+        };
+        let points = |p: usize, name: &str| {
+            let s = panels[p].series.iter().find(|s| s.name == name).unwrap();
+            s.points.clone()
+        };
+        assert_eq!(points(0, "ours L=4096 D=128"), [(0.5, 2.0), (0.9, 8.0)]);
+        assert_eq!(points(1, "ours L=4096 D=128"), [(0.5, 4.0), (0.9, 8.0)]);
+        assert_eq!(points(1, "flex L=4096 D=128"), [(0.9, 2.0)]);
+        assert_eq!(
+            points(0, "sdpa_cudnn L=4096 D=128"),
+            [(0.5, 2.0), (0.9, 2.0)]
+        );
+        assert_eq!(
+            points(1, "sdpa_cudnn L=4096 D=128"),
+            [(0.5, 2.0), (0.9, 2.0)]
+        );
+        rows.remove(0);
+        assert!(speedup_figure(&rows).is_none());
     }
 
     #[test]
