@@ -266,6 +266,20 @@ fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
     (xs.len() >= 2 && xs.len() <= SWEPT_TICKS).then_some(xs)
 }
 
+/// The largest power of ten, down to 1e-8, on whose decimal grid every value lies, so
+/// labels with its decimals print each value exactly.
+fn exact_step(xs: &[f64]) -> f64 {
+    (0..=8)
+        .map(|d| (d, 10f64.powi(-d)))
+        .find(|&(d, _)| {
+            xs.iter().all(|x| {
+                let shown: f64 = format!("{x:.*}", d as usize).parse().unwrap_or(f64::NAN);
+                (shown - x).abs() <= 1e-9 * x.abs().max(1e-12)
+            })
+        })
+        .map_or(1e-8, |(_, step)| step)
+}
+
 /// The smallest gap between neighbouring values.
 fn min_gap(xs: &[f64]) -> f64 {
     xs.windows(2)
@@ -290,7 +304,8 @@ fn draw_lines<DB: DrawingBackend>(
         XAxis::LinearSwept | XAxis::LogSwept => swept_values(series),
     };
     let x_step = match &swept {
-        Some(xs) => min_gap(xs),
+        // Each swept value printed exactly (0.125, not 0.1), and neighbours apart.
+        Some(xs) => min_gap(xs).min(exact_step(xs)),
         None => {
             let (a, b) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
             (b - a) / 10.0
@@ -1328,6 +1343,22 @@ mod tests {
                 true,
             ),
         ])
+    }
+
+    /// Swept ticks show the swept values themselves: PPA's eighths, lambdas, windows.
+    #[test]
+    fn swept_ticks_print_each_value_exactly() {
+        let label = |xs: &[f64]| {
+            let f = tick_format(min_gap(xs).min(exact_step(xs)));
+            xs.iter().map(|x| f(x)).collect::<Vec<String>>()
+        };
+        let p: Vec<f64> = (0..=8).map(|i| i as f64 / 8.0).collect();
+        assert_eq!(
+            label(&p),
+            ["0", "0.125", "0.25", "0.375", "0.5", "0.625", "0.75", "0.875", "1"]
+        );
+        assert_eq!(label(&[16.0, 64.0, 256.0]), ["16", "64", "256"]);
+        assert_eq!(label(&[1e-4, 3e-4, 1e-3]), ["0.0001", "0.0003", "0.001"]);
     }
 
     #[test]
