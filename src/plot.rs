@@ -1029,7 +1029,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
-    let curves: Vec<Series> = train
+    let curves: Vec<(bool, Series)> = train
         .iter()
         .filter_map(|r| {
             let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("val_log.csv")).ok()?;
@@ -1042,20 +1042,54 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                 .map(|(step, loss): (f64, f64)| (at(step), loss))
                 .filter(|p| p.0.is_finite() && p.1.is_finite())
                 .collect();
-            (pts.len() > 1).then(|| series(legend_name(r), pts, true))
+            (pts.len() > 1).then(|| (r.start_tokens > 0.0, series(legend_name(r), pts, true)))
         })
         .collect();
     if !curves.is_empty() {
-        figs.push((
-            "loss_curves".into(),
+        let x = "training tokens (millions, with those of the cell continued from)";
+        let title = "Validation loss during training";
+        let continued: Vec<String> = curves
+            .iter()
+            .filter(|c| c.0)
+            .map(|c| c.1.name.clone())
+            .collect();
+        let all = sorted(curves.into_iter().map(|c| c.1).collect());
+        let fig = if continued.is_empty() || continued.len() == all.len() {
             Figure::Lines {
-                title: "Validation loss during training".into(),
-                x: "training tokens (millions, with those of the cell continued from)".into(),
+                title: title.into(),
+                x: x.into(),
                 y: "validation loss".into(),
-                series: sorted(curves),
+                series: all,
                 x_axis: XAxis::Linear,
-            },
-        ));
+            }
+        } else {
+            // The continuations on their own axes too (PPA Fig. 2: the curves ordered by p),
+            // where beside the base's descent they would be a knot. The cells from scratch stay
+            // in that panel without points, so each cell keeps its colour and marker.
+            let zoomed = all
+                .iter()
+                .map(|s| {
+                    let keep = continued.contains(&s.name);
+                    series(
+                        s.name.clone(),
+                        if keep { s.points.clone() } else { vec![] },
+                        true,
+                    )
+                })
+                .collect();
+            let panel = |title: &str, series| Panel {
+                title: title.into(),
+                x: x.into(),
+                y: "validation loss".into(),
+                series,
+                x_axis: XAxis::Linear,
+            };
+            Figure::Panels {
+                title: title.into(),
+                panels: vec![panel("every cell", all), panel("continuations", zoomed)],
+            }
+        };
+        figs.push(("loss_curves".into(), fig));
     }
     // The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
     // usage and training loss over its own steps, from `train_log.csv`.
