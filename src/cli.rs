@@ -382,43 +382,8 @@ struct ProbesCmd {
     /// Output data set directory.
     #[arg(long, short)]
     out: PathBuf,
-    /// A prepared data set to mix the probes into (its tokenizer is used; its splits feed the
-    /// text haystack).
-    #[arg(long)]
-    mix_with: Option<PathBuf>,
-    /// Share of tokens that are probes when mixing (1: probes only).
-    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 1.0)]
-    probe_fraction: f64,
-    /// A tokenizer.json when there is no corpus; byte-level when omitted.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    /// Probe tasks, drawn uniformly per document.
-    #[arg(long, value_delimiter = ',', default_value = "niah_single")]
-    tasks: Vec<String>,
-    /// Prompt lengths in tokens, drawn uniformly per document (depths are uniform in [0, 1]).
-    #[arg(long, value_delimiter = ',', default_value = "256")]
-    lengths: Vec<usize>,
-    /// Probe documents in the train split.
-    #[arg(long, default_value_t = 20_000)]
-    train_docs: usize,
-    /// Probe documents in the val split (drawn from a different seed).
-    #[arg(long, default_value_t = 500)]
-    val_docs: usize,
-    /// Haystack: noise (RULER's sentences) or text (the mixed corpus).
-    #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
-    haystack: String,
-    /// Seed of the documents (evaluation probes use eval.probe_seed, a different stream).
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Digits of magic numbers and pass keys.
-    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().digits)]
-    digits: usize,
-    /// Needles of the multi-key and multi-value tasks; variables per tracking chain.
-    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().needles)]
-    needles: usize,
-    /// Keys asked at once in MQAR.
-    #[arg(long, default_value_t = crate::probes::ProbeSpec::default().queries)]
-    queries: usize,
+    #[command(flatten)]
+    args: crate::probes::ProbesArgs,
 }
 
 #[derive(Args)]
@@ -622,30 +587,7 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Data(DataCmd::Probes(c)) => {
-            let tok = match &c.tokenizer {
-                Some(p) => data::TextTokenizer::hf(p)?,
-                None => data::TextTokenizer::Bytes,
-            };
-            let spec = crate::probes::ProbeSpec {
-                seed: c.seed,
-                digits: c.digits,
-                needles: c.needles,
-                queries: c.queries,
-            };
-            let mix = crate::probes::MixSpec {
-                tasks: c
-                    .tasks
-                    .iter()
-                    .map(|t| crate::probes::Task::parse(t))
-                    .collect::<Result<_>>()?,
-                lengths: c.lengths,
-                train_docs: c.train_docs,
-                val_docs: c.val_docs,
-                probe_fraction: c.probe_fraction,
-                text_haystack: c.haystack == "text",
-            };
-            let meta =
-                crate::probes::write_dataset(&spec, &mix, tok, c.mix_with.as_deref(), &c.out)?;
+            let meta = c.args.write(&c.out)?;
             report_dataset(&meta, &c.out);
             Ok(())
         }

@@ -12,7 +12,8 @@
 use crate::data::TextTokenizer;
 use crate::rng::Rng;
 use anyhow::{bail, ensure, Result};
-use std::path::Path;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Task {
@@ -485,6 +486,117 @@ impl Probe {
             })
             .count();
         (exact, found as f64 / self.answers.len() as f64)
+    }
+}
+
+/// What `data probes` writes; also a grid's `[probes]` section, written at `base.data.dir`
+/// when no data set is there (unset fields at their defaults), mixed into the grid's
+/// `[corpus]` or `[synth]` data set, which is then prepared at `mix_with`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProbesArgs {
+    /// A prepared data set to mix the probes into (its tokenizer is used; its splits feed the
+    /// text haystack).
+    #[arg(long)]
+    pub mix_with: Option<PathBuf>,
+    /// Share of tokens that are probes when mixing (1: probes only).
+    #[arg(long, value_parser = crate::config::finite_flag, default_value_t = 1.0)]
+    pub probe_fraction: f64,
+    /// A tokenizer.json when there is no corpus; byte-level when omitted.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Probe tasks, drawn uniformly per document.
+    #[arg(long, value_delimiter = ',', default_value = "niah_single")]
+    pub tasks: Vec<String>,
+    /// Prompt lengths in tokens, drawn uniformly per document (depths are uniform in [0, 1]).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    pub lengths: Vec<usize>,
+    /// Probe documents in the train split.
+    #[arg(long, default_value_t = 20_000)]
+    pub train_docs: usize,
+    /// Probe documents in the val split (drawn from a different seed).
+    #[arg(long, default_value_t = 500)]
+    pub val_docs: usize,
+    /// Haystack: noise (RULER's sentences) or text (the mixed corpus).
+    #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
+    pub haystack: String,
+    /// Seed of the documents (evaluation probes use eval.probe_seed, a different stream).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Digits of magic numbers and pass keys.
+    #[arg(long, default_value_t = ProbeSpec::default().digits)]
+    pub digits: usize,
+    /// Needles of the multi-key and multi-value tasks; variables per tracking chain.
+    #[arg(long, default_value_t = ProbeSpec::default().needles)]
+    pub needles: usize,
+    /// Keys asked at once in MQAR.
+    #[arg(long, default_value_t = ProbeSpec::default().queries)]
+    pub queries: usize,
+}
+
+impl Default for ProbesArgs {
+    fn default() -> Self {
+        let p = ProbeSpec::default();
+        ProbesArgs {
+            mix_with: None,
+            probe_fraction: 1.0,
+            tokenizer: None,
+            tasks: vec!["niah_single".into()],
+            lengths: vec![256],
+            train_docs: 20_000,
+            val_docs: 500,
+            haystack: "noise".into(),
+            seed: 1,
+            digits: p.digits,
+            needles: p.needles,
+            queries: p.queries,
+        }
+    }
+}
+
+impl ProbesArgs {
+    /// Checks what can be checked before anything is written.
+    pub fn validate(&self) -> Result<()> {
+        for t in &self.tasks {
+            Task::parse(t)?;
+        }
+        ensure!(
+            self.haystack == "noise" || self.haystack == "text",
+            "haystack = {:?}: allowed \"noise\" or \"text\"",
+            self.haystack
+        );
+        self.spec().validate()
+    }
+
+    fn spec(&self) -> ProbeSpec {
+        ProbeSpec {
+            seed: self.seed,
+            digits: self.digits,
+            needles: self.needles,
+            queries: self.queries,
+        }
+    }
+
+    /// Writes the data set at `out`.
+    pub fn write(&self, out: &Path) -> Result<crate::data::Meta> {
+        self.validate()?;
+        let tok = match &self.tokenizer {
+            Some(p) => TextTokenizer::hf(p)?,
+            None => TextTokenizer::Bytes,
+        };
+        let mix = MixSpec {
+            tasks: self
+                .tasks
+                .iter()
+                .map(|t| Task::parse(t))
+                .collect::<Result<_>>()?,
+            lengths: self.lengths.clone(),
+            train_docs: self.train_docs,
+            val_docs: self.val_docs,
+            probe_fraction: self.probe_fraction,
+            text_haystack: self.haystack == "text",
+        };
+        write_dataset(&self.spec(), &mix, tok, self.mix_with.as_deref(), out)
     }
 }
 

@@ -9,6 +9,8 @@
 //! train_tokens = 300000             #   when no data set is there (fields of `data synth`)
 //! # or [corpus]: prepare a text corpus there instead (fields of `data prepare`), e.g.
 //! # python_package = "torch", glob = ["*.py"]
+//! # and [probes] (fields of `data probes`): probe documents at base.data.dir, mixed into
+//! # that corpus, which then goes to probes.mix_with
 //! [base]                            # an experiment config ([base.model], [base.train], ...)
 //! data.dir = "runs/demo/data"
 //! [[stage]]                         # stages run in order
@@ -57,6 +59,7 @@ use crate::atomic;
 use crate::config::{apply_override, Config, Method};
 use crate::corpus::{self, PrepareSpec};
 use crate::data::{self, SynthSpec};
+use crate::probes::ProbesArgs;
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -80,6 +83,10 @@ pub struct Grid {
     /// none (instead of `[synth]`).
     #[serde(default)]
     pub corpus: Option<PrepareSpec>,
+    /// `data probes`' settings: probe documents written at `base.data.dir`, mixed into the
+    /// `[corpus]` or `[synth]` data set, which is then prepared at `probes.mix_with`.
+    #[serde(default)]
+    pub probes: Option<ProbesArgs>,
     #[serde(default)]
     pub base: toml::Table,
     #[serde(rename = "stage")]
@@ -326,6 +333,27 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
     }
     if let Some(c) = &grid.corpus {
         c.validate().context("in the grid's [corpus]")?;
+    }
+    if let Some(p) = &grid.probes {
+        p.validate().context("in the grid's [probes]")?;
+        let corpus = grid.synth.is_some() || grid.corpus.is_some();
+        ensure!(
+            !corpus || p.mix_with.is_some(),
+            "grid {}: [probes] mixes into the [corpus] or [synth] data set, which needs a place \
+             of its own: set probes.mix_with (e.g. the directory another grid prepares it at)",
+            grid.name
+        );
+        let data_dir = grid
+            .base
+            .get("data")
+            .and_then(|d| d.get("dir"))
+            .and_then(|d| d.as_str());
+        ensure!(
+            p.mix_with.as_deref().and_then(|m| m.to_str()) != data_dir || data_dir.is_none(),
+            "grid {}: probes.mix_with is base.data.dir, where the mixed data set goes; give the \
+             corpus a directory of its own",
+            grid.name
+        );
     }
     let mut cells: Vec<Cell> = Vec::new();
     // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
@@ -642,9 +670,10 @@ pub struct Outcome {
 }
 
 /// Generates the grid's synthetic corpus or prepares its text corpus at `base.data.dir` when
-/// no data set is there yet.
+/// no data set is there yet; with `[probes]`, that corpus goes to `probes.mix_with` (kept
+/// when one is there) and the probes mixed into it to `base.data.dir`.
 fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<()> {
-    if grid.synth.is_none() && grid.corpus.is_none() {
+    if grid.synth.is_none() && grid.corpus.is_none() && grid.probes.is_none() {
         return Ok(());
     }
     let dir = &cells[0].config.data.dir;
@@ -657,19 +686,37 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<(
     if dir.join("meta.json").exists() {
         return Ok(());
     }
-    if let Some(synth) = &grid.synth {
-        data::synth(synth, dir).with_context(|| {
+    let corpus_dir = match &grid.probes {
+        Some(p) => p.mix_with.clone().unwrap_or_default(),
+        None => dir.clone(),
+    };
+    let prepared = corpus_dir.join("meta.json").exists();
+    if let (Some(synth), false) = (&grid.synth, prepared) {
+        data::synth(synth, &corpus_dir).with_context(|| {
             format!(
                 "generating the grid's synthetic corpus at {}",
-                dir.display()
+                corpus_dir.display()
             )
         })?;
     }
-    if let Some(spec) = &grid.corpus {
-        let summary = corpus::prepare(spec, dir, quiet)
-            .with_context(|| format!("preparing the grid's corpus at {}", dir.display()))?;
+    if let (Some(spec), false) = (&grid.corpus, prepared) {
+        let summary = corpus::prepare(spec, &corpus_dir, quiet)
+            .with_context(|| format!("preparing the grid's corpus at {}", corpus_dir.display()))?;
         if !quiet {
-            eprintln!("{}", summary.report(dir));
+            eprintln!("{}", summary.report(&corpus_dir));
+        }
+    }
+    if let Some(p) = &grid.probes {
+        let meta = p
+            .write(dir)
+            .with_context(|| format!("writing the grid's probe data set at {}", dir.display()))?;
+        if !quiet {
+            eprintln!(
+                "probes: {} train and {} validation tokens at {}",
+                meta.train_tokens,
+                meta.val_tokens,
+                dir.display()
+            );
         }
     }
     Ok(())

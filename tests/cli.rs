@@ -1732,3 +1732,54 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
         }
     }
 }
+
+/// A grid's [probes] mixes probe documents into its [corpus]: the corpus is prepared at
+/// probes.mix_with, the mixed data set at base.data.dir, and the base trains on it; without
+/// mix_with the grid is refused before anything is written.
+#[test]
+fn grid_mixes_probes_into_its_corpus() {
+    let d = scratch("grid_probes");
+    let src = d.join("text");
+    std::fs::create_dir_all(&src).unwrap();
+    let doc = "the quick brown fox jumps over the lazy dog. ".repeat(400);
+    std::fs::write(src.join("a.txt"), &doc).unwrap();
+    let (corpus, data) = (d.join("corpus"), d.join("data"));
+    let grid = |mix_with: &str| {
+        format!(
+            r#"
+name = "probes"
+[corpus]
+input = ["{src}"]
+val_fraction = 0.2
+[probes]
+{mix_with}
+probe_fraction = 0.5
+train_docs = 40
+val_docs = 8
+lengths = [120]
+{base}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+"#,
+            src = src.display(),
+            base = tiny_base(&data)
+        )
+    };
+    let g = d.join("grid.toml");
+    std::fs::write(&g, grid("")).unwrap();
+    let out = d.join("sweep");
+    let (gs, os) = (g.to_str().unwrap(), out.to_str().unwrap());
+    let err = fails(&["sweep", "--grid", gs, "--out", os, "--dry-run"]);
+    assert!(err.contains("probes.mix_with"), "{err}");
+    std::fs::write(&g, grid(&format!("mix_with = \"{}\"", corpus.display()))).unwrap();
+    ok(&["sweep", "--grid", gs, "--out", os]);
+    let text = json(&corpus.join("meta.json"));
+    assert_eq!(text["corpus"]["files"], 1, "{text}");
+    // 40 documents of 120 tokens at half the tokens: about 9,600, half of them probes.
+    let mixed = json(&data.join("meta.json"));
+    assert_eq!(mixed["probes"]["digits"], 7, "{mixed}");
+    let m = mixed["train_tokens"].as_u64().unwrap();
+    assert!((8_000..12_000).contains(&m), "{m} mixed train tokens");
+    assert_eq!(status(&cell_dirs(&out, "base")[0])["state"], "done");
+}
