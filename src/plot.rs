@@ -93,6 +93,9 @@ pub enum Figure {
         y: String,
         values: Vec<Vec<f64>>,
         range: (f64, f64),
+        /// Labels of the columns and rows (the swept values); empty: their indices.
+        x_ticks: Vec<String>,
+        y_ticks: Vec<String>,
     },
     /// Charts side by side over the same series (e.g. usage and quality against the same
     /// swept value), with one legend.
@@ -143,12 +146,16 @@ fn colour(t: f64) -> RGBColor {
     )
 }
 
-/// The index of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),
-/// so categorical axes label cells, not their boundaries.
-fn cell_index(v: f64) -> String {
+/// The label of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),
+/// so categorical axes label cells, not their boundaries: `ticks[i]`, or the index `i` when
+/// there are no ticks.
+fn cell_label(v: f64, ticks: &[String]) -> String {
     let i = v.floor();
     if (v - i - 0.5).abs() < 0.26 {
-        format!("{}", i as i64)
+        ticks
+            .get(i as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("{}", i as i64))
     } else {
         String::new()
     }
@@ -474,6 +481,8 @@ impl Figure {
                 y,
                 values,
                 range,
+                x_ticks,
+                y_ticks,
             } => {
                 let (w, _) = root.dim_in_pixel();
                 let (main, bar) = root.split_horizontally(w.saturating_sub(110));
@@ -495,8 +504,8 @@ impl Figure {
                     .disable_mesh()
                     .x_labels(2 * values.first().map_or(1, |r| r.len()).min(32) + 1)
                     .y_labels(2 * values.len().min(32) + 1)
-                    .x_label_formatter(&|v| cell_index(*v))
-                    .y_label_formatter(&|v| cell_index(*v))
+                    .x_label_formatter(&|v| cell_label(*v, x_ticks))
+                    .y_label_formatter(&|v| cell_label(*v, y_ticks))
                     .draw()
                     .map_err(err)?;
                 let span = (range.1 - range.0).max(1e-12);
@@ -556,7 +565,7 @@ impl Figure {
                     .disable_x_mesh()
                     .x_labels(bars.len().min(40) * 2 + 1)
                     .x_label_formatter(&|v| {
-                        cell_index(*v)
+                        cell_label(*v, &[])
                             .parse::<usize>()
                             .ok()
                             .and_then(|i| names.get(i).cloned())
@@ -761,6 +770,8 @@ fn usage_map(title: String, values: Vec<Vec<f64>>) -> Figure {
         y: "layer".into(),
         values,
         range: (0.0, 1.0),
+        x_ticks: vec![],
+        y_ticks: vec![],
     }
 }
 
@@ -849,15 +860,13 @@ fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
         "niah_heatmap".to_string(),
         Figure::Heatmap {
             title: format!("NIAH accuracy: {label}"),
-            x: format!(
-                "context length (columns: {})",
-                lengths
-                    .iter()
-                    .map(tick_format(1.0))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            y: "needle depth (row index, top = deepest)".into(),
+            x: "context length (tokens)".into(),
+            y: "needle depth (0: start of the prompt, 1: its end)".into(),
+            x_ticks: lengths.iter().map(tick_format(1.0)).collect(),
+            y_ticks: depths
+                .iter()
+                .map(tick_format(min_gap(&depths).min(exact_step(&depths))))
+                .collect(),
             values: grid,
             range: (0.0, 1.0),
         },
@@ -1447,6 +1456,8 @@ mod tests {
                 y: "layer".into(),
                 values: vec![vec![0.1, 0.9], vec![0.5, 0.3]],
                 range: (0.0, 1.0),
+                x_ticks: vec![],
+                y_ticks: vec![],
             },
             Figure::Bars {
                 title: "sparsity".into(),
@@ -1573,8 +1584,23 @@ mod tests {
         let figs = niah_figures(&p, "m").unwrap();
         assert_eq!(figs.len(), 2);
         match &figs[0].1 {
-            Figure::Heatmap { values, .. } => {
-                assert_eq!(values, &vec![vec![1.0, 0.8], vec![0.5, 0.2]])
+            Figure::Heatmap {
+                values,
+                x_ticks,
+                y_ticks,
+                ..
+            } => {
+                assert_eq!(values, &vec![vec![1.0, 0.8], vec![0.5, 0.2]]);
+                // The axes name the lengths and depths, not their indices.
+                assert_eq!(
+                    (x_ticks.as_slice(), y_ticks.as_slice()),
+                    (
+                        &["64".to_string(), "128".into()][..],
+                        &["0".to_string(), "0.5".into()][..]
+                    )
+                );
+                assert_eq!(cell_label(1.5, x_ticks), "128");
+                assert_eq!(cell_label(1.0, x_ticks), "");
             }
             _ => panic!("heatmap expected"),
         }
