@@ -261,10 +261,12 @@ impl<R: Ranged<ValueType = f64>> Ranged for Swept<R> {
     }
 }
 
-/// The x values of every series, when there are few enough to label each one.
+/// The x values of every series, when there are few enough to label each one; vertical
+/// markers (a series at one x, such as a window's reach) are not swept values.
 fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
     let mut xs: Vec<f64> = series
         .iter()
+        .filter(|s| s.points.iter().any(|p| p.0 != s.points[0].0))
         .flat_map(|s| s.points.iter().map(|p| p.0))
         .filter(|v| v.is_finite())
         .collect();
@@ -822,9 +824,15 @@ fn probe_usage_maps(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
         .collect())
 }
 
-/// NIAH figures of one cell from its `eval/niah.csv` (columns depth, length, accuracy and
-/// optionally full_ratio), as the evaluation suite writes it.
-fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
+/// NIAH figures of cell `cell` (described by `label`) from its `eval/niah.csv` (columns depth,
+/// length, accuracy and optionally full_ratio), as the evaluation suite writes it; `window`,
+/// where the method has one, is marked on the full-ratio figure.
+fn niah_figures(
+    path: &Path,
+    cell: &str,
+    label: &str,
+    window: Option<f64>,
+) -> Result<Vec<(String, Figure)>> {
     let mut rdr = csv::Reader::from_path(path)?;
     let headers = rdr.headers()?.clone();
     let idx = |n: &str| headers.iter().position(|h| h == n);
@@ -872,24 +880,37 @@ fn niah_figures(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
         },
     )];
     if fr.is_some() {
-        let pts: Vec<(f64, f64)> = depths
+        // One curve per length, and where a window reaches: a needle at depth d lies about
+        // (1 - d) * length tokens before the answer, inside the window from d = 1 - w / length.
+        let mut lines: Vec<Series> = lengths
             .iter()
-            .map(|&dep| {
-                let v: Vec<f64> = cells
+            .map(|&len| {
+                let pts = cells
                     .iter()
-                    .filter(|c| c.0 == dep)
-                    .filter_map(|c| c.3)
+                    .filter(|c| c.1 == len)
+                    .filter_map(|c| Some((c.0, c.3?)))
+                    .filter(|p| p.1.is_finite())
                     .collect();
-                (dep, v.iter().sum::<f64>() / v.len().max(1) as f64)
+                series(format!("L={}", tick_format(1.0)(&len)), pts, true)
             })
             .collect();
+        if let Some(w) = window {
+            for &len in &lengths {
+                let at = (1.0 - w / len).clamp(0.0, 1.0);
+                lines.push(series(
+                    format!("window reach, L={}", tick_format(1.0)(&len)),
+                    vec![(at, 0.0), (at, 1.0)],
+                    true,
+                ));
+            }
+        }
         out.push((
             "full_ratio_vs_depth".to_string(),
             Figure::Lines {
-                title: format!("Full-attention ratio on answer tokens: {label}"),
-                x: "needle depth".into(),
+                title: format!("Full ratio on answer tokens: {cell}"),
+                x: "needle depth (0: start of the prompt, 1: its end)".into(),
                 y: "full-attention ratio".into(),
-                series: vec![series(label.to_string(), pts, true)],
+                series: lines,
                 x_axis: XAxis::LinearSwept,
             },
         ));
@@ -1236,7 +1257,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         }
         let p = sweep.join(&r.cell).join("eval/niah.csv");
         if p.is_file() {
-            for (stem, f) in niah_figures(&p, &format!("{} {}", name_of(r.method), r.label))? {
+            // Full attention has no window to mark.
+            let window = (r.method != Method::Full).then_some(r.window);
+            let label = format!("{} {}", name_of(r.method), r.label);
+            for (stem, f) in niah_figures(&p, &r.cell, &label, window)? {
                 figs.push((format!("{stem}_{}", r.cell), f));
             }
         }
@@ -1581,7 +1605,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("niah.csv");
         std::fs::write(&p, "depth,length,accuracy,full_ratio\n0.0,64,1.0,0.2\n0.5,64,0.5,0.4\n0.0,128,0.8,0.3\n0.5,128,0.2,0.5\n").unwrap();
-        let figs = niah_figures(&p, "m").unwrap();
+        let figs = niah_figures(&p, "c", "m", Some(32.0)).unwrap();
         assert_eq!(figs.len(), 2);
         match &figs[0].1 {
             Figure::Heatmap {
@@ -1606,7 +1630,12 @@ mod tests {
         }
         match &figs[1].1 {
             Figure::Lines { series, .. } => {
-                assert_eq!(series[0].points, vec![(0.0, 0.25), (0.5, 0.45)])
+                assert_eq!(series[0].points, vec![(0.0, 0.2), (0.5, 0.4)]);
+                assert_eq!(series[1].points, vec![(0.0, 0.3), (0.5, 0.5)]);
+                // A 32-token window reaches a needle from depth 0.5 of 64 tokens, 0.75 of 128.
+                assert_eq!(series[2].name, "window reach, L=64");
+                assert_eq!(series[2].points, vec![(0.5, 0.0), (0.5, 1.0)]);
+                assert_eq!(series[3].points, vec![(0.75, 0.0), (0.75, 1.0)]);
             }
             _ => panic!("lines expected"),
         }
