@@ -514,16 +514,10 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         }
     }
     let csv_path = b.out.join("attention_bench.csv");
-    // The dense causal peers of the same length and head dim: cuDNN, the fastest, and
-    // FlashAttention-2 (SDPA's flash backend), the paper's reference.
-    let peer = |name: &str, r: &Row| {
-        rows.iter()
-            .find(|c| c.imp == name && c.len == r.len && c.dim == r.dim)
-            .cloned()
-    };
-    // Speed-ups over a peer's forward and backward (empty without that peer in the run).
+    // Speed-ups over a dense peer's forward and backward (empty without that peer in the run):
+    // cuDNN, the fastest, and FlashAttention-2 (SDPA's flash backend), the paper's reference.
     let over = |name: &str, r: &Row| {
-        peer(name, r).map_or([String::new(), String::new()], |c| {
+        dense_peer(&rows, name, r).map_or([String::new(), String::new()], |c| {
             [
                 format!("{:.3}", c.fwd_ms / r.fwd_ms),
                 format!("{:.3}", c.bwd_ms() / r.bwd_ms()),
@@ -591,15 +585,19 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     Ok(csv_path)
 }
 
+/// The row of dense causal peer `name` (`sdpa_cudnn`, `sdpa_flash`) at `r`'s length and
+/// head dim.
+fn dense_peer<'a>(rows: &'a [Row], name: &str, r: &Row) -> Option<&'a Row> {
+    rows.iter()
+        .find(|c| c.imp == name && c.len == r.len && c.dim == r.dim)
+}
+
 /// L2A Fig. 8: speed-up of sparse-query attention (ours and FlexAttention over compacted
 /// queries) over dense causal FlashAttention-2, against the fraction of queries skipped, the
 /// forward and the backward in two panels; cuDNN's dense causal kernel is drawn beside as a
 /// flat line at its own speed-up. None without FlashAttention-2 or a sparse case in the run.
 fn speedup_figure(rows: &[Row]) -> Option<Figure> {
-    let flash = |r: &Row| {
-        rows.iter()
-            .find(|c| c.imp == "sdpa_flash" && c.len == r.len && c.dim == r.dim)
-    };
+    let flash = |r: &Row| dense_peer(rows, "sdpa_flash", r);
     let sparsities: Vec<f64> = {
         let mut v: Vec<f64> = rows
             .iter()

@@ -19,7 +19,7 @@
 
 use crate::config::{Method, Router};
 use crate::sweep::StageKind;
-use crate::tables::{name_of, rows, Row};
+use crate::tables::{log_columns, name_of, rows, Row};
 use anyhow::{anyhow, Result};
 use plotters::coord::combinators::LogCoord;
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
@@ -1062,16 +1062,13 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     let curves: Vec<(bool, Series)> = train
         .iter()
         .filter_map(|r| {
-            let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("val_log.csv")).ok()?;
+            let log = log_columns(
+                &sweep.join(&r.cell).join("val_log.csv"),
+                &["step", "val_loss"],
+            )?;
             // At the tokens behind the model, so a continuation starts where its source ended.
             let at = |step: f64| (r.start_tokens + step * r.tokens_per_step) / 1e6;
-            let pts: Vec<(f64, f64)> = rdr
-                .records()
-                .filter_map(|x| x.ok())
-                .filter_map(|x| Some((x.get(0)?.parse().ok()?, x.get(1)?.parse().ok()?)))
-                .map(|(step, loss): (f64, f64)| (at(step), loss))
-                .filter(|p| p.0.is_finite() && p.1.is_finite())
-                .collect();
+            let pts: Vec<(f64, f64)> = log.iter().map(|x| (at(x[0]), x[1])).collect();
             (pts.len() > 1).then(|| (r.start_tokens > 0.0, series(legend_name(r), pts, true)))
         })
         .collect();
@@ -1123,27 +1120,17 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     }
     // The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
     // usage and training loss over its own steps, from `train_log.csv`.
-    let logs: Vec<(&Row, Vec<(f64, f64, f64)>)> = train
+    let logs: Vec<(&Row, Vec<Vec<f64>>)> = train
         .iter()
         .filter(|r| r.router == Router::Learned && r.mu_f().is_some())
         .filter_map(|r| {
-            let mut rdr = csv::Reader::from_path(sweep.join(&r.cell).join("train_log.csv")).ok()?;
-            let h = rdr.headers().ok()?.clone();
-            let at = |name: &str| h.iter().position(|c| c == name);
-            let (step, loss, mu) = (at("step")?, at("loss")?, at("mu_f")?);
-            let pts: Vec<(f64, f64, f64)> = rdr
-                .records()
-                .filter_map(|x| x.ok())
-                .filter_map(|x| {
-                    let num = |i: usize| x.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite());
-                    Some((num(step)?, num(loss)?, num(mu)?))
-                })
-                .collect();
+            let path = sweep.join(&r.cell).join("train_log.csv");
+            let pts = log_columns(&path, &["step", "loss", "mu_f"])?;
             (pts.len() > 1).then_some((*r, pts))
         })
         .collect();
     if !logs.is_empty() {
-        let panel = |y: &str, f: fn(&(f64, f64, f64)) -> f64| Panel {
+        let panel = |y: &str, col: usize| Panel {
             title: y.into(),
             x: "training step".into(),
             y: y.into(),
@@ -1152,7 +1139,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
                     .map(|(r, pts)| {
                         series(
                             legend_name(r),
-                            pts.iter().map(|p| (p.0, f(p))).collect(),
+                            pts.iter().map(|p| (p[0], p[col])).collect(),
                             true,
                         )
                     })
@@ -1164,10 +1151,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             "router_curves".into(),
             Figure::Panels {
                 title: "Routers while training".into(),
-                panels: vec![
-                    panel("gates open (mu_f)", |p| p.2),
-                    panel("training loss", |p| p.1),
-                ],
+                panels: vec![panel("gates open (mu_f)", 2), panel("training loss", 1)],
             },
         ));
     }

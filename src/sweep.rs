@@ -348,8 +348,9 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             .get("data")
             .and_then(|d| d.get("dir"))
             .and_then(|d| d.as_str());
+        let same = matches!((&p.mix_with, data_dir), (Some(m), Some(d)) if m == Path::new(d));
         ensure!(
-            p.mix_with.as_deref().and_then(|m| m.to_str()) != data_dir || data_dir.is_none(),
+            !same,
             "grid {}: probes.mix_with is base.data.dir, where the mixed data set goes; give the \
              corpus a directory of its own",
             grid.name

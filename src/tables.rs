@@ -277,22 +277,37 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
 /// The median of a training log's `tokens_per_s` column (robust to the first steps, which
 /// include compilation and warm-up), None without a log.
 fn median_rate(log: &Path) -> Option<f64> {
-    let mut rdr = csv::Reader::from_path(log).ok()?;
-    let col = rdr
-        .headers()
-        .ok()?
-        .iter()
-        .position(|h| h == "tokens_per_s")?;
-    let mut rates: Vec<f64> = rdr
-        .records()
-        .filter_map(|r| r.ok()?.get(col)?.parse::<f64>().ok())
-        .filter(|v| v.is_finite())
+    let mut rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
+        .into_iter()
+        .map(|r| r[0])
         .collect();
     if rates.is_empty() {
         return None;
     }
     rates.sort_by(f64::total_cmp);
     Some(rates[rates.len() / 2])
+}
+
+/// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
+/// step, keeping the rows where each of them is a finite number; None when the file or a
+/// column is missing.
+pub fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
+    let mut rdr = csv::Reader::from_path(log).ok()?;
+    let header = rdr.headers().ok()?.clone();
+    let cols: Vec<usize> = names
+        .iter()
+        .map(|n| header.iter().position(|h| h == *n))
+        .collect::<Option<_>>()?;
+    Some(
+        rdr.records()
+            .filter_map(|r| r.ok())
+            .filter_map(|r| {
+                cols.iter()
+                    .map(|&i| r.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite()))
+                    .collect()
+            })
+            .collect(),
+    )
 }
 
 fn read_json(p: &Path) -> Option<serde_json::Value> {

@@ -1772,6 +1772,9 @@ set = {{ "attention.method" = "full" }}
     let (gs, os) = (g.to_str().unwrap(), out.to_str().unwrap());
     let err = fails(&["sweep", "--grid", gs, "--out", os, "--dry-run"]);
     assert!(err.contains("probes.mix_with"), "{err}");
+    std::fs::write(&g, grid(&format!("mix_with = \"{}\"", data.display()))).unwrap();
+    let err = fails(&["sweep", "--grid", gs, "--out", os, "--dry-run"]);
+    assert!(err.contains("where the mixed data set goes"), "{err}");
     std::fs::write(&g, grid(&format!("mix_with = \"{}\"", corpus.display()))).unwrap();
     ok(&["sweep", "--grid", gs, "--out", os]);
     let text = json(&corpus.join("meta.json"));
