@@ -725,6 +725,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     crate::memory::check_eval(cfg, run.device)?;
     let mut report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device, !c.quiet)?;
     report.checkpoint_step = run.step;
+    report.timing = eval::timing_of(&built.model, &split, cfg, run.device);
     eval::write_report(&out, &report, cfg)?;
     if !c.quiet {
         println!(

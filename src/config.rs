@@ -378,6 +378,11 @@ pub struct EvalConfig {
     pub mc: Vec<PathBuf>,
     /// Longest multiple-choice input in tokens; longer contexts lose their start (0: data.seq_len).
     pub max_length: usize,
+    /// Also measure what inference costs in time (`eval.json`'s `timing`): one batch's forward
+    /// and the attention layers' share of it, and a prefill followed by greedy decoding over
+    /// the key-value cache. Off by default: measured times differ from run to run, and
+    /// everything else an evaluation writes does not.
+    pub timing: bool,
 }
 
 /// Where probe haystacks come from.
@@ -408,6 +413,7 @@ impl Default for EvalConfig {
             queries: None,
             mc: Vec::new(),
             max_length: 0,
+            timing: false,
         }
     }
 }

@@ -79,6 +79,95 @@ pub struct EvalReport {
     pub buckets: Vec<Bucket>,
     /// Routed methods only.
     pub gates: Option<GateReport>,
+    /// Measured inference time (`eval.timing`); None when not asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<Timing>,
+}
+
+/// What one batch of the evaluated split costs in time on the evaluating device. Each figure
+/// is the median of `TIMING_REPS` repetitions after one unmeasured warm-up, and includes the
+/// host's work (kernel launches, a method's own synchronisations): the time a run pays.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Timing {
+    pub device: String,
+    /// Sequences of the timed batch and their length.
+    pub batch: usize,
+    pub seq_len: usize,
+    /// One forward of the batch without gradients, milliseconds.
+    pub forward_ms: f64,
+    /// The attention layers' part of it, each timed with the device synchronised around it.
+    pub attention_ms: f64,
+    /// Prefill of the batch's first `seq_len - decode_steps` tokens into a key-value cache.
+    pub prefill_ms: f64,
+    /// Tokens then decoded one at a time per sequence, greedily, over the cache.
+    pub decode_steps: usize,
+    /// Generated tokens per second, all sequences of the batch together.
+    pub decode_tokens_per_s: f64,
+    /// Bytes of keys and values the cache holds per sequence after decoding (measured from
+    /// the cache, beside the estimate `kv_cache_bytes_total`).
+    pub decode_cache_bytes: f64,
+}
+
+/// Repetitions behind each figure of `Timing`.
+const TIMING_REPS: usize = 3;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Times `x: [B, L]` (int64 ids) through `model`: see `Timing`.
+pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
+    let device = x.device();
+    let (batch, len) = (x.size()[0], x.size()[1]);
+    let steps = 64.min(len / 2);
+    let mut ctx = ForwardCtx {
+        gate_seed: seed,
+        ..ForwardCtx::default()
+    };
+    // Each repetition: (forward, attention, prefill, decode) seconds and the cache bytes.
+    let rep = |ctx: &mut ForwardCtx| {
+        let clock = std::time::Instant::now;
+        crate::model::sync(device);
+        let start = clock();
+        let _ = model.forward(x, ctx);
+        crate::model::sync(device);
+        let forward = start.elapsed().as_secs_f64();
+        ctx.attention_seconds.set(Some(0.0));
+        let _ = model.forward(x, ctx);
+        let attention = ctx.attention_seconds.take().unwrap_or(0.0);
+        let mut cache = model.new_cache();
+        let start = clock();
+        let out = model.forward_cached(&x.narrow(1, 0, len - steps), &mut cache, ctx);
+        let mut next = out.logits.select(1, -1).argmax(-1, true);
+        crate::model::sync(device);
+        let prefill = start.elapsed().as_secs_f64();
+        // The tokens stay on the device: reading each back would time the transfer too.
+        let start = clock();
+        for _ in 0..steps {
+            let out = model.forward_cached(&next, &mut cache, ctx);
+            next = out.logits.select(1, -1).argmax(-1, true);
+        }
+        crate::model::sync(device);
+        let decode = start.elapsed().as_secs_f64();
+        (forward, attention, prefill, decode, cache.bytes())
+    };
+    tch::no_grad(|| {
+        rep(&mut ctx);
+        let reps: Vec<_> = (0..TIMING_REPS).map(|_| rep(&mut ctx)).collect();
+        let of = |f: fn(&(f64, f64, f64, f64, f64)) -> f64| median(reps.iter().map(f).collect());
+        Timing {
+            device: format!("{device:?}"),
+            batch: batch as usize,
+            seq_len: len as usize,
+            forward_ms: 1e3 * of(|r| r.0),
+            attention_ms: 1e3 * of(|r| r.1),
+            prefill_ms: 1e3 * of(|r| r.2),
+            decode_steps: steps as usize,
+            decode_tokens_per_s: (batch * steps) as f64 / of(|r| r.3),
+            decode_cache_bytes: reps[0].4 / batch as f64,
+        }
+    })
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -468,7 +557,21 @@ pub fn evaluate(
             })
             .collect(),
         gates: gates.map(GateAccum::finish),
+        timing: None,
     })
+}
+
+/// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final
+/// evaluation of a training run and `attnsweep eval` measure it, the periodic ones do not.
+pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
+    let batch = split
+        .sequential(cfg.eval.batch_size, cfg.eval_seq_len(), 1, device)
+        .into_iter()
+        .next()?;
+    let seed = Rng::derive(cfg.train.seed ^ 0xE7A1, &[u64::MAX]);
+    cfg.eval
+        .timing
+        .then(|| time_inference(model, &batch.x, seed))
 }
 
 /// `eval.json`: a report and the resolved config it was computed with. `write_report` writes
@@ -532,6 +635,18 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
     .collect();
     if let Some(step) = report.checkpoint_step {
         rows.push(("checkpoint_step".into(), step as f64));
+    }
+    if let Some(t) = &report.timing {
+        rows.extend(
+            [
+                ("forward_ms", t.forward_ms),
+                ("attention_ms", t.attention_ms),
+                ("prefill_ms", t.prefill_ms),
+                ("decode_tokens_per_s", t.decode_tokens_per_s),
+                ("decode_cache_bytes", t.decode_cache_bytes),
+            ]
+            .map(|(k, v)| (k.to_string(), v)),
+        );
     }
     if let Some(g) = &report.gates {
         rows.push(("mu_f".into(), g.mu_f));
@@ -862,6 +977,37 @@ mod tests {
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.
         assert!((mu - 0.5).abs() < 1e-12, "{mu}");
         assert!((step.full_usage.unwrap() - mu).abs() < 1e-12);
+    }
+
+    /// When timing is asked for, every figure is a positive time or rate, the attention layers are
+    /// part of the forward, and the cache decoding filled is the size the estimate gives
+    /// for the same length: the whole context for full attention, the window for SWA.
+    #[test]
+    fn timing_measures_the_cache_it_estimates() {
+        for method in [Method::Full, Method::Swa] {
+            let (mut c, split) = repeated_rows("eval-timing", 16, 2, method);
+            c.eval.batch_size = 2;
+            c.eval.timing = true;
+            let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+            let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
+            assert!(report.timing.is_none(), "evaluation alone does not time");
+            let t = timing_of(&b.model, &split, &c, Device::Cpu).expect("timing asked for");
+            assert_eq!((t.batch, t.seq_len, t.decode_steps), (2, 16, 8));
+            for v in [
+                t.forward_ms,
+                t.attention_ms,
+                t.prefill_ms,
+                t.decode_tokens_per_s,
+            ] {
+                assert!(v.is_finite() && v > 0.0, "{t:?}");
+            }
+            assert_eq!(
+                t.decode_cache_bytes, report.kv_cache_bytes_total,
+                "{method:?}"
+            );
+            c.eval.timing = false;
+            assert!(timing_of(&b.model, &split, &c, Device::Cpu).is_none());
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod memory;
 pub mod model;
 pub mod nn;
+pub mod pareto;
 pub mod pickle;
 pub mod plot;
 pub mod probes;

@@ -14,7 +14,7 @@ use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm}
 use crate::nn::{inv_freq, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Device, Kind, Tensor};
 
 pub struct Mlp {
     gate_proj: Linear,
@@ -276,11 +276,25 @@ impl Llama {
         let mut h =
             Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
         let mut outs = Vec::with_capacity(self.layers.len());
+        let device = ids.device();
+        let attend =
+            |layer: &DecoderLayer, x: &Tensor, keys: &Keys| match ctx.attention_seconds.get() {
+                None => layer.self_attn.forward(x, rope, keys, ctx),
+                Some(spent) => {
+                    sync(device);
+                    let start = std::time::Instant::now();
+                    let out = layer.self_attn.forward(x, rope, keys, ctx);
+                    sync(device);
+                    ctx.attention_seconds
+                        .set(Some(spent + start.elapsed().as_secs_f64()));
+                    out
+                }
+            };
         for (i, layer) in self.layers.iter().enumerate() {
             let keys = keys(i);
             let attn = match &layer.input_layernorm {
                 Some(norm) => {
-                    let attn = layer.self_attn.forward(&norm.forward(&h), rope, &keys, ctx);
+                    let attn = attend(layer, &norm.forward(&h), &keys);
                     h = &h + &attn.y;
                     h = &h
                         + layer
@@ -289,7 +303,7 @@ impl Llama {
                     attn
                 }
                 None => {
-                    let attn = layer.self_attn.forward(&h, rope, &keys, ctx);
+                    let attn = attend(layer, &h, &keys);
                     h = &h + layer.post_attention_layernorm.forward(&attn.y);
                     let ff = layer
                         .post_feedforward_layernorm
@@ -328,6 +342,13 @@ impl Llama {
     pub fn full_pairs(&self, batch: usize, len: usize) -> f64 {
         (batch * self.cfg.num_attention_heads * self.cfg.num_hidden_layers) as f64
             * KeyPattern::Full.attended_pairs(len) as f64
+    }
+}
+
+/// Waits for the work queued on `device` (nothing to wait for on the CPU).
+pub fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
     }
 }
 

@@ -15,7 +15,7 @@
 //! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, and on the synthetic corpus the accuracy on dependencies at least w back |
 //! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
-//! | `pareto` | all methods: quality against attention work, with the Pareto front |
+//! | `pareto`, `pareto_time`, `pareto_memory` | every method of one budget: loss against attention work, measured training time and decode memory, each with its Pareto front |
 
 use crate::config::{Method, Router};
 use crate::sweep::StageKind;
@@ -747,23 +747,6 @@ fn usage_and_loss(title: &str, x: &str, usage: Vec<Series>, loss: Vec<Series>) -
     }
 }
 
-/// Points no other point beats on both attention work (attended pairs over full causal pairs) and loss.
-pub fn pareto_front(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
-    let mut sorted: Vec<(f64, f64)> = points
-        .iter()
-        .copied()
-        .filter(|p| p.0.is_finite() && p.1.is_finite())
-        .collect();
-    sorted.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
-    let mut front: Vec<(f64, f64)> = Vec::new();
-    for p in sorted {
-        if front.last().is_none_or(|l| p.1 < l.1) {
-            front.push(p);
-        }
-    }
-    front
-}
-
 /// AHA Fig. 3: a layer x head map of full-attention usage.
 fn usage_map(title: String, values: Vec<Vec<f64>>) -> Figure {
     Figure::Heatmap {
@@ -1249,57 +1232,61 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             }
         }
     }
-    // One budget: the cells continued from the most common source (a base trained for
-    // longer or shorter is not comparable).
-    let mut sources: BTreeMap<&str, usize> = BTreeMap::new();
-    for r in all.iter().filter(|r| r.kind == StageKind::Train) {
-        *sources.entry(r.source.as_str()).or_default() += 1;
-    }
-    let budget = sources
-        .iter()
-        .max_by_key(|(_, n)| **n)
-        .map(|(s, _)| *s)
-        .unwrap_or("");
-    let quality: Vec<&Row> = all
-        .iter()
-        .filter(|r| {
-            r.kind != StageKind::Prune && r.pairs_vs_full().is_finite() && r.source == budget
-        })
-        .collect();
-    if quality.len() > 1 {
-        let front = pareto_front(
-            &quality
-                .iter()
-                .map(|r| (r.pairs_vs_full(), r.loss()))
-                .collect::<Vec<_>>(),
-        );
-        // The front first, so every method's points are drawn over it.
-        let mut series = vec![Series {
-            name: "Pareto front".into(),
-            points: front,
-            line: true,
-            labels: vec![],
-        }];
-        for mut s in grouped(
-            &quality,
-            |r| name_of(r.method),
-            |r| Some((r.pairs_vs_full(), r.loss())),
-        ) {
-            s.line = false;
-            series.push(s);
+    figs.extend(pareto_figures(&all));
+    Ok(figs)
+}
+
+/// Validation loss against each cost of `pareto::Cost` over the comparable cells, the front
+/// drawn first so every method's markers sit over it, each point labelled with its settings.
+fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
+    let rows = crate::pareto::comparable(all);
+    let mut figs = Vec::new();
+    for cost in crate::pareto::Cost::ALL {
+        let points: Vec<(&Row, (f64, f64))> = rows
+            .iter()
+            .filter_map(|r| Some((r, (cost.of(r)?, r.loss()))))
+            .collect();
+        if points.len() < 2 {
+            continue;
         }
+        let on = crate::pareto::on_front(&points.iter().map(|p| Some(p.1)).collect::<Vec<_>>());
+        let front: Vec<(f64, f64)> = points
+            .iter()
+            .zip(&on)
+            .filter(|(_, on)| **on)
+            .map(|(p, _)| p.1)
+            .collect();
+        let mut families: BTreeMap<String, Series> = BTreeMap::new();
+        for (r, p) in &points {
+            let s = families
+                .entry(crate::pareto::family(r))
+                .or_insert_with_key(|name| Series {
+                    name: name.clone(),
+                    points: vec![],
+                    line: false,
+                    labels: vec![],
+                });
+            s.points.push(*p);
+            s.labels.push(crate::pareto::settings(r));
+        }
+        let mut series = vec![series("Pareto front".into(), front, true)];
+        series.extend(sorted(families.into_values().collect()));
+        let stem = match cost {
+            crate::pareto::Cost::Work => "pareto".to_string(),
+            c => format!("pareto_{}", c.name()),
+        };
         figs.push((
-            "pareto".into(),
+            stem,
             Figure::Lines {
-                title: "Quality against attention work, all methods".into(),
-                x: "attended pairs / full causal".into(),
+                title: format!("Validation loss against {}, every method", cost.axis()),
+                x: cost.axis().into(),
                 y: "validation loss".into(),
                 series,
                 x_axis: XAxis::Linear,
             },
         ));
     }
-    Ok(figs)
+    figs
 }
 
 /// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
@@ -1534,6 +1521,8 @@ mod tests {
             "bucket_loss",
             "ppa_s_curve",
             "pareto",
+            "pareto_time",
+            "pareto_memory",
         ] {
             assert!(stems.contains(&want), "{want} missing from {stems:?}");
         }
@@ -1544,22 +1533,6 @@ mod tests {
         }
         let written = write_all(&dir, &dir).unwrap();
         assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
-    }
-
-    #[test]
-    fn pareto_front_keeps_only_undominated_points() {
-        let pts = [
-            (1.0, 2.0),
-            (0.5, 2.5),
-            (0.2, 3.0),
-            (0.6, 2.8),
-            (0.9, 2.1),
-            (1.0, 1.9),
-        ];
-        assert_eq!(
-            pareto_front(&pts),
-            vec![(0.2, 3.0), (0.5, 2.5), (0.9, 2.1), (1.0, 1.9)]
-        );
     }
 
     #[test]

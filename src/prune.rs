@@ -82,6 +82,7 @@ pub fn prune_l2a(
         true,
     )?;
     after.checkpoint_step = loaded.step;
+    after.timing = crate::eval::timing_of(&pruned.model, &split, &pruned_cfg, loaded.device);
     atomic::ensure_writable_dir(out)?;
     let tensors: Vec<(String, Tensor)> = pruned.params().into_iter().collect();
     atomic::write_with(&out.join("model.safetensors"), |tmp| {

@@ -40,7 +40,10 @@
 //! and `{reads}` for that of the cell named by the stage's `reads` (a train stage's second
 //! dependency, whose files it reads without taking its weights), e.g. static heads trained
 //! from the base with `reads = "aha"` and `"attention.head_ranking" =
-//! "{reads}/eval/head_ranking.csv"`.
+//! "{reads}/eval/head_ranking.csv"`. A train stage with `reads` and Bernoulli gates may set
+//! `match_usage = true`: its gates then open at the usage (mu_f) the read cell's evaluation
+//! measured, which is only known once that cell has run (gates at random against learned
+//! ones at equal sparsity).
 //!
 //! A cell's id is its stage name plus a hash of what it computes (resolved config with the
 //! settings its method ignores set aside, the cells it starts from and reads, its kind), so it
@@ -56,7 +59,7 @@
 //! and reruns failed ones only with `--retry-failed`.
 
 use crate::atomic;
-use crate::config::{apply_override, Config, Method};
+use crate::config::{apply_override, Config, Method, Router};
 use crate::corpus::{self, PrepareSpec};
 use crate::data::{self, SynthSpec};
 use crate::probes::ProbesArgs;
@@ -131,6 +134,10 @@ pub struct Stage {
     /// heads ranked by an AHA cell but trained from the same base for the same budget.
     #[serde(default)]
     pub reads: Option<String>,
+    /// train, with `reads` and Bernoulli gates: draw them at the usage (mu_f) the read
+    /// cell's evaluation measured, so random gates open as often as its learned ones.
+    #[serde(default)]
+    pub match_usage: bool,
 }
 
 fn default_kind() -> StageKind {
@@ -157,6 +164,9 @@ pub struct Cell {
     /// Cell whose files this one reads (a stage's `reads`).
     #[serde(default)]
     pub reads: Option<String>,
+    /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
+    #[serde(default)]
+    pub match_usage: bool,
     pub threshold: Option<f64>,
     /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
     pub config: Config,
@@ -512,14 +522,28 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                 Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
                 None => None,
             };
+            if stage.match_usage {
+                let a = &config.attention;
+                ensure!(
+                    read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
+                    "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
+                     reads: it needs reads = \"<stage>\" and a routed method with \
+                     attention.router = \"bernoulli\""
+                );
+            }
             let fingerprint = format!(
-                "{:?}\n{}\n{}\n{:?}{}",
+                "{:?}\n{}\n{}\n{:?}{}{}",
                 stage.kind,
                 config.canonical().non_default_toml(),
                 dep.as_ref().map_or("", |d| d.id.as_str()),
                 threshold.map(|t| t.to_bits()),
                 read.as_ref()
-                    .map_or(String::new(), |r| format!("\nreads {r}"))
+                    .map_or(String::new(), |r| format!("\nreads {r}")),
+                if stage.match_usage {
+                    "\nmatch_usage"
+                } else {
+                    ""
+                }
             );
             let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
             match fingerprints.get(&hash) {
@@ -556,6 +580,7 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                 settings,
                 depends_on: dep.map(|d| d.id),
                 reads: read,
+                match_usage: stage.match_usage,
                 threshold,
                 config,
             });
@@ -579,6 +604,19 @@ pub fn read_status(cell_dir: &Path) -> Option<Status> {
     std::fs::read_to_string(cell_dir.join("status.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
+}
+
+/// The full-attention usage (mu_f) a finished routed cell's evaluation measured.
+fn usage_of(cell_dir: &Path) -> Result<f64> {
+    let eval = cell_dir.join("eval");
+    let report = crate::eval::read_report(&eval)?
+        .with_context(|| format!("{} holds no evaluation to match usage with", eval.display()))?;
+    report.report.gates.map(|g| g.mu_f).with_context(|| {
+        format!(
+            "{} has no gates (its method routes nothing): match_usage needs a routed cell",
+            cell_dir.display()
+        )
+    })
 }
 
 fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
@@ -920,18 +958,20 @@ fn run_cell(
     )?;
     let dep_dir = cell.depends_on.as_ref().map(|d| args.out.join(d));
     let reads_dir = cell.reads.as_ref().map(|d| args.out.join(d));
+    let fail = |error: String| -> Result<CellRun> {
+        write_status(
+            &dir,
+            &Status {
+                state: State::Failed,
+                attempts,
+                error: Some(error.clone()),
+            },
+        )?;
+        Ok(CellRun::Failed(error))
+    };
     for d in dep_dir.iter().chain(&reads_dir) {
         if read_status(d).is_none_or(|s| s.state != State::Done) {
-            let error = format!("dependency {} did not finish", d.display());
-            write_status(
-                &dir,
-                &Status {
-                    state: State::Failed,
-                    attempts,
-                    error: Some(error.clone()),
-                },
-            )?;
-            return Ok(CellRun::Failed(error));
+            return fail(format!("dependency {} did not finish", d.display()));
         }
     }
     let mut cmd = Command::new(exe);
@@ -945,9 +985,17 @@ fn run_cell(
                     .map(|d| d.display().to_string())
                     .unwrap_or_default()
             };
+            let mut config = cell.config.clone();
+            if cell.match_usage {
+                let read = reads_dir.as_ref().expect("match_usage cells read a cell");
+                match usage_of(read) {
+                    Ok(mu_f) => config.attention.bernoulli_p = mu_f,
+                    Err(e) => return fail(format!("{e:#}")),
+                }
+            }
             atomic::write_bytes(
                 &dir.join("cell.toml"),
-                cell.config
+                config
                     .to_toml()
                     .replace("{source}", &shown(&dep_dir))
                     .replace("{reads}", &shown(&reads_dir))
@@ -1338,6 +1386,14 @@ axes = {{ "attention.top_k" = [1, 16] }}
             e.contains("kind eval, whose cells hold no model to prune"),
             "{e}"
         );
+        // Matching usage needs a cell to read and gates drawn at random.
+        for stage in [
+            "name = \"m\"\nmatch_usage = true\nset = { \"attention.method\" = \"aha\", \"attention.router\" = \"bernoulli\" }",
+            "name = \"m\"\nreads = \"b\"\nmatch_usage = true\nset = { \"attention.method\" = \"aha\" }",
+        ] {
+            let e = err(&format!("{base}[[stage]]\n{stage}\n"));
+            assert!(e.contains("stage \"m\"") && e.contains("match_usage"), "{e}");
+        }
         let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.tau\" = [0.5, nan] }\n");
         assert!(e.contains("attention.tau") && e.contains("finite"), "{e}");
         let e = format!(

@@ -13,6 +13,7 @@
 //! | `swiattn_baselines.csv` | SwiAttn Tables 1-3 | Full, SWA-ZS, SWA-CPT, StaticHybrid, SwiAttn |
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
+//! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
 //!
 //! Quality is validation loss and perplexity; retain % is the full-attention model's
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
@@ -67,6 +68,11 @@ pub struct Row {
     pub tasks: BTreeMap<String, f64>,
     /// Training throughput of a train cell: the median of its `train_log.csv` rates.
     pub tokens_per_s: Option<f64>,
+    /// The throughput of the training that made the evaluated model: the cell's own, or for
+    /// an eval or prune cell that of the train cell it derives from.
+    pub train_tokens_per_s: Option<f64>,
+    /// The attention the cell was evaluated with.
+    pub attention: crate::config::AttentionConfig,
 }
 
 impl Row {
@@ -233,7 +239,8 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             ppa_power: a.ppa_power,
             top_k: a.top_k as f64,
             router: a.router,
-            bernoulli_p: a.bernoulli_p,
+            // As trained: a grid may set it from another cell's usage (`match_usage`).
+            bernoulli_p: ev.config.attention.bernoulli_p,
             variant: if a.method == Method::Swiattn {
                 swiattn_variant(&c.config)
             } else {
@@ -269,7 +276,23 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
             prune,
             tasks: task_metrics(&dir.join("eval/results.json")),
             tokens_per_s: median_rate(&dir.join("train_log.csv")),
+            train_tokens_per_s: None,
+            attention: ev.config.attention.clone(),
         });
+    }
+    // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
+    // before it.
+    for i in 0..out.len() {
+        out[i].train_tokens_per_s = match out[i].kind {
+            StageKind::Train => out[i].tokens_per_s,
+            _ => {
+                let source = &out[i].source;
+                out[..i]
+                    .iter()
+                    .find(|r| &r.cell == source)
+                    .and_then(|r| r.train_tokens_per_s)
+            }
+        };
     }
     Ok(out)
 }
@@ -715,6 +738,15 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         write_csv(&mut df, &out.join(t.file))?;
         written.push(out.join(t.file));
     }
+    let pareto = out.join("pareto.csv");
+    match crate::pareto::table(&rows)? {
+        Some(mut df) => {
+            write_csv(&mut df, &pareto)?;
+            written.push(pareto);
+        }
+        None if pareto.exists() => std::fs::remove_file(&pareto)?,
+        None => {}
+    }
     let gaps = out.join("aha_gaps.csv");
     match gap_table(&rows)? {
         Some(mut df) => {
@@ -916,6 +948,21 @@ pub mod fixture {
                 id: "aha-16b",
                 kind: StageKind::Train,
                 dep: Some("base-0"),
+                loss: 1.9,
+                density: 0.5,
+                gates: true,
+                threshold: None,
+                edit: |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 16;
+                    c.attention.lambda = 0.1
+                },
+            },
+            // aha-16b evaluated again with the same attention (as a probe stage does).
+            Spec {
+                id: "probe-16b",
+                kind: StageKind::Eval,
+                dep: Some("aha-16b"),
                 loss: 1.9,
                 density: 0.5,
                 gates: true,
@@ -1141,6 +1188,17 @@ pub mod fixture {
                 })
                 .collect(),
                 gates,
+                timing: Some(crate::eval::Timing {
+                    device: "Cpu".into(),
+                    batch: 2,
+                    seq_len: 8,
+                    forward_ms: 10.0,
+                    attention_ms: 4.0 * s.density,
+                    prefill_ms: 8.0,
+                    decode_steps: 4,
+                    decode_tokens_per_s: 100.0 / s.density,
+                    decode_cache_bytes: 1000.0,
+                }),
             };
             let file = EvalFile {
                 report,
@@ -1195,6 +1253,7 @@ pub mod fixture {
                 settings: Default::default(),
                 depends_on: s.dep.map(String::from),
                 reads: None,
+                match_usage: false,
                 threshold: s.threshold,
                 config,
             });
@@ -1222,6 +1281,57 @@ pub mod fixture {
 mod tests {
     use super::fixture::{csv, sweep_dir};
     use super::*;
+
+    #[test]
+    fn pareto_table_compares_one_budget_on_every_cost() {
+        let dir = sweep_dir("pareto");
+        write_all(&dir, &dir).unwrap();
+        let t = csv(&dir.join("pareto.csv"));
+        let col = |name: &str| t[0].iter().position(|c| c == name).unwrap();
+        let of = |cell: &str| t.iter().find(|r| r[col("cell")] == cell).unwrap();
+        // One budget at one length: the base (shorter), SWA zero-shot (the base's), the longer
+        // evaluation gaps-4 and the static heads (continued from AHA, longer) stay out, and
+        // probe-16b, aha-16b measured again, is part of aha-16b's row.
+        let mut cells: Vec<&str> = t[1..].iter().map(|r| r[col("cell")].as_str()).collect();
+        cells.sort();
+        assert_eq!(
+            cells,
+            [
+                "aha-16", "aha-16b", "aha-4", "full-0", "hyb-0", "l2a-0", "ppa-0", "ppa-5",
+                "prune-9", "swa-0", "swi-0", "swi-v1", "tau-3", "tau-7"
+            ]
+        );
+        // The work front by hand over (pairs, loss): ties on both stay, anything beaten goes.
+        let front: Vec<&str> = t[1..]
+            .iter()
+            .filter(|r| r[col("front_work")] == "true")
+            .map(|r| r[col("cell")].as_str())
+            .collect();
+        assert_eq!(
+            front,
+            ["ppa-0", "tau-7", "ppa-5", "prune-9", "l2a-0", "aha-16", "tau-3", "full-0"]
+        );
+        // Every cell trained at one rate and holds one cache size: full attention, the best
+        // loss, is the only point of those fronts.
+        for c in ["front_time", "front_memory"] {
+            let on: Vec<&str> = t[1..]
+                .iter()
+                .filter(|r| r[col(c)] == "true")
+                .map(|r| r[col("cell")].as_str())
+                .collect();
+            assert_eq!(on, ["full-0"], "{c}");
+        }
+        // An evaluation or pruning of a trained cell took that cell's training.
+        assert_eq!(of("tau-3")[col("train_tokens_per_s")], "2000.0");
+        assert_eq!(of("prune-9")[col("name")], "L2A w64 τ 0.5 pruned at 0.9");
+        assert_eq!(
+            of("swi-v1")[col("name")],
+            "SwiAttn w64 α 100 V1 (no adaptive weight)"
+        );
+        assert_eq!(of("full-0")[col("retain_pct")], "100.0");
+        assert_eq!(of("l2a-0")[col("attention_ms")], "2.0");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn every_paper_table_from_a_fixture_sweep() {
@@ -1337,7 +1447,7 @@ mod tests {
         // AHA Table 3: every head of every AHA cell, trained or evaluated at a longer context,
         // with its gap distribution; the long evaluation stays out of the quality tables.
         let gaps = csv(&dir.join("aha_gaps.csv"));
-        assert_eq!(gaps.len(), 1 + 4 * 4);
+        assert_eq!(gaps.len(), 1 + 5 * 4);
         let long = gaps.iter().filter(|r| r[0] == "gaps-4").collect::<Vec<_>>();
         assert_eq!(long.len(), 4);
         let seq = col(&gaps, "eval_seq_len");

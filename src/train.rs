@@ -659,6 +659,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     if state.step == t.steps {
         let mut r = eval::evaluate(&built.model, &val_split, &cfg, "val", device, false)?;
         r.checkpoint_step = Some(state.step);
+        r.timing = eval::timing_of(&built.model, &val_split, &cfg, device);
         append_row(
             &val_log_path,
             &["step", "val_loss"],

@@ -170,6 +170,28 @@ fn train_then_eval_writes_everything() {
         long["report"]["attention"]["full_causal_pairs"].as_f64(),
         Some(rows * 4.0 * 2.0 * (128.0 * 129.0 / 2.0))
     );
+    // Asked for, the evaluation also times a forward and decoding over the cache, which a
+    // full-attention model fills with the whole context.
+    ok(&[
+        "eval",
+        "-q",
+        "--run",
+        run.to_str().unwrap(),
+        "--set",
+        "eval.timing=true",
+        "--out",
+        run.join("timed").to_str().unwrap(),
+    ]);
+    let timed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("timed/eval.json")).unwrap())
+            .unwrap();
+    let t = &timed["report"]["timing"];
+    assert!(t["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{t}");
+    assert_eq!(
+        t["decode_cache_bytes"].as_f64(),
+        timed["report"]["kv_cache_bytes_total"].as_f64()
+    );
+    assert!(long["report"].get("timing").is_none());
 }
 
 #[test]
@@ -1097,7 +1119,10 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let grid = tiny_grid(
         &d,
         &format!(
-            "[[stage]]\nname = \"heads\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{}\" }}\n",
+            "[[stage]]\nname = \"heads\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{}\" }}\n\
+             [[stage]]\nname = \"random\"\ninit_from = \"base\"\nreads = \"aha\"\nmatch_usage = true\n\
+             set = {{ \"attention.method\" = \"aha\", \"attention.router\" = \"bernoulli\" }}\n\
+             axes = {{ \"attention.window\" = [4] }}\n",
             ranking.display()
         ),
     );
@@ -1106,8 +1131,8 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let listing =
         String::from_utf8_lossy(&ok(&["sweep", "--grid", g, "--out", o, "--dry-run"]).stdout)
             .into_owned();
-    assert!(listing.starts_with("4 cells in 3 stages"), "{listing}");
-    assert_eq!(listing.matches("pending").count(), 4);
+    assert!(listing.starts_with("5 cells in 4 stages"), "{listing}");
+    assert_eq!(listing.matches("pending").count(), 5);
 
     // The static_heads cell fails (its ranking file does not exist yet); the others finish.
     let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
@@ -1124,6 +1149,20 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     for c in &aha {
         assert_eq!(status(c)["state"], "done");
     }
+    // Bernoulli gates drawn at the usage the read AHA cell (window 4) measured.
+    let random = cell_dirs(&out, "random").remove(0);
+    assert_eq!(status(&random)["state"], "done");
+    let aha4 = aha
+        .iter()
+        .find(|c| json(&c.join("cell.json"))["settings"]["attention.window"] == 4)
+        .unwrap();
+    let mu_f = json(&aha4.join("eval/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    let drawn = json(&random.join("eval/eval.json"))["config"]["attention"]["bernoulli_p"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(drawn, mu_f);
     for f in ["summary.csv", "tidy.csv", "aha_windows.csv", "cells.json"] {
         assert!(out.join(f).is_file(), "missing {f}");
     }
@@ -1141,7 +1180,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let before = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
     let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
     assert!(
-        err.contains("1 cells failed") && err.contains("0 failed, 4 skipped"),
+        err.contains("1 cells failed") && err.contains("0 failed, 5 skipped"),
         "{err}"
     );
     assert_eq!(
@@ -1164,7 +1203,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     ]);
     let lines = String::from_utf8_lossy(&retried.stderr);
     assert!(
-        lines.contains("cells: 3 done, 0 failed, 1 left of 4; running: heads-"),
+        lines.contains("cells: 4 done, 0 failed, 1 left of 5; running: heads-"),
         "{lines}"
     );
     let st = status(&heads);

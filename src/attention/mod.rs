@@ -50,6 +50,10 @@ pub struct ForwardCtx {
     /// Leave the logits in the compute dtype (training's fused loss reads them so) instead
     /// of fp32.
     pub compute_logits: bool,
+    /// When Some, each attention layer's forward is timed, the device synchronised before
+    /// and after it, and its seconds added here: the attention layers' share of a forward.
+    /// The synchronisation slows the forward, so a forward's own time is taken without it.
+    pub attention_seconds: std::cell::Cell<Option<f64>>,
 }
 
 /// A layer's regulariser before it is averaged over layers.
