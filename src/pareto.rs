@@ -1,7 +1,8 @@
 //! The comparison no single paper makes: every method continued from one base for one token
 //! budget, read on three costs at once (attention work counted, training time measured,
-//! decode memory), each with the Pareto front of validation loss against it. `pareto.csv`
-//! and the `pareto*` figures are drawn from the same rows and fronts defined here.
+//! decode memory), each with the Pareto fronts of validation loss and of long-context
+//! accuracy against it. `pareto.csv` and the `pareto*` figures are drawn from the same rows
+//! and fronts defined here.
 
 use crate::config::{Method, Router};
 use crate::sweep::StageKind;
@@ -177,6 +178,18 @@ pub fn probe_exact_match(r: &Row) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
+/// Long-context quality and its name: the probes' mean exact match where the cell ran them,
+/// else the synthetic corpus's exact-match accuracy on answers at least a window back.
+pub fn accuracy(r: &Row) -> Option<(f64, &'static str)> {
+    match probe_exact_match(r) {
+        Some(v) => Some((v, "probe exact match")),
+        None => r
+            .far()
+            .and_then(|f| f.1)
+            .map(|v| (v, "accuracy on answers a window or more back")),
+    }
+}
+
 /// `pareto.csv`: one row per comparable cell with every cost and quality measured, and for
 /// each cost whether the cell is on the loss front; None when there is nothing to compare.
 pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
@@ -229,6 +242,7 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "gate_precision" => need(|p| p.precision),
         "gate_recall" => need(|p| p.recall),
     )?;
+    // Fronts of loss (lower is better) and of long-context accuracy (higher is better).
     for cost in Cost::ALL {
         let points: Vec<Option<(f64, f64)>> = rows
             .iter()
@@ -238,6 +252,16 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
             format!("front_{}", cost.name()).into(),
             on_front(&points),
         ))?;
+        if rows.iter().any(|r| accuracy(r).is_some()) {
+            let points: Vec<Option<(f64, f64)>> = rows
+                .iter()
+                .map(|r| Some((cost.of(r)?, -accuracy(r)?.0)))
+                .collect();
+            df.with_column(Column::new(
+                format!("accuracy_front_{}", cost.name()).into(),
+                on_front(&points),
+            ))?;
+        }
     }
     df.with_column(Column::new(
         "cell".into(),

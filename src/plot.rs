@@ -1236,55 +1236,98 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     Ok(figs)
 }
 
-/// Validation loss against each cost of `pareto::Cost` over the comparable cells, the front
-/// drawn first so every method's markers sit over it, each point labelled with its settings.
+/// Per cost of `pareto::Cost`, over the comparable cells: validation loss against it, and
+/// beside it long-context accuracy where the cells measured one (`pareto::accuracy`), each
+/// panel with its Pareto front drawn first, so every method's markers sit over it, and the
+/// front's points labelled with their settings.
 fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
+    use crate::pareto::{accuracy, Cost};
     let rows = crate::pareto::comparable(all);
+    let accuracy_name = rows.iter().find_map(|r| accuracy(r).map(|a| a.1));
     let mut figs = Vec::new();
-    for cost in crate::pareto::Cost::ALL {
-        let points: Vec<(&Row, (f64, f64))> = rows
-            .iter()
-            .filter_map(|r| Some((r, (cost.of(r)?, r.loss()))))
-            .collect();
-        if points.len() < 2 {
-            continue;
-        }
-        let on = crate::pareto::on_front(&points.iter().map(|p| Some(p.1)).collect::<Vec<_>>());
-        let front: Vec<(f64, f64)> = points
-            .iter()
-            .zip(&on)
-            .filter(|(_, on)| **on)
-            .map(|(p, _)| p.1)
-            .collect();
-        let mut families: BTreeMap<String, Series> = BTreeMap::new();
-        for (r, p) in &points {
-            let s = families
-                .entry(crate::pareto::family(r))
-                .or_insert_with_key(|name| Series {
-                    name: name.clone(),
-                    points: vec![],
-                    line: false,
-                    labels: vec![],
-                });
-            s.points.push(*p);
-            s.labels.push(crate::pareto::settings(r));
-        }
-        let mut series = vec![series("Pareto front".into(), front, true)];
-        series.extend(sorted(families.into_values().collect()));
-        let stem = match cost {
-            crate::pareto::Cost::Work => "pareto".to_string(),
-            c => format!("pareto_{}", c.name()),
+    for cost in Cost::ALL {
+        let mut panels = Vec::new();
+        let loss = |r: &Row| Some(r.loss());
+        let acc = |r: &Row| accuracy(r).map(|a| a.0);
+        let qualities: Vec<(&str, &dyn Fn(&Row) -> Option<f64>, bool)> = match accuracy_name {
+            Some(name) => vec![("validation loss", &loss, false), (name, &acc, true)],
+            None => vec![("validation loss", &loss, false)],
         };
-        figs.push((
-            stem,
-            Figure::Lines {
-                title: format!("Validation loss against {}, every method", cost.axis()),
+        for (y, quality, higher_better) in qualities {
+            let points: Vec<(&Row, (f64, f64))> = rows
+                .iter()
+                .filter_map(|r| Some((r, (cost.of(r)?, quality(r)?))))
+                .collect();
+            if points.len() < 2 {
+                continue;
+            }
+            let sign = if higher_better { -1.0 } else { 1.0 };
+            let on = crate::pareto::on_front(
+                &points
+                    .iter()
+                    .map(|(_, (x, y))| Some((*x, sign * y)))
+                    .collect::<Vec<_>>(),
+            );
+            let front: Vec<(f64, f64)> = points
+                .iter()
+                .zip(&on)
+                .filter(|(_, on)| **on)
+                .map(|(p, _)| p.1)
+                .collect();
+            let mut families: BTreeMap<String, Series> = BTreeMap::new();
+            for ((r, p), on) in points.iter().zip(&on) {
+                let s = families
+                    .entry(crate::pareto::family(r))
+                    .or_insert_with_key(|name| Series {
+                        name: name.clone(),
+                        points: vec![],
+                        line: false,
+                        labels: vec![],
+                    });
+                s.points.push(*p);
+                // Settings beside the front's points only: the cells off it crowd together,
+                // and the legend names every method (pareto.csv has each cell's settings).
+                s.labels.push(match (on, crate::pareto::settings(r)) {
+                    (false, _) => String::new(),
+                    (true, settings) if settings.is_empty() => crate::pareto::family(r),
+                    (true, settings) => settings,
+                });
+            }
+            let mut series = vec![self::series("Pareto front".into(), front, true)];
+            series.extend(sorted(families.into_values().collect()));
+            panels.push(Panel {
+                title: format!(
+                    "{y} (front: {})",
+                    if higher_better { "higher" } else { "lower" }
+                ),
                 x: cost.axis().into(),
-                y: "validation loss".into(),
+                y: y.into(),
                 series,
                 x_axis: XAxis::Linear,
-            },
-        ));
+            });
+        }
+        if panels.is_empty() {
+            continue;
+        }
+        let stem = match cost {
+            Cost::Work => "pareto".to_string(),
+            c => format!("pareto_{}", c.name()),
+        };
+        let title = format!("Every method against {}", cost.axis());
+        let fig = match panels.len() {
+            1 => {
+                let p = panels.remove(0);
+                Figure::Lines {
+                    title,
+                    x: p.x,
+                    y: p.y,
+                    series: p.series,
+                    x_axis: p.x_axis,
+                }
+            }
+            _ => Figure::Panels { title, panels },
+        };
+        figs.push((stem, fig));
     }
     figs
 }

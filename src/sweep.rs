@@ -40,7 +40,8 @@
 //! and `{reads}` for that of the cell named by the stage's `reads` (a train stage's second
 //! dependency, whose files it reads without taking its weights), e.g. static heads trained
 //! from the base with `reads = "aha"` and `"attention.head_ranking" =
-//! "{reads}/eval/head_ranking.csv"`. A train stage with `reads` and Bernoulli gates may set
+//! "{reads}/eval/head_ranking.csv"` (eval and prune stages act on a cell whose config holds
+//! them resolved, and may not set one of their own). A train stage with `reads` and Bernoulli gates may set
 //! `match_usage = true`: its gates then open at the usage (mu_f) the read cell's evaluation
 //! measured, which is only known once that cell has run (gates at random against learned
 //! ones at equal sparsity).
@@ -409,6 +410,18 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
                     stage.init_from.is_none() && stage.reads.is_none(),
                     "{what}: init_from and reads are for train stages"
                 );
+                if let Some(k) = stage
+                    .set
+                    .iter()
+                    .chain(stage.axes.iter())
+                    .find(|(_, v)| has_placeholder(v))
+                    .map(|(k, _)| k)
+                {
+                    bail!(
+                        "{what}: {k} holds {{source}} or {{reads}}, which only train stages \
+                         resolve; give the path itself"
+                    );
+                }
                 let of = earlier(&stage.of, "of")?;
                 let Some(of) = of else {
                     bail!("{what}: a {:?} stage needs `of`", stage.kind)
@@ -604,6 +617,12 @@ pub fn read_status(cell_dir: &Path) -> Option<Status> {
     std::fs::read_to_string(cell_dir.join("status.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
+}
+
+/// Whether a setting's value names a directory a train cell resolves when it starts.
+fn has_placeholder(v: &toml::Value) -> bool {
+    let text = v.to_string();
+    text.contains("{source}") || text.contains("{reads}")
 }
 
 /// The full-attention usage (mu_f) a finished routed cell's evaluation measured.
@@ -1017,8 +1036,9 @@ fn run_cell(
                 .arg(d)
                 .arg("--out")
                 .arg(dir.join("eval"));
-            let dep_settings = &cell.settings;
-            for (k, v) in dep_settings {
+            // A setting naming `{source}` or `{reads}` came from the evaluated cell, whose
+            // config holds it resolved (eval stages may not set one of their own).
+            for (k, v) in cell.settings.iter().filter(|(_, v)| !has_placeholder(v)) {
                 cmd.arg("--set").arg(format!("{k}={v}"));
             }
         }
@@ -1384,6 +1404,14 @@ axes = {{ "attention.top_k" = [1, 16] }}
         ));
         assert!(
             e.contains("kind eval, whose cells hold no model to prune"),
+            "{e}"
+        );
+        // Only train stages resolve directory placeholders.
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"e\"\nkind = \"eval\"\nof = \"b\"\nset = {{ \"attention.head_ranking\" = \"{{source}}/r.csv\" }}\n"
+        ));
+        assert!(
+            e.contains("stage \"e\"") && e.contains("only train stages"),
             "{e}"
         );
         // Matching usage needs a cell to read and gates drawn at random.

@@ -1321,6 +1321,14 @@ mod tests {
                 .collect();
             assert_eq!(on, ["full-0"], "{c}");
         }
+        // Accuracy's fronts keep the highest (the fixture's probe score is its loss, highest
+        // for swa-0) where every cell costs the same.
+        let best: Vec<&str> = t[1..]
+            .iter()
+            .filter(|r| r[col("accuracy_front_memory")] == "true")
+            .map(|r| r[col("cell")].as_str())
+            .collect();
+        assert_eq!(best, ["swa-0"]);
         // An evaluation or pruning of a trained cell took that cell's training.
         assert_eq!(of("tau-3")[col("train_tokens_per_s")], "2000.0");
         assert_eq!(of("prune-9")[col("name")], "L2A w64 τ 0.5 pruned at 0.9");

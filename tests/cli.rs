@@ -1122,7 +1122,11 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
             "[[stage]]\nname = \"heads\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{}\" }}\n\
              [[stage]]\nname = \"random\"\ninit_from = \"base\"\nreads = \"aha\"\nmatch_usage = true\n\
              set = {{ \"attention.method\" = \"aha\", \"attention.router\" = \"bernoulli\" }}\n\
-             axes = {{ \"attention.window\" = [4] }}\n",
+             axes = {{ \"attention.window\" = [4] }}\n\
+             [[stage]]\nname = \"ranked\"\ninit_from = \"base\"\nreads = \"aha\"\n\
+             set = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{{reads}}/eval/head_ranking.csv\" }}\n\
+             axes = {{ \"attention.window\" = [8] }}\n\
+             [[stage]]\nname = \"again\"\nkind = \"eval\"\nof = \"ranked\"\n",
             ranking.display()
         ),
     );
@@ -1131,8 +1135,8 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let listing =
         String::from_utf8_lossy(&ok(&["sweep", "--grid", g, "--out", o, "--dry-run"]).stdout)
             .into_owned();
-    assert!(listing.starts_with("5 cells in 4 stages"), "{listing}");
-    assert_eq!(listing.matches("pending").count(), 5);
+    assert!(listing.starts_with("7 cells in 6 stages"), "{listing}");
+    assert_eq!(listing.matches("pending").count(), 7);
 
     // The static_heads cell fails (its ranking file does not exist yet); the others finish.
     let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
@@ -1163,6 +1167,10 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
         .as_f64()
         .unwrap();
     assert_eq!(drawn, mu_f);
+    // An evaluation of a cell whose ranking path named {reads} evaluates the path that cell
+    // resolved.
+    let again = cell_dirs(&out, "again").remove(0);
+    assert_eq!(status(&again)["state"], "done", "{}", status(&again));
     for f in ["summary.csv", "tidy.csv", "aha_windows.csv", "cells.json"] {
         assert!(out.join(f).is_file(), "missing {f}");
     }
@@ -1180,7 +1188,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let before = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
     let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
     assert!(
-        err.contains("1 cells failed") && err.contains("0 failed, 5 skipped"),
+        err.contains("1 cells failed") && err.contains("0 failed, 7 skipped"),
         "{err}"
     );
     assert_eq!(
@@ -1203,7 +1211,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     ]);
     let lines = String::from_utf8_lossy(&retried.stderr);
     assert!(
-        lines.contains("cells: 4 done, 0 failed, 1 left of 5; running: heads-"),
+        lines.contains("cells: 6 done, 0 failed, 1 left of 7; running: heads-"),
         "{lines}"
     );
     let st = status(&heads);
