@@ -178,15 +178,26 @@ pub fn probe_exact_match(r: &Row) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
+/// The distance from which the synthetic corpus's answers count as long-range in one
+/// comparison: its shortest window, so every cell is scored on the same answers (a cell's own
+/// `far` starts at its own window, which would score a wider window on fewer, harder ones).
+pub fn reach<'a>(rows: impl IntoIterator<Item = &'a Row>) -> f64 {
+    rows.into_iter()
+        .filter(|r| r.method != Method::Full)
+        .map(|r| r.window)
+        .fold(f64::INFINITY, f64::min)
+        .min(crate::config::AttentionConfig::default().window as f64)
+}
+
 /// Long-context quality and its name: the probes' mean exact match where the cell ran them,
-/// else the synthetic corpus's exact-match accuracy on answers at least a window back.
-pub fn accuracy(r: &Row) -> Option<(f64, &'static str)> {
+/// else the synthetic corpus's exact-match accuracy on answers at least `reach` back.
+pub fn accuracy(r: &Row, reach: f64) -> Option<(f64, String)> {
     match probe_exact_match(r) {
-        Some(v) => Some((v, "probe exact match")),
+        Some(v) => Some((v, "probe exact match".into())),
         None => r
-            .far()
+            .beyond(reach)
             .and_then(|f| f.1)
-            .map(|v| (v, "accuracy on answers a window or more back")),
+            .map(|v| (v, format!("accuracy on answers {reach} or more back"))),
     }
 }
 
@@ -206,6 +217,7 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let full = rows
         .iter()
         .find(|r| r.method == Method::Full && r.kind == StageKind::Train);
+    let reach = reach(rows.iter().copied());
     let s = |f: &dyn Fn(&Row) -> String| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
     let o = |f: &dyn Fn(&Row) -> Option<f64>| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
     let timing = |f: fn(&crate::eval::Timing) -> f64| o(&|r| r.report.timing.as_ref().map(f));
@@ -225,7 +237,8 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "perplexity" => o(&|r| Some(r.report.perplexity)),
         "retain_pct" => o(&|r| full.map(|f| 100.0 * f.report.perplexity / r.report.perplexity)),
         "probe_exact_match" => o(&probe_exact_match),
-        "far_accuracy" => o(&|r| r.far().and_then(|f| f.1)),
+        "far_accuracy" => o(&|r| r.beyond(reach).and_then(|f| f.1)),
+        "far_from" => o(&|r| r.beyond(reach).map(|_| reach)),
         "pairs_vs_full" => o(&|r| Some(r.pairs_vs_full())),
         "attention_flops_per_token" => o(&|r| {
             Some(r.report.attention.flops / r.report.tokens.max(1) as f64)
@@ -252,10 +265,10 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
             format!("front_{}", cost.name()).into(),
             on_front(&points),
         ))?;
-        if rows.iter().any(|r| accuracy(r).is_some()) {
+        if rows.iter().any(|r| accuracy(r, reach).is_some()) {
             let points: Vec<Option<(f64, f64)>> = rows
                 .iter()
-                .map(|r| Some((cost.of(r)?, -accuracy(r)?.0)))
+                .map(|r| Some((cost.of(r)?, -accuracy(r, reach)?.0)))
                 .collect();
             df.with_column(Column::new(
                 format!("accuracy_front_{}", cost.name()).into(),

@@ -1243,14 +1243,18 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
 fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
     use crate::pareto::{accuracy, Cost};
     let rows = crate::pareto::comparable(all);
-    let accuracy_name = rows.iter().find_map(|r| accuracy(r).map(|a| a.1));
+    let reach = crate::pareto::reach(&rows);
+    let accuracy_name = rows.iter().find_map(|r| accuracy(r, reach).map(|a| a.1));
     let mut figs = Vec::new();
     for cost in Cost::ALL {
         let mut panels = Vec::new();
         let loss = |r: &Row| Some(r.loss());
-        let acc = |r: &Row| accuracy(r).map(|a| a.0);
-        let qualities: Vec<(&str, &dyn Fn(&Row) -> Option<f64>, bool)> = match accuracy_name {
-            Some(name) => vec![("validation loss", &loss, false), (name, &acc, true)],
+        let acc = |r: &Row| accuracy(r, reach).map(|a| a.0);
+        let qualities: Vec<(&str, &dyn Fn(&Row) -> Option<f64>, bool)> = match &accuracy_name {
+            Some(name) => vec![
+                ("validation loss", &loss, false),
+                (name.as_str(), &acc, true),
+            ],
             None => vec![("validation loss", &loss, false)],
         };
         for (y, quality, higher_better) in qualities {

@@ -98,11 +98,17 @@ impl Row {
     /// none), pooled over those distance buckets: the long-range task of the synthetic
     /// corpus. None without buckets, or with none that far.
     pub fn far(&self) -> Option<(f64, Option<f64>)> {
+        self.beyond(self.window)
+    }
+
+    /// `far` for the predictions whose dependency lies at least `distance` back (a bucket
+    /// counts when its shortest distance does).
+    pub fn beyond(&self, distance: f64) -> Option<(f64, Option<f64>)> {
         let far: Vec<&crate::eval::Bucket> = self
             .report
             .buckets
             .iter()
-            .filter(|b| b.min_distance as f64 >= self.window && b.min_distance < u32::MAX)
+            .filter(|b| b.min_distance as f64 >= distance && b.min_distance < u32::MAX)
             .collect();
         let n: u64 = far.iter().map(|b| b.tokens).sum();
         (n > 0).then(|| {

@@ -5,7 +5,6 @@
 
 use super::ForwardCtx;
 use crate::nn::{upcast, Linear, RmsNorm};
-use crate::rng::Rng;
 use tch::{Device, Kind, Tensor};
 
 /// Forward with the hard gate, backward as if it were the soft score (straight-through).
@@ -107,17 +106,12 @@ impl GateSource {
                     (hard.shallow_clone(), ste(hard))
                 }
                 GateSource::Bernoulli(p) => {
-                    let mut draws = Vec::with_capacity((like[0] * like[1] * like[2]) as usize);
-                    for b in 0..like[0] {
-                        for t in 0..like[1] {
-                            for h in 0..like[2] {
-                                let key = [layer as u64, b as u64, (start + t) as u64, h as u64];
-                                let mut r = Rng::new(Rng::derive(ctx.gate_seed, &key));
-                                draws.push((r.uniform() < *p) as u8 as f32);
-                            }
-                        }
-                    }
-                    let hard = Tensor::from_slice(&draws).view(like).to_device(x.device());
+                    // Drawn on the device from a hash of (seed, layer, row, position, head): the
+                    // same gates whatever the chunking, at the cost of a few integer kernels
+                    // (one keyed generator per gate on the host cost eight forwards).
+                    let hard = hash_uniform(ctx.gate_seed, layer, like, start, x.device())
+                        .lt(*p)
+                        .to_kind(Kind::Float);
                     (hard.shallow_clone(), hard)
                 }
                 GateSource::Fixed(heads) => {
