@@ -5,13 +5,15 @@ per-(token, head) routing between the full prefix and the window, the gates read
 mask function; PPA, the window plus the power offsets as a BlockMask).
 
 Driven by `attnsweep bench attention`; prints CSV rows
-impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms on stdout (one per measurement).
+impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms,fwd_host_ms,fwdbwd_host_ms on stdout (one per
+measurement; see times_ms for the two protocols).
 Inputs: bf16, batch 1, standard normal with a fixed seed.
 """
 
 import argparse
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,24 +28,40 @@ def floats(s):
     return [float(x) for x in s.split(",") if x]
 
 
-def median_ms(fn, reps):
+def times_ms(fn, reps):
+    """(device, host) milliseconds of one call of fn, by the protocol attnsweep times its own
+    kernels with (`src/bench.rs`, `times`), after three calls to warm up. Device: reps calls
+    back to back between one pair of CUDA events, divided by reps, the median of three such
+    batches: the host queues the next call while the GPU runs the last, so launch overhead
+    (large for a compiled call from Python) is hidden for every implementation alike. Host: each
+    call alone between synchronisations on the host's clock, the median over reps."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+    device = []
+    for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        device.append(start.elapsed_time(end) / reps)
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e3)
+    device.sort()
+    host.sort()
+    return device[1], host[len(host) // 2]
 
 
 def fwd_and_fwdbwd(attn, q, k, v, reps):
-    fwd = median_ms(lambda: attn(q, k, v), reps)
+    """(fwd, fwd+bwd) under the device protocol, then both under the host protocol."""
+    fwd = times_ms(lambda: attn(q, k, v), reps)
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
     dout = torch.randn_like(attn(qg, kg, vg))
 
@@ -51,7 +69,8 @@ def fwd_and_fwdbwd(attn, q, k, v, reps):
         out = attn(qg, kg, vg)
         out.backward(dout)
 
-    return fwd, median_ms(both, reps)
+    fwdbwd = times_ms(both, reps)
+    return fwd[0], fwdbwd[0], fwd[1], fwdbwd[1]
 
 
 def power_offset(j, p):
@@ -102,8 +121,8 @@ def main():
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 try:
-                    f, fb = fwd_and_fwdbwd(causal, q, k, v, a.reps)
-                    row(name, "causal", L, D, L, 0, f, fb)
+                    t = fwd_and_fwdbwd(causal, q, k, v, a.reps)
+                    row(name, "causal", L, D, L, 0, *t)
                 except Exception as e:
                     print(f"# {name} L={L} D={D}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()
@@ -115,8 +134,8 @@ def main():
                     return (qi >= ki) & (qi - ki < w)
                 try:
                     bm = create_block_mask(swa, 1, 1, L, L, device=dev)
-                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                    row("flex", "swa", L, D, w, 0, f, fb)
+                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                    row("flex", "swa", L, D, w, 0, *t)
                 except Exception as e:
                     print(f"# flex swa L={L} D={D} w={w}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()
@@ -129,8 +148,8 @@ def main():
                     return ki <= pos[qi]
                 try:
                     bm = create_block_mask(sparse, 1, 1, n, L, device=dev)
-                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
-                    row("flex", "sparse", L, D, L, s, f, fb)
+                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
+                    row("flex", "sparse", L, D, L, s, *t)
                 except Exception as e:
                     print(f"# flex sparse L={L} D={D} s={s}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()
@@ -142,8 +161,8 @@ def main():
                         return (qi >= ki) & ((qi - ki < w) | gate[h, qi])
                     try:
                         bm = create_block_mask(routed, 1, a.heads, L, L, device=dev)
-                        f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                        row("flex", "routed", L, D, w, 1 - u, f, fb)
+                        t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                        row("flex", "routed", L, D, w, 1 - u, *t)
                     except Exception as e:
                         print(f"# flex routed L={L} D={D} w={w} u={u}: {type(e).__name__}", file=sys.stderr)
                         torch.cuda.empty_cache()
@@ -154,8 +173,8 @@ def main():
                     return (qi >= ki) & seen[(qi - ki).clamp(min=0)]
                 try:
                     bm = create_block_mask(ppa, 1, 1, L, L, device=dev)
-                    f, fb = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                    row("flex", f"ppa_p{p}", L, D, a.ppa_window, 0, f, fb)
+                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
+                    row("flex", f"ppa_p{p}", L, D, a.ppa_window, 0, *t)
                 except Exception as e:
                     print(f"# flex ppa L={L} D={D} p={p}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()

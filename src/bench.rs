@@ -148,46 +148,126 @@ struct Row {
     dim: i64,
     window: i64,
     sparsity: f64,
+    /// One call's time with the host's launch time hidden (calls back to back, see `times`).
     fwd_ms: f64,
     fwdbwd_ms: f64,
+    /// One call alone between synchronisations, on the host's clock: launch time included.
+    fwd_host_ms: f64,
+    fwdbwd_host_ms: f64,
+}
+
+/// Forward and forward-and-backward times of one operation under both protocols.
+struct Times {
+    fwd: (f64, f64),
+    fwdbwd: (f64, f64),
 }
 
 impl Row {
+    /// A row of our kernels' times.
+    fn ours(case: String, len: i64, dim: i64, window: i64, sparsity: f64, t: Times) -> Row {
+        Row {
+            imp: "ours".into(),
+            case,
+            len,
+            dim,
+            window,
+            sparsity,
+            fwd_ms: t.fwd.0,
+            fwdbwd_ms: t.fwdbwd.0,
+            fwd_host_ms: t.fwd.1,
+            fwdbwd_host_ms: t.fwdbwd.1,
+        }
+    }
+
     /// The backward's share of the timed forward-and-backward pair.
     fn bwd_ms(&self) -> f64 {
         self.fwdbwd_ms - self.fwd_ms
     }
 }
 
-/// Median time of `f` in milliseconds over `reps` calls, after three to warm up: on the GPU's
-/// clock between CUDA events recorded around each call, as the peers time theirs
-/// (`kernels/bench_peers.py`), where the library has CUDA; else host wall time.
-fn median_ms(kern: &Kernels, reps: usize, mut f: impl FnMut()) -> f64 {
+/// Milliseconds one call of `f` takes, by the protocol every implementation in the bench is
+/// timed with (ours here, the peers in `kernels/bench_peers.py`), after three calls to warm
+/// up: (device, host). Device: `reps` calls back to back between one pair of CUDA events,
+/// divided by `reps`, the median of three such batches; the host queues the next call while
+/// the GPU runs the last, so launch overhead (large for a compiled Python call, small for ours)
+/// is hidden for every implementation alike. Host: each call alone between synchronisations
+/// on the host's clock, the median over `reps`: what a caller waiting on each call sees. Without
+/// CUDA both are host time.
+fn times(kern: &Kernels, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
+    let median = |mut t: Vec<f64>| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
     for _ in 0..3 {
         f();
     }
-    let events = kern.cuda.then(|| {
-        let e = || kern.event().expect("CUDA event");
-        (e(), e())
-    });
-    tch::Cuda::synchronize(0);
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| match &events {
-            Some((start, end)) => {
-                start.record().expect("CUDA event");
-                f();
-                end.record().expect("CUDA event");
-                end.ms_since(start).expect("CUDA event")
-            }
-            None => {
-                let start = Instant::now();
-                f();
-                start.elapsed().as_secs_f64() * 1e3
-            }
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+    let sync = || {
+        if kern.cuda {
+            tch::Cuda::synchronize(0)
+        }
+    };
+    let host = |f: &mut dyn FnMut()| {
+        sync();
+        let start = Instant::now();
+        f();
+        sync();
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    let device = match kern.cuda {
+        true => {
+            let (start, end) = (
+                kern.event().expect("CUDA event"),
+                kern.event().expect("CUDA event"),
+            );
+            sync();
+            (0..3)
+                .map(|_| {
+                    start.record().expect("CUDA event");
+                    for _ in 0..reps {
+                        f();
+                    }
+                    end.record().expect("CUDA event");
+                    end.ms_since(&start).expect("CUDA event") / reps as f64
+                })
+                .collect()
+        }
+        false => (0..reps).map(|_| host(&mut f)).collect(),
+    };
+    let host_ms = median((0..reps).map(|_| host(&mut f)).collect());
+    (median(device), host_ms)
+}
+
+/// The rows a peer script printed: `impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms,
+/// fwd_host_ms,fwdbwd_host_ms`; comment lines (`#`) and lines of another shape are skipped.
+fn peer_rows(printed: &str) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for line in printed.lines().filter(|l| !l.starts_with('#')) {
+        let f: Vec<&str> = line.split(',').collect();
+        if f.len() != 10 {
+            continue;
+        }
+        let num = |i: usize| -> Result<f64> {
+            let v: f64 = f[i].parse()?;
+            ensure!(
+                v.is_finite(),
+                "the peer printed a non-finite time in {line:?}"
+            );
+            Ok(v)
+        };
+        rows.push(Row {
+            imp: f[0].into(),
+            case: f[1].into(),
+            len: f[2].parse()?,
+            dim: f[3].parse()?,
+            window: f[4].parse()?,
+            sparsity: num(5)?,
+            fwd_ms: num(6)?,
+            fwdbwd_ms: num(7)?,
+            fwd_host_ms: num(8)?,
+            fwdbwd_host_ms: num(9)?,
+        });
+    }
+    Ok(rows)
 }
 
 fn time_op(
@@ -197,18 +277,18 @@ fn time_op(
     k: &Tensor,
     v: &Tensor,
     op: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
-) -> (f64, f64) {
-    let fwd = tch::no_grad(|| median_ms(kern, reps, || drop(op(q, k, v))));
+) -> Times {
+    let fwd = tch::no_grad(|| times(kern, reps, || drop(op(q, k, v))));
     let (qg, kg, vg) = (
         q.detach().set_requires_grad(true),
         k.detach().set_requires_grad(true),
         v.detach().set_requires_grad(true),
     );
     let dout = op(&qg, &kg, &vg).detach().randn_like();
-    let both = median_ms(kern, reps, || {
+    let fwdbwd = times(kern, reps, || {
         (op(&qg, &kg, &vg) * &dout).sum(Kind::Float).backward()
     });
-    (fwd, both)
+    Times { fwd, fwdbwd }
 }
 
 /// (query, key) pairs of a case, for TFLOP/s: 4 * pairs * D forward.
@@ -399,21 +479,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             include_str!("../kernels/bench_peers.py"),
             &flags,
         )?;
-        for line in printed.lines().filter(|l| !l.starts_with('#')) {
-            let f: Vec<&str> = line.split(',').collect();
-            if f.len() == 8 {
-                rows.push(Row {
-                    imp: f[0].into(),
-                    case: f[1].into(),
-                    len: f[2].parse()?,
-                    dim: f[3].parse()?,
-                    window: f[4].parse()?,
-                    sparsity: f[5].parse()?,
-                    fwd_ms: f[6].parse()?,
-                    fwdbwd_ms: f[7].parse()?,
-                });
-            }
-        }
+        rows.extend(peer_rows(&printed)?);
     }
     for &len in &b.lengths {
         for &d in &b.head_dims {
@@ -421,19 +487,10 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
             let (q, k, v) = (mk(), mk(), mk());
             for &w in &b.windows {
-                let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                     kern.list_attention(q, k, v, None, w).expect("kernel")
                 });
-                rows.push(Row {
-                    imp: "ours".into(),
-                    case: "swa".into(),
-                    len,
-                    dim: d,
-                    window: w,
-                    sparsity: 0.0,
-                    fwd_ms: f,
-                    fwdbwd_ms: fb,
-                });
+                rows.push(Row::ours("swa".into(), len, d, w, 0.0, t));
             }
             for &s in &b.sparsities {
                 let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
@@ -448,20 +505,11 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     .contiguous();
                 let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
                 let qc = q.index_select(2, &pos).contiguous();
-                let (f, fb) = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
+                let t = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
                     kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
                         .expect("kernel")
                 });
-                rows.push(Row {
-                    imp: "ours".into(),
-                    case: "sparse".into(),
-                    len,
-                    dim: d,
-                    window: len,
-                    sparsity: s,
-                    fwd_ms: f,
-                    fwdbwd_ms: fb,
-                });
+                rows.push(Row::ours("sparse".into(), len, d, len, s, t));
             }
             for &w in &b.windows {
                 for &u in &b.routed_usages {
@@ -469,20 +517,11 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                     // other cases' query lists are.
                     let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
                     let paths = routed_paths(&on);
-                    let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                    let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                         kern.routed_attention(q, k, v, &paths, w)
                             .expect("routed attention on the bench's inputs")
                     });
-                    rows.push(Row {
-                        imp: "ours".into(),
-                        case: "routed".into(),
-                        len,
-                        dim: d,
-                        window: w,
-                        sparsity: 1.0 - u,
-                        fwd_ms: f,
-                        fwdbwd_ms: fb,
-                    });
+                    rows.push(Row::ours("routed".into(), len, d, w, 1.0 - u, t));
                 }
             }
             for &p in &b.ppa_powers {
@@ -492,24 +531,22 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 };
                 let offsets = pattern.offsets_beyond_window(len as usize);
                 let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
-                let (f, fb) = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
                     match offsets.tensor.numel() {
                         0 => kern.list_attention(q, k, v, None, b.ppa_window),
                         _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
                     }
                     .expect("kernel")
                 });
-                rows.push(Row {
-                    imp: "ours".into(),
-                    // As the peer script names it (Python's float repr: 0.0, 0.25).
-                    case: format!("ppa_p{p:?}"),
+                // Named as the peer script names it (Python's float repr: 0.0, 0.25).
+                rows.push(Row::ours(
+                    format!("ppa_p{p:?}"),
                     len,
-                    dim: d,
-                    window: b.ppa_window,
-                    sparsity: 0.0,
-                    fwd_ms: f,
-                    fwdbwd_ms: fb,
-                });
+                    d,
+                    b.ppa_window,
+                    0.0,
+                    t,
+                ));
             }
         }
     }
@@ -538,6 +575,8 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
                 format!("{:.4}", r.fwd_ms),
                 format!("{:.4}", r.bwd_ms()),
                 format!("{:.4}", r.fwdbwd_ms),
+                format!("{:.4}", r.fwd_host_ms),
+                format!("{:.4}", r.fwdbwd_host_ms),
                 format!("{:.1}", tflops),
             ];
             rec.extend(over("sdpa_cudnn", r));
@@ -557,6 +596,8 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             "fwd_ms",
             "bwd_ms",
             "fwdbwd_ms",
+            "fwd_host_ms",
+            "fwdbwd_host_ms",
             "fwd_tflops",
             "fwd_vs_cudnn_causal",
             "bwd_vs_cudnn_causal",
@@ -1071,6 +1112,23 @@ mod tests {
         std::fs::remove_dir_all(&out).unwrap();
     }
 
+    /// Peer rows carry both protocols' times; other lines are skipped, a non-finite time
+    /// refused.
+    #[test]
+    fn peer_rows_read_both_protocols() {
+        let rows = peer_rows(
+            "# a comment\nflex,swa,16384,128,256,0,0.219,1.2,0.334,1.5\nflex,swa,16384,128,256,0,0.2,1.2\n",
+        )
+        .unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(
+            (r.fwd_ms, r.fwdbwd_ms, r.fwd_host_ms, r.fwdbwd_host_ms),
+            (0.219, 1.2, 0.334, 1.5)
+        );
+        assert!(peer_rows("flex,swa,1,1,1,0,nan,1,1,1\n").is_err());
+    }
+
     fn row(imp: &str, case: &str, len: i64, window: i64, fwd_ms: f64) -> Row {
         Row {
             imp: imp.into(),
@@ -1081,6 +1139,8 @@ mod tests {
             sparsity: 0.0,
             fwd_ms,
             fwdbwd_ms: 3.0 * fwd_ms,
+            fwd_host_ms: fwd_ms,
+            fwdbwd_host_ms: 3.0 * fwd_ms,
         }
     }
 

@@ -209,8 +209,10 @@ struct BenchAttentionCmd {
     /// Query (and key-value) heads; batch 1.
     #[arg(long, default_value_t = 16)]
     heads: i64,
-    /// Timed repetitions per measurement (median reported), each between CUDA events on the
-    /// GPU's clock, for the peers too.
+    /// Calls per measurement, for ours and the peers alike: the fwd_ms / fwdbwd_ms columns time
+    /// this many calls back to back between two CUDA events (launch time hidden; the median of
+    /// three such batches, per call), the *_host_ms columns each call alone between
+    /// synchronisations (launch time included; the median).
     #[arg(long, default_value_t = 20)]
     reps: usize,
     /// Output directory.
