@@ -4,6 +4,7 @@
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
 use crate::attention::{routed_paths, KeyPattern};
+use crate::eval::median;
 use crate::kernels::{Kernels, PpaOffsets};
 use crate::plot::{Figure, Panel, Series};
 use anyhow::{ensure, Context, Result};
@@ -194,10 +195,6 @@ impl Row {
 /// on the host's clock, the median over `reps`: what a caller waiting on each call sees. Without
 /// CUDA both are host time.
 fn times(kern: &Kernels, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
-    let median = |mut t: Vec<f64>| {
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
     for _ in 0..3 {
         f();
     }
@@ -906,18 +903,14 @@ impl TrainBench {
             }
             usage = stats.full_usage;
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        let [mut total, mut f, mut b, mut o] = phases;
+        let [total, f, b, o] = phases;
         Ok(TrainRow {
             imp: "attnsweep".into(),
             method: method.name().into(),
             len,
             batch,
-            step_ms: median(&mut total),
-            phases_ms: Some([median(&mut f), median(&mut b), median(&mut o)]),
+            step_ms: median(total),
+            phases_ms: Some([median(f), median(b), median(o)]),
             full_usage: usage,
         })
     }

@@ -111,7 +111,9 @@ pub struct Timing {
 /// Repetitions behind each figure of `Timing`.
 const TIMING_REPS: usize = 3;
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The middle value of `xs` (the upper one of an even count), for the repeated measurements
+/// of timings and logged rates; `xs` must not be empty.
+pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
@@ -564,14 +566,15 @@ pub fn evaluate(
 /// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final
 /// evaluation of a training run and `attnsweep eval` measure it, the periodic ones do not.
 pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
+    if !cfg.eval.timing {
+        return None;
+    }
     let batch = split
         .sequential(cfg.eval.batch_size, cfg.eval_seq_len(), 1, device)
         .into_iter()
         .next()?;
     let seed = Rng::derive(cfg.train.seed ^ 0xE7A1, &[u64::MAX]);
-    cfg.eval
-        .timing
-        .then(|| time_inference(model, &batch.x, seed))
+    Some(time_inference(model, &batch.x, seed))
 }
 
 /// `eval.json`: a report and the resolved config it was computed with. `write_report` writes

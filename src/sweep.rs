@@ -1129,15 +1129,7 @@ fn run_cell(
             .find(|l| !l.trim().is_empty())
             .unwrap_or("exited with an error")
             .to_string();
-        write_status(
-            &dir,
-            &Status {
-                state: State::Failed,
-                attempts,
-                error: Some(error.clone()),
-            },
-        )?;
-        Ok(CellRun::Failed(error))
+        fail(error)
     }
 }
 

@@ -306,15 +306,11 @@ pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
 /// The median of a training log's `tokens_per_s` column (robust to the first steps, which
 /// include compilation and warm-up), None without a log.
 fn median_rate(log: &Path) -> Option<f64> {
-    let mut rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
+    let rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
         .into_iter()
         .map(|r| r[0])
         .collect();
-    if rates.is_empty() {
-        return None;
-    }
-    rates.sort_by(f64::total_cmp);
-    Some(rates[rates.len() / 2])
+    (!rates.is_empty()).then(|| crate::eval::median(rates))
 }
 
 /// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
@@ -858,6 +854,12 @@ pub mod fixture {
             std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        // AHA at w 16 with a strong penalty, trained and evaluated again with the same attention.
+        fn aha_16b(c: &mut Config) {
+            c.attention.method = Method::Aha;
+            c.attention.window = 16;
+            c.attention.lambda = 0.1;
+        }
         let specs = [
             Spec {
                 id: "base-0",
@@ -958,11 +960,7 @@ pub mod fixture {
                 density: 0.5,
                 gates: true,
                 threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Aha;
-                    c.attention.window = 16;
-                    c.attention.lambda = 0.1
-                },
+                edit: aha_16b,
             },
             // aha-16b evaluated again with the same attention (as a probe stage does).
             Spec {
@@ -973,11 +971,7 @@ pub mod fixture {
                 density: 0.5,
                 gates: true,
                 threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Aha;
-                    c.attention.window = 16;
-                    c.attention.lambda = 0.1
-                },
+                edit: aha_16b,
             },
             Spec {
                 id: "heads-2",
