@@ -1055,11 +1055,11 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
         if (use_sm90()) sm90_dq(q, k, v, list, window, lse, delta, dout, dq);
         else if (d == 64) launch(dq_kernel<64, far()>, qgrid, smem, a);
         else launch(dq_kernel<128, far()>, qgrid, smem, a);
-        // dK, dV on wgmma for wide windows, full prefixes (routed lists have some), PPA's far
-        // distances and head_dim 64 (one launch for both outputs there); narrow windows at
-        // head_dim 128 (two launches) measured slower there than on mma.sync (PERFORMANCE.md,
-        // v4 and v7).
-        if (use_sm90() && (window > 512 || list.nfull || list.far || d == 64))
+        // dK, dV on wgmma for every list on Hopper: one pass for both outputs since the
+        // producer warpgroup gives its registers to the consumers (narrow windows at head_dim
+        // 128 ran slower there than on mma.sync while each output took a launch: PERFORMANCE.md,
+        // v4, v7 and the fused dK/dV entry).
+        if (use_sm90())
             sm90_dkdv(q, k, v, list, window, lse, delta, dout, dk, dv);
         else if (d == 64) launch(dkdv_kernel<64, far()>, kgrid, smem, a);
         else launch(dkdv_kernel<128, far()>, kgrid, smem, a);

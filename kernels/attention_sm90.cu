@@ -472,22 +472,26 @@ __device__ __forceinline__ void store_rows(const float* acc, __nv_bfloat16* out,
 // tiles of Q and dO, with their positions, lse and delta, over every query head of its KV
 // head's group and, in each of its list's two groups (a routed list's full-prefix rows, then
 // the window rows), only the queries that can see its keys (found by searching the list).
-// Per tile: S^T = K Q^T, P^T = exp(S^T scale - lse); then dV += P^T dO (OUT has KV_DV), and
-// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (OUT has KV_DK). At D = 64 one launch
-// holds both [64 x D] accumulators (ptxas: 168 registers a thread, 8 bytes spilled) and
-// computes S and P once for both; at D = 128 both would need ~240, more than two warpgroups and
-// a producer can have, so each output takes a launch (the dV one skips V and dP).
+// Per tile: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T scale - lse), dV += P^T dO,
+// dS^T = P^T (dP^T - delta), dK += dS^T Q: both outputs in one pass, S and P computed once.
+// At D = 128 a consumer thread holds both [64 x D] accumulators, S and dP (~220 registers),
+// more than an even share of the register file gives three warpgroups (168), so the producer
+// is a whole warpgroup that hands its registers to the consumers (setmaxnreg: 40 + 2 x 232 =
+// 3 x 168, the count each thread starts with); only its first warp works. Before, each output
+// took a launch at D = 128, computing S and P twice (PERFORMANCE.md, the fused dK/dV entry).
 constexpr int BKEYS = 128;  // keys per block
 constexpr int BQT = 64;     // queries per tile
-enum KvOut { KV_DV = 1, KV_DK = 2, KV_BOTH = 3 };
+constexpr int KV_THREADS = CONSUMERS + 128;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMERS == 65536 / KV_THREADS / 8 * 8 * KV_THREADS,
+              "setmaxnreg must redistribute exactly the registers the block starts with");
 
-template <int D, KvOut OUT, bool FAR>
-__global__ void __launch_bounds__(THREADS, 1)
+template <int D, bool FAR>
+__global__ void __launch_bounds__(KV_THREADS, 1)
     kv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
               const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, Params p) {
 #ifdef ATTNSWEEP_HAS_WGMMA
     constexpr int STAGES = 3;
-    constexpr bool DK = OUT & KV_DK, DV = OUT & KV_DV;
     extern __shared__ unsigned char smem_raw[];
     __shared__ int tpos[STAGES][BQT];
     __shared__ __align__(8) float tlse[STAGES][BQT], tdl[STAGES][BQT];
@@ -542,10 +546,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                 continue;
             }
             // First index in [lo, hi) whose position is >= key (hi if none): each round samples
-            // THREADS evenly spaced entries and keeps the gap where the positions cross key.
+            // KV_THREADS evenly spaced entries and keeps the gap where the positions cross key.
             int lo = rg.lo, hi = rg.hi;
             while (lo < hi) {
-                const int stride = (hi - lo + THREADS - 1) / THREADS;
+                const int stride = (hi - lo + KV_THREADS - 1) / KV_THREADS;
                 const int idx = lo + threadIdx.x * stride;
                 const int below = __syncthreads_count(idx < hi && p.qpos[base + idx] < key);
                 if (below == 0) break;
@@ -575,14 +579,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
 
     if (threadIdx.x >= CONSUMERS) {
-        // Producer warp: its lanes copy each tile's positions (lists only), lse and delta with
-        // cp.async; lane 0 issues the tensor copies.
+        // Producer: its first warp's lanes copy each tile's positions (lists only), lse and
+        // delta with cp.async; lane 0 issues the tensor copies.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        if (threadIdx.x >= CONSUMERS + 32) return;
         const int lane = threadIdx.x % 32;
         if (lane == 0) {
-            bar_expect(kv_full, (DK ? 2 : 1) * KV_BYTES);
+            bar_expect(kv_full, 2 * KV_BYTES);
             for (int c = 0; c < D / 64; ++c) {
                 tma_load(sk + c * (BKEYS * 128), &tk, c * 64, (int)(kvbase + kb0), kv_full);
-                if (DK) tma_load(sv + c * (BKEYS * 128), &tv, c * 64, (int)(kvbase + kb0), kv_full);
+                tma_load(sv + c * (BKEYS * 128), &tv, c * 64, (int)(kvbase + kb0), kv_full);
             }
         }
         walk([&](int i, int64_t base, int end, int r0, int) {
@@ -606,11 +612,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     }
 
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
     const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int kw0 = kb0 + wg * 64;  // this warpgroup's first key
     const int key_row[2] = {kw0 + warp * 16 + lane / 4, kw0 + warp * 16 + lane / 4 + 8};
     const float scale2 = p.scale * 1.4426950408889634f;
-    float dv_acc[DV ? D / 2 : 1] = {}, dk_acc[DK ? D / 2 : 1] = {};
+    float dv_acc[D / 2] = {}, dk_acc[D / 2] = {};
     bar_wait(kv_full, 0);
     walk([&](int i, int64_t, int end, int r0, int window) {
         const int st = i % STAGES;
@@ -622,9 +629,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                                 : kw0 < p.len && pmax >= kw0 && pmin - (kw0 + 63) < window;
         if (seen) {
             const uint32_t sq = stage_q(st), sdo = sq + T_BYTES;
-            float s[BQT / 2], dp[DK ? BQT / 2 : 1];
-            // This warpgroup's 64 keys (and values) against the tile's queries (and dO rows).
-            scores<D, BQT, DK>(s, dp, sk + wg * (64 * 128), sv + wg * (64 * 128), BKEYS * 128, sq, sdo, BQT * 128);
+            float s[BQT / 2], dp[BQT / 2];
+            // This warpgroup's 64 keys and values against the tile's queries and dO rows.
+            scores<D, BQT, true>(s, dp, sk + wg * (64 * 128), sv + wg * (64 * 128), BKEYS * 128, sq, sdo, BQT * 128);
             // Every pair visible: all rows hold queries and the whole tile lies in every
             // key's window (warpgroup-uniform, so the branch costs interior tiles nothing).
             const bool interior = n == BQT && pmin >= kw0 + 63 && pmax - kw0 < window && kw0 + 63 < p.len;
@@ -650,21 +657,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int e = 4 * nb; e < 4 * nb + 4; ++e) s[e] = ex2(fmaf(s[e], scale2, nl[e & 1]));
             }
-            if constexpr (DV) accumulate<D, BQT>(dv_acc, s, sdo);
-            if constexpr (DK) {
+            accumulate<D, BQT>(dv_acc, s, sdo);
 #pragma unroll
-                for (int nb = 0; nb < BQT / 8; ++nb) {
-                    const float2 dl = *reinterpret_cast<const float2*>(&tdl[st][nb * 8 + (lane % 4) * 2]);
+            for (int nb = 0; nb < BQT / 8; ++nb) {
+                const float2 dl = *reinterpret_cast<const float2*>(&tdl[st][nb * 8 + (lane % 4) * 2]);
 #pragma unroll
-                    for (int e = 4 * nb; e < 4 * nb + 4; ++e) s[e] *= dp[e] - ((e & 1) ? dl.y : dl.x);
-                }
-                accumulate<D, BQT>(dk_acc, s, sq);
+                for (int e = 4 * nb; e < 4 * nb + 4; ++e) s[e] *= dp[e] - ((e & 1) ? dl.y : dl.x);
             }
+            accumulate<D, BQT>(dk_acc, s, sq);
         }
         if (lane == 0) bar_arrive(empty(st));
     });
-    if constexpr (DV) store_rows<D>(dv_acc, p.dv + kvbase * D, key_row, p.len, 1.f);
-    if constexpr (DK) store_rows<D>(dk_acc, p.out + kvbase * D, key_row, p.len, p.scale);
+    store_rows<D>(dv_acc, p.dv + kvbase * D, key_row, p.len, 1.f);
+    store_rows<D>(dk_acc, p.out + kvbase * D, key_row, p.len, p.scale);
 #endif
 }
 
@@ -762,7 +767,12 @@ void sm90_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         else dense ? launch<128, 128, false, true>(q, q, k, v, a) : launch<128, 64, false, true>(q, q, k, v, a);
         return;
     }
-    const bool wide = window > 512 || list.nfull;
+    // At head_dim 64 a window shorter than the sequence keeps 64-key tiles even when wide: they
+    // run two blocks an SM (list_blocks), 128-key tiles one (measured: w = 1024 forward 0.214
+    // against 0.259 ms at L = 16384, 0.433 against 0.521 at 32768; full prefixes stay on 128,
+    // 90% sparse queries 0.170 against 0.270 ms: PERFORMANCE.md, the fused dK/dV entry).
+    const bool full_prefix = list.nfull || window >= a.len;
+    const bool wide = full_prefix || (window > 512 && q.size(3) == 128);
     if (q.size(3) == 64) wide ? launch<64, 128, false>(q, q, k, v, a) : launch<64, 64, false>(q, q, k, v, a);
     else wide ? launch<128, 128, false>(q, q, k, v, a) : launch<128, 64, false>(q, q, k, v, a);
 }
@@ -810,16 +820,12 @@ void sm90_dkdv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     const size_t smem = (size_t)(2 * BKEYS + 3 * 2 * BQT) * d * 2 + 16 * (a.heads / a.kv_heads) + 1024;
     auto run = [&](auto kernel) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        kernel<<<grid, THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
+        kernel<<<grid, KV_THREADS, smem, at::cuda::getCurrentCUDAStream()>>>(tq, tdo, tk, tv, a);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     by_far(list.far, [&](auto far) {
-        if (d == 64) {
-            run(kv_kernel<64, KV_BOTH, far()>);
-        } else {
-            run(kv_kernel<128, KV_DV, far()>);
-            run(kv_kernel<128, KV_DK, far()>);
-        }
+        if (d == 64) run(kv_kernel<64, far()>);
+        else run(kv_kernel<128, far()>);
     });
 }
 

@@ -60,14 +60,15 @@ def times_ms(fn, reps):
 
 
 def fwd_and_fwdbwd(attn, q, k, v, reps):
-    """(fwd, fwd+bwd) under the device protocol, then both under the host protocol."""
+    """(fwd, fwd+bwd) under the device protocol, then both under the host protocol. The
+    backward, as attnsweep's (`src/bench.rs`, `time_op`): dO = 1 filled inside the call, the
+    gradients returned, not accumulated into .grad."""
     fwd = times_ms(lambda: attn(q, k, v), reps)
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-    dout = torch.randn_like(attn(qg, kg, vg))
 
     def both():
         out = attn(qg, kg, vg)
-        out.backward(dout)
+        torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out), allow_unused=True)
 
     fwdbwd = times_ms(both, reps)
     return fwd[0], fwdbwd[0], fwd[1], fwdbwd[1]
