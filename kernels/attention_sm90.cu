@@ -3,8 +3,7 @@
 // mma.sync forward stays latency-bound near 180 TFLOP/s on an H100 (PERFORMANCE.md, v3):
 // operands pass through registers and too few warps fit to hide the softmax. Here wgmma reads
 // the operands of Q K^T and the V operand of P V straight from shared memory, asynchronously.
-// These kernels run on compute capability 9.0 (dK, dV for windows > 512, routed lists and
-// head_dim 64: see cuda_backward); the mma.sync kernels run on every other GPU.
+// These kernels run on compute capability 9.0; the mma.sync kernels run on every other GPU.
 //
 // A block owns 128 queries and has three roles: two consumer warpgroups of 64 query rows and
 // one producer warp. The producer streams key/value tiles with the tensor copy engine (TMA)
