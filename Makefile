@@ -35,6 +35,12 @@ build: setup
 
 test: build $(TEST_STAMP)
 	cargo test --release --locked
+	@# tests/slurm.rs starts a one-node Slurm of its own: it runs where the daemons are installed.
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then \
+		cargo test --release --locked --test slurm -- --ignored; \
+	else \
+		echo "tests/slurm.rs skipped: slurmctld, slurmd and munged are not installed (Debian: apt-get install slurm-wlm munge)"; \
+	fi
 
 # The demo grid (sweeps/demo.toml): a full-attention base on the synthetic corpus, continued
 # as AHA over windows and penalties and as PPA over powers; tables and figures land in

@@ -1,7 +1,7 @@
 //! End-to-end tests: the binary on tiny configurations, on the CPU.
 
 mod common;
-use common::{bin, synth};
+use common::{bin, synth, tiny_base, tiny_grid};
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -1043,55 +1043,6 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
 }
 
 /// A grid's base for tiny CPU cells on the data set at `data`.
-fn tiny_base(data: &Path) -> String {
-    format!(
-        r#"
-[base.data]
-dir = "{data}"
-seq_len = 64
-[base.model]
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-[base.train]
-steps = 3
-warmup_steps = 1
-batch_size = 4
-log_every = 1
-device = "cpu"
-[base.eval]
-max_batches = 2
-"#,
-        data = data.display()
-    )
-}
-
-fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
-    let g = dir.join("grid.toml");
-    let text = format!(
-        r#"
-name = "tiny"
-[synth]
-train_tokens = 20000
-val_tokens = 4096
-max_distance = 64
-{base}
-[[stage]]
-name = "base"
-set = {{ "attention.method" = "full" }}
-[[stage]]
-name = "aha"
-init_from = "base"
-set = {{ "attention.method" = "aha" }}
-axes = {{ "attention.window" = [4, 8] }}
-{extra}
-"#,
-        base = tiny_base(&dir.join("data"))
-    );
-    std::fs::write(&g, text).unwrap();
-    g
-}
-
 fn status(cell: &Path) -> serde_json::Value {
     json(&cell.join("status.json"))
 }

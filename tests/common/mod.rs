@@ -35,3 +35,55 @@ pub fn synth(dir: &Path, train_tokens: usize) -> String {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     format!("data.dir={}", data.display())
 }
+
+/// The `[base]` tables of a tiny CPU grid (2 layers of width 32, 3 steps) on the corpus at `data`.
+pub fn tiny_base(data: &Path) -> String {
+    format!(
+        r#"
+[base.data]
+dir = "{data}"
+seq_len = 64
+[base.model]
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+[base.train]
+steps = 3
+warmup_steps = 1
+batch_size = 4
+log_every = 1
+device = "cpu"
+[base.eval]
+max_batches = 2
+"#,
+        data = data.display()
+    )
+}
+
+/// A tiny grid in `dir/grid.toml`: a full-attention base on a synthetic corpus, continued as AHA
+/// at windows 4 and 8, with `extra` stages appended.
+pub fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
+    let g = dir.join("grid.toml");
+    let text = format!(
+        r#"
+name = "tiny"
+[synth]
+train_tokens = 20000
+val_tokens = 4096
+max_distance = 64
+{base}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha" }}
+axes = {{ "attention.window" = [4, 8] }}
+{extra}
+"#,
+        base = tiny_base(&dir.join("data"))
+    );
+    std::fs::write(&g, text).unwrap();
+    g
+}

@@ -1,0 +1,318 @@
+//! The job arrays `sweep --emit slurm` writes, run by a real single-node Slurm: munged,
+//! slurmctld and slurmd started here with a private configuration on free ports. `submit.sh`
+//! runs a tiny grid to completion; an array task cancelled before it ran is run by submitting
+//! again (finished cells are skipped); both sweeps' tables equal a local run of the same grid.
+//!
+//! Ignored by default: it needs Debian's `slurm-wlm` and `munge`. `make test` runs it where
+//! their daemons are installed and says it was skipped otherwise.
+
+mod common;
+use common::{bin, scratch, tiny_grid};
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn ok(cmd: &mut Command) -> Output {
+    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?}:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn stdout(cmd: &mut Command) -> String {
+    String::from_utf8_lossy(&ok(cmd).stdout).trim().to_string()
+}
+
+/// A TCP port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One node's Slurm and its munge daemon, stopped when dropped.
+struct Cluster {
+    dir: PathBuf,
+    conf: PathBuf,
+}
+
+impl Cluster {
+    fn start(dir: &Path) -> Cluster {
+        for d in ["munge", "state", "spool", "log"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        let munge = dir.join("munge");
+        // munged refuses a key or socket directory others can read.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&munge, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let key = munge.join("munge.key");
+        ok(Command::new("mungekey").arg("-c").arg("-k").arg(&key));
+        let socket = munge.join("socket");
+        ok(Command::new("munged")
+            .arg("--force")
+            .arg(format!("--socket={}", socket.display()))
+            .arg(format!("--key-file={}", key.display()))
+            .arg(format!(
+                "--log-file={}",
+                dir.join("log/munged.log").display()
+            ))
+            .arg(format!("--pid-file={}", munge.join("pid").display()))
+            .arg(format!("--seed-file={}", munge.join("seed").display())));
+        let host = stdout(Command::new("hostname").arg("-s"));
+        let user = stdout(Command::new("id").arg("-un"));
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let p = |name: &str| dir.join(name).display().to_string();
+        let conf = dir.join("slurm.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "ClusterName=attnsweep-test\nSlurmctldHost={host}\nSlurmUser={user}\nSlurmdUser={user}\n\
+                 AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket={socket}\n\
+                 SlurmctldPort={ctld}\nSlurmdPort={d}\nStateSaveLocation={state}\nSlurmdSpoolDir={spool}\n\
+                 SlurmctldPidFile={ctld_pid}\nSlurmdPidFile={d_pid}\n\
+                 SlurmctldLogFile={ctld_log}\nSlurmdLogFile={d_log}\n\
+                 ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n\
+                 AccountingStorageType=accounting_storage/none\nSchedulerType=sched/builtin\n\
+                 SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nMpiDefault=none\nReturnToService=2\n\
+                 SlurmdParameters=config_overrides\n\
+                 NodeName={host} CPUs={cpus} State=UNKNOWN\n\
+                 PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP\n",
+                socket = socket.display(),
+                ctld = free_port(),
+                d = free_port(),
+                state = p("state"),
+                spool = p("spool"),
+                ctld_pid = p("slurmctld.pid"),
+                d_pid = p("slurmd.pid"),
+                ctld_log = p("log/slurmctld.log"),
+                d_log = p("log/slurmd.log"),
+            ),
+        )
+        .unwrap();
+        let cluster = Cluster {
+            dir: dir.to_path_buf(),
+            conf,
+        };
+        ok(cluster.cmd("slurmctld").arg("-f").arg(&cluster.conf));
+        ok(cluster.cmd("slurmd").arg("-f").arg(&cluster.conf));
+        cluster.until("the node to come up idle", || {
+            let o = cluster.cmd("sinfo").args(["-h", "-o", "%t"]).output();
+            o.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "idle")
+        });
+        cluster
+    }
+
+    /// A Slurm command (or the daemons) on this cluster's configuration.
+    fn cmd(&self, prog: &str) -> Command {
+        let mut c = Command::new(prog);
+        c.env("SLURM_CONF", &self.conf);
+        c
+    }
+
+    /// Polls `done` for up to five minutes, then fails with the daemons' logs.
+    fn until(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            if start.elapsed() > Duration::from_secs(300) {
+                let log = |f: &str| {
+                    std::fs::read_to_string(self.dir.join("log").join(f)).unwrap_or_default()
+                };
+                panic!(
+                    "timed out waiting for {what}\nslurmctld:\n{}\nslurmd:\n{}",
+                    log("slurmctld.log"),
+                    log("slurmd.log")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// Waits until no job is pending or running.
+    fn drain(&self) {
+        self.until("the queue to empty", || {
+            stdout(self.cmd("squeue").arg("-h")).is_empty()
+        });
+    }
+
+    /// Runs a sweep's submit.sh; returns each stage's job id.
+    fn submit(&self, out: &Path) -> Vec<(String, String)> {
+        let printed = stdout(self.cmd("bash").arg(out.join("slurm/submit.sh")));
+        printed
+            .lines()
+            .filter_map(|l| {
+                let (stage, job) = l.strip_prefix("stage ")?.split_once(": job ")?;
+                Some((stage.to_string(), job.to_string()))
+            })
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for pid in ["slurmd.pid", "slurmctld.pid", "munge/pid"] {
+            if let Ok(pid) = std::fs::read_to_string(self.dir.join(pid)) {
+                let _ = Command::new("kill").arg(pid.trim()).status();
+            }
+        }
+    }
+}
+
+/// The sweep's tables (CSV files at its top) with the columns and rows of measured time left
+/// out, which differ between any two runs.
+fn tables(out: &Path) -> Vec<(String, Vec<String>)> {
+    let timed = |h: &str| {
+        h.contains("tokens_per_s")
+            || h.ends_with("_ms")
+            || h.contains("per_mtok")
+            || h.contains("front_time")
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "csv"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no tables in {}", out.display());
+    files
+        .iter()
+        .map(|f| {
+            let mut r = csv::Reader::from_path(f).unwrap();
+            let head: Vec<String> = r.headers().unwrap().iter().map(String::from).collect();
+            let keep: Vec<usize> = (0..head.len()).filter(|&i| !timed(&head[i])).collect();
+            let metric = head.iter().position(|h| h == "metric");
+            let mut rows = vec![keep
+                .iter()
+                .map(|&i| head[i].clone())
+                .collect::<Vec<_>>()
+                .join(",")];
+            for rec in r.records() {
+                let rec = rec.unwrap();
+                // tidy.csv holds one metric a row.
+                if metric.is_some_and(|m| timed(&rec[m])) {
+                    continue;
+                }
+                rows.push(
+                    keep.iter()
+                        .map(|&i| rec[i].to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                );
+            }
+            (f.file_name().unwrap().to_string_lossy().into_owned(), rows)
+        })
+        .collect()
+}
+
+/// Each started cell's status.json, by cell directory.
+fn statuses(out: &Path) -> Vec<(String, serde_json::Value)> {
+    let mut v: Vec<(String, serde_json::Value)> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("status.json").is_file())
+        .map(|p| {
+            let text = std::fs::read_to_string(p.join("status.json")).unwrap();
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                serde_json::from_str(&text).unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// Each started cell's state.
+fn state(out: &Path) -> Vec<(String, String)> {
+    statuses(out)
+        .into_iter()
+        .map(|(cell, s)| (cell, s["state"].as_str().unwrap_or("").to_string()))
+        .collect()
+}
+
+/// How many times each started cell ran.
+fn attempts(out: &Path) -> Vec<u64> {
+    statuses(out)
+        .iter()
+        .map(|(_, s)| s["attempts"].as_u64().unwrap_or(0))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a Slurm (Debian's slurm-wlm and munge); make test runs it where they are installed"]
+fn slurm_arrays_run_a_grid_resume_a_cancelled_task_and_equal_a_local_run() {
+    let d = scratch("slurm", "arrays");
+    let grid = tiny_grid(&d, "");
+    let cluster = Cluster::start(&d.join("cluster"));
+    let sweep = |out: &Path, extra: &[&str]| {
+        ok(bin()
+            .arg("sweep")
+            .arg("--grid")
+            .arg(&grid)
+            .arg("--out")
+            .arg(out)
+            .args(extra))
+    };
+
+    let local = d.join("local");
+    sweep(&local, &[]);
+    let want = tables(&local);
+
+    // One submission runs every stage, each array waiting for the one before.
+    let whole = d.join("whole");
+    sweep(&whole, &["--emit", "slurm"]);
+    let jobs = cluster.submit(&whole);
+    assert_eq!(
+        jobs.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(),
+        ["base", "aha"]
+    );
+    cluster.drain();
+    assert!(
+        state(&whole).iter().all(|(_, s)| s == "done"),
+        "{:?}",
+        state(&whole)
+    );
+    ok(bin().arg("plot").arg("--sweep").arg(&whole));
+    assert_eq!(tables(&whole), want);
+
+    // Cancel the second AHA cell's task while it waits for the base stage: the rest finishes,
+    // that cell never starts; submitting again runs only it.
+    let resumed = d.join("resumed");
+    sweep(&resumed, &["--emit", "slurm"]);
+    let jobs = cluster.submit(&resumed);
+    let aha = &jobs[1].1;
+    ok(cluster.cmd("scancel").arg(format!("{aha}_2")));
+    cluster.drain();
+    let after_cancel = state(&resumed);
+    assert_eq!(
+        after_cancel.iter().filter(|(_, s)| s == "done").count(),
+        2,
+        "{after_cancel:?}"
+    );
+    assert_eq!(
+        after_cancel.len(),
+        2,
+        "the cancelled cell started: {after_cancel:?}"
+    );
+    cluster.submit(&resumed);
+    cluster.drain();
+    assert!(
+        state(&resumed).len() == 3 && state(&resumed).iter().all(|(_, s)| s == "done"),
+        "{:?}",
+        state(&resumed)
+    );
+    ok(bin().arg("plot").arg("--sweep").arg(&resumed));
+    assert_eq!(tables(&resumed), want);
+    // The second submission skipped the cells already done: each cell ran once.
+    assert!(
+        attempts(&resumed).iter().all(|&a| a == 1),
+        "{:?}",
+        attempts(&resumed)
+    );
+}
