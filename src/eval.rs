@@ -436,6 +436,13 @@ pub fn bucket_of(dep: u32, t: usize) -> (String, u32) {
     }
 }
 
+/// The seed context-free (Bernoulli) gates draw from when a model is evaluated: one per run, so
+/// an evaluation repeats exactly, and apart from the training's draws. Evaluation batches, the
+/// timed batch, probes and multiple-choice items each derive their own from it.
+pub fn eval_gate_seed(cfg: &Config) -> u64 {
+    cfg.train.seed ^ 0xE7A1
+}
+
 /// Loss, attention work, buckets and gate statistics of `model` on `split`, over sequences of
 /// `cfg.eval_seq_len()` tokens. `show`: a progress bar (status lines off a terminal) over the
 /// batches.
@@ -468,9 +475,8 @@ pub fn evaluate(
         !show,
         Duration::from_secs(crate::progress::DEFAULT_STATUS_EVERY),
     );
-    // Bernoulli gates draw from a seed of the run, so evaluation repeats; each batch has its
-    // own, so no two batches share a mask.
-    let seed = cfg.train.seed ^ 0xE7A1;
+    // Each batch has its own gate seed, so no two batches share a mask.
+    let seed = eval_gate_seed(cfg);
     let mut ctx = ForwardCtx::default();
     tch::no_grad(|| {
         for (i, b) in batches.iter().enumerate() {
@@ -573,7 +579,7 @@ pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> 
         .sequential(cfg.eval.batch_size, cfg.eval_seq_len(), 1, device)
         .into_iter()
         .next()?;
-    let seed = Rng::derive(cfg.train.seed ^ 0xE7A1, &[u64::MAX]);
+    let seed = Rng::derive(eval_gate_seed(cfg), &[u64::MAX]);
     Some(time_inference(model, &batch.x, seed))
 }
 

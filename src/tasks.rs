@@ -244,8 +244,8 @@ pub fn run_probes(
         e.lengths.clone()
     };
     crate::memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
-    // Context-free gates draw from a seed of the run, a batch of probes its own.
-    let seed = cfg.train.seed ^ 0xE7A1;
+    // A batch of probes draws its own gates.
+    let seed = crate::eval::eval_gate_seed(cfg);
     let mut batch_index = 0u64;
     let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
@@ -807,7 +807,7 @@ pub fn run(
             &items,
             max_len,
             device,
-            cfg.train.seed ^ 0xE7A1,
+            crate::eval::eval_gate_seed(cfg),
         )
         .with_context(|| format!("scoring {}", path.display()))?;
         if opts.log_samples {
