@@ -1,14 +1,16 @@
 //! The job arrays `sweep --emit slurm` writes, run by a real single-node Slurm: munged,
 //! slurmctld and slurmd started here with a private configuration on free ports. `submit.sh`
-//! runs a tiny grid to completion; an array task cancelled before it ran is run by submitting
-//! again (finished cells are skipped); both sweeps' tables equal a local run of the same grid.
+//! runs a tiny grid to completion; an array task cancelled while its cell trains is resumed
+//! from the cell's checkpoint by submitting again (finished cells are skipped); both sweeps'
+//! tables equal a local run of the same grid.
 //!
 //! Ignored by default: it needs Debian's `slurm-wlm` and `munge`. `make test` runs it where
 //! their daemons are installed and says it was skipped otherwise.
 
 mod common;
-use common::{bin, scratch, tiny_grid};
+use common::{bin, scratch, tiny_base};
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -210,45 +212,47 @@ fn tables(out: &Path) -> Vec<(String, Vec<String>)> {
         .collect()
 }
 
-/// Each started cell's status.json, by cell directory.
-fn statuses(out: &Path) -> Vec<(String, serde_json::Value)> {
-    let mut v: Vec<(String, serde_json::Value)> = std::fs::read_dir(out)
+/// Each started cell's (state, attempts), by cell directory.
+fn cells(out: &Path) -> BTreeMap<String, (String, u64)> {
+    std::fs::read_dir(out)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.join("status.json").is_file())
         .map(|p| {
             let text = std::fs::read_to_string(p.join("status.json")).unwrap();
+            let s: serde_json::Value = serde_json::from_str(&text).unwrap();
             (
                 p.file_name().unwrap().to_string_lossy().into_owned(),
-                serde_json::from_str(&text).unwrap(),
+                (
+                    s["state"].as_str().unwrap_or("").to_string(),
+                    s["attempts"].as_u64().unwrap_or(0),
+                ),
             )
         })
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
-/// Each started cell's state.
-fn state(out: &Path) -> Vec<(String, String)> {
-    statuses(out)
-        .into_iter()
-        .map(|(cell, s)| (cell, s["state"].as_str().unwrap_or("").to_string()))
         .collect()
 }
 
-/// How many times each started cell ran.
-fn attempts(out: &Path) -> Vec<u64> {
-    statuses(out)
-        .iter()
-        .map(|(_, s)| s["attempts"].as_u64().unwrap_or(0))
-        .collect()
+/// The grid: a full-attention base, continued as AHA at windows 4 and 8 for 400 steps with a
+/// checkpoint every 10 (long enough to cancel a cell while it trains).
+fn grid(dir: &Path) -> PathBuf {
+    let g = dir.join("grid.toml");
+    let text = format!(
+        "name = \"slurm\"\n[synth]\ntrain_tokens = 20000\nval_tokens = 4096\nmax_distance = 64\n{base}\n\
+         [[stage]]\nname = \"base\"\nset = {{ \"attention.method\" = \"full\" }}\n\
+         [[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
+         set = {{ \"attention.method\" = \"aha\", \"train.steps\" = 400, \"train.ckpt_every\" = 10 }}\n\
+         axes = {{ \"attention.window\" = [4, 8] }}\n",
+        base = tiny_base(&dir.join("data"))
+    );
+    std::fs::write(&g, text).unwrap();
+    g
 }
 
 #[test]
 #[ignore = "needs a Slurm (Debian's slurm-wlm and munge); make test runs it where they are installed"]
 fn slurm_arrays_run_a_grid_resume_a_cancelled_task_and_equal_a_local_run() {
     let d = scratch("slurm", "arrays");
-    let grid = tiny_grid(&d, "");
+    let grid = grid(&d);
     let cluster = Cluster::start(&d.join("cluster"));
     let sweep = |out: &Path, extra: &[&str]| {
         ok(bin()
@@ -273,46 +277,54 @@ fn slurm_arrays_run_a_grid_resume_a_cancelled_task_and_equal_a_local_run() {
         ["base", "aha"]
     );
     cluster.drain();
+    let done = cells(&whole);
     assert!(
-        state(&whole).iter().all(|(_, s)| s == "done"),
-        "{:?}",
-        state(&whole)
+        done.len() == 3 && done.values().all(|(s, a)| s == "done" && *a == 1),
+        "{done:?}"
     );
     ok(bin().arg("plot").arg("--sweep").arg(&whole));
     assert_eq!(tables(&whole), want);
 
-    // Cancel the second AHA cell's task while it waits for the base stage: the rest finishes,
-    // that cell never starts; submitting again runs only it.
+    // Cancel the second AHA cell's array task once it has written a checkpoint: the rest
+    // finishes, that cell stays interrupted; submitting again resumes it from its checkpoint
+    // and skips the cells already done.
     let resumed = d.join("resumed");
     sweep(&resumed, &["--emit", "slurm"]);
+    let listed = stdout(
+        bin()
+            .arg("sweep")
+            .arg("--grid")
+            .arg(&grid)
+            .arg("--out")
+            .arg(&resumed)
+            .arg("--dry-run"),
+    );
+    let cell = listed
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split_whitespace();
+            (f.next() == Some("2")).then(|| f.next().unwrap().to_string())
+        })
+        .unwrap_or_else(|| panic!("no cell 2 in:\n{listed}"));
     let jobs = cluster.submit(&resumed);
-    let aha = &jobs[1].1;
-    ok(cluster.cmd("scancel").arg(format!("{aha}_2")));
+    let latest = resumed.join(&cell).join("checkpoints/latest");
+    cluster.until("cell 2's first checkpoint", || latest.exists());
+    ok(cluster.cmd("scancel").arg(format!("{}_2", jobs[1].1)));
     cluster.drain();
-    let after_cancel = state(&resumed);
+    let cancelled = cells(&resumed);
     assert_eq!(
-        after_cancel.iter().filter(|(_, s)| s == "done").count(),
+        cancelled.values().filter(|(s, _)| s == "done").count(),
         2,
-        "{after_cancel:?}"
+        "{cancelled:?}"
     );
-    assert_eq!(
-        after_cancel.len(),
-        2,
-        "the cancelled cell started: {after_cancel:?}"
-    );
+    assert_eq!(cancelled[&cell].0, "running", "{cancelled:?}");
     cluster.submit(&resumed);
     cluster.drain();
-    assert!(
-        state(&resumed).len() == 3 && state(&resumed).iter().all(|(_, s)| s == "done"),
-        "{:?}",
-        state(&resumed)
-    );
+    let after = cells(&resumed);
+    assert!(after.values().all(|(s, _)| s == "done"), "{after:?}");
+    for (id, (_, attempts)) in &after {
+        assert_eq!(*attempts, if *id == cell { 2 } else { 1 }, "{after:?}");
+    }
     ok(bin().arg("plot").arg("--sweep").arg(&resumed));
     assert_eq!(tables(&resumed), want);
-    // The second submission skipped the cells already done: each cell ran once.
-    assert!(
-        attempts(&resumed).iter().all(|&a| a == 1),
-        "{:?}",
-        attempts(&resumed)
-    );
 }
