@@ -1069,6 +1069,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let ranking = d.join("ranking.csv");
     let grid = tiny_grid(
         &d,
+        "",
         &format!(
             "[[stage]]\nname = \"heads\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"static_heads\", \"attention.top_k\" = 1, \"attention.head_ranking\" = \"{}\" }}\n\
              [[stage]]\nname = \"random\"\ninit_from = \"base\"\nreads = \"aha\"\nmatch_usage = true\n\
@@ -1205,7 +1206,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
 #[test]
 fn sweep_resumes_an_interrupted_cell_and_two_runners_never_run_a_cell_twice() {
     let d = scratch("sweep2");
-    let grid = tiny_grid(&d, "");
+    let grid = tiny_grid(&d, "", "");
     let out = d.join("out");
     let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
     // Run the base cell alone, then interrupt an AHA cell half way, as a killed runner would.

@@ -8,7 +8,7 @@
 //! their daemons are installed and says it was skipped otherwise.
 
 mod common;
-use common::{bin, scratch, tiny_base};
+use common::{bin, scratch, tiny_grid};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -232,27 +232,12 @@ fn cells(out: &Path) -> BTreeMap<String, (String, u64)> {
         .collect()
 }
 
-/// The grid: a full-attention base, continued as AHA at windows 4 and 8 for 400 steps with a
-/// checkpoint every 10 (long enough to cancel a cell while it trains).
-fn grid(dir: &Path) -> PathBuf {
-    let g = dir.join("grid.toml");
-    let text = format!(
-        "name = \"slurm\"\n[synth]\ntrain_tokens = 20000\nval_tokens = 4096\nmax_distance = 64\n{base}\n\
-         [[stage]]\nname = \"base\"\nset = {{ \"attention.method\" = \"full\" }}\n\
-         [[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
-         set = {{ \"attention.method\" = \"aha\", \"train.steps\" = 400, \"train.ckpt_every\" = 10 }}\n\
-         axes = {{ \"attention.window\" = [4, 8] }}\n",
-        base = tiny_base(&dir.join("data"))
-    );
-    std::fs::write(&g, text).unwrap();
-    g
-}
-
 #[test]
 #[ignore = "needs a Slurm (Debian's slurm-wlm and munge); make test runs it where they are installed"]
 fn slurm_arrays_run_a_grid_resume_a_cancelled_task_and_equal_a_local_run() {
     let d = scratch("slurm", "arrays");
-    let grid = grid(&d);
+    // AHA cells of 400 steps, a checkpoint every 10: long enough to cancel one while it trains.
+    let grid = tiny_grid(&d, r#""train.steps" = 400, "train.ckpt_every" = 10"#, "");
     let cluster = Cluster::start(&d.join("cluster"));
     let sweep = |out: &Path, extra: &[&str]| {
         ok(bin()

@@ -61,8 +61,14 @@ max_batches = 2
 }
 
 /// A tiny grid in `dir/grid.toml`: a full-attention base on a synthetic corpus, continued as AHA
-/// at windows 4 and 8, with `extra` stages appended.
-pub fn tiny_grid(dir: &Path, extra: &str) -> PathBuf {
+/// at windows 4 and 8 (with `aha_set`, more `key = value` settings of that stage, if not empty),
+/// with `extra` stages appended.
+pub fn tiny_grid(dir: &Path, aha_set: &str, extra: &str) -> PathBuf {
+    let aha_set = if aha_set.is_empty() {
+        String::new()
+    } else {
+        format!(", {aha_set}")
+    };
     let g = dir.join("grid.toml");
     let text = format!(
         r#"
@@ -78,7 +84,7 @@ set = {{ "attention.method" = "full" }}
 [[stage]]
 name = "aha"
 init_from = "base"
-set = {{ "attention.method" = "aha" }}
+set = {{ "attention.method" = "aha"{aha_set} }}
 axes = {{ "attention.window" = [4, 8] }}
 {extra}
 "#,
