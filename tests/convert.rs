@@ -5,7 +5,7 @@
 mod common;
 use common::bin;
 
-use attnsweep::attention::ForwardCtx;
+use attnsweep::model::attention::ForwardCtx;
 use attnsweep::config::Config;
 use attnsweep::run::Built;
 use std::path::{Path, PathBuf};
@@ -53,7 +53,7 @@ fn logits(converted: &Path, expected: &Path) -> (Tensor, Tensor) {
     )
     .unwrap();
     let built = Built::new(&cfg, Device::Cpu).unwrap();
-    attnsweep::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
+    attnsweep::io::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
         .unwrap();
     let want: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(expected)
         .unwrap()
@@ -147,7 +147,7 @@ fn pytorch_checkpoints_convert_in_process() {
     )
     .unwrap();
     let built = Built::new(&cfg, Device::Cpu).unwrap();
-    attnsweep::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
+    attnsweep::io::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
         .unwrap();
     let ot = scratch("varstore").with_extension("ot");
     built.vs.save(&ot).unwrap();

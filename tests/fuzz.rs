@@ -7,7 +7,7 @@
 mod common;
 
 use attnsweep::config::{Config, ModelConfig};
-use attnsweep::rng::Rng;
+use attnsweep::util::rng::Rng;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -216,7 +216,7 @@ fn safetensors_checkpoints_and_conversion() {
         &dir.join("m.safetensors"),
         count(5_000),
         |p| {
-            let _ = attnsweep::checkpoint::read_tensors(p);
+            let _ = attnsweep::io::checkpoint::read_tensors(p);
         },
     );
     std::fs::write(
@@ -229,11 +229,11 @@ fn safetensors_checkpoints_and_conversion() {
     .unwrap();
     // The unmutated model converts, so the campaign explores past the first checks.
     std::fs::copy(&good, src.join("model.safetensors")).unwrap();
-    attnsweep::convert::convert(
+    attnsweep::run::convert::convert(
         &src,
         None,
         &dir.join("out-good"),
-        attnsweep::convert::OutDtype::Keep,
+        attnsweep::run::convert::OutDtype::Keep,
         false,
     )
     .unwrap();
@@ -246,11 +246,11 @@ fn safetensors_checkpoints_and_conversion() {
         |_| {
             k += 1;
             let out = dir.join(format!("out-{k}"));
-            let _ = attnsweep::convert::convert(
+            let _ = attnsweep::run::convert::convert(
                 &src,
                 None,
                 &out,
-                attnsweep::convert::OutDtype::Keep,
+                attnsweep::run::convert::OutDtype::Keep,
                 false,
             );
             let _ = std::fs::remove_dir_all(&out);
@@ -268,6 +268,6 @@ fn multiple_choice_files() {
         .to_vec(),
     ];
     campaign("jsonl", &seeds, &dir.join("t.jsonl"), count(20_000), |p| {
-        let _ = attnsweep::tasks::read_mc(p);
+        let _ = attnsweep::run::tasks::read_mc(p);
     });
 }

@@ -10,7 +10,7 @@ fn synth(dir: &Path) -> String {
     common::synth(dir, 20_000)
 }
 
-use attnsweep::rng::Rng;
+use attnsweep::util::rng::Rng;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -133,7 +133,7 @@ fn killed_training_resumes_to_the_uninterrupted_result() {
     let run = dir.join("killed");
     let mut kills = 0;
     // Deterministic crashes inside every write path, at several occurrences.
-    let training_points = attnsweep::fault::POINTS
+    let training_points = attnsweep::util::fault::POINTS
         .iter()
         .filter(|p| !p.starts_with("sweep"));
     for point in training_points {
@@ -153,7 +153,7 @@ fn killed_training_resumes_to_the_uninterrupted_result() {
     // back as an error, never as a Rust panic, and leaves the run as consistent as a crash.
     let panicked = dir.join("panicked");
     for (how, says) in [
-        ("panic", "internal error at src/fault.rs"),
+        ("panic", "internal error at src/util/fault.rs"),
         (
             "alloc",
             "out of memory: DefaultCPUAllocator: can't allocate memory",

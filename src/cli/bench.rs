@@ -1,0 +1,1212 @@
+//! `attnsweep bench attention`: the attention kernels beside their peers, timed in one run on
+//! the same shapes: our sliding-window and sparse-query kernels here, SDPA (cuDNN, flash) and
+//! FlexAttention in `kernels/bench_peers.py`, run by this command. Writes one CSV and the
+//! speed-up-against-sparsity figure (L2A Fig. 8).
+
+use crate::config::Method;
+use crate::model::attention::{methods, routed_paths, BenchKnobs, BenchVariant, KeyPattern};
+use crate::run::eval::median;
+use crate::model::kernels::{Kernels, PpaOffsets};
+use crate::sweep::plot::{Figure, Panel, Series};
+use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+pub struct AttentionBench {
+    pub lengths: Vec<i64>,
+    pub head_dims: Vec<i64>,
+    pub windows: Vec<i64>,
+    pub sparsities: Vec<f64>,
+    /// Fractions of (token, head) pairs routed to the full prefix (the rest to the window).
+    pub routed_usages: Vec<f64>,
+    /// PPA powers, each with `ppa_window`.
+    pub ppa_powers: Vec<f64>,
+    pub ppa_window: i64,
+    pub heads: i64,
+    pub reps: usize,
+    pub out: PathBuf,
+    pub python: String,
+    pub peers: bool,
+}
+
+/// Every value of `flag` satisfies `ok`, or an error names the flag, what it needs and the
+/// value.
+fn check_each<T: std::fmt::Display + Copy>(
+    flag: &str,
+    values: &[T],
+    ok: impl Fn(T) -> bool,
+    need: &str,
+) -> Result<()> {
+    for &v in values {
+        ensure!(ok(v), "{flag} {need} (got {v})");
+    }
+    Ok(())
+}
+
+/// At least one length, each at least 1, none twice (each is a point of the fitted
+/// exponents).
+fn check_lengths(lengths: &[i64]) -> Result<()> {
+    ensure!(!lengths.is_empty(), "--lengths needs at least one length");
+    check_each("--lengths", lengths, |l| l >= 1, "must be at least 1")?;
+    let mut distinct = lengths.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    ensure!(
+        distinct.len() == lengths.len(),
+        "--lengths repeats a length ({lengths:?})"
+    );
+    Ok(())
+}
+
+impl AttentionBench {
+    /// The flags, checked before anything runs or is written.
+    pub fn validate(&self) -> Result<()> {
+        check_lengths(&self.lengths)?;
+        ensure!(
+            !self.head_dims.is_empty(),
+            "--head-dims needs at least one head_dim"
+        );
+        check_each(
+            "--head-dims",
+            &self.head_dims,
+            |d| d == 64 || d == 128,
+            "must be 64 or 128, the kernels' head dims",
+        )?;
+        check_each("--windows", &self.windows, |w| w >= 1, "must be at least 1")?;
+        check_each(
+            "--sparsities",
+            &self.sparsities,
+            |s| (0.0..1.0).contains(&s),
+            "must lie in [0, 1)",
+        )?;
+        check_each(
+            "--routed-usages",
+            &self.routed_usages,
+            |u| (0.0..=1.0).contains(&u),
+            "must lie in [0, 1]",
+        )?;
+        check_each(
+            "--ppa-powers",
+            &self.ppa_powers,
+            |p| (0.0..=1.0).contains(&p),
+            "must lie in [0, 1]",
+        )?;
+        ensure!(self.ppa_window >= 1, "--ppa-window must be at least 1");
+        ensure!(self.heads >= 1, "--heads must be at least 1");
+        ensure!(self.reps >= 1, "--reps must be at least 1");
+        Ok(())
+    }
+}
+
+/// Values as one comma-separated flag value.
+fn joined<T: std::fmt::Display>(values: &[T]) -> String {
+    values
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs the peer script `name` (written to `out`) with its `flags` and returns what it
+/// printed. A peer that cannot start or fails is reported and leaves its rows out (those
+/// printed before it failed are kept): our own cases still run and are written.
+fn run_peer(
+    out: &Path,
+    python: &str,
+    name: &str,
+    text: &str,
+    flags: &[(&str, String)],
+) -> Result<String> {
+    let script = out.join(name);
+    std::fs::write(&script, text).with_context(|| format!("cannot write {}", script.display()))?;
+    let args = flags.iter().flat_map(|(f, v)| [*f, v.as_str()]);
+    match Command::new(python).arg(&script).args(args).output() {
+        Ok(o) => {
+            eprint!("{}", String::from_utf8_lossy(&o.stderr));
+            if !o.status.success() {
+                eprintln!(
+                    "warning: the peer {name} failed ({}); its missing rows are left out",
+                    o.status
+                );
+            }
+            Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+        }
+        Err(e) => {
+            eprintln!(
+                "warning: cannot run {python} for the peer {name} ({e}); its rows are left out"
+            );
+            Ok(String::new())
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Row {
+    imp: String,
+    case: String,
+    len: i64,
+    dim: i64,
+    window: i64,
+    sparsity: f64,
+    /// One call's time with the host's launch time hidden (calls back to back, see `times`).
+    fwd_ms: f64,
+    fwdbwd_ms: f64,
+    /// One call alone between synchronisations, on the host's clock: launch time included.
+    fwd_host_ms: f64,
+    fwdbwd_host_ms: f64,
+}
+
+/// Forward and forward-and-backward times of one operation under both protocols.
+struct Times {
+    fwd: (f64, f64),
+    fwdbwd: (f64, f64),
+}
+
+impl Row {
+    /// A row of our kernels' times.
+    fn ours(case: String, len: i64, dim: i64, window: i64, sparsity: f64, t: Times) -> Row {
+        Row {
+            imp: "ours".into(),
+            case,
+            len,
+            dim,
+            window,
+            sparsity,
+            fwd_ms: t.fwd.0,
+            fwdbwd_ms: t.fwdbwd.0,
+            fwd_host_ms: t.fwd.1,
+            fwdbwd_host_ms: t.fwdbwd.1,
+        }
+    }
+
+    /// The backward's share of the timed forward-and-backward pair.
+    fn bwd_ms(&self) -> f64 {
+        self.fwdbwd_ms - self.fwd_ms
+    }
+}
+
+/// Milliseconds one call of `f` takes, by the protocol every implementation in the bench is
+/// timed with (ours here, the peers in `kernels/bench_peers.py`), after three calls to warm
+/// up: (device, host). Device: `reps` calls back to back between one pair of CUDA events,
+/// divided by `reps`, the median of three such batches; the host queues the next call while
+/// the GPU runs the last, so launch overhead (large for a compiled Python call, small for ours)
+/// is hidden for every implementation alike. Host: each call alone between synchronisations
+/// on the host's clock, the median over `reps`: what a caller waiting on each call sees. Without
+/// CUDA both are host time.
+fn times(kern: &Kernels, reps: usize, mut f: impl FnMut()) -> (f64, f64) {
+    for _ in 0..3 {
+        f();
+    }
+    let sync = || {
+        if kern.cuda {
+            tch::Cuda::synchronize(0)
+        }
+    };
+    let host = |f: &mut dyn FnMut()| {
+        sync();
+        let start = Instant::now();
+        f();
+        sync();
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    let device = match kern.cuda {
+        true => {
+            let (start, end) = (
+                kern.event().expect("CUDA event"),
+                kern.event().expect("CUDA event"),
+            );
+            sync();
+            (0..3)
+                .map(|_| {
+                    start.record().expect("CUDA event");
+                    for _ in 0..reps {
+                        f();
+                    }
+                    end.record().expect("CUDA event");
+                    end.ms_since(&start).expect("CUDA event") / reps as f64
+                })
+                .collect()
+        }
+        false => (0..reps).map(|_| host(&mut f)).collect(),
+    };
+    let host_ms = median((0..reps).map(|_| host(&mut f)).collect());
+    (median(device), host_ms)
+}
+
+/// The rows a peer script printed: `impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms,
+/// fwd_host_ms,fwdbwd_host_ms`; comment lines (`#`) and lines of another shape are skipped.
+fn peer_rows(printed: &str) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for line in printed.lines().filter(|l| !l.starts_with('#')) {
+        let f: Vec<&str> = line.split(',').collect();
+        if f.len() != 10 {
+            continue;
+        }
+        let num = |i: usize| -> Result<f64> {
+            let v: f64 = f[i].parse()?;
+            ensure!(
+                v.is_finite(),
+                "the peer printed a non-finite time in {line:?}"
+            );
+            Ok(v)
+        };
+        rows.push(Row {
+            imp: f[0].into(),
+            case: f[1].into(),
+            len: f[2].parse()?,
+            dim: f[3].parse()?,
+            window: f[4].parse()?,
+            sparsity: num(5)?,
+            fwd_ms: num(6)?,
+            fwdbwd_ms: num(7)?,
+            fwd_host_ms: num(8)?,
+            fwdbwd_host_ms: num(9)?,
+        });
+    }
+    Ok(rows)
+}
+
+/// Forward, and forward with the gradients of q, k and v, of one operation. The backward is
+/// seeded with dO = 1 (a fill inside the timed call) and returns the gradients instead of adding
+/// them to `.grad`: the peers' script does the same (`torch.autograd.grad`), so neither side
+/// pays for a loss product or for accumulating into earlier gradients, work that is not
+/// attention (at L 16384, D 128 about 0.1 ms each). The kernels' time does not depend on dO's
+/// values.
+fn time_op(
+    kern: &Kernels,
+    reps: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    op: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+) -> Times {
+    let fwd = tch::no_grad(|| times(kern, reps, || drop(op(q, k, v))));
+    let (qg, kg, vg) = (
+        q.detach().set_requires_grad(true),
+        k.detach().set_requires_grad(true),
+        v.detach().set_requires_grad(true),
+    );
+    let fwdbwd = times(kern, reps, || {
+        drop(Tensor::run_backward(
+            &[op(&qg, &kg, &vg)],
+            &[&qg, &kg, &vg],
+            false,
+            false,
+        ))
+    });
+    Times { fwd, fwdbwd }
+}
+
+/// (query, key) pairs of a case, for TFLOP/s: 4 * pairs * D forward.
+fn pairs(r: &Row, heads: i64) -> f64 {
+    let l = r.len as f64;
+    let per_seq = match r.case.as_str() {
+        "swa" => {
+            let w = (r.window as f64).min(l);
+            w * l - w * (w - 1.0) / 2.0
+        }
+        // Active queries spread uniformly: each sees about L/2 keys on average.
+        "sparse" => (1.0 - r.sparsity) * l * (l + 1.0) / 2.0,
+        c if c.starts_with("ppa_p") => {
+            let power = c["ppa_p".len()..].parse().expect("ppa_p<power>");
+            let pattern = KeyPattern::Ppa {
+                power,
+                window: r.window as usize,
+            };
+            pattern.attended_pairs(r.len as usize) as f64
+        }
+        "routed" => {
+            let w = (r.window as f64).min(l);
+            let window = w * l - w * (w - 1.0) / 2.0;
+            (1.0 - r.sparsity) * l * (l + 1.0) / 2.0 + r.sparsity * window
+        }
+        _ => l * (l + 1.0) / 2.0,
+    };
+    per_seq * heads as f64
+}
+
+/// A CSV of `header` and `records`, written whole or not at all (`atomic`).
+fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
+    crate::util::atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(header)?;
+        for r in records {
+            w.write_record(r)?;
+        }
+        Ok(w.flush()?)
+    })
+}
+
+/// Least-squares slope of ln y against ln x: e in y ~ x^e.
+fn log_slope(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    let mx = points.iter().map(|p| p.0.ln()).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1.ln()).sum::<f64>() / n;
+    let sxy: f64 = points
+        .iter()
+        .map(|p| (p.0.ln() - mx) * (p.1.ln() - my))
+        .sum();
+    let sxx: f64 = points.iter().map(|p| (p.0.ln() - mx).powi(2)).sum();
+    sxy / sxx
+}
+
+/// How one case's time grows with L over the bench's lengths: the fitted exponents of
+/// forward and forward+backward time and of the attended pairs (PPA's should grow like
+/// L^(1+p), as its pairs do).
+#[derive(Debug)]
+struct Scaling {
+    imp: String,
+    case: String,
+    dim: i64,
+    window: i64,
+    sparsity: f64,
+    lengths: Vec<i64>,
+    fwd: f64,
+    fwdbwd: f64,
+    pairs: f64,
+}
+
+/// One `Scaling` per (impl, case, D, window, sparsity) timed at two or more lengths (a
+/// failed measurement, not finite, is left out); a window of L or more (causal, sparse
+/// queries) is the whole prefix at every length, window -1. In the order the rows first name
+/// them.
+fn scaling(rows: &[Row], heads: i64) -> Vec<Scaling> {
+    let window_of = |r: &Row| if r.window >= r.len { -1 } else { r.window };
+    let key = |r: &Row| {
+        (
+            r.imp.clone(),
+            r.case.clone(),
+            r.dim,
+            window_of(r),
+            r.sparsity.to_bits(),
+        )
+    };
+    let mut done = Vec::new();
+    let mut out: Vec<Scaling> = Vec::new();
+    for r in rows {
+        if done.contains(&key(r)) {
+            continue;
+        }
+        done.push(key(r));
+        let group: Vec<&Row> = rows
+            .iter()
+            .filter(|c| key(c) == key(r))
+            .filter(|c| {
+                c.fwd_ms.is_finite()
+                    && c.fwdbwd_ms.is_finite()
+                    && c.fwd_ms > 0.0
+                    && c.fwdbwd_ms > 0.0
+            })
+            .collect();
+        if group.len() < 2 {
+            continue;
+        }
+        let fit = |f: &dyn Fn(&Row) -> f64| {
+            log_slope(
+                &group
+                    .iter()
+                    .map(|c| (c.len as f64, f(c)))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        out.push(Scaling {
+            imp: r.imp.clone(),
+            case: r.case.clone(),
+            dim: r.dim,
+            window: window_of(r),
+            sparsity: r.sparsity,
+            lengths: group.iter().map(|c| c.len).collect(),
+            fwd: fit(&|c| c.fwd_ms),
+            fwdbwd: fit(&|c| c.fwdbwd_ms),
+            pairs: fit(&|c| pairs(c, heads)),
+        });
+    }
+    out
+}
+
+/// `attention_scaling.csv`.
+fn write_scaling(rows: &[Scaling], path: &Path) -> Result<()> {
+    let header = [
+        "impl",
+        "case",
+        "D",
+        "window",
+        "sparsity",
+        "lengths",
+        "fwd_exponent",
+        "fwdbwd_exponent",
+        "pairs_exponent",
+    ];
+    let records = rows
+        .iter()
+        .map(|s| {
+            let lengths: Vec<String> = s.lengths.iter().map(|l| l.to_string()).collect();
+            vec![
+                s.imp.clone(),
+                s.case.clone(),
+                s.dim.to_string(),
+                s.window.to_string(),
+                s.sparsity.to_string(),
+                lengths.join(" "),
+                format!("{:.3}", s.fwd),
+                format!("{:.3}", s.fwdbwd),
+                format!("{:.3}", s.pairs),
+            ]
+        })
+        .collect();
+    write_csv(path, &header, records)
+}
+
+pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
+    ensure!(
+        kern.cuda && tch::Cuda::is_available(),
+        "bench attention needs a GPU and the CUDA kernel library"
+    );
+    std::fs::create_dir_all(&b.out)?;
+    let dev = Device::Cuda(0);
+    let mut rows: Vec<Row> = Vec::new();
+    // The peers first: their process must find the GPU's memory free.
+    if b.peers {
+        let flags = [
+            ("--lengths", joined(&b.lengths)),
+            ("--head-dims", joined(&b.head_dims)),
+            ("--windows", joined(&b.windows)),
+            ("--sparsities", joined(&b.sparsities)),
+            ("--routed-usages", joined(&b.routed_usages)),
+            ("--ppa-powers", joined(&b.ppa_powers)),
+            ("--ppa-window", b.ppa_window.to_string()),
+            ("--heads", b.heads.to_string()),
+            ("--reps", b.reps.to_string()),
+        ];
+        let printed = run_peer(
+            &b.out,
+            &b.python,
+            "bench_peers.py",
+            include_str!("../../kernels/bench_peers.py"),
+            &flags,
+        )?;
+        rows.extend(peer_rows(&printed)?);
+    }
+    for &len in &b.lengths {
+        for &d in &b.head_dims {
+            tch::manual_seed(0);
+            let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
+            let (q, k, v) = (mk(), mk(), mk());
+            for &w in &b.windows {
+                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                    kern.list_attention(q, k, v, None, w).expect("kernel")
+                });
+                rows.push(Row::ours("swa".into(), len, d, w, 0.0, t));
+            }
+            for &s in &b.sparsities {
+                let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
+                let pos = Tensor::randperm(len, (Kind::Int64, dev))
+                    .narrow(0, 0, n)
+                    .sort(0, false)
+                    .0;
+                let qpos = pos
+                    .to_kind(Kind::Int)
+                    .view([1, 1, n])
+                    .expand([1, b.heads, n], false)
+                    .contiguous();
+                let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
+                let qc = q.index_select(2, &pos).contiguous();
+                let t = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
+                    kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
+                        .expect("kernel")
+                });
+                rows.push(Row::ours("sparse".into(), len, d, len, s, t));
+            }
+            for &w in &b.windows {
+                for &u in &b.routed_usages {
+                    // The gate pattern is an input, built outside the timed call as the
+                    // other cases' query lists are.
+                    let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
+                    let paths = routed_paths(&on);
+                    let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                        kern.routed_attention(q, k, v, &paths, w)
+                            .expect("routed attention on the bench's inputs")
+                    });
+                    rows.push(Row::ours("routed".into(), len, d, w, 1.0 - u, t));
+                }
+            }
+            for &p in &b.ppa_powers {
+                let pattern = KeyPattern::Ppa {
+                    power: p,
+                    window: b.ppa_window as usize,
+                };
+                let offsets = pattern.offsets_beyond_window(len as usize);
+                let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
+                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                    match offsets.tensor.numel() {
+                        0 => kern.list_attention(q, k, v, None, b.ppa_window),
+                        _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
+                    }
+                    .expect("kernel")
+                });
+                // Named as the peer script names it (Python's float repr: 0.0, 0.25).
+                rows.push(Row::ours(
+                    format!("ppa_p{p:?}"),
+                    len,
+                    d,
+                    b.ppa_window,
+                    0.0,
+                    t,
+                ));
+            }
+        }
+    }
+    let csv_path = b.out.join("attention_bench.csv");
+    // Speed-ups over a dense peer's forward and backward (empty without that peer in the run):
+    // cuDNN, the fastest, and FlashAttention-2 (SDPA's flash backend), the paper's reference.
+    let over = |name: &str, r: &Row| {
+        dense_peer(&rows, name, r).map_or([String::new(), String::new()], |c| {
+            [
+                format!("{:.3}", c.fwd_ms / r.fwd_ms),
+                format!("{:.3}", c.bwd_ms() / r.bwd_ms()),
+            ]
+        })
+    };
+    let records = rows
+        .iter()
+        .map(|r| {
+            let tflops = 4.0 * pairs(r, b.heads) * r.dim as f64 / (r.fwd_ms * 1e-3) / 1e12;
+            let mut rec = vec![
+                r.imp.clone(),
+                r.case.clone(),
+                r.len.to_string(),
+                r.dim.to_string(),
+                r.window.to_string(),
+                r.sparsity.to_string(),
+                format!("{:.4}", r.fwd_ms),
+                format!("{:.4}", r.bwd_ms()),
+                format!("{:.4}", r.fwdbwd_ms),
+                format!("{:.4}", r.fwd_host_ms),
+                format!("{:.4}", r.fwdbwd_host_ms),
+                format!("{:.1}", tflops),
+            ];
+            rec.extend(over("sdpa_cudnn", r));
+            rec.extend(over("sdpa_flash", r));
+            rec
+        })
+        .collect();
+    write_csv(
+        &csv_path,
+        &[
+            "impl",
+            "case",
+            "L",
+            "D",
+            "window",
+            "sparsity",
+            "fwd_ms",
+            "bwd_ms",
+            "fwdbwd_ms",
+            "fwd_host_ms",
+            "fwdbwd_host_ms",
+            "fwd_tflops",
+            "fwd_vs_cudnn_causal",
+            "bwd_vs_cudnn_causal",
+            "fwd_vs_flash_causal",
+            "bwd_vs_flash_causal",
+        ],
+        records,
+    )?;
+    write_scaling(
+        &scaling(&rows, b.heads),
+        &b.out.join("attention_scaling.csv"),
+    )?;
+    let figure = b.out.join("attention_speedup");
+    match speedup_figure(&rows) {
+        Some(f) => {
+            f.save(&figure)?;
+        }
+        None => {
+            // No sparse case beside FlashAttention-2 in this run: an earlier run's figure
+            // must not stay.
+            for ext in ["png", "svg"] {
+                let _ = std::fs::remove_file(figure.with_extension(ext));
+            }
+        }
+    }
+    Ok(csv_path)
+}
+
+/// The row of dense causal peer `name` (`sdpa_cudnn`, `sdpa_flash`) at `r`'s length and
+/// head dim.
+fn dense_peer<'a>(rows: &'a [Row], name: &str, r: &Row) -> Option<&'a Row> {
+    rows.iter()
+        .find(|c| c.imp == name && c.len == r.len && c.dim == r.dim)
+}
+
+/// L2A Fig. 8: speed-up of sparse-query attention (ours and FlexAttention over compacted
+/// queries) over dense causal FlashAttention-2, against the fraction of queries skipped, the
+/// forward and the backward in two panels; cuDNN's dense causal kernel is drawn beside as a
+/// flat line at its own speed-up. None without FlashAttention-2 or a sparse case in the run.
+fn speedup_figure(rows: &[Row]) -> Option<Figure> {
+    let flash = |r: &Row| dense_peer(rows, "sdpa_flash", r);
+    let sparsities: Vec<f64> = {
+        let mut v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.case == "sparse")
+            .map(|r| r.sparsity)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.dedup();
+        v
+    };
+    let mut keys: Vec<(i64, i64)> = rows.iter().map(|r| (r.len, r.dim)).collect();
+    keys.sort();
+    keys.dedup();
+    let panel = |title: &str, ms: fn(&Row) -> f64| {
+        let mut series = Vec::new();
+        for imp in ["ours", "flex", "sdpa_cudnn"] {
+            for &(len, d) in &keys {
+                let pts: Vec<(f64, f64)> = rows
+                    .iter()
+                    .filter(|r| r.imp == imp && r.len == len && r.dim == d)
+                    .filter(|r| r.case == "sparse" || imp == "sdpa_cudnn")
+                    .filter_map(|r| flash(r).map(|f| (r, ms(f) / ms(r))))
+                    .flat_map(|(r, x)| {
+                        // The dense peer has no sparsity: a flat line across the swept ones.
+                        let at = if imp == "sdpa_cudnn" {
+                            sparsities.clone()
+                        } else {
+                            vec![r.sparsity]
+                        };
+                        at.into_iter().map(move |s| (s, x))
+                    })
+                    .collect();
+                if !pts.is_empty() {
+                    series.push(Series {
+                        name: format!("{imp} L={len} D={d}"),
+                        points: pts,
+                        line: true,
+                        labels: vec![],
+                    });
+                }
+            }
+        }
+        Panel {
+            title: title.into(),
+            x: "fraction of queries skipped".into(),
+            y: "speed-up over FlashAttention-2 causal (x)".into(),
+            series,
+            x_axis: crate::sweep::plot::XAxis::LinearSwept,
+        }
+    };
+    let panels = vec![
+        panel("forward", |r| r.fwd_ms),
+        panel("backward", Row::bwd_ms),
+    ];
+    let sparse = |p: &Panel| p.series.iter().any(|s| !s.name.starts_with("sdpa"));
+    panels.iter().all(sparse).then(|| Figure::Panels {
+        title: "Sparse-query attention against dense causal attention".into(),
+        panels,
+    })
+}
+
+/// `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
+/// model per method and length, beside the same model in plain eager PyTorch
+/// (`kernels/train_peer.py`), timed in one run.
+pub struct TrainBench {
+    pub lengths: Vec<i64>,
+    /// Tokens per step; the batch is `tokens / L` (at least 1).
+    pub tokens: i64,
+    pub methods: Vec<TrainMethod>,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub window: usize,
+    /// Fraction of AHA's (token, head) gates open at the start.
+    pub full_usage: f64,
+    /// `attention.ste_sample` of the aha-sampled rows.
+    pub ste_sample: f64,
+    /// `attention.ppa_power` of the ppa rows.
+    pub ppa_power: f64,
+    pub steps: usize,
+    pub warmup: usize,
+    pub out: PathBuf,
+    pub python: String,
+    /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
+    pub peers: Vec<String>,
+}
+
+impl TrainBench {
+    /// The flags, checked before anything runs or is written.
+    pub fn validate(&self) -> Result<()> {
+        check_lengths(&self.lengths)?;
+        ensure!(
+            !self.methods.is_empty(),
+            "--methods needs at least one method"
+        );
+        ensure!(self.tokens >= 1, "--tokens must be at least 1");
+        ensure!(self.layers >= 1, "--layers must be at least 1");
+        ensure!(self.heads >= 1, "--heads must be at least 1");
+        ensure!(
+            self.hidden % self.heads == 0,
+            "--hidden {} is not a multiple of --heads {}",
+            self.hidden,
+            self.heads
+        );
+        ensure!(self.intermediate >= 1, "--intermediate must be at least 1");
+        ensure!(self.vocab >= 2, "--vocab must be at least 2");
+        ensure!(self.window >= 1, "--window must be at least 1");
+        ensure!(
+            self.full_usage > 0.0 && self.full_usage < 1.0,
+            "--full-usage must lie strictly between 0 and 1 (got {})",
+            self.full_usage
+        );
+        ensure!(
+            self.ste_sample > 0.0 && self.ste_sample <= 1.0,
+            "--ste-sample must lie in (0, 1] (got {})",
+            self.ste_sample
+        );
+        ensure!(self.steps >= 1, "--steps must be at least 1");
+        ensure!(
+            (0.0..=1.0).contains(&self.ppa_power),
+            "--ppa-power must lie in [0, 1] (got {})",
+            self.ppa_power
+        );
+        for p in &self.peers {
+            ensure!(
+                p == "eager" || p == "compile",
+                "--peers takes eager and compile (got {p:?})"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
+#[derive(Clone, Copy)]
+pub struct TrainMethod {
+    method: Method,
+    variant: &'static BenchVariant,
+}
+
+impl TrainMethod {
+    /// Every variant the registry lists, in its order.
+    pub fn all() -> impl Iterator<Item = TrainMethod> {
+        methods().flat_map(|s| {
+            s.bench.iter().map(|variant| TrainMethod {
+                method: s.method,
+                variant,
+            })
+        })
+    }
+
+    /// The variant named `name` (for `--methods`).
+    pub fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
+        TrainMethod::all()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
+                format!("{name:?} is not a method the bench times ({})", names.join(", "))
+            })
+    }
+
+    fn name(self) -> &'static str {
+        self.variant.name
+    }
+}
+
+struct TrainRow {
+    imp: String,
+    method: String,
+    len: i64,
+    batch: i64,
+    step_ms: f64,
+    /// Forward (with the loss), backward and optimizer medians; attnsweep rows only.
+    phases_ms: Option<[f64; 3]>,
+    full_usage: Option<f64>,
+}
+
+impl TrainBench {
+    fn config(&self, method: TrainMethod, len: i64) -> crate::config::Config {
+        use crate::config::{AttnImpl, Config, Dtype};
+        let mut c = Config::default();
+        c.model.vocab_size = self.vocab;
+        c.model.hidden_size = self.hidden;
+        c.model.intermediate_size = self.intermediate;
+        c.model.num_hidden_layers = self.layers;
+        c.model.num_attention_heads = self.heads;
+        c.model.num_key_value_heads = self.heads;
+        c.attention.method = method.method;
+        let knobs = BenchKnobs {
+            full_usage: self.full_usage,
+            ste_sample: self.ste_sample,
+        };
+        (method.variant.setup)(&mut c.attention, &knobs);
+        c.attention.ppa_power = self.ppa_power;
+        c.attention.window = self.window;
+        c.attention.attn_impl = AttnImpl::Cuda;
+        c.data.seq_len = len as usize;
+        c.train.dtype = Dtype::Bf16;
+        c.train.device = "cuda".into();
+        c
+    }
+
+    /// Median step time of attnsweep's training step for one method and length, with the
+    /// medians of its phases (forward with the loss, backward, optimizer).
+    fn measure(&self, method: TrainMethod, len: i64) -> Result<TrainRow> {
+        use crate::model::attention::ForwardCtx;
+        use crate::run::Built;
+        use crate::run::train::{forward_loss, AdamW};
+        let cfg = self.config(method, len);
+        let dev = Device::Cuda(0);
+        let built = Built::new(&cfg, dev)?;
+        if method.variant.calibrate_router {
+            calibrate_routers(&built, self.full_usage, len);
+        }
+        let params = built.params();
+        let mut opt = AdamW::new(&params, built.model.kernels);
+        let batch = (self.tokens / len).max(1);
+        let ids = Tensor::randint(self.vocab as i64, [batch, len + 1], (Kind::Int64, dev));
+        let (x, y) = (ids.narrow(1, 0, len), ids.narrow(1, 1, len));
+        let ctx = ForwardCtx {
+            compute_logits: true,
+            ..Default::default()
+        };
+        let mut phases: [Vec<f64>; 4] = Default::default();
+        let mut usage = None;
+        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+        for step in 0..self.warmup + self.steps {
+            tch::Cuda::synchronize(0);
+            let start = Instant::now();
+            opt.zero_grad();
+            let (loss, stats) = forward_loss(&built.model, &x, &y, &ctx);
+            let fwd = Instant::now();
+            loss.backward();
+            tch::Cuda::synchronize(0);
+            let bwd = Instant::now();
+            opt.clip_grad_norm(cfg.train.grad_clip);
+            // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
+            opt.update(0.0, &cfg.train);
+            tch::Cuda::synchronize(0);
+            if step >= self.warmup {
+                let secs = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                let t = [
+                    ms(start),
+                    secs(fwd.duration_since(start)),
+                    secs(bwd.duration_since(fwd)),
+                    ms(bwd),
+                ];
+                for (v, x) in phases.iter_mut().zip(t) {
+                    v.push(x);
+                }
+            }
+            usage = stats.full_usage;
+        }
+        let [total, f, b, o] = phases;
+        Ok(TrainRow {
+            imp: "attnsweep".into(),
+            method: method.name().into(),
+            len,
+            batch,
+            step_ms: median(total),
+            phases_ms: Some([median(f), median(b), median(o)]),
+            full_usage: usage,
+        })
+    }
+}
+
+/// Sets every router so that about `usage` of its gates (AHA: per token and head; SwiAttn:
+/// per token) open on random tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
+/// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
+/// quantile of the measured logits.
+fn calibrate_routers(built: &crate::run::Built, usage: f64, len: i64) {
+    use crate::model::attention::ForwardCtx;
+    let params = built.params();
+    let dev = Device::Cuda(0);
+    tch::no_grad(|| {
+        for (name, p) in &params {
+            if name.ends_with("router.weight") {
+                let d = p.size()[1] as f64;
+                p.shallow_clone().copy_(&(p.randn_like() / d.sqrt()));
+            } else if name.ends_with("router.bias") {
+                let _ = p.shallow_clone().zero_();
+            }
+        }
+        let ids = Tensor::randint(
+            built.model.cfg.vocab_size as i64,
+            [1, len],
+            (Kind::Int64, dev),
+        );
+        for layer in 0..built.model.layers.len() {
+            let out = built.model.forward(&ids, &ForwardCtx::default());
+            let s = out.layers[layer]
+                .scores
+                .as_ref()
+                .expect("layers with learned routers have router scores");
+            let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
+            // Logits with the current (zero) bias of this layer.
+            let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
+            let q = logits.quantile_scalar(1.0 - usage, None, false, "linear");
+            let _ = bias.shallow_clone().fill_(-q.double_value(&[]));
+        }
+    });
+}
+
+/// Runs the training bench; returns the CSV's path.
+pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
+    ensure!(
+        tch::Cuda::is_available(),
+        "bench train needs a GPU and the CUDA kernel library"
+    );
+    std::fs::create_dir_all(&b.out)?;
+    let mut rows: Vec<TrainRow> = Vec::new();
+    // The variants the peers implement (`BenchVariant::peer`).
+    let peer_methods: Vec<&str> = b.methods.iter().filter_map(|m| m.variant.peer).collect();
+    // A list of variants without a peer (aha-sampled) leaves the peers nothing to run.
+    if !b.peers.is_empty() && !peer_methods.is_empty() {
+        let flags = [
+            ("--lengths", joined(&b.lengths)),
+            ("--methods", joined(&peer_methods)),
+            ("--tokens", b.tokens.to_string()),
+            ("--layers", b.layers.to_string()),
+            ("--hidden", b.hidden.to_string()),
+            ("--heads", b.heads.to_string()),
+            ("--intermediate", b.intermediate.to_string()),
+            ("--vocab", b.vocab.to_string()),
+            ("--window", b.window.to_string()),
+            ("--full-usage", b.full_usage.to_string()),
+            ("--ppa-power", b.ppa_power.to_string()),
+            ("--impls", b.peers.join(",")),
+            ("--steps", b.steps.to_string()),
+            ("--warmup", b.warmup.to_string()),
+            ("--lr", "0".to_string()),
+        ];
+        let printed = run_peer(
+            &b.out,
+            &b.python,
+            "train_peer.py",
+            include_str!("../../kernels/train_peer.py"),
+            &flags,
+        )?;
+        for line in printed.lines() {
+            if let Some(note) = line.strip_prefix("# ") {
+                eprintln!("{note}");
+                continue;
+            }
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() == 7 {
+                rows.push(TrainRow {
+                    imp: f[0].into(),
+                    method: f[1].into(),
+                    len: f[2].parse()?,
+                    batch: f[3].parse()?,
+                    step_ms: f[4].parse()?,
+                    phases_ms: None,
+                    full_usage: f[6].parse().ok(),
+                });
+            }
+        }
+    }
+    for &len in &b.lengths {
+        for &m in &b.methods {
+            // One failed case (out of memory at a long length) is reported, not fatal.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.measure(m, len)));
+            match r {
+                Ok(Ok(row)) => rows.push(row),
+                Ok(Err(e)) => eprintln!("attnsweep {} L={len}: {e:#}", m.name()),
+                Err(_) => eprintln!(
+                    "attnsweep {} L={len}: failed (see the message above)",
+                    m.name()
+                ),
+            }
+        }
+    }
+    let csv_path = b.out.join("train_bench.csv");
+    let full_of = |imp: &str, len: i64| {
+        rows.iter()
+            .find(|r| r.imp == imp && r.method == "full" && r.len == len)
+            .map(|r| r.step_ms)
+    };
+    let records = rows
+        .iter()
+        .map(|r| {
+            let ratio =
+                |base: Option<f64>| base.map_or(String::new(), |s| format!("{:.3}", s / r.step_ms));
+            [
+                r.imp.clone(),
+                r.method.clone(),
+                r.len.to_string(),
+                r.batch.to_string(),
+                format!("{:.3}", r.step_ms),
+                format!("{:.0}", (r.batch * r.len) as f64 / r.step_ms * 1e3),
+                r.full_usage.map_or(String::new(), |u| format!("{u:.4}")),
+                ratio(full_of(&r.imp, r.len)),
+                ratio(full_of("torch_eager", r.len)),
+                ratio(full_of("torch_compile", r.len)),
+            ]
+            .into_iter()
+            .chain((0..3).map(|i| {
+                r.phases_ms
+                    .map_or(String::new(), |p| format!("{:.3}", p[i]))
+            }))
+            .collect()
+        })
+        .collect();
+    write_csv(
+        &csv_path,
+        &[
+            "impl",
+            "method",
+            "L",
+            "batch",
+            "step_ms",
+            "tokens_per_s",
+            "full_usage",
+            "vs_same_impl_full",
+            "vs_eager_full",
+            "vs_compile_full",
+            "fwd_ms",
+            "bwd_ms",
+            "opt_ms",
+        ],
+        records,
+    )?;
+    Ok(csv_path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that fails keeps the rows it printed, one that cannot start gives none, and
+    /// neither stops the bench.
+    #[test]
+    fn failing_peers_leave_their_rows_out_without_stopping_the_bench() {
+        let out = crate::util::scratch_dir("peer");
+        let script = "import sys\nprint('flex,swa,4096,64,256,0,0.1,0.2')\nsys.exit(3)\n";
+        let printed = run_peer(&out, "python3", "peer.py", script, &[]).unwrap();
+        assert_eq!(printed.trim(), "flex,swa,4096,64,256,0,0.1,0.2");
+        let none = run_peer(&out, "no-such-python-here", "peer.py", script, &[]).unwrap();
+        assert!(none.is_empty());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    /// Peer rows carry both protocols' times; other lines are skipped, a non-finite time
+    /// refused.
+    #[test]
+    fn peer_rows_read_both_protocols() {
+        let rows = peer_rows(
+            "# a comment\nflex,swa,16384,128,256,0,0.219,1.2,0.334,1.5\nflex,swa,16384,128,256,0,0.2,1.2\n",
+        )
+        .unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(
+            (r.fwd_ms, r.fwdbwd_ms, r.fwd_host_ms, r.fwdbwd_host_ms),
+            (0.219, 1.2, 0.334, 1.5)
+        );
+        assert!(peer_rows("flex,swa,1,1,1,0,nan,1,1,1\n").is_err());
+    }
+
+    fn row(imp: &str, case: &str, len: i64, window: i64, fwd_ms: f64) -> Row {
+        Row {
+            imp: imp.into(),
+            case: case.into(),
+            len,
+            dim: 128,
+            window,
+            sparsity: 0.0,
+            fwd_ms,
+            fwdbwd_ms: 3.0 * fwd_ms,
+            fwd_host_ms: fwd_ms,
+            fwdbwd_host_ms: 3.0 * fwd_ms,
+        }
+    }
+
+    /// Fig. 8's panels: speed-ups over FlashAttention-2's forward and backward (the pair's
+    /// time less the forward), cuDNN flat across the swept sparsities; none without FA2.
+    #[test]
+    fn speedup_figure_divides_forward_and_backward_by_flash_attention() {
+        let sparse = |imp: &str, s: f64, fwd: f64, fwdbwd: f64| Row {
+            sparsity: s,
+            fwdbwd_ms: fwdbwd,
+            ..row(imp, "sparse", 4096, 4096, fwd)
+        };
+        let mut rows = vec![
+            Row {
+                fwdbwd_ms: 10.0,
+                ..row("sdpa_flash", "causal", 4096, 4096, 2.0)
+            },
+            Row {
+                fwdbwd_ms: 5.0,
+                ..row("sdpa_cudnn", "causal", 4096, 4096, 1.0)
+            },
+            sparse("ours", 0.5, 1.0, 3.0),
+            sparse("ours", 0.9, 0.25, 1.25),
+            sparse("flex", 0.9, 0.5, 4.5),
+        ];
+        let Some(Figure::Panels { panels, .. }) = speedup_figure(&rows) else {
+            panic!("two panels expected");
+        };
+        let points = |p: usize, name: &str| {
+            let s = panels[p].series.iter().find(|s| s.name == name).unwrap();
+            s.points.clone()
+        };
+        assert_eq!(points(0, "ours L=4096 D=128"), [(0.5, 2.0), (0.9, 8.0)]);
+        assert_eq!(points(1, "ours L=4096 D=128"), [(0.5, 4.0), (0.9, 8.0)]);
+        assert_eq!(points(1, "flex L=4096 D=128"), [(0.9, 2.0)]);
+        assert_eq!(
+            points(0, "sdpa_cudnn L=4096 D=128"),
+            [(0.5, 2.0), (0.9, 2.0)]
+        );
+        assert_eq!(
+            points(1, "sdpa_cudnn L=4096 D=128"),
+            [(0.5, 2.0), (0.9, 2.0)]
+        );
+        rows.remove(0);
+        assert!(speedup_figure(&rows).is_none());
+    }
+
+    #[test]
+    fn scaling_fits_each_cases_exponents() {
+        let lengths = [4096i64, 8192, 16384, 32768];
+        let mut rows = Vec::new();
+        for &l in &lengths {
+            let x = l as f64;
+            rows.push(row("ours", "ppa_p0.5", l, 64, 1e-6 * x.powf(1.5)));
+            rows.push(row("sdpa_cudnn", "causal", l, l, 2e-8 * x * x));
+            rows.push(row("ours", "swa", l, 256, 1e-5 * x));
+        }
+        // A failed peer measurement and a case timed at one length only.
+        rows.push(row("flex", "ppa_p0.5", 4096, 64, 1.0));
+        rows.push(row("flex", "ppa_p0.5", 8192, 64, f64::NAN));
+        let fits = scaling(&rows, 16);
+        assert_eq!(fits.len(), 3, "{fits:?}");
+        let get = |imp: &str, case: &str| {
+            fits.iter()
+                .find(|s| s.imp == imp && s.case == case)
+                .unwrap()
+        };
+        let ppa = get("ours", "ppa_p0.5");
+        assert_eq!(ppa.lengths, lengths);
+        assert!((ppa.fwd - 1.5).abs() < 1e-9 && (ppa.fwdbwd - 1.5).abs() < 1e-9);
+        // PPA p = 0.5's attended pairs: the window's, plus L - s per square s >= 64 below L.
+        let pattern_pairs = |l: f64| {
+            let w = 64.0;
+            let squares: f64 = (8..)
+                .map(|j: i64| (j * j) as f64)
+                .take_while(|&s| s < l)
+                .map(|s| l - s)
+                .sum();
+            w * l - w * (w - 1.0) / 2.0 + squares
+        };
+        let want = log_slope(&lengths.map(|l| (l as f64, pattern_pairs(l as f64))));
+        assert!((ppa.pairs - want).abs() < 1e-9, "{} vs {want}", ppa.pairs);
+        assert!((ppa.pairs - 1.28).abs() < 0.02, "{}", ppa.pairs);
+        // Causal pairs grow like L^2 (slightly less: L (L + 1) / 2); a fixed window like L.
+        let causal = get("sdpa_cudnn", "causal");
+        assert!((causal.fwd - 2.0).abs() < 1e-9 && (causal.pairs - 2.0).abs() < 1e-3);
+        let swa = get("ours", "swa");
+        assert!((swa.fwd - 1.0).abs() < 1e-9 && (swa.pairs - 1.0).abs() < 0.02);
+    }
+}

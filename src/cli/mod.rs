@@ -1,0 +1,813 @@
+//! The command line: `attnsweep train | eval | data`.
+
+pub mod bench;
+
+use crate::cli::bench::TrainMethod;
+use crate::config::Config;
+use crate::util::flags::finite_flag;
+use crate::data::{self, SynthSpec};
+use crate::run::eval;
+use crate::run::train::{self, TrainArgs};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "attnsweep",
+    version,
+    about = "Train, evaluate and sweep transformers that mix full, sliding-window, PPA and routed attention"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model from an experiment file (or the built-in defaults).
+    Train(TrainCmd),
+    /// Evaluate a trained run: loss, perplexity, bits per token, attention work, and loss per
+    /// dependency distance on the synthetic corpus.
+    Eval(EvalCmd),
+    /// Prepare token data sets.
+    #[command(subcommand)]
+    Data(DataCmd),
+    /// Run a grid of experiments (see sweeps/): every cell trains or evaluates in its own
+    /// directory; finished cells are skipped, interrupted ones resumed, failed ones recorded.
+    Sweep(SweepCmd),
+    /// Write the paper tables and figures of a sweep directory (CSV, PNG and SVG).
+    Plot(PlotCmd),
+    /// Build or locate the attention kernel library.
+    #[command(subcommand)]
+    Kernels(KernelsCmd),
+    /// Benchmarks on the GPU, beside peers in the same run.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Convert a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, OLMo-2; safetensors,
+    /// sharded or not) or a PyTorch state dict into an attnsweep checkpoint plus config.toml;
+    /// `train --config <out>/config.toml --init-from <out>` then continues it with any method.
+    Convert(ConvertCmd),
+    /// Write a trained full-attention or sliding-window model in the Hugging Face layout.
+    Export(ExportCmd),
+    /// L2A post-training pruning: drop the global module of layers whose measured sparsity
+    /// reaches a threshold; report the key-value cache before and after and the quality change.
+    Prune(PruneCmd),
+}
+
+#[derive(Args)]
+struct SweepCmd {
+    /// Grid file (TOML; see sweeps/ for examples).
+    #[arg(long)]
+    grid: PathBuf,
+    /// Sweep directory [default: results/<grid name>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Validate the grid and list its cells with their state; run nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Cells run at once on the CPU (each gets an equal share of the cores).
+    #[arg(long, default_value_t = 1)]
+    jobs: usize,
+    /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
+    #[arg(long)]
+    cell: Option<usize>,
+    /// Run cells that failed before again.
+    #[arg(long)]
+    retry_failed: bool,
+    /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
+    /// and submit.sh under <out>/slurm.
+    #[arg(long, value_parser = ["slurm"])]
+    emit: Option<String>,
+    /// No progress bars.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
+    /// (cells done, failed and left; the running cells' steps).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::util::progress::DEFAULT_STATUS_EVERY)]
+    status_every: u64,
+}
+
+#[derive(Args)]
+struct PlotCmd {
+    /// Sweep directory (written by `attnsweep sweep`).
+    #[arg(long)]
+    sweep: PathBuf,
+    /// Where tables and figures go [default: the sweep directory].
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum KernelsCmd {
+    /// Compile the kernel library for the GPU found (nvcc against the active torch's headers;
+    /// cached by a hash of the sources, the torch version and the GPU architecture) and print
+    /// its path.
+    Build {
+        /// Build the CPU variant instead (g++; the autograd layer over an ATen reference).
+        #[arg(long)]
+        cpu: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Attention kernels (sliding window, sparse queries) beside SDPA (cuDNN, flash) and
+    /// FlexAttention: CSV and the speed-up-against-sparsity figure.
+    Attention(BenchAttentionCmd),
+    /// Whole training steps per method and length beside the same model in eager PyTorch:
+    /// tokens/s and ratios in one CSV.
+    Train(BenchTrainCmd),
+}
+
+#[derive(Args)]
+struct BenchTrainCmd {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768")]
+    lengths: Vec<i64>,
+    /// Tokens per step (batch = tokens / L, at least 1).
+    #[arg(long, default_value_t = 32768)]
+    tokens: i64,
+    /// Attention methods [default: every one the bench times].
+    #[arg(long, value_delimiter = ',', value_parser = TrainMethod::parse)]
+    methods: Vec<TrainMethod>,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    /// Model width (d_model).
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    /// Attention heads (as many key-value heads; head_dim = hidden / heads).
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// SwiGLU width.
+    #[arg(long, default_value_t = 1536)]
+    intermediate: usize,
+    /// Vocabulary size (random tokens).
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    /// Sliding window of swa and of AHA's local path.
+    #[arg(long, default_value_t = 256)]
+    window: usize,
+    /// Fraction of the gates open: AHA's (token, head) and SwiAttn's token gates (routers
+    /// calibrated on random tokens), L2A's context-free token gates.
+    #[arg(long, value_parser = finite_flag, default_value_t = 0.1)]
+    full_usage: f64,
+    /// PPA's power p.
+    #[arg(long, value_parser = finite_flag, default_value_t = 0.5)]
+    ppa_power: f64,
+    /// attention.ste_sample of the aha-sampled method.
+    #[arg(long, value_parser = finite_flag, default_value_t = 0.1)]
+    ste_sample: f64,
+    /// Timed steps per case (median reported), after the warm-up steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Output directory.
+    #[arg(long, default_value = "results/bench_train")]
+    out: PathBuf,
+    /// Python with torch for the peers.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Plain-PyTorch peers run beside, the same model: eager, and under torch.compile.
+    #[arg(long, value_delimiter = ',', default_value = "eager,compile")]
+    peers: Vec<String>,
+    /// Skip the peers.
+    #[arg(long)]
+    no_peers: bool,
+}
+
+#[derive(Args)]
+struct BenchAttentionCmd {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
+    lengths: Vec<i64>,
+    /// Head dimensions.
+    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    head_dims: Vec<i64>,
+    /// Sliding windows.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    windows: Vec<i64>,
+    /// Fractions of queries skipped by sparse-query attention.
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
+    sparsities: Vec<f64>,
+    /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
+    /// on each of the windows.
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.1")]
+    routed_usages: Vec<f64>,
+    /// PPA powers p (window plus the power offsets S_p).
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    ppa_powers: Vec<f64>,
+    /// Sliding window of the PPA cases.
+    #[arg(long, default_value_t = 64)]
+    ppa_window: i64,
+    /// Query (and key-value) heads; batch 1.
+    #[arg(long, default_value_t = 16)]
+    heads: i64,
+    /// Calls per measurement, for ours and the peers alike: the fwd_ms / fwdbwd_ms columns time
+    /// this many calls back to back between two CUDA events (launch time hidden; the median of
+    /// three such batches, per call), the *_host_ms columns each call alone between
+    /// synchronisations (launch time included; the median).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Output directory.
+    #[arg(long, default_value = "results/bench")]
+    out: PathBuf,
+    /// Python with torch for the peers.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Skip the peers (our kernels only).
+    #[arg(long)]
+    no_peers: bool,
+}
+
+#[derive(Args)]
+struct ConvertCmd {
+    /// A Hugging Face model directory (config.json and weights), or a weight file (with --config).
+    #[arg(long)]
+    from: PathBuf,
+    /// config.json describing a bare weight file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Output directory (must not already hold a model).
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Weight dtype written: keep, fp32, bf16 or fp16.
+    #[arg(long, default_value = "keep")]
+    dtype: String,
+    /// Read pickled objects that are not tensors, containers or numbers (what the built-in
+    /// reader of torch.save files refuses) by running Python's torch.load, which can run code:
+    /// only for files you trust. The Python is $ATTNSWEEP_PYTHON, else python3, with torch and
+    /// safetensors installed.
+    #[arg(long)]
+    allow_pickle: bool,
+}
+
+#[derive(Args)]
+struct ExportCmd {
+    /// The run directory to export.
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to export instead of the run's latest checkpoint.
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Output directory for config.json and model.safetensors.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Weight dtype written: fp32, bf16 or fp16.
+    #[arg(long, default_value = "fp32")]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct PruneCmd {
+    /// The L2A run directory.
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to prune instead of the run's latest checkpoint.
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Prune layers whose sparsity (1 - mean gate) on the validation split is at least this.
+    #[arg(long, value_parser = finite_flag, default_value_t = 0.95)]
+    threshold: f64,
+    /// Directory for the pruned model (config.toml, model.safetensors, eval/, prune.json)
+    /// [default: <run>/pruned-<threshold>]; it must not already hold a model.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ConfigArgs {
+    /// Experiment file (TOML with [model], [attention], [data], [train], [eval]); built-in
+    /// defaults when omitted.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Override one config value, e.g. --set attention.window=64 (repeatable; applied in
+    /// order after the file).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+}
+
+#[derive(Args)]
+struct TrainCmd {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Run directory: resolved config, logs, checkpoints and the final evaluation go here.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Continue the run in --out from its latest checkpoint (its saved config is used; --set
+    /// may change only how it logs, checkpoints, evaluates, where it runs and the attention
+    /// implementation: other changes are refused, naming each setting).
+    #[arg(long)]
+    resume: bool,
+    /// Start from another run's weights (continued pretraining): a run directory, a
+    /// checkpoint directory or a .safetensors file. Parameters with matching names are loaded;
+    /// parameters the source lacks keep their initialisation.
+    #[arg(long, value_name = "PATH", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
+    /// Stop after this many steps (writing a checkpoint) without shortening the schedule;
+    /// continue later with --resume. For jobs cut into time slots.
+    #[arg(long, value_name = "STEP")]
+    stop_at_step: Option<usize>,
+    /// No progress bar or status lines.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
+    /// (step, loss, tokens/s, ETA).
+    #[arg(long, value_name = "SECONDS", default_value_t = crate::util::progress::DEFAULT_STATUS_EVERY)]
+    status_every: u64,
+}
+
+#[derive(Args)]
+struct EvalCmd {
+    /// The run directory to evaluate (its config.toml describes the model).
+    #[arg(long)]
+    run: PathBuf,
+    /// Weights to evaluate instead of the run's latest checkpoint (checkpoint directory or
+    /// .safetensors file).
+    #[arg(long, value_name = "PATH")]
+    ckpt: Option<PathBuf>,
+    /// Override a config value for this evaluation only, e.g. --set attention.method=swa
+    /// --set attention.window=32 evaluates a full-attention model with a window (SWA-ZS).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Output directory [default: <run>/eval, <run>/eval-<overrides> when --set is given; with
+    /// probes or multiple choice, <run>/eval-tasks or <run>/eval-<overrides>-tasks, so the
+    /// training's own report in <run>/eval is never overwritten].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Split to evaluate.
+    #[arg(long, default_value = "val", value_parser = ["val", "train"])]
+    split: String,
+    /// Long-context probes to run after the loss (sets eval.tasks): niah_single,
+    /// niah_multikey, niah_multivalue, passkey, mqar, variable_tracking. Lengths, depths,
+    /// samples and haystack come from eval.lengths, eval.depths, eval.samples, eval.haystack.
+    #[arg(long, value_delimiter = ',')]
+    tasks: Vec<String>,
+    /// Multiple-choice JSONL files (lines {"context", "choices", "gold"}), scored by
+    /// log-likelihood (sets eval.mc).
+    #[arg(long, num_args = 1..)]
+    mc: Vec<PathBuf>,
+    /// Write every multiple-choice item's scoring to samples_<task>.jsonl (each choice's
+    /// log-likelihood and whether it is the greedy continuation, the prediction, the gold),
+    /// as lm-evaluation-harness's --log_samples does, to compare item by item.
+    #[arg(long)]
+    log_samples: bool,
+    /// Print nothing but errors.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Tokenise a corpus (files and directories of text, JSON Lines or Parquet, optionally
+    /// gzip/zstd/xz-compressed; byte-level, or with a tokenizer.json) into train/val token
+    /// shards plus meta.json, in parallel. Each file, line or row is one document. E.g. the
+    /// Python sources of the installed torch:
+    /// `data prepare --python-package torch --glob '*.py' --out data/torch-py`.
+    Prepare(PrepareCmd),
+    /// Generate the synthetic long-tail dependency corpus (tokens plus each position's
+    /// dependency distance).
+    Synth(SynthCmd),
+    /// Write probe documents (prompt, answer, end of document), alone or mixed into a prepared
+    /// corpus, so small models learn the probe format.
+    Probes(ProbesCmd),
+}
+
+#[derive(Args)]
+struct ProbesCmd {
+    /// Output data set directory.
+    #[arg(long, short)]
+    out: PathBuf,
+    #[command(flatten)]
+    args: crate::data::probes::ProbesArgs,
+}
+
+#[derive(Args)]
+struct PrepareCmd {
+    /// Output directory (must not already hold a data set).
+    #[arg(long, short)]
+    out: PathBuf,
+    #[command(flatten)]
+    spec: crate::data::corpus::PrepareSpec,
+}
+
+#[derive(Args)]
+struct SynthCmd {
+    /// Output directory (must not already hold a data set).
+    #[arg(long, short)]
+    out: PathBuf,
+    #[command(flatten)]
+    spec: SynthSpec,
+}
+
+/// Runs the command line. A panic (a bug, or an allocation that failed inside libtorch)
+/// comes back as an error naming where it happened, never as a Rust panic.
+pub fn main() -> Result<()> {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        // The first panic is the cause; a scope re-raising a worker's panic comes after it.
+        if let Ok(mut first) = PANIC.lock() {
+            first.get_or_insert((msg, at));
+        }
+    }));
+    match std::panic::catch_unwind(run) {
+        Ok(result) => result,
+        Err(_) => {
+            let (msg, at) = PANIC
+                .lock()
+                .ok()
+                .and_then(|mut p| p.take())
+                .unwrap_or_default();
+            // libtorch's failed allocations, on the host and on a GPU.
+            if msg.contains("can't allocate memory") || msg.contains("out of memory") {
+                let first = msg.lines().next().unwrap_or_default();
+                anyhow::bail!(
+                    "out of memory: {first}; lower the batch size, sequence length or model size"
+                );
+            }
+            anyhow::bail!("internal error{at}: {msg} (please report it)")
+        }
+    }
+}
+
+/// The message and place of the first panic, kept by the panic hook.
+static PANIC: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
+
+fn run() -> Result<()> {
+    match Cli::parse().command {
+        Command::Train(c) => {
+            let cfg = if c.resume {
+                anyhow::ensure!(
+                    c.config.config.is_none(),
+                    "--resume uses the run's saved config.toml; drop --config"
+                );
+                Config::load(Some(&c.out.join("config.toml")), &c.config.sets)?
+            } else {
+                Config::load(c.config.config.as_deref(), &c.config.sets)?
+            };
+            train::train(
+                cfg,
+                &TrainArgs {
+                    out: c.out,
+                    resume: c.resume,
+                    init_from: c.init_from,
+                    stop_at: c.stop_at_step,
+                    quiet: c.quiet,
+                    status_every: c.status_every,
+                },
+            )
+        }
+        Command::Eval(c) => run_eval(c),
+        Command::Convert(c) => {
+            let dtype = crate::run::convert::OutDtype::parse(&c.dtype)?;
+            let r = crate::run::convert::convert(
+                &c.from,
+                c.config.as_deref(),
+                &c.out,
+                dtype,
+                c.allow_pickle,
+            )?;
+            println!(
+                "{:?}: {} tensors, {} parameters -> {} (config {})",
+                r.family,
+                r.tensors,
+                r.parameters,
+                c.out.display(),
+                r.config.display()
+            );
+            Ok(())
+        }
+        Command::Export(c) => {
+            let dtype = crate::run::convert::OutDtype::parse(&c.dtype)?;
+            println!(
+                "{}",
+                crate::run::convert::export(&c.run, c.ckpt.as_deref(), &c.out, dtype)?.display()
+            );
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Attention(c)) => {
+            let b = crate::cli::bench::AttentionBench {
+                lengths: c.lengths,
+                head_dims: c.head_dims,
+                windows: c.windows,
+                sparsities: c.sparsities,
+                routed_usages: c.routed_usages,
+                ppa_powers: c.ppa_powers,
+                ppa_window: c.ppa_window,
+                heads: c.heads,
+                reps: c.reps,
+                out: c.out,
+                python: c.python,
+                peers: !c.no_peers,
+            };
+            b.validate()?;
+            let kern = crate::model::kernels::cuda().context(
+                "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
+            println!("{}", crate::cli::bench::run(&b, kern)?.display());
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Train(c)) => {
+            let b = crate::cli::bench::TrainBench {
+                lengths: c.lengths,
+                tokens: c.tokens,
+                methods: match c.methods.is_empty() {
+                    true => TrainMethod::all().collect(),
+                    false => c.methods,
+                },
+                layers: c.layers,
+                hidden: c.hidden,
+                heads: c.heads,
+                intermediate: c.intermediate,
+                vocab: c.vocab,
+                window: c.window,
+                full_usage: c.full_usage,
+                ste_sample: c.ste_sample,
+                ppa_power: c.ppa_power,
+                steps: c.steps,
+                warmup: c.warmup,
+                out: c.out,
+                python: c.python,
+                peers: if c.no_peers { Vec::new() } else { c.peers },
+            };
+            b.validate()?;
+            crate::model::kernels::cuda().context(
+                "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+            )?;
+            println!("{}", crate::cli::bench::run_train(&b)?.display());
+            Ok(())
+        }
+        Command::Kernels(KernelsCmd::Build { cpu }) => {
+            let variant = cpu.then_some(crate::model::kernels::Variant::Cpu);
+            println!("{}", crate::model::kernels::build(variant, false)?.display());
+            Ok(())
+        }
+        Command::Sweep(c) => run_sweep(c),
+        Command::Plot(c) => {
+            let out = c.out.unwrap_or_else(|| c.sweep.clone());
+            let written = crate::sweep::plot::write_all(&c.sweep, &out)?;
+            for w in written {
+                println!("{}", w.display());
+            }
+            Ok(())
+        }
+        Command::Prune(c) => {
+            let out = c
+                .out
+                .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
+            let r = crate::run::prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
+            println!(
+                "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
+                r.pruned_layers,
+                r.sparsity.len(),
+                r.kv_cache_bytes_before,
+                r.kv_cache_bytes_after,
+                100.0 * r.kv_cache_bytes_after / r.kv_cache_bytes_full,
+                r.kv_cache_bytes_full,
+                r.loss_before,
+                r.loss_after,
+                r.loss_after - r.loss_before,
+                out.display()
+            );
+            Ok(())
+        }
+        Command::Data(DataCmd::Prepare(c)) => {
+            let summary = crate::data::corpus::prepare(&c.spec, &c.out, false)?;
+            eprintln!("{}", summary.report(&c.out));
+            Ok(())
+        }
+        Command::Data(DataCmd::Probes(c)) => {
+            let meta = c.args.write(&c.out)?;
+            report_dataset(&meta, &c.out);
+            Ok(())
+        }
+        Command::Data(DataCmd::Synth(c)) => {
+            let meta = data::synth(&c.spec, &c.out)?;
+            report_dataset(&meta, &c.out);
+            Ok(())
+        }
+    }
+}
+
+fn run_sweep(c: SweepCmd) -> Result<()> {
+    use crate::sweep;
+    let grid = sweep::read_grid(&c.grid)?;
+    let cells = sweep::expand(&grid)?;
+    let out = c
+        .out
+        .unwrap_or_else(|| PathBuf::from("results").join(&grid.name));
+    if c.dry_run {
+        println!(
+            "{} cells in {} stages -> {}",
+            cells.len(),
+            grid.stages.len(),
+            out.display()
+        );
+        for cell in &cells {
+            let state = sweep::read_status(&out.join(&cell.id))
+                .map_or("pending".to_string(), |s| {
+                    format!("{:?}", s.state).to_lowercase()
+                });
+            println!(
+                "{:>4}  {:<22} {:<8} {:<10} {}",
+                cell.index, cell.id, state, cell.stage, cell.label
+            );
+        }
+        return Ok(());
+    }
+    if c.emit.is_some() {
+        std::fs::create_dir_all(&out)?;
+        let submit = sweep::emit_slurm(&c.grid, &grid, &cells, &out)?;
+        println!("wrote Slurm job arrays; submit with {}", submit.display());
+        return Ok(());
+    }
+    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1");
+    let args = sweep::SweepArgs {
+        out: out.clone(),
+        jobs: c.jobs,
+        devices: c.devices,
+        cell: c.cell,
+        retry_failed: c.retry_failed,
+        quiet: c.quiet,
+        status_every: c.status_every,
+    };
+    let o = sweep::run(&grid, &cells, &args)?;
+    if c.cell.is_none() {
+        crate::sweep::tables::write_all(&out, &out)?;
+    }
+    eprintln!(
+        "{}: {} cells done, {} failed, {} skipped",
+        out.display(),
+        o.done,
+        o.failed,
+        o.skipped
+    );
+    // Cells that failed before and were skipped now count too: the sweep is not complete.
+    let failed = sweep::failed_cells(&cells, &args);
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} cells failed ({}); their errors are in <cell>/status.json and log.txt (rerun with \
+         --retry-failed)",
+        failed.len(),
+        failed.join(", ")
+    );
+    Ok(())
+}
+
+fn report_dataset(meta: &data::Meta, out: &std::path::Path) {
+    eprintln!(
+        "wrote {} train and {} val tokens to {}",
+        meta.train_tokens,
+        meta.val_tokens,
+        out.display()
+    );
+}
+
+/// `<run>/eval`, `<run>/eval-<overrides>` when `--set` is given, and `-tasks` after either
+/// when probes or multiple choice run: the training's final report in `<run>/eval` holds the
+/// loss of the trained model and is never replaced by a task evaluation.
+fn default_eval_dir(run: &std::path::Path, sets: &[String], tasks: bool) -> PathBuf {
+    let mut name = String::from("eval");
+    if !sets.is_empty() {
+        let tag: String = sets
+            .join("_")
+            .chars()
+            .map(
+                |ch| match ch.is_ascii_alphanumeric() || ch == '.' || ch == '-' {
+                    true => ch,
+                    false => '_',
+                },
+            )
+            .collect();
+        name = format!("{name}-{tag}");
+    }
+    if tasks {
+        name.push_str("-tasks");
+    }
+    run.join(name)
+}
+
+fn run_eval(c: EvalCmd) -> Result<()> {
+    let quote = |v: &[String]| {
+        let items: Vec<String> = v.iter().map(|x| format!("{x:?}")).collect();
+        format!("[{}]", items.join(", "))
+    };
+    let mut sets = c.sets.clone();
+    if !c.tasks.is_empty() {
+        sets.push(format!("eval.tasks={}", quote(&c.tasks)));
+    }
+    let mut run = crate::run::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
+    if !c.mc.is_empty() {
+        // The paths as given: a path that is not UTF-8 survives, which text would not.
+        run.cfg.eval.mc = c.mc.clone();
+    }
+    if !c.quiet {
+        run.warn_if_unfinished();
+    }
+    let (cfg, built) = (&run.cfg, &run.built);
+    let meta = run.meta()?;
+    let with_tasks = !cfg.eval.tasks.is_empty() || !cfg.eval.mc.is_empty();
+    let out = c
+        .out
+        .clone()
+        .unwrap_or_else(|| default_eval_dir(&c.run, &c.sets, with_tasks));
+    let split = data::Split::open(&cfg.data.dir, meta, &c.split)?;
+    crate::run::memory::check_eval(cfg, run.device)?;
+    let mut report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device, !c.quiet)?;
+    report.checkpoint_step = run.step;
+    report.timing = eval::timing_of(&built.model, &split, cfg, run.device);
+    eval::write_report(&out, &report, cfg)?;
+    if !c.quiet {
+        println!(
+            "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attended pairs / full causal {:.4}  ({} tokens of {}-token sequences) -> {}",
+            c.split,
+            report.loss,
+            report.perplexity,
+            report.bits_per_token,
+            report.unigram_entropy,
+            report.attention.pairs_vs_full,
+            report.tokens,
+            report.seq_len,
+            out.display()
+        );
+        for b in &report.buckets {
+            println!(
+                "  {:>16}  {:>8} tokens  loss {:.4}",
+                b.bucket, b.tokens, b.loss
+            );
+        }
+    }
+    if with_tasks {
+        let opts = crate::run::tasks::RunOptions {
+            log_samples: c.log_samples,
+        };
+        let results = crate::run::tasks::run(
+            &built.model,
+            cfg,
+            meta,
+            run.device,
+            &out,
+            &run.weights,
+            &opts,
+        )?;
+        if !c.quiet {
+            for (task, metrics) in &results {
+                let shown: Vec<String> = metrics
+                    .iter()
+                    .filter(|(k, _)| !k.ends_with("_stderr"))
+                    .map(|(k, v)| format!("{k} {v:.4}"))
+                    .collect();
+                println!("  {task:>18}  {}", shown.join("  "));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn check(cmd: &clap::Command, path: &str) {
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            assert!(
+                arg.get_help().is_some_and(|h| h.to_string().len() > 10),
+                "{path} --{id} has no help text"
+            );
+        }
+        for sub in cmd.get_subcommands() {
+            assert!(
+                sub.get_about().is_some(),
+                "{path} {} has no description",
+                sub.get_name()
+            );
+            check(sub, &format!("{path} {}", sub.get_name()));
+        }
+    }
+
+    #[test]
+    fn help_explains_every_flag() {
+        Cli::command().debug_assert();
+        check(&Cli::command(), "attnsweep");
+    }
+}

@@ -1,0 +1,350 @@
+//! `[attention]`: which method, and every method's settings, with each method's facts about
+//! them in one place: which settings it reads (`AttentionConfig::reads`, the rest are set
+//! aside when a sweep cell's id is computed) and the checks that concern it alone.
+//!
+//! A new method adds its variant to `Method`, its fields to `AttentionConfig` (with their
+//! defaults and range checks), and its arm to `reads` and, where it has such checks, to
+//! `check_method`.
+
+use super::check::{check, check_open_f};
+use super::{ModelConfig, TrainConfig};
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Method {
+    Full,
+    Swa,
+    Ppa,
+    StaticHybrid,
+    /// All-or-Here: per (token, head) choice between full and window.
+    Aha,
+    /// Learning to Attend: local attention, then a second, global module for routed tokens.
+    L2a,
+    /// Switch attention: per token choice between a full and a window branch.
+    Swiattn,
+    /// The top-k (layer, head) pairs of a head ranking always full, the rest window.
+    StaticHeads,
+}
+
+impl Method {
+    /// Every method, in the order tables and the CLI list them.
+    pub const ALL: [Method; 8] = [
+        Method::Full,
+        Method::Swa,
+        Method::Ppa,
+        Method::StaticHybrid,
+        Method::Aha,
+        Method::L2a,
+        Method::Swiattn,
+        Method::StaticHeads,
+    ];
+
+    /// Whether its layers gate tokens between a full and a window path (learned, context-free
+    /// or fixed gates), so that a model of it reports gate usage.
+    pub fn is_routed(self) -> bool {
+        matches!(
+            self,
+            Method::Aha | Method::L2a | Method::Swiattn | Method::StaticHeads
+        )
+    }
+
+    /// The name the config writes (`"static_hybrid"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Full => "full",
+            Method::Swa => "swa",
+            Method::Ppa => "ppa",
+            Method::StaticHybrid => "static_hybrid",
+            Method::Aha => "aha",
+            Method::L2a => "l2a",
+            Method::Swiattn => "swiattn",
+            Method::StaticHeads => "static_heads",
+        }
+    }
+}
+
+/// Which implementation computes attention.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnImpl {
+    /// The CUDA kernels when the model is on a GPU, computes in bf16 and a kernel library
+    /// is built (`attnsweep kernels build`); the reference path otherwise.
+    Auto,
+    /// Dense PyTorch attention with masks (runs anywhere; the definition the kernels are
+    /// tested against).
+    Reference,
+    /// The kernel library; an error when it cannot run. On the CPU this is the library's
+    /// ATen reference, which exercises the same wiring.
+    Cuda,
+}
+
+/// Where a routed method's gates come from.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// A learned linear router with a straight-through gate.
+    Learned,
+    /// Context-free: each gate drawn i.i.d. Bernoulli(bernoulli_p).
+    Bernoulli,
+}
+
+/// How a per-token quantity over the hidden dimension is reduced to one number.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Reduction {
+    Mean,
+    Sum,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttentionConfig {
+    pub method: Method,
+    /// Sliding-window size w: query i sees keys i-w+1..=i.
+    pub window: usize,
+    /// PPA power p in [0, 1].
+    pub ppa_power: f64,
+    /// static_hybrid: layers every-1, 2*every-1, ... are full, the rest use the window.
+    pub hybrid_every: usize,
+    /// Gate threshold: AHA and SwiAttn take the full path when s > tau, L2A when s >= tau.
+    /// May differ between training and evaluation.
+    pub tau: f64,
+    /// AHA: weight of the L1 penalty on router scores; L2A: of the squared penalty.
+    pub lambda: f64,
+    /// AHA training: fraction of the (token, head) pairs that picked the window whose
+    /// full-path output is still computed, for the straight-through router gradient
+    /// `dy . (full - local)`; their router gradient is scaled by 1 / ste_sample, so it stays
+    /// an unbiased estimate of the exact one and the other such pairs need no full path.
+    /// 1 (the default) computes it for every pair: the exact gradient of the paper.
+    pub ste_sample: f64,
+    pub router: Router,
+    /// Bernoulli router: probability that a gate is 1.
+    pub bernoulli_p: f64,
+    /// AHA and SwiAttn: initial router bias (router weights start at zero). The default,
+    /// sigmoid(1) = 0.73 > tau, starts every gate on the full path, as a full-attention base
+    /// model behaves.
+    pub router_init_bias: f64,
+    /// L2A: probability per training step of running global attention for every token,
+    /// so the router gets a language-model gradient on tokens it masked.
+    pub p_force: f64,
+    /// L2A: layers (0-based) whose global module was pruned; they keep only the window.
+    pub pruned_layers: Vec<usize>,
+    /// SwiAttn adaptive regulariser: gamma = gamma_base / (eps + NLL + alpha * ||O_full - O_swa||^2).
+    pub swiattn_gamma_base: f64,
+    pub swiattn_eps: f64,
+    pub swiattn_alpha: f64,
+    /// false: gamma = gamma_base (ablation V1).
+    pub swiattn_adaptive: bool,
+    /// false: drop the NLL term (ablation V2).
+    pub swiattn_nll: bool,
+    /// true: both branches share one output projection; false: each owns one, both
+    /// initialised from the base model's.
+    pub swiattn_shared_o_proj: bool,
+    /// How the branches' disagreement ||O_full - O_swa||^2 is reduced over the hidden
+    /// dimension: the mean (the paper's "mean squared error", the default) or the sum (the
+    /// squared norm, hidden_size times the mean, so alpha weighs it that much more).
+    pub swiattn_disagreement: Reduction,
+    /// static_heads: a head_ranking.csv written by `attnsweep eval` of an AHA model.
+    pub head_ranking: PathBuf,
+    /// static_heads: how many of the top-ranked heads are always full; 0 takes the ranked
+    /// model's budget (its per-head usage summed and rounded: the same share of full calls).
+    pub top_k: usize,
+    pub attn_impl: AttnImpl,
+}
+
+impl Default for AttentionConfig {
+    fn default() -> Self {
+        AttentionConfig {
+            method: Method::Full,
+            window: 64,
+            ppa_power: 0.5,
+            hybrid_every: 4,
+            tau: 0.5,
+            lambda: 3e-4,
+            ste_sample: 1.0,
+            router: Router::Learned,
+            bernoulli_p: 0.1,
+            router_init_bias: 1.0,
+            p_force: 0.1,
+            pruned_layers: Vec::new(),
+            swiattn_gamma_base: 1e-3,
+            swiattn_eps: 0.1,
+            swiattn_alpha: 100.0,
+            swiattn_adaptive: true,
+            swiattn_nll: true,
+            swiattn_shared_o_proj: false,
+            swiattn_disagreement: Reduction::Mean,
+            head_ranking: PathBuf::new(),
+            top_k: 0,
+            attn_impl: AttnImpl::Auto,
+        }
+    }
+}
+
+impl AttentionConfig {
+    /// The settings of this section its method reads, by key: `method` and `attn_impl` always;
+    /// a method with a router reads `router`, and `bernoulli_p` for context-free gates or its
+    /// learned router's settings otherwise. Two configs that differ only in the others compute
+    /// the same thing.
+    pub fn reads(&self) -> Vec<&'static str> {
+        let mut keys = vec!["method", "attn_impl"];
+        let learned = self.router == Router::Learned;
+        // A method with a router: the settings its learned router reads.
+        let router = |keys: &mut Vec<&'static str>, learned_reads: &[&'static str]| {
+            keys.push("router");
+            match learned {
+                true => keys.extend(learned_reads),
+                false => keys.push("bernoulli_p"),
+            }
+        };
+        match self.method {
+            Method::Full => {}
+            Method::Swa => keys.push("window"),
+            Method::Ppa => keys.extend(["window", "ppa_power"]),
+            Method::StaticHybrid => keys.extend(["window", "hybrid_every"]),
+            Method::Aha => {
+                keys.push("window");
+                router(
+                    &mut keys,
+                    &["tau", "lambda", "ste_sample", "router_init_bias"],
+                );
+            }
+            Method::L2a => {
+                keys.extend(["window", "pruned_layers"]);
+                router(&mut keys, &["tau", "lambda", "p_force"]);
+            }
+            Method::Swiattn => {
+                keys.extend(["window", "swiattn_shared_o_proj"]);
+                // gamma = gamma_base without the adaptive weight, whose terms are then unread;
+                // with alpha 0 the disagreement's reduction is unread.
+                let regulariser: &[&'static str] = match (self.swiattn_adaptive, self.swiattn_alpha) {
+                    (false, _) => &["swiattn_gamma_base", "swiattn_adaptive"],
+                    (true, a) if a == 0.0 => &[
+                        "swiattn_gamma_base",
+                        "swiattn_adaptive",
+                        "swiattn_eps",
+                        "swiattn_alpha",
+                        "swiattn_nll",
+                    ],
+                    (true, _) => &[
+                        "swiattn_gamma_base",
+                        "swiattn_adaptive",
+                        "swiattn_eps",
+                        "swiattn_alpha",
+                        "swiattn_nll",
+                        "swiattn_disagreement",
+                    ],
+                };
+                router(&mut keys, &[&["tau", "router_init_bias"][..], regulariser].concat());
+            }
+            Method::StaticHeads => keys.extend(["window", "head_ranking", "top_k"]),
+        }
+        keys
+    }
+
+    /// The same computation with every setting its method does not read (`reads`) at its
+    /// default: `lambda` on a full-attention model, `ppa_power` on a window, the regulariser of
+    /// context-free gates.
+    pub fn canonical(&self) -> AttentionConfig {
+        let keep = self.reads();
+        let d = AttentionConfig::default();
+        let mut a = self.clone();
+        macro_rules! reset_unread {
+            ($($field:ident),*) => {
+                $(if !keep.contains(&stringify!($field)) {
+                    a.$field = d.$field.clone();
+                })*
+            };
+        }
+        // Every field but `method` and `attn_impl`, which every method reads (a test holds
+        // this list to the struct's fields).
+        reset_unread!(
+            window,
+            ppa_power,
+            hybrid_every,
+            tau,
+            lambda,
+            ste_sample,
+            router,
+            bernoulli_p,
+            router_init_bias,
+            p_force,
+            pruned_layers,
+            swiattn_gamma_base,
+            swiattn_eps,
+            swiattn_alpha,
+            swiattn_adaptive,
+            swiattn_nll,
+            swiattn_shared_o_proj,
+            swiattn_disagreement,
+            head_ranking,
+            top_k
+        );
+        a
+    }
+
+    /// Every setting's range, and the checks of one method's settings (`check_method`).
+    pub(crate) fn validate(&self, m: &ModelConfig, train: &TrainConfig) -> Result<()> {
+        let a = self;
+                check("attention.window", a.window, 1, 1 << 30)?;
+        check("attention.ppa_power", a.ppa_power, 0.0, 1.0)?;
+        check("attention.hybrid_every", a.hybrid_every, 1, 1024)?;
+        check("attention.tau", a.tau, 0.0, 1.0)?;
+        check("attention.lambda", a.lambda, 0.0, 1e3)?;
+        if !(a.ste_sample > 0.0 && a.ste_sample <= 1.0) {
+            bail!(
+                "attention.ste_sample = {} is out of range: allowed in (0, 1]",
+                a.ste_sample
+            );
+        }
+        check("attention.bernoulli_p", a.bernoulli_p, 0.0, 1.0)?;
+        check(
+            "attention.router_init_bias",
+            a.router_init_bias,
+            -30.0,
+            30.0,
+        )?;
+        check("attention.p_force", a.p_force, 0.0, 1.0)?;
+        if let Some(&l) = a.pruned_layers.iter().find(|&&l| l >= m.num_hidden_layers) {
+            bail!(
+                "attention.pruned_layers holds {l}, but the model has layers 0 ..= {}",
+                m.num_hidden_layers - 1
+            );
+        }
+        if !a.pruned_layers.is_empty() && a.method != Method::L2a {
+            bail!("attention.pruned_layers applies to method \"l2a\" only");
+        }
+        if train.router_hold_steps > 0
+            && !(a.method == Method::L2a && a.router == Router::Learned)
+        {
+            bail!(
+                "train.router_hold_steps = {} applies to method \"l2a\" with a learned router only; \
+                 set it to 0 or use attention.method = \"l2a\"",
+                train.router_hold_steps
+            );
+        }
+        check(
+            "attention.swiattn_gamma_base",
+            a.swiattn_gamma_base,
+            0.0,
+            1e3,
+        )?;
+        check_open_f("attention.swiattn_eps", a.swiattn_eps, 0.0, 1e3)?;
+        check("attention.swiattn_alpha", a.swiattn_alpha, 0.0, 1e6)?;
+        if a.method == Method::StaticHeads {
+            if a.head_ranking.as_os_str().is_empty() {
+                bail!("attention.method = \"static_heads\" needs attention.head_ranking (a head_ranking.csv from eval of an AHA run)");
+            }
+            check(
+                "attention.top_k",
+                a.top_k,
+                0,
+                m.num_hidden_layers * m.num_attention_heads,
+            )?;
+        }
+        Ok(())
+    }
+}

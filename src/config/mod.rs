@@ -1,0 +1,452 @@
+//! The experiment file: one TOML document with `[model]`, `[attention]`, `[data]`, `[train]`
+//! and `[eval]` sections, one file each. Every field has a default, unknown keys are errors,
+//! and every value is range-checked with a message naming its key. `--set section.key=value`
+//! overrides (`overrides.rs`) are applied to the TOML tree before it is parsed, so they obey
+//! exactly the same rules.
+
+mod attention;
+mod check;
+mod eval;
+mod model;
+mod overrides;
+mod train;
+
+pub use attention::{AttentionConfig, AttnImpl, Method, Reduction, Router};
+pub use eval::{EvalConfig, HaystackKind};
+pub use model::{ModelConfig, NormPlacement, QkNorm, RopeScaling};
+pub use overrides::{apply_override, parse_value, reject_non_finite};
+pub use train::{parse_device, DataConfig, DeviceSpec, Dtype, TrainConfig};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub attention: AttentionConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub eval: EvalConfig,
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        self.attention.validate(&self.model, &self.train)?;
+        self.data.validate()?;
+        self.train.validate()?;
+        self.eval.validate()
+    }
+
+    /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`
+    /// when that is unset.
+    pub fn eval_seq_len(&self) -> usize {
+        match self.eval.seq_len {
+            0 => self.data.seq_len,
+            n => n,
+        }
+    }
+
+    /// The setting `eval_seq_len` comes from, for messages.
+    pub fn eval_seq_len_key(&self) -> &'static str {
+        match self.eval.seq_len {
+            0 => "data.seq_len",
+            _ => "eval.seq_len",
+        }
+    }
+
+    /// Reads an experiment file as a TOML tree (the defaults' empty tree when `path` is None).
+    pub fn read_tree(path: Option<&Path>) -> Result<toml::Table> {
+        let Some(p) = path else {
+            return Ok(toml::Table::new());
+        };
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read config {}", p.display()))?;
+        text.parse::<toml::Table>()
+            .with_context(|| format!("{} is not valid TOML", p.display()))
+    }
+
+    /// A config from its TOML tree: every number finite, every key known, every value in range.
+    pub fn from_tree(tree: toml::Table) -> Result<Config> {
+        reject_non_finite(&tree, "")?;
+        let cfg: Config = toml::Value::Table(tree).try_into()?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads an experiment file (or the built-in defaults when `path` is None), applies
+    /// `--set` overrides, and validates the result. An error names the file, or the override
+    /// when the file alone is valid.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+        let base = Config::read_tree(path)?;
+        let what = path
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "the defaults".into());
+        let mut tree = base.clone();
+        for o in overrides {
+            apply_override(&mut tree, o)?;
+        }
+        match Config::from_tree(tree) {
+            Ok(cfg) => Ok(cfg),
+            Err(e) if overrides.is_empty() || Config::from_tree(base).is_err() => {
+                Err(e.context(format!("invalid config ({what})")))
+            }
+            Err(e) => {
+                // The file alone is valid: the override that breaks it is named, the first
+                // one the error's key belongs to when it names one.
+                let text = format!("{e:#}");
+                let culprit = overrides
+                    .iter()
+                    .find(|o| {
+                        o.split_once('=')
+                            .is_some_and(|(k, _)| text.contains(k.trim()))
+                    })
+                    .map_or_else(|| overrides.join(" --set "), |o| o.clone());
+                Err(e.context(format!("--set {culprit} makes {what} invalid")))
+            }
+        }
+    }
+
+    /// The config with every path in a form text can hold: a path that is not UTF-8 (an
+    /// `eval --mc` file, say) is recorded as its lossy rendering. For reports only; the run
+    /// itself opens the path as given.
+    pub fn recordable(&self) -> Config {
+        let mut c = self.clone();
+        let lossy = |p: &mut PathBuf| {
+            if p.to_str().is_none() {
+                *p = PathBuf::from(p.to_string_lossy().into_owned());
+            }
+        };
+        lossy(&mut c.data.dir);
+        lossy(&mut c.attention.head_ranking);
+        lossy(&mut c.eval.haystack_dir);
+        c.eval.mc.iter_mut().for_each(lossy);
+        c
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(&self.recordable()).expect("config serialises")
+    }
+
+    /// The settings whose values differ between self and other, dotted (`train.lr`), with
+    /// both values as TOML writes them.
+    pub fn differences(&self, other: &Config) -> Vec<(String, String, String)> {
+        fn walk(
+            prefix: &str,
+            a: &toml::Table,
+            b: &toml::Table,
+            out: &mut Vec<(String, String, String)>,
+        ) {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for k in keys {
+                let key = format!("{prefix}{k}");
+                match (a.get(k), b.get(k)) {
+                    (Some(toml::Value::Table(x)), Some(toml::Value::Table(y))) => {
+                        walk(&format!("{key}."), x, y, out)
+                    }
+                    (x, y) if x != y => {
+                        let show =
+                            |v: Option<&toml::Value>| v.map_or("(unset)".into(), |v| v.to_string());
+                        out.push((key, show(x), show(y)));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let table = |c: &Config| toml::Table::try_from(c).expect("config serialises");
+        let mut out = Vec::new();
+        walk("", &table(self), &table(other), &mut out);
+        out
+    }
+
+    /// The same computation with every attention setting that its method ignores put back to
+    /// its default (`AttentionConfig::canonical`): two configs that differ only there compute
+    /// the same thing, so they identify the same sweep cell.
+    pub fn canonical(&self) -> Config {
+        Config {
+            attention: self.attention.canonical(),
+            ..self.clone()
+        }
+    }
+
+    /// The settings that differ from the defaults, as TOML: what identifies a computation,
+    /// unchanged when a later version adds settings with defaults.
+    pub fn non_default_toml(&self) -> String {
+        fn strip(v: &mut toml::Table, d: &toml::Table) {
+            v.retain(|k, x| match (x, d.get(k)) {
+                (toml::Value::Table(t), Some(toml::Value::Table(dt))) => {
+                    strip(t, dt);
+                    !t.is_empty()
+                }
+                (x, Some(dx)) => x != dx,
+                (_, None) => true,
+            });
+        }
+        let table = |c: &Config| toml::Table::try_from(c).expect("config serialises");
+        let mut t = table(self);
+        strip(&mut t, &table(&Config::default()));
+        toml::to_string_pretty(&t).expect("table serialises")
+    }
+}
+
+/// The settings a resumed run may change (a dotted key, or a whole section): where and how often
+/// it logs, checkpoints and evaluates, and which attention implementation computes the same
+/// function. The others define the run: changed mid-run, its result would match neither
+/// configuration, so `train --resume` refuses them.
+pub const RESUME_MAY_CHANGE: &[&str] = &[
+    "train.device",
+    "train.log_every",
+    "train.ckpt_every",
+    "train.keep_checkpoints",
+    "train.eval_every",
+    "attention.attn_impl",
+    "eval",
+];
+
+/// Whether `train --resume` may change the dotted setting `key`.
+pub fn resume_may_change(key: &str) -> bool {
+    RESUME_MAY_CHANGE.iter().any(|k| {
+        key == *k
+            || key
+                .strip_prefix(k)
+                .is_some_and(|rest| rest.starts_with('.'))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_of(toml_text: &str, sets: &[&str]) -> String {
+        let dir = std::env::temp_dir().join(format!("attnsweep-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // One file per call: tests run in parallel threads.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let p = dir.join(format!("c{n}.toml"));
+        std::fs::write(&p, toml_text).unwrap();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        format!("{:#}", Config::load(Some(&p), &sets).unwrap_err())
+    }
+
+    /// Differences name every changed leaf setting with both values; resume may change the
+    /// listed keys and every key of a listed section, nothing that merely shares a prefix.
+    #[test]
+    fn differences_and_what_resume_may_change() {
+        let a = Config::default();
+        let set = |s: &[&str]| {
+            let sets: Vec<String> = s.iter().map(|x| x.to_string()).collect();
+            Config::load(None, &sets).unwrap()
+        };
+        assert!(a.differences(&a).is_empty());
+        let b = set(&["train.lr=0.5", "attention.method=swa", "eval.batch_size=3"]);
+        let keys: Vec<String> = a.differences(&b).into_iter().map(|d| d.0).collect();
+        assert_eq!(keys, ["attention.method", "eval.batch_size", "train.lr"]);
+        let (_, was, now) = &a.differences(&b)[2];
+        assert_eq!(
+            (was.as_str(), now.as_str()),
+            (&*a.train.lr.to_string(), "0.5")
+        );
+        for key in [
+            "train.device",
+            "eval.batch_size",
+            "eval",
+            "attention.attn_impl",
+        ] {
+            assert!(resume_may_change(key), "{key}");
+        }
+        for key in [
+            "train.lr",
+            "train.steps",
+            "evaluation.x",
+            "train.device_x",
+            "attention",
+        ] {
+            assert!(!resume_may_change(key), "{key}");
+        }
+    }
+
+    /// NaN passes any `lo <= v <= hi` written as `v < lo || v > hi`; TOML allows nan and inf.
+    /// Every non-finite number is refused, from a file or an override, naming the key.
+    #[test]
+    fn non_finite_numbers_are_refused_everywhere() {
+        for set in [
+            "attention.ppa_power=nan",
+            "attention.tau=nan",
+            "attention.bernoulli_p=nan",
+            "attention.p_force=nan",
+            "train.weight_decay=nan",
+            "train.grad_clip=inf",
+            "eval.depths=[0.5, nan]",
+            "attention.swiattn_alpha=-inf",
+        ] {
+            let key = set.split('=').next().unwrap();
+            let e = err_of("", &[set]);
+            assert!(
+                e.contains(key) && e.contains("not a finite number"),
+                "{set}: {e}"
+            );
+        }
+        let e = err_of("[train]\ngrad_clip = nan\n", &[]);
+        assert!(e.contains("train.grad_clip") && e.contains("finite"), "{e}");
+        let e = err_of(
+            "[model.rope_scaling]\nrope_type = \"linear\"\nfactor = inf\n",
+            &[],
+        );
+        assert!(e.contains("model.rope_scaling.factor"), "{e}");
+    }
+
+    /// An error caused by an override names the override, not the file it was applied to.
+    #[test]
+    fn errors_blame_the_override_that_caused_them() {
+        let e = err_of("[train]\nlr = 0.01\n", &["data.seq_len=1"]);
+        assert!(
+            e.contains("--set data.seq_len=1") && e.contains("data.seq_len = 1"),
+            "{e}"
+        );
+        let e = err_of("[train]\nsteps = 0\n", &["data.seq_len=64"]);
+        assert!(e.contains("invalid config") && !e.contains("--set"), "{e}");
+        let e = err_of("", &["eval.max_length=1"]);
+        assert!(e.contains("eval.max_length = 1"), "{e}");
+        let e = err_of("", &["eval.seq_len=1"]);
+        assert!(e.contains("eval.seq_len = 1"), "{e}");
+        let e = err_of("", &["train.router_hold_steps=5"]);
+        assert!(
+            e.contains("train.router_hold_steps = 5") && e.contains("\"l2a\""),
+            "{e}"
+        );
+        let e = err_of(
+            "[attention]\nmethod = \"l2a\"\nrouter = \"bernoulli\"\n",
+            &["train.router_hold_steps=5"],
+        );
+        assert!(e.contains("learned router only"), "{e}");
+    }
+
+    /// Lists of bare words need no quotes, as single bare words need none.
+    #[test]
+    fn bare_words_in_lists_are_strings() {
+        let c = Config::load(None, &["eval.tasks=[passkey, mqar]".into()]).unwrap();
+        assert_eq!(c.eval.tasks, ["passkey", "mqar"]);
+        let c = Config::load(None, &["eval.lengths=[64,128]".into()]).unwrap();
+        assert_eq!(c.eval.lengths, [64, 128]);
+        assert_eq!(parse_value("[a, 2, true]").as_array().unwrap().len(), 3);
+        assert_eq!(
+            parse_value("[\"a\", b]"),
+            toml::Value::String("[\"a\", b]".into())
+        );
+    }
+
+    /// Settings a method ignores do not make two configs different computations; settings
+    /// it reads do.
+    #[test]
+    fn canonical_sets_aside_what_a_method_ignores() {
+        let load = |sets: &[&str]| {
+            let v: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::load(None, &v).unwrap().canonical()
+        };
+        assert_eq!(
+            load(&[
+                "attention.method=full",
+                "attention.lambda=0.1",
+                "attention.window=8"
+            ]),
+            load(&["attention.method=full"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=swa",
+                "attention.ppa_power=0.9",
+                "attention.tau=0.2"
+            ]),
+            load(&["attention.method=swa"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=aha",
+                "attention.router=bernoulli",
+                "attention.lambda=1"
+            ]),
+            load(&["attention.method=aha", "attention.router=bernoulli"])
+        );
+        assert_eq!(
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_adaptive=false",
+                "attention.swiattn_alpha=3"
+            ]),
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_adaptive=false"
+            ])
+        );
+        assert_ne!(
+            load(&["attention.method=aha", "attention.lambda=0.1"]),
+            load(&["attention.method=aha"])
+        );
+        assert_ne!(
+            load(&["attention.method=swa", "attention.window=8"]),
+            load(&["attention.method=swa"])
+        );
+        assert_ne!(
+            load(&[
+                "attention.method=swiattn",
+                "attention.swiattn_disagreement=sum"
+            ]),
+            load(&["attention.method=swiattn"])
+        );
+    }
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = Config::default();
+        c.validate().unwrap();
+        let back: Config = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn overrides_parse_types_and_bare_strings() {
+        let c = Config::load(
+            None,
+            &[
+                "attention.method=swa".into(),
+                "attention.window=16".into(),
+                "train.lr=0.01".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.attention.method, Method::Swa);
+        assert_eq!(c.attention.window, 16);
+        assert_eq!(c.train.lr, 0.01);
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        assert!(err_of("[model\nx=1", &[]).contains("not valid TOML"));
+        assert!(err_of("[model]\nhiden_size = 3\n", &[]).contains("hiden_size"));
+        assert!(err_of("[nosuch]\n", &[]).contains("nosuch"));
+        let e = err_of("", &["attention.ppa_power=1.5"]);
+        assert!(
+            e.contains("attention.ppa_power") && e.contains("0 ..= 1"),
+            "{e}"
+        );
+        let e = err_of(
+            "[model]\nnum_attention_heads = 4\nnum_key_value_heads = 3\n",
+            &[],
+        );
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        assert!(err_of("", &["attention.method=sparse"]).contains("sparse"));
+        assert!(err_of("", &["train.device=tpu"]).contains("train.device"));
+        assert!(err_of("", &["window=3"]).contains("section.key"));
+        assert!(err_of("", &["train.steps=0"]).contains("train.steps"));
+        for bad in ["0", "1.5", "-0.1"] {
+            let e = err_of("", &[&format!("attention.ste_sample={bad}")]);
+            assert!(
+                e.contains("attention.ste_sample") && e.contains("(0, 1]"),
+                "{e}"
+            );
+        }
+    }
+}

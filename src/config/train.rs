@@ -1,0 +1,142 @@
+//! `[data]` and `[train]`: what a run reads and how it trains.
+
+use super::check::{check, check_open_f};
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A directory written by `attnsweep data prepare` or `attnsweep data synth`.
+    pub dir: PathBuf,
+    pub seq_len: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            dir: PathBuf::new(),
+            seq_len: 256,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    Fp32,
+    Bf16,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub steps: usize,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    /// Cosine decay ends at lr * min_lr_ratio.
+    pub min_lr_ratio: f64,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub adam_eps: f64,
+    /// Global gradient-norm clip; 0 disables clipping.
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Compute dtype; parameters and optimizer state stay fp32.
+    pub dtype: Dtype,
+    /// "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+    pub device: String,
+    pub log_every: usize,
+    pub ckpt_every: usize,
+    /// How many step checkpoints to keep on disk (the newest ones).
+    pub keep_checkpoints: usize,
+    /// Validation loss every N steps (0: only at the end).
+    pub eval_every: usize,
+    /// Keep the MLP weights fixed; train attention, routers and norms only (L2A E.1.3).
+    pub freeze_mlp: bool,
+    /// L2A with a learned router: for the first N steps of the run every gate is held open
+    /// (every token runs global attention) and the router does not learn, so the global
+    /// module trains on every token before the router judges it. Not in the paper (0, the
+    /// default): a diagnostic of router collapse, which happens when the router closes
+    /// before the global module, started as a copy of attention reading other inputs, has
+    /// become useful.
+    pub router_hold_steps: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 1000,
+            batch_size: 16,
+            grad_accum: 1,
+            lr: 3e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 100,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+            seed: 1337,
+            dtype: Dtype::Fp32,
+            device: "auto".into(),
+            log_every: 10,
+            ckpt_every: 200,
+            keep_checkpoints: 2,
+            eval_every: 0,
+            freeze_mlp: false,
+            router_hold_steps: 0,
+        }
+    }
+}
+
+impl DataConfig {
+    pub(crate) fn validate(&self) -> Result<()> {
+        check("data.seq_len", self.seq_len, 2, 1 << 22)
+    }
+}
+
+impl TrainConfig {
+    pub(crate) fn validate(&self) -> Result<()> {
+        let t = self;
+                check("train.steps", t.steps, 1, 1 << 40)?;
+        check("train.batch_size", t.batch_size, 1, 1 << 20)?;
+        check("train.grad_accum", t.grad_accum, 1, 1 << 16)?;
+        check_open_f("train.lr", t.lr, 0.0, 10.0)?;
+        check("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)?;
+        check("train.warmup_steps", t.warmup_steps, 0, t.steps)?;
+        check("train.weight_decay", t.weight_decay, 0.0, 10.0)?;
+        check("train.beta1", t.beta1, 0.0, 0.999_999)?;
+        check("train.beta2", t.beta2, 0.0, 0.999_999_999)?;
+        check_open_f("train.adam_eps", t.adam_eps, 0.0, 1.0)?;
+        check("train.grad_clip", t.grad_clip, 0.0, 1e6)?;
+        parse_device(&t.device).map(|_| ())?;
+        check("train.log_every", t.log_every, 1, 1 << 40)?;
+        check("train.ckpt_every", t.ckpt_every, 1, 1 << 40)?;
+        check("train.keep_checkpoints", t.keep_checkpoints, 1, 1 << 20)?;
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+pub fn parse_device(s: &str) -> Result<DeviceSpec> {
+    Ok(match s {
+        "auto" => DeviceSpec::Auto,
+        "cpu" => DeviceSpec::Cpu,
+        "cuda" => DeviceSpec::Cuda(0),
+        _ => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => DeviceSpec::Cuda(n),
+            None => bail!("train.device = {s:?} is not one of auto, cpu, cuda, cuda:N"),
+        },
+    })
+}

@@ -1,0 +1,192 @@
+//! What a data set is on disk: a directory with its shards and, written last, `meta.json`
+//! (without it the directory is not a data set), which records how the data set was made.
+
+use crate::util::atomic;
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Meta {
+    pub format: u32,
+    pub tokenizer: String,
+    pub vocab_size: usize,
+    /// Token separating documents, if the tokenizer has one.
+    pub eot_token: Option<u32>,
+    pub train: Vec<String>,
+    pub val: Vec<String>,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// Present for the synthetic corpus: how it was generated.
+    pub synth: Option<SynthSpec>,
+    /// Present when the data set holds probe documents (`data probes`): the settings they
+    /// were written with, which evaluation's probes default to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probes: Option<ProbeDocs>,
+    /// Present for a data set prepared from text (`data prepare`): what it was read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub corpus: Option<CorpusRecord>,
+}
+
+/// What a data set prepared from text records of its corpus (in `meta.json`), so two
+/// machines can tell whether they built the same one.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CorpusRecord {
+    /// The Python package read, with its version (`torch 2.11.0`).
+    pub python_package: Option<String>,
+    pub glob: Vec<String>,
+    pub text_field: String,
+    /// Files read (skipped ones not counted).
+    pub files: u64,
+    pub documents: u64,
+    /// UTF-8 bytes of the documents' text.
+    pub text_bytes: u64,
+    pub skipped_files: u64,
+    pub skipped_records: u64,
+    /// SHA-256 of the token stream (train then val, each token a little-endian u32).
+    pub tokens_sha256: String,
+}
+
+/// What a data set's probe documents were written with, beyond their seed: evaluation's
+/// probes take these unless `eval.digits`, `eval.needles` or `eval.queries` say otherwise.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeDocs {
+    pub digits: usize,
+    pub needles: usize,
+    pub queries: usize,
+}
+
+
+/// How the synthetic corpus is generated. Token ids: 0 = DEF, 1 = ASK, then `n_keys` keys,
+/// then `n_values` values, then filler. One type for every place that takes it: the flags of
+/// `data synth`, a grid's `[synth]` section (unset fields at their defaults) and a data set's
+/// `meta.json`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
+#[serde(deny_unknown_fields, default)]
+pub struct SynthSpec {
+    /// Seed of the filler language and of both splits.
+    #[arg(long, default_value_t = SynthSpec::default().seed)]
+    pub seed: u64,
+    /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
+    #[arg(long, default_value_t = SynthSpec::default().vocab_size)]
+    pub vocab_size: usize,
+    /// Distinct keys; a key is reused with a new value once its query has been asked.
+    #[arg(long, default_value_t = SynthSpec::default().n_keys)]
+    pub n_keys: usize,
+    /// Distinct values.
+    #[arg(long, default_value_t = SynthSpec::default().n_values)]
+    pub n_values: usize,
+    /// Successors per token in the filler bigram model (its entropy is at most log(branch)).
+    #[arg(long, default_value_t = SynthSpec::default().branch)]
+    pub branch: usize,
+    /// Probability that a filler position starts a definition.
+    #[arg(long, default_value_t = SynthSpec::default().event_rate)]
+    pub event_rate: f64,
+    /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
+    #[arg(long, default_value_t = SynthSpec::default().alpha)]
+    pub alpha: f64,
+    /// Shortest query-to-definition distance.
+    #[arg(long, default_value_t = SynthSpec::default().min_distance)]
+    pub min_distance: usize,
+    /// Longest query-to-definition distance (normally the training sequence length).
+    #[arg(long, default_value_t = SynthSpec::default().max_distance)]
+    pub max_distance: usize,
+    /// Tokens in the training split.
+    #[arg(long, default_value_t = SynthSpec::default().train_tokens)]
+    pub train_tokens: usize,
+    /// Tokens in the validation split.
+    #[arg(long, default_value_t = SynthSpec::default().val_tokens)]
+    pub val_tokens: usize,
+}
+
+impl Default for SynthSpec {
+    fn default() -> Self {
+        SynthSpec {
+            seed: 1,
+            vocab_size: 256,
+            n_keys: 24,
+            n_values: 32,
+            branch: 4,
+            event_rate: 0.05,
+            alpha: 1.2,
+            min_distance: 2,
+            max_distance: 256,
+            train_tokens: 2_000_000,
+            val_tokens: 100_000,
+        }
+    }
+}
+
+impl SynthSpec {
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [("event rate", self.event_rate), ("alpha", self.alpha)] {
+            ensure!(v.is_finite(), "synth {name} {v} is not a finite number");
+        }
+        ensure!(
+            self.n_keys >= 1 && self.n_values >= 2,
+            "synth needs at least 1 key and 2 values"
+        );
+        let filler = self.vocab_size as i64 - 2 - self.n_keys as i64 - self.n_values as i64;
+        ensure!(filler >= 2, "synth vocab {} leaves {filler} filler tokens after 2 markers, {} keys and {} values; need at least 2", self.vocab_size, self.n_keys, self.n_values);
+        ensure!(
+            self.branch >= 1 && self.branch as i64 <= filler,
+            "synth branch {} must be in 1 ..= {filler} (filler tokens)",
+            self.branch
+        );
+        ensure!(
+            (0.0..=0.5).contains(&self.event_rate),
+            "synth event rate {} must be in 0 ..= 0.5",
+            self.event_rate
+        );
+        ensure!(
+            self.alpha >= 0.0 && self.alpha <= 10.0,
+            "synth alpha {} must be in 0 ..= 10",
+            self.alpha
+        );
+        ensure!(
+            self.min_distance >= 2,
+            "synth min distance {} must be at least 2 (1 is the filler's own order)",
+            self.min_distance
+        );
+        ensure!(
+            self.max_distance >= self.min_distance,
+            "synth max distance {} is below min distance {}",
+            self.max_distance,
+            self.min_distance
+        );
+        ensure!(
+            self.train_tokens >= 2 && self.val_tokens >= 2,
+            "synth needs at least 2 train and 2 val tokens"
+        );
+        Ok(())
+    }
+}
+
+/// Refuses to write into a directory that already holds a data set.
+pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
+    if out.join("meta.json").exists() {
+        bail!(
+            "{} already holds a data set (meta.json); choose another --out or remove it first",
+            out.display()
+        );
+    }
+    atomic::ensure_writable_dir(out)
+}
+
+pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
+    atomic::write_bytes(
+        &out.join("meta.json"),
+        serde_json::to_string_pretty(meta)?.as_bytes(),
+    )
+}
+
+pub fn read_meta(dir: &Path) -> Result<Meta> {
+    let p = dir.join("meta.json");
+    let text = std::fs::read_to_string(&p).with_context(|| {
+        format!("{} is not a prepared data set (no readable meta.json); run `attnsweep data prepare` or `data synth`", dir.display())
+    })?;
+    serde_json::from_str(&text).with_context(|| format!("{} is malformed", p.display()))
+}

@@ -1,0 +1,21 @@
+//! Token data: binary shards on disk, the byte-level tokenizer, the synthetic long-tail
+//! dependency corpus, and the loader that samples training windows from memory-mapped shards.
+//!
+//! Shard layout (llm.c's): a header of 256 little-endian int32 (`[0]` magic, `[1]` version,
+//! `[2]` number of values), then the values. Token shards use magic 20240520 with version 1
+//! for uint16 and version 2 for uint32 tokens. The synthetic corpus stores each position's
+//! dependency distance in a parallel uint32 shard with magic 20261122. A data set is a
+//! directory with `meta.json` (written last: without it the directory is not a data set)
+//! and its shards.
+
+pub mod corpus;
+pub mod meta;
+pub mod probes;
+pub mod shards;
+pub mod synth;
+pub mod tokenizer;
+
+pub use meta::{read_meta, CorpusRecord, Meta, ProbeDocs, SynthSpec};
+pub use shards::{write_shard, Batch, Shard, Split, Width, DEPS_MAGIC, TOKENS_MAGIC};
+pub use synth::{synth, synth_stream, SynthStream, ASK, DEF, DEP_NONE};
+pub use tokenizer::{tokenizer_of, TextTokenizer, BYTE_EOT};

@@ -1,0 +1,472 @@
+//! Binary shards (llm.c's layout): a header of 256 little-endian int32 (`[0]` magic, `[1]`
+//! version, `[2]` number of values), then the values. Token shards use magic 20240520 with
+//! version 1 for uint16 and version 2 for uint32 tokens; the synthetic corpus stores each
+//! position's dependency distance in a parallel uint32 shard with magic 20261122. `Split`
+//! samples training windows from a split's memory-mapped shards.
+
+use super::meta::Meta;
+use crate::util::atomic;
+use crate::util::rng::Rng;
+use anyhow::{bail, ensure, Context, Result};
+use memmap2::Mmap;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+pub const TOKENS_MAGIC: i32 = 20240520;
+pub const DEPS_MAGIC: i32 = 20261122;
+const HEADER_INTS: usize = 256;
+const HEADER_BYTES: usize = HEADER_INTS * 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Width {
+    U16,
+    U32,
+}
+
+impl Width {
+    fn bytes(self) -> usize {
+        match self {
+            Width::U16 => 2,
+            Width::U32 => 4,
+        }
+    }
+    pub(crate) fn for_vocab(vocab: usize) -> Width {
+        if vocab <= 1 << 16 {
+            Width::U16
+        } else {
+            Width::U32
+        }
+    }
+}
+
+fn version_of(width: Width) -> i32 {
+    match width {
+        Width::U16 => 1,
+        Width::U32 => 2,
+    }
+}
+
+/// Writes one shard atomically.
+pub fn write_shard(path: &Path, magic: i32, width: Width, values: &[u32]) -> Result<()> {
+    write_shard_from(path, magic, width, values.len(), values.iter().copied())
+}
+
+/// Writes one shard of the `len` values `values` yields, atomically.
+pub(crate) fn write_shard_from(
+    path: &Path,
+    magic: i32,
+    width: Width,
+    len: usize,
+    values: impl Iterator<Item = u32>,
+) -> Result<()> {
+    ensure!(
+        len <= i32::MAX as usize,
+        "shard {} would hold more than 2^31 values",
+        path.display()
+    );
+    atomic::write_with(path, |tmp| {
+        let mut w = BufWriter::new(std::fs::File::create(tmp)?);
+        let mut header = [0i32; HEADER_INTS];
+        header[0] = magic;
+        header[1] = version_of(width);
+        header[2] = len as i32;
+        for h in header {
+            w.write_all(&h.to_le_bytes())?;
+        }
+        let mut written = 0usize;
+        for v in values.take(len) {
+            match width {
+                Width::U16 => {
+                    ensure!(
+                        v <= u16::MAX as u32,
+                        "value {v} does not fit a uint16 shard"
+                    );
+                    w.write_all(&(v as u16).to_le_bytes())?
+                }
+                Width::U32 => w.write_all(&v.to_le_bytes())?,
+            }
+            written += 1;
+        }
+        ensure!(
+            written == len,
+            "a shard of {len} values was given {written}"
+        );
+        w.flush()?;
+        Ok(())
+    })
+}
+
+/// A memory-mapped shard, its header checked against the file's real length.
+pub struct Shard {
+    map: Mmap,
+    width: Width,
+    len: usize,
+}
+
+impl Shard {
+    pub fn open(path: &Path, magic: i32) -> Result<Shard> {
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("cannot open shard {}", path.display()))?;
+        // Safety: shards are written once (atomically) and never modified in place.
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot map shard {}", path.display()))?;
+        ensure!(
+            map.len() >= HEADER_BYTES,
+            "shard {} is truncated: {} bytes, shorter than its {HEADER_BYTES}-byte header",
+            path.display(),
+            map.len()
+        );
+        let int = |i: usize| i32::from_le_bytes(map[4 * i..4 * i + 4].try_into().unwrap());
+        ensure!(
+            int(0) == magic,
+            "{} is not a shard of this kind: magic {} (expected {magic})",
+            path.display(),
+            int(0)
+        );
+        let width = match int(1) {
+            1 => Width::U16,
+            2 => Width::U32,
+            v => bail!(
+                "shard {} has unsupported version {v} (1 = uint16, 2 = uint32)",
+                path.display()
+            ),
+        };
+        ensure!(
+            int(2) >= 0,
+            "shard {} has a negative length in its header",
+            path.display()
+        );
+        let len = int(2) as usize;
+        let want = HEADER_BYTES + len * width.bytes();
+        ensure!(
+            map.len() == want,
+            "shard {} is truncated or corrupt: its header says {len} values ({want} bytes) but the file has {} bytes",
+            path.display(),
+            map.len()
+        );
+        Ok(Shard { map, width, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn get(&self, i: usize) -> u32 {
+        let o = HEADER_BYTES + i * self.width.bytes();
+        match self.width {
+            Width::U16 => u16::from_le_bytes([self.map[o], self.map[o + 1]]) as u32,
+            Width::U32 => u32::from_le_bytes(self.map[o..o + 4].try_into().unwrap()),
+        }
+    }
+
+    fn extend_into(&self, start: usize, n: usize, out: &mut Vec<i64>) {
+        out.extend((start..start + n).map(|i| self.get(i) as i64));
+    }
+}
+
+/// Streams values into consecutive shards `<prefix>_000.bin`, `<prefix>_001.bin`, ...
+pub(crate) struct ShardWriter {
+    dir: PathBuf,
+    prefix: String,
+    magic: i32,
+    width: Width,
+    shard_len: usize,
+    buf: Vec<u32>,
+    names: Vec<String>,
+    total: u64,
+}
+
+impl ShardWriter {
+    pub(crate) fn new(
+        dir: &Path,
+        prefix: &str,
+        magic: i32,
+        width: Width,
+        shard_len: usize,
+    ) -> Self {
+        ShardWriter {
+            dir: dir.to_path_buf(),
+            prefix: prefix.into(),
+            magic,
+            width,
+            shard_len,
+            buf: Vec::new(),
+            names: Vec::new(),
+            total: 0,
+        }
+    }
+
+    pub(crate) fn push(&mut self, v: u32) -> Result<()> {
+        self.buf.push(v);
+        self.total += 1;
+        if self.buf.len() == self.shard_len {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let name = format!("{}_{:03}.bin", self.prefix, self.names.len());
+        write_shard(&self.dir.join(&name), self.magic, self.width, &self.buf)?;
+        self.names.push(name);
+        self.buf.clear();
+        Ok(())
+    }
+
+    pub(crate) fn finish(mut self) -> Result<(Vec<String>, u64)> {
+        self.flush()?;
+        Ok((self.names, self.total))
+    }
+}
+
+/// The dependency shard that accompanies token shard `name`.
+pub(super) fn deps_name(name: &str) -> String {
+    name.replace(".bin", ".deps.bin")
+}
+
+
+// ---------------------------------------------------------------------------------------
+// Loading.
+
+/// The shards of one split, with their dependency shards when the data set has them.
+pub struct Split {
+    shards: Vec<Shard>,
+    deps: Option<Vec<Shard>>,
+}
+
+/// One batch: inputs and targets `[B, L]` (int64), and, for the synthetic corpus, the
+/// dependency distance of each prediction `[B, L]` plus each row's offset into its stream.
+pub struct Batch {
+    pub x: Tensor,
+    pub y: Tensor,
+    pub deps: Option<Vec<u32>>,
+}
+
+impl Split {
+    pub fn open(dir: &Path, meta: &Meta, split: &str) -> Result<Split> {
+        let names = match split {
+            "train" => &meta.train,
+            "val" => &meta.val,
+            _ => bail!("unknown split {split}"),
+        };
+        ensure!(
+            !names.is_empty(),
+            "data set {} has no {split} shards",
+            dir.display()
+        );
+        let shards = names
+            .iter()
+            .map(|n| Shard::open(&dir.join(n), TOKENS_MAGIC))
+            .collect::<Result<Vec<_>>>()?;
+        let want = match split {
+            "train" => meta.train_tokens,
+            _ => meta.val_tokens,
+        };
+        let have: u64 = shards.iter().map(|s| s.len() as u64).sum();
+        ensure!(
+            have == want,
+            "data set {}: meta.json gives the {split} split {want} tokens but its shards hold \
+             {have}; the shards and meta.json do not belong together (a shard rewritten, with \
+             another token width or cut short?): prepare the data set again",
+            dir.display()
+        );
+        for (s, n) in shards.iter().zip(names) {
+            if let Some((i, t)) = (0..s.len())
+                .map(|i| (i, s.get(i)))
+                .find(|(_, t)| *t as usize >= meta.vocab_size)
+            {
+                bail!(
+                    "shard {n}: token {t} at index {i} is outside the vocabulary of {} tokens",
+                    meta.vocab_size
+                );
+            }
+        }
+        let deps = if meta.synth.is_some() {
+            let d = names
+                .iter()
+                .map(|n| Shard::open(&dir.join(deps_name(n)), DEPS_MAGIC))
+                .collect::<Result<Vec<_>>>()?;
+            for ((t, d), n) in shards.iter().zip(&d).zip(names) {
+                ensure!(
+                    t.len() == d.len(),
+                    "dependency shard of {n} has {} entries for {} tokens",
+                    d.len(),
+                    t.len()
+                );
+            }
+            Some(d)
+        } else {
+            None
+        };
+        Ok(Split { shards, deps })
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.shards.iter().map(|s| s.len()).sum()
+    }
+
+    /// Tokens of the split's largest shard: a sequence never crosses shards, so the longest
+    /// it can give (inputs and the next token) is this many.
+    pub fn largest_shard(&self) -> usize {
+        self.shards.iter().map(|s| s.len()).max().unwrap_or(0)
+    }
+
+    /// Every token of the split, shards in order.
+    pub fn all_tokens(&self) -> Vec<u32> {
+        self.shards
+            .iter()
+            .flat_map(|s| (0..s.len()).map(move |i| s.get(i)))
+            .collect()
+    }
+
+    fn rows_to_batch(&self, rows: &[(usize, usize)], seq_len: usize, device: tch::Device) -> Batch {
+        let mut buf = Vec::with_capacity(rows.len() * (seq_len + 1));
+        for &(s, start) in rows {
+            self.shards[s].extend_into(start, seq_len + 1, &mut buf);
+        }
+        let t = Tensor::from_slice(&buf)
+            .view([rows.len() as i64, seq_len as i64 + 1])
+            .to_device(device);
+        let deps = self.deps.as_ref().map(|d| {
+            rows.iter()
+                .flat_map(|&(s, start)| (start..start + seq_len).map(move |i| d[s].get(i)))
+                .collect()
+        });
+        Batch {
+            x: t.narrow(1, 0, seq_len as i64),
+            y: t.narrow(1, 1, seq_len as i64),
+            deps,
+        }
+    }
+
+    /// A batch of windows drawn uniformly over all valid start positions of all shards.
+    pub fn sample(
+        &self,
+        rng: &mut Rng,
+        batch: usize,
+        seq_len: usize,
+        device: tch::Device,
+    ) -> Result<Batch> {
+        let starts: Vec<u64> = self
+            .shards
+            .iter()
+            .map(|s| s.len().saturating_sub(seq_len) as u64)
+            .collect();
+        let total: u64 = starts.iter().sum();
+        ensure!(total > 0, "no shard holds more than seq_len = {seq_len} tokens; use shorter sequences or more data");
+        let rows: Vec<(usize, usize)> = (0..batch)
+            .map(|_| {
+                let mut r = rng.below(total);
+                let s = starts.iter().position(|&n| {
+                    if r < n {
+                        true
+                    } else {
+                        r -= n;
+                        false
+                    }
+                });
+                let s = s.expect("r < total");
+                (s, r as usize)
+            })
+            .collect();
+        Ok(self.rows_to_batch(&rows, seq_len, device))
+    }
+
+    /// Consecutive non-overlapping windows in order, grouped into batches; at most
+    /// `max_batches` batches (0 = all).
+    pub fn sequential(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        max_batches: usize,
+        device: tch::Device,
+    ) -> Vec<Batch> {
+        let rows: Vec<(usize, usize)> = self
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(s, sh)| {
+                (0..sh.len().saturating_sub(1) / seq_len).map(move |i| (s, i * seq_len))
+            })
+            .collect();
+        let mut out: Vec<Batch> = rows
+            .chunks(batch)
+            .map(|c| self.rows_to_batch(c, seq_len, device))
+            .collect();
+        if max_batches > 0 {
+            out.truncate(max_batches);
+        }
+        out
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::meta::SynthSpec;
+    use crate::data::synth::synth;
+
+    fn tmp(name: &str) -> PathBuf {
+        crate::util::scratch_dir(&format!("data-{name}"))
+    }
+
+    #[test]
+    fn shard_round_trip_both_widths_and_truncation() {
+        let d = tmp("shard");
+        for (width, vals) in [
+            (Width::U16, vec![0u32, 1, 65535, 7]),
+            (Width::U32, vec![0u32, 70000, u32::MAX]),
+        ] {
+            let p = d.join("s.bin");
+            write_shard(&p, TOKENS_MAGIC, width, &vals).unwrap();
+            let bytes = std::fs::read(&p).unwrap();
+            assert_eq!(bytes.len(), HEADER_BYTES + vals.len() * width.bytes());
+            let s = Shard::open(&p, TOKENS_MAGIC).unwrap();
+            assert_eq!((0..s.len()).map(|i| s.get(i)).collect::<Vec<_>>(), vals);
+            assert!(format!("{:#}", Shard::open(&p, DEPS_MAGIC).err().unwrap()).contains("magic"));
+            std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
+            assert!(
+                format!("{:#}", Shard::open(&p, TOKENS_MAGIC).err().unwrap()).contains("truncated")
+            );
+            std::fs::write(&p, &bytes[..100]).unwrap();
+            assert!(
+                format!("{:#}", Shard::open(&p, TOKENS_MAGIC).err().unwrap()).contains("truncated")
+            );
+        }
+        assert!(write_shard(&d.join("x.bin"), TOKENS_MAGIC, Width::U16, &[70000]).is_err());
+        assert!(!d.join("x.bin").exists());
+    }
+
+    #[test]
+    fn sampling_is_deterministic_for_a_seed() {
+        let d = tmp("sample");
+        let spec = SynthSpec {
+            train_tokens: 5000,
+            val_tokens: 600,
+            ..Default::default()
+        };
+        let meta = synth(&spec, &d.join("ds")).unwrap();
+        let split = Split::open(&d.join("ds"), &meta, "train").unwrap();
+        let draw = |seed| {
+            let mut r = Rng::new(seed);
+            let b = split.sample(&mut r, 4, 32, tch::Device::Cpu).unwrap();
+            Vec::<i64>::try_from(b.x.flatten(0, 1)).unwrap()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+        let val = Split::open(&d.join("ds"), &meta, "val").unwrap();
+        let batches = val.sequential(4, 100, 0, tch::Device::Cpu);
+        assert_eq!(batches.iter().map(|b| b.x.size()[0]).sum::<i64>(), 5);
+        assert!(batches[0]
+            .x
+            .get(0)
+            .narrow(0, 1, 99)
+            .equal(&batches[0].y.get(0).narrow(0, 0, 99)));
+        assert_eq!(batches[0].deps.as_ref().unwrap().len(), 4 * 100);
+    }
+}

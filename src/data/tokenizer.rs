@@ -1,0 +1,150 @@
+//! How text becomes tokens: bytes (256 = end of document) or a Hugging Face
+//! `tokenizer.json`, and the record a text data set keeps of its tokenizer.
+
+use super::meta::{write_meta, CorpusRecord, Meta, ProbeDocs};
+use crate::util::atomic;
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+
+/// Byte-level tokenizer: token = byte value, 256 = end of document.
+pub const BYTE_EOT: u32 = 256;
+
+/// How text becomes tokens: bytes, or a Hugging Face `tokenizer.json`.
+pub enum TextTokenizer {
+    Bytes,
+    Hf {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        path: PathBuf,
+    },
+}
+
+/// The tokenizer a data set was prepared with.
+pub fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
+    match meta.tokenizer.as_str() {
+        "byte" => Ok(TextTokenizer::Bytes),
+        "tokenizer.json" => TextTokenizer::hf(&dir.join("tokenizer.json")),
+        other => bail!(
+            "data set {} was not prepared from text (tokenizer {other:?}); probes and multiple-choice tasks need a byte-level or tokenizer.json data set",
+            dir.display()
+        ),
+    }
+}
+
+/// End-of-document tokens of common tokenizers, in the order they are looked for.
+const EOT_NAMES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+
+impl TextTokenizer {
+    pub fn hf(path: &Path) -> Result<TextTokenizer> {
+        let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+            anyhow::anyhow!("{} is not a readable tokenizer.json: {e}", path.display())
+        })?;
+        Ok(TextTokenizer::Hf {
+            tokenizer: Box::new(tokenizer),
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TextTokenizer::Bytes => 257,
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    pub fn eot(&self) -> Option<u32> {
+        match self {
+            TextTokenizer::Bytes => Some(BYTE_EOT),
+            TextTokenizer::Hf { tokenizer, .. } => {
+                EOT_NAMES.iter().find_map(|n| tokenizer.token_to_id(n))
+            }
+        }
+    }
+
+    /// The token the tokenizer puts before a text when asked for its special tokens (Llama's
+    /// `<s>`, `<|begin_of_text|>`), found by encoding with and without them; None for
+    /// byte-level and for tokenizers that add none (Qwen, GPT-2).
+    pub fn bos(&self) -> Option<u32> {
+        let TextTokenizer::Hf { tokenizer, .. } = self else {
+            return None;
+        };
+        let with = tokenizer.encode("a", true).ok()?;
+        let without = tokenizer.encode("a", false).ok()?;
+        let (with, without) = (with.get_ids(), without.get_ids());
+        (with.len() > without.len() && with[1..].starts_with(without)).then(|| with[0])
+    }
+
+    /// Tokens of `text` with the tokenizer's special tokens added as its post-processor
+    /// says (a BOS first, for most), as Hugging Face's `tokenizer(text)` gives them.
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer
+                .encode(text, true)
+                .map_err(|e| anyhow::anyhow!("tokenizing with {}: {e}", path.display()))?
+                .get_ids()
+                .to_vec()),
+        }
+    }
+
+    /// Text of `ids`; a byte-level end of document ends it.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            TextTokenizer::Bytes => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .take_while(|&&t| t < 256)
+                    .map(|&t| t as u8)
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.decode(ids, false).unwrap_or_default(),
+        }
+    }
+
+    /// Tokens of `text`, without special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer
+                .encode(text, false)
+                .map_err(|e| anyhow::anyhow!("tokenizing with {}: {e}", path.display()))?
+                .get_ids()
+                .to_vec()),
+        }
+    }
+}
+
+/// Writes a text data set's tokenizer record and, last, its `meta.json`, given the shard
+/// names and token counts of each split.
+pub(crate) fn finish_text_dataset(
+    out: &Path,
+    tok: &TextTokenizer,
+    (train, train_tokens): (Vec<String>, u64),
+    (val, val_tokens): (Vec<String>, u64),
+    probes: Option<ProbeDocs>,
+    corpus: Option<CorpusRecord>,
+) -> Result<Meta> {
+    let tokenizer = match tok {
+        TextTokenizer::Bytes => "byte".to_string(),
+        TextTokenizer::Hf { path, .. } => {
+            // The data set keeps its tokenizer, so it describes itself.
+            atomic::write_bytes(&out.join("tokenizer.json"), &std::fs::read(path)?)?;
+            "tokenizer.json".to_string()
+        }
+    };
+    let meta = Meta {
+        format: 1,
+        tokenizer,
+        vocab_size: tok.vocab_size(),
+        eot_token: tok.eot(),
+        train,
+        val,
+        train_tokens,
+        val_tokens,
+        synth: None,
+        probes,
+        corpus,
+    };
+    write_meta(out, &meta)?;
+    Ok(meta)
+}

@@ -1,0 +1,316 @@
+//! Checkpoints of a run directory:
+//!
+//! ```text
+//! <run>/checkpoints/step_00000200/{model.safetensors, optim.safetensors, state.json}
+//! <run>/checkpoints/latest          the name of the newest complete checkpoint
+//! ```
+//!
+//! A checkpoint is written into a temporary directory and renamed into place, then `latest`
+//! is replaced atomically, so an interruption at any point leaves the previous checkpoint
+//! intact and `latest` never names a partial one.
+
+use crate::util::atomic;
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+/// Everything besides tensors that a resumed run needs to continue exactly.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// State of the data-sampling generator after `step` steps.
+    pub rng_state: u64,
+    /// State of the generator behind random gates (Bernoulli routers, L2A's p_force).
+    pub gate_rng_state: u64,
+    pub tokens_seen: u64,
+}
+
+pub fn checkpoints_dir(run: &Path) -> PathBuf {
+    run.join("checkpoints")
+}
+
+/// The newest complete checkpoint of a run, if any.
+pub fn latest(run: &Path) -> Result<Option<PathBuf>> {
+    let p = checkpoints_dir(run).join("latest");
+    match std::fs::read_to_string(&p) {
+        Ok(name) => {
+            ensure!(
+                !name.trim().is_empty(),
+                "{} is empty; it should name the newest checkpoint directory beside it (such as \
+                 step_00000200): write that name into it, or remove the run to start again",
+                p.display()
+            );
+            let dir = checkpoints_dir(run).join(name.trim());
+            ensure!(
+                dir.is_dir(),
+                "{} names {}, which does not exist",
+                p.display(),
+                dir.display()
+            );
+            Ok(Some(dir))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", p.display())),
+    }
+}
+
+/// Writes a checkpoint for `state.step` and keeps the newest `keep` of them.
+pub fn save(
+    run: &Path,
+    model: &[(String, Tensor)],
+    optim: &[(String, Tensor)],
+    state: &TrainState,
+    keep: usize,
+) -> Result<PathBuf> {
+    let root = checkpoints_dir(run);
+    std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+    let name = format!("step_{:08}", state.step);
+    let final_dir = root.join(&name);
+    let tmp = root.join(format!(".tmp-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let written = (|| -> Result<()> {
+        Tensor::write_safetensors(model, tmp.join("model.safetensors"))?;
+        crate::util::fault::point("checkpoint_files");
+        crate::util::fault::write_error()?;
+        Tensor::write_safetensors(optim, tmp.join("optim.safetensors"))?;
+        std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(state)?)?;
+        for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+            std::fs::File::open(tmp.join(f))?.sync_all()?;
+        }
+        if final_dir.exists() {
+            // A checkpoint of this step from an interrupted earlier attempt: replace it.
+            std::fs::remove_dir_all(&final_dir)?;
+        }
+        std::fs::rename(&tmp, &final_dir)?;
+        crate::util::fault::point("checkpoint_renamed");
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e).with_context(|| format!("writing checkpoint {}", final_dir.display()));
+    }
+    atomic::write_bytes(&root.join("latest"), name.as_bytes())?;
+    prune(&root, keep, &name)?;
+    Ok(final_dir)
+}
+
+/// Removes what crashed processes left half-written: checkpoint directories, and the file
+/// that was to replace `latest`.
+pub fn remove_temporaries(run: &Path) -> Result<()> {
+    let root = checkpoints_dir(run);
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let path = e.path();
+            match path.is_dir() {
+                true => std::fs::remove_dir_all(&path),
+                false => std::fs::remove_file(&path),
+            }
+            .with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Keeps `latest` (the checkpoint just written) and the newest `keep - 1` others. A run
+/// resumed from an older `latest` (one interrupted before it named a newer checkpoint) can
+/// leave checkpoints of higher steps behind: they never count against `latest`.
+fn prune(root: &Path, keep: usize, latest: &str) -> Result<()> {
+    let mut steps: Vec<PathBuf> = std::fs::read_dir(root)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name().is_some_and(|n| {
+                    let n = n.to_string_lossy();
+                    n.starts_with("step_") && n != latest
+                })
+        })
+        .collect();
+    steps.sort();
+    let n = steps.len();
+    for old in steps
+        .into_iter()
+        .take(n.saturating_sub(keep.saturating_sub(1)))
+    {
+        std::fs::remove_dir_all(&old)
+            .with_context(|| format!("removing old checkpoint {}", old.display()))?;
+    }
+    Ok(())
+}
+
+pub fn read_state(ckpt: &Path) -> Result<TrainState> {
+    let p = ckpt.join("state.json");
+    let text =
+        std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is malformed", p.display()))
+}
+
+pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
+    ensure!(
+        path.is_file(),
+        "checkpoint file {} does not exist",
+        path.display()
+    );
+    let list = Tensor::read_safetensors(path).with_context(|| {
+        format!(
+            "{} is not a readable safetensors file (truncated or corrupt?)",
+            path.display()
+        )
+    })?;
+    Ok(list.into_iter().collect())
+}
+
+/// Resolves what `--init-from` or `eval --ckpt` may name: a run directory (its latest
+/// checkpoint), a checkpoint directory, or a `.safetensors` file.
+pub fn resolve_weights(path: &Path) -> Result<PathBuf> {
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if path.join("model.safetensors").is_file() {
+        return Ok(path.join("model.safetensors"));
+    }
+    if path.is_dir() {
+        if let Some(ckpt) = latest(path)? {
+            return Ok(ckpt.join("model.safetensors"));
+        }
+        bail!(
+            "{} holds no checkpoint (no checkpoints/latest, no model.safetensors)",
+            path.display()
+        );
+    }
+    bail!("{} does not exist", path.display())
+}
+
+/// The training step of a weight file that sits in a checkpoint directory (beside its
+/// `state.json`); None for a bare weight file.
+pub fn step_of(weights: &Path) -> Option<usize> {
+    let dir = weights.parent()?;
+    dir.join("state.json")
+        .is_file()
+        .then(|| read_state(dir).ok().map(|s| s.step))
+        .flatten()
+}
+
+/// How loading a weight file into a model went.
+#[derive(Debug, Default)]
+pub struct LoadReport {
+    pub loaded: Vec<String>,
+    /// Model parameters the file did not have (left at their initialisation).
+    pub initialised: Vec<String>,
+    /// File tensors no model parameter has.
+    pub unused: Vec<String>,
+}
+
+/// Copies tensors into `params` by name. With `strict`, every parameter must be filled and
+/// every tensor used; without it, missing parameters keep their initialisation (continued
+/// pretraining into a model with new parts). A shape mismatch is always an error, and nothing
+/// is copied unless the whole file checks out.
+pub fn load_into(
+    params: &BTreeMap<String, Tensor>,
+    path: &Path,
+    strict: bool,
+) -> Result<LoadReport> {
+    let file = read_tensors(path)?;
+    let mut report = LoadReport::default();
+    for (name, p) in params {
+        match file.get(name) {
+            Some(t) if t.size() != p.size() => {
+                bail!(
+                    "{}: tensor {name} has shape {:?}, the model expects {:?}",
+                    path.display(),
+                    t.size(),
+                    p.size()
+                )
+            }
+            Some(_) => report.loaded.push(name.clone()),
+            None => report.initialised.push(name.clone()),
+        }
+    }
+    report.unused = file
+        .keys()
+        .filter(|k| !params.contains_key(*k))
+        .cloned()
+        .collect();
+    if strict && (!report.initialised.is_empty() || !report.unused.is_empty()) {
+        bail!(
+            "{} does not match the model: missing {:?}, unexpected {:?}",
+            path.display(),
+            report.initialised,
+            report.unused
+        );
+    }
+    tch::no_grad(|| {
+        for name in &report.loaded {
+            let mut p = params[name].shallow_clone();
+            p.copy_(&file[name]);
+        }
+    });
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn save_step(run: &Path, step: usize, keep: usize) -> PathBuf {
+        let w = vec![(
+            "w".to_string(),
+            Tensor::ones([2], (Kind::Float, Device::Cpu)),
+        )];
+        let state = TrainState {
+            step,
+            rng_state: 1,
+            gate_rng_state: 2,
+            tokens_seen: 3,
+        };
+        save(run, &w, &w, &state, keep).unwrap()
+    }
+
+    #[test]
+    fn leftovers_of_a_crash_are_removed_files_and_directories_alike() {
+        let run = crate::util::scratch_dir("ckpt-leftovers");
+        save_step(&run, 100, 2);
+        let root = checkpoints_dir(&run);
+        // A crash while replacing `latest`, and one while writing a checkpoint.
+        std::fs::write(root.join(".tmp-77-latest"), b"step_00000200").unwrap();
+        std::fs::create_dir_all(root.join(".tmp-78-step_00000200")).unwrap();
+        remove_temporaries(&run).unwrap();
+        let left: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.iter().all(|n| !n.starts_with(".tmp-")), "{left:?}");
+        assert_eq!(latest(&run).unwrap(), Some(root.join("step_00000100")));
+        std::fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn pruning_never_removes_the_checkpoint_latest_names() {
+        let run = crate::util::scratch_dir("ckpt-prune");
+        let s200 = save_step(&run, 200, 1);
+        // A crash after step 400's directory was renamed into place, before `latest` named
+        // it: the resumed run goes on from step 200 and saves step 300.
+        let s400 = checkpoints_dir(&run).join("step_00000400");
+        std::fs::create_dir_all(&s400).unwrap();
+        for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+            std::fs::copy(s200.join(f), s400.join(f)).unwrap();
+        }
+        let s300 = save_step(&run, 300, 1);
+        assert_eq!(latest(&run).unwrap(), Some(s300.clone()));
+        assert!(s300.is_dir() && !s200.exists() && !s400.exists());
+        // keep 2: latest and the newest other.
+        let s500 = save_step(&run, 500, 2);
+        assert!(s500.is_dir() && s300.is_dir());
+        save_step(&run, 600, 2);
+        assert!(!s300.exists() && s500.is_dir());
+        std::fs::remove_dir_all(&run).unwrap();
+    }
+}

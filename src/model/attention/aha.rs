@@ -1,0 +1,386 @@
+//! AHA, All-or-Here attention: per token and per head, the whole prefix or the window over
+//! one set of queries, keys and values. A learned router scores each (token, head),
+//! `S = sigmoid(X W + b)`, the gate is `S > tau`, and each head's output is
+//! `g * Attn_full + (1 - g) * Attn_window` with the straight-through `g`; the loss adds
+//! `lambda * mean(S)`. Static top-k heads (`static_heads`) take the same path with a fixed
+//! per-head gate. On the kernels each query runs only the path it picked (one routed launch);
+//! the router's gradient reads the other path only where it needs it.
+
+use super::base::{
+    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, AttnOutput, Base, BenchKnobs,
+    BenchVariant, Build, Chunk, Exec, Gates, MethodSpec, Regulariser, Route, KERNEL_FAILED,
+};
+use super::cache::Keys;
+use super::ctx::ForwardCtx;
+use super::gates::{hash_uniform, router_input, GateSource};
+use super::shared::{branches, query_paths, routed_attention, routed_pairs};
+use crate::config::{AttentionConfig, Method, ModelConfig};
+use crate::model::kernels::Kernels;
+use crate::model::nn::Linear;
+use anyhow::{bail, ensure, Context, Result};
+use std::path::Path;
+use tch::{Kind, Tensor};
+
+/// AHA's layer, or static top-k heads': a gate per (token, head) choosing the whole prefix or
+/// the window over the shared q, k, v.
+struct PerHead {
+    gates: GateSource,
+    /// `attention.ste_sample`: the share of window-picking pairs whose full path feeds the
+    /// router's straight-through gradient.
+    ste_sample: f64,
+}
+
+/// AHA's router scores each head (`W: d x H`) and starts with every gate open
+/// (`attention.router_init_bias`).
+fn build_aha(b: &Build) -> Box<dyn Route> {
+    let gates = b.gates(
+        b.m.num_attention_heads as i64,
+        Some(b.a.router_init_bias),
+        false,
+        true,
+    );
+    Box::new(PerHead {
+        gates,
+        ste_sample: b.a.ste_sample,
+    })
+}
+
+/// Static heads take the layer's fixed assignment (`MethodSpec::fixed_heads`).
+fn build_static_heads(b: &Build) -> Box<dyn Route> {
+    let on: Vec<f32> = b
+        .fixed_heads
+        .expect("static_heads is built with its head assignment")
+        .iter()
+        .map(|&h| h as u8 as f32)
+        .collect();
+    Box::new(PerHead {
+        gates: GateSource::Fixed(Tensor::from_slice(&on).to_device(b.p.device())),
+        ste_sample: b.a.ste_sample,
+    })
+}
+
+impl Route for PerHead {
+    fn forward(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        self.forward_chunk(layer, c, ctx)
+    }
+
+    /// Any token may route to the full path, which reads the one shared cache.
+    fn kv_cache_bytes(&self, _: &Base, len: usize, per_position: f64, _: usize) -> f64 {
+        len as f64 * per_position
+    }
+}
+
+/// Which window-picking queries also need the full path's output (see `per_head`).
+enum Values<'a> {
+    None,
+    All,
+    /// Those marked in a `[B, T, H]` mask.
+    Some(&'a Tensor),
+}
+
+impl PerHead {
+    /// AHA's layer (and static heads'): gates, the mixed paths, the regulariser and the pairs
+    /// the executed paths attend, for the chunk `c`.
+    fn forward_chunk(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        let gates = &self.gates;
+        let Chunk {
+            x, q, k, v, keys, ..
+        } = *c;
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let h = layer.proj.n_heads;
+        let start = keys.start();
+        if let (
+            Exec::Kernels(kern, _),
+            GateSource::Learned {
+                router,
+                norm,
+                tau,
+                inclusive: false,
+                lambda,
+            },
+            None,
+        ) = (layer.exec(keys), gates, &ctx.gate_override)
+        {
+            let input = router_input(norm, x);
+            return self.per_head_fused(layer, kern, &input, q, k, v, router, *tau, *lambda, start, ctx);
+        }
+        let g = gates.gates(layer.layer, x, [b, l, h], start, ctx);
+        let learned = matches!(gates, GateSource::Learned { .. });
+        // Sampled straight-through gradient (attention.ste_sample): a random subset
+        // of the window-picking pairs computes the full path, and their router
+        // gradient is scaled up by 1 / ste_sample; the other window pairs send none.
+        let probe = (learned && self.ste_sample < 1.0 && q.requires_grad()).then(|| {
+            let u = hash_uniform(ctx.gate_seed, layer.layer, [b, l, h], start, x.device());
+            u.lt(self.ste_sample).logical_and(&g.hard.le(0.5))
+        });
+        let values = match (&probe, learned) {
+            (Some(p), _) => Values::Some(p),
+            (None, true) => Values::All,
+            (None, false) => Values::None,
+        };
+        let value = match &probe {
+            Some(p) => {
+                let weight =
+                    g.hard.gt(0.5).to_kind(Kind::Float) + p.to_kind(Kind::Float) / self.ste_sample;
+                &g.hard + weight * (&g.value - &g.hard)
+            }
+            None => g.value.shallow_clone(),
+        };
+        let y = self.per_head(layer, q, k, v, &g.hard, &value, keys, values);
+        AttnOutput {
+            y: layer.proj.out(&y, layer.kernels),
+            pairs: routed_pairs(&g.hard, layer.window, start),
+            reg: gates.lambda().map(|lambda| {
+                Regulariser::Term(g.scores.as_ref().expect("scored").mean(Kind::Float) * lambda)
+            }),
+            gates: Some(g.hard),
+            scores: g.scores,
+        }
+    }
+
+    /// AHA's per-(token, head) mix `g * full + (1 - g) * local`, `[B, H, T, D]`, for hard
+    /// choices `on` and gate values `g` (`[B, T, H]`; `g` equals `on` in value and carries the
+    /// straight-through gradient). `values` says which queries that picked the window also need
+    /// the full path's output for the router's gradient `dy . (full - local)`.
+    ///
+    /// With kernels and the chunk's own keys it is computed as `chosen + (g - on) * sg(full -
+    /// local)`: `chosen` is one routed launch (each query runs only the path it picked, with
+    /// gradient; the path it did not pick reaches the loss multiplied by a hard 0, so its
+    /// gradient is exactly zero), and `full - local` needs the other path only where the
+    /// router's gradient reads it, from a second routed launch without gradient: the window
+    /// for queries on the full path, the full prefix for the window queries `values` marks,
+    /// nothing for the rest.
+    /// Without gradient this is `chosen` alone, exact for gates that are 0 or 1
+    /// (`GateOverride::Relaxed` gates are not, and are meant for gradients).
+    #[allow(clippy::too_many_arguments)]
+    fn per_head(
+        &self,
+        layer: &Base,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        on: &Tensor,
+        g: &Tensor,
+        keys: &Keys,
+        values: Values,
+    ) -> Tensor {
+        let w = layer.window as i64;
+        let gv = |t: &Tensor| t.to_kind(q.kind()).transpose(1, 2).unsqueeze(-1);
+        match layer.exec(keys) {
+            Exec::Kernels(kern, _) => {
+                let full = on.transpose(1, 2).gt(0.5);
+                let chosen = routed_attention(kern, q, k, v, &full, w);
+                if !q.requires_grad() {
+                    return chosen;
+                }
+                let flip = match values {
+                    Values::None => return chosen,
+                    Values::All => full.logical_not(),
+                    Values::Some(rows) => rows
+                        .transpose(1, 2)
+                        .gt(0.5)
+                        .logical_and(&full.logical_not()),
+                };
+                let paths = query_paths(&flip, Some(&full));
+                let other = tch::no_grad(|| kern.routed_attention(q, k, v, &paths, w))
+                    .expect(KERNEL_FAILED);
+                // full - local is chosen minus the other path on the full path's rows and the
+                // other way round on the window's: the sign goes on the per-row weight (rows
+                // where neither is needed get a finite value that a zero gradient weight
+                // multiplies). One fused kernel each way (`Kernels::st_mix`).
+                let weight = ((g - on) * (on * 2.0 - 1.0)).transpose(1, 2);
+                kern.st_mix(&chosen, &other, &weight).expect(KERNEL_FAILED)
+            }
+            _ => {
+                let (full, local) = branches(layer, q, k, v, on, keys, false);
+                let g = gv(g);
+                &g * full + (1.0 - &g) * local
+            }
+        }
+    }
+
+    /// AHA's layer with a learned router on the kernels, over the chunk's own keys: what the
+    /// general branch of `aha_forward` and `per_head` compute, with the gates, probes, paths and
+    /// pairs in one kernel (`Kernels::aha_gates`) and the router's scores in one
+    /// (`Kernels::router`), where ATen took some fifty launches a layer,
+    /// whose host cost bounded the training step's forward at L 8192 (PERFORMANCE.md).
+    #[allow(clippy::too_many_arguments)]
+    fn per_head_fused(
+        &self,
+        layer: &Base,
+        kern: &Kernels,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        router: &Linear,
+        tau: f64,
+        lambda: f64,
+        start: i64,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
+        // In fp32, as `gates` computes them (`Kernels::router` reads x in its own dtype).
+        let scores = kern
+            .router(x, &router.weight, router.bias.as_ref())
+            .expect(KERNEL_FAILED);
+        let grad = q.requires_grad();
+        // Without gradient no query is probed; with it, `ste_sample` 1 probes every window
+        // query (the exact straight-through gradient).
+        let sample = if grad { self.ste_sample } else { 1.0 };
+        let w = layer.window as i64;
+        let g = kern
+            .aha_gates(&scores, tau, sample, ctx.gate_seed, layer.layer, start, w)
+            .expect(KERNEL_FAILED);
+        let chosen = kern
+            .routed_attention(q, k, v, &g.chosen, w)
+            .expect(KERNEL_FAILED);
+        let y = if grad {
+            let other =
+                tch::no_grad(|| kern.routed_attention(q, k, v, &g.other, w)).expect(KERNEL_FAILED);
+            kern.st_mix(&chosen, &other, &g.weight)
+                .expect(KERNEL_FAILED)
+        } else {
+            chosen
+        };
+        AttnOutput {
+            y: layer.proj.out(&y, Some(kern)),
+            pairs: g.pairs,
+            reg: Some(Regulariser::Term(scores.mean(Kind::Float) * lambda)),
+            gates: Some(g.hard),
+            scores: Some(scores),
+        }
+    }
+}
+
+
+/// The columns of `head_ranking.csv`, which evaluation writes of a routed model and static
+/// heads read: heads by descending usage.
+pub const HEAD_RANKING_COLUMNS: [&str; 4] = ["rank", "layer", "head", "mu_f"];
+
+/// Reads a `head_ranking.csv` and marks its first `top_k` (layer, head) pairs as full:
+/// `[layer][head]`. `top_k` 0 takes the ranked model's own budget: as many heads as its
+/// per-head usage adds up to (rounded), so the static model calls the full path for the same
+/// share of (token, head) pairs (AHA Table 5 at equal budget).
+pub fn read_head_assignment(
+    path: &Path,
+    top_k: usize,
+    layers: usize,
+    heads: usize,
+) -> Result<Vec<Vec<bool>>> {
+    let mut rdr = csv::Reader::from_path(path)
+        .with_context(|| format!("cannot read head ranking {}", path.display()))?;
+    let mut ranked: Vec<(usize, usize)> = Vec::new();
+    let mut usage = 0.0;
+    for (i, row) in rdr.records().enumerate() {
+        let row = row.with_context(|| format!("{}: malformed row {}", path.display(), i + 2))?;
+        let bad = || {
+            format!(
+                "{}: row {} needs {}",
+                path.display(),
+                i + 2,
+                HEAD_RANKING_COLUMNS.join(",")
+            )
+        };
+        let field = |k: usize| -> Result<usize> {
+            row.get(k).and_then(|v| v.parse().ok()).with_context(bad)
+        };
+        let (layer, head) = (field(1)?, field(2)?);
+        let mu: f64 = row.get(3).and_then(|v| v.parse().ok()).with_context(bad)?;
+        ensure!(
+            mu.is_finite() && (0.0..=1.0).contains(&mu),
+            "{}: row {} gives head usage {mu}; it must be a share between 0 and 1",
+            path.display(),
+            i + 2
+        );
+        ensure!(
+            layer < layers && head < heads,
+            "{}: row {} names layer {layer} head {head}, but the model has {layers} layers of {heads} heads",
+            path.display(),
+            i + 2
+        );
+        ranked.push((layer, head));
+        usage += mu;
+    }
+    let k = match top_k {
+        0 => usage.round() as usize,
+        k => k,
+    };
+    if ranked.len() < k {
+        bail!(
+            "{} ranks {} heads, fewer than attention.top_k = {k}",
+            path.display(),
+            ranked.len()
+        );
+    }
+    let mut on = vec![vec![false; heads]; layers];
+    for &(layer, head) in &ranked[..k] {
+        on[layer][head] = true;
+    }
+    Ok(on)
+}
+
+/// Static heads' name of a top-k setting: all heads, the ranked model's budget (top_k 0, its
+/// heads counted from the usage measured), or k.
+pub fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
+    match a.top_k {
+        k if k == heads => "all heads full".into(),
+        0 => format!(
+            "top-{} (AHA's budget)",
+            (mu_f.unwrap_or(0.0) * heads as f64).round()
+        ),
+        k => format!("top-{k}"),
+    }
+}
+
+pub(super) const AHA: MethodSpec = MethodSpec {
+    method: Method::Aha,
+    label: "AHA",
+    gates: Gates::PerHead,
+    windowed: true,
+    dense_mask: true,
+    build: build_aha,
+    extra_params: no_extra_params,
+    fixed_heads: no_fixed_heads,
+    force_global: never_forced,
+    describe: |a, _, _| vec![format!("λ {}", a.lambda)],
+    variant: no_variant,
+    bench: &[
+        // The paper's: the exact straight-through router gradient.
+        BenchVariant {
+            name: "aha",
+            setup: no_setup,
+            calibrate_router: true,
+            peer: Some("aha"),
+        },
+        // The sampled straight-through gradient (`--ste-sample`); the peers have the paper's only.
+        BenchVariant {
+            name: "aha-sampled",
+            setup: |a: &mut AttentionConfig, k: &BenchKnobs| a.ste_sample = k.ste_sample,
+            calibrate_router: true,
+            peer: None,
+        },
+    ],
+};
+
+pub(super) const STATIC_HEADS: MethodSpec = MethodSpec {
+    method: Method::StaticHeads,
+    label: "static heads",
+    gates: Gates::PerHead,
+    windowed: true,
+    dense_mask: true,
+    build: build_static_heads,
+    extra_params: no_extra_params,
+    fixed_heads: |m: &ModelConfig, a: &AttentionConfig| {
+        read_head_assignment(
+            &a.head_ranking,
+            a.top_k,
+            m.num_hidden_layers,
+            m.num_attention_heads,
+        )
+        .map(Some)
+    },
+    force_global: never_forced,
+    describe: |a, heads, mu_f| vec![top_k_name(a, heads, mu_f)],
+    variant: no_variant,
+    bench: &[],
+};

@@ -1,0 +1,389 @@
+//! What every method builds on: the base projections, one forward's chunk, how a call runs
+//! (`Base::exec`: kernels, the reference path, or decoding over a cache), the `Route` a method
+//! implements for its part of the layer, and the `MethodSpec` that states a method's facts once
+//! beside its maths.
+
+use super::cache::Keys;
+use super::ctx::ForwardCtx;
+use super::gates::GateSource;
+use super::patterns::{KeyPattern, MaskCache};
+use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm, Router};
+use crate::model::kernels::{kernel_for, Kernels};
+use crate::model::nn::{Linear, RmsNorm, Rope};
+use anyhow::Result;
+use tch::{nn, Tensor};
+
+/// A layer's regulariser before it is averaged over layers.
+pub enum Regulariser {
+    /// Finished per-layer term (AHA: lambda * mean s; L2A: lambda * mean d_hat^2).
+    Term(Tensor),
+    /// A term that needs the per-token language-model loss `nll: [B, L]`, known only after
+    /// the forward (SwiAttn's adaptive weight).
+    PerToken(Box<dyn Fn(&Tensor) -> Tensor>),
+}
+
+impl Regulariser {
+    /// The per-layer term; `nll: [B, L]` is the per-token language-model loss.
+    pub fn term(&self, nll: &Tensor) -> Tensor {
+        match self {
+            Regulariser::Term(t) => t.shallow_clone(),
+            Regulariser::PerToken(term) => term(nll),
+        }
+    }
+}
+
+/// What one attention layer hands back to the model.
+pub struct AttnOutput {
+    /// `[B, L, hidden]`, ready for the residual add.
+    pub y: Tensor,
+    /// Hard gates `[B, L, H]` (1 = full path; per-token methods repeat theirs over heads);
+    /// None for static methods.
+    pub gates: Option<Tensor>,
+    /// Soft router scores `[B, L, H]` or `[B, L, 1]` when the gates come from a learned router.
+    pub scores: Option<Tensor>,
+    pub reg: Option<Regulariser>,
+    /// (query, key) pairs of the path actually executed, summed over batch and query heads
+    /// (a scalar tensor, so counting never waits for the device).
+    pub pairs: Tensor,
+}
+
+/// Query, key, value and output projections of one attention module (HF names).
+pub struct Projections {
+    pub(super) q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    pub(super) q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    qk_norm: QkNorm,
+    pub(super) n_heads: i64,
+    n_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Projections {
+    pub(super) fn new(p: &nn::Path, m: &ModelConfig) -> Self {
+        let (h, kv, hd) = (
+            m.num_attention_heads as i64,
+            m.num_key_value_heads as i64,
+            m.head_dim() as i64,
+        );
+        let (d, std, bias) = (m.hidden_size as i64, m.initializer_range, m.attention_bias);
+        // Qwen3 normalises each head (weights over head_dim), OLMo-2 the whole projection.
+        let (qn, kn) = match m.qk_norm {
+            QkNorm::None => (0, 0),
+            QkNorm::PerHead => (hd, hd),
+            QkNorm::Full => (h * hd, kv * hd),
+        };
+        let norm =
+            |name: &str, dim: i64| (dim > 0).then(|| RmsNorm::new(p / name, dim, m.rms_norm_eps));
+        Projections {
+            q_proj: Linear::new(p / "q_proj", d, h * hd, bias, std),
+            k_proj: Linear::new(p / "k_proj", d, kv * hd, bias, std),
+            v_proj: Linear::new(p / "v_proj", d, kv * hd, bias, std),
+            o_proj: Linear::new(p / "o_proj", h * hd, d, false, std),
+            q_norm: norm("q_norm", qn),
+            k_norm: norm("k_norm", kn),
+            qk_norm: m.qk_norm,
+            n_heads: h,
+            n_kv_heads: kv,
+            head_dim: hd,
+        }
+    }
+
+    /// `x: [B, L, hidden]` to rotated `q: [B, H, L, D]` and `k, v: [B, Hkv, L, D]`.
+    pub(super) fn qkv(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kernels: Option<&Kernels>,
+    ) -> (Tensor, Tensor, Tensor) {
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let split = |t: Tensor, n: i64| t.view([b, l, n, self.head_dim]);
+        let normed = |t: Tensor, n: i64, norm: &Option<RmsNorm>| match (self.qk_norm, norm) {
+            (QkNorm::Full, Some(nm)) => split(nm.forward(&t), n),
+            (QkNorm::PerHead, Some(nm)) => nm.forward(&split(t, n)),
+            _ => split(t, n),
+        };
+        let q = rope.apply_transposed(
+            &normed(self.q_proj.forward(x), self.n_heads, &self.q_norm),
+            kernels,
+        );
+        let k = rope.apply_transposed(
+            &normed(self.k_proj.forward(x), self.n_kv_heads, &self.k_norm),
+            kernels,
+        );
+        // The kernels read v contiguous: the move makes it so once here, not in each of a
+        // layer's launches.
+        let v = split(self.v_proj.forward(x), self.n_kv_heads);
+        let v = match kernel_for(kernels, &v) {
+            Some(k) => k.to_heads(&v).expect("head transpose kernel on v"),
+            None => v.transpose(1, 2),
+        };
+        (q, k, v)
+    }
+
+    /// `[B, H, L, D]` to `[B, L, H*D]`.
+    pub(super) fn merge(&self, y: &Tensor, kernels: Option<&Kernels>) -> Tensor {
+        let (b, _, l, _) = y.size4().expect("[B, H, L, D]");
+        let y = match kernel_for(kernels, y) {
+            Some(k) => k
+                .from_heads(y)
+                .expect("head transpose kernel on the output"),
+            None => y.transpose(1, 2),
+        };
+        y.reshape([b, l, self.n_heads * self.head_dim])
+    }
+
+    pub(super) fn out(&self, y: &Tensor, kernels: Option<&Kernels>) -> Tensor {
+        self.o_proj.forward(&self.merge(y, kernels))
+    }
+
+    /// Bytes of keys and values kept per cached position.
+    pub(super) fn kv_bytes_per_position(&self, elt: usize) -> f64 {
+        (2 * self.n_kv_heads * self.head_dim) as f64 * elt as f64
+    }
+}
+
+/// Parameters of one set of projections (q, k, v, o with their biases and q/k norms where the
+/// model has them): one layer's base attention, or a module that copies it.
+pub fn projection_params(m: &ModelConfig) -> f64 {
+    let (d, hd) = (m.hidden_size as f64, m.head_dim() as f64);
+    let (q, kv) = (
+        m.num_attention_heads as f64 * hd,
+        m.num_key_value_heads as f64 * hd,
+    );
+    let bias = if m.attention_bias { q + 2.0 * kv } else { 0.0 };
+    let qk_norm = match m.qk_norm {
+        QkNorm::None => 0.0,
+        QkNorm::PerHead => 2.0 * hd,
+        QkNorm::Full => q + kv,
+    };
+    d * q + 2.0 * d * kv + q * d + bias + qk_norm
+}
+
+/// One forward's chunk: its input `x: [B, T, hidden]`, the projections `q, k, v` (the keys
+/// already extended by a decoding cache), the rotary embedding of its positions and the keys'
+/// bookkeeping.
+#[derive(Clone, Copy)]
+pub(super) struct Chunk<'a, 'k> {
+    pub x: &'a Tensor,
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub rope: &'a Rope,
+    pub keys: &'a Keys<'k>,
+}
+
+/// What a method adds to the layer every method shares (`Base`): each method's file implements
+/// it and builds it from its `MethodSpec::build`.
+pub(super) trait Route {
+    /// The layer's output for the chunk `c`.
+    fn forward(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput;
+
+    /// Bytes of the key-value cache decoding keeps for `len` tokens, where one position of
+    /// the base attention takes `per_position` bytes and a value `elt`.
+    fn kv_cache_bytes(&self, layer: &Base, len: usize, per_position: f64, elt: usize) -> f64;
+
+    /// Parameters the method adds that start as copies of the base attention's, as `(new,
+    /// base)` names below the layer's `self_attn.`.
+    fn derived_params(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    /// How far back the base attention's queries ever look, when that is a window (a decoding
+    /// cache keeps only it); None when a query may read the whole prefix.
+    fn window_only(&self, _layer: &Base) -> Option<usize> {
+        None
+    }
+
+    /// The pattern of a static layer, None for routed ones.
+    fn static_pattern(&self) -> Option<KeyPattern> {
+        None
+    }
+}
+
+/// What a method's `build` makes its part of a layer from.
+pub(super) struct Build<'a> {
+    /// `model.layers.N.self_attn`.
+    pub p: &'a nn::Path<'a>,
+    pub layer: usize,
+    pub m: &'a ModelConfig,
+    pub a: &'a AttentionConfig,
+    /// This layer's heads, true where always full, for a method that reads a fixed per-head
+    /// assignment (`MethodSpec::fixed_heads`).
+    pub fixed_heads: Option<&'a [bool]>,
+    pub kernels: Option<&'static Kernels>,
+}
+
+impl Build<'_> {
+    /// The source of `outputs` gates a token: context-free draws under `attention.router =
+    /// "bernoulli"`, else a learned router (`self_attn.router`) whose weight starts at zero,
+    /// with a bias starting at `bias` if any, opening where `s > tau` (`s >= tau` when
+    /// `inclusive`). `reads_hidden`: it reads the layer's hidden state (AHA, SwiAttn), not a
+    /// module's output (L2A), and so gets an RMSNorm of its own in a post-norm model.
+    pub(super) fn gates(
+        &self,
+        outputs: i64,
+        bias: Option<f64>,
+        inclusive: bool,
+        reads_hidden: bool,
+    ) -> GateSource {
+        let (p, m, a) = (self.p, self.m, self.a);
+        if a.router == Router::Bernoulli {
+            return GateSource::Bernoulli(a.bernoulli_p);
+        }
+        let d = m.hidden_size as i64;
+        let rp = p / "router";
+        let weight = rp.var("weight", &[outputs, d], nn::Init::Const(0.0));
+        let bias = bias.map(|b| rp.var("bias", &[outputs], nn::Init::Const(b)));
+        let norm = (reads_hidden && m.norm_placement == NormPlacement::Post)
+            .then(|| RmsNorm::new(p / "router_norm", d, m.rms_norm_eps).with_kernels(self.kernels));
+        GateSource::Learned {
+            router: Linear { weight, bias },
+            norm,
+            tau: a.tau,
+            inclusive,
+            lambda: a.lambda,
+        }
+    }
+}
+
+/// The layer every method shares: its base projections, window, position in the model and the
+/// kernel library (None: the reference path).
+pub(super) struct Base {
+    pub proj: Projections,
+    pub window: usize,
+    pub layer: usize,
+    pub kernels: Option<&'static Kernels>,
+}
+
+/// How a layer's attention runs for one call, decided in `Base::exec` and nowhere
+/// else: on the kernel library over the chunk's own keys (with the forward's masks and
+/// offset lists), on the dense reference path over them, or decoding over a cache (the
+/// reference path, masked by the cached positions).
+#[derive(Clone, Copy)]
+pub(super) enum Exec<'a> {
+    Kernels(&'static Kernels, &'a MaskCache),
+    Reference,
+    Decode,
+}
+
+pub(super) const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
+
+impl Base {
+    /// Where this call runs: see `Exec`.
+    pub fn exec<'a>(&self, keys: &Keys<'a>) -> Exec<'a> {
+        match (self.kernels, keys) {
+            (Some(kern), Keys::Chunk(masks)) => Exec::Kernels(kern, masks),
+            (None, Keys::Chunk(_)) => Exec::Reference,
+            (_, Keys::Cache { .. }) => Exec::Decode,
+        }
+    }
+
+    /// `pattern` for every query of the chunk: windows and PPA go to the kernels where they
+    /// run (`exec`).
+    pub fn attend_all(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        pattern: KeyPattern,
+        keys: &Keys,
+        slot: usize,
+    ) -> Tensor {
+        match (self.exec(keys), pattern) {
+            (Exec::Kernels(kern, _), KeyPattern::Window(w)) => kern
+                .list_attention(q, k, v, None, w as i64)
+                .expect(KERNEL_FAILED),
+            (Exec::Kernels(kern, masks), KeyPattern::Ppa { window, .. }) => {
+                match masks.ppa_offsets(pattern) {
+                    None => kern.list_attention(q, k, v, None, window as i64),
+                    Some(offsets) => kern.ppa_attention(q, k, v, window as i64, &offsets),
+                }
+                .expect(KERNEL_FAILED)
+            }
+            _ => keys.attend(slot, q, k, v, pattern),
+        }
+    }
+}
+
+/// Where a method's gates sit: none (a fixed pattern), one per (token, head), or one per token
+/// shared by its heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gates {
+    None,
+    PerHead,
+    PerToken,
+}
+
+/// A method's facts, stated once beside its maths; the registry (`registry.rs`) lists every
+/// method's, and memory estimates, tables, figures, training and the benches read them there.
+pub struct MethodSpec {
+    pub method: Method,
+    /// How tables, figures and the CLI name it ("AHA").
+    pub label: &'static str,
+    /// Where its gates sit.
+    pub gates: Gates,
+    /// Whether it reads `attention.window` (every method but full attention).
+    pub windowed: bool,
+    /// Whether its reference path builds a dense `[L, L]` mask per pattern (every method but
+    /// full attention, which runs the fused causal kernel).
+    pub dense_mask: bool,
+    /// Builds its part of one layer.
+    pub(super) build: fn(&Build) -> Box<dyn Route>,
+    /// Parameters it adds to one layer's attention (routers are negligible and not counted).
+    pub extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
+    /// What it reads from files before the model is built: a fixed `[layer][head]` assignment
+    /// (true: always full), None for methods that read none.
+    pub fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<Vec<Vec<bool>>>>,
+    /// Probability per training step that every token runs its global path (L2A's `p_force`).
+    pub force_global: fn(&AttentionConfig) -> f64,
+    /// Its own settings, shown beside its window where figures name a cell (`λ 0.0003`), given
+    /// the attention it ran with, the model's heads and the usage measured (None: not routed).
+    pub describe: fn(&AttentionConfig, usize, Option<f64>) -> Vec<String>,
+    /// Its configuration's name in its paper's ablation table ("" where it has none).
+    pub variant: fn(&AttentionConfig) -> String,
+    /// The variants `bench train` times (`--methods`), each with its training setup.
+    pub bench: &'static [BenchVariant],
+}
+
+/// One variant of a method in `bench train`.
+pub struct BenchVariant {
+    pub name: &'static str,
+    /// The training bench's settings beside the method: the usage its gates open at and the
+    /// share of window pairs whose full path is computed for the router.
+    pub setup: fn(&mut AttentionConfig, &BenchKnobs),
+    /// Its learned router is set to open at `BenchKnobs::full_usage` before timing.
+    pub calibrate_router: bool,
+    /// The PyTorch peer (`kernels/train_peer.py`) implements it under this name.
+    pub peer: Option<&'static str>,
+}
+
+/// The settings of `bench train` a method's variant may read.
+pub struct BenchKnobs {
+    pub full_usage: f64,
+    pub ste_sample: f64,
+}
+
+/// The defaults of `MethodSpec`'s hooks for a method that adds, reads and forces nothing.
+pub(super) fn no_extra_params(_: &ModelConfig, _: &AttentionConfig) -> f64 {
+    0.0
+}
+
+pub(super) fn no_fixed_heads(
+    _: &ModelConfig,
+    _: &AttentionConfig,
+) -> Result<Option<Vec<Vec<bool>>>> {
+    Ok(None)
+}
+
+pub(super) fn never_forced(_: &AttentionConfig) -> f64 {
+    0.0
+}
+
+pub(super) fn no_variant(_: &AttentionConfig) -> String {
+    String::new()
+}
+
+pub(super) fn no_setup(_: &mut AttentionConfig, _: &BenchKnobs) {}

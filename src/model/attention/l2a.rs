@@ -1,0 +1,175 @@
+//! L2A, Learning to Attend: every layer first attends its window, `s_t = LocalAttn(x_t)`; a
+//! router `d_hat_t = sigmoid(W s_t)` (W zero at the start, so every token is global) decides
+//! per token whether a second, global attention module (its own Q, K, V, O, starting as
+//! copies of the base attention) reads the local outputs `s` of every earlier token:
+//! `o_t = s_t + d_t * a_t` with the straight-through `d`. The loss adds
+//! `lambda * mean(d_hat^2)`. With probability `p_force` a training step runs the global module
+//! for every token, so the router gets a gradient on tokens it masked. Pruned layers keep only
+//! the window (`attention.pruned_layers`, `attnsweep prune`).
+
+use super::base::{
+    no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant, Build, Chunk, Exec, Gates,
+    MethodSpec, Projections, Regulariser, Route,
+};
+use super::ctx::ForwardCtx;
+use super::gates::GateSource;
+use super::patterns::KeyPattern;
+use super::shared::{full_rows, Static};
+use crate::config::{AttentionConfig, Method, Router};
+use tch::{Kind, Tensor};
+
+/// L2A's layer: the window, and the global module for routed tokens.
+struct Global {
+    gates: GateSource,
+    global: Projections,
+}
+
+/// The router is `W s` with no bias, zero at the start (d_hat = 0.5: every token global); a
+/// pruned layer keeps only its window.
+fn build(b: &Build) -> Box<dyn Route> {
+    if b.a.pruned_layers.contains(&b.layer) {
+        return Box::new(Static(KeyPattern::Window(b.a.window)));
+    }
+    Box::new(Global {
+        gates: b.gates(1, None, true, false),
+        global: Projections::new(&(b.p / "global_attn"), b.m),
+    })
+}
+
+impl Route for Global {
+    fn forward(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        self.forward_chunk(layer, c, ctx)
+    }
+
+    /// The local module's window plus the global module's own full cache.
+    fn kv_cache_bytes(&self, layer: &Base, len: usize, per_position: f64, elt: usize) -> f64 {
+        layer.window.min(len) as f64 * per_position
+            + len as f64 * self.global.kv_bytes_per_position(elt)
+    }
+
+    /// The global module starts as a copy of the base attention.
+    fn derived_params(&self) -> Vec<(String, String)> {
+        let mut names: Vec<&str> = vec![
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "o_proj.weight",
+        ];
+        if self.global.q_norm.is_some() {
+            names.extend(["q_norm.weight", "k_norm.weight"]);
+        }
+        if self.global.q_proj.bias.is_some() {
+            names.extend(["q_proj.bias", "k_proj.bias", "v_proj.bias"]);
+        }
+        names
+            .into_iter()
+            .map(|n| (format!("global_attn.{n}"), n.to_string()))
+            .collect()
+    }
+
+    /// The local module's; the global module's keys (slot 1) are all kept.
+    fn window_only(&self, layer: &Base) -> Option<usize> {
+        Some(layer.window)
+    }
+}
+
+impl Global {
+    /// L2A's layer over the chunk `c`.
+    fn forward_chunk(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput {
+        let (gates, global) = (&self.gates, &self.global);
+        let Chunk {
+            x,
+            q,
+            k,
+            v,
+            rope,
+            keys,
+        } = *c;
+        let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
+        let h = layer.proj.n_heads;
+        let start = keys.start();
+        let window = KeyPattern::Window(layer.window);
+        let s = layer
+            .proj
+            .out(&layer.attend_all(q, k, v, window, keys, 0), layer.kernels);
+        let g = gates.gates(layer.layer, &s, [b, l, 1], start, ctx);
+        let (qg, kg, vg) = global.qkv(&s, rope, layer.kernels);
+        // Every token's s is a key of the global module, routed or not.
+        let (kg, vg) = keys.extend(1, kg, vg);
+        // Global attention runs only for routed tokens (all of them when forced), so an
+        // unrouted token's a_t is zero and sends the router no language-model gradient.
+        let executed = if ctx.force_global {
+            g.hard.ones_like()
+        } else {
+            g.hard.shallow_clone()
+        };
+        let a = match layer.exec(keys) {
+            Exec::Kernels(kern, _) => {
+                let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
+                global.out(&full_rows(kern, &qg, &kg, &vg, &active), layer.kernels)
+            }
+            // Decoding: no token of the chunk routed, so global attention is skipped.
+            Exec::Decode if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 => {
+                s.zeros_like()
+            }
+            _ => {
+                global.out(
+                    &keys.attend(1, &qg, &kg, &vg, KeyPattern::Full),
+                    layer.kernels,
+                ) * executed.to_kind(x.kind())
+            }
+        };
+        let y = &s + g.value.to_kind(x.kind()) * a;
+        let (first, end) = (start as usize, (start + l) as usize);
+        let local_pairs = (b * h) as f64 * window.pairs_between(first, end) as f64;
+        let positions = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, x.device()));
+        let global_pairs = (executed.squeeze_dim(-1) * positions).sum(Kind::Float) * h as f64;
+        AttnOutput {
+            y,
+            pairs: global_pairs + local_pairs,
+            reg: gates.lambda().map(|lambda| {
+                Regulariser::Term(
+                    g.scores
+                        .as_ref()
+                        .expect("scored")
+                        .square()
+                        .mean(Kind::Float)
+                        * lambda,
+                )
+            }),
+            gates: Some(g.hard.expand([b, l, h], false)),
+            scores: g.scores,
+        }
+    }
+}
+
+pub(super) const L2A: MethodSpec = MethodSpec {
+    method: Method::L2a,
+    label: "L2A",
+    gates: Gates::PerToken,
+    windowed: true,
+    dense_mask: true,
+    build,
+    // The global module: a second set of the base projections.
+    extra_params: |m, _| projection_params(m),
+    fixed_heads: no_fixed_heads,
+    // The anti-collapse draw: a learned router's training step runs the global module for
+    // every token with probability p_force.
+    force_global: |a| match a.router {
+        Router::Learned => a.p_force,
+        Router::Bernoulli => 0.0,
+    },
+    describe: |a, _, _| vec![format!("τ {}", a.tau)],
+    variant: no_variant,
+    // What costs is how many tokens take the global module, not how the router picks them:
+    // context-free gates open for `--full-usage` of the tokens.
+    bench: &[BenchVariant {
+        name: "l2a",
+        setup: |a: &mut AttentionConfig, k: &BenchKnobs| {
+            a.router = Router::Bernoulli;
+            a.bernoulli_p = k.full_usage;
+        },
+        calibrate_router: false,
+        peer: Some("l2a"),
+    }],
+};

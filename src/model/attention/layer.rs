@@ -1,0 +1,102 @@
+//! The attention layer every model holds: the base projections (Hugging Face names), and the
+//! method's part of the layer, built from its `MethodSpec`.
+
+use super::base::{AttnOutput, Base, Build, Chunk, Projections, Route};
+use super::cache::Keys;
+use super::ctx::ForwardCtx;
+use super::patterns::KeyPattern;
+use super::registry::spec;
+use crate::config::{AttentionConfig, ModelConfig};
+use crate::model::kernels::Kernels;
+use crate::model::nn::Rope;
+use tch::{nn, Tensor};
+
+/// One attention layer of any method, with Hugging Face parameter names for the base
+/// module; parameters a method adds sit beside them (`router`, `global_attn.*`, `swa_o_proj`).
+pub struct SelfAttention {
+    base: Base,
+    route: Box<dyn Route>,
+    prefix: String,
+}
+
+impl SelfAttention {
+    /// `p` is `model.layers.N.self_attn`; `fixed_heads` this layer's fixed per-head assignment
+    /// where the method reads one (`MethodSpec::fixed_heads`).
+    pub fn new(
+        p: nn::Path,
+        layer: usize,
+        m: &ModelConfig,
+        a: &AttentionConfig,
+        fixed_heads: Option<&[bool]>,
+        kernels: Option<&'static Kernels>,
+    ) -> Self {
+        // The base projections first: parameters draw their initial values from tch's
+        // generator in the order they are created.
+        let proj = Projections::new(&p, m);
+        let build = Build {
+            p: &p,
+            layer,
+            m,
+            a,
+            fixed_heads,
+            kernels,
+        };
+        let route = (spec(a.method).build)(&build);
+        SelfAttention {
+            base: Base {
+                proj,
+                window: a.window,
+                layer,
+                kernels,
+            },
+            route,
+            prefix: format!("model.layers.{layer}.self_attn"),
+        }
+    }
+
+    /// Parameters a method adds that start as copies of base parameters, `(new, base)`:
+    /// L2A's global module and SwiAttn's window-branch output projection.
+    pub fn derived_params(&self) -> Vec<(String, String)> {
+        let p = &self.prefix;
+        self.route
+            .derived_params()
+            .into_iter()
+            .map(|(new, base)| (format!("{p}.{new}"), format!("{p}.{base}")))
+            .collect()
+    }
+
+    /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
+    /// decode time (`elt` bytes per value).
+    pub fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
+        let per = self.base.proj.kv_bytes_per_position(elt);
+        self.route.kv_cache_bytes(&self.base, len, per, elt)
+    }
+
+    /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
+    /// `keys.start() ..`; `rope` covers those positions. The method's file computes the rest.
+    pub fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
+        let l = x.size()[1];
+        let start = keys.start();
+        let (q, k, v) = self.base.proj.qkv(x, rope, self.base.kernels);
+        let (k, v) = keys.extend(0, k, v);
+        let chunk = Chunk {
+            x,
+            q: &q,
+            k: &k,
+            v: &v,
+            rope,
+            keys,
+        };
+        let out = self.route.forward(&self.base, &chunk, ctx);
+        // Keys that no later query can reach through this layer's window are dropped.
+        if let Some(w) = self.route.window_only(&self.base) {
+            keys.trim(0, w, start + l);
+        }
+        out
+    }
+
+    /// The pattern of a static layer, None for routed ones.
+    pub fn static_pattern(&self) -> Option<KeyPattern> {
+        self.route.static_pattern()
+    }
+}

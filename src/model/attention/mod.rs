@@ -1,0 +1,53 @@
+//! Attention: the layer every method shares, and one file per method.
+//!
+//! | file | what |
+//! |---|---|
+//! | `ctx.rs` | what one forward is asked for beyond the parameters (gate overrides, seeds) |
+//! | `patterns.rs` | which keys a query sees under full, window and PPA attention; pair counts; masks; the reference attention |
+//! | `cache.rs` | where a layer's keys come from: the chunk, or a decoding cache |
+//! | `gates.rs` | routers, thresholds, context-free gates, the straight-through estimator |
+//! | `base.rs` | what every method builds on: projections, the chunk, where a call runs (`Base::exec`), the `Route` a method implements, its `MethodSpec` |
+//! | `shared.rs` | what several methods share: a layer of one fixed pattern, the routed kernels' paths |
+//! | `fixed.rs` | full, SWA, PPA, StaticHybrid: one fixed pattern per layer |
+//! | `aha.rs` | AHA (and static top-k heads): full or window per token and head |
+//! | `l2a.rs` | L2A: a window, and a global module for routed tokens |
+//! | `swiattn.rs` | SwiAttn: a full or a window branch per token, its adaptive regulariser |
+//! | `registry.rs` | every method's `MethodSpec` |
+//! | `layer.rs` | `SelfAttention`: the base projections and the method's part, built from its spec |
+//!
+//! Each file imports only those above it in this table; method files never import each other.
+//! A call runs on the kernel library, on the dense reference path (correct everywhere, the
+//! definition the kernels are tested against), or decoding over a cache; every method computes
+//! the same function on each, and the kernels only skip work whose result is multiplied by a
+//! hard zero.
+
+mod aha;
+mod base;
+mod cache;
+mod ctx;
+mod fixed;
+mod gates;
+mod l2a;
+mod layer;
+mod patterns;
+mod registry;
+mod shared;
+mod swiattn;
+#[cfg(test)]
+mod tests;
+
+pub use aha::{read_head_assignment, top_k_name, HEAD_RANKING_COLUMNS};
+pub use base::{
+    projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates, MethodSpec, Regulariser,
+};
+pub use cache::{Keys, LayerCache};
+pub use ctx::{ForwardCtx, GateOverride};
+pub use fixed::hybrid_pattern;
+#[cfg(test)]
+pub(crate) use gates::hash_uniform;
+pub use gates::{straight_through, threshold};
+pub use layer::SelfAttention;
+pub use patterns::{attend, is_power_offset, KeyPattern, MaskCache};
+pub use registry::{all as methods, spec};
+pub use shared::{routed_pairs, routed_paths};
+pub use swiattn::variant as swiattn_variant;

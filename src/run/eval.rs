@@ -1,0 +1,972 @@
+//! Evaluation: validation loss, perplexity, bits per token, attention work against full
+//! causal attention, key-value cache size, and, on the synthetic corpus, loss per
+//! dependency-distance bucket. For routed methods also the gate statistics: full-attention
+//! usage mu_f overall, per layer and per (layer, head), the mean gap between global calls of
+//! each head, and on the synthetic corpus the precision and recall of gate = 1 against the
+//! ground-truth need for global attention.
+
+use crate::util::atomic;
+use crate::model::attention::{ForwardCtx, HEAD_RANKING_COLUMNS};
+use crate::config::Config;
+use crate::data::{Split, DEP_NONE};
+use crate::model::Llama;
+use crate::model::nn::token_nll;
+use crate::util::progress::Progress;
+use crate::util::rng::Rng;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct AttentionWork {
+    /// (query, key) pairs attended over all layers, heads and evaluated sequences, by the
+    /// paths actually executed: a routed token's full prefix or window, PPA's offsets, and
+    /// for L2A both its local window and its global module.
+    pub pairs: f64,
+    pub full_causal_pairs: f64,
+    /// pairs / full_causal_pairs: attention work relative to full causal attention in the
+    /// same model. Not a density: above 1 when a method attends more pairs than full
+    /// attention would (L2A at a low threshold adds its global module's pairs to its window's).
+    pub pairs_vs_full: f64,
+    /// 4 * pairs * head_dim: QK^T and PV, a multiply and an add each.
+    pub flops: f64,
+    pub full_causal_flops: f64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Bucket {
+    /// "unpredictable", "local", "d2-3", "d4-7", ..., or "out_of_context".
+    pub bucket: String,
+    /// Smallest dependency distance in the bucket (0 for unpredictable, u32::MAX for
+    /// out_of_context), for sorting.
+    pub min_distance: u32,
+    pub tokens: u64,
+    pub loss: f64,
+    /// Share of the bucket's tokens the model's argmax predicts exactly (a recall's answer is
+    /// a copy of its definition's value, so this is the recall task's accuracy); None in
+    /// reports written before it was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct EvalReport {
+    pub split: String,
+    /// Length of the evaluated sequences (`eval.seq_len`, or `data.seq_len`).
+    pub seq_len: usize,
+    /// Training step of the evaluated weights, None when they are a bare weight file.
+    pub checkpoint_step: Option<usize>,
+    /// The run's `train.steps`: a checkpoint step below it is a model evaluated before its
+    /// training finished.
+    pub train_steps: usize,
+    pub tokens: u64,
+    pub loss: f64,
+    pub perplexity: f64,
+    pub bits_per_token: f64,
+    /// Entropy (nats) of the evaluated targets' unigram distribution: the loss of a model
+    /// that knows token frequencies and nothing else.
+    pub unigram_entropy: f64,
+    pub attention: AttentionWork,
+    /// Key-value cache bytes per layer for one sequence of seq_len tokens at decode time.
+    pub kv_cache_bytes: Vec<f64>,
+    pub kv_cache_bytes_total: f64,
+    /// The same model with full attention in every layer.
+    pub kv_cache_bytes_full: f64,
+    /// Empty unless the data set records dependency distances.
+    pub buckets: Vec<Bucket>,
+    /// Routed methods only.
+    pub gates: Option<GateReport>,
+    /// Measured inference time (`eval.timing`); None when not asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<Timing>,
+}
+
+/// What one batch of the evaluated split costs in time on the evaluating device. Each figure
+/// is the median of `TIMING_REPS` repetitions after one unmeasured warm-up, and includes the
+/// host's work (kernel launches, a method's own synchronisations): the time a run pays.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Timing {
+    pub device: String,
+    /// Sequences of the timed batch and their length.
+    pub batch: usize,
+    pub seq_len: usize,
+    /// One forward of the batch without gradients, milliseconds.
+    pub forward_ms: f64,
+    /// The attention layers' part of it, each timed with the device synchronised around it.
+    pub attention_ms: f64,
+    /// Prefill of the batch's first `seq_len - decode_steps` tokens into a key-value cache.
+    pub prefill_ms: f64,
+    /// Tokens then decoded one at a time per sequence, greedily, over the cache.
+    pub decode_steps: usize,
+    /// Generated tokens per second, all sequences of the batch together.
+    pub decode_tokens_per_s: f64,
+    /// Bytes of keys and values the cache holds per sequence after decoding (measured from
+    /// the cache, beside the estimate `kv_cache_bytes_total`).
+    pub decode_cache_bytes: f64,
+}
+
+/// Repetitions behind each figure of `Timing`.
+const TIMING_REPS: usize = 3;
+
+/// The middle value of `xs` (the upper one of an even count), for the repeated measurements
+/// of timings and logged rates; `xs` must not be empty.
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Times `x: [B, L]` (int64 ids) through `model`: see `Timing`.
+pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
+    let device = x.device();
+    let (batch, len) = (x.size()[0], x.size()[1]);
+    let steps = 64.min(len / 2);
+    let mut ctx = ForwardCtx {
+        gate_seed: seed,
+        ..ForwardCtx::default()
+    };
+    // Each repetition: (forward, attention, prefill, decode) seconds and the cache bytes.
+    let rep = |ctx: &mut ForwardCtx| {
+        let clock = std::time::Instant::now;
+        crate::model::sync(device);
+        let start = clock();
+        let _ = model.forward(x, ctx);
+        crate::model::sync(device);
+        let forward = start.elapsed().as_secs_f64();
+        ctx.attention_seconds.set(Some(0.0));
+        let _ = model.forward(x, ctx);
+        let attention = ctx.attention_seconds.take().unwrap_or(0.0);
+        let mut cache = model.new_cache();
+        let start = clock();
+        let out = model.forward_cached(&x.narrow(1, 0, len - steps), &mut cache, ctx);
+        let mut next = out.logits.select(1, -1).argmax(-1, true);
+        crate::model::sync(device);
+        let prefill = start.elapsed().as_secs_f64();
+        // The tokens stay on the device: reading each back would time the transfer too.
+        let start = clock();
+        for _ in 0..steps {
+            let out = model.forward_cached(&next, &mut cache, ctx);
+            next = out.logits.select(1, -1).argmax(-1, true);
+        }
+        crate::model::sync(device);
+        let decode = start.elapsed().as_secs_f64();
+        (forward, attention, prefill, decode, cache.bytes())
+    };
+    tch::no_grad(|| {
+        rep(&mut ctx);
+        let reps: Vec<_> = (0..TIMING_REPS).map(|_| rep(&mut ctx)).collect();
+        let of = |f: fn(&(f64, f64, f64, f64, f64)) -> f64| median(reps.iter().map(f).collect());
+        Timing {
+            device: format!("{device:?}"),
+            batch: batch as usize,
+            seq_len: len as usize,
+            forward_ms: 1e3 * of(|r| r.0),
+            attention_ms: 1e3 * of(|r| r.1),
+            prefill_ms: 1e3 * of(|r| r.2),
+            decode_steps: steps as usize,
+            decode_tokens_per_s: (batch * steps) as f64 / of(|r| r.3),
+            decode_cache_bytes: reps[0].4 / batch as f64,
+        }
+    })
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct GateReport {
+    /// Mean hard gate over layers, tokens and heads (a static layer of a routed model, such
+    /// as a pruned L2A layer, counts as all window).
+    pub mu_f: f64,
+    pub per_layer: Vec<f64>,
+    /// `[layer][head]`.
+    pub per_head: Vec<Vec<f64>>,
+    /// `[layer][head]`: gaps between consecutive full-path calls of each head.
+    pub gaps: Vec<Vec<GapStats>>,
+    /// Heads without a measured median gap: their estimated survival never falls to one half
+    /// within the evaluated sequences (or they never call twice in one).
+    pub censored_heads: usize,
+    /// Synthetic corpus only.
+    pub need: Option<NeedReport>,
+}
+
+/// The distribution of one head's gaps: the number of tokens from one call of its full path to
+/// the next (AHA Table 3 reports their mean). Within a finite sequence a gap is complete only
+/// when both calls fall inside it; the spell after a head's last call ends at the sequence
+/// end, so that gap is only known to be longer (right-censored). Dropping those, as a plain
+/// mean over complete gaps does, biases gaps short; the Kaplan-Meier estimator below counts
+/// them as what they are. Spells whose start lies before the sequence (before the first call,
+/// or a whole sequence without a call) are left out of the estimate: only long gaps cover a
+/// sequence start, so they would bias it long. `censored_share` reports how often a head
+/// calls fewer than twice in a sequence.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct GapStats {
+    /// Complete gaps observed.
+    pub gaps: u64,
+    /// Mean of the complete gaps: the paper's statistic, biased short.
+    pub mean: Option<f64>,
+    /// Kaplan-Meier median and 90th percentile of the gap; None when the estimated survival
+    /// never falls that low (too many spells censored, or no complete gap at all).
+    pub median: Option<u32>,
+    pub p90: Option<u32>,
+    /// Longest complete gap.
+    pub max: Option<u32>,
+    /// Longest censored spell: some gap is longer than this.
+    pub max_censored: Option<u32>,
+    /// Share of the evaluated sequences in which the head called full attention fewer than
+    /// twice (no complete gap).
+    pub censored_share: f64,
+}
+
+/// Running counts behind one head's `GapStats`.
+#[derive(Clone, Debug, Default)]
+struct GapCounts {
+    /// Length -> (complete gaps of that length, spells known to exceed that length).
+    at: BTreeMap<u32, (u64, u64)>,
+    sum: f64,
+    sequences: u64,
+    fewer_than_two: u64,
+}
+
+impl GapCounts {
+    /// One sequence of `len` positions in which the head called full attention at `calls`
+    /// (ascending).
+    fn add_sequence(&mut self, calls: &[usize], len: usize) {
+        self.sequences += 1;
+        self.fewer_than_two += (calls.len() < 2) as u64;
+        for w in calls.windows(2) {
+            let g = (w[1] - w[0]) as u32;
+            self.at.entry(g).or_default().0 += 1;
+            self.sum += g as f64;
+        }
+        // After the last call the next one lies at position len or later: the gap exceeds
+        // the tokens left.
+        if let Some(&p) = calls.last() {
+            let censored = len - 1 - p;
+            if censored > 0 {
+                self.at.entry(censored as u32).or_default().1 += 1;
+            }
+        }
+    }
+
+    fn finish(&self) -> GapStats {
+        let gaps: u64 = self.at.values().map(|v| v.0).sum();
+        let observations: u64 = self.at.values().map(|v| v.0 + v.1).sum();
+        // Kaplan-Meier: S(t) = prod over gap lengths g <= t of (1 - events(g) / at_risk(g)),
+        // where a spell censored after c tokens is at risk at every g <= c.
+        let mut quantiles = [(0.5, None), (0.9, None)];
+        let (mut at_risk, mut survival) = (observations as f64, 1.0);
+        for (&t, &(events, censored)) in &self.at {
+            if events > 0 {
+                survival *= 1.0 - events as f64 / at_risk;
+                for (q, found) in quantiles.iter_mut() {
+                    if found.is_none() && survival <= 1.0 - *q + 1e-12 {
+                        *found = Some(t);
+                    }
+                }
+            }
+            at_risk -= (events + censored) as f64;
+        }
+        GapStats {
+            gaps,
+            mean: (gaps > 0).then(|| self.sum / gaps as f64),
+            median: quantiles[0].1,
+            p90: quantiles[1].1,
+            max: self.at.iter().rev().find(|(_, v)| v.0 > 0).map(|(&t, _)| t),
+            max_censored: self.at.iter().rev().find(|(_, v)| v.1 > 0).map(|(&t, _)| t),
+            censored_share: self.fewer_than_two as f64 / self.sequences.max(1) as f64,
+        }
+    }
+}
+
+/// Gate = 1 against need: a position needs global attention at window w when the token it
+/// predicts depends on one at least w back. Positions with no dependency and those whose
+/// dependency lies before the sequence start (no attention can reach it) are left out.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct NeedReport {
+    pub window: usize,
+    pub positions: u64,
+    pub needing: u64,
+    /// Per layer, each (position, head) gate is one decision.
+    pub per_layer: Vec<PrecisionRecall>,
+    /// Every (layer, position, head) gate is one decision.
+    pub all_gates: PrecisionRecall,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct PrecisionRecall {
+    pub true_pos: u64,
+    pub false_pos: u64,
+    pub false_neg: u64,
+    pub precision: Option<f64>,
+    pub recall: Option<f64>,
+}
+
+impl PrecisionRecall {
+    fn add(&mut self, routed: bool, need: bool) {
+        match (routed, need) {
+            (true, true) => self.true_pos += 1,
+            (true, false) => self.false_pos += 1,
+            (false, true) => self.false_neg += 1,
+            (false, false) => {}
+        }
+    }
+
+    fn finish(mut self) -> Self {
+        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+        self.precision = ratio(self.true_pos, self.true_pos + self.false_pos);
+        self.recall = ratio(self.true_pos, self.true_pos + self.false_neg);
+        self
+    }
+}
+
+/// Running sums behind `GateReport`.
+struct GateAccum {
+    layers: usize,
+    heads: usize,
+    window: usize,
+    on: Vec<f64>,
+    tokens: u64,
+    gaps: Vec<GapCounts>,
+    need: Option<(u64, u64, Vec<PrecisionRecall>, PrecisionRecall)>,
+}
+
+impl GateAccum {
+    fn new(layers: usize, heads: usize, window: usize, with_need: bool) -> Self {
+        GateAccum {
+            layers,
+            heads,
+            window,
+            on: vec![0.0; layers * heads],
+            tokens: 0,
+            gaps: vec![GapCounts::default(); layers * heads],
+            need: with_need.then(|| {
+                (
+                    0,
+                    0,
+                    vec![PrecisionRecall::default(); layers],
+                    PrecisionRecall::default(),
+                )
+            }),
+        }
+    }
+
+    /// `gates[l]`: `[B, T, H]` hard gates of layer l; `deps`: `[B * T]` dependency distances.
+    fn add(&mut self, gates: &[Vec<f32>], batch: usize, len: usize, deps: Option<&[u32]>) {
+        let h = self.heads;
+        self.tokens += (batch * len) as u64;
+        let at = |l: usize, b: usize, t: usize, hd: usize| gates[l][(b * len + t) * h + hd] > 0.5;
+        let mut calls = Vec::with_capacity(len);
+        for l in 0..self.layers {
+            for hd in 0..h {
+                let i = l * h + hd;
+                for b in 0..batch {
+                    calls.clear();
+                    calls.extend((0..len).filter(|&t| at(l, b, t, hd)));
+                    self.on[i] += calls.len() as f64;
+                    self.gaps[i].add_sequence(&calls, len);
+                }
+            }
+        }
+        if let (Some((positions, needing, per_layer, all)), Some(deps)) = (self.need.as_mut(), deps)
+        {
+            for b in 0..batch {
+                for t in 0..len {
+                    let d = deps[b * len + t] as usize;
+                    if d == DEP_NONE as usize || d > t {
+                        continue;
+                    }
+                    let need = d >= self.window;
+                    *positions += 1;
+                    *needing += need as u64;
+                    for (l, pr) in per_layer.iter_mut().enumerate() {
+                        for hd in 0..h {
+                            pr.add(at(l, b, t, hd), need);
+                            all.add(at(l, b, t, hd), need);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn finish(self) -> GateReport {
+        let h = self.heads;
+        let n = self.tokens as f64;
+        let per_head: Vec<Vec<f64>> = (0..self.layers)
+            .map(|l| (0..h).map(|hd| self.on[l * h + hd] / n).collect())
+            .collect();
+        let per_layer: Vec<f64> = per_head
+            .iter()
+            .map(|r| r.iter().sum::<f64>() / h as f64)
+            .collect();
+        let gaps: Vec<Vec<GapStats>> = (0..self.layers)
+            .map(|l| (0..h).map(|hd| self.gaps[l * h + hd].finish()).collect())
+            .collect();
+        GateReport {
+            mu_f: per_layer.iter().sum::<f64>() / self.layers as f64,
+            censored_heads: gaps.iter().flatten().filter(|g| g.median.is_none()).count(),
+            gaps,
+            per_layer,
+            per_head,
+            need: self
+                .need
+                .map(|(positions, needing, per_layer, all)| NeedReport {
+                    window: self.window,
+                    positions,
+                    needing,
+                    per_layer: per_layer.into_iter().map(PrecisionRecall::finish).collect(),
+                    all_gates: all.finish(),
+                }),
+        }
+    }
+}
+
+/// Which bucket the prediction at in-sequence position `t` with dependency `dep` falls in.
+/// Recall dependencies are bucketed by powers of two; one whose source lies before the
+/// start of the evaluated sequence cannot be resolved by any attention pattern.
+pub fn bucket_of(dep: u32, t: usize) -> (String, u32) {
+    match dep {
+        DEP_NONE => ("unpredictable".into(), 0),
+        1 => ("local".into(), 1),
+        d if d as usize > t => ("out_of_context".into(), u32::MAX),
+        d => {
+            let lo = 1u32 << (31 - d.leading_zeros());
+            (format!("d{lo}-{}", 2 * lo - 1), lo)
+        }
+    }
+}
+
+/// The seed context-free (Bernoulli) gates draw from when a model is evaluated: one per run, so
+/// an evaluation repeats exactly, and apart from the training's draws. Evaluation batches, the
+/// timed batch, probes and multiple-choice items each derive their own from it.
+pub fn eval_gate_seed(cfg: &Config) -> u64 {
+    cfg.train.seed ^ 0xE7A1
+}
+
+/// Loss, attention work, buckets and gate statistics of `model` on `split`, over sequences of
+/// `cfg.eval_seq_len()` tokens. `show`: a progress bar (status lines off a terminal) over the
+/// batches.
+pub fn evaluate(
+    model: &Llama,
+    split: &Split,
+    cfg: &Config,
+    split_name: &str,
+    device: Device,
+    show: bool,
+) -> Result<EvalReport> {
+    let seq_len = cfg.eval_seq_len();
+    let batches = split.sequential(cfg.eval.batch_size, seq_len, cfg.eval.max_batches, device);
+    anyhow::ensure!(
+        !batches.is_empty(),
+        "the {split_name} split has no shard of more than {} = {seq_len} tokens (its largest \
+         has {}), which one evaluated sequence needs",
+        cfg.eval_seq_len_key(),
+        split.largest_shard()
+    );
+    let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
+    // Per bucket: summed loss, tokens, tokens predicted exactly.
+    let mut buckets: BTreeMap<(u32, String), (f64, u64, u64)> = Default::default();
+    let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
+    let (layers, heads) = (cfg.model.num_hidden_layers, cfg.model.num_attention_heads);
+    let mut gates: Option<GateAccum> = None;
+    let mut progress = Progress::new(
+        batches.len() as u64,
+        "batches",
+        !show,
+        Duration::from_secs(crate::util::progress::DEFAULT_STATUS_EVERY),
+    );
+    // Each batch has its own gate seed, so no two batches share a mask.
+    let seed = eval_gate_seed(cfg);
+    let mut ctx = ForwardCtx::default();
+    tch::no_grad(|| {
+        for (i, b) in batches.iter().enumerate() {
+            ctx.gate_seed = Rng::derive(seed, &[i as u64]);
+            let out = model.forward(&b.x, &ctx);
+            let nll = token_nll(&out.logits, &b.y).to_kind(Kind::Double);
+            sum += nll.sum(Kind::Double).double_value(&[]);
+            count += nll.numel() as u64;
+            counts +=
+                b.y.flatten(0, 1)
+                    .bincount(None::<Tensor>, cfg.model.vocab_size as i64);
+            pairs += out.attended_pairs();
+            let batch = b.x.size()[0] as usize;
+            full_pairs += model.full_pairs(batch, seq_len);
+            if out.layers.iter().any(|l| l.gates.is_some()) {
+                let per_layer: Vec<Vec<f32>> = out
+                    .layers
+                    .iter()
+                    .map(|l| match &l.gates {
+                        Some(g) => {
+                            Vec::<f32>::try_from(g.to_kind(Kind::Float).contiguous().flatten(0, -1))
+                                .expect("gates to vec")
+                        }
+                        // A static layer inside a routed model (a pruned L2A layer) is all window.
+                        None => vec![0.0; batch * seq_len * heads],
+                    })
+                    .collect();
+                gates
+                    .get_or_insert_with(|| {
+                        GateAccum::new(layers, heads, cfg.attention.window, b.deps.is_some())
+                    })
+                    .add(&per_layer, batch, seq_len, b.deps.as_deref());
+            }
+            if let Some(deps) = &b.deps {
+                let v = Vec::<f64>::try_from(nll.flatten(0, 1)).expect("nll to vec");
+                let hit = out.logits.argmax(-1, false).eq_tensor(&b.y);
+                let hit = Vec::<bool>::try_from(hit.flatten(0, 1)).expect("hits to vec");
+                for (i, ((&d, &l), &h)) in deps.iter().zip(&v).zip(&hit).enumerate() {
+                    let (name, lo) = bucket_of(d, i % seq_len);
+                    let e = buckets.entry((lo, name)).or_default();
+                    e.0 += l;
+                    e.1 += 1;
+                    e.2 += h as u64;
+                }
+            }
+            progress.update(i as u64 + 1, "");
+        }
+    });
+    progress.finish();
+    let loss = sum / count as f64;
+    let freq = counts.to_kind(Kind::Double) / count as f64;
+    let unigram_entropy = -(&freq * freq.clamp_min(1e-300).log())
+        .sum(Kind::Double)
+        .double_value(&[]);
+    let head_dim = cfg.model.head_dim() as f64;
+    let kv = model.kv_cache_bytes(seq_len);
+    let kv_full = model.full_kv_cache_bytes(seq_len);
+    Ok(EvalReport {
+        split: split_name.into(),
+        seq_len,
+        checkpoint_step: None,
+        train_steps: cfg.train.steps,
+        tokens: count,
+        loss,
+        perplexity: loss.exp(),
+        bits_per_token: loss / std::f64::consts::LN_2,
+        unigram_entropy,
+        attention: AttentionWork {
+            pairs,
+            full_causal_pairs: full_pairs,
+            pairs_vs_full: pairs / full_pairs,
+            flops: 4.0 * pairs * head_dim,
+            full_causal_flops: 4.0 * full_pairs * head_dim,
+        },
+        kv_cache_bytes_total: kv.iter().sum(),
+        kv_cache_bytes: kv,
+        kv_cache_bytes_full: kv_full,
+        buckets: buckets
+            .into_iter()
+            .map(|((lo, name), (s, n, hits))| Bucket {
+                bucket: name,
+                min_distance: lo,
+                tokens: n,
+                loss: s / n as f64,
+                accuracy: Some(hits as f64 / n as f64),
+            })
+            .collect(),
+        gates: gates.map(GateAccum::finish),
+        timing: None,
+    })
+}
+
+/// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final
+/// evaluation of a training run and `attnsweep eval` measure it, the periodic ones do not.
+pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
+    if !cfg.eval.timing {
+        return None;
+    }
+    let batch = split
+        .sequential(cfg.eval.batch_size, cfg.eval_seq_len(), 1, device)
+        .into_iter()
+        .next()?;
+    let seed = Rng::derive(eval_gate_seed(cfg), &[u64::MAX]);
+    Some(time_inference(model, &batch.x, seed))
+}
+
+/// `eval.json`: a report and the resolved config it was computed with. `write_report` writes
+/// it and `read_report` reads it (the sweep tables do), through this one type, so a field
+/// renamed on one side cannot silently vanish on the other.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct EvalFile {
+    pub report: EvalReport,
+    pub config: Config,
+}
+
+/// The `eval.json` in `dir`; None when there is none, an error naming the file when it is not
+/// one this version writes.
+pub fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
+    let path = dir.join("eval.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    serde_json::from_str(&text).map(Some).with_context(|| {
+        format!(
+            "{} is not an evaluation report of this version of attnsweep; evaluate the run again",
+            path.display()
+        )
+    })
+}
+
+/// Writes `eval.json` (report plus the resolved config), `eval.csv` (one metric per row) and,
+/// when there are buckets, `eval_buckets.csv`; also the resolved `config.toml`.
+pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
+    atomic::ensure_writable_dir(dir)?;
+    let file = EvalFile {
+        report: report.clone(),
+        config: cfg.recordable(),
+    };
+    atomic::write_bytes(
+        &dir.join("eval.json"),
+        serde_json::to_string_pretty(&file)?.as_bytes(),
+    )?;
+    crate::util::fault::point("eval_report");
+    let a = &report.attention;
+    let mut rows: Vec<(String, f64)> = [
+        ("tokens", report.tokens as f64),
+        ("loss", report.loss),
+        ("perplexity", report.perplexity),
+        ("bits_per_token", report.bits_per_token),
+        ("unigram_entropy", report.unigram_entropy),
+        ("attended_pairs", a.pairs),
+        ("full_causal_pairs", a.full_causal_pairs),
+        ("pairs_vs_full", a.pairs_vs_full),
+        ("attention_flops", a.flops),
+        ("full_causal_flops", a.full_causal_flops),
+        ("seq_len", report.seq_len as f64),
+        ("kv_cache_bytes", report.kv_cache_bytes_total),
+        ("kv_cache_bytes_full", report.kv_cache_bytes_full),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some(step) = report.checkpoint_step {
+        rows.push(("checkpoint_step".into(), step as f64));
+    }
+    if let Some(t) = &report.timing {
+        rows.extend(
+            [
+                ("forward_ms", t.forward_ms),
+                ("attention_ms", t.attention_ms),
+                ("prefill_ms", t.prefill_ms),
+                ("decode_tokens_per_s", t.decode_tokens_per_s),
+                ("decode_cache_bytes", t.decode_cache_bytes),
+            ]
+            .map(|(k, v)| (k.to_string(), v)),
+        );
+    }
+    if let Some(g) = &report.gates {
+        rows.push(("mu_f".into(), g.mu_f));
+        rows.push(("censored_heads".into(), g.censored_heads as f64));
+        rows.extend(
+            g.per_layer
+                .iter()
+                .enumerate()
+                .map(|(l, v)| (format!("mu_f_layer_{l}"), *v)),
+        );
+        if let Some(n) = &g.need {
+            rows.push((
+                "need_fraction".into(),
+                n.needing as f64 / n.positions.max(1) as f64,
+            ));
+            for (name, v) in [
+                ("gate_precision", n.all_gates.precision),
+                ("gate_recall", n.all_gates.recall),
+            ] {
+                if let Some(v) = v {
+                    rows.push((name.into(), v));
+                }
+            }
+        }
+    }
+    atomic::write_with(&dir.join("eval.csv"), |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(["split", "metric", "value"])?;
+        for (k, v) in &rows {
+            w.write_record([report.split.as_str(), k, &v.to_string()])?;
+        }
+        w.flush()?;
+        Ok(())
+    })?;
+    if !report.buckets.is_empty() {
+        atomic::write_with(&dir.join("eval_buckets.csv"), |tmp| {
+            let mut w = csv::Writer::from_path(tmp)?;
+            for b in &report.buckets {
+                w.serialize(b)?;
+            }
+            w.flush()?;
+            Ok(())
+        })?;
+    }
+    if let Some(g) = &report.gates {
+        write_gate_files(dir, g)?;
+    }
+    atomic::write_bytes(&dir.join("config.toml"), cfg.to_toml().as_bytes())
+}
+
+pub(crate) fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) -> Result<()> {
+    atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(header)?;
+        for r in rows {
+            w.write_record(r)?;
+        }
+        w.flush()?;
+        Ok(())
+    })
+}
+
+/// `layer_head_usage.csv` (the layer x head matrix of mu_f), `head_usage.csv` (one row per
+/// head with its gap distribution) and `head_ranking.csv` (heads by mu_f, highest first: the
+/// input of the static_heads method).
+fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
+    let heads = g.per_head.first().map_or(0, |r| r.len());
+    let mut header = vec!["layer".to_string()];
+    header.extend((0..heads).map(|h| format!("head_{h}")));
+    let matrix: Vec<Vec<String>> = g
+        .per_head
+        .iter()
+        .enumerate()
+        .map(|(l, r)| {
+            std::iter::once(l.to_string())
+                .chain(r.iter().map(|v| v.to_string()))
+                .collect()
+        })
+        .collect();
+    write_csv(&dir.join("layer_head_usage.csv"), &header, &matrix)?;
+    let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let opt = |v: Option<String>| v.unwrap_or_default();
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for (l, r) in g.per_head.iter().enumerate() {
+        for (h, &mu) in r.iter().enumerate() {
+            let gap = &g.gaps[l][h];
+            rows.push(vec![
+                l.to_string(),
+                h.to_string(),
+                mu.to_string(),
+                gap.gaps.to_string(),
+                opt(gap.mean.map(|v| v.to_string())),
+                opt(gap.median.map(|v| v.to_string())),
+                opt(gap.p90.map(|v| v.to_string())),
+                opt(gap.max.map(|v| v.to_string())),
+                opt(gap.max_censored.map(|v| v.to_string())),
+                gap.censored_share.to_string(),
+            ]);
+        }
+    }
+    write_csv(
+        &dir.join("head_usage.csv"),
+        &strs(&[
+            "layer",
+            "head",
+            "mu_f",
+            "gaps",
+            "mean_gap",
+            "gap_median",
+            "gap_p90",
+            "gap_max",
+            "gap_max_censored",
+            "censored_share",
+        ]),
+        &rows,
+    )?;
+    let mut ranked: Vec<(usize, usize, f64)> = g
+        .per_head
+        .iter()
+        .enumerate()
+        .flat_map(|(l, r)| r.iter().enumerate().map(move |(h, &mu)| (l, h, mu)))
+        .collect();
+    ranked.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    let rows: Vec<Vec<String>> = ranked
+        .iter()
+        .enumerate()
+        .map(|(rank, (l, h, mu))| {
+            vec![
+                (rank + 1).to_string(),
+                l.to_string(),
+                h.to_string(),
+                mu.to_string(),
+            ]
+        })
+        .collect();
+    write_csv(
+        &dir.join("head_ranking.csv"),
+        &strs(&HEAD_RANKING_COLUMNS),
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Method;
+
+    /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
+    /// spell after 4 censored at 5), none (no spell observed from its start: left out), 1, 8
+    /// (gap 7; censored at 1), and 3 (censored at 6). At 2, 5 observations are at risk (the
+    /// spell censored at 1 has left) and 2 end: S = 0.6; at 7, 1 is at risk and it ends: S = 0.
+    /// So the median and p90 are 7, while the mean of the complete gaps is 11/3.
+    #[test]
+    fn gap_quantiles_count_censored_spells() {
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 2, 4], 10);
+        g.add_sequence(&[], 10);
+        g.add_sequence(&[1, 8], 10);
+        g.add_sequence(&[3], 10);
+        let s = g.finish();
+        assert_eq!(s.gaps, 3);
+        assert!((s.mean.unwrap() - 11.0 / 3.0).abs() < 1e-12);
+        assert_eq!((s.median, s.p90), (Some(7), Some(7)));
+        assert_eq!((s.max, s.max_censored), (Some(7), Some(6)));
+        assert!((s.censored_share - 0.5).abs() < 1e-12);
+        // Without the long complete gap, the censored spells keep the estimate above one
+        // half: the median is not measured, though the plain mean says 2.
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 2, 4], 10);
+        g.add_sequence(&[3], 10);
+        g.add_sequence(&[5], 10);
+        let s = g.finish();
+        assert_eq!((s.mean, s.median), (Some(2.0), None));
+        // A head that calls every token: gaps of 1, nothing censored but the last call
+        // (which ends at the sequence end: no spell).
+        let mut g = GapCounts::default();
+        g.add_sequence(&[0, 1, 2, 3], 4);
+        let s = g.finish();
+        assert_eq!((s.median, s.p90, s.max_censored), (Some(1), Some(1), None));
+        // A head that never calls: every quantile censored.
+        let mut g = GapCounts::default();
+        g.add_sequence(&[], 4);
+        assert_eq!(g.finish().median, None);
+    }
+
+    /// A data set whose val split is `rows` copies of one sequence of `len` tokens (a period
+    /// of `len`, so every sequential window is the same), and a routed config over it.
+    fn repeated_rows(tag: &str, len: usize, rows: usize, method: Method) -> (Config, Split) {
+        use crate::data::{write_shard, Meta, Width, TOKENS_MAGIC};
+        let dir = crate::util::scratch_dir(tag);
+        let tokens: Vec<u32> = (0..len * rows + 1).map(|k| (k % len % 13) as u32).collect();
+        for split in ["train", "val"] {
+            write_shard(
+                &dir.join(format!("{split}_000.bin")),
+                TOKENS_MAGIC,
+                Width::U16,
+                &tokens,
+            )
+            .unwrap();
+        }
+        let meta = Meta {
+            format: 1,
+            tokenizer: "synth".into(),
+            vocab_size: 13,
+            eot_token: None,
+            train: vec!["train_000.bin".into()],
+            val: vec!["val_000.bin".into()],
+            train_tokens: tokens.len() as u64,
+            val_tokens: tokens.len() as u64,
+            synth: None,
+            probes: None,
+            corpus: None,
+        };
+        std::fs::write(dir.join("meta.json"), serde_json::to_string(&meta).unwrap()).unwrap();
+        let mut c = Config::default();
+        c.model.vocab_size = 13;
+        c.model.hidden_size = 16;
+        c.model.intermediate_size = 24;
+        c.model.num_hidden_layers = 2;
+        c.attention.method = method;
+        c.attention.window = 2;
+        c.data.dir = dir.clone();
+        c.data.seq_len = len;
+        c.train.device = "cpu".into();
+        c.eval.batch_size = 1;
+        let split = Split::open(&dir, &meta, "val").unwrap();
+        (c, split)
+    }
+
+    /// Context-free gates are drawn afresh for every evaluated batch: two batches holding the
+    /// same sequence get different masks, so their mean loss is not that of one of them (it
+    /// was, when every batch reused one mask).
+    #[test]
+    fn context_free_gates_differ_between_batches() {
+        let (mut c, split) = repeated_rows("eval-bernoulli", 16, 2, Method::L2a);
+        c.attention.router = crate::config::Router::Bernoulli;
+        c.attention.bernoulli_p = 0.5;
+        let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+        let loss = |batches: usize| {
+            let c = Config {
+                eval: crate::config::EvalConfig {
+                    max_batches: batches,
+                    ..c.eval.clone()
+                },
+                ..c.clone()
+            };
+            evaluate(&b.model, &split, &c, "val", Device::Cpu, false)
+                .unwrap()
+                .loss
+        };
+        assert!((loss(1) - loss(2)).abs() > 1e-7);
+        assert_eq!(loss(2), loss(2), "evaluation repeats");
+    }
+
+    /// mu_f counts a pruned L2A layer as all window in training's log and in evaluation
+    /// alike (training's average used to skip it).
+    #[test]
+    fn mu_f_is_the_same_in_training_and_evaluation() {
+        let (mut c, split) = repeated_rows("eval-mu-f", 16, 1, Method::L2a);
+        c.attention.pruned_layers = vec![0];
+        let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+        let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
+        let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
+        let (_, step) =
+            crate::run::train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
+        let mu = report.gates.unwrap().mu_f;
+        // The zero-initialised router opens every gate of layer 1; layer 0 has none.
+        assert!((mu - 0.5).abs() < 1e-12, "{mu}");
+        assert!((step.full_usage.unwrap() - mu).abs() < 1e-12);
+    }
+
+    /// When timing is asked for, every figure is a positive time or rate, the attention layers are
+    /// part of the forward, and the cache decoding filled is the size the estimate gives
+    /// for the same length: the whole context for full attention, the window for SWA.
+    #[test]
+    fn timing_measures_the_cache_it_estimates() {
+        for method in [Method::Full, Method::Swa] {
+            let (mut c, split) = repeated_rows("eval-timing", 16, 2, method);
+            c.eval.batch_size = 2;
+            c.eval.timing = true;
+            let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+            let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
+            assert!(report.timing.is_none(), "evaluation alone does not time");
+            let t = timing_of(&b.model, &split, &c, Device::Cpu).expect("timing asked for");
+            assert_eq!((t.batch, t.seq_len, t.decode_steps), (2, 16, 8));
+            for v in [
+                t.forward_ms,
+                t.attention_ms,
+                t.prefill_ms,
+                t.decode_tokens_per_s,
+            ] {
+                assert!(v.is_finite() && v > 0.0, "{t:?}");
+            }
+            assert_eq!(
+                t.decode_cache_bytes, report.kv_cache_bytes_total,
+                "{method:?}"
+            );
+            c.eval.timing = false;
+            assert!(timing_of(&b.model, &split, &c, Device::Cpu).is_none());
+        }
+    }
+
+    #[test]
+    fn buckets_by_power_of_two_and_context() {
+        assert_eq!(bucket_of(0, 10).0, "unpredictable");
+        assert_eq!(bucket_of(1, 0).0, "local");
+        assert_eq!(bucket_of(2, 10), ("d2-3".to_string(), 2));
+        assert_eq!(bucket_of(3, 10), ("d2-3".to_string(), 2));
+        assert_eq!(bucket_of(4, 10), ("d4-7".to_string(), 4));
+        assert_eq!(bucket_of(100, 200), ("d64-127".to_string(), 64));
+        assert_eq!(bucket_of(100, 100).0, "d64-127");
+        assert_eq!(bucket_of(100, 99).0, "out_of_context");
+    }
+}

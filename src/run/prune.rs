@@ -1,0 +1,109 @@
+//! L2A's post-training pruning (L2A section 3.4): a layer whose measured sparsity reaches a
+//! threshold loses its global module and keeps its window; the report gives the key-value
+//! cache before and after and the change in loss.
+
+use crate::util::atomic;
+use crate::data::Split;
+use crate::run::eval::{evaluate, write_report};
+use anyhow::{ensure, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use tch::Tensor;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct PruneReport {
+    pub threshold: f64,
+    /// 1 - mean gate per layer on the validation split, before pruning.
+    pub sparsity: Vec<f64>,
+    pub pruned_layers: Vec<usize>,
+    pub kv_cache_bytes_before: f64,
+    pub kv_cache_bytes_after: f64,
+    pub kv_cache_bytes_full: f64,
+    pub loss_before: f64,
+    pub loss_after: f64,
+}
+
+/// L2A pruning (L2A section 3.4): layers whose measured sparsity is at least `threshold` lose
+/// their global module and keep only the window. Writes the pruned model (config.toml,
+/// model.safetensors), its evaluation and `prune.json` to `out`.
+pub fn prune_l2a(
+    run: &Path,
+    ckpt: Option<&Path>,
+    threshold: f64,
+    out: &Path,
+) -> Result<PruneReport> {
+    ensure!(
+        (0.0..=1.0).contains(&threshold),
+        "--threshold {threshold} must be in 0 ..= 1"
+    );
+    ensure!(
+        !out.join("config.toml").exists(),
+        "{} already holds a model; choose another --out",
+        out.display()
+    );
+    let loaded = crate::run::LoadedRun::open(run, &[], ckpt, true)?;
+    let cfg = &loaded.cfg;
+    ensure!(
+        cfg.attention.method == crate::config::Method::L2a,
+        "{} trains attention.method = {}; pruning removes L2A's global modules, so it applies \
+         to runs of method \"l2a\" only",
+        run.display(),
+        toml::Value::try_from(cfg.attention.method).map_or_else(|_| "?".into(), |v| v.to_string())
+    );
+    let split = Split::open(&cfg.data.dir, loaded.meta()?, "val")?;
+    crate::run::memory::check_eval(cfg, loaded.device)?;
+    let before = evaluate(&loaded.built.model, &split, cfg, "val", loaded.device, true)?;
+    let sparsity: Vec<f64> = before
+        .gates
+        .as_ref()
+        .expect("l2a reports gates")
+        .per_layer
+        .iter()
+        .map(|m| 1.0 - m)
+        .collect();
+    let mut pruned_cfg = cfg.clone();
+    pruned_cfg.attention.pruned_layers = (0..sparsity.len())
+        .filter(|&l| sparsity[l] >= threshold || cfg.attention.pruned_layers.contains(&l))
+        .collect();
+    let pruned = crate::run::Built::new(&pruned_cfg, loaded.device)?;
+    let r = crate::io::checkpoint::load_into(&pruned.params(), &loaded.weights, false)?;
+    ensure!(
+        r.initialised.is_empty(),
+        "{} lacks {:?}",
+        loaded.weights.display(),
+        r.initialised
+    );
+    let mut after = evaluate(
+        &pruned.model,
+        &split,
+        &pruned_cfg,
+        "val",
+        loaded.device,
+        true,
+    )?;
+    after.checkpoint_step = loaded.step;
+    after.timing = crate::run::eval::timing_of(&pruned.model, &split, &pruned_cfg, loaded.device);
+    atomic::ensure_writable_dir(out)?;
+    let tensors: Vec<(String, Tensor)> = pruned.params().into_iter().collect();
+    atomic::write_with(&out.join("model.safetensors"), |tmp| {
+        Ok(Tensor::write_safetensors(&tensors, tmp)?)
+    })?;
+    write_report(&out.join("eval"), &after, &pruned_cfg)?;
+    let report = PruneReport {
+        threshold,
+        sparsity,
+        pruned_layers: pruned_cfg.attention.pruned_layers.clone(),
+        kv_cache_bytes_before: before.kv_cache_bytes_total,
+        kv_cache_bytes_after: after.kv_cache_bytes_total,
+        kv_cache_bytes_full: before.kv_cache_bytes_full,
+        loss_before: before.loss,
+        loss_after: after.loss,
+    };
+    atomic::write_bytes(
+        &out.join("prune.json"),
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
+    // Last: with config.toml present the directory is a complete model `eval --run` accepts.
+    atomic::write_bytes(&out.join("config.toml"), pruned_cfg.to_toml().as_bytes())?;
+    Ok(report)
+}

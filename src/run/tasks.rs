@@ -1,0 +1,1316 @@
+//! The evaluation suite beyond the loss: long-context probes scored by greedy generation over
+//! the key-value cache, multiple-choice tasks scored by log-likelihood, and what inference
+//! costs (keys attended per query and FLOPs per token in prefill, keys read per generated
+//! token, cache bytes, time to first token, decoding speed). Results are written in the
+//! lm-evaluation-harness shape (`results.json`) and as tidy CSV (`tasks.csv`, `niah.csv`,
+//! `efficiency.csv`).
+
+use crate::util::atomic;
+use crate::model::attention::ForwardCtx;
+use crate::config::{Config, HaystackKind};
+use crate::data::{self, Split, TextTokenizer};
+use crate::model::{ForwardOutput, Llama};
+use crate::data::probes::{self, Haystack, Probe, Task};
+use crate::util::rng::Rng;
+use anyhow::{bail, ensure, Context, Result};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// What greedy decoding of a batch produced and cost.
+pub struct Generation {
+    /// Generated ids per row, ending before the first end-of-document token.
+    pub tokens: Vec<Vec<u32>>,
+    /// (query, key) pairs of the prefill over layers, heads and rows.
+    pub prefill_pairs: f64,
+    /// Pairs of each decoding step after the prefill, over layers, heads and rows.
+    pub decode_pairs: Vec<f64>,
+    /// `[row][i]`: mean hard gate over layers and heads of the query that produced generated
+    /// token i (the last prompt position for i = 0); None for static methods.
+    pub gates: Option<Vec<Vec<f64>>>,
+    /// The prompts' head usage: hard gates summed over rows and prompt positions per layer
+    /// and head; None for static methods.
+    pub prompt_gates: Option<HeadGates>,
+    /// Cache bytes after the last step, all rows.
+    pub cache_bytes: f64,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+}
+
+/// Per row, the mean gate over layers and heads at position `pos` of the forward's chunk; a
+/// static layer inside a routed model (a pruned L2A layer) counts as window.
+fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Vec<f64>> {
+    if out.layers.iter().all(|l| l.gates.is_none()) {
+        return None;
+    }
+    let rows = out.logits.size()[0];
+    let mut sum = vec![0.0; rows as usize];
+    for l in &out.layers {
+        if let Some(g) = &l.gates {
+            let m = g
+                .select(1, pos)
+                .to_kind(Kind::Double)
+                .mean_dim(-1, false, Kind::Double);
+            for (s, v) in sum
+                .iter_mut()
+                .zip(Vec::<f64>::try_from(m).expect("gates to vec"))
+            {
+                *s += v;
+            }
+        }
+    }
+    Some(
+        sum.into_iter()
+            .map(|s| s / out.layers.len() as f64)
+            .collect(),
+    )
+}
+
+/// Hard gates summed per layer and head over `positions` (row, position) pairs: AHA Fig. 3's
+/// usage map of the text they were summed over. A layer without gates (a pruned L2A layer)
+/// counts as window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadGates {
+    pub sums: Vec<Vec<f64>>,
+    pub positions: f64,
+}
+
+impl HeadGates {
+    /// The gates of every layer of one forward, summed over its rows and positions.
+    fn of(out: &ForwardOutput) -> Option<HeadGates> {
+        let heads = out.layers.iter().find_map(|l| l.gates.as_ref())?.size()[2] as usize;
+        let sizes = out.logits.size();
+        let sums = out
+            .layers
+            .iter()
+            .map(|l| match &l.gates {
+                Some(g) => Vec::<f64>::try_from(g.to_kind(Kind::Double).sum_dim_intlist(
+                    [0i64, 1].as_slice(),
+                    false,
+                    Kind::Double,
+                ))
+                .expect("gates to vec"),
+                None => vec![0.0; heads],
+            })
+            .collect();
+        Some(HeadGates {
+            sums,
+            positions: (sizes[0] * sizes[1]) as f64,
+        })
+    }
+
+    fn add(&mut self, other: &HeadGates) {
+        for (a, b) in self.sums.iter_mut().zip(&other.sums) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+        self.positions += other.positions;
+    }
+
+    /// Usage per layer and head: the share of positions whose gate chose the full path.
+    pub fn usage(&self) -> Vec<Vec<f64>> {
+        self.sums
+            .iter()
+            .map(|r| r.iter().map(|s| s / self.positions).collect())
+            .collect()
+    }
+}
+
+/// Greedy decoding of `max_new` tokens after `prompts: [B, L]` (int64) with the model's
+/// key-value cache.
+pub fn greedy(
+    model: &Llama,
+    prompts: &Tensor,
+    max_new: usize,
+    eot: Option<u32>,
+    ctx: &ForwardCtx,
+) -> Generation {
+    tch::no_grad(|| {
+        let rows = prompts.size()[0] as usize;
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        let out = model.forward_cached(prompts, &mut cache, ctx);
+        let mut next = out.logits.select(1, -1).argmax(-1, false);
+        // Reading the tokens back waits for the device, so the clock measures the work.
+        let mut generated: Vec<Vec<i64>> = Vec::<i64>::try_from(&next)
+            .expect("ids")
+            .into_iter()
+            .map(|t| vec![t])
+            .collect();
+        let prefill_seconds = start.elapsed().as_secs_f64();
+        let prefill_pairs = out.attended_pairs();
+        let prompt_gates = HeadGates::of(&out);
+        let mut gates =
+            position_gates(&out, -1).map(|g| g.into_iter().map(|v| vec![v]).collect::<Vec<_>>());
+        let mut decode_pairs = Vec::with_capacity(max_new);
+        let start = Instant::now();
+        for _ in 1..max_new {
+            let out = model.forward_cached(&next.view([rows as i64, 1]), &mut cache, ctx);
+            next = out.logits.select(1, -1).argmax(-1, false);
+            for (g, t) in generated
+                .iter_mut()
+                .zip(Vec::<i64>::try_from(&next).expect("ids"))
+            {
+                g.push(t);
+            }
+            decode_pairs.push(out.attended_pairs());
+            if let (Some(all), Some(step)) = (gates.as_mut(), position_gates(&out, 0)) {
+                for (row, v) in all.iter_mut().zip(step) {
+                    row.push(v);
+                }
+            }
+        }
+        let decode_seconds = start.elapsed().as_secs_f64();
+        let tokens = generated
+            .into_iter()
+            .map(|g| {
+                g.into_iter()
+                    .map(|t| t as u32)
+                    .take_while(|t| Some(*t) != eot)
+                    .collect()
+            })
+            .collect();
+        Generation {
+            tokens,
+            prefill_pairs,
+            decode_pairs,
+            gates,
+            prompt_gates,
+            cache_bytes: cache.bytes(),
+            prefill_seconds,
+            decode_seconds,
+        }
+    })
+}
+
+/// Scores of one (task, length, depth) cell of the probe grid.
+#[derive(Clone, Debug)]
+pub struct ProbeCell {
+    pub task: Task,
+    pub length: usize,
+    /// Requested depth; None for MQAR.
+    pub depth: Option<f64>,
+    pub exact_match: Vec<f64>,
+    pub recall: Vec<f64>,
+    /// Per probe, the mean gate over the queries that generated the answer's tokens.
+    pub full_ratio: Option<Vec<f64>>,
+    /// Per probe, the target and the generated text, for inspection.
+    pub outputs: Vec<(String, String)>,
+}
+
+/// Inference cost of the probes of one (task, length).
+#[derive(Clone, Debug, Default)]
+pub struct Cost {
+    pub rows: usize,
+    pub length: usize,
+    pub prefill_pairs: f64,
+    pub decode_pairs: f64,
+    pub decode_tokens: usize,
+    /// Keys full causal attention would read for the same decoded tokens (per layer and head).
+    pub full_decode_keys: f64,
+    pub cache_bytes: f64,
+    /// Cache bytes full attention would hold for the same sequences.
+    pub full_cache_bytes: f64,
+    pub prefill_seconds: f64,
+    pub batches: usize,
+    pub decode_seconds: f64,
+}
+
+/// What the probes of `cfg.eval.tasks` measured: a cell per (task, length, depth), the
+/// inference cost per (task, length), and each task's head usage over its prompts (routed
+/// methods).
+pub struct ProbeRun {
+    pub cells: Vec<ProbeCell>,
+    pub costs: BTreeMap<(Task, usize), Cost>,
+    pub head_gates: BTreeMap<Task, HeadGates>,
+}
+
+/// The probes of `cfg.eval.tasks` over lengths and depths.
+pub fn run_probes(
+    model: &Llama,
+    cfg: &Config,
+    tok: &TextTokenizer,
+    haystack: &Haystack,
+    device: Device,
+) -> Result<ProbeRun> {
+    let e = &cfg.eval;
+    let spec = e.probe_spec();
+    let lengths = if e.lengths.is_empty() {
+        vec![cfg.data.seq_len]
+    } else {
+        e.lengths.clone()
+    };
+    crate::run::memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
+    // A batch of probes draws its own gates.
+    let seed = crate::run::eval::eval_gate_seed(cfg);
+    let mut batch_index = 0u64;
+    let enc = |s: &str| tok.encode(s);
+    let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
+    let mut head_gates: BTreeMap<Task, HeadGates> = BTreeMap::new();
+    for name in &e.tasks {
+        let task = Task::parse(name)?;
+        for &length in &lengths {
+            let depths: Vec<Option<f64>> = if task.has_depth() {
+                e.depths.iter().map(|&d| Some(d)).collect()
+            } else {
+                vec![None]
+            };
+            for depth in depths {
+                let probes: Vec<Probe> = (0..e.samples as u64)
+                    .map(|s| {
+                        probes::generate(
+                            task,
+                            &spec,
+                            haystack,
+                            tok,
+                            length,
+                            depth.unwrap_or(0.0),
+                            s,
+                        )
+                    })
+                    .collect::<Result<_>>()?;
+                // Room for the longest target, its stop character and a little more.
+                let mut max_new = 0;
+                for p in &probes {
+                    max_new = max_new.max(enc(&format!("{}.", p.target))?.len() + 2);
+                }
+                let mut cell = ProbeCell {
+                    task,
+                    length,
+                    depth,
+                    exact_match: vec![],
+                    recall: vec![],
+                    full_ratio: None,
+                    outputs: vec![],
+                };
+                let cost: &mut Cost = costs.entry((task, length)).or_default();
+                cost.length = length;
+                for chunk in probes.chunks(e.batch_size) {
+                    let ids: Vec<i64> = chunk
+                        .iter()
+                        .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
+                        .collect();
+                    let prompts = Tensor::from_slice(&ids)
+                        .view([chunk.len() as i64, length as i64])
+                        .to_device(device);
+                    let ctx = ForwardCtx {
+                        gate_seed: Rng::derive(seed, &[batch_index]),
+                        ..Default::default()
+                    };
+                    batch_index += 1;
+                    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
+                    if let Some(pg) = &g.prompt_gates {
+                        head_gates
+                            .entry(task)
+                            .and_modify(|h| h.add(pg))
+                            .or_insert_with(|| pg.clone());
+                    }
+                    for (r, p) in chunk.iter().enumerate() {
+                        let text = tok.decode(&g.tokens[r]);
+                        let (em, rec) = p.score(&text);
+                        cell.outputs.push((p.target.clone(), text));
+                        cell.exact_match.push(em);
+                        cell.recall.push(rec);
+                        if let Some(gates) = &g.gates {
+                            let n = enc(&p.target)?.len().clamp(1, gates[r].len());
+                            let ratio = gates[r][..n].iter().sum::<f64>() / n as f64;
+                            cell.full_ratio.get_or_insert_with(Vec::new).push(ratio);
+                        }
+                    }
+                    cost.rows += chunk.len();
+                    cost.batches += 1;
+                    cost.prefill_pairs += g.prefill_pairs;
+                    cost.decode_pairs += g.decode_pairs.iter().sum::<f64>();
+                    let steps = g.decode_pairs.len();
+                    cost.decode_tokens += chunk.len() * steps;
+                    // Decoding step s feeds position length + s - 1, which sees length + s keys.
+                    cost.full_decode_keys +=
+                        (chunk.len() * (length * steps + steps * (steps + 1) / 2)) as f64;
+                    cost.cache_bytes += g.cache_bytes;
+                    cost.full_cache_bytes +=
+                        chunk.len() as f64 * model.full_kv_cache_bytes(length + steps);
+                    cost.prefill_seconds += g.prefill_seconds;
+                    cost.decode_seconds += g.decode_seconds;
+                }
+                cells.push(cell);
+            }
+        }
+    }
+    Ok(ProbeRun {
+        cells,
+        costs,
+        head_gates,
+    })
+}
+
+/// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
+/// run's data set), which must use the run's tokenizer.
+pub fn haystack(cfg: &Config, run_meta: &data::Meta) -> Result<Haystack> {
+    match cfg.eval.haystack {
+        HaystackKind::Noise => Ok(Haystack::Noise),
+        HaystackKind::Text => {
+            let dir = if cfg.eval.haystack_dir.as_os_str().is_empty() {
+                cfg.data.dir.clone()
+            } else {
+                cfg.eval.haystack_dir.clone()
+            };
+            let meta = data::read_meta(&dir)?;
+            let same_tokenizer = meta.tokenizer == run_meta.tokenizer
+                && meta.vocab_size == run_meta.vocab_size
+                && (meta.tokenizer != "tokenizer.json"
+                    || std::fs::read(dir.join("tokenizer.json")).ok()
+                        == std::fs::read(cfg.data.dir.join("tokenizer.json")).ok());
+            ensure!(
+                same_tokenizer,
+                "haystack data set {} was tokenized differently from the model's data set {}",
+                dir.display(),
+                cfg.data.dir.display()
+            );
+            Ok(Haystack::Text(
+                Split::open(&dir, &meta, "val")?.all_tokens(),
+            ))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Multiple choice.
+
+/// One line of a multiple-choice JSONL file (lm-evaluation-harness's fields).
+#[derive(Deserialize, Clone, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct McItem {
+    pub context: String,
+    pub choices: Vec<String>,
+    pub gold: usize,
+    /// Put between the context and each choice (the harness's default is a space).
+    #[serde(default = "space")]
+    pub target_delimiter: String,
+}
+
+fn space() -> String {
+    " ".into()
+}
+
+pub fn read_mc(path: &Path) -> Result<Vec<McItem>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read multiple-choice file {}", path.display()))?;
+    let mut items = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{} line {}", path.display(), i + 1);
+        let item: McItem = serde_json::from_str(line).with_context(|| {
+            format!(
+                "{}: expected {{\"context\": str, \"choices\": [str], \"gold\": int}}",
+                at()
+            )
+        })?;
+        let n = item.choices.len();
+        ensure!(n > 0, "{}: the item has no choices", at());
+        ensure!(
+            n >= 2,
+            "{}: the item has one choice; scoring needs at least 2 choices",
+            at()
+        );
+        if let Some(k) = item.choices.iter().position(|c| c.is_empty()) {
+            bail!("{}: choice {k} is empty (no text to score)", at());
+        }
+        ensure!(
+            item.gold < n,
+            "{}: gold = {} but the item has {n} choices (gold counts from 0)",
+            at(),
+            item.gold
+        );
+        items.push(item);
+    }
+    ensure!(!items.is_empty(), "{} holds no items", path.display());
+    Ok(items)
+}
+
+/// The length of `s` without its trailing whitespace as Python's `str.rstrip()` sees it:
+/// Unicode's White_Space (what Rust's `trim_end` strips) and the separators U+001C..U+001F.
+fn rstripped_len(s: &str) -> usize {
+    s.trim_end_matches(|c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+        .len()
+}
+
+/// Tokens of `text` as the harness's `tok_encode` gives them by default: with the
+/// tokenizer's special tokens (a BOS first, for tokenizers that add one), unless the text
+/// already begins with the prefix token's text.
+fn harness_encode(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
+    let prefix_text = tok.bos().or(tok.eot()).map(|t| tok.decode(&[t]));
+    match prefix_text {
+        Some(p) if !p.is_empty() && text.starts_with(&p) => tok.encode(text),
+        _ => tok.encode_with_special(text),
+    }
+}
+
+/// Context and continuation tokens as lm-evaluation-harness makes them for a causal model
+/// (`TemplateLM.loglikelihood` and `_encode_pair`, 0.4.9.2 and later, where `add_bos_token`
+/// is unset by default and the tokenizer's own special tokens are used): an empty context is
+/// the prefix token alone (the tokenizer's BOS, else its end-of-text token), before the
+/// continuation encoded without special tokens, unless that begins with the prefix token
+/// itself; otherwise trailing whitespace of the context moves to the continuation, the pair
+/// and the context are each encoded (`harness_encode`), and the continuation is what follows
+/// the context's own encoding.
+fn encode_pair(
+    tok: &TextTokenizer,
+    context: &str,
+    continuation: &str,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let prefix = || {
+        tok.bos()
+            .or(tok.eot())
+            .context("an empty context needs a tokenizer with a beginning- or end-of-text token")
+    };
+    if context.is_empty() {
+        let p = prefix()?;
+        let mut cont = tok.encode(continuation)?;
+        if cont.first() == Some(&p) {
+            let rest = cont.split_off(1);
+            return Ok((cont, rest));
+        }
+        return Ok((vec![p], cont));
+    }
+    let n = rstripped_len(context);
+    let continuation = format!("{}{continuation}", &context[n..]);
+    let context = &context[..n];
+    let whole = harness_encode(tok, &format!("{context}{continuation}"))?;
+    let mut ctx = harness_encode(tok, context)?;
+    let cont = whole[ctx.len().min(whole.len())..].to_vec();
+    if ctx.is_empty() {
+        // A context of whitespace alone, with a tokenizer that adds nothing before text:
+        // the first continuation token needs something to be predicted from.
+        ctx.push(prefix()?);
+    }
+    Ok((ctx, cont))
+}
+
+/// One choice scored: the sum of its tokens' log-likelihoods, and whether each of them is
+/// the model's most likely next token (the harness's `is_greedy`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChoiceScore {
+    pub loglik: f64,
+    pub greedy: bool,
+}
+
+/// Each choice's score after the context. Inputs longer than `max_len` lose the start of
+/// their context. `gate_seed` seeds context-free (Bernoulli) gates.
+pub fn choice_logliks(
+    model: &Llama,
+    tok: &TextTokenizer,
+    item: &McItem,
+    max_len: usize,
+    device: Device,
+    gate_seed: u64,
+) -> Result<Vec<ChoiceScore>> {
+    let mut seqs = Vec::new();
+    for c in &item.choices {
+        let (ctx, cont) =
+            encode_pair(tok, &item.context, &format!("{}{c}", item.target_delimiter))?;
+        ensure!(
+            !cont.is_empty() && cont.len() < max_len,
+            "choice {c:?} encodes to {} tokens; with eval.max_length = {max_len} (0: \
+             data.seq_len) it may have 1 ..= {}",
+            cont.len(),
+            max_len - 1
+        );
+        let mut ids: Vec<i64> = ctx.iter().chain(&cont).map(|&t| t as i64).collect();
+        // The last token is only ever a target.
+        let keep = (ids.len() - 1).min(max_len);
+        ids = ids.split_off(ids.len() - keep - 1);
+        seqs.push((ids, cont.len()));
+    }
+    let width = seqs.iter().map(|s| s.0.len()).max().expect("choices") - 1;
+    // Right padding: causal attention keeps the real positions unaffected.
+    let inputs: Vec<i64> = seqs
+        .iter()
+        .flat_map(|(ids, _)| {
+            ids[..ids.len() - 1]
+                .iter()
+                .copied()
+                .chain(std::iter::repeat(0))
+                .take(width)
+        })
+        .collect();
+    let x = Tensor::from_slice(&inputs)
+        .view([seqs.len() as i64, width as i64])
+        .to_device(device);
+    let ctx = ForwardCtx {
+        gate_seed,
+        ..Default::default()
+    };
+    let logp = tch::no_grad(|| {
+        model
+            .forward(&x, &ctx)
+            .logits
+            .to_kind(Kind::Double)
+            .log_softmax(-1, Kind::Double)
+            .to_device(Device::Cpu)
+    });
+    let best = logp.argmax(-1, false);
+    Ok(seqs
+        .iter()
+        .enumerate()
+        .map(|(r, (ids, n_cont))| {
+            let n = ids.len() - 1;
+            let (r, targets) = (r as i64, n - n_cont..n);
+            ChoiceScore {
+                loglik: targets
+                    .clone()
+                    .map(|t| logp.double_value(&[r, t as i64, ids[t + 1]]))
+                    .sum(),
+                greedy: targets
+                    .into_iter()
+                    .all(|t| best.int64_value(&[r, t as i64]) == ids[t + 1]),
+            }
+        })
+        .collect())
+}
+
+/// One item's result: every choice's score, the predictions by log-likelihood and by
+/// log-likelihood per character, and whether each is the gold.
+#[derive(Clone, Debug)]
+pub struct McResult {
+    pub scores: Vec<ChoiceScore>,
+    pub prediction: usize,
+    pub prediction_norm: usize,
+    pub acc: f64,
+    pub acc_norm: f64,
+}
+
+/// Scores every item: `acc` takes the choice of highest log-likelihood, `acc_norm` the
+/// highest per character of the choice (ties to the first, as numpy's argmax does).
+pub fn score_mc(
+    model: &Llama,
+    tok: &TextTokenizer,
+    items: &[McItem],
+    max_len: usize,
+    device: Device,
+    seed: u64,
+) -> Result<Vec<McResult>> {
+    let argmax = |v: &[f64]| {
+        (0..v.len())
+            .max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a)))
+            .expect("choices")
+    };
+    let mut out = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        // Each item draws its own context-free gates.
+        let scores = choice_logliks(
+            model,
+            tok,
+            item,
+            max_len,
+            device,
+            Rng::derive(seed, &[i as u64]),
+        )
+        .with_context(|| format!("item {}", i + 1))?;
+        let ll: Vec<f64> = scores.iter().map(|s| s.loglik).collect();
+        let norm: Vec<f64> = ll
+            .iter()
+            .zip(&item.choices)
+            .map(|(l, c)| l / c.chars().count() as f64)
+            .collect();
+        let (prediction, prediction_norm) = (argmax(&ll), argmax(&norm));
+        out.push(McResult {
+            scores,
+            prediction,
+            prediction_norm,
+            acc: (prediction == item.gold) as u8 as f64,
+            acc_norm: (prediction_norm == item.gold) as u8 as f64,
+        });
+    }
+    Ok(out)
+}
+
+/// `samples_<task>.jsonl`: one line per item in the shape of lm-evaluation-harness's logged
+/// samples (`doc`, `arguments`, `resps` of (log-likelihood, is_greedy), `acc`, `acc_norm`),
+/// with the predictions.
+fn write_mc_samples(path: &Path, items: &[McItem], results: &[McResult]) -> Result<()> {
+    let mut text = String::new();
+    for (i, (item, r)) in items.iter().zip(results).enumerate() {
+        let resps: Vec<serde_json::Value> = r
+            .scores
+            .iter()
+            .map(|s| serde_json::json!([s.loglik, s.greedy]))
+            .collect();
+        let line = serde_json::json!({
+            "doc_id": i,
+            "doc": {"context": item.context, "choices": item.choices, "gold": item.gold},
+            "target": item.gold,
+            "arguments": item.choices.iter().map(|c| [item.context.clone(), format!("{}{c}", item.target_delimiter)]).collect::<Vec<_>>(),
+            "resps": resps.iter().map(|r| [r]).collect::<Vec<_>>(),
+            "filtered_resps": resps,
+            "prediction": r.prediction,
+            "prediction_norm": r.prediction_norm,
+            "acc": r.acc,
+            "acc_norm": r.acc_norm,
+        });
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    atomic::write_bytes(path, text.as_bytes())
+}
+
+// ---------------------------------------------------------------------------------------
+// Running and writing.
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Standard error of the mean with the sample standard deviation, as the harness reports.
+fn stderr(v: &[f64]) -> f64 {
+    if v.len() < 2 {
+        return f64::NAN;
+    }
+    let m = mean(v);
+    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
+    (var / v.len() as f64).sqrt()
+}
+
+/// One tidy row of `tasks.csv`; length and depth are empty on a task's overall rows.
+#[derive(serde::Serialize)]
+struct TidyRow {
+    task: String,
+    length: Option<usize>,
+    depth: Option<f64>,
+    metric: String,
+    value: f64,
+    n: usize,
+}
+
+/// How `run` reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOptions {
+    /// Write every multiple-choice item's scoring (`samples_<task>.jsonl`).
+    pub log_samples: bool,
+}
+
+/// Runs every task `cfg.eval` names (probes and multiple choice) and writes `results.json`,
+/// `tasks.csv`, `niah.csv` (tasks with a needle depth) and `efficiency.csv` to `dir`.
+/// Returns the overall metrics per task.
+pub fn run(
+    model: &Llama,
+    cfg: &Config,
+    meta: &data::Meta,
+    device: Device,
+    dir: &Path,
+    model_path: &Path,
+    opts: &RunOptions,
+) -> Result<BTreeMap<String, BTreeMap<String, f64>>> {
+    let e = &cfg.eval;
+    if e.tasks.is_empty() && e.mc.is_empty() {
+        bail!("no tasks: set eval.tasks (probes) or eval.mc (multiple-choice files)");
+    }
+    let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
+    atomic::ensure_writable_dir(dir)?;
+    let mut tidy: Vec<TidyRow> = Vec::new();
+    let mut results: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    let mut n_samples: BTreeMap<String, usize> = BTreeMap::new();
+    let mut configs = serde_json::Map::new();
+    let row = |task: &str, length, depth, metric: &str, v: &[f64]| TidyRow {
+        task: task.into(),
+        length,
+        depth,
+        metric: metric.into(),
+        value: mean(v),
+        n: v.len(),
+    };
+    if !e.tasks.is_empty() {
+        let hay = haystack(cfg, meta)?;
+        let ProbeRun {
+            cells,
+            costs,
+            head_gates,
+        } = run_probes(model, cfg, &tok, &hay, device)?;
+        let mut by_task: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+        for c in &cells {
+            let name = c.task.name();
+            tidy.push(row(
+                name,
+                Some(c.length),
+                c.depth,
+                "exact_match",
+                &c.exact_match,
+            ));
+            tidy.push(row(name, Some(c.length), c.depth, "recall", &c.recall));
+            let t = by_task.entry(name).or_default();
+            t.0.extend(&c.exact_match);
+            t.1.extend(&c.recall);
+            if let Some(f) = &c.full_ratio {
+                tidy.push(row(name, Some(c.length), c.depth, "full_ratio", f));
+                t.2.extend(f);
+            }
+        }
+        for (name, (em, rec, fr)) in &by_task {
+            let r = results.entry(name.to_string()).or_default();
+            for (metric, v) in [("exact_match", em), ("recall", rec), ("full_ratio", fr)] {
+                if v.is_empty() {
+                    continue;
+                }
+                r.insert(metric.into(), mean(v));
+                r.insert(format!("{metric}_stderr"), stderr(v));
+                tidy.push(row(name, None, None, metric, v));
+            }
+            n_samples.insert(name.to_string(), em.len());
+            configs.insert(
+                name.to_string(),
+                serde_json::json!({
+                    "task": name,
+                    "output_type": "generate_until",
+                    "generation_kwargs": {"until": probes::STOP, "do_sample": false},
+                    "lengths": if e.lengths.is_empty() { vec![cfg.data.seq_len] } else { e.lengths.clone() },
+                    "depths": e.depths,
+                    "samples": e.samples,
+                    "haystack": e.haystack,
+                    "probe_seed": e.probe_seed,
+                    "digits": e.digits,
+                    "needles": e.needles,
+                    "queries": e.queries,
+                }),
+            );
+        }
+        write_niah(&dir.join("niah.csv"), &cells)?;
+        write_samples(&dir.join("probe_samples.jsonl"), &cells)?;
+        write_efficiency(&dir.join("efficiency.csv"), &costs, cfg, device)?;
+        if !head_gates.is_empty() {
+            write_probe_head_usage(&dir.join("probe_head_usage.csv"), &head_gates)?;
+        }
+    }
+    let max_len = if e.max_length == 0 {
+        cfg.data.seq_len
+    } else {
+        e.max_length
+    };
+    for path in &e.mc {
+        // The task's name is for display; the path itself is opened as given.
+        let name = path
+            .file_stem()
+            .with_context(|| format!("multiple-choice file {} has no name", path.display()))?
+            .to_string_lossy()
+            .into_owned();
+        ensure!(
+            !results.contains_key(&name),
+            "two tasks are named {name}; rename one multiple-choice file"
+        );
+        let items = read_mc(path)?;
+        let scored = score_mc(
+            model,
+            &tok,
+            &items,
+            max_len,
+            device,
+            crate::run::eval::eval_gate_seed(cfg),
+        )
+        .with_context(|| format!("scoring {}", path.display()))?;
+        if opts.log_samples {
+            write_mc_samples(&dir.join(format!("samples_{name}.jsonl")), &items, &scored)?;
+        }
+        let acc: Vec<f64> = scored.iter().map(|r| r.acc).collect();
+        let acc_norm: Vec<f64> = scored.iter().map(|r| r.acc_norm).collect();
+        let r = results.entry(name.clone()).or_default();
+        for (metric, v) in [("acc", &acc), ("acc_norm", &acc_norm)] {
+            r.insert(metric.into(), mean(v));
+            r.insert(format!("{metric}_stderr"), stderr(v));
+            tidy.push(row(&name, None, None, metric, v));
+        }
+        n_samples.insert(name.clone(), items.len());
+        configs.insert(
+            name.clone(),
+            serde_json::json!({
+                "task": name,
+                "output_type": "multiple_choice",
+                "dataset_path": path.display().to_string(),
+                "max_length": max_len,
+                "metric_list": ["acc", "acc_norm"],
+            }),
+        );
+    }
+    atomic::write_with(&dir.join("tasks.csv"), |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        for r in &tidy {
+            w.serialize(r)?;
+        }
+        w.flush()?;
+        Ok(())
+    })?;
+    // The harness's keys carry a filter name after a comma; these tasks have none.
+    let harness_results: serde_json::Map<String, serde_json::Value> = results
+        .iter()
+        .map(|(task, m)| {
+            let mut o = serde_json::Map::new();
+            o.insert("alias".into(), task.clone().into());
+            for (k, v) in m {
+                o.insert(format!("{k},none"), serde_json::json!(v));
+            }
+            (task.clone(), o.into())
+        })
+        .collect();
+    let json = serde_json::json!({
+        "results": harness_results,
+        "configs": configs,
+        "versions": results.keys().map(|k| (k.clone(), serde_json::json!(1))).collect::<serde_json::Map<_, _>>(),
+        "n-samples": n_samples.iter().map(|(k, n)| (k.clone(), serde_json::json!({"original": n, "effective": n}))).collect::<serde_json::Map<_, _>>(),
+        "config": {
+            "model": "attnsweep",
+            "model_args": model_path.display().to_string(),
+            "method": cfg.attention.method,
+            "batch_size": e.batch_size,
+            "device": format!("{device:?}"),
+        },
+        "attnsweep_version": env!("CARGO_PKG_VERSION"),
+        "date": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+    });
+    atomic::write_bytes(
+        &dir.join("results.json"),
+        serde_json::to_string_pretty(&json)?.as_bytes(),
+    )?;
+    Ok(results)
+}
+
+/// `probe_samples.jsonl`: every probe's target and generation (the harness's logged samples).
+fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
+    let mut text = String::new();
+    for c in cells {
+        for (i, (target, generated)) in c.outputs.iter().enumerate() {
+            let line = serde_json::json!({
+                "task": c.task.name(), "length": c.length, "depth": c.depth, "sample": i,
+                "target": target, "generated": generated, "exact_match": c.exact_match[i],
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+    }
+    atomic::write_bytes(path, text.as_bytes())
+}
+
+/// `probe_head_usage.csv`: per task, layer and head, the share of prompt positions whose gate
+/// chose the full path (AHA Fig. 3 per task).
+fn write_probe_head_usage(path: &Path, by_task: &BTreeMap<Task, HeadGates>) -> Result<()> {
+    let mut rows = Vec::new();
+    for (task, g) in by_task {
+        for (l, heads) in g.usage().iter().enumerate() {
+            for (h, mu) in heads.iter().enumerate() {
+                rows.push(vec![
+                    task.name().to_string(),
+                    l.to_string(),
+                    h.to_string(),
+                    mu.to_string(),
+                ]);
+            }
+        }
+    }
+    let header = ["task", "layer", "head", "mu_f"].map(String::from);
+    crate::run::eval::write_csv(path, &header, &rows)
+}
+
+/// `niah.csv`: per (depth, length), RULER's accuracy (recall of the answers) and the mean
+/// gate on the answer's queries, averaged over the tasks with a needle depth.
+fn write_niah(path: &Path, cells: &[ProbeCell]) -> Result<()> {
+    let mut acc: BTreeMap<(usize, u64), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for c in cells {
+        let Some(d) = c.depth else { continue };
+        let e = acc.entry((c.length, d.to_bits())).or_default();
+        e.0.extend(&c.recall);
+        e.1.extend(c.full_ratio.iter().flatten());
+    }
+    if acc.is_empty() {
+        return Ok(());
+    }
+    let mut rows: Vec<(f64, usize, f64, Option<f64>)> = acc
+        .into_iter()
+        .map(|((l, d), (a, f))| {
+            (
+                f64::from_bits(d),
+                l,
+                mean(&a),
+                (!f.is_empty()).then(|| mean(&f)),
+            )
+        })
+        .collect();
+    rows.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(["depth", "length", "accuracy", "full_ratio"])?;
+        for (d, l, a, f) in rows {
+            w.write_record([
+                d.to_string(),
+                l.to_string(),
+                a.to_string(),
+                f.map(|f| f.to_string()).unwrap_or_default(),
+            ])?;
+        }
+        w.flush()?;
+        Ok(())
+    })
+}
+
+/// `efficiency.csv`: per prompt length (over the probe tasks), keys attended per query and
+/// head and layer in prefill, FLOPs per prompt token, keys read per generated token, cache
+/// bytes per sequence, each beside full causal attention's, and measured times.
+fn write_efficiency(
+    path: &Path,
+    costs: &BTreeMap<(Task, usize), Cost>,
+    cfg: &Config,
+    device: Device,
+) -> Result<()> {
+    let mut by_len: BTreeMap<usize, Cost> = BTreeMap::new();
+    for c in costs.values() {
+        let t = by_len.entry(c.length).or_default();
+        t.length = c.length;
+        t.rows += c.rows;
+        t.batches += c.batches;
+        t.prefill_pairs += c.prefill_pairs;
+        t.decode_pairs += c.decode_pairs;
+        t.decode_tokens += c.decode_tokens;
+        t.full_decode_keys += c.full_decode_keys;
+        t.cache_bytes += c.cache_bytes;
+        t.full_cache_bytes += c.full_cache_bytes;
+        t.prefill_seconds += c.prefill_seconds;
+        t.decode_seconds += c.decode_seconds;
+    }
+    let m = &cfg.model;
+    let (layers, heads, hd) = (
+        m.num_hidden_layers as f64,
+        m.num_attention_heads as f64,
+        m.head_dim() as f64,
+    );
+    let header = [
+        "length",
+        "probes",
+        "prefill_keys_per_query",
+        "full_causal_keys_per_query",
+        "prefill_flops_per_token",
+        "full_causal_flops_per_token",
+        "decode_keys_per_token",
+        "full_causal_decode_keys_per_token",
+        "kv_cache_bytes",
+        "kv_cache_bytes_full",
+        "ttft_ms",
+        "decode_tokens_per_s",
+        "device",
+    ];
+    atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(header)?;
+        for c in by_len.values() {
+            let l = c.length as f64;
+            let queries = c.rows as f64 * l * layers * heads;
+            let decoded = c.decode_tokens.max(1) as f64;
+            w.write_record([
+                c.length.to_string(),
+                c.rows.to_string(),
+                (c.prefill_pairs / queries).to_string(),
+                ((l + 1.0) / 2.0).to_string(),
+                (4.0 * hd * c.prefill_pairs / (c.rows as f64 * l)).to_string(),
+                (4.0 * hd * layers * heads * (l + 1.0) / 2.0).to_string(),
+                (c.decode_pairs / (decoded * layers * heads)).to_string(),
+                (c.full_decode_keys / decoded).to_string(),
+                (c.cache_bytes / c.rows as f64).to_string(),
+                (c.full_cache_bytes / c.rows as f64).to_string(),
+                (1000.0 * c.prefill_seconds / c.batches as f64).to_string(),
+                (c.decode_tokens as f64 / c.decode_seconds).to_string(),
+                format!("{device:?}"),
+            ])?;
+        }
+        w.flush()?;
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::data::BYTE_EOT;
+    use crate::run::Built;
+
+    fn tiny() -> Built {
+        Built::new(&tiny_config(), Device::Cpu).unwrap()
+    }
+
+    fn tiny_config() -> Config {
+        let mut c = Config::default();
+        c.model = ModelConfig {
+            vocab_size: 257,
+            hidden_size: 16,
+            intermediate_size: 32,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            ..Default::default()
+        };
+        c.train.device = "cpu".into();
+        c
+    }
+
+    /// Sum of log p(ids[t + 1] | ids[..=t]) over the last `n` targets, from one unpadded
+    /// forward pass and an explicit log-softmax.
+    fn by_hand(b: &Built, ids: &[u8], n: usize) -> f64 {
+        let x: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let logits = tch::no_grad(|| {
+            b.model
+                .forward(
+                    &Tensor::from_slice(&x).view([1, -1]),
+                    &ForwardCtx::default(),
+                )
+                .logits
+                .to_kind(Kind::Double)
+        });
+        let mut total = 0.0;
+        for t in ids.len() - 1 - n..ids.len() - 1 {
+            let row: Vec<f64> = Vec::try_from(logits.get(0).get(t as i64)).unwrap();
+            let max = row.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            total += row[x[t + 1] as usize] - lse;
+        }
+        total
+    }
+
+    #[test]
+    fn multiple_choice_matches_hand_computation() {
+        let b = tiny();
+        let tok = TextTokenizer::Bytes;
+        let item = McItem {
+            context: "the cat ".into(),
+            choices: vec!["sat".into(), "jumped high".into(), "x".into()],
+            gold: 1,
+            target_delimiter: " ".into(),
+        };
+        // The context's trailing space moves to the continuation: "the cat" + "  sat".
+        let hand: Vec<f64> = item
+            .choices
+            .iter()
+            .map(|c| {
+                let cont = format!("  {c}");
+                by_hand(&b, format!("the cat{cont}").as_bytes(), cont.len())
+            })
+            .collect();
+        let got = choice_logliks(&b.model, &tok, &item, 64, Device::Cpu, 0).unwrap();
+        for (g, h) in got.iter().zip(&hand) {
+            assert!((g.loglik - h).abs() < 1e-5, "{g:?} vs {h}");
+        }
+        let argmax = |v: &[f64]| (0..v.len()).max_by(|&a, &c| v[a].total_cmp(&v[c])).unwrap();
+        let norm: Vec<f64> = hand
+            .iter()
+            .zip(&item.choices)
+            .map(|(l, c)| l / c.len() as f64)
+            .collect();
+        let r = score_mc(
+            &b.model,
+            &tok,
+            std::slice::from_ref(&item),
+            64,
+            Device::Cpu,
+            0,
+        )
+        .unwrap();
+        assert_eq!(r[0].acc, (argmax(&hand) == 1) as u8 as f64);
+        assert_eq!(r[0].acc_norm, (argmax(&norm) == 1) as u8 as f64);
+        assert_eq!(
+            (r[0].prediction, r[0].prediction_norm),
+            (argmax(&hand), argmax(&norm))
+        );
+
+        // A window of 6 tokens keeps the end of the context: 5 inputs and the last target.
+        let long = McItem {
+            context: "the cat sat on the mat".into(),
+            choices: vec!["a".into(), "bc".into()],
+            gold: 0,
+            target_delimiter: " ".into(),
+        };
+        let got = choice_logliks(&b.model, &tok, &long, 6, Device::Cpu, 0).unwrap();
+        let ids = b"the cat sat on the mat bc";
+        assert!((got[1].loglik - by_hand(&b, &ids[ids.len() - 7..], 3)).abs() < 1e-5);
+        assert!(
+            choice_logliks(&b.model, &tok, &long, 3, Device::Cpu, 0).is_err(),
+            "continuation longer than the window"
+        );
+    }
+
+    /// A static-heads model fixes which heads are full, so the prompts' head usage must be
+    /// that assignment exactly, over every row and prompt position.
+    #[test]
+    fn prompt_head_usage_is_the_fixed_assignment_of_static_heads() {
+        let dir =
+            std::env::temp_dir().join(format!("attnsweep-probe-heads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ranking = dir.join("head_ranking.csv");
+        std::fs::write(
+            &ranking,
+            "rank,layer,head,mu_f\n1,1,0,0.9\n2,0,1,0.5\n3,0,0,0.1\n4,1,1,0.0\n",
+        )
+        .unwrap();
+        let mut c = tiny_config();
+        c.attention.method = crate::config::Method::StaticHeads;
+        c.attention.window = 2;
+        c.attention.head_ranking = ranking;
+        c.attention.top_k = 2;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let prompts = Tensor::from_slice(&[5i64, 9, 2, 7, 1, 3, 8, 4, 6, 2, 5, 1]).view([2, 6]);
+        let g = greedy(&b.model, &prompts, 3, None, &ForwardCtx::default());
+        let hg = g.prompt_gates.expect("a routed model reports its gates");
+        assert_eq!(hg.positions, 12.0);
+        assert_eq!(hg.usage(), vec![vec![0.0, 1.0], vec![1.0, 0.0]]);
+        assert!(
+            greedy(&tiny().model, &prompts, 1, None, &ForwardCtx::default())
+                .prompt_gates
+                .is_none()
+        );
+    }
+
+    /// is_greedy: true exactly when every continuation token is the model's argmax.
+    #[test]
+    fn greedy_flag_follows_the_argmax() {
+        let b = tiny();
+        let tok = TextTokenizer::Bytes;
+        let x = Tensor::from_slice(&[b'a' as i64]).view([1, 1]);
+        let next = tch::no_grad(|| b.model.forward(&x, &ForwardCtx::default()).logits)
+            .argmax(-1, false)
+            .int64_value(&[0, 0]) as u8;
+        let other = if next == b'z' { b'y' } else { b'z' };
+        let item = McItem {
+            context: "a".into(),
+            choices: vec![(next as char).to_string(), (other as char).to_string()],
+            gold: 0,
+            target_delimiter: String::new(),
+        };
+        let s = choice_logliks(&b.model, &tok, &item, 16, Device::Cpu, 0).unwrap();
+        assert!(s[0].greedy && !s[1].greedy, "{s:?}");
+    }
+
+    /// A tokenizer.json of whole words whose post-processor puts `<s>` before a text, as
+    /// Llama's does.
+    fn bos_tokenizer() -> TextTokenizer {
+        let dir = crate::util::scratch_dir("mc-bos");
+        let path = dir.join("tokenizer.json");
+        let vocab: Vec<String> = ["<s>", "</s>", "the", "cat", "sat", "on", "mat"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| format!("\"{w}\": {i}"))
+            .collect();
+        let json = format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [
+              {{"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}},
+              {{"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}}],
+            "normalizer": null, "pre_tokenizer": {{"type": "WhitespaceSplit"}},
+            "post_processor": {{"type": "TemplateProcessing",
+              "single": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}}],
+              "pair": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}}, {{"Sequence": {{"id": "B", "type_id": 1}}}}],
+              "special_tokens": {{"<s>": {{"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}}}},
+            "decoder": null,
+            "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "</s>"}}}}"#,
+            vocab.join(", ")
+        );
+        std::fs::write(&path, json).unwrap();
+        TextTokenizer::hf(&path).unwrap()
+    }
+
+    /// The harness's encodings (lm-evaluation-harness 0.4.9.2 and later, by default): special
+    /// tokens on both the pair and the context, none when a text already starts with the BOS;
+    /// BOS as the prefix of an empty context, before the continuation without special tokens
+    /// (never two BOS); trailing whitespace as Python's rstrip sees it.
+    #[test]
+    fn pairs_are_encoded_as_the_harness_encodes_them() {
+        let tok = bos_tokenizer();
+        assert_eq!(tok.bos(), Some(0));
+        assert_eq!(
+            encode_pair(&tok, "the cat ", "sat").unwrap(),
+            (vec![0, 2, 3], vec![4])
+        );
+        assert_eq!(
+            encode_pair(&tok, "<s> the cat", " sat").unwrap(),
+            (vec![0, 2, 3], vec![4])
+        );
+        assert_eq!(
+            encode_pair(&tok, "", "the cat").unwrap(),
+            (vec![0], vec![2, 3])
+        );
+        assert_eq!(
+            encode_pair(&tok, "", "<s> the").unwrap(),
+            (vec![0], vec![2])
+        );
+        // Byte-level: no BOS; an empty context is the end-of-text token.
+        let bytes = TextTokenizer::Bytes;
+        assert_eq!(bytes.bos(), None);
+        assert_eq!(
+            encode_pair(&bytes, "", "ab").unwrap(),
+            (vec![BYTE_EOT], vec![97, 98])
+        );
+        // Python's str.rstrip also strips the separators U+001C..U+001F.
+        assert_eq!(
+            encode_pair(&bytes, "a\u{1c}\u{1f} ", "b").unwrap(),
+            (vec![97], vec![0x1c, 0x1f, 32, 98])
+        );
+        for (s, n) in [
+            ("x\u{85}\u{a0}\u{3000}\t", 1),
+            ("x\u{200b}", 4),
+            ("\u{1d}", 0),
+        ] {
+            assert_eq!(rstripped_len(s), n, "{s:?}");
+        }
+    }
+
+    /// Items the harness could not score are refused, each with its own reason.
+    #[test]
+    fn unscorable_items_are_refused() {
+        let dir = crate::util::scratch_dir("mc-bad");
+        let p = dir.join("t.jsonl");
+        for (line, says) in [
+            (
+                r#"{"context": "a", "choices": [], "gold": 0}"#,
+                "no choices",
+            ),
+            (
+                r#"{"context": "a", "choices": ["b", ""], "gold": 0}"#,
+                "choice 1 is empty",
+            ),
+            (
+                r#"{"context": "a", "choices": ["b", "c"], "gold": 2}"#,
+                "gold = 2",
+            ),
+        ] {
+            std::fs::write(&p, line).unwrap();
+            let e = format!("{:#}", read_mc(&p).unwrap_err());
+            assert!(e.contains(says) && e.contains("line 1"), "{e}");
+        }
+    }
+
+    #[test]
+    fn malformed_multiple_choice_lines_are_named() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-mc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.jsonl");
+        std::fs::write(&p, "{\"context\": \"a\", \"choices\": [\"b\", \"c\"], \"gold\": 0}\n\n{\"context\": \"a\", \"choices\": [\"b\"], \"gold\": 0}\n").unwrap();
+        let e = format!("{:#}", read_mc(&p).unwrap_err());
+        assert!(
+            e.contains("line 3") && e.contains("at least 2 choices"),
+            "{e}"
+        );
+        std::fs::write(&p, "{\"context\": \"a\", \"answers\": []}\n").unwrap();
+        assert!(format!("{:#}", read_mc(&p).unwrap_err()).contains("line 1"));
+        std::fs::write(
+            &p,
+            "{\"context\": \"a\", \"choices\": [\"b\", \"c\"], \"gold\": 1}\n",
+        )
+        .unwrap();
+        assert_eq!(read_mc(&p).unwrap()[0].target_delimiter, " ");
+    }
+
+    #[test]
+    fn harness_stderr_uses_the_sample_deviation() {
+        let v = [1.0, 0.0, 1.0, 1.0];
+        let m: f64 = 0.75;
+        let sd = ((3.0 * (1.0 - m).powi(2) + m.powi(2)) / 3.0).sqrt();
+        assert!((stderr(&v) - sd / 2.0).abs() < 1e-12);
+        assert!(stderr(&[1.0]).is_nan());
+    }
+}

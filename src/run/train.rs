@@ -1,0 +1,858 @@
+//! Training: AdamW with linear warm-up and cosine decay, gradient clipping and accumulation,
+//! atomic checkpoints, exact resume, continued pretraining from another run's weights.
+//!
+//! The optimizer is written out here rather than taken from `tch::nn::Optimizer` because its
+//! moments must be saved and restored exactly for a resumed run to match an uninterrupted one.
+
+use crate::util::atomic;
+use crate::model::attention::{spec, ForwardCtx, GateOverride};
+use crate::io::checkpoint::{self, TrainState};
+use crate::config::Config;
+use crate::data::Split;
+use crate::run::eval;
+use crate::model::kernels::{AdamWStep, Kernels};
+use crate::model::Llama;
+use crate::model::nn::token_nll;
+use crate::util::progress::Progress;
+use crate::util::rng::Rng;
+use crate::run::{resolve_device, resolve_with_data, Built};
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tch::{Kind, Tensor};
+
+/// What one forward and backward over a micro-batch measured.
+pub struct MicroStep {
+    /// Language-model loss (mean token NLL).
+    pub loss: f64,
+    /// The method's regulariser, if it has one.
+    pub reg: Option<f64>,
+    /// Full-attention usage mu_f, for routed methods.
+    pub full_usage: Option<f64>,
+}
+
+/// The loss of one micro-batch `x -> y` (language model plus the method's regulariser), with
+/// what it measured. With a kernel library the cross-entropy is the fused one, which reads
+/// logits left in the compute dtype (`ForwardCtx::compute_logits`).
+pub fn forward_loss(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    ctx: &ForwardCtx,
+) -> (Tensor, MicroStep) {
+    let fwd = model.forward(x, ctx);
+    let nll = match model.kernels {
+        Some(k) => k
+            .token_nll(&fwd.logits, y)
+            .expect("cross-entropy kernel on the model's own logits"),
+        None => token_nll(&fwd.logits, y),
+    };
+    let lm = nll.mean(Kind::Float);
+    let reg = fwd.regulariser(&nll);
+    let stats = MicroStep {
+        loss: lm.double_value(&[]),
+        reg: reg.as_ref().map(|r| r.double_value(&[])),
+        full_usage: fwd.full_usage().map(|mu| mu.double_value(&[])),
+    };
+    let total = match reg {
+        Some(r) => lm + r,
+        None => lm,
+    };
+    (total, stats)
+}
+
+/// Forward and backward of one micro-batch, gradients scaled by `1 / accum` and added to
+/// the parameters' gradients.
+pub fn micro_step(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    ctx: &ForwardCtx,
+    accum: usize,
+) -> MicroStep {
+    let (total, stats) = forward_loss(model, x, y, ctx);
+    (total / accum as f64).backward();
+    stats
+}
+
+/// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
+/// `lr * min_lr_ratio` at the last step.
+pub fn learning_rate(cfg: &crate::config::TrainConfig, step: usize) -> f64 {
+    if step < cfg.warmup_steps {
+        return cfg.lr * (step + 1) as f64 / cfg.warmup_steps as f64;
+    }
+    let span = (cfg.steps - cfg.warmup_steps).max(1) as f64;
+    let progress = ((step - cfg.warmup_steps) as f64 / span).min(1.0);
+    let min = cfg.lr * cfg.min_lr_ratio;
+    min + 0.5 * (cfg.lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// AdamW (Loshchilov & Hutter) with PyTorch's defaults for bias correction; weight decay
+/// only on matrices, as nanoGPT does, since decaying gains and biases hurts small models.
+///
+/// With a kernel library the step runs fused (`kernels/optim.cu`: one launch for the norm, one
+/// for clipping and the update), the same maths as the per-tensor form below.
+pub struct AdamW {
+    params: Vec<(String, Tensor)>,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    pub step: i64,
+    kernels: Option<&'static Kernels>,
+    /// Clipping factor the fused path applies inside the next update.
+    clip: f64,
+}
+
+impl AdamW {
+    pub fn new(params: &BTreeMap<String, Tensor>, kernels: Option<&'static Kernels>) -> Self {
+        let params: Vec<(String, Tensor)> = params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let zeros = |ps: &Vec<(String, Tensor)>| ps.iter().map(|(_, t)| t.zeros_like()).collect();
+        AdamW {
+            exp_avg: zeros(&params),
+            exp_avg_sq: zeros(&params),
+            params,
+            step: 0,
+            kernels,
+            clip: 1.0,
+        }
+    }
+
+    /// Parameters with a gradient, with their gradients and moments, for the fused step.
+    #[allow(clippy::type_complexity)]
+    fn with_grads(&self) -> (Vec<Tensor>, Vec<Tensor>, Vec<Tensor>, Vec<Tensor>) {
+        let mut out = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, (_, p)) in self.params.iter().enumerate() {
+            let g = p.grad();
+            if g.defined() {
+                out.0.push(p.shallow_clone());
+                out.1.push(g);
+                out.2.push(self.exp_avg[i].shallow_clone());
+                out.3.push(self.exp_avg_sq[i].shallow_clone());
+            }
+        }
+        out
+    }
+
+    pub fn zero_grad(&self) {
+        for (_, p) in &self.params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+    }
+
+    /// Global gradient norm before clipping; gradients are scaled down to `max_norm` when
+    /// it is exceeded (0 disables clipping).
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        if let Some(k) = self.kernels {
+            let (_, grads, _, _) = self.with_grads();
+            let total = k
+                .grad_norm(&grads)
+                .expect("gradient norm kernel on validated tensors");
+            self.clip = match max_norm > 0.0 && total > max_norm {
+                true => max_norm / (total + 1e-6),
+                false => 1.0,
+            };
+            return total;
+        }
+        tch::no_grad(|| {
+            let grads: Vec<Tensor> = self
+                .params
+                .iter()
+                .map(|(_, p)| p.grad())
+                .filter(|g| g.defined())
+                .collect();
+            let total = grads
+                .iter()
+                .map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float))
+                .fold(
+                    Tensor::zeros([], (Kind::Float, grads[0].device())),
+                    |a, b| a + b,
+                )
+                .sqrt()
+                .double_value(&[]);
+            if max_norm > 0.0 && total > max_norm {
+                let scale = max_norm / (total + 1e-6);
+                for g in &grads {
+                    let _ = g.shallow_clone().g_mul_scalar_(scale);
+                }
+            }
+            total
+        })
+    }
+
+    pub fn update(&mut self, lr: f64, t: &crate::config::TrainConfig) {
+        self.step += 1;
+        let bc1 = 1.0 - t.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - t.beta2.powi(self.step as i32);
+        if let Some(k) = self.kernels {
+            let (p, g, m, v) = self.with_grads();
+            let h = AdamWStep {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.adam_eps,
+                weight_decay: t.weight_decay,
+                bc1,
+                bc2,
+                clip: std::mem::replace(&mut self.clip, 1.0),
+            };
+            k.adamw(&p, &g, &m, &v, &h)
+                .expect("adamw kernel on validated tensors");
+            return;
+        }
+        tch::no_grad(|| {
+            for (i, (_, p)) in self.params.iter().enumerate() {
+                let g = p.grad();
+                if !g.defined() {
+                    continue;
+                }
+                let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
+                let _ = m.g_mul_scalar_(t.beta1).g_add_(&(&g * (1.0 - t.beta1)));
+                let _ = v
+                    .g_mul_scalar_(t.beta2)
+                    .g_add_(&(g.square() * (1.0 - t.beta2)));
+                let mut p = p.shallow_clone();
+                if p.dim() >= 2 && t.weight_decay > 0.0 {
+                    let _ = p.g_mul_scalar_(1.0 - lr * t.weight_decay);
+                }
+                let denom = (&*v / bc2).sqrt() + t.adam_eps;
+                let _ = p.g_sub_(&(&*m / &denom * (lr / bc1)));
+            }
+        });
+    }
+
+    /// Moments under PyTorch's state names, for the checkpoint.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, (n, _)) in self.params.iter().enumerate() {
+            out.push((format!("exp_avg.{n}"), self.exp_avg[i].shallow_clone()));
+            out.push((
+                format!("exp_avg_sq.{n}"),
+                self.exp_avg_sq[i].shallow_clone(),
+            ));
+        }
+        out
+    }
+
+    pub fn load_state(&mut self, path: &Path, step: usize) -> Result<()> {
+        let file = checkpoint::read_tensors(path)?;
+        tch::no_grad(|| -> Result<()> {
+            for (i, (n, p)) in self.params.iter().enumerate() {
+                for (prefix, dst) in [
+                    ("exp_avg", &mut self.exp_avg[i]),
+                    ("exp_avg_sq", &mut self.exp_avg_sq[i]),
+                ] {
+                    let key = format!("{prefix}.{n}");
+                    let src = file
+                        .get(&key)
+                        .with_context(|| format!("{} lacks {key}", path.display()))?;
+                    ensure!(
+                        src.size() == p.size(),
+                        "{}: {key} has shape {:?}, expected {:?}",
+                        path.display(),
+                        src.size(),
+                        p.size()
+                    );
+                    dst.copy_(src);
+                }
+            }
+            Ok(())
+        })?;
+        self.step = step as i64;
+        Ok(())
+    }
+}
+
+/// The parameters `train.freeze_mlp` keeps fixed (L2A E.1.3: only attention, routers and
+/// norms learn): the MLPs, the token embedding and the output head, tied or not.
+pub fn frozen_by_freeze_mlp(name: &str) -> bool {
+    name.contains(".mlp.")
+        || name.starts_with("model.embed_tokens.")
+        || name.starts_with("lm_head.")
+}
+
+/// Options of one `attnsweep train` invocation beyond the config.
+pub struct TrainArgs {
+    pub out: PathBuf,
+    pub resume: bool,
+    pub init_from: Option<PathBuf>,
+    /// Stop (with a checkpoint) once this many steps are done, leaving the run resumable;
+    /// the schedule still spans `train.steps`.
+    pub stop_at: Option<usize>,
+    pub quiet: bool,
+    /// Seconds between status lines when stderr is not a terminal.
+    pub status_every: u64,
+}
+
+/// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
+/// methods without them.
+const LOG_HEADER: [&str; 8] = [
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_seen",
+    "reg",
+    "mu_f",
+];
+
+/// Keeps the header and rows up to `step` of a CSV log whose first column is the step, so a
+/// resumed run does not repeat the rows an interrupted run wrote after its last checkpoint.
+/// A row cut short by a crash (fewer fields than the header) is dropped too.
+fn truncate_log(path: &Path, step: usize) -> Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(path)?;
+    let fields = text.lines().next().map_or(0, |h| h.split(',').count());
+    let mut keep = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let s: Option<usize> = line.split(',').next().and_then(|v| v.parse().ok());
+        let whole = line.split(',').count() == fields;
+        if i == 0 || (whole && s.is_some_and(|s| s <= step)) {
+            keep.push_str(line);
+            keep.push('\n');
+        }
+    }
+    atomic::write_bytes(path, keep.as_bytes())
+}
+
+fn append_row(path: &Path, header: &[&str], row: &[String]) -> Result<()> {
+    let fresh = !path.exists();
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    crate::util::fault::write_error().with_context(|| format!("cannot write {}", path.display()))?;
+    let mut w = csv::Writer::from_writer(f);
+    if fresh {
+        w.write_record(header)?;
+    }
+    w.write_record(row)?;
+    w.flush()?;
+    crate::util::fault::point("log_row");
+    Ok(())
+}
+
+/// What a resumed run changes against the config.toml it was started with: only settings that
+/// leave the run's computation as it was (`config::RESUME_MAY_CHANGE`); any other difference
+/// is an error naming each setting, before anything is written.
+fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, String)>> {
+    let saved = Config::load(Some(cfg_path), &[])?;
+    let (changed, refused): (Vec<_>, Vec<_>) = saved
+        .differences(cfg)
+        .into_iter()
+        .partition(|(key, _, _)| crate::config::resume_may_change(key));
+    ensure!(
+        refused.is_empty(),
+        "--resume continues the run as {} describes it, and these settings would change it: {}. \
+         A resumed run may change only {}; for other settings start a new run (--init-from \
+         takes this one's weights)",
+        cfg_path.display(),
+        refused
+            .iter()
+            .map(|(k, was, now)| format!("{k} (saved {was}, now {now})"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        crate::config::RESUME_MAY_CHANGE.join(", ")
+    );
+    Ok(changed)
+}
+
+pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
+    let out = &args.out;
+    let cfg_path = out.join("config.toml");
+    if args.resume {
+        ensure!(
+            cfg_path.is_file(),
+            "--resume: {} holds no run (no config.toml)",
+            out.display()
+        );
+    } else if cfg_path.exists() || checkpoint::checkpoints_dir(out).exists() {
+        bail!(
+            "{} already holds a run; pass --resume to continue it or choose another --out",
+            out.display()
+        );
+    }
+    let meta = resolve_with_data(&mut cfg)?;
+    let changed = if args.resume {
+        resume_changes(&cfg_path, &cfg)?
+    } else {
+        Vec::new()
+    };
+    let device = resolve_device(&cfg.train.device)?;
+    let train_split = Split::open(&cfg.data.dir, &meta, "train")?;
+    let val_split = Split::open(&cfg.data.dir, &meta, "val")?;
+    // A sequence (and its next token) lies inside one shard. The final evaluation needs one
+    // of the val split: found out now, not after the last step.
+    for (split, name, len, key) in [
+        (&train_split, "train", cfg.data.seq_len, "data.seq_len"),
+        (
+            &val_split,
+            "val",
+            cfg.eval_seq_len(),
+            cfg.eval_seq_len_key(),
+        ),
+    ] {
+        ensure!(
+            split.largest_shard() > len,
+            "the {name} split of {} has no shard of more than {key} = {len} tokens (its largest \
+             has {}); lower {key} or prepare the data set with larger shards",
+            cfg.data.dir.display(),
+            split.largest_shard()
+        );
+    }
+    crate::run::memory::check_training(&cfg, device)?;
+    atomic::ensure_writable_dir(out)?;
+    // One trainer per run directory; the OS releases the lock when the process dies.
+    let lock = std::fs::File::create(out.join("train.lock"))
+        .with_context(|| format!("cannot create {}", out.join("train.lock").display()))?;
+    ensure!(
+        lock.try_lock().is_ok(),
+        "another attnsweep process is training into {}",
+        out.display()
+    );
+    // A run resumed before its first checkpoint starts again from the same weights.
+    // The path's own bytes, so a path that is not UTF-8 comes back unchanged.
+    let init_record = out.join("init_from.txt");
+    let init_from = match &args.init_from {
+        Some(src) if !args.resume => {
+            let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
+            atomic::write_bytes(&init_record, abs.as_os_str().as_bytes())?;
+            Some(abs)
+        }
+        _ if args.resume => std::fs::read(&init_record).ok().map(|mut bytes| {
+            // A newline added by an editor is not part of the path.
+            if bytes.last() == Some(&b'\n') {
+                bytes.pop();
+            }
+            PathBuf::from(std::ffi::OsStr::from_bytes(&bytes))
+        }),
+        _ => None,
+    };
+    if !args.resume || !changed.is_empty() {
+        atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
+    }
+    if !args.quiet {
+        for (key, was, now) in &changed {
+            eprintln!("resuming with {key} = {now} (was {was})");
+        }
+    }
+
+    let built = Built::new(&cfg, device)?;
+    let params = built.params();
+    let t = &cfg.train;
+    let trainable: BTreeMap<String, Tensor> = params
+        .iter()
+        .filter(|(name, p)| {
+            let frozen = t.freeze_mlp && frozen_by_freeze_mlp(name);
+            if frozen {
+                let _ = p.set_requires_grad(false);
+            }
+            !frozen
+        })
+        .map(|(n, p)| (n.clone(), p.shallow_clone()))
+        .collect();
+    let mut opt = AdamW::new(&trainable, built.model.kernels);
+    let mut state = TrainState {
+        step: 0,
+        rng_state: Rng::new(t.seed ^ 0xDA7A).state,
+        gate_rng_state: Rng::new(t.seed ^ 0x6A7E).state,
+        tokens_seen: 0,
+    };
+
+    let resumed_from = if args.resume {
+        checkpoint::latest(out)?
+    } else {
+        None
+    };
+    if let Some(ckpt) = &resumed_from {
+        state = checkpoint::read_state(ckpt)?;
+        ensure!(
+            state.step <= t.steps,
+            "{} is at step {}, beyond train.steps = {}: it belongs to a longer run, so this \
+             config.toml does not describe it",
+            ckpt.display(),
+            state.step,
+            t.steps
+        );
+        checkpoint::load_into(&params, &ckpt.join("model.safetensors"), true)?;
+        opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
+    } else if let Some(src) = &init_from {
+        let file = checkpoint::resolve_weights(src)?;
+        let r = checkpoint::load_into(&params, &file, false)?;
+        ensure!(
+            !r.loaded.is_empty(),
+            "--init-from {}: no tensor name matches this model",
+            file.display()
+        );
+        // New modules that a paper initialises from the base attention copy the loaded weights.
+        built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
+        if !args.quiet {
+            eprintln!(
+                "init-from {}: loaded {} tensors, initialised {} new ({:?}), ignored {} ({:?})",
+                file.display(),
+                r.loaded.len(),
+                r.initialised.len(),
+                r.initialised,
+                r.unused.len(),
+                r.unused
+            );
+        }
+    }
+    let log_path = out.join("train_log.csv");
+    let val_log_path = out.join("val_log.csv");
+    if args.resume {
+        truncate_log(&log_path, state.step)?;
+        // The final evaluation's row is written again below.
+        truncate_log(&val_log_path, state.step.min(t.steps - 1))?;
+        checkpoint::remove_temporaries(out)?;
+    }
+    let mut rng = Rng {
+        state: state.rng_state,
+    };
+    let mut gate_rng = Rng {
+        state: state.gate_rng_state,
+    };
+    let mut ctx = ForwardCtx {
+        compute_logits: built.model.kernels.is_some(),
+        ..Default::default()
+    };
+    let p_force = (spec(cfg.attention.method).force_global)(&cfg.attention);
+    // train.router_hold_steps: the routers' weights, kept out of the update while held.
+    let routers: Vec<&Tensor> = trainable
+        .iter()
+        .filter(|(n, _)| t.router_hold_steps > 0 && n.contains(".router."))
+        .map(|(_, p)| p)
+        .collect();
+    let last = args.stop_at.map_or(t.steps, |s| s.min(t.steps));
+    if !args.quiet {
+        let n: i64 = params.values().map(|p| p.numel() as i64).sum();
+        let path = match &built.model.kernels {
+            Some(k) => format!("kernels {}", k.path.display()),
+            None => "reference path".into(),
+        };
+        eprintln!(
+            "device {device:?}, {} params, attention {:?} ({path}), {} steps from step {}{}",
+            n,
+            cfg.attention.method,
+            t.steps,
+            state.step,
+            resumed_from
+                .as_ref()
+                .map(|c| format!(" (resumed from {})", c.display()))
+                .unwrap_or_default()
+        );
+    }
+    let mut progress = Progress::new(
+        t.steps as u64,
+        "steps",
+        args.quiet,
+        Duration::from_secs(args.status_every),
+    );
+    progress.start_at(state.step as u64);
+    let mut status = String::new();
+
+    let tokens_per_step = (t.batch_size * t.grad_accum * cfg.data.seq_len) as u64;
+    let mut window_start = Instant::now();
+    let mut window_tokens = 0u64;
+    while state.step < last {
+        let lr = learning_rate(t, state.step);
+        opt.zero_grad();
+        // A forced global step (L2A's anti-collapse draw): once per optimizer step, from the
+        // gate generator.
+        ctx.force_global = p_force > 0.0 && gate_rng.uniform() < p_force;
+        // While held, every gate is open and the router gets no gradient (so AdamW leaves it
+        // and its moments untouched).
+        let held = (state.step as usize) < t.router_hold_steps;
+        ctx.gate_override = held.then_some(GateOverride::Constant(1.0));
+        for r in &routers {
+            let _ = r.set_requires_grad(!held);
+        }
+        // Context-free (Bernoulli) gates are drawn afresh each step.
+        ctx.gate_seed = gate_rng.next_u64();
+        let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
+        for _ in 0..t.grad_accum {
+            let b = train_split.sample(&mut rng, t.batch_size, cfg.data.seq_len, device)?;
+            let m = micro_step(&built.model, &b.x, &b.y, &ctx, t.grad_accum);
+            loss_sum += m.loss;
+            if let Some(r) = m.reg {
+                *reg_sum.get_or_insert(0.0) += r;
+            }
+            if let Some(mu) = m.full_usage {
+                *mu_sum.get_or_insert(0.0) += mu;
+            }
+        }
+        let accum = t.grad_accum as f64;
+        let loss = loss_sum / accum;
+        let fmt_opt = |v: Option<f64>| v.map(|v| format!("{:.6}", v / accum)).unwrap_or_default();
+        let grad_norm = opt.clip_grad_norm(t.grad_clip);
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            bail!(
+                "non-finite {} at step {}: the update was not applied; the last good checkpoint is kept",
+                if loss.is_finite() { format!("gradient norm ({grad_norm})") } else { format!("loss ({loss})") },
+                state.step + 1
+            );
+        }
+        opt.update(lr, t);
+        crate::util::fault::point("step_applied");
+        state.step += 1;
+        state.tokens_seen += tokens_per_step;
+        window_tokens += tokens_per_step;
+        if state.step % t.log_every == 0 || state.step == last {
+            let tps = window_tokens as f64 / window_start.elapsed().as_secs_f64();
+            status = format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s");
+            append_row(
+                &log_path,
+                &LOG_HEADER,
+                &[
+                    state.step.to_string(),
+                    format!("{loss:.6}"),
+                    format!("{lr:.6e}"),
+                    format!("{grad_norm:.6}"),
+                    format!("{tps:.1}"),
+                    state.tokens_seen.to_string(),
+                    fmt_opt(reg_sum),
+                    fmt_opt(mu_sum),
+                ],
+            )?;
+            window_start = Instant::now();
+            window_tokens = 0;
+        }
+        progress.update(state.step as u64, &status);
+        if t.eval_every > 0 && state.step % t.eval_every == 0 && state.step < t.steps {
+            let r = eval::evaluate(&built.model, &val_split, &cfg, "val", device, false)?;
+            append_row(
+                &val_log_path,
+                &["step", "val_loss"],
+                &[state.step.to_string(), format!("{:.6}", r.loss)],
+            )?;
+            progress.println(&format!("step {}: val loss {:.4}", state.step, r.loss));
+        }
+        if state.step % t.ckpt_every == 0 || state.step == last {
+            state.rng_state = rng.state;
+            state.gate_rng_state = gate_rng.state;
+            let model_tensors: Vec<(String, Tensor)> = params
+                .iter()
+                .map(|(n, p)| (n.clone(), p.shallow_clone()))
+                .collect();
+            checkpoint::save(
+                out,
+                &model_tensors,
+                &opt.state_tensors(),
+                &state,
+                t.keep_checkpoints,
+            )?;
+        }
+    }
+    progress.finish();
+    if state.step == t.steps {
+        let mut r = eval::evaluate(&built.model, &val_split, &cfg, "val", device, false)?;
+        r.checkpoint_step = Some(state.step);
+        r.timing = eval::timing_of(&built.model, &val_split, &cfg, device);
+        append_row(
+            &val_log_path,
+            &["step", "val_loss"],
+            &[state.step.to_string(), format!("{:.6}", r.loss)],
+        )?;
+        eval::write_report(&out.join("eval"), &r, &cfg)?;
+        if !args.quiet {
+            eprintln!(
+                "done: {} steps, val loss {:.4} (ppl {:.2}), results in {}",
+                t.steps,
+                r.loss,
+                r.perplexity,
+                out.display()
+            );
+        }
+    } else if !args.quiet {
+        eprintln!(
+            "stopped at step {} of {}; continue with --resume",
+            state.step, t.steps
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Method, TrainConfig};
+    use tch::Device;
+
+    /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the
+    /// embedding and the head.
+    #[test]
+    fn freeze_mlp_trains_attention_routers_and_norms_only() {
+        let mut c = Config::default();
+        c.model.vocab_size = 11;
+        c.model.hidden_size = 8;
+        c.model.intermediate_size = 8;
+        c.model.num_hidden_layers = 1;
+        c.model.tie_word_embeddings = false;
+        c.attention.method = Method::L2a;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let frozen: Vec<String> = b
+            .params()
+            .into_keys()
+            .filter(|n| frozen_by_freeze_mlp(n))
+            .collect();
+        assert_eq!(
+            frozen,
+            [
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                "model.layers.0.mlp.down_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight",
+                "model.layers.0.mlp.up_proj.weight",
+            ]
+        );
+    }
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_floor() {
+        let t = TrainConfig {
+            steps: 100,
+            warmup_steps: 10,
+            lr: 1.0,
+            min_lr_ratio: 0.1,
+            ..Default::default()
+        };
+        assert!((learning_rate(&t, 0) - 0.1).abs() < 1e-12);
+        assert!((learning_rate(&t, 9) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(&t, 10) - 1.0).abs() < 1e-12);
+        assert!(
+            (learning_rate(&t, 55) - 0.55).abs() < 1e-12,
+            "midpoint of the cosine"
+        );
+        assert!((learning_rate(&t, 100) - 0.1).abs() < 1e-12);
+        assert!((11..=100).all(|s| learning_rate(&t, s) <= learning_rate(&t, s - 1) + 1e-12));
+    }
+
+    /// The fused optimizer step of a kernel library (norm, clipping, AdamW) against the
+    /// per-tensor form, over tensors that span several chunks, a vector (no decay) and a
+    /// parameter without gradient, for three clipped steps.
+    fn fused_step_matches_per_tensor(kern: &'static Kernels, device: Device) {
+        tch::manual_seed(5);
+        let shapes: [&[i64]; 4] = [&[300, 257], &[70001], &[3, 4], &[5]];
+        // One draw for both paths, and the gradients' multipliers below drawn once a step: the
+        // generator is global, and tests running beside this one draw from it too.
+        let a: BTreeMap<String, Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let t = Tensor::randn(*s, (Kind::Float, device)).set_requires_grad(true);
+                (format!("p{i}"), t)
+            })
+            .collect();
+        let b: BTreeMap<String, Tensor> = a
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach().copy().set_requires_grad(true)))
+            .collect();
+        let mut oa = AdamW::new(&a, None);
+        let mut ob = AdamW::new(&b, Some(kern));
+        let t = TrainConfig {
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            let noise: Vec<Tensor> = (0..3).map(|i| a[&format!("p{i}")].randn_like()).collect();
+            for (params, opt) in [(&a, &mut oa), (&b, &mut ob)] {
+                opt.zero_grad();
+                // p3 gets no gradient.
+                let loss = (0..3)
+                    .map(|i| (&params[&format!("p{i}")] * &noise[i]).sum(Kind::Float))
+                    .fold(Tensor::zeros([], (Kind::Float, device)), |x, y| x + y);
+                loss.backward();
+                let norm = opt.clip_grad_norm(100.0);
+                assert!(norm > 100.0, "the test must clip (norm {norm})");
+                opt.update(1e-2, &t);
+            }
+            let (na, nb) = (oa.clip_grad_norm(0.0), ob.clip_grad_norm(0.0));
+            assert!((na - nb).abs() <= 1e-5 * na, "norms {na} and {nb}");
+        }
+        let rel = |x: &Tensor, y: &Tensor| {
+            (x - y).norm().double_value(&[]) / y.norm().double_value(&[]).max(1e-12)
+        };
+        for (n, pa) in &a {
+            let e = rel(&b[n], pa);
+            assert!(e < 1e-6, "{n}: fused step differs by {e:.2e}");
+        }
+        for (x, y) in ob.exp_avg_sq.iter().zip(&oa.exp_avg_sq) {
+            assert!(rel(x, y) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn fused_optimizer_matches_per_tensor_path_cpu() {
+        let kern = crate::model::kernels::cpu().expect("the CPU kernel library builds");
+        fused_step_matches_per_tensor(kern, Device::Cpu);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+    fn cuda_fused_optimizer_matches_per_tensor_path() {
+        crate::model::kernels::tests::on_cuda("cuda_fused_optimizer_matches_per_tensor_path", |k| {
+            fused_step_matches_per_tensor(k, Device::Cuda(0))
+        });
+    }
+
+    #[test]
+    fn adamw_matches_hand_computation() {
+        let w = Tensor::from_slice(&[1.0f64, -2.0])
+            .view([1, 2])
+            .set_requires_grad(true);
+        let params: BTreeMap<String, Tensor> = [("w".to_string(), w.shallow_clone())].into();
+        let mut opt = AdamW::new(&params, None);
+        let t = TrainConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            adam_eps: 1e-8,
+            weight_decay: 0.5,
+            ..Default::default()
+        };
+        let g = [0.5f64, -1.0];
+        for step in 1..=2 {
+            opt.zero_grad();
+            (&w * Tensor::from_slice(&g).view([1, 2]))
+                .sum(Kind::Double)
+                .backward();
+            opt.update(0.1, &t);
+            assert_eq!(opt.step, step);
+        }
+        // Constant gradient: m_hat = g and v_hat = g^2 after bias correction, so each step
+        // moves by lr * sign(g) (up to eps) after decaying by (1 - lr * wd).
+        let mut want = [1.0f64, -2.0];
+        for _ in 0..2 {
+            for (x, gi) in want.iter_mut().zip(g) {
+                *x = *x * (1.0 - 0.1 * 0.5) - 0.1 * gi / (gi.abs() + 1e-8);
+            }
+        }
+        for (i, wv) in want.iter().enumerate() {
+            assert!((w.double_value(&[0, i as i64]) - wv).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn clipping_scales_to_max_norm() {
+        let w = Tensor::from_slice(&[0.0f32, 0.0]).set_requires_grad(true);
+        let params: BTreeMap<String, Tensor> = [("w".to_string(), w.shallow_clone())].into();
+        let mut opt = AdamW::new(&params, None);
+        (&w * Tensor::from_slice(&[3.0f32, 4.0]))
+            .sum(Kind::Float)
+            .backward();
+        assert!((opt.clip_grad_norm(1.0) - 5.0).abs() < 1e-5);
+        let g = w.grad();
+        assert!(
+            (g.double_value(&[0]) - 0.6).abs() < 1e-5 && (g.double_value(&[1]) - 0.8).abs() < 1e-5
+        );
+    }
+}

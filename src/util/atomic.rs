@@ -1,0 +1,74 @@
+//! Crash-safe file output: every file is written beside its destination under a temporary
+//! name and renamed into place, so a reader sees either the old complete file or the new
+//! complete file, never a half-written one.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+/// A temporary sibling of `path`, unique to this process, keeping the extension (the
+/// safetensors writer picks its format by extension).
+pub fn temp_sibling(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".tmp-{}-{}", std::process::id(), name))
+}
+
+/// Runs `write` against a temporary path, fsyncs it, then renames it over `path`.
+pub fn write_with<F>(path: &Path, write: F) -> Result<()>
+where
+    F: FnOnce(&Path) -> Result<()>,
+{
+    let tmp = temp_sibling(path);
+    let result = write(&tmp).and_then(|()| {
+        crate::util::fault::write_error().with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("syncing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("writing {}", path.display()))
+}
+
+pub fn write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_with(path, |tmp| Ok(std::fs::write(tmp, bytes)?))
+}
+
+/// Creates `dir` (and parents) and proves it is writable by creating and removing a probe
+/// file, so a run fails before it computes anything rather than at its first save.
+pub fn ensure_writable_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create output directory {}", dir.display()))?;
+    let probe = dir.join(format!(".probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("output directory {} is not writable", dir.display()))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_write_keeps_old_file_and_leaves_no_temp() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.txt");
+        write_bytes(&path, b"old").unwrap();
+        let err = write_with(&path, |tmp| {
+            std::fs::write(tmp, b"half")?;
+            anyhow::bail!("disk full")
+        });
+        assert!(err.is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(leftovers.len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,16 @@
+//! The bottom layer: helpers with no knowledge of models or experiments.
+
+pub mod atomic;
+pub mod fault;
+pub mod flags;
+pub mod progress;
+pub mod rng;
+
+/// A fresh, empty directory of this test process for a unit test named `tag`.
+#[cfg(test)]
+pub(crate) fn scratch_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("attnsweep-unit-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
