@@ -3,16 +3,21 @@
 //! FlexAttention in `kernels/bench_peers.py`, run by this command. Writes one CSV and the
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
-use crate::config::Method;
-use crate::model::attention::{methods, routed_paths, BenchKnobs, BenchVariant, KeyPattern};
-use crate::run::eval::median;
+use crate::config::{AttnImpl, Config, Dtype, Method};
+use crate::run::train::{forward_loss, AdamW};
+use crate::run::Built;
+use crate::model::attention::{
+    methods, routed_paths, BenchKnobs, BenchVariant, ForwardCtx, KeyPattern,
+};
+use crate::util::stats::median;
 use crate::model::kernels::{Kernels, PpaOffsets};
-use crate::sweep::plot::{Figure, Panel, Series};
+use crate::sweep::{Figure, Panel, Series, XAxis};
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
+use crate::util::atomic;
 
 pub struct AttentionBench {
     pub lengths: Vec<i64>,
@@ -329,7 +334,7 @@ fn pairs(r: &Row, heads: i64) -> f64 {
 
 /// A CSV of `header` and `records`, written whole or not at all (`atomic`).
 fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
-    crate::util::atomic::write_with(path, |tmp| {
+    atomic::write_with(path, |tmp| {
         let mut w = csv::Writer::from_path(tmp)?;
         w.write_record(header)?;
         for r in records {
@@ -694,7 +699,7 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
             x: "fraction of queries skipped".into(),
             y: "speed-up over FlashAttention-2 causal (x)".into(),
             series,
-            x_axis: crate::sweep::plot::XAxis::LinearSwept,
+            x_axis: XAxis::LinearSwept,
         }
     };
     let panels = vec![
@@ -827,8 +832,7 @@ struct TrainRow {
 }
 
 impl TrainBench {
-    fn config(&self, method: TrainMethod, len: i64) -> crate::config::Config {
-        use crate::config::{AttnImpl, Config, Dtype};
+    fn config(&self, method: TrainMethod, len: i64) -> Config {
         let mut c = Config::default();
         c.model.vocab_size = self.vocab;
         c.model.hidden_size = self.hidden;
@@ -854,9 +858,6 @@ impl TrainBench {
     /// Median step time of attnsweep's training step for one method and length, with the
     /// medians of its phases (forward with the loss, backward, optimizer).
     fn measure(&self, method: TrainMethod, len: i64) -> Result<TrainRow> {
-        use crate::model::attention::ForwardCtx;
-        use crate::run::Built;
-        use crate::run::train::{forward_loss, AdamW};
         let cfg = self.config(method, len);
         let dev = Device::Cuda(0);
         let built = Built::new(&cfg, dev)?;
@@ -919,8 +920,7 @@ impl TrainBench {
 /// per token) open on random tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
 /// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
 /// quantile of the measured logits.
-fn calibrate_routers(built: &crate::run::Built, usage: f64, len: i64) {
-    use crate::model::attention::ForwardCtx;
+fn calibrate_routers(built: &Built, usage: f64, len: i64) {
     let params = built.params();
     let dev = Device::Cuda(0);
     tch::no_grad(|| {
@@ -1077,12 +1077,13 @@ pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util;
 
     /// A peer that fails keeps the rows it printed, one that cannot start gives none, and
     /// neither stops the bench.
     #[test]
     fn failing_peers_leave_their_rows_out_without_stopping_the_bench() {
-        let out = crate::util::scratch_dir("peer");
+        let out = util::scratch_dir("peer");
         let script = "import sys\nprint('flex,swa,4096,64,256,0,0.1,0.2')\nsys.exit(3)\n";
         let printed = run_peer(&out, "python3", "peer.py", script, &[]).unwrap();
         assert_eq!(printed.trim(), "flex,swa,4096,64,256,0,0.1,0.2");

@@ -4,6 +4,7 @@ pub mod bench;
 
 use crate::cli::bench::TrainMethod;
 use crate::config::Config;
+use crate::sweep;
 use crate::util::flags::finite_flag;
 use crate::data::{self, SynthSpec};
 use crate::run::eval;
@@ -11,6 +12,21 @@ use crate::run::train::{self, TrainArgs};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+use crate::cli::bench::AttentionBench;
+use crate::cli::bench::TrainBench;
+use crate::data::corpus;
+use crate::data::corpus::PrepareSpec;
+use crate::data::probes::ProbesArgs;
+use crate::model::kernels;
+use crate::model::kernels::Variant;
+use crate::run::LoadedRun;
+use crate::run::convert;
+use crate::run::convert::OutDtype;
+use crate::run::memory;
+use crate::run::prune;
+use crate::run::tasks;
+use crate::run::tasks::RunOptions;
+use crate::sweep::tables;
 
 #[derive(Parser)]
 #[command(
@@ -385,7 +401,7 @@ struct ProbesCmd {
     #[arg(long, short)]
     out: PathBuf,
     #[command(flatten)]
-    args: crate::data::probes::ProbesArgs,
+    args: ProbesArgs,
 }
 
 #[derive(Args)]
@@ -394,7 +410,7 @@ struct PrepareCmd {
     #[arg(long, short)]
     out: PathBuf,
     #[command(flatten)]
-    spec: crate::data::corpus::PrepareSpec,
+    spec: PrepareSpec,
 }
 
 #[derive(Args)]
@@ -474,8 +490,8 @@ fn run() -> Result<()> {
         }
         Command::Eval(c) => run_eval(c),
         Command::Convert(c) => {
-            let dtype = crate::run::convert::OutDtype::parse(&c.dtype)?;
-            let r = crate::run::convert::convert(
+            let dtype = OutDtype::parse(&c.dtype)?;
+            let r = convert::convert(
                 &c.from,
                 c.config.as_deref(),
                 &c.out,
@@ -493,15 +509,15 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Export(c) => {
-            let dtype = crate::run::convert::OutDtype::parse(&c.dtype)?;
+            let dtype = OutDtype::parse(&c.dtype)?;
             println!(
                 "{}",
-                crate::run::convert::export(&c.run, c.ckpt.as_deref(), &c.out, dtype)?.display()
+                convert::export(&c.run, c.ckpt.as_deref(), &c.out, dtype)?.display()
             );
             Ok(())
         }
         Command::Bench(BenchCmd::Attention(c)) => {
-            let b = crate::cli::bench::AttentionBench {
+            let b = AttentionBench {
                 lengths: c.lengths,
                 head_dims: c.head_dims,
                 windows: c.windows,
@@ -516,14 +532,14 @@ fn run() -> Result<()> {
                 peers: !c.no_peers,
             };
             b.validate()?;
-            let kern = crate::model::kernels::cuda().context(
+            let kern = kernels::cuda().context(
                 "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
             )?;
-            println!("{}", crate::cli::bench::run(&b, kern)?.display());
+            println!("{}", bench::run(&b, kern)?.display());
             Ok(())
         }
         Command::Bench(BenchCmd::Train(c)) => {
-            let b = crate::cli::bench::TrainBench {
+            let b = TrainBench {
                 lengths: c.lengths,
                 tokens: c.tokens,
                 methods: match c.methods.is_empty() {
@@ -546,21 +562,21 @@ fn run() -> Result<()> {
                 peers: if c.no_peers { Vec::new() } else { c.peers },
             };
             b.validate()?;
-            crate::model::kernels::cuda().context(
+            kernels::cuda().context(
                 "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
             )?;
-            println!("{}", crate::cli::bench::run_train(&b)?.display());
+            println!("{}", bench::run_train(&b)?.display());
             Ok(())
         }
         Command::Kernels(KernelsCmd::Build { cpu }) => {
-            let variant = cpu.then_some(crate::model::kernels::Variant::Cpu);
-            println!("{}", crate::model::kernels::build(variant, false)?.display());
+            let variant = cpu.then_some(Variant::Cpu);
+            println!("{}", kernels::build(variant, false)?.display());
             Ok(())
         }
         Command::Sweep(c) => run_sweep(c),
         Command::Plot(c) => {
             let out = c.out.unwrap_or_else(|| c.sweep.clone());
-            let written = crate::sweep::plot::write_all(&c.sweep, &out)?;
+            let written = sweep::write_all(&c.sweep, &out)?;
             for w in written {
                 println!("{}", w.display());
             }
@@ -570,7 +586,7 @@ fn run() -> Result<()> {
             let out = c
                 .out
                 .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
-            let r = crate::run::prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
+            let r = prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
             println!(
                 "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
                 r.pruned_layers,
@@ -587,7 +603,7 @@ fn run() -> Result<()> {
             Ok(())
         }
         Command::Data(DataCmd::Prepare(c)) => {
-            let summary = crate::data::corpus::prepare(&c.spec, &c.out, false)?;
+            let summary = corpus::prepare(&c.spec, &c.out, false)?;
             eprintln!("{}", summary.report(&c.out));
             Ok(())
         }
@@ -605,7 +621,6 @@ fn run() -> Result<()> {
 }
 
 fn run_sweep(c: SweepCmd) -> Result<()> {
-    use crate::sweep;
     let grid = sweep::read_grid(&c.grid)?;
     let cells = sweep::expand(&grid)?;
     let out = c
@@ -648,7 +663,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
     };
     let o = sweep::run(&grid, &cells, &args)?;
     if c.cell.is_none() {
-        crate::sweep::tables::write_all(&out, &out)?;
+        tables::write_all(&out, &out)?;
     }
     eprintln!(
         "{}: {} cells done, {} failed, {} skipped",
@@ -711,7 +726,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     if !c.tasks.is_empty() {
         sets.push(format!("eval.tasks={}", quote(&c.tasks)));
     }
-    let mut run = crate::run::LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
+    let mut run = LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
     if !c.mc.is_empty() {
         // The paths as given: a path that is not UTF-8 survives, which text would not.
         run.cfg.eval.mc = c.mc.clone();
@@ -727,7 +742,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
         .clone()
         .unwrap_or_else(|| default_eval_dir(&c.run, &c.sets, with_tasks));
     let split = data::Split::open(&cfg.data.dir, meta, &c.split)?;
-    crate::run::memory::check_eval(cfg, run.device)?;
+    memory::check_eval(cfg, run.device)?;
     let mut report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device, !c.quiet)?;
     report.checkpoint_step = run.step;
     report.timing = eval::timing_of(&built.model, &split, cfg, run.device);
@@ -753,10 +768,10 @@ fn run_eval(c: EvalCmd) -> Result<()> {
         }
     }
     if with_tasks {
-        let opts = crate::run::tasks::RunOptions {
+        let opts = RunOptions {
             log_samples: c.log_samples,
         };
-        let results = crate::run::tasks::run(
+        let results = tasks::run(
             &built.model,
             cfg,
             meta,

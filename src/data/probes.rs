@@ -718,6 +718,7 @@ pub fn write_dataset(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::BYTE_EOT;
 
     fn text(tok: &TextTokenizer, ids: &[u32]) -> String {
         tok.decode(ids)
@@ -769,7 +770,7 @@ mod tests {
                     assert_eq!((em, recall), (1.0, 1.0));
                     let doc = p.document(&tok).unwrap();
                     assert_eq!(&doc[..length], &p.prompt[..]);
-                    assert_eq!(doc.last(), Some(&crate::data::BYTE_EOT));
+                    assert_eq!(doc.last(), Some(&BYTE_EOT));
                 }
             }
         }

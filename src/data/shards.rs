@@ -408,11 +408,12 @@ impl Split {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util;
     use crate::data::meta::SynthSpec;
     use crate::data::synth::synth;
 
     fn tmp(name: &str) -> PathBuf {
-        crate::util::scratch_dir(&format!("data-{name}"))
+        util::scratch_dir(&format!("data-{name}"))
     }
 
     #[test]

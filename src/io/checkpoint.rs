@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
+use crate::util::fault;
 
 /// Everything besides tensors that a resumed run needs to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -75,8 +76,8 @@ pub fn save(
     std::fs::create_dir_all(&tmp)?;
     let written = (|| -> Result<()> {
         Tensor::write_safetensors(model, tmp.join("model.safetensors"))?;
-        crate::util::fault::point("checkpoint_files");
-        crate::util::fault::write_error()?;
+        fault::point("checkpoint_files");
+        fault::write_error()?;
         Tensor::write_safetensors(optim, tmp.join("optim.safetensors"))?;
         std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(state)?)?;
         for f in ["model.safetensors", "optim.safetensors", "state.json"] {
@@ -87,7 +88,7 @@ pub fn save(
             std::fs::remove_dir_all(&final_dir)?;
         }
         std::fs::rename(&tmp, &final_dir)?;
-        crate::util::fault::point("checkpoint_renamed");
+        fault::point("checkpoint_renamed");
         Ok(())
     })();
     if let Err(e) = written {
@@ -258,6 +259,7 @@ pub fn load_into(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util;
     use tch::{Device, Kind};
 
     fn save_step(run: &Path, step: usize, keep: usize) -> PathBuf {
@@ -276,7 +278,7 @@ mod tests {
 
     #[test]
     fn leftovers_of_a_crash_are_removed_files_and_directories_alike() {
-        let run = crate::util::scratch_dir("ckpt-leftovers");
+        let run = util::scratch_dir("ckpt-leftovers");
         save_step(&run, 100, 2);
         let root = checkpoints_dir(&run);
         // A crash while replacing `latest`, and one while writing a checkpoint.
@@ -294,7 +296,7 @@ mod tests {
 
     #[test]
     fn pruning_never_removes_the_checkpoint_latest_names() {
-        let run = crate::util::scratch_dir("ckpt-prune");
+        let run = util::scratch_dir("ckpt-prune");
         let s200 = save_step(&run, 200, 1);
         // A crash after step 400's directory was renamed into place, before `latest` named
         // it: the resumed run goes on from step 200 and saves step 300.

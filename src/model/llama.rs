@@ -15,20 +15,22 @@ use crate::model::nn::{inv_freq, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
+use crate::model::kernels;
+use crate::model::kernels::Kernels;
 
 pub struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
     /// The fused gate (`kernels/swiglu.cu`) where a library is loaded.
-    kernels: Option<&'static crate::model::kernels::Kernels>,
+    kernels: Option<&'static Kernels>,
 }
 
 impl Mlp {
     fn new(
         p: nn::Path,
         m: &ModelConfig,
-        kernels: Option<&'static crate::model::kernels::Kernels>,
+        kernels: Option<&'static Kernels>,
     ) -> Self {
         let (d, f, std) = (
             m.hidden_size as i64,
@@ -128,7 +130,7 @@ pub struct Llama {
     lm_head: Option<Linear>,
     compute: Kind,
     /// The kernel library the attention layers use, None on the reference path.
-    pub kernels: Option<&'static crate::model::kernels::Kernels>,
+    pub kernels: Option<&'static Kernels>,
 }
 
 impl Llama {
@@ -137,7 +139,7 @@ impl Llama {
     pub fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Result<Self> {
         let fixed_heads = (spec(attn.method).fixed_heads)(cfg, attn)?;
         let kernels =
-            crate::model::kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
+            kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
         let d = cfg.hidden_size as i64;
         let eps = cfg.rms_norm_eps;
         let model = vs / "model";

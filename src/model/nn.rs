@@ -6,6 +6,8 @@
 
 use crate::config::ModelConfig;
 use tch::{nn, Kind, Tensor};
+use crate::model::kernels;
+use crate::model::kernels::Kernels;
 
 pub struct Linear {
     pub weight: Tensor,
@@ -48,7 +50,7 @@ pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
     /// The fused kernel (`kernels/norm.cu`) computes it where a library is loaded.
-    kernels: Option<&'static crate::model::kernels::Kernels>,
+    kernels: Option<&'static Kernels>,
 }
 
 impl RmsNorm {
@@ -60,14 +62,14 @@ impl RmsNorm {
         }
     }
 
-    pub fn with_kernels(self, kernels: Option<&'static crate::model::kernels::Kernels>) -> Self {
+    pub fn with_kernels(self, kernels: Option<&'static Kernels>) -> Self {
         RmsNorm { kernels, ..self }
     }
 
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        if let Some(k) = crate::model::kernels::kernel_for(self.kernels, x) {
+        if let Some(k) = kernels::kernel_for(self.kernels, x) {
             if self.weight.kind() == Kind::Float {
                 return k
                     .rms_norm(x, &self.weight, self.eps)
@@ -116,9 +118,9 @@ impl Rope {
     pub fn apply_transposed(
         &self,
         x: &Tensor,
-        kernels: Option<&crate::model::kernels::Kernels>,
+        kernels: Option<&Kernels>,
     ) -> Tensor {
-        match crate::model::kernels::kernel_for(kernels, x) {
+        match kernels::kernel_for(kernels, x) {
             Some(k) => k
                 .rope(x, &self.cos, &self.sin)
                 .expect("rope kernel on the model's own projections"),

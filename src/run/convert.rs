@@ -18,6 +18,9 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
+use crate::io::pickle;
+use crate::io::pickle::Format;
+use crate::run::LoadedRun;
 
 /// The dtype written: as in the source, or converted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,11 +244,11 @@ fn weight_files(
     };
     // A `.safetensors` name is taken at its word; other files are told by their contents.
     let named_safetensors = file.extension().is_some_and(|e| e == "safetensors");
-    if named_safetensors || crate::io::pickle::format(&file)? == crate::io::pickle::Format::Safetensors {
+    if named_safetensors || pickle::format(&file)? == Format::Safetensors {
         return Ok(vec![file]);
     }
-    let tensors = crate::io::pickle::read_checkpoint(&file, allow_pickle, scratch)?;
-    let tensors = crate::io::pickle::unwrap_state_dict(tensors.into_iter().collect(), expected)?;
+    let tensors = pickle::read_checkpoint(&file, allow_pickle, scratch)?;
+    let tensors = pickle::unwrap_state_dict(tensors.into_iter().collect(), expected)?;
     let out = scratch.join("from_checkpoint.safetensors");
     Tensor::write_safetensors(&tensors, &out)
         .with_context(|| format!("rewriting the tensors of {}", file.display()))?;
@@ -508,7 +511,7 @@ pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> R
             out.display()
         );
     }
-    let loaded = crate::run::LoadedRun::open(run, &[], ckpt, false)?;
+    let loaded = LoadedRun::open(run, &[], ckpt, false)?;
     let (m, a) = (&loaded.cfg.model, &loaded.cfg.attention);
     let family = match (m.norm_placement, m.qk_norm, m.attention_bias) {
         (NormPlacement::Post, QkNorm::Full, false) => Family::Olmo2,

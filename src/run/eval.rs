@@ -13,12 +13,16 @@ use crate::model::Llama;
 use crate::model::nn::token_nll;
 use crate::util::progress::Progress;
 use crate::util::rng::Rng;
+use crate::util::stats::median;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
+use crate::model;
+use crate::util::fault;
+use crate::util::progress::DEFAULT_STATUS_EVERY;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct AttentionWork {
@@ -111,13 +115,6 @@ pub struct Timing {
 /// Repetitions behind each figure of `Timing`.
 const TIMING_REPS: usize = 3;
 
-/// The middle value of `xs` (the upper one of an even count), for the repeated measurements
-/// of timings and logged rates; `xs` must not be empty.
-pub fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 /// Times `x: [B, L]` (int64 ids) through `model`: see `Timing`.
 pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
     let device = x.device();
@@ -130,10 +127,10 @@ pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
     // Each repetition: (forward, attention, prefill, decode) seconds and the cache bytes.
     let rep = |ctx: &mut ForwardCtx| {
         let clock = std::time::Instant::now;
-        crate::model::sync(device);
+        model::sync(device);
         let start = clock();
         let _ = model.forward(x, ctx);
-        crate::model::sync(device);
+        model::sync(device);
         let forward = start.elapsed().as_secs_f64();
         ctx.attention_seconds.set(Some(0.0));
         let _ = model.forward(x, ctx);
@@ -142,7 +139,7 @@ pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         let start = clock();
         let out = model.forward_cached(&x.narrow(1, 0, len - steps), &mut cache, ctx);
         let mut next = out.logits.select(1, -1).argmax(-1, true);
-        crate::model::sync(device);
+        model::sync(device);
         let prefill = start.elapsed().as_secs_f64();
         // The tokens stay on the device: reading each back would time the transfer too.
         let start = clock();
@@ -150,7 +147,7 @@ pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
             let out = model.forward_cached(&next, &mut cache, ctx);
             next = out.logits.select(1, -1).argmax(-1, true);
         }
-        crate::model::sync(device);
+        model::sync(device);
         let decode = start.elapsed().as_secs_f64();
         (forward, attention, prefill, decode, cache.bytes())
     };
@@ -473,7 +470,7 @@ pub fn evaluate(
         batches.len() as u64,
         "batches",
         !show,
-        Duration::from_secs(crate::util::progress::DEFAULT_STATUS_EVERY),
+        Duration::from_secs(DEFAULT_STATUS_EVERY),
     );
     // Each batch has its own gate seed, so no two batches share a mask.
     let seed = eval_gate_seed(cfg);
@@ -622,7 +619,7 @@ pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()>
         &dir.join("eval.json"),
         serde_json::to_string_pretty(&file)?.as_bytes(),
     )?;
-    crate::util::fault::point("eval_report");
+    fault::point("eval_report");
     let a = &report.attention;
     let mut rows: Vec<(String, f64)> = [
         ("tokens", report.tokens as f64),
@@ -801,6 +798,11 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::EvalConfig;
+    use crate::config::Router;
+    use crate::run::Built;
+    use crate::run::train;
+    use crate::util;
     use crate::config::Method;
 
     /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
@@ -845,7 +847,7 @@ mod tests {
     /// of `len`, so every sequential window is the same), and a routed config over it.
     fn repeated_rows(tag: &str, len: usize, rows: usize, method: Method) -> (Config, Split) {
         use crate::data::{write_shard, Meta, Width, TOKENS_MAGIC};
-        let dir = crate::util::scratch_dir(tag);
+        let dir = util::scratch_dir(tag);
         let tokens: Vec<u32> = (0..len * rows + 1).map(|k| (k % len % 13) as u32).collect();
         for split in ["train", "val"] {
             write_shard(
@@ -891,12 +893,12 @@ mod tests {
     #[test]
     fn context_free_gates_differ_between_batches() {
         let (mut c, split) = repeated_rows("eval-bernoulli", 16, 2, Method::L2a);
-        c.attention.router = crate::config::Router::Bernoulli;
+        c.attention.router = Router::Bernoulli;
         c.attention.bernoulli_p = 0.5;
-        let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+        let b = Built::new(&c, Device::Cpu).unwrap();
         let loss = |batches: usize| {
             let c = Config {
-                eval: crate::config::EvalConfig {
+                eval: EvalConfig {
                     max_batches: batches,
                     ..c.eval.clone()
                 },
@@ -916,11 +918,11 @@ mod tests {
     fn mu_f_is_the_same_in_training_and_evaluation() {
         let (mut c, split) = repeated_rows("eval-mu-f", 16, 1, Method::L2a);
         c.attention.pruned_layers = vec![0];
-        let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+        let b = Built::new(&c, Device::Cpu).unwrap();
         let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
         let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
         let (_, step) =
-            crate::run::train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
+            train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
         let mu = report.gates.unwrap().mu_f;
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.
         assert!((mu - 0.5).abs() < 1e-12, "{mu}");
@@ -936,7 +938,7 @@ mod tests {
             let (mut c, split) = repeated_rows("eval-timing", 16, 2, method);
             c.eval.batch_size = 2;
             c.eval.timing = true;
-            let b = crate::run::Built::new(&c, Device::Cpu).unwrap();
+            let b = Built::new(&c, Device::Cpu).unwrap();
             let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
             assert!(report.timing.is_none(), "evaluation alone does not time");
             let t = timing_of(&b.model, &split, &c, Device::Cpu).expect("timing asked for");

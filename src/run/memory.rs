@@ -190,6 +190,7 @@ pub fn check_probes(cfg: &Config, device: Device, longest: usize) -> Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::EvalConfig;
     use crate::config::Method;
     use crate::run::Built;
 
@@ -235,7 +236,7 @@ mod tests {
             "{e}"
         );
         let c = Config {
-            eval: crate::config::EvalConfig {
+            eval: EvalConfig {
                 samples: 4,
                 ..Default::default()
             },

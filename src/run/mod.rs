@@ -128,7 +128,7 @@ impl LoadedRun {
         };
         let device = resolve_device(&cfg.train.device)?;
         let weights = checkpoint::resolve_weights(ckpt.unwrap_or(run))?;
-        crate::run::memory::check_model(&cfg, device)?;
+        memory::check_model(&cfg, device)?;
         let built = Built::new(&cfg, device)?;
         checkpoint::load_into(&built.params(), &weights, true)?;
         Ok(LoadedRun {

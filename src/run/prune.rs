@@ -9,6 +9,12 @@ use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use tch::Tensor;
+use crate::config::Method;
+use crate::io::checkpoint;
+use crate::run::Built;
+use crate::run::LoadedRun;
+use crate::run::eval;
+use crate::run::memory;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct PruneReport {
@@ -41,17 +47,17 @@ pub fn prune_l2a(
         "{} already holds a model; choose another --out",
         out.display()
     );
-    let loaded = crate::run::LoadedRun::open(run, &[], ckpt, true)?;
+    let loaded = LoadedRun::open(run, &[], ckpt, true)?;
     let cfg = &loaded.cfg;
     ensure!(
-        cfg.attention.method == crate::config::Method::L2a,
+        cfg.attention.method == Method::L2a,
         "{} trains attention.method = {}; pruning removes L2A's global modules, so it applies \
          to runs of method \"l2a\" only",
         run.display(),
         toml::Value::try_from(cfg.attention.method).map_or_else(|_| "?".into(), |v| v.to_string())
     );
     let split = Split::open(&cfg.data.dir, loaded.meta()?, "val")?;
-    crate::run::memory::check_eval(cfg, loaded.device)?;
+    memory::check_eval(cfg, loaded.device)?;
     let before = evaluate(&loaded.built.model, &split, cfg, "val", loaded.device, true)?;
     let sparsity: Vec<f64> = before
         .gates
@@ -65,8 +71,8 @@ pub fn prune_l2a(
     pruned_cfg.attention.pruned_layers = (0..sparsity.len())
         .filter(|&l| sparsity[l] >= threshold || cfg.attention.pruned_layers.contains(&l))
         .collect();
-    let pruned = crate::run::Built::new(&pruned_cfg, loaded.device)?;
-    let r = crate::io::checkpoint::load_into(&pruned.params(), &loaded.weights, false)?;
+    let pruned = Built::new(&pruned_cfg, loaded.device)?;
+    let r = checkpoint::load_into(&pruned.params(), &loaded.weights, false)?;
     ensure!(
         r.initialised.is_empty(),
         "{} lacks {:?}",
@@ -82,7 +88,7 @@ pub fn prune_l2a(
         true,
     )?;
     after.checkpoint_step = loaded.step;
-    after.timing = crate::run::eval::timing_of(&pruned.model, &split, &pruned_cfg, loaded.device);
+    after.timing = eval::timing_of(&pruned.model, &split, &pruned_cfg, loaded.device);
     atomic::ensure_writable_dir(out)?;
     let tensors: Vec<(String, Tensor)> = pruned.params().into_iter().collect();
     atomic::write_with(&out.join("model.safetensors"), |tmp| {

@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
+use crate::run::eval;
+use crate::run::memory;
 
 /// What greedy decoding of a batch produced and cost.
 pub struct Generation {
@@ -243,9 +245,9 @@ pub fn run_probes(
     } else {
         e.lengths.clone()
     };
-    crate::run::memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
+    memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
     // A batch of probes draws its own gates.
-    let seed = crate::run::eval::eval_gate_seed(cfg);
+    let seed = eval::eval_gate_seed(cfg);
     let mut batch_index = 0u64;
     let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
@@ -807,7 +809,7 @@ pub fn run(
             &items,
             max_len,
             device,
-            crate::run::eval::eval_gate_seed(cfg),
+            eval::eval_gate_seed(cfg),
         )
         .with_context(|| format!("scoring {}", path.display()))?;
         if opts.log_samples {
@@ -908,7 +910,7 @@ fn write_probe_head_usage(path: &Path, by_task: &BTreeMap<Task, HeadGates>) -> R
         }
     }
     let header = ["task", "layer", "head", "mu_f"].map(String::from);
-    crate::run::eval::write_csv(path, &header, &rows)
+    eval::write_csv(path, &header, &rows)
 }
 
 /// `niah.csv`: per (depth, length), RULER's accuracy (recall of the answers) and the mean
@@ -1028,6 +1030,8 @@ fn write_efficiency(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Method;
+    use crate::util;
     use crate::config::ModelConfig;
     use crate::data::BYTE_EOT;
     use crate::run::Built;
@@ -1149,7 +1153,7 @@ mod tests {
         )
         .unwrap();
         let mut c = tiny_config();
-        c.attention.method = crate::config::Method::StaticHeads;
+        c.attention.method = Method::StaticHeads;
         c.attention.window = 2;
         c.attention.head_ranking = ranking;
         c.attention.top_k = 2;
@@ -1189,7 +1193,7 @@ mod tests {
     /// A tokenizer.json of whole words whose post-processor puts `<s>` before a text, as
     /// Llama's does.
     fn bos_tokenizer() -> TextTokenizer {
-        let dir = crate::util::scratch_dir("mc-bos");
+        let dir = util::scratch_dir("mc-bos");
         let path = dir.join("tokenizer.json");
         let vocab: Vec<String> = ["<s>", "</s>", "the", "cat", "sat", "on", "mat"]
             .iter()
@@ -1262,7 +1266,7 @@ mod tests {
     /// Items the harness could not score are refused, each with its own reason.
     #[test]
     fn unscorable_items_are_refused() {
-        let dir = crate::util::scratch_dir("mc-bad");
+        let dir = util::scratch_dir("mc-bad");
         let p = dir.join("t.jsonl");
         for (line, says) in [
             (

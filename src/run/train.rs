@@ -22,6 +22,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
+use crate::config;
+use crate::config::RESUME_MAY_CHANGE;
+use crate::config::TrainConfig;
+use crate::run::memory;
+use crate::util::fault;
 
 /// What one forward and backward over a micro-batch measured.
 pub struct MicroStep {
@@ -79,7 +84,7 @@ pub fn micro_step(
 
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
 /// `lr * min_lr_ratio` at the last step.
-pub fn learning_rate(cfg: &crate::config::TrainConfig, step: usize) -> f64 {
+pub fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
     if step < cfg.warmup_steps {
         return cfg.lr * (step + 1) as f64 / cfg.warmup_steps as f64;
     }
@@ -186,7 +191,7 @@ impl AdamW {
         })
     }
 
-    pub fn update(&mut self, lr: f64, t: &crate::config::TrainConfig) {
+    pub fn update(&mut self, lr: f64, t: &TrainConfig) {
         self.step += 1;
         let bc1 = 1.0 - t.beta1.powi(self.step as i32);
         let bc2 = 1.0 - t.beta2.powi(self.step as i32);
@@ -331,14 +336,14 @@ fn append_row(path: &Path, header: &[&str], row: &[String]) -> Result<()> {
         .append(true)
         .open(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
-    crate::util::fault::write_error().with_context(|| format!("cannot write {}", path.display()))?;
+    fault::write_error().with_context(|| format!("cannot write {}", path.display()))?;
     let mut w = csv::Writer::from_writer(f);
     if fresh {
         w.write_record(header)?;
     }
     w.write_record(row)?;
     w.flush()?;
-    crate::util::fault::point("log_row");
+    fault::point("log_row");
     Ok(())
 }
 
@@ -350,7 +355,7 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
     let (changed, refused): (Vec<_>, Vec<_>) = saved
         .differences(cfg)
         .into_iter()
-        .partition(|(key, _, _)| crate::config::resume_may_change(key));
+        .partition(|(key, _, _)| config::resume_may_change(key));
     ensure!(
         refused.is_empty(),
         "--resume continues the run as {} describes it, and these settings would change it: {}. \
@@ -362,7 +367,7 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
             .map(|(k, was, now)| format!("{k} (saved {was}, now {now})"))
             .collect::<Vec<_>>()
             .join(", "),
-        crate::config::RESUME_MAY_CHANGE.join(", ")
+        RESUME_MAY_CHANGE.join(", ")
     );
     Ok(changed)
 }
@@ -410,7 +415,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             split.largest_shard()
         );
     }
-    crate::run::memory::check_training(&cfg, device)?;
+    memory::check_training(&cfg, device)?;
     atomic::ensure_writable_dir(out)?;
     // One trainer per run directory; the OS releases the lock when the process dies.
     let lock = std::fs::File::create(out.join("train.lock"))
@@ -603,7 +608,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             );
         }
         opt.update(lr, t);
-        crate::util::fault::point("step_applied");
+        fault::point("step_applied");
         state.step += 1;
         state.tokens_seen += tokens_per_step;
         window_tokens += tokens_per_step;
@@ -685,6 +690,8 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::kernels;
+    use crate::model::kernels::tests;
     use crate::config::{Method, TrainConfig};
     use tch::Device;
 
@@ -793,14 +800,14 @@ mod tests {
 
     #[test]
     fn fused_optimizer_matches_per_tensor_path_cpu() {
-        let kern = crate::model::kernels::cpu().expect("the CPU kernel library builds");
+        let kern = kernels::cpu().expect("the CPU kernel library builds");
         fused_step_matches_per_tensor(kern, Device::Cpu);
     }
 
     #[test]
     #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
     fn cuda_fused_optimizer_matches_per_tensor_path() {
-        crate::model::kernels::tests::on_cuda("cuda_fused_optimizer_matches_per_tensor_path", |k| {
+        tests::on_cuda("cuda_fused_optimizer_matches_per_tensor_path", |k| {
             fused_step_matches_per_tensor(k, Device::Cuda(0))
         });
     }

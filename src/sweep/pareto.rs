@@ -7,10 +7,13 @@
 use crate::config::{Method, Router};
 use crate::model::attention::spec;
 use crate::sweep::StageKind;
-use crate::sweep::tables::Row;
+use super::rows::{name_of, Row};
 use anyhow::Result;
 use polars::prelude::*;
 use std::collections::BTreeMap;
+use crate::config::AttentionConfig;
+use crate::run::eval::PrecisionRecall;
+use crate::run::eval::Timing;
 
 /// A cost the methods are compared on; lower is cheaper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,7 +175,7 @@ pub fn reach<'a>(rows: impl IntoIterator<Item = &'a Row>) -> f64 {
         .filter(|r| spec(r.method).windowed)
         .map(|r| r.window)
         .fold(f64::INFINITY, f64::min)
-        .min(crate::config::AttentionConfig::default().window as f64)
+        .min(AttentionConfig::default().window as f64)
 }
 
 /// Long-context quality and its name: the probes' mean exact match where the cell ran them,
@@ -206,8 +209,8 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let reach = reach(rows.iter().copied());
     let s = |f: &dyn Fn(&Row) -> String| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
     let o = |f: &dyn Fn(&Row) -> Option<f64>| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
-    let timing = |f: fn(&crate::run::eval::Timing) -> f64| o(&|r| r.report.timing.as_ref().map(f));
-    let need = |f: fn(&crate::run::eval::PrecisionRecall) -> Option<f64>| {
+    let timing = |f: fn(&Timing) -> f64| o(&|r| r.report.timing.as_ref().map(f));
+    let need = |f: fn(&PrecisionRecall) -> Option<f64>| {
         o(&|r| {
             r.gates()
                 .and_then(|g| g.need.as_ref())
@@ -217,7 +220,7 @@ pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut df = df!(
         "name" => s(&|r| format!("{} {}", family(r), settings(r)).trim().to_string()),
         "family" => s(&family),
-        "kind" => s(&|r| crate::sweep::tables::name_of(r.kind)),
+        "kind" => s(&|r| name_of(r.kind)),
         "window" => o(&|r| spec(r.method).windowed.then_some(r.window)),
         "loss" => o(&|r| Some(r.loss())),
         "perplexity" => o(&|r| Some(r.report.perplexity)),

@@ -19,298 +19,17 @@
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
 //! where lower is better).
 
-use crate::config::{Method, Reduction, Router};
-use crate::model::attention::{spec, top_k_name};
-use crate::run::eval::{EvalReport, GateReport};
+use super::grid::StageKind;
+use super::pareto;
+use super::rows::{name_of, rows, Row};
+use crate::config::{Method, Router};
+use crate::run::eval::GateReport;
 use crate::run::prune::PruneReport;
-use crate::sweep::{read_status, Cell, StageKind, State};
-use anyhow::{Context, Result};
+use crate::util::atomic;
+use anyhow::Result;
 use polars::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// What the tables know of one finished cell.
-#[derive(Debug, Clone)]
-pub struct Row {
-    pub cell: String,
-    pub stage: String,
-    pub kind: StageKind,
-    pub label: String,
-    pub method: Method,
-    /// The cell this one continued from or evaluates ("" when none), and its method.
-    pub source: String,
-    pub source_method: Option<Method>,
-    pub window: f64,
-    pub lambda: f64,
-    pub tau: f64,
-    pub ppa_power: f64,
-    pub top_k: f64,
-    pub router: Router,
-    pub bernoulli_p: f64,
-    pub variant: String,
-    /// AHA Table 5's row name: "AHA", "top-k" static heads (at AHA's budget when top_k is 0),
-    /// "all heads full", or "all heads window" (SWA trained as long).
-    pub setting: String,
-    /// The model's (layer, head) pairs.
-    pub heads: usize,
-    /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
-    /// the squared norm, which alpha weighs hidden_size times more).
-    pub swiattn_alpha: Option<f64>,
-    pub swiattn_disagreement: Option<Reduction>,
-    /// Training tokens behind the model (its own steps and those of every cell it continued
-    /// from), and what identifies its model and data: the basis of retain %'s reference.
-    pub budget_tokens: f64,
-    /// Tokens behind the model before the cell's own training began, and per step of it.
-    pub start_tokens: f64,
-    pub tokens_per_step: f64,
-    pub model_key: String,
-    /// The cell's evaluation (`eval.json`), and its pruning (`prune.json`) for prune cells.
-    pub report: EvalReport,
-    pub prune: Option<PruneReport>,
-    /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
-    pub tasks: BTreeMap<String, f64>,
-    /// Training throughput of a train cell: the median of its `train_log.csv` rates.
-    pub tokens_per_s: Option<f64>,
-    /// The throughput of the training that made the evaluated model: the cell's own, or for
-    /// an eval or prune cell that of the train cell it derives from.
-    pub train_tokens_per_s: Option<f64>,
-    /// The attention the cell was evaluated with.
-    pub attention: crate::config::AttentionConfig,
-}
-
-impl Row {
-    pub fn loss(&self) -> f64 {
-        self.report.loss
-    }
-
-    pub fn pairs_vs_full(&self) -> f64 {
-        self.report.attention.pairs_vs_full
-    }
-
-    /// Full-attention usage of a routed model (pruned L2A layers counted as window).
-    pub fn mu_f(&self) -> Option<f64> {
-        self.report.gates.as_ref().map(|g| g.mu_f)
-    }
-
-    pub fn gates(&self) -> Option<&GateReport> {
-        self.report.gates.as_ref()
-    }
-
-    /// Loss and exact-match accuracy of the predictions whose dependency lies at least the
-    /// cell's window back (full attention's window setting, 64 by default, where it has
-    /// none), pooled over those distance buckets: the long-range task of the synthetic
-    /// corpus. None without buckets, or with none that far.
-    pub fn far(&self) -> Option<(f64, Option<f64>)> {
-        self.beyond(self.window)
-    }
-
-    /// `far` for the predictions whose dependency lies at least `distance` back (a bucket
-    /// counts when its shortest distance does).
-    pub fn beyond(&self, distance: f64) -> Option<(f64, Option<f64>)> {
-        let far: Vec<&crate::run::eval::Bucket> = self
-            .report
-            .buckets
-            .iter()
-            .filter(|b| b.min_distance as f64 >= distance && b.min_distance < u32::MAX)
-            .collect();
-        let n: u64 = far.iter().map(|b| b.tokens).sum();
-        (n > 0).then(|| {
-            let mean = |f: &dyn Fn(&crate::run::eval::Bucket) -> f64| {
-                far.iter().map(|b| f(b) * b.tokens as f64).sum::<f64>() / n as f64
-            };
-            let acc = far
-                .iter()
-                .all(|b| b.accuracy.is_some())
-                .then(|| mean(&|b| b.accuracy.unwrap_or(0.0)));
-            (mean(&|b| b.loss), acc)
-        })
-    }
-}
-
-/// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
-pub fn name_of<T: serde::Serialize>(v: T) -> String {
-    toml::Value::try_from(v)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
-}
-
-/// Tokens of one training step of a train cell (0 for the other kinds).
-fn tokens_per_step(c: &Cell) -> f64 {
-    let t = &c.config.train;
-    match c.kind {
-        StageKind::Train => (t.batch_size * t.grad_accum * c.config.data.seq_len) as f64,
-        _ => 0.0,
-    }
-}
-
-/// Training tokens behind each cell's model: its own (train cells) plus those of the cells
-/// it continued from, evaluated or pruned.
-fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
-    let mut out: BTreeMap<String, f64> = BTreeMap::new();
-    // Cells come in stage order, so a dependency's budget is known before its dependents'.
-    for c in cells {
-        let own = c.config.train.steps as f64 * tokens_per_step(c);
-        let before = c
-            .depends_on
-            .as_ref()
-            .and_then(|d| out.get(d))
-            .copied()
-            .unwrap_or(0.0);
-        out.entry(c.id.clone()).or_insert(own + before);
-    }
-    out
-}
-
-/// The finished cells of a sweep directory, each once (cells that several stages share
-/// appear under the first).
-pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
-    let cells_path = sweep.join("cells.json");
-    let text = std::fs::read_to_string(&cells_path).with_context(|| {
-        format!(
-            "{} is not a sweep directory (no cells.json)",
-            sweep.display()
-        )
-    })?;
-    let cells: Vec<Cell> = serde_json::from_str(&text)
-        .with_context(|| format!("{} is malformed", cells_path.display()))?;
-    let budget = budgets(&cells);
-    let mut out: Vec<Row> = Vec::new();
-    for c in &cells {
-        if out.iter().any(|r| r.cell == c.id) {
-            continue;
-        }
-        let dir = sweep.join(&c.id);
-        if read_status(&dir).is_none_or(|s| s.state != State::Done) {
-            continue;
-        }
-        let Some(ev) = crate::run::eval::read_report(&dir.join("eval"))? else {
-            continue;
-        };
-        let a = &c.config.attention;
-        let heads = c.config.model.num_hidden_layers * c.config.model.num_attention_heads;
-        let source = c
-            .depends_on
-            .as_ref()
-            .and_then(|d| cells.iter().find(|x| &x.id == d));
-        let prune_path = dir.join("prune.json");
-        let prune = match prune_path.is_file() {
-            true => Some(
-                serde_json::from_str::<PruneReport>(&std::fs::read_to_string(&prune_path)?)
-                    .with_context(|| format!("{} is malformed", prune_path.display()))?,
-            ),
-            false => None,
-        };
-        out.push(Row {
-            cell: c.id.clone(),
-            stage: c.stage.clone(),
-            kind: c.kind,
-            label: c.label.clone(),
-            method: a.method,
-            source: source.map(|s| s.id.clone()).unwrap_or_default(),
-            source_method: source.map(|s| s.config.attention.method),
-            window: a.window as f64,
-            lambda: a.lambda,
-            tau: a.tau,
-            ppa_power: a.ppa_power,
-            top_k: a.top_k as f64,
-            router: a.router,
-            // As trained: a grid may set it from another cell's usage (`match_usage`).
-            bernoulli_p: ev.config.attention.bernoulli_p,
-            variant: (spec(a.method).variant)(a),
-            setting: match a.method {
-                Method::Aha => "AHA".into(),
-                Method::StaticHeads => top_k_name(a, heads, ev.report.gates.as_ref().map(|g| g.mu_f)),
-                Method::Swa if c.kind == StageKind::Train => "all heads window".into(),
-                _ => String::new(),
-            },
-            heads,
-            swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
-            swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
-            budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
-            start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
-                - c.config.train.steps as f64 * tokens_per_step(c),
-            tokens_per_step: tokens_per_step(c),
-            model_key: format!(
-                "{}\n{}",
-                toml::to_string(&c.config.model).unwrap_or_default(),
-                c.config.data.dir.display()
-            ),
-            report: ev.report,
-            prune,
-            tasks: task_metrics(&dir.join("eval/results.json")),
-            tokens_per_s: median_rate(&dir.join("train_log.csv")),
-            train_tokens_per_s: None,
-            attention: ev.config.attention.clone(),
-        });
-    }
-    // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
-    // before it.
-    for i in 0..out.len() {
-        out[i].train_tokens_per_s = match out[i].kind {
-            StageKind::Train => out[i].tokens_per_s,
-            _ => {
-                let source = &out[i].source;
-                out[..i]
-                    .iter()
-                    .find(|r| &r.cell == source)
-                    .and_then(|r| r.train_tokens_per_s)
-            }
-        };
-    }
-    Ok(out)
-}
-
-/// The median of a training log's `tokens_per_s` column (robust to the first steps, which
-/// include compilation and warm-up), None without a log.
-fn median_rate(log: &Path) -> Option<f64> {
-    let rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
-        .into_iter()
-        .map(|r| r[0])
-        .collect();
-    (!rates.is_empty()).then(|| crate::run::eval::median(rates))
-}
-
-/// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
-/// step, keeping the rows where each of them is a finite number; None when the file or a
-/// column is missing.
-pub fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
-    let mut rdr = csv::Reader::from_path(log).ok()?;
-    let header = rdr.headers().ok()?.clone();
-    let cols: Vec<usize> = names
-        .iter()
-        .map(|n| header.iter().position(|h| h == *n))
-        .collect::<Option<_>>()?;
-    Some(
-        rdr.records()
-            .filter_map(|r| r.ok())
-            .filter_map(|r| {
-                cols.iter()
-                    .map(|&i| r.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite()))
-                    .collect()
-            })
-            .collect(),
-    )
-}
-
-fn read_json(p: &Path) -> Option<serde_json::Value> {
-    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
-}
-
-/// `<task>.<metric>` of a harness-shaped results file (standard errors left out).
-fn task_metrics(path: &Path) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    let Some(j) = read_json(path) else { return out };
-    for (task, metrics) in j["results"].as_object().into_iter().flatten() {
-        for (k, v) in metrics.as_object().into_iter().flatten() {
-            let metric = k.split(',').next().unwrap_or(k);
-            if let (Some(v), false) = (v.as_f64(), metric.ends_with("_stderr")) {
-                out.insert(format!("{task}.{metric}"), v);
-            }
-        }
-    }
-    out
-}
 
 fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
     let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
@@ -458,7 +177,7 @@ fn tidy_frame(summary: &DataFrame) -> Result<DataFrame> {
 }
 
 fn write_csv(df: &mut DataFrame, path: &Path) -> Result<()> {
-    crate::util::atomic::write_with(path, |tmp| {
+    atomic::write_with(path, |tmp| {
         let mut f = std::fs::File::create(tmp)?;
         CsvWriter::new(&mut f).finish(df)?;
         Ok(())
@@ -468,33 +187,25 @@ fn write_csv(df: &mut DataFrame, path: &Path) -> Result<()> {
 /// One paper table: the summary's rows that `filter` keeps, the `columns` named, sorted.
 struct TableSpec {
     file: &'static str,
-    filter: Expr,
+    filter: fn(&Row) -> bool,
     /// Written only when some kept row also matches this (the table's subject is present).
-    require: Expr,
+    require: fn(&Row) -> bool,
     columns: &'static [&'static str],
     sort: &'static [&'static str],
 }
 
-/// The summary's rows of method `m`.
-fn method_is(m: Method) -> Expr {
-    col("method").eq(lit(name_of(m)))
+/// A train cell of a learned AHA model (AHA Tables 1/2 and 4).
+fn learned_aha_train(r: &Row) -> bool {
+    r.method == Method::Aha && r.kind == StageKind::Train && r.router == Router::Learned
 }
 
-/// The summary's rows of cells of kind `k`.
-fn kind_is(k: StageKind) -> Expr {
-    col("kind").eq(lit(name_of(k)))
-}
-
-fn paper_tables() -> Vec<TableSpec> {
-    let learned = col("router").eq(lit(name_of(Router::Learned)));
-    let train = kind_is(StageKind::Train);
-    vec![
+/// AHA's tables (1/2, 4 and 5).
+fn aha_tables() -> [TableSpec; 3] {
+    [
         TableSpec {
             file: "aha_windows.csv",
-            require: method_is(Method::Aha),
-            filter: method_is(Method::Aha)
-                .and(train.clone())
-                .and(learned.clone()),
+            require: |r| r.method == Method::Aha,
+            filter: learned_aha_train,
             columns: &[
                 "window",
                 "lambda",
@@ -512,10 +223,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_lambda.csv",
-            require: method_is(Method::Aha),
-            filter: method_is(Method::Aha)
-                .and(train.clone())
-                .and(learned.clone()),
+            require: |r| r.method == Method::Aha,
+            filter: learned_aha_train,
             columns: &[
                 "lambda",
                 "window",
@@ -530,11 +239,11 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "aha_static_heads.csv",
-            require: method_is(Method::StaticHeads),
-            filter: method_is(Method::StaticHeads)
-                .or(method_is(Method::Aha))
-                .or(method_is(Method::Swa))
-                .and(train.clone()),
+            require: |r| r.method == Method::StaticHeads,
+            filter: |r| {
+                matches!(r.method, Method::StaticHeads | Method::Aha | Method::Swa)
+                    && r.kind == StageKind::Train
+            },
             columns: &[
                 "setting",
                 "method",
@@ -549,10 +258,16 @@ fn paper_tables() -> Vec<TableSpec> {
             ],
             sort: &["method", "mu_f"],
         },
+    ]
+}
+
+/// L2A's threshold sweep (Fig. 13) and pruning (Fig. 9).
+fn l2a_tables() -> [TableSpec; 2] {
+    [
         TableSpec {
             file: "l2a_threshold.csv",
-            require: kind_is(StageKind::Eval),
-            filter: method_is(Method::L2a).and(kind_is(StageKind::Prune).not()),
+            require: |r| r.kind == StageKind::Eval,
+            filter: |r| r.method == Method::L2a && r.kind != StageKind::Prune,
             columns: &[
                 "tau",
                 "window",
@@ -568,8 +283,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "l2a_pruning.csv",
-            require: kind_is(StageKind::Prune),
-            filter: kind_is(StageKind::Prune),
+            require: |r| r.kind == StageKind::Prune,
+            filter: |r| r.kind == StageKind::Prune,
             columns: &[
                 "threshold",
                 "pruned_layers",
@@ -582,12 +297,21 @@ fn paper_tables() -> Vec<TableSpec> {
             ],
             sort: &["label", "threshold"],
         },
+    ]
+}
+
+/// SwiAttn's baselines (Tables 1-3) and ablations (Table 4).
+fn swiattn_tables() -> [TableSpec; 2] {
+    [
         TableSpec {
             file: "swiattn_baselines.csv",
-            require: method_is(Method::Full).not(),
-            filter: [Method::Swa, Method::StaticHybrid, Method::Swiattn]
-                .into_iter()
-                .fold(method_is(Method::Full), |e, m| e.or(method_is(m))),
+            require: |r| r.method != Method::Full,
+            filter: |r| {
+                matches!(
+                    r.method,
+                    Method::Full | Method::Swa | Method::StaticHybrid | Method::Swiattn
+                )
+            },
             columns: &[
                 "baseline",
                 "method",
@@ -605,8 +329,8 @@ fn paper_tables() -> Vec<TableSpec> {
         },
         TableSpec {
             file: "swiattn_ablations.csv",
-            require: method_is(Method::Swiattn),
-            filter: method_is(Method::Swiattn).and(train.clone()),
+            require: |r| r.method == Method::Swiattn,
+            filter: |r| r.method == Method::Swiattn && r.kind == StageKind::Train,
             columns: &[
                 "variant",
                 "swiattn_alpha",
@@ -620,51 +344,62 @@ fn paper_tables() -> Vec<TableSpec> {
             ],
             sort: &["variant"],
         },
-        TableSpec {
-            file: "ppa.csv",
-            require: method_is(Method::Ppa),
-            filter: method_is(Method::Ppa),
-            columns: &[
-                "ppa_power",
-                "window",
-                "loss",
-                "perplexity",
-                "far_loss",
-                "far_accuracy",
-                "pairs_vs_full",
-                "tokens_per_s",
-                "cell",
-            ],
-            sort: &["window", "ppa_power"],
-        },
     ]
+}
+
+/// PPA's Table 1.
+fn ppa_table() -> TableSpec {
+    TableSpec {
+        file: "ppa.csv",
+        require: |r| r.method == Method::Ppa,
+        filter: |r| r.method == Method::Ppa,
+        columns: &[
+            "ppa_power",
+            "window",
+            "loss",
+            "perplexity",
+            "far_loss",
+            "far_accuracy",
+            "pairs_vs_full",
+            "tokens_per_s",
+            "cell",
+        ],
+        sort: &["window", "ppa_power"],
+    }
+}
+
+fn paper_tables() -> Vec<TableSpec> {
+    let mut all: Vec<TableSpec> = aha_tables().into();
+    all.extend(l2a_tables());
+    all.extend(swiattn_tables());
+    all.push(ppa_table());
+    all
 }
 
 /// SwiAttn's baseline names: SWA-ZS is a full model evaluated with a window, SWA-CPT a
 /// window model continued from a full one.
-fn baseline_expr() -> Expr {
-    when(
-        method_is(Method::Swa)
-            .and(kind_is(StageKind::Eval))
-            .and(col("source_method").eq(lit(name_of(Method::Full)))),
-    )
-    .then(lit("SWA-ZS"))
-    .when(method_is(Method::Swa).and(col("source_method").eq(lit(name_of(Method::Full)))))
-    .then(lit("SWA-CPT"))
-    .when(method_is(Method::Swa))
-    .then(lit("SWA"))
-    .when(method_is(Method::StaticHybrid))
-    .then(lit("StaticHybrid"))
-    .when(method_is(Method::Full))
-    .then(lit("FullAttn"))
-    .otherwise(lit("SwiAttn"))
-    .alias("baseline")
+fn baseline(r: &Row) -> &'static str {
+    let from_full = r.source_method == Some(Method::Full);
+    match r.method {
+        Method::Swa if from_full && r.kind == StageKind::Eval => "SWA-ZS",
+        Method::Swa if from_full => "SWA-CPT",
+        Method::Swa => "SWA",
+        Method::StaticHybrid => "StaticHybrid",
+        Method::Full => "FullAttn",
+        _ => "SwiAttn",
+    }
+}
+
+/// The rows of `summary` (one per row of `rows`) where `keep` holds.
+fn filtered(summary: &DataFrame, rows: &[Row], keep: impl Fn(&Row) -> bool) -> Result<DataFrame> {
+    let mask: BooleanChunked = rows.iter().map(|r| keep(r)).collect();
+    Ok(summary.filter(&mask)?)
 }
 
 /// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
 /// returns the files written.
 pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
-    crate::util::atomic::ensure_writable_dir(out)?;
+    atomic::ensure_writable_dir(out)?;
     let rows = rows(sweep)?;
     let mut written = Vec::new();
     if rows.is_empty() {
@@ -676,47 +411,40 @@ pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         write_csv(df, &out.join(name))?;
         written.push(out.join(name));
     }
-    let with_baseline = summary.clone().lazy().with_column(baseline_expr());
+    let baselines: Vec<&str> = rows.iter().map(baseline).collect();
+    let mut with_baseline = summary.clone();
+    with_baseline.with_column(Column::new("baseline".into(), baselines))?;
     for t in paper_tables() {
-        let cols: Vec<Expr> = t.columns.iter().map(|c| col(*c)).collect();
-        let kept = with_baseline.clone().filter(t.filter);
         // A table the sweep no longer fills must not linger from an earlier run.
         let stale = out.join(t.file);
-        if kept.clone().filter(t.require).collect()?.height() == 0 {
+        if !rows.iter().any(|r| (t.filter)(r) && (t.require)(r)) {
             if stale.exists() {
                 std::fs::remove_file(&stale)?;
             }
             continue;
         }
-        let mut df = kept
-            .select(cols)
-            .sort(
-                t.sort.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-                SortMultipleOptions::default(),
-            )
-            .collect()?;
+        let mut df = filtered(&with_baseline, &rows, t.filter)?
+            .select(t.columns.iter().copied())?
+            .sort(t.sort.iter().copied(), SortMultipleOptions::default())?;
         write_csv(&mut df, &out.join(t.file))?;
         written.push(out.join(t.file));
     }
-    let pareto = out.join("pareto.csv");
-    match crate::sweep::pareto::table(&rows)? {
-        Some(mut df) => {
-            write_csv(&mut df, &pareto)?;
-            written.push(pareto);
-        }
-        None if pareto.exists() => std::fs::remove_file(&pareto)?,
-        None => {}
-    }
-    let gaps = out.join("aha_gaps.csv");
-    match gap_table(&rows)? {
-        Some(mut df) => {
-            write_csv(&mut df, &gaps)?;
-            written.push(gaps);
-        }
-        None if gaps.exists() => std::fs::remove_file(&gaps)?,
-        None => {}
-    }
+    write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("aha_gaps.csv"), gap_table(&rows)?, &mut written)?;
     Ok(written)
+}
+
+/// Writes `df` at `path`, or removes a `path` left by an earlier run when there is none.
+fn write_or_remove(path: &Path, df: Option<DataFrame>, written: &mut Vec<PathBuf>) -> Result<()> {
+    match df {
+        Some(mut df) => {
+            write_csv(&mut df, path)?;
+            written.push(path.to_path_buf());
+        }
+        None if path.exists() => std::fs::remove_file(path)?,
+        None => {}
+    }
+    Ok(())
 }
 
 /// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
@@ -785,459 +513,10 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
 }
 
 /// A sweep directory made by hand: one cell per kind of row the tables and figures read.
-#[cfg(test)]
-pub mod fixture {
-    use crate::config::{Config, Method};
-    use crate::run::eval::{
-        AttentionWork, Bucket, EvalFile, EvalReport, GapStats, GateReport, NeedReport,
-        PrecisionRecall,
-    };
-    use crate::run::prune::PruneReport;
-    use crate::sweep::{Cell, StageKind};
-    use std::path::{Path, PathBuf};
-
-    struct Spec {
-        id: &'static str,
-        kind: StageKind,
-        dep: Option<&'static str>,
-        loss: f64,
-        density: f64,
-        gates: bool,
-        threshold: Option<f64>,
-        edit: fn(&mut Config),
-    }
-
-    pub fn sweep_dir(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        // AHA at w 16 with a strong penalty, trained and evaluated again with the same attention.
-        fn aha_16b(c: &mut Config) {
-            c.attention.method = Method::Aha;
-            c.attention.window = 16;
-            c.attention.lambda = 0.1;
-        }
-        let specs = [
-            Spec {
-                id: "base-0",
-                kind: StageKind::Train,
-                dep: None,
-                loss: 2.0,
-                density: 1.0,
-                gates: false,
-                threshold: None,
-                edit: |_| {},
-            },
-            Spec {
-                id: "full-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.8,
-                density: 1.0,
-                gates: false,
-                threshold: None,
-                edit: |_| {},
-            },
-            Spec {
-                id: "zs-0",
-                kind: StageKind::Eval,
-                dep: Some("base-0"),
-                loss: 2.5,
-                density: 0.2,
-                gates: false,
-                threshold: None,
-                edit: |c| c.attention.method = Method::Swa,
-            },
-            Spec {
-                id: "swa-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 2.1,
-                density: 0.2,
-                gates: false,
-                threshold: None,
-                edit: |c| c.attention.method = Method::Swa,
-            },
-            Spec {
-                id: "hyb-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.9,
-                density: 0.4,
-                gates: false,
-                threshold: None,
-                edit: |c| c.attention.method = Method::StaticHybrid,
-            },
-            Spec {
-                id: "aha-4",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.85,
-                density: 0.9,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Aha;
-                    c.attention.window = 4
-                },
-            },
-            // aha-4 evaluated again on sequences four times longer, for its gaps alone.
-            Spec {
-                id: "gaps-4",
-                kind: StageKind::Eval,
-                dep: Some("aha-4"),
-                loss: 1.95,
-                density: 0.8,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Aha;
-                    c.attention.window = 4;
-                    c.eval.seq_len = 4 * c.data.seq_len
-                },
-            },
-            Spec {
-                id: "aha-16",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.82,
-                density: 0.6,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Aha;
-                    c.attention.window = 16
-                },
-            },
-            Spec {
-                id: "aha-16b",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.9,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: aha_16b,
-            },
-            // aha-16b evaluated again with the same attention (as a probe stage does).
-            Spec {
-                id: "probe-16b",
-                kind: StageKind::Eval,
-                dep: Some("aha-16b"),
-                loss: 1.9,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: aha_16b,
-            },
-            Spec {
-                id: "heads-2",
-                kind: StageKind::Train,
-                dep: Some("aha-16"),
-                loss: 1.95,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::StaticHeads;
-                    c.attention.top_k = 2
-                },
-            },
-            Spec {
-                id: "heads-budget",
-                kind: StageKind::Train,
-                dep: Some("aha-16"),
-                loss: 1.84,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::StaticHeads;
-                    c.attention.top_k = 0
-                },
-            },
-            Spec {
-                id: "heads-16",
-                kind: StageKind::Train,
-                dep: Some("aha-16"),
-                loss: 1.83,
-                density: 1.0,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::StaticHeads;
-                    c.attention.top_k = 16
-                },
-            },
-            Spec {
-                id: "l2a-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.83,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: |c| c.attention.method = Method::L2a,
-            },
-            Spec {
-                id: "tau-3",
-                kind: StageKind::Eval,
-                dep: Some("l2a-0"),
-                loss: 1.81,
-                density: 0.7,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::L2a;
-                    c.attention.tau = 0.3
-                },
-            },
-            Spec {
-                id: "tau-7",
-                kind: StageKind::Eval,
-                dep: Some("l2a-0"),
-                loss: 1.9,
-                density: 0.3,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::L2a;
-                    c.attention.tau = 0.7
-                },
-            },
-            Spec {
-                id: "prune-9",
-                kind: StageKind::Prune,
-                dep: Some("l2a-0"),
-                loss: 1.86,
-                density: 0.4,
-                gates: true,
-                threshold: Some(0.9),
-                edit: |c| c.attention.method = Method::L2a,
-            },
-            Spec {
-                id: "swi-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.84,
-                density: 0.6,
-                gates: true,
-                threshold: None,
-                edit: |c| c.attention.method = Method::Swiattn,
-            },
-            Spec {
-                id: "swi-v1",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.88,
-                density: 0.5,
-                gates: true,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Swiattn;
-                    c.attention.swiattn_adaptive = false
-                },
-            },
-            Spec {
-                id: "ppa-0",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 2.0,
-                density: 0.15,
-                gates: false,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Ppa;
-                    c.attention.ppa_power = 0.0
-                },
-            },
-            Spec {
-                id: "ppa-5",
-                kind: StageKind::Train,
-                dep: Some("base-0"),
-                loss: 1.9,
-                density: 0.3,
-                gates: false,
-                threshold: None,
-                edit: |c| {
-                    c.attention.method = Method::Ppa;
-                    c.attention.ppa_power = 0.5
-                },
-            },
-        ];
-        let mut cells = Vec::new();
-        for (i, s) in specs.iter().enumerate() {
-            let mut config = Config::default();
-            (s.edit)(&mut config);
-            let cell_dir = dir.join(s.id);
-            std::fs::create_dir_all(cell_dir.join("eval")).unwrap();
-            std::fs::write(
-                cell_dir.join("status.json"),
-                r#"{"state":"done","attempts":1,"error":null}"#,
-            )
-            .unwrap();
-            let gap = |gaps: u64, median: Option<u32>, share: f64| GapStats {
-                gaps,
-                mean: median.map(f64::from),
-                median,
-                p90: median.map(|m| m + 1),
-                max: median.map(|m| m + 2),
-                max_censored: Some(64),
-                censored_share: share,
-            };
-            let gates = s.gates.then(|| GateReport {
-                mu_f: s.density,
-                per_layer: vec![s.density, s.density * 0.5],
-                per_head: vec![vec![0.9, 0.1], vec![0.4, 0.6]],
-                gaps: vec![
-                    vec![gap(9, Some(1), 0.0), gap(0, None, 1.0)],
-                    vec![gap(4, Some(2), 0.5), gap(5, Some(3), 0.25)],
-                ],
-                censored_heads: 1,
-                need: Some(NeedReport {
-                    window: 64,
-                    positions: 10,
-                    needing: 4,
-                    per_layer: vec![],
-                    all_gates: PrecisionRecall {
-                        precision: Some(0.3),
-                        recall: Some(0.8),
-                        ..Default::default()
-                    },
-                }),
-            });
-            let pairs = s.density * 1e6;
-            let report = EvalReport {
-                split: "val".into(),
-                seq_len: config.eval_seq_len(),
-                checkpoint_step: Some(config.train.steps),
-                train_steps: config.train.steps,
-                tokens: 1000,
-                loss: s.loss,
-                perplexity: s.loss.exp(),
-                bits_per_token: s.loss / std::f64::consts::LN_2,
-                unigram_entropy: 3.0,
-                attention: AttentionWork {
-                    pairs,
-                    full_causal_pairs: 1e6,
-                    pairs_vs_full: s.density,
-                    flops: 4.0 * pairs,
-                    full_causal_flops: 4e6,
-                },
-                kv_cache_bytes: vec![500.0, 500.0],
-                kv_cache_bytes_total: 1000.0,
-                kv_cache_bytes_full: 1000.0,
-                buckets: [
-                    ("unpredictable", 0),
-                    ("local", 1),
-                    ("d2-3", 2),
-                    ("d4-7", 4),
-                    ("d64-127", 64),
-                    ("d128-255", 128),
-                ]
-                .iter()
-                .map(|&(name, lo)| Bucket {
-                    bucket: name.into(),
-                    min_distance: lo,
-                    tokens: 100 + lo as u64,
-                    loss: s.loss + 0.1 * lo as f64,
-                    accuracy: Some(1.0 / (1.0 + lo as f64)),
-                })
-                .collect(),
-                gates,
-                timing: Some(crate::run::eval::Timing {
-                    device: "Cpu".into(),
-                    batch: 2,
-                    seq_len: 8,
-                    forward_ms: 10.0,
-                    attention_ms: 4.0 * s.density,
-                    prefill_ms: 8.0,
-                    decode_steps: 4,
-                    decode_tokens_per_s: 100.0 / s.density,
-                    decode_cache_bytes: 1000.0,
-                }),
-            };
-            let file = EvalFile {
-                report,
-                config: config.clone(),
-            };
-            std::fs::write(
-                cell_dir.join("eval/eval.json"),
-                serde_json::to_string(&file).unwrap(),
-            )
-            .unwrap();
-            let suite = serde_json::json!({ "results": { "niah_single": {
-                "alias": "niah_single", "exact_match,none": s.loss, "exact_match_stderr,none": 0.1 } } });
-            std::fs::write(cell_dir.join("eval/results.json"), suite.to_string()).unwrap();
-            if s.kind == StageKind::Train {
-                std::fs::write(
-                    cell_dir.join("val_log.csv"),
-                    format!("step,val_loss\n100,{}\n200,{}\n", s.loss + 0.1, s.loss),
-                )
-                .unwrap();
-                // Rates 1000, 3000, 2000: the median is 2000.
-                std::fs::write(
-                    cell_dir.join("train_log.csv"),
-                    "step,loss,lr,grad_norm,tokens_per_s,tokens_seen,reg,mu_f\n\
-                     10,3,0.001,1,1000.0,100,,\n20,3,0.001,1,3000.0,200,,\n30,3,0.001,1,2000.0,300,,\n",
-                )
-                .unwrap();
-            }
-            if let Some(threshold) = s.threshold {
-                let p = PruneReport {
-                    threshold,
-                    sparsity: vec![0.5, 0.95],
-                    pruned_layers: vec![1],
-                    kv_cache_bytes_before: 2000.0,
-                    kv_cache_bytes_after: 1000.0,
-                    kv_cache_bytes_full: 2000.0,
-                    loss_before: 1.83,
-                    loss_after: s.loss,
-                };
-                std::fs::write(
-                    cell_dir.join("prune.json"),
-                    serde_json::to_string(&p).unwrap(),
-                )
-                .unwrap();
-            }
-            cells.push(Cell {
-                index: i,
-                id: s.id.into(),
-                stage: s.id.split('-').next().unwrap().into(),
-                kind: s.kind,
-                label: s.id.into(),
-                assignment: Default::default(),
-                settings: Default::default(),
-                depends_on: s.dep.map(String::from),
-                reads: None,
-                match_usage: false,
-                threshold: s.threshold,
-                config,
-            });
-        }
-        std::fs::write(
-            dir.join("cells.json"),
-            serde_json::to_string(&cells).unwrap(),
-        )
-        .unwrap();
-        // A cell that did not finish is left out of every table.
-        std::fs::create_dir_all(dir.join("broken")).unwrap();
-        dir
-    }
-
-    pub fn csv(path: &Path) -> Vec<Vec<String>> {
-        std::fs::read_to_string(path)
-            .unwrap()
-            .lines()
-            .map(|l| l.split(',').map(String::from).collect())
-            .collect()
-    }
-}
 
 #[cfg(test)]
 mod tests {
-    use super::fixture::{csv, sweep_dir};
+    use crate::sweep::fixture::{csv, sweep_dir};
     use super::*;
 
     #[test]

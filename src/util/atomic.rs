@@ -4,6 +4,7 @@
 
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
+use crate::util::fault;
 
 /// A temporary sibling of `path`, unique to this process, keeping the extension (the
 /// safetensors writer picks its format by extension).
@@ -22,7 +23,7 @@ where
 {
     let tmp = temp_sibling(path);
     let result = write(&tmp).and_then(|()| {
-        crate::util::fault::write_error().with_context(|| format!("writing {}", tmp.display()))?;
+        fault::write_error().with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .with_context(|| format!("syncing {}", tmp.display()))?;

@@ -5,6 +5,7 @@ pub mod fault;
 pub mod flags;
 pub mod progress;
 pub mod rng;
+pub mod stats;
 
 /// A fresh, empty directory of this test process for a unit test named `tag`.
 #[cfg(test)]

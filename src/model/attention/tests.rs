@@ -244,6 +244,9 @@ use crate::config::Config;
 use crate::model::ForwardOutput;
 use crate::model::nn::token_nll;
 use crate::run::Built;
+use crate::model::Llama;
+use crate::model::kernels::tests;
+use crate::model::nn::inv_freq;
 
 fn routed_cfg(method: Method, f: impl FnOnce(&mut Config)) -> Config {
     let mut c = Config::default();
@@ -399,7 +402,7 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     let x = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
     let rope = Rope::new(
         5,
-        &crate::model::nn::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+        &inv_freq(&routed_cfg(Method::Full, |_| {}).model),
         Kind::Float,
         Device::Cpu,
     );
@@ -522,7 +525,7 @@ fn layer_disagreement_is_the_branches_difference(cfg: &Config, scale: f64) {
     let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
     let rope = Rope::new(
         6,
-        &crate::model::nn::inv_freq(&routed_cfg(Method::Full, |_| {}).model),
+        &inv_freq(&routed_cfg(Method::Full, |_| {}).model),
         Kind::Float,
         Device::Cpu,
     );
@@ -584,7 +587,7 @@ fn router_gradient_is_the_ste_gradient() {
         b.model = {
             // Rebuild the model view over the fp64 parameters with fp64 compute.
             let mut vs = nn::VarStore::new(Device::Cpu);
-            let m = crate::model::Llama::new(
+            let m = Llama::new(
                 &vs.root(),
                 &cfg.model,
                 &cfg.attention,
@@ -789,7 +792,7 @@ fn post_norm_routers_read_a_normalised_hidden_state() {
         let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
         let rope = Rope::new(
             6,
-            &crate::model::nn::inv_freq(&cfg.model),
+            &inv_freq(&cfg.model),
             Kind::Float,
             Device::Cpu,
         );
@@ -996,7 +999,7 @@ fn sampled_straight_through_gradient_is_unbiased() {
 #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
 fn cuda_routed_training_matches_reference() {
     use crate::config::{AttnImpl, Dtype};
-    crate::model::kernels::tests::on_cuda("cuda_routed_training_matches_reference", |_| {
+    tests::on_cuda("cuda_routed_training_matches_reference", |_| {
         let dev = Device::Cuda(0);
         let rel = |a: &Tensor, b: &Tensor| {
             let b = b.to_kind(Kind::Double);

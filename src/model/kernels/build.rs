@@ -7,6 +7,7 @@
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use crate::util::progress::Progress;
 
 const SOURCES: [(&str, &str); 18] = [
     ("attention.cu", include_str!("../../../kernels/attention.cu")),
@@ -307,7 +308,7 @@ fn compile_in_parallel(units: Vec<(&str, Command)>, quiet: bool) -> Result<()> {
     let queue = std::sync::Mutex::new(units);
     let (done, finished) = std::sync::mpsc::channel();
     let start = std::time::Instant::now();
-    let mut progress = crate::util::progress::Progress::new(
+    let mut progress = Progress::new(
         n as u64,
         "units compiled",
         quiet,

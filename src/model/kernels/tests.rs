@@ -5,6 +5,10 @@ use super::build::{newest_build, LIB};
 use super::*;
 use crate::model::attention::{attend, KeyPattern};
 use std::process::Command;
+use crate::model::nn;
+use crate::model::nn::Rope;
+use crate::util;
+use crate::util::rng::Rng;
 
 /// Reference for one case: dense attention with the window mask, then the rows of the
 /// query list (zeros for inactive rows), in fp32 from the same (rounded) inputs.
@@ -53,7 +57,7 @@ fn reference(
 fn random_list(b: i64, h: i64, len: i64, counts: &[i64], device: Device) -> (Tensor, Tensor) {
     let lq = *counts.iter().max().unwrap_or(&0).max(&1);
     let mut pos = Vec::new();
-    let mut rng = crate::util::rng::Rng::new(len as u64 * 31 + counts.len() as u64);
+    let mut rng = Rng::new(len as u64 * 31 + counts.len() as u64);
     for bh in 0..(b * h) as usize {
         let n = counts[bh % counts.len()];
         let mut chosen: Vec<i64> = (0..len).collect();
@@ -179,7 +183,7 @@ fn compare_routed_with_reference(
             }
             // The other queries: all on their window, none, or a random half.
             for on_window in [1.0, 0.0, 0.5] {
-                let mut rng = crate::util::rng::Rng::new((len * 131 + window) as u64);
+                let mut rng = Rng::new((len * 131 + window) as u64);
                 let mut path = Vec::with_capacity((b * h * len) as usize);
                 for bh in 0..(b * h) as usize {
                     let share = shares[bh % shares.len()];
@@ -238,7 +242,7 @@ fn cross_entropy_matches_log_softmax(kern: &Kernels, device: Device, kind: Kind,
         assert_eq!(got.size(), [3, 7]);
         (&got * &g).sum(Kind::Float).backward();
         let xr = x.detach().to_kind(Kind::Float).set_requires_grad(true);
-        let want = crate::model::nn::token_nll(&xr, &y);
+        let want = nn::token_nll(&xr, &y);
         (&want * &g).sum(Kind::Float).backward();
         let e = rel_err(&got.detach(), &want.detach());
         assert!(e < tol, "V={vocab}: loss differs by {e:.2e}");
@@ -301,7 +305,7 @@ fn rope_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) 
         let inv: Vec<f64> = (0..d / 2)
             .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
             .collect();
-        let rope = crate::model::nn::Rope::new(300, &inv, angles, device).slice(37, 203);
+        let rope = Rope::new(300, &inv, angles, device).slice(37, 203);
         let x = Tensor::randn([2, 203, 3, d], (Kind::Float, device))
             .to_kind(kind)
             .set_requires_grad(true);
@@ -764,7 +768,7 @@ fn ppa_pairs_start_where_the_gaps_stay_wide() {
 
 #[test]
 fn only_finished_builds_are_found() {
-    let cache = crate::util::scratch_dir("find");
+    let cache = util::scratch_dir("find");
     let lib = |dir: &str| {
         std::fs::create_dir_all(cache.join(dir)).unwrap();
         std::fs::write(cache.join(dir).join(LIB), b"").unwrap();

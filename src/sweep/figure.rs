@@ -1,0 +1,883 @@
+//! Figures as data (`Figure`: lines, panels, heatmaps, bars) and their rendering to PNG and
+//! SVG. Text is drawn with a font compiled into the binary (DejaVu Sans), so plotting needs no
+//! system fonts and works headless.
+
+use crate::util::atomic;
+use anyhow::{anyhow, Result};
+use plotters::coord::combinators::LogCoord;
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use std::path::{Path, PathBuf};
+
+static FONT: &[u8] = include_bytes!("fonts/DejaVuSans.ttf");
+const FAMILY: &str = "sans-serif";
+pub const SIZE: (u32, u32) = (900, 560);
+
+fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_err() {
+            panic!("the embedded font does not load");
+        }
+    });
+}
+
+fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow!("drawing failed: {e:?}")
+}
+
+/// One line (or point set) of a chart.
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+    pub line: bool,
+    /// Text drawn beside each point (same length as `points`), e.g. tau values.
+    pub labels: Vec<String>,
+}
+
+/// One x-y chart of a [`Figure::Panels`].
+pub struct Panel {
+    pub title: String,
+    pub x: String,
+    pub y: String,
+    pub series: Vec<Series>,
+    pub x_axis: XAxis,
+}
+
+/// How a chart's x axis is scaled and where its ticks go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XAxis {
+    /// Linear, ticks at round numbers: measured values (steps, attention work).
+    Linear,
+    /// Linear, ticks at the values a sweep set (PPA's p, needle depth) when there are few.
+    LinearSwept,
+    /// Log scale, ticks at the values a sweep set (windows, lambdas, distances).
+    LogSwept,
+}
+
+/// What a figure is drawn from; `draw` renders it on any plotters backend.
+pub enum Figure {
+    /// x-y chart.
+    Lines {
+        title: String,
+        x: String,
+        y: String,
+        series: Vec<Series>,
+        x_axis: XAxis,
+    },
+    /// Rows by columns of values with a colour bar.
+    Heatmap {
+        title: String,
+        x: String,
+        y: String,
+        values: Vec<Vec<f64>>,
+        range: (f64, f64),
+        /// Labels of the columns and rows (the swept values); empty: their indices.
+        x_ticks: Vec<String>,
+        y_ticks: Vec<String>,
+    },
+    /// Charts side by side over the same series (e.g. usage and quality against the same
+    /// swept value), with one legend.
+    Panels { title: String, panels: Vec<Panel> },
+    /// One bar per category.
+    Bars {
+        title: String,
+        x: String,
+        y: String,
+        bars: Vec<(String, f64)>,
+    },
+}
+
+fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    let pad = if hi > lo {
+        (hi - lo) * 0.06
+    } else {
+        lo.abs().max(1.0) * 0.1
+    };
+    (lo - pad, hi + pad)
+}
+
+/// Viridis-like ramp from dark blue (0) through teal to yellow (1).
+fn colour(t: f64) -> RGBColor {
+    let stops = [
+        (68.0, 1.0, 84.0),
+        (59.0, 82.0, 139.0),
+        (33.0, 145.0, 140.0),
+        (94.0, 201.0, 98.0),
+        (253.0, 231.0, 37.0),
+    ];
+    let t = t.clamp(0.0, 1.0) * (stops.len() - 1) as f64;
+    let i = (t.floor() as usize).min(stops.len() - 2);
+    let f = t - i as f64;
+    let mix = |a: f64, b: f64| (a + (b - a) * f).round() as u8;
+    RGBColor(
+        mix(stops[i].0, stops[i + 1].0),
+        mix(stops[i].1, stops[i + 1].1),
+        mix(stops[i].2, stops[i + 1].2),
+    )
+}
+
+/// The label of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),
+/// so categorical axes label cells, not their boundaries: `ticks[i]`, or the index `i` when
+/// there are no ticks.
+pub(super) fn cell_label(v: f64, ticks: &[String]) -> String {
+    let i = v.floor();
+    if (v - i - 0.5).abs() < 0.26 {
+        ticks
+            .get(i as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("{}", i as i64))
+    } else {
+        String::new()
+    }
+}
+
+/// Line and marker colours: Okabe and Ito's colour-blind-safe palette without its yellow,
+/// which is hard to see on white.
+const PALETTE: [RGBColor; 7] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(86, 180, 233),
+    RGBColor(230, 159, 0),
+    RGBColor(0, 0, 0),
+];
+
+/// Width of the legend panel beside a chart: room for the 30 characters a label keeps.
+const LEGEND_W: u32 = 300;
+
+/// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
+/// windows, powers, lambdas) rather than at round numbers.
+const SWEPT_TICKS: usize = 12;
+
+/// The marker of series `i`: colours cycle through 7, shapes through 5 (35 distinct), and
+/// every other series is hollow and larger, so coinciding points of two series both show.
+fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(i: usize, p: C) -> DynElement<'a, DB, C> {
+    let c = PALETTE[i % PALETTE.len()];
+    let hollow = i % 2 == 1;
+    let size = if hollow { 7 } else { 5 };
+    let style = if hollow {
+        c.stroke_width(2)
+    } else {
+        c.filled()
+    };
+    let at = EmptyElement::at(p);
+    match i % 5 {
+        0 => (at + Circle::new((0, 0), size, style)).into_dyn(),
+        1 => (at + TriangleMarker::new((0, 0), size + 1, style)).into_dyn(),
+        2 => (at + Rectangle::new([(-size, -size), (size, size)], style)).into_dyn(),
+        3 => {
+            let d = size + 2;
+            let corners = vec![(0, -d), (d, 0), (0, d), (-d, 0), (0, -d)];
+            if hollow {
+                (at + PathElement::new(corners, style)).into_dyn()
+            } else {
+                (at + Polygon::new(corners, style)).into_dyn()
+            }
+        }
+        _ => (at + Cross::new((0, 0), size, c.stroke_width(2))).into_dyn(),
+    }
+}
+
+/// Tick labels for values `step` apart: as many decimals as tell neighbours apart, so a
+/// narrow range never repeats a label.
+pub(super) fn tick_format(step: f64) -> impl Fn(&f64) -> String {
+    let decimals = if step > 0.0 && step.is_finite() {
+        (-step.log10()).ceil().clamp(0.0, 8.0) as usize
+    } else {
+        3
+    };
+    move |v: &f64| {
+        if *v == 0.0 {
+            "0".into()
+        } else if v.abs() >= 1e5 || (v.abs() < 1e-3 && decimals > 4) {
+            let s = format!("{v:.1e}");
+            s.replace(".0e", "e")
+        } else {
+            let s = format!("{v:.decimals$}");
+            if s.contains('.') {
+                s.trim_end_matches('0').trim_end_matches('.').to_string()
+            } else {
+                s
+            }
+        }
+    }
+}
+
+/// An axis labelled at given values (the swept ones) rather than at round numbers.
+struct Swept<R> {
+    axis: R,
+    at: Vec<f64>,
+}
+
+impl<R: Ranged<ValueType = f64>> Ranged for Swept<R> {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
+        self.axis.map(v, limit)
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, _hint: Hint) -> Vec<f64> {
+        self.at.clone()
+    }
+
+    fn range(&self) -> std::ops::Range<f64> {
+        self.axis.range()
+    }
+
+    fn axis_pixel_range(&self, limit: (i32, i32)) -> std::ops::Range<i32> {
+        self.axis.axis_pixel_range(limit)
+    }
+}
+
+/// The x values of every series, when there are few enough to label each one; vertical
+/// markers (a series at one x, such as a window's reach) are not swept values.
+fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
+    let mut xs: Vec<f64> = series
+        .iter()
+        .filter(|s| s.points.iter().any(|p| p.0 != s.points[0].0))
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|v| v.is_finite())
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    (xs.len() >= 2 && xs.len() <= SWEPT_TICKS).then_some(xs)
+}
+
+/// The largest power of ten, down to 1e-8, on whose decimal grid every value lies, so
+/// labels with its decimals print each value exactly.
+pub(super) fn exact_step(xs: &[f64]) -> f64 {
+    (0..=8)
+        .map(|d| (d, 10f64.powi(-d)))
+        .find(|&(d, _)| {
+            xs.iter().all(|x| {
+                let shown: f64 = format!("{x:.*}", d as usize).parse().unwrap_or(f64::NAN);
+                (shown - x).abs() <= 1e-9 * x.abs().max(1e-12)
+            })
+        })
+        .map_or(1e-8, |(_, step)| step)
+}
+
+/// The smallest gap between neighbouring values.
+pub(super) fn min_gap(xs: &[f64]) -> f64 {
+    xs.windows(2)
+        .map(|w| w[1] - w[0])
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// An x-y chart (no legend: see `draw_legend`) on a linear or logarithmic x axis, its x axis
+/// labelled at the swept values when there are few.
+fn draw_lines<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[Series],
+    x_axis: XAxis,
+) -> Result<()> {
+    let text = |size: u32| (FAMILY, size).into_font();
+    let (y0, y1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+    let swept = match x_axis {
+        XAxis::Linear => None,
+        XAxis::LinearSwept | XAxis::LogSwept => swept_values(series),
+    };
+    let x_step = match &swept {
+        // Each swept value printed exactly (0.125, not 0.1), and neighbours apart.
+        Some(xs) => min_gap(xs).min(exact_step(xs)),
+        None => {
+            let (a, b) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
+            (b - a) / 10.0
+        }
+    };
+    let y_fmt = tick_format((y1 - y0) / 10.0);
+    let x_fmt = tick_format(x_step);
+    let mut builder = ChartBuilder::on(root);
+    builder
+        .caption(title, text(20))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72);
+    // One body for the four axis kinds; only the coordinate type differs.
+    macro_rules! body {
+        ($xr:expr) => {{
+            let mut chart = builder.build_cartesian_2d($xr, y0..y1).map_err(err)?;
+            chart
+                .configure_mesh()
+                .x_desc(x)
+                .y_desc(y)
+                .axis_desc_style(text(16))
+                .label_style(text(14))
+                .x_label_formatter(&x_fmt)
+                .y_label_formatter(&y_fmt)
+                .light_line_style(WHITE.mix(0.0))
+                .draw()
+                .map_err(err)?;
+            for (i, s) in series.iter().enumerate() {
+                let c = PALETTE[i % PALETTE.len()];
+                if s.line {
+                    chart
+                        .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
+                        .map_err(err)?;
+                }
+                // One draw per marker: the shapes differ in type.
+                for &p in &s.points {
+                    chart.plotting_area().draw(&marker(i, p)).map_err(err)?;
+                }
+                chart
+                    .draw_series(
+                        s.points
+                            .iter()
+                            .zip(&s.labels)
+                            .map(|(&p, l)| Text::new(l.clone(), p, text(13))),
+                    )
+                    .map_err(err)?;
+            }
+        }};
+    }
+    let finite_x = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|v| v.is_finite());
+    if x_axis == XAxis::LogSwept {
+        let (lo, hi) = finite_x
+            .filter(|v| *v > 0.0)
+            .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(v), b.max(v)));
+        let (lo, hi) = if lo.is_finite() {
+            (lo / 1.3, hi * 1.3)
+        } else {
+            (1.0, 10.0)
+        };
+        let axis: LogCoord<f64> = (lo..hi).log_scale().into();
+        match swept {
+            Some(at) => body!(Swept { axis, at }),
+            None => body!(axis),
+        }
+    } else {
+        let (x0, x1) = bounds(finite_x);
+        let axis: RangedCoordf64 = (x0..x1).into();
+        match swept {
+            Some(at) => body!(Swept { axis, at }),
+            None => body!(axis),
+        }
+    }
+    Ok(())
+}
+
+/// The legend of `series` in its own panel (beside the data, never over it), in the series'
+/// order, each with its line and marker.
+fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Series]) -> Result<()> {
+    let text = (FAMILY, 14).into_font();
+    let (_, h) = area.dim_in_pixel();
+    let row = 22i32;
+    let fits = ((h as i32 - 70) / row).max(1) as usize;
+    for (i, s) in series.iter().enumerate().take(fits) {
+        let y = 60 + i as i32 * row;
+        let c = PALETTE[i % PALETTE.len()];
+        if s.line {
+            area.draw(&PathElement::new(vec![(4, y), (36, y)], c.stroke_width(2)))
+                .map_err(err)?;
+        }
+        area.draw(&marker::<DB, (i32, i32)>(i, (20, y)))
+            .map_err(err)?;
+        let name: String = s.name.chars().take(30).collect();
+        area.draw(&Text::new(name, (44, y - 8), text.clone()))
+            .map_err(err)?;
+    }
+    if series.len() > fits {
+        let y = 60 + fits as i32 * row;
+        area.draw(&Text::new(
+            format!("... and {} more", series.len() - fits),
+            (44, y - 8),
+            text,
+        ))
+        .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Whether a chart of `series` needs a legend.
+fn has_legend(series: &[Series]) -> bool {
+    series.len() > 1 || series.iter().any(|s| !s.name.is_empty())
+}
+
+impl Figure {
+    pub fn title(&self) -> &str {
+        match self {
+            Figure::Lines { title, .. }
+            | Figure::Heatmap { title, .. }
+            | Figure::Panels { title, .. }
+            | Figure::Bars { title, .. } => title,
+        }
+    }
+
+    pub fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        register_font();
+        root.fill(&WHITE).map_err(err)?;
+        let text = |size: u32| (FAMILY, size).into_font();
+        match self {
+            Figure::Lines {
+                title,
+                x,
+                y,
+                series,
+                x_axis,
+            } => {
+                if has_legend(series) {
+                    let (w, _) = root.dim_in_pixel();
+                    let (chart, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                    draw_lines(&chart, title, x, y, series, *x_axis)?;
+                    draw_legend(&legend, series)?;
+                } else {
+                    draw_lines(root, title, x, y, series, *x_axis)?;
+                }
+            }
+            Figure::Panels { title, panels } => {
+                // Side by side over the same series, so one legend (the first panel's) serves.
+                let (w, _) = root.dim_in_pixel();
+                let (body, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                let body = body.titled(title, text(22)).map_err(err)?;
+                let areas = body.split_evenly((1, panels.len().max(1)));
+                for (area, p) in areas.iter().zip(panels) {
+                    draw_lines(area, &p.title, &p.x, &p.y, &p.series, p.x_axis)?;
+                }
+                if let Some(first) = panels.first() {
+                    if has_legend(&first.series) {
+                        draw_legend(&legend, &first.series)?;
+                    }
+                }
+            }
+            Figure::Heatmap {
+                title,
+                x,
+                y,
+                values,
+                range,
+                x_ticks,
+                y_ticks,
+            } => {
+                let (w, _) = root.dim_in_pixel();
+                let (main, bar) = root.split_horizontally(w.saturating_sub(110));
+                let rows = values.len() as f64;
+                let cols = values.first().map_or(0, |r| r.len()) as f64;
+                let mut chart = ChartBuilder::on(&main)
+                    .caption(title, text(22))
+                    .margin(16)
+                    .x_label_area_size(48)
+                    .y_label_area_size(60)
+                    .build_cartesian_2d(0f64..cols, 0f64..rows)
+                    .map_err(err)?;
+                chart
+                    .configure_mesh()
+                    .x_desc(x.as_str())
+                    .y_desc(y.as_str())
+                    .axis_desc_style(text(16))
+                    .label_style(text(15))
+                    .disable_mesh()
+                    .x_labels(2 * values.first().map_or(1, |r| r.len()).min(32) + 1)
+                    .y_labels(2 * values.len().min(32) + 1)
+                    .x_label_formatter(&|v| cell_label(*v, x_ticks))
+                    .y_label_formatter(&|v| cell_label(*v, y_ticks))
+                    .draw()
+                    .map_err(err)?;
+                let span = (range.1 - range.0).max(1e-12);
+                chart
+                    .draw_series(values.iter().enumerate().flat_map(|(r, row)| {
+                        row.iter().enumerate().map(move |(c, v)| {
+                            let (c, r) = (c as f64, r as f64);
+                            Rectangle::new(
+                                [(c, r), (c + 1.0, r + 1.0)],
+                                colour((v - range.0) / span).filled(),
+                            )
+                        })
+                    }))
+                    .map_err(err)?;
+                let mut cb = ChartBuilder::on(&bar)
+                    .margin_top(56)
+                    .margin_bottom(64)
+                    .margin_right(8)
+                    .y_label_area_size(56)
+                    .build_cartesian_2d(0f64..1.0, range.0..range.1)
+                    .map_err(err)?;
+                cb.configure_mesh()
+                    .disable_mesh()
+                    .disable_x_axis()
+                    .label_style(text(12))
+                    .y_label_formatter(&tick_format(span / 10.0))
+                    .draw()
+                    .map_err(err)?;
+                let steps = 64;
+                cb.draw_series((0..steps).map(|i| {
+                    let a = range.0 + span * i as f64 / steps as f64;
+                    let b = range.0 + span * (i + 1) as f64 / steps as f64;
+                    Rectangle::new(
+                        [(0.0, a), (1.0, b)],
+                        colour(i as f64 / (steps - 1) as f64).filled(),
+                    )
+                }))
+                .map_err(err)?;
+            }
+            Figure::Bars { title, x, y, bars } => {
+                let (_, y1) = bounds(bars.iter().map(|b| b.1).chain([0.0]));
+                let n = bars.len() as f64;
+                let mut chart = ChartBuilder::on(root)
+                    .caption(title, text(22))
+                    .margin(16)
+                    .x_label_area_size(48)
+                    .y_label_area_size(72)
+                    .build_cartesian_2d(0f64..n, 0f64..y1)
+                    .map_err(err)?;
+                let names: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+                chart
+                    .configure_mesh()
+                    .x_desc(x.as_str())
+                    .y_desc(y.as_str())
+                    .axis_desc_style(text(16))
+                    .label_style(text(15))
+                    .disable_x_mesh()
+                    .x_labels(bars.len().min(40) * 2 + 1)
+                    .x_label_formatter(&|v| {
+                        cell_label(*v, &[])
+                            .parse::<usize>()
+                            .ok()
+                            .and_then(|i| names.get(i).cloned())
+                            .unwrap_or_default()
+                    })
+                    .y_label_formatter(&tick_format(y1 / 10.0))
+                    .draw()
+                    .map_err(err)?;
+                let c = PALETTE[0];
+                chart
+                    .draw_series(bars.iter().enumerate().map(|(i, b)| {
+                        Rectangle::new([(i as f64 + 0.15, 0.0), (i as f64 + 0.85, b.1)], c.filled())
+                    }))
+                    .map_err(err)?;
+            }
+        }
+        root.present().map_err(err)?;
+        Ok(())
+    }
+
+    /// Pixels of the figure: panels side by side widen it.
+    pub fn size(&self) -> (u32, u32) {
+        match self {
+            Figure::Panels { panels, .. } => (LEGEND_W + 560 * panels.len() as u32, SIZE.1),
+            _ => SIZE,
+        }
+    }
+
+    /// Writes `<stem>.png` and `<stem>.svg`.
+    pub fn save(&self, stem: &Path) -> Result<Vec<PathBuf>> {
+        let png = stem.with_extension("png");
+        let svg = stem.with_extension("svg");
+        let size = self.size();
+        atomic::write_with(&png, |tmp| {
+            self.draw(&BitMapBackend::new(tmp, size).into_drawing_area())
+        })?;
+        atomic::write_with(&svg, |tmp| {
+            self.draw(&SVGBackend::new(tmp, size).into_drawing_area())
+        })?;
+        Ok(vec![png, svg])
+    }
+}
+
+pub(super) fn series(name: String, mut points: Vec<(f64, f64)>, line: bool) -> Series {
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Series {
+        name,
+        points,
+        line,
+        labels: vec![],
+    }
+}
+
+/// `a` before `b` in reading order: numbers inside names compare by value ("w=16" before
+/// "w=128", "lambda=0.0003" before "lambda=0.001").
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    /// Bytes of the number `s` starts with: digits, a fraction, an exponent (`1e-4`).
+    fn number_len(s: &str) -> usize {
+        let b = s.as_bytes();
+        let digits = |from: usize| {
+            b.get(from..)
+                .map_or(0, |r| r.iter().take_while(|c| c.is_ascii_digit()).count())
+        };
+        let mut n = digits(0);
+        if n == 0 {
+            return 0;
+        }
+        if b.get(n) == Some(&b'.') && digits(n + 1) > 0 {
+            n += 1 + digits(n + 1);
+        }
+        if matches!(b.get(n), Some(b'e' | b'E')) {
+            let sign = usize::from(matches!(b.get(n + 1), Some(b'-' | b'+')));
+            let d = digits(n + 1 + sign);
+            if d > 0 {
+                n += 1 + sign + d;
+            }
+        }
+        n
+    }
+    /// The name as runs of text (Err) and numbers (Ok).
+    fn parts(mut s: &str) -> Vec<Result<f64, &str>> {
+        let mut out = Vec::new();
+        while !s.is_empty() {
+            let n = number_len(s);
+            let cut = if n > 0 {
+                n
+            } else {
+                s.find(|c: char| c.is_ascii_digit()).unwrap_or(s.len())
+            };
+            let (head, tail) = s.split_at(cut);
+            out.push(if n > 0 {
+                head.parse::<f64>().map_err(|_| head)
+            } else {
+                Err(head)
+            });
+            s = tail;
+        }
+        out
+    }
+    let (pa, pb) = (parts(a), parts(b));
+    for (x, y) in pa.iter().zip(&pb) {
+        let o = match (x, y) {
+            (Ok(u), Ok(v)) => u.total_cmp(v),
+            (Err(u), Err(v)) => u.cmp(v),
+            (Ok(_), Err(_)) => std::cmp::Ordering::Less,
+            (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
+        };
+        if o != std::cmp::Ordering::Equal {
+            return o;
+        }
+    }
+    pa.len().cmp(&pb.len())
+}
+
+/// Series in reading order of their names (the legend's order).
+pub(super) fn sorted(mut series: Vec<Series>) -> Vec<Series> {
+    series.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+    series
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    /// Renders into memory: (pixels that are not the white background, the SVG text).
+    pub(in crate::sweep) fn render(f: &Figure) -> (usize, String) {
+        let size = f.size();
+        let mut buf = vec![0u8; (size.0 * size.1 * 3) as usize];
+        f.draw(&BitMapBackend::with_buffer(&mut buf, size).into_drawing_area())
+            .unwrap();
+        let ink = buf.chunks(3).filter(|p| p != &[255, 255, 255]).count();
+        let mut svg = String::new();
+        f.draw(&SVGBackend::with_string(&mut svg, size).into_drawing_area())
+            .unwrap();
+        (ink, svg)
+    }
+
+    /// The text of the SVG's `<text>` elements, in order.
+    fn texts(svg: &str) -> Vec<String> {
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| {
+                Some(
+                    t.split_once('>')?
+                        .1
+                        .split_once("</text>")?
+                        .0
+                        .trim()
+                        .to_string(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn swept_values_label_the_axis_and_the_legend_sits_beside_the_data_in_order() {
+        let f = Figure::Lines {
+            title: "usage".into(),
+            x: "window w".into(),
+            y: "mu_f".into(),
+            series: grouped_fixture(),
+            x_axis: XAxis::LogSwept,
+        };
+        let (_, svg) = render(&f);
+        let t = texts(&svg);
+        for w in ["4", "8", "16", "32", "64", "128"] {
+            assert!(t.iter().any(|x| x == w), "tick {w} missing: {t:?}");
+        }
+        // The legend lists w=16 before w=128 (by value, not as text), and lies right of the
+        // plotting area: every legend text starts beyond the chart's width.
+        let pos = |name: &str| t.iter().position(|x| x == name).unwrap();
+        assert!(pos("lambda=0.0003") < pos("lambda=0.001"), "{t:?}");
+        let x_of = |name: &str| -> f64 {
+            let at = svg.find(&format!("\n{name}\n</text>")).unwrap();
+            let open = svg[..at].rfind("<text").unwrap();
+            let attrs = &svg[open..at];
+            let x = attrs
+                .split("x=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            x.parse().unwrap()
+        };
+        assert!(x_of("lambda=0.001") > (SIZE.0 - LEGEND_W) as f64);
+    }
+
+    fn grouped_fixture() -> Vec<Series> {
+        sorted(vec![
+            series(
+                "lambda=0.001".into(),
+                vec![(4.0, 0.9), (16.0, 0.6), (64.0, 0.3)],
+                true,
+            ),
+            series(
+                "lambda=0.0003".into(),
+                vec![(8.0, 0.95), (32.0, 0.7), (128.0, 0.5)],
+                true,
+            ),
+        ])
+    }
+
+    /// Swept ticks show the swept values themselves: PPA's eighths, lambdas, windows.
+    #[test]
+    fn swept_ticks_print_each_value_exactly() {
+        let label = |xs: &[f64]| {
+            let f = tick_format(min_gap(xs).min(exact_step(xs)));
+            xs.iter().map(|x| f(x)).collect::<Vec<String>>()
+        };
+        let p: Vec<f64> = (0..=8).map(|i| i as f64 / 8.0).collect();
+        assert_eq!(
+            label(&p),
+            ["0", "0.125", "0.25", "0.375", "0.5", "0.625", "0.75", "0.875", "1"]
+        );
+        assert_eq!(label(&[16.0, 64.0, 256.0]), ["16", "64", "256"]);
+        assert_eq!(label(&[1e-4, 3e-4, 1e-3]), ["0.0001", "0.0003", "0.001"]);
+    }
+
+    #[test]
+    fn narrow_ranges_never_repeat_a_tick_label() {
+        let f = tick_format((2.3459 - 2.3451) / 10.0);
+        let labels: Vec<String> = (0..9).map(|i| f(&(2.3451 + 1e-4 * i as f64))).collect();
+        let mut unique = labels.clone();
+        unique.dedup();
+        assert_eq!(unique.len(), labels.len(), "{labels:?}");
+        assert_eq!(tick_format(1.0)(&16.0), "16");
+        assert_eq!(tick_format(0.1)(&0.5), "0.5");
+    }
+
+    #[test]
+    fn names_sort_by_the_numbers_in_them() {
+        let mut v = vec![
+            "w=128",
+            "w=16",
+            "aha lambda=1e-3",
+            "aha lambda=3e-4",
+            "w=16 p=0.5",
+        ];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            [
+                "aha lambda=3e-4",
+                "aha lambda=1e-3",
+                "w=16",
+                "w=16 p=0.5",
+                "w=128"
+            ]
+        );
+    }
+
+    fn fixtures() -> Vec<Figure> {
+        vec![
+            Figure::Lines {
+                title: "usage".into(),
+                x: "window w".into(),
+                y: "mu_f".into(),
+                series: vec![series(
+                    "lambda=0.01".into(),
+                    vec![(4.0, 0.9), (8.0, 0.7), (16.0, 0.6), (32.0, 0.4)],
+                    true,
+                )],
+                x_axis: XAxis::LogSwept,
+            },
+            Figure::Heatmap {
+                title: "heads".into(),
+                x: "head".into(),
+                y: "layer".into(),
+                values: vec![vec![0.1, 0.9], vec![0.5, 0.3]],
+                range: (0.0, 1.0),
+                x_ticks: vec![],
+                y_ticks: vec![],
+            },
+            Figure::Bars {
+                title: "sparsity".into(),
+                x: "layer".into(),
+                y: "sparsity".into(),
+                bars: vec![("0".into(), 0.2), ("1".into(), 0.96)],
+            },
+            Figure::Panels {
+                title: "usage and loss".into(),
+                panels: ["mu_f", "validation loss"]
+                    .into_iter()
+                    .map(|y| Panel {
+                        title: y.into(),
+                        x: "window w, log scale".into(),
+                        y: y.into(),
+                        series: grouped_fixture(),
+                        x_axis: XAxis::LogSwept,
+                    })
+                    .collect(),
+            },
+        ]
+    }
+
+    #[test]
+    fn figures_render_with_ink_and_axis_labels() {
+        for f in fixtures() {
+            let (ink, svg) = render(&f);
+            assert!(ink > 5_000, "{}: only {ink} drawn pixels", f.title());
+            let (x, y) = match &f {
+                Figure::Lines { x, y, .. }
+                | Figure::Heatmap { x, y, .. }
+                | Figure::Bars { x, y, .. } => (x, y),
+                Figure::Panels { panels, .. } => (&panels[1].x, &panels[1].y),
+            };
+            for label in [x, y, &f.title().to_string()] {
+                assert!(
+                    svg.contains(label.as_str()),
+                    "{}: axis text {label:?} missing",
+                    f.title()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn saved_png_has_the_right_size() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = fixtures().remove(0).save(&dir.join("f")).unwrap();
+        let png = std::fs::read(&files[0]).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        let be = |o: usize| u32::from_be_bytes(png[o..o + 4].try_into().unwrap());
+        assert_eq!((be(16), be(20)), SIZE);
+        assert!(std::fs::read_to_string(&files[1])
+            .unwrap()
+            .starts_with("<svg"));
+    }
+}

@@ -1,0 +1,795 @@
+//! The figures a sweep directory's cells can fill, each as PNG and SVG (`figure.rs` draws
+//! them).
+//!
+//! | figure | paper item |
+//! |---|---|
+//! | `mu_f_vs_window` | AHA Table 1/2: full-attention usage and validation loss against the window |
+//! | `head_usage_<cell>` | AHA Fig. 3: layer x head usage heatmap with a colour bar |
+//! | `head_usage_<cell>_<task>` | AHA Fig. 3 per task, from a cell's `eval/probe_head_usage.csv` |
+//! | `head_usage_sorted` | AHA Fig. 4: every head's usage, sorted |
+//! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda |
+//! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
+//! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
+//! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
+//! | `router_curves` | every learned router's gate usage and training loss over its steps (L2A router collapse) |
+//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, and on the synthetic corpus the accuracy on dependencies at least w back |
+//! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
+//! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
+//! | `pareto`, `pareto_time`, `pareto_memory` | every method of one budget: loss against attention work, measured training time and decode memory, each with its Pareto front |
+
+use super::figure::{
+    exact_step, min_gap, series, sorted, tick_format, Figure, Panel, Series, XAxis,
+};
+use super::grid::StageKind;
+use super::pareto::{self, accuracy, Cost};
+use super::rows::{log_columns, name_of, rows, Row};
+use super::tables;
+use crate::config::{Method, Router};
+use crate::model::attention::{spec, Gates};
+use crate::util::atomic;
+use anyhow::{anyhow, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Groups rows by a key into named series of (x, y).
+fn grouped(
+    rows: &[&Row],
+    key: impl Fn(&Row) -> String,
+    xy: impl Fn(&Row) -> Option<(f64, f64)>,
+) -> Vec<Series> {
+    let mut groups: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in rows {
+        if let Some(p) = xy(r) {
+            groups.entry(key(r)).or_default().push(p);
+        }
+    }
+    sorted(
+        groups
+            .into_iter()
+            .map(|(k, v)| series(k, v, true))
+            .collect(),
+    )
+}
+
+/// A cell's name in a legend: its stage and the settings its stage sweeps, without the
+/// sections' prefixes (`aha window=16`).
+fn legend_name(r: &Row) -> String {
+    let settings = r
+        .label
+        .split_whitespace()
+        .map(|kv| match kv.split_once('=') {
+            Some((key, v)) => format!("{}={v}", key.rsplit('.').next().unwrap_or(key)),
+            None => kv.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!("{} {settings}", r.stage).trim().to_string()
+}
+
+/// Usage (mu_f) and validation loss against the same swept value, side by side.
+fn usage_and_loss(title: &str, x: &str, usage: Vec<Series>, loss: Vec<Series>) -> Figure {
+    let x_axis = XAxis::LogSwept;
+    Figure::Panels {
+        title: title.into(),
+        panels: vec![
+            Panel {
+                title: "full-attention usage".into(),
+                x: format!("{x}, log scale"),
+                y: "mu_f".into(),
+                series: usage,
+                x_axis,
+            },
+            Panel {
+                title: "quality".into(),
+                x: format!("{x}, log scale"),
+                y: "validation loss".into(),
+                series: loss,
+                x_axis,
+            },
+        ],
+    }
+}
+
+/// AHA Fig. 3: a layer x head map of full-attention usage.
+fn usage_map(title: String, values: Vec<Vec<f64>>) -> Figure {
+    Figure::Heatmap {
+        title,
+        x: "head".into(),
+        y: "layer".into(),
+        values,
+        range: (0.0, 1.0),
+        x_ticks: vec![],
+        y_ticks: vec![],
+    }
+}
+
+/// A usage map per probe task of one cell, from its `eval/probe_head_usage.csv` (columns
+/// task, layer, head, mu_f), as (task, figure).
+fn probe_usage_maps(path: &Path, label: &str) -> Result<Vec<(String, Figure)>> {
+    let mut by_task: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
+    let mut rdr = csv::Reader::from_path(path)?;
+    for (i, rec) in rdr.records().enumerate() {
+        let rec = rec?;
+        let bad = || {
+            anyhow!(
+                "{}: row {} needs task,layer,head,mu_f",
+                path.display(),
+                i + 2
+            )
+        };
+        let index = |k: usize| {
+            rec.get(k)
+                .and_then(|v| v.parse::<usize>().ok())
+                .ok_or_else(bad)
+        };
+        let (layer, head) = (index(1)?, index(2)?);
+        let mu: f64 = rec.get(3).and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        anyhow::ensure!(
+            mu.is_finite(),
+            "{}: row {} gives mu_f {mu}",
+            path.display(),
+            i + 2
+        );
+        let m = by_task
+            .entry(rec.get(0).ok_or_else(bad)?.to_string())
+            .or_default();
+        if m.len() <= layer {
+            m.resize(layer + 1, vec![]);
+        }
+        if m[layer].len() <= head {
+            m[layer].resize(head + 1, f64::NAN);
+        }
+        m[layer][head] = mu;
+    }
+    Ok(by_task
+        .into_iter()
+        .map(|(task, m)| {
+            let title = format!("Head usage mu_f on {task} prompts: {label}");
+            (task, usage_map(title, m))
+        })
+        .collect())
+}
+
+/// NIAH figures of cell `cell` (described by `label`) from its `eval/niah.csv` (columns depth,
+/// length, accuracy and optionally full_ratio), as the evaluation suite writes it; `window`,
+/// where the method has one, is marked on the full-ratio figure.
+fn niah_figures(
+    path: &Path,
+    cell: &str,
+    label: &str,
+    window: Option<f64>,
+) -> Result<Vec<(String, Figure)>> {
+    let mut rdr = csv::Reader::from_path(path)?;
+    let headers = rdr.headers()?.clone();
+    let idx = |n: &str| headers.iter().position(|h| h == n);
+    let (Some(d), Some(l), Some(a)) = (idx("depth"), idx("length"), idx("accuracy")) else {
+        anyhow::bail!("{} needs columns depth, length, accuracy", path.display());
+    };
+    let fr = idx("full_ratio");
+    let mut cells: Vec<(f64, f64, f64, Option<f64>)> = Vec::new();
+    for rec in rdr.records() {
+        let rec = rec?;
+        let num = |i: usize| {
+            rec.get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(f64::NAN)
+        };
+        cells.push((num(d), num(l), num(a), fr.map(num)));
+    }
+    let mut depths: Vec<f64> = cells.iter().map(|c| c.0).collect();
+    let mut lengths: Vec<f64> = cells.iter().map(|c| c.1).collect();
+    for v in [&mut depths, &mut lengths] {
+        v.sort_by(f64::total_cmp);
+        v.dedup();
+    }
+    let mut grid = vec![vec![f64::NAN; lengths.len()]; depths.len()];
+    for c in &cells {
+        let (i, j) = (
+            depths.iter().position(|&x| x == c.0).unwrap(),
+            lengths.iter().position(|&x| x == c.1).unwrap(),
+        );
+        grid[i][j] = c.2;
+    }
+    let mut out = vec![(
+        "niah_heatmap".to_string(),
+        Figure::Heatmap {
+            title: format!("NIAH accuracy: {label}"),
+            x: "context length (tokens)".into(),
+            y: "needle depth (0: start of the prompt, 1: its end)".into(),
+            x_ticks: lengths.iter().map(tick_format(1.0)).collect(),
+            y_ticks: depths
+                .iter()
+                .map(tick_format(min_gap(&depths).min(exact_step(&depths))))
+                .collect(),
+            values: grid,
+            range: (0.0, 1.0),
+        },
+    )];
+    if fr.is_some() {
+        // One curve per length, and where a window reaches: a needle at depth d lies about
+        // (1 - d) * length tokens before the answer, inside the window from d = 1 - w / length.
+        let mut lines: Vec<Series> = lengths
+            .iter()
+            .map(|&len| {
+                let pts = cells
+                    .iter()
+                    .filter(|c| c.1 == len)
+                    .filter_map(|c| Some((c.0, c.3?)))
+                    .filter(|p| p.1.is_finite())
+                    .collect();
+                series(format!("L={}", tick_format(1.0)(&len)), pts, true)
+            })
+            .collect();
+        if let Some(w) = window {
+            for &len in &lengths {
+                let at = (1.0 - w / len).clamp(0.0, 1.0);
+                lines.push(series(
+                    format!("window reach, L={}", tick_format(1.0)(&len)),
+                    vec![(at, 0.0), (at, 1.0)],
+                    true,
+                ));
+            }
+        }
+        out.push((
+            "full_ratio_vs_depth".to_string(),
+            Figure::Lines {
+                title: format!("Full ratio on answer tokens: {cell}"),
+                x: "needle depth (0: start of the prompt, 1: its end)".into(),
+                y: "full-attention ratio".into(),
+                series: lines,
+                x_axis: XAxis::LinearSwept,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+/// Every figure the sweep directory's cells can fill, as (file stem, figure).
+pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
+    let all = rows(sweep)?;
+    let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
+    let aha: Vec<&Row> = train
+        .iter()
+        .copied()
+        .filter(|r| r.method == Method::Aha && r.router == Router::Learned)
+        .collect();
+    let mut figs: Vec<(String, Figure)> = Vec::new();
+
+    let routed_by_window: Vec<&Row> = train
+        .iter()
+        .copied()
+        .filter(|r| r.mu_f().is_some() && r.router == Router::Learned)
+        .collect();
+    if routed_by_window
+        .iter()
+        .map(|r| r.window as i64)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
+        > 1
+    {
+        let key = |r: &Row| format!("{} lambda={}", name_of(r.method), r.lambda);
+        figs.push((
+            "mu_f_vs_window".into(),
+            usage_and_loss(
+                "Full-attention usage and quality against window",
+                "window w (tokens)",
+                grouped(&routed_by_window, key, |r| r.mu_f().map(|m| (r.window, m))),
+                grouped(&routed_by_window, key, |r| Some((r.window, r.loss()))),
+            ),
+        ));
+    }
+    let mut sorted_usage = Vec::new();
+    for r in &aha {
+        let Some(g) = r.gates() else { continue };
+        let m = g.per_head.clone();
+        if m.is_empty() {
+            continue;
+        }
+        let mut all_heads: Vec<f64> = m.iter().flatten().copied().collect();
+        all_heads.sort_by(|a, b| b.total_cmp(a));
+        sorted_usage.push(series(
+            r.label.clone(),
+            all_heads
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (i as f64 + 1.0, *v))
+                .collect(),
+            true,
+        ));
+        figs.push((
+            format!("head_usage_{}", r.cell),
+            usage_map(format!("Head usage mu_f: {}", r.label), m),
+        ));
+    }
+    if !sorted_usage.is_empty() {
+        figs.push((
+            "head_usage_sorted".into(),
+            Figure::Lines {
+                title: "Heads sorted by full-attention usage".into(),
+                x: "head rank".into(),
+                y: "mu_f".into(),
+                series: sorted_usage,
+                x_axis: XAxis::Linear,
+            },
+        ));
+    }
+    let lambdas: std::collections::BTreeSet<u64> = aha.iter().map(|r| r.lambda.to_bits()).collect();
+    if lambdas.len() > 1 {
+        let key = |r: &Row| format!("w={}", r.window);
+        figs.push((
+            "lambda_ablation".into(),
+            usage_and_loss(
+                "Full-attention usage and quality against lambda",
+                "lambda",
+                grouped(&aha, key, |r| r.mu_f().map(|m| (r.lambda, m))),
+                grouped(&aha, key, |r| Some((r.lambda, r.loss()))),
+            ),
+        ));
+    }
+    let tau: Vec<&Row> = all
+        .iter()
+        .filter(|r| r.method == Method::L2a && r.kind == StageKind::Eval && r.mu_f().is_some())
+        .collect();
+    if !tau.is_empty() {
+        let mut groups: BTreeMap<String, Series> = BTreeMap::new();
+        for r in &tau {
+            let s = groups
+                .entry(format!("w={}", r.window))
+                .or_insert_with(|| Series {
+                    name: format!("L2A w={}", r.window),
+                    points: vec![],
+                    line: true,
+                    labels: vec![],
+                });
+            s.points.push((r.pairs_vs_full(), r.loss()));
+            s.labels.push(format!("tau={}", r.tau));
+        }
+        let series: Vec<Series> = groups
+            .into_values()
+            .map(|mut s| {
+                let mut idx: Vec<usize> = (0..s.points.len()).collect();
+                idx.sort_by(|&a, &b| s.points[a].0.total_cmp(&s.points[b].0));
+                s.points = idx.iter().map(|&i| s.points[i]).collect();
+                s.labels = idx.iter().map(|&i| s.labels[i].clone()).collect();
+                s
+            })
+            .collect();
+        figs.push((
+            "threshold_sweep".into(),
+            Figure::Lines {
+                title: "Test-time threshold: quality against attention work".into(),
+                x: "attended pairs / full causal".into(),
+                y: "validation loss".into(),
+                series,
+                x_axis: XAxis::Linear,
+            },
+        ));
+    }
+    for r in all
+        .iter()
+        .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train)
+    {
+        let Some(g) = r.gates() else { continue };
+        let per_layer = &g.per_layer;
+        figs.push((
+            format!("layer_sparsity_{}", r.cell),
+            Figure::Bars {
+                title: format!("Sparsity per layer: {} {}", name_of(r.method), r.label),
+                x: "layer".into(),
+                y: "sparsity 1 - mu_f".into(),
+                bars: per_layer
+                    .iter()
+                    .enumerate()
+                    .map(|(l, m)| (l.to_string(), 1.0 - m))
+                    .collect(),
+            },
+        ));
+    }
+    let curves: Vec<(bool, Series)> = train
+        .iter()
+        .filter_map(|r| {
+            let log = log_columns(
+                &sweep.join(&r.cell).join("val_log.csv"),
+                &["step", "val_loss"],
+            )?;
+            // At the tokens behind the model, so a continuation starts where its source ended.
+            let at = |step: f64| (r.start_tokens + step * r.tokens_per_step) / 1e6;
+            let pts: Vec<(f64, f64)> = log.iter().map(|x| (at(x[0]), x[1])).collect();
+            (pts.len() > 1).then(|| (r.start_tokens > 0.0, series(legend_name(r), pts, true)))
+        })
+        .collect();
+    if !curves.is_empty() {
+        let x = "training tokens (millions, with those of the cell continued from)";
+        let title = "Validation loss during training";
+        let continued: Vec<String> = curves
+            .iter()
+            .filter(|c| c.0)
+            .map(|c| c.1.name.clone())
+            .collect();
+        let all = sorted(curves.into_iter().map(|c| c.1).collect());
+        let fig = if continued.is_empty() || continued.len() == all.len() {
+            Figure::Lines {
+                title: title.into(),
+                x: x.into(),
+                y: "validation loss".into(),
+                series: all,
+                x_axis: XAxis::Linear,
+            }
+        } else {
+            // The continuations on their own axes too (PPA Fig. 2: the curves ordered by p),
+            // where beside the base's descent they would be a knot. The cells from scratch stay
+            // in that panel without points, so each cell keeps its colour and marker.
+            let zoomed = all
+                .iter()
+                .map(|s| {
+                    let keep = continued.contains(&s.name);
+                    series(
+                        s.name.clone(),
+                        if keep { s.points.clone() } else { vec![] },
+                        true,
+                    )
+                })
+                .collect();
+            let panel = |title: &str, series| Panel {
+                title: title.into(),
+                x: x.into(),
+                y: "validation loss".into(),
+                series,
+                x_axis: XAxis::Linear,
+            };
+            Figure::Panels {
+                title: title.into(),
+                panels: vec![panel("every cell", all), panel("continuations", zoomed)],
+            }
+        };
+        figs.push(("loss_curves".into(), fig));
+    }
+    // The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
+    // usage and training loss over its own steps, from `train_log.csv`.
+    let logs: Vec<(&Row, Vec<Vec<f64>>)> = train
+        .iter()
+        .filter(|r| r.router == Router::Learned && r.mu_f().is_some())
+        .filter_map(|r| {
+            let path = sweep.join(&r.cell).join("train_log.csv");
+            let pts = log_columns(&path, &["step", "loss", "mu_f"])?;
+            (pts.len() > 1).then_some((*r, pts))
+        })
+        .collect();
+    if !logs.is_empty() {
+        let panel = |y: &str, col: usize| Panel {
+            title: y.into(),
+            x: "training step".into(),
+            y: y.into(),
+            series: sorted(
+                logs.iter()
+                    .map(|(r, pts)| {
+                        series(
+                            legend_name(r),
+                            pts.iter().map(|p| (p[0], p[col])).collect(),
+                            true,
+                        )
+                    })
+                    .collect(),
+            ),
+            x_axis: XAxis::Linear,
+        };
+        figs.push((
+            "router_curves".into(),
+            Figure::Panels {
+                title: "Routers while training".into(),
+                panels: vec![panel("gates open (mu_f)", 2), panel("training loss", 1)],
+            },
+        ));
+    }
+    let buckets: Vec<&Row> = all
+        .iter()
+        .filter(|r| r.kind != StageKind::Prune && r.report.buckets.len() > 1)
+        .collect();
+    if !buckets.is_empty() {
+        // Recall buckets only: distances 1 (local), 2-3, 4-7, ... at their smallest distance.
+        let recall = |r: &Row| -> Vec<(f64, f64)> {
+            r.report
+                .buckets
+                .iter()
+                .filter(|b| b.min_distance >= 1 && b.min_distance < u32::MAX && b.tokens > 0)
+                .map(|b| (b.min_distance as f64, b.loss))
+                .collect()
+        };
+        figs.push((
+            "bucket_loss".into(),
+            Figure::Lines {
+                title: "Loss by dependency distance (synthetic corpus)".into(),
+                x: "dependency distance (bucket's smallest: 1, 2-3, 4-7, ...)".into(),
+                y: "validation loss on the bucket's tokens".into(),
+                series: sorted(
+                    buckets
+                        .iter()
+                        .map(|r| series(legend_name(r), recall(r), true))
+                        .filter(|s| !s.points.is_empty())
+                        .collect(),
+                ),
+                x_axis: XAxis::LogSwept,
+            },
+        ));
+    }
+    let ppa: Vec<&Row> = train
+        .iter()
+        .copied()
+        .filter(|r| r.method == Method::Ppa)
+        .collect();
+    if !ppa.is_empty() {
+        let by_window = |f: fn(&Row) -> Option<f64>| {
+            grouped(
+                &ppa,
+                |r| format!("w={}", r.window),
+                move |r| Some((r.ppa_power, f(r)?)),
+            )
+        };
+        let loss = by_window(|r| Some(r.loss()));
+        let accuracy = by_window(|r| r.far()?.1);
+        let fig = if accuracy.iter().all(|s| s.points.is_empty()) {
+            Figure::Lines {
+                title: "PPA: final validation loss against p".into(),
+                x: "power p".into(),
+                y: "validation loss".into(),
+                series: loss,
+                x_axis: XAxis::LinearSwept,
+            }
+        } else {
+            // The synthetic corpus's long-range task beside the loss (PPA Table 1's accuracy).
+            let panel = |title: &str, y: &str, series| Panel {
+                title: title.into(),
+                x: "power p".into(),
+                y: y.into(),
+                series,
+                x_axis: XAxis::LinearSwept,
+            };
+            Figure::Panels {
+                title: "PPA against p".into(),
+                panels: vec![
+                    panel("validation loss", "loss", loss),
+                    panel(
+                        "recall of dependencies >= w back",
+                        "exact-match accuracy",
+                        accuracy,
+                    ),
+                ],
+            }
+        };
+        figs.push(("ppa_s_curve".into(), fig));
+    }
+    for r in &all {
+        let p = sweep.join(&r.cell).join("eval/probe_head_usage.csv");
+        if p.is_file() {
+            for (task, f) in probe_usage_maps(&p, &format!("{} {}", name_of(r.method), r.label))? {
+                figs.push((format!("head_usage_{}_{task}", r.cell), f));
+            }
+        }
+        let p = sweep.join(&r.cell).join("eval/niah.csv");
+        if p.is_file() {
+            // Full attention has no window to mark.
+            let window = spec(r.method).windowed.then_some(r.window);
+            let label = format!("{} {}", name_of(r.method), r.label);
+            for (stem, f) in niah_figures(&p, &r.cell, &label, window)? {
+                figs.push((format!("{stem}_{}", r.cell), f));
+            }
+        }
+    }
+    figs.extend(pareto_figures(&all));
+    Ok(figs)
+}
+
+/// Per cost of `pareto::Cost`, over the comparable cells: validation loss against it, and
+/// beside it long-context accuracy where the cells measured one (`pareto::accuracy`), each
+/// panel with its Pareto front drawn first, so every method's markers sit over it, and the
+/// front's points labelled with their settings.
+fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
+    let rows = pareto::comparable(all);
+    let reach = pareto::reach(&rows);
+    let accuracy_name = rows.iter().find_map(|r| accuracy(r, reach).map(|a| a.1));
+    let mut figs = Vec::new();
+    for cost in Cost::ALL {
+        let mut panels = Vec::new();
+        let loss = |r: &Row| Some(r.loss());
+        let acc = |r: &Row| accuracy(r, reach).map(|a| a.0);
+        let qualities: Vec<(&str, &dyn Fn(&Row) -> Option<f64>, bool)> = match &accuracy_name {
+            Some(name) => vec![
+                ("validation loss", &loss, false),
+                (name.as_str(), &acc, true),
+            ],
+            None => vec![("validation loss", &loss, false)],
+        };
+        for (y, quality, higher_better) in qualities {
+            let points: Vec<(&Row, (f64, f64))> = rows
+                .iter()
+                .filter_map(|r| Some((r, (cost.of(r)?, quality(r)?))))
+                .collect();
+            if points.len() < 2 {
+                continue;
+            }
+            let sign = if higher_better { -1.0 } else { 1.0 };
+            let on = pareto::on_front(
+                &points
+                    .iter()
+                    .map(|(_, (x, y))| Some((*x, sign * y)))
+                    .collect::<Vec<_>>(),
+            );
+            let front: Vec<(f64, f64)> = points
+                .iter()
+                .zip(&on)
+                .filter(|(_, on)| **on)
+                .map(|(p, _)| p.1)
+                .collect();
+            let mut families: BTreeMap<String, Series> = BTreeMap::new();
+            for ((r, p), on) in points.iter().zip(&on) {
+                let s = families
+                    .entry(pareto::family(r))
+                    .or_insert_with_key(|name| Series {
+                        name: name.clone(),
+                        points: vec![],
+                        line: false,
+                        labels: vec![],
+                    });
+                s.points.push(*p);
+                // Settings beside the front's points only: the cells off it crowd together,
+                // and the legend names every method (pareto.csv has each cell's settings).
+                s.labels.push(match (on, pareto::settings(r)) {
+                    (false, _) => String::new(),
+                    (true, settings) if settings.is_empty() => pareto::family(r),
+                    (true, settings) => settings,
+                });
+            }
+            let mut series = vec![self::series("Pareto front".into(), front, true)];
+            series.extend(sorted(families.into_values().collect()));
+            panels.push(Panel {
+                title: format!(
+                    "{y} (front: {})",
+                    if higher_better { "higher" } else { "lower" }
+                ),
+                x: cost.axis().into(),
+                y: y.into(),
+                series,
+                x_axis: XAxis::Linear,
+            });
+        }
+        if panels.is_empty() {
+            continue;
+        }
+        let stem = match cost {
+            Cost::Work => "pareto".to_string(),
+            c => format!("pareto_{}", c.name()),
+        };
+        let title = format!("Every method against {}", cost.axis());
+        let fig = match panels.len() {
+            1 => {
+                let p = panels.remove(0);
+                Figure::Lines {
+                    title,
+                    x: p.x,
+                    y: p.y,
+                    series: p.series,
+                    x_axis: p.x_axis,
+                }
+            }
+            _ => Figure::Panels { title, panels },
+        };
+        figs.push((stem, fig));
+    }
+    figs
+}
+
+/// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
+pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    let mut written = tables::write_all(sweep, out)?;
+    let dir = out.join("figures");
+    atomic::ensure_writable_dir(&dir)?;
+    for (stem, fig) in figures(sweep)? {
+        written.extend(fig.save(&dir.join(stem))?);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::fixture;
+    use crate::sweep::figure::tests::render;
+    use crate::sweep::figure::cell_label;
+
+    #[test]
+    fn every_figure_of_a_fixture_sweep_renders() {
+        let dir = fixture::sweep_dir("plots");
+        let figs = figures(&dir).unwrap();
+        let stems: Vec<&str> = figs.iter().map(|(s, _)| s.as_str()).collect();
+        for want in [
+            "mu_f_vs_window",
+            "head_usage_aha-4",
+            "head_usage_sorted",
+            "lambda_ablation",
+            "threshold_sweep",
+            "layer_sparsity_l2a-0",
+            "layer_sparsity_swi-0",
+            "loss_curves",
+            "bucket_loss",
+            "ppa_s_curve",
+            "pareto",
+            "pareto_time",
+            "pareto_memory",
+        ] {
+            assert!(stems.contains(&want), "{want} missing from {stems:?}");
+        }
+        for (stem, f) in &figs {
+            let (ink, svg) = render(f);
+            assert!(ink > 5_000, "{stem}: only {ink} drawn pixels");
+            assert!(svg.contains(f.title()), "{stem}: title missing");
+        }
+        let written = write_all(&dir, &dir).unwrap();
+        assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
+    }
+
+    #[test]
+    fn probe_head_usage_gives_a_map_per_task() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-probe-map-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("probe_head_usage.csv");
+        std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,0,0.5\npasskey,0,1,1.0\npasskey,1,0,0.0\npasskey,1,1,0.25\nniah_single,0,0,1.0\nniah_single,0,1,0.0\nniah_single,1,0,0.5\nniah_single,1,1,0.5\n").unwrap();
+        let maps = probe_usage_maps(&p, "aha").unwrap();
+        let names: Vec<&str> = maps.iter().map(|(t, _)| t.as_str()).collect();
+        assert_eq!(names, ["niah_single", "passkey"]);
+        match &maps[1].1 {
+            Figure::Heatmap { values, range, .. } => {
+                assert_eq!(values, &vec![vec![0.5, 1.0], vec![0.0, 0.25]]);
+                assert_eq!(*range, (0.0, 1.0));
+            }
+            _ => panic!("heatmap expected"),
+        }
+        std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,x,0.5\n").unwrap();
+        let e = probe_usage_maps(&p, "aha").err().unwrap().to_string();
+        assert!(e.contains("row 2 needs task,layer,head,mu_f"), "{e}");
+    }
+
+    #[test]
+    fn niah_csv_gives_heatmap_and_depth_curve() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-niah-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("niah.csv");
+        std::fs::write(&p, "depth,length,accuracy,full_ratio\n0.0,64,1.0,0.2\n0.5,64,0.5,0.4\n0.0,128,0.8,0.3\n0.5,128,0.2,0.5\n").unwrap();
+        let figs = niah_figures(&p, "c", "m", Some(32.0)).unwrap();
+        assert_eq!(figs.len(), 2);
+        match &figs[0].1 {
+            Figure::Heatmap {
+                values,
+                x_ticks,
+                y_ticks,
+                ..
+            } => {
+                assert_eq!(values, &vec![vec![1.0, 0.8], vec![0.5, 0.2]]);
+                // The axes name the lengths and depths, not their indices.
+                assert_eq!(
+                    (x_ticks.as_slice(), y_ticks.as_slice()),
+                    (
+                        &["64".to_string(), "128".into()][..],
+                        &["0".to_string(), "0.5".into()][..]
+                    )
+                );
+                assert_eq!(cell_label(1.5, x_ticks), "128");
+                assert_eq!(cell_label(1.0, x_ticks), "");
+            }
+            _ => panic!("heatmap expected"),
+        }
+        match &figs[1].1 {
+            Figure::Lines { series, .. } => {
+                assert_eq!(series[0].points, vec![(0.0, 0.2), (0.5, 0.4)]);
+                assert_eq!(series[1].points, vec![(0.0, 0.3), (0.5, 0.5)]);
+                // A 32-token window reaches a needle from depth 0.5 of 64 tokens, 0.75 of 128.
+                assert_eq!(series[2].name, "window reach, L=64");
+                assert_eq!(series[2].points, vec![(0.5, 0.0), (0.5, 1.0)]);
+                assert_eq!(series[3].points, vec![(0.75, 0.0), (0.75, 1.0)]);
+            }
+            _ => panic!("lines expected"),
+        }
+        for (_, f) in &figs {
+            assert!(render(f).0 > 5_000);
+        }
+    }
+}

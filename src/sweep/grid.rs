@@ -1,0 +1,819 @@
+//! A grid file's cells: stages expanded over their axes into cells, each a run whose id is a
+//! hash of what it computes (see the folder's documentation).
+
+use crate::config::{apply_override, Config, Method, Router};
+use crate::data::corpus::PrepareSpec;
+use crate::data::probes::ProbesArgs;
+use crate::data::SynthSpec;
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use crate::config;
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Grid {
+    pub name: String,
+    /// `data synth`'s settings (unset ones at their defaults): the corpus is generated at
+    /// `base.data.dir` when it holds none.
+    #[serde(default)]
+    pub synth: Option<SynthSpec>,
+    /// `data prepare`'s settings: a text corpus prepared at `base.data.dir` when it holds
+    /// none (instead of `[synth]`).
+    #[serde(default)]
+    pub corpus: Option<PrepareSpec>,
+    /// `data probes`' settings: probe documents written at `base.data.dir`, mixed into the
+    /// `[corpus]` or `[synth]` data set, which is then prepared at `probes.mix_with`.
+    #[serde(default)]
+    pub probes: Option<ProbesArgs>,
+    #[serde(default)]
+    pub base: toml::Table,
+    #[serde(rename = "stage")]
+    pub stages: Vec<Stage>,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageKind {
+    Train,
+    Eval,
+    Prune,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    pub name: String,
+    #[serde(default = "default_kind")]
+    pub kind: StageKind,
+    /// train: continue from the matching cell of this stage.
+    #[serde(default)]
+    pub init_from: Option<String>,
+    /// eval and prune: the stage whose cells they work on.
+    #[serde(default)]
+    pub of: Option<String>,
+    #[serde(default)]
+    pub set: toml::Table,
+    #[serde(default)]
+    pub axes: toml::Table,
+    #[serde(default)]
+    pub zip: toml::Table,
+    #[serde(default)]
+    pub include: Vec<toml::Table>,
+    #[serde(default)]
+    pub exclude: Vec<toml::Table>,
+    /// prune: the sparsity thresholds.
+    #[serde(default)]
+    pub thresholds: Vec<f64>,
+    /// train: a stage whose matching cell this one reads files of (`{reads}` in string
+    /// settings names its directory) without starting from its weights; e.g. static top-k
+    /// heads ranked by an AHA cell but trained from the same base for the same budget.
+    #[serde(default)]
+    pub reads: Option<String>,
+    /// train, with `reads` and Bernoulli gates: draw them at the usage (mu_f) the read
+    /// cell's evaluation measured, so random gates open as often as its learned ones.
+    #[serde(default)]
+    pub match_usage: bool,
+}
+
+fn default_kind() -> StageKind {
+    StageKind::Train
+}
+
+/// One expanded cell.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Cell {
+    /// Position in the expanded grid (what `--cell` and Slurm array tasks name).
+    pub index: usize,
+    pub id: String,
+    pub stage: String,
+    pub kind: StageKind,
+    /// The settings that distinguish this cell within its stage (`key=value ...`).
+    pub label: String,
+    /// The varied settings behind the label (for eval and prune cells, those of the cell
+    /// they act on too).
+    pub assignment: BTreeMap<String, toml::Value>,
+    /// Every override applied on top of the base, by dotted key.
+    pub settings: BTreeMap<String, toml::Value>,
+    /// Cell this one starts from (train) or works on (eval, prune).
+    pub depends_on: Option<String>,
+    /// Cell whose files this one reads (a stage's `reads`).
+    #[serde(default)]
+    pub reads: Option<String>,
+    /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
+    #[serde(default)]
+    pub match_usage: bool,
+    pub threshold: Option<f64>,
+    /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
+    pub config: Config,
+}
+
+pub fn read_grid(path: &Path) -> Result<Grid> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read grid {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("invalid grid {}", path.display()))
+}
+
+/// 64-bit FNV-1a: a hash whose value never changes between builds or platforms.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn value_str(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The assignments of one stage: the cartesian product of its axes (zipped keys advancing
+/// together as one axis), minus exclusions, plus inclusions.
+fn assignments(stage: &Stage) -> Result<Vec<BTreeMap<String, toml::Value>>> {
+    let list = |k: &str, v: &toml::Value| -> Result<Vec<toml::Value>> {
+        match v {
+            toml::Value::Array(a) if !a.is_empty() => Ok(a.clone()),
+            _ => bail!("stage {}: axis {k:?} must be a non-empty list", stage.name),
+        }
+    };
+    let mut product: Vec<BTreeMap<String, toml::Value>> = vec![BTreeMap::new()];
+    for (k, v) in &stage.axes {
+        let values = list(k, v)?;
+        product = product
+            .into_iter()
+            .flat_map(|a| {
+                values.iter().map(move |x| {
+                    let mut a = a.clone();
+                    a.insert(k.clone(), x.clone());
+                    a
+                })
+            })
+            .collect();
+    }
+    if !stage.zip.is_empty() {
+        let cols: Vec<(String, Vec<toml::Value>)> = stage
+            .zip
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), list(k, v)?)))
+            .collect::<Result<_>>()?;
+        let n = cols[0].1.len();
+        ensure!(
+            cols.iter().all(|(_, c)| c.len() == n),
+            "stage {}: zipped axes must have equal lengths",
+            stage.name
+        );
+        product = product
+            .into_iter()
+            .flat_map(|a| {
+                let cols = &cols;
+                (0..n).map(move |i| {
+                    let mut a = a.clone();
+                    for (k, c) in cols {
+                        a.insert(k.clone(), c[i].clone());
+                    }
+                    a
+                })
+            })
+            .collect();
+    }
+    // A stage of includes alone has only those cells.
+    if stage.axes.is_empty() && stage.zip.is_empty() && !stage.include.is_empty() {
+        product.clear();
+    }
+    let excluded = |a: &BTreeMap<String, toml::Value>| {
+        stage
+            .exclude
+            .iter()
+            .any(|ex| ex.iter().all(|(k, v)| a.get(k) == Some(v)))
+    };
+    product.retain(|a| !excluded(a));
+    for inc in &stage.include {
+        product.push(inc.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+    }
+    Ok(product)
+}
+
+fn resolve(
+    base: &toml::Table,
+    overrides: &BTreeMap<String, toml::Value>,
+    what: &str,
+) -> Result<Config> {
+    let mut tree = base.clone();
+    for (k, v) in overrides {
+        apply_override(&mut tree, &format!("{k}={v}")).with_context(|| format!("{what}: {k}"))?;
+    }
+    Config::from_tree(tree).with_context(|| format!("{what}: invalid config"))
+}
+
+/// The one cell of stage `src` that agrees with assignment `a` on every varied key both
+/// have (cells that compute the same thing share one id, and count once).
+fn matching_cell<'a>(
+    cells: &'a [Cell],
+    src: &str,
+    a: &BTreeMap<String, toml::Value>,
+    what: &str,
+) -> Result<&'a Cell> {
+    let mut matches: Vec<&Cell> = cells
+        .iter()
+        .filter(|c| {
+            c.stage == src
+                && c.assignment
+                    .iter()
+                    .all(|(k, v)| a.get(k).is_none_or(|x| x == v))
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    matches.retain(|c| seen.insert(c.id.clone()));
+    ensure!(
+        matches.len() == 1,
+        "{what}: {} cells of stage {src:?} match {{{}}}; vary a key they share to pick one",
+        matches.len(),
+        label(a)
+    );
+    Ok(matches[0])
+}
+
+/// Expands and validates a grid: every cell resolves to a valid config and finds its
+/// dependency. Nothing runs. A cell that computes what an earlier one computes (the same
+/// config once the settings its method ignores are set aside, the same starting point and
+/// kind) shares that cell's id and directory, so it is run once.
+pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
+    ensure!(
+        !grid.stages.is_empty(),
+        "grid {} has no [[stage]]",
+        grid.name
+    );
+    ensure!(
+        !grid.name.is_empty()
+            && grid
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'),
+        "grid name {:?} must be letters, digits, '_' or '-'",
+        grid.name
+    );
+    config::reject_non_finite(&grid.base, "base.")?;
+    ensure!(
+        grid.synth.is_none() || grid.corpus.is_none(),
+        "grid {}: [synth] and [corpus] both describe the data set at base.data.dir; keep one",
+        grid.name
+    );
+    if let Some(s) = &grid.synth {
+        s.validate().context("in the grid's [synth]")?;
+    }
+    if let Some(c) = &grid.corpus {
+        c.validate().context("in the grid's [corpus]")?;
+    }
+    if let Some(p) = &grid.probes {
+        p.validate().context("in the grid's [probes]")?;
+        let corpus = grid.synth.is_some() || grid.corpus.is_some();
+        ensure!(
+            !corpus || p.mix_with.is_some(),
+            "grid {}: [probes] mixes into the [corpus] or [synth] data set, which needs a place \
+             of its own: set probes.mix_with (e.g. the directory another grid prepares it at)",
+            grid.name
+        );
+        let data_dir = grid
+            .base
+            .get("data")
+            .and_then(|d| d.get("dir"))
+            .and_then(|d| d.as_str());
+        let same = matches!((&p.mix_with, data_dir), (Some(m), Some(d)) if m == Path::new(d));
+        ensure!(
+            !same,
+            "grid {}: probes.mix_with is base.data.dir, where the mixed data set goes; give the \
+             corpus a directory of its own",
+            grid.name
+        );
+    }
+    let mut cells: Vec<Cell> = Vec::new();
+    // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
+    // computation, not a collision of the 32-bit hashes.
+    let mut fingerprints: BTreeMap<String, String> = BTreeMap::new();
+    for (si, stage) in grid.stages.iter().enumerate() {
+        let what = format!("stage {:?}", stage.name);
+        ensure!(
+            grid.stages[..si].iter().all(|s| s.name != stage.name),
+            "{what} is defined twice"
+        );
+        let earlier = |name: &Option<String>, field: &str| -> Result<Option<&Stage>> {
+            match name {
+                None => Ok(None),
+                Some(n) => match grid.stages[..si].iter().find(|s| &s.name == n) {
+                    Some(s) => Ok(Some(s)),
+                    None => bail!("{what}: {field} = {n:?} names no earlier stage"),
+                },
+            }
+        };
+        let (source, reads) = match stage.kind {
+            StageKind::Train => {
+                ensure!(
+                    stage.of.is_none(),
+                    "{what}: `of` is for eval and prune stages; train stages use init_from"
+                );
+                ensure!(
+                    stage.thresholds.is_empty(),
+                    "{what}: thresholds are for prune stages"
+                );
+                let from = earlier(&stage.init_from, "init_from")?;
+                if let Some(f) = from.filter(|f| f.kind == StageKind::Eval) {
+                    bail!(
+                        "{what}: init_from = {:?} names a stage of kind eval, whose cells hold no weights to start from",
+                        f.name
+                    );
+                }
+                (from, earlier(&stage.reads, "reads")?)
+            }
+            StageKind::Eval | StageKind::Prune => {
+                ensure!(
+                    stage.init_from.is_none() && stage.reads.is_none(),
+                    "{what}: init_from and reads are for train stages"
+                );
+                if let Some(k) = stage
+                    .set
+                    .iter()
+                    .chain(stage.axes.iter())
+                    .find(|(_, v)| has_placeholder(v))
+                    .map(|(k, _)| k)
+                {
+                    bail!(
+                        "{what}: {k} holds {{source}} or {{reads}}, which only train stages \
+                         resolve; give the path itself"
+                    );
+                }
+                let of = earlier(&stage.of, "of")?;
+                let Some(of) = of else {
+                    bail!("{what}: a {:?} stage needs `of`", stage.kind)
+                };
+                // Evaluation needs a model: a trained or a pruned one; pruning a trained one.
+                let allowed = match stage.kind {
+                    StageKind::Eval => of.kind != StageKind::Eval,
+                    _ => of.kind == StageKind::Train,
+                };
+                ensure!(
+                    allowed,
+                    "{what}: of = {:?} names a stage of kind {}, whose cells hold no model to {}",
+                    of.name,
+                    format!("{:?}", of.kind).to_lowercase(),
+                    if stage.kind == StageKind::Eval {
+                        "evaluate"
+                    } else {
+                        "prune"
+                    }
+                );
+                (Some(of), None)
+            }
+        };
+        let source = source.map(|s| s.name.clone());
+        let reads = reads.map(|s| s.name.clone());
+        if stage.kind == StageKind::Prune {
+            ensure!(
+                !stage.thresholds.is_empty(),
+                "{what}: a prune stage needs thresholds"
+            );
+            if let Some(t) = stage.thresholds.iter().find(|t| !(0.0..=1.0).contains(*t)) {
+                bail!("{what}: threshold {t} is outside 0 ..= 1 (a layer is pruned when its sparsity, 1 - its mean gate, reaches the threshold)");
+            }
+            ensure!(
+                stage.axes.is_empty() && stage.zip.is_empty() && stage.include.is_empty(),
+                "{what}: prune stages take thresholds, not axes"
+            );
+            let of = source.as_deref().expect("prune stages have `of`");
+            if let Some(c) = cells
+                .iter()
+                .find(|c| c.stage == of && c.config.attention.method != Method::L2a)
+            {
+                bail!(
+                    "{what}: pruning removes L2A's global modules, but cell {} ({}) of stage {of:?} trains method {:?}",
+                    c.id,
+                    c.label,
+                    c.config.attention.method
+                );
+            }
+        }
+        let stage_assignments = match stage.kind {
+            StageKind::Prune => vec![BTreeMap::new()],
+            _ => assignments(stage)?,
+        };
+        // (assignment, dependency, threshold) of every cell of the stage.
+        let mut plans: Vec<(BTreeMap<String, toml::Value>, Option<Cell>, Option<f64>)> = Vec::new();
+        match (&source, stage.kind) {
+            (None, _) => plans.extend(stage_assignments.into_iter().map(|a| (a, None, None))),
+            // A train cell continues from the one cell of the source stage that agrees with
+            // it on every varied key both stages have.
+            (Some(src), StageKind::Train) => {
+                for a in stage_assignments {
+                    let dep = matching_cell(&cells, src, &a, &what)?.clone();
+                    plans.push((a, Some(dep), None));
+                }
+            }
+            // Eval and prune cells act on every cell of their source stage.
+            (Some(src), _) => {
+                let mut seen = std::collections::BTreeSet::new();
+                let deps: Vec<&Cell> = cells
+                    .iter()
+                    .filter(|c| &c.stage == src && seen.insert(c.id.clone()))
+                    .collect();
+                for d in deps {
+                    if stage.kind == StageKind::Prune {
+                        plans.extend(
+                            stage
+                                .thresholds
+                                .iter()
+                                .map(|&t| (BTreeMap::new(), Some(d.clone()), Some(t))),
+                        );
+                    } else {
+                        plans.extend(
+                            stage_assignments
+                                .iter()
+                                .map(|a| (a.clone(), Some(d.clone()), None)),
+                        );
+                    }
+                }
+            }
+        }
+        let first = cells.len();
+        for (assignment, dep, threshold) in plans {
+            let mut settings: BTreeMap<String, toml::Value> = stage
+                .set
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            settings.extend(assignment.clone());
+            // Eval and prune cells act on the model of the cell they depend on.
+            let (config, settings) = match (&dep, stage.kind) {
+                (Some(d), StageKind::Eval) => {
+                    let mut s = d.settings.clone();
+                    s.extend(settings);
+                    (resolve(&grid.base, &s, &what)?, s)
+                }
+                (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
+                _ => (resolve(&grid.base, &settings, &what)?, settings),
+            };
+            let read = match &reads {
+                Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
+                None => None,
+            };
+            if stage.match_usage {
+                let a = &config.attention;
+                ensure!(
+                    read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
+                    "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
+                     reads: it needs reads = \"<stage>\" and a routed method with \
+                     attention.router = \"bernoulli\""
+                );
+            }
+            let fingerprint = format!(
+                "{:?}\n{}\n{}\n{:?}{}{}",
+                stage.kind,
+                config.canonical().non_default_toml(),
+                dep.as_ref().map_or("", |d| d.id.as_str()),
+                threshold.map(|t| t.to_bits()),
+                read.as_ref()
+                    .map_or(String::new(), |r| format!("\nreads {r}")),
+                if stage.match_usage {
+                    "\nmatch_usage"
+                } else {
+                    ""
+                }
+            );
+            let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+            match fingerprints.get(&hash) {
+                Some(f) if *f != fingerprint => bail!(
+                    "{what}: two different cells share the hash {hash}; change any setting of one"
+                ),
+                _ => fingerprints.insert(hash.clone(), fingerprint),
+            };
+            let id = cells
+                .iter()
+                .find(|c| c.id.ends_with(&hash))
+                .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
+            // The label names what varies: the dependency's varied keys, then this cell's.
+            let mut shown = dep
+                .as_ref()
+                .map(|d| d.assignment.clone())
+                .unwrap_or_default();
+            if stage.kind != StageKind::Train {
+                shown.extend(assignment.clone());
+            } else {
+                shown = assignment.clone();
+            }
+            let mut lab = label(&shown);
+            if let Some(t) = threshold {
+                lab = format!("{lab} threshold={t}").trim().to_string();
+            }
+            cells.push(Cell {
+                index: cells.len(),
+                id,
+                stage: stage.name.clone(),
+                kind: stage.kind,
+                label: lab,
+                assignment: shown,
+                settings,
+                depends_on: dep.map(|d| d.id),
+                reads: read,
+                match_usage: stage.match_usage,
+                threshold,
+                config,
+            });
+        }
+        ensure!(
+            cells.len() > first,
+            "{what} expands to no cells (every assignment is excluded, or the stage it works on has none); give it axes, include or set"
+        );
+    }
+    Ok(cells)
+}
+
+pub(super) fn label(a: &BTreeMap<String, toml::Value>) -> String {
+    a.iter()
+        .map(|(k, v)| format!("{k}={}", value_str(v)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Whether a setting's value names a directory a train cell resolves when it starts.
+pub(super) fn has_placeholder(v: &toml::Value) -> bool {
+    let text = v.to_string();
+    text.contains("{source}") || text.contains("{reads}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grid(text: &str) -> Grid {
+        toml::from_str(text).unwrap()
+    }
+
+    const BASE: &str = r#"
+name = "t"
+[base.data]
+dir = "/tmp/none"
+[base.train]
+steps = 10
+warmup_steps = 1
+"#;
+
+    #[test]
+    fn expansion_product_zip_include_exclude_and_dependencies() {
+        let g = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha" }}
+axes = {{ "attention.window" = [4, 8, 16] }}
+zip = {{ "attention.lambda" = [0.001, 0.01], "train.lr" = [0.001, 0.002] }}
+exclude = [{{ "attention.window" = 16, "attention.lambda" = 0.01 }}]
+include = [{{ "attention.window" = 64, "attention.lambda" = 0.1 }}]
+[[stage]]
+name = "tau"
+kind = "eval"
+of = "aha"
+axes = {{ "attention.tau" = [0.3, 0.7] }}
+"#
+        ));
+        let cells = expand(&g).unwrap();
+        let aha: Vec<&Cell> = cells.iter().filter(|c| c.stage == "aha").collect();
+        assert_eq!(aha.len(), 3 * 2 - 1 + 1);
+        assert!(aha
+            .iter()
+            .all(|c| c.depends_on.as_deref() == Some(cells[0].id.as_str())));
+        assert!(aha
+            .iter()
+            .any(|c| c.config.attention.window == 64 && c.config.attention.lambda == 0.1));
+        assert!(!aha
+            .iter()
+            .any(|c| c.config.attention.window == 16 && c.config.attention.lambda == 0.01));
+        let zipped = aha
+            .iter()
+            .find(|c| c.config.attention.lambda == 0.01)
+            .unwrap();
+        assert_eq!(zipped.config.train.lr, 0.002);
+        // An eval cell per (trained cell, tau), evaluating that cell's model.
+        let tau: Vec<&Cell> = cells.iter().filter(|c| c.stage == "tau").collect();
+        assert_eq!(tau.len(), aha.len() * 2);
+        for c in &tau {
+            let dep = cells
+                .iter()
+                .find(|d| Some(&d.id) == c.depends_on.as_ref())
+                .unwrap();
+            assert_eq!(dep.stage, "aha");
+            assert_eq!(c.config.attention.window, dep.config.attention.window);
+        }
+        let ids: std::collections::BTreeSet<&str> = cells.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids.len(), cells.len(), "ids are unique");
+        assert_eq!(
+            cells.iter().map(|c| c.index).collect::<Vec<_>>(),
+            (0..cells.len()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn ids_are_stable_under_key_reordering() {
+        let a = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "s"
+set = {{ "attention.method" = "swa", "train.lr" = 0.01 }}
+axes = {{ "attention.window" = [4, 8], "attention.hybrid_every" = [2] }}
+"#
+        ));
+        let b = grid(
+            r#"
+name = "t"
+[base.train]
+warmup_steps = 1
+steps = 10
+[base.data]
+dir = "/tmp/none"
+[[stage]]
+name = "s"
+axes = { "attention.hybrid_every" = [2], "attention.window" = [4, 8] }
+set = { "train.lr" = 0.01, "attention.method" = "swa" }
+"#,
+        );
+        let ids = |g: &Grid| {
+            expand(g)
+                .unwrap()
+                .into_iter()
+                .map(|c| c.id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&a), ids(&b));
+        // A change in what a cell computes changes its id.
+        let c = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "s"
+set = {{ "attention.method" = "swa", "train.lr" = 0.02 }}
+axes = {{ "attention.window" = [4, 8], "attention.hybrid_every" = [2] }}
+"#
+        ));
+        assert_ne!(ids(&a), ids(&c));
+    }
+
+    /// A setting the cell's method ignores does not make it another cell: two stages that
+    /// compute the same thing share one id (run once), and a later stage's dependency on
+    /// either finds that one cell.
+    #[test]
+    fn cells_that_compute_the_same_thing_are_one_cell() {
+        let g = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "full"
+init_from = "base"
+set = {{ "attention.method" = "full", "attention.lambda" = 0.5 }}
+[[stage]]
+name = "cpt"
+init_from = "base"
+set = {{ "attention.method" = "full", "attention.window" = 8 }}
+[[stage]]
+name = "zs"
+kind = "eval"
+of = "cpt"
+set = {{ "attention.method" = "swa" }}
+"#
+        ));
+        let cells = expand(&g).unwrap();
+        assert_eq!(cells.len(), 4);
+        assert_eq!(cells[1].id, cells[2].id, "one full-attention continuation");
+        assert!(cells[1].id.starts_with("full-"));
+        assert_eq!(cells[3].depends_on.as_deref(), Some(cells[1].id.as_str()));
+    }
+
+    /// `reads` names a second dependency, whose directory `{reads}` stands for, without
+    /// taking its weights: the static heads start from the base like the AHA cell.
+    #[test]
+    fn a_stage_reads_another_without_starting_from_it() {
+        let g = grid(&format!(
+            r#"{BASE}
+[[stage]]
+name = "base"
+set = {{ "attention.method" = "full" }}
+[[stage]]
+name = "aha"
+init_from = "base"
+set = {{ "attention.method" = "aha" }}
+[[stage]]
+name = "static"
+init_from = "base"
+reads = "aha"
+set = {{ "attention.method" = "static_heads", "attention.head_ranking" = "{{reads}}/eval/head_ranking.csv" }}
+axes = {{ "attention.top_k" = [1, 16] }}
+"#
+        ));
+        let cells = expand(&g).unwrap();
+        let (base, aha) = (&cells[0].id, &cells[1].id);
+        for c in &cells[2..] {
+            assert_eq!(c.depends_on.as_ref(), Some(base));
+            assert_eq!(c.reads.as_ref(), Some(aha));
+        }
+        assert_ne!(cells[2].id, cells[3].id);
+    }
+
+    /// What a run would only find out later is refused at expansion, naming the stage.
+    #[test]
+    fn stages_that_cannot_run_are_refused_when_expanded() {
+        let err = |extra: &str| {
+            format!(
+                "{:#}",
+                expand(&grid(&format!("{BASE}{extra}"))).unwrap_err()
+            )
+        };
+        let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.window\" = [4] }\nexclude = [{ \"attention.window\" = 4 }]\n");
+        assert!(e.contains("stage \"a\" expands to no cells"), "{e}");
+        let base = "\n[[stage]]\nname = \"b\"\nset = { \"attention.method\" = \"l2a\" }\n";
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"b\"\nthresholds = [1.5]\n"
+        ));
+        assert!(e.contains("threshold 1.5") && e.contains("0 ..= 1"), "{e}");
+        let e = err("\n[[stage]]\nname = \"b\"\n[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"b\"\nthresholds = [0.9]\n");
+        assert!(e.contains("trains method Full"), "{e}");
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"e\"\nkind = \"eval\"\nof = \"b\"\n[[stage]]\nname = \"p\"\nkind = \"prune\"\nof = \"e\"\nthresholds = [0.9]\n"
+        ));
+        assert!(
+            e.contains("kind eval, whose cells hold no model to prune"),
+            "{e}"
+        );
+        // Only train stages resolve directory placeholders.
+        let e = err(&format!(
+            "{base}[[stage]]\nname = \"e\"\nkind = \"eval\"\nof = \"b\"\nset = {{ \"attention.head_ranking\" = \"{{source}}/r.csv\" }}\n"
+        ));
+        assert!(
+            e.contains("stage \"e\"") && e.contains("only train stages"),
+            "{e}"
+        );
+        // Matching usage needs a cell to read and gates drawn at random.
+        for stage in [
+            "name = \"m\"\nmatch_usage = true\nset = { \"attention.method\" = \"aha\", \"attention.router\" = \"bernoulli\" }",
+            "name = \"m\"\nreads = \"b\"\nmatch_usage = true\nset = { \"attention.method\" = \"aha\" }",
+        ] {
+            let e = err(&format!("{base}[[stage]]\n{stage}\n"));
+            assert!(e.contains("stage \"m\"") && e.contains("match_usage"), "{e}");
+        }
+        let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.tau\" = [0.5, nan] }\n");
+        assert!(e.contains("attention.tau") && e.contains("finite"), "{e}");
+        let e = format!(
+            "{:#}",
+            expand(&grid(
+                "name = \"t\"\n[base.train]\nlr = inf\n[[stage]]\nname = \"a\"\n"
+            ))
+            .unwrap_err()
+        );
+        assert!(e.contains("base.train.lr"), "{e}");
+    }
+
+    #[test]
+    fn every_grid_in_the_repository_expands() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("sweeps");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let p = entry.unwrap().path();
+            if p.extension().is_some_and(|e| e == "toml") {
+                let g = read_grid(&p).unwrap();
+                let cells = expand(&g).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+                assert!(cells.len() > 1, "{}", p.display());
+                n += 1;
+            }
+        }
+        assert!(n >= 7, "only {n} grids");
+    }
+
+    #[test]
+    fn invalid_grids_are_rejected_before_anything_runs() {
+        let err = |extra: &str| {
+            format!(
+                "{:#}",
+                expand(&grid(&format!("{BASE}{extra}"))).unwrap_err()
+            )
+        };
+        assert!(err("\n[[stage]]\nname = \"a\"\ninit_from = \"nope\"\n")
+            .contains("names no earlier stage"));
+        assert!(
+            err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.window\" = [0] }\n")
+                .contains("attention.window")
+        );
+        assert!(
+            err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.windw\" = [4] }\n")
+                .contains("windw")
+        );
+        assert!(err("\n[[stage]]\nname = \"a\"\nzip = { \"train.lr\" = [0.1, 0.2], \"train.seed\" = [1] }\n").contains("equal lengths"));
+        assert!(err("\n[[stage]]\nname = \"a\"\nkind = \"eval\"\n").contains("needs `of`"));
+        let two = "\n[[stage]]\nname = \"b\"\naxes = { \"train.seed\" = [1, 2] }\n[[stage]]\nname = \"c\"\ninit_from = \"b\"\n";
+        assert!(err(two).contains("2 cells of stage \"b\" match"));
+        assert!(
+            err("\n[[stage]]\nname = \"a\"\n[[stage]]\nname = \"a\"\n").contains("defined twice")
+        );
+    }
+}

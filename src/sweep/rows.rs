@@ -1,0 +1,296 @@
+//! What the tables and figures know of one finished cell of a sweep directory (`Row`): its
+//! settings, evaluation, pruning, task results and training throughput, read once.
+
+use super::grid::{Cell, StageKind};
+use super::runner::{read_status, State};
+use crate::config::{AttentionConfig, Method, Reduction, Router};
+use crate::model::attention::{spec, top_k_name};
+use crate::run::eval::{self, Bucket, EvalReport, GateReport};
+use crate::run::prune::PruneReport;
+use crate::util::stats::median;
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What the tables know of one finished cell.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub cell: String,
+    pub stage: String,
+    pub kind: StageKind,
+    pub label: String,
+    pub method: Method,
+    /// The cell this one continued from or evaluates ("" when none), and its method.
+    pub source: String,
+    pub source_method: Option<Method>,
+    pub window: f64,
+    pub lambda: f64,
+    pub tau: f64,
+    pub ppa_power: f64,
+    pub top_k: f64,
+    pub router: Router,
+    pub bernoulli_p: f64,
+    pub variant: String,
+    /// AHA Table 5's row name: "AHA", "top-k" static heads (at AHA's budget when top_k is 0),
+    /// "all heads full", or "all heads window" (SWA trained as long).
+    pub setting: String,
+    /// The model's (layer, head) pairs.
+    pub heads: usize,
+    /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
+    /// the squared norm, which alpha weighs hidden_size times more).
+    pub swiattn_alpha: Option<f64>,
+    pub swiattn_disagreement: Option<Reduction>,
+    /// Training tokens behind the model (its own steps and those of every cell it continued
+    /// from), and what identifies its model and data: the basis of retain %'s reference.
+    pub budget_tokens: f64,
+    /// Tokens behind the model before the cell's own training began, and per step of it.
+    pub start_tokens: f64,
+    pub tokens_per_step: f64,
+    pub model_key: String,
+    /// The cell's evaluation (`eval.json`), and its pruning (`prune.json`) for prune cells.
+    pub report: EvalReport,
+    pub prune: Option<PruneReport>,
+    /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
+    pub tasks: BTreeMap<String, f64>,
+    /// Training throughput of a train cell: the median of its `train_log.csv` rates.
+    pub tokens_per_s: Option<f64>,
+    /// The throughput of the training that made the evaluated model: the cell's own, or for
+    /// an eval or prune cell that of the train cell it derives from.
+    pub train_tokens_per_s: Option<f64>,
+    /// The attention the cell was evaluated with.
+    pub attention: AttentionConfig,
+}
+
+impl Row {
+    pub fn loss(&self) -> f64 {
+        self.report.loss
+    }
+
+    pub fn pairs_vs_full(&self) -> f64 {
+        self.report.attention.pairs_vs_full
+    }
+
+    /// Full-attention usage of a routed model (pruned L2A layers counted as window).
+    pub fn mu_f(&self) -> Option<f64> {
+        self.report.gates.as_ref().map(|g| g.mu_f)
+    }
+
+    pub fn gates(&self) -> Option<&GateReport> {
+        self.report.gates.as_ref()
+    }
+
+    /// Loss and exact-match accuracy of the predictions whose dependency lies at least the
+    /// cell's window back (full attention's window setting, 64 by default, where it has
+    /// none), pooled over those distance buckets: the long-range task of the synthetic
+    /// corpus. None without buckets, or with none that far.
+    pub fn far(&self) -> Option<(f64, Option<f64>)> {
+        self.beyond(self.window)
+    }
+
+    /// `far` for the predictions whose dependency lies at least `distance` back (a bucket
+    /// counts when its shortest distance does).
+    pub fn beyond(&self, distance: f64) -> Option<(f64, Option<f64>)> {
+        let far: Vec<&Bucket> = self
+            .report
+            .buckets
+            .iter()
+            .filter(|b| b.min_distance as f64 >= distance && b.min_distance < u32::MAX)
+            .collect();
+        let n: u64 = far.iter().map(|b| b.tokens).sum();
+        (n > 0).then(|| {
+            let mean = |f: &dyn Fn(&Bucket) -> f64| {
+                far.iter().map(|b| f(b) * b.tokens as f64).sum::<f64>() / n as f64
+            };
+            let acc = far
+                .iter()
+                .all(|b| b.accuracy.is_some())
+                .then(|| mean(&|b| b.accuracy.unwrap_or(0.0)));
+            (mean(&|b| b.loss), acc)
+        })
+    }
+}
+
+/// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
+pub fn name_of<T: serde::Serialize>(v: T) -> String {
+    toml::Value::try_from(v)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+/// Tokens of one training step of a train cell (0 for the other kinds).
+fn tokens_per_step(c: &Cell) -> f64 {
+    let t = &c.config.train;
+    match c.kind {
+        StageKind::Train => (t.batch_size * t.grad_accum * c.config.data.seq_len) as f64,
+        _ => 0.0,
+    }
+}
+
+/// Training tokens behind each cell's model: its own (train cells) plus those of the cells
+/// it continued from, evaluated or pruned.
+fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
+    // Cells come in stage order, so a dependency's budget is known before its dependents'.
+    for c in cells {
+        let own = c.config.train.steps as f64 * tokens_per_step(c);
+        let before = c
+            .depends_on
+            .as_ref()
+            .and_then(|d| out.get(d))
+            .copied()
+            .unwrap_or(0.0);
+        out.entry(c.id.clone()).or_insert(own + before);
+    }
+    out
+}
+
+/// The finished cells of a sweep directory, each once (cells that several stages share
+/// appear under the first).
+pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
+    let cells_path = sweep.join("cells.json");
+    let text = std::fs::read_to_string(&cells_path).with_context(|| {
+        format!(
+            "{} is not a sweep directory (no cells.json)",
+            sweep.display()
+        )
+    })?;
+    let cells: Vec<Cell> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is malformed", cells_path.display()))?;
+    let budget = budgets(&cells);
+    let mut out: Vec<Row> = Vec::new();
+    for c in &cells {
+        if out.iter().any(|r| r.cell == c.id) {
+            continue;
+        }
+        let dir = sweep.join(&c.id);
+        if read_status(&dir).is_none_or(|s| s.state != State::Done) {
+            continue;
+        }
+        let Some(ev) = eval::read_report(&dir.join("eval"))? else {
+            continue;
+        };
+        let a = &c.config.attention;
+        let heads = c.config.model.num_hidden_layers * c.config.model.num_attention_heads;
+        let source = c
+            .depends_on
+            .as_ref()
+            .and_then(|d| cells.iter().find(|x| &x.id == d));
+        let prune_path = dir.join("prune.json");
+        let prune = match prune_path.is_file() {
+            true => Some(
+                serde_json::from_str::<PruneReport>(&std::fs::read_to_string(&prune_path)?)
+                    .with_context(|| format!("{} is malformed", prune_path.display()))?,
+            ),
+            false => None,
+        };
+        out.push(Row {
+            cell: c.id.clone(),
+            stage: c.stage.clone(),
+            kind: c.kind,
+            label: c.label.clone(),
+            method: a.method,
+            source: source.map(|s| s.id.clone()).unwrap_or_default(),
+            source_method: source.map(|s| s.config.attention.method),
+            window: a.window as f64,
+            lambda: a.lambda,
+            tau: a.tau,
+            ppa_power: a.ppa_power,
+            top_k: a.top_k as f64,
+            router: a.router,
+            // As trained: a grid may set it from another cell's usage (`match_usage`).
+            bernoulli_p: ev.config.attention.bernoulli_p,
+            variant: (spec(a.method).variant)(a),
+            setting: match a.method {
+                Method::Aha => "AHA".into(),
+                Method::StaticHeads => top_k_name(a, heads, ev.report.gates.as_ref().map(|g| g.mu_f)),
+                Method::Swa if c.kind == StageKind::Train => "all heads window".into(),
+                _ => String::new(),
+            },
+            heads,
+            swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
+            swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
+            budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
+            start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
+                - c.config.train.steps as f64 * tokens_per_step(c),
+            tokens_per_step: tokens_per_step(c),
+            model_key: format!(
+                "{}\n{}",
+                toml::to_string(&c.config.model).unwrap_or_default(),
+                c.config.data.dir.display()
+            ),
+            report: ev.report,
+            prune,
+            tasks: task_metrics(&dir.join("eval/results.json")),
+            tokens_per_s: median_rate(&dir.join("train_log.csv")),
+            train_tokens_per_s: None,
+            attention: ev.config.attention.clone(),
+        });
+    }
+    // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
+    // before it.
+    for i in 0..out.len() {
+        out[i].train_tokens_per_s = match out[i].kind {
+            StageKind::Train => out[i].tokens_per_s,
+            _ => {
+                let source = &out[i].source;
+                out[..i]
+                    .iter()
+                    .find(|r| &r.cell == source)
+                    .and_then(|r| r.train_tokens_per_s)
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// The median of a training log's `tokens_per_s` column (robust to the first steps, which
+/// include compilation and warm-up), None without a log.
+fn median_rate(log: &Path) -> Option<f64> {
+    let rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
+        .into_iter()
+        .map(|r| r[0])
+        .collect();
+    (!rates.is_empty()).then(|| median(rates))
+}
+
+/// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
+/// step, keeping the rows where each of them is a finite number; None when the file or a
+/// column is missing.
+pub fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
+    let mut rdr = csv::Reader::from_path(log).ok()?;
+    let header = rdr.headers().ok()?.clone();
+    let cols: Vec<usize> = names
+        .iter()
+        .map(|n| header.iter().position(|h| h == *n))
+        .collect::<Option<_>>()?;
+    Some(
+        rdr.records()
+            .filter_map(|r| r.ok())
+            .filter_map(|r| {
+                cols.iter()
+                    .map(|&i| r.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite()))
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+fn read_json(p: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// `<task>.<metric>` of a harness-shaped results file (standard errors left out).
+fn task_metrics(path: &Path) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some(j) = read_json(path) else { return out };
+    for (task, metrics) in j["results"].as_object().into_iter().flatten() {
+        for (k, v) in metrics.as_object().into_iter().flatten() {
+            let metric = k.split(',').next().unwrap_or(k);
+            if let (Some(v), false) = (v.as_f64(), metric.ends_with("_stderr")) {
+                out.insert(format!("{task}.{metric}"), v);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,560 @@
+//! Running a grid's cells: each under an exclusive lock in its own directory, its state in
+//! `status.json`, data prepared first, several at a time, failures recorded while the others
+//! go on.
+
+use super::grid::{has_placeholder, Cell, Grid, StageKind};
+use crate::data::{self, corpus};
+use crate::util::atomic;
+use anyhow::{ensure, Context, Result};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+use crate::run::eval;
+use crate::util::fault;
+
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    Running,
+    Done,
+    Failed,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Status {
+    pub state: State,
+    pub attempts: u32,
+    pub error: Option<String>,
+}
+
+pub fn read_status(cell_dir: &Path) -> Option<Status> {
+    std::fs::read_to_string(cell_dir.join("status.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+}
+
+/// The full-attention usage (mu_f) a finished routed cell's evaluation measured.
+fn usage_of(cell_dir: &Path) -> Result<f64> {
+    let eval = cell_dir.join("eval");
+    let report = eval::read_report(&eval)?
+        .with_context(|| format!("{} holds no evaluation to match usage with", eval.display()))?;
+    report.report.gates.map(|g| g.mu_f).with_context(|| {
+        format!(
+            "{} has no gates (its method routes nothing): match_usage needs a routed cell",
+            cell_dir.display()
+        )
+    })
+}
+
+fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
+    atomic::write_bytes(
+        &cell_dir.join("status.json"),
+        serde_json::to_string_pretty(status)?.as_bytes(),
+    )
+}
+
+/// Options of one `attnsweep sweep` invocation.
+pub struct SweepArgs {
+    pub out: PathBuf,
+    pub jobs: usize,
+    pub devices: Vec<usize>,
+    pub cell: Option<usize>,
+    pub retry_failed: bool,
+    pub quiet: bool,
+    /// Seconds between status lines when stderr is not a terminal.
+    pub status_every: u64,
+}
+
+/// The cells (ids, once each) of `cells` that `args` would run and whose last attempt failed.
+pub fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
+    let ids: std::collections::BTreeSet<String> = cells
+        .iter()
+        .filter(|c| args.cell.is_none_or(|k| c.index == k))
+        .filter(|c| read_status(&args.out.join(&c.id)).is_some_and(|s| s.state == State::Failed))
+        .map(|c| c.id.clone())
+        .collect();
+    ids.into_iter().collect()
+}
+
+/// Status lines of a sweep whose stderr is not a terminal (a Slurm log, nohup), where
+/// progress bars would not show: cells done, failed and left, and how far each running cell
+/// has got, every `every`.
+struct StatusLines {
+    every: Duration,
+    /// The sweep directory and the ids of the cells this invocation covers, once each.
+    out: PathBuf,
+    ids: Vec<String>,
+    /// Time of the last line, and each running cell's progress.
+    state: Mutex<(std::time::Instant, BTreeMap<String, String>)>,
+}
+
+impl StatusLines {
+    fn set(&self, cell: &str, progress: Option<String>) {
+        if let Ok(mut s) = self.state.lock() {
+            match progress {
+                Some(p) => s.1.insert(cell.to_string(), p),
+                None => s.1.remove(cell),
+            };
+        }
+    }
+
+    /// Prints the line when it is due: cells done and failed as their status files say
+    /// (earlier runs' included), the rest left, and the running cells' progress.
+    fn tick(&self) {
+        let Ok(mut s) = self.state.lock() else { return };
+        if s.0.elapsed() < self.every {
+            return;
+        }
+        s.0 = std::time::Instant::now();
+        let states: Vec<Option<State>> = self
+            .ids
+            .iter()
+            .map(|id| read_status(&self.out.join(id)).map(|st| st.state))
+            .collect();
+        let count = |x: State| states.iter().filter(|s| **s == Some(x)).count();
+        let (done, failed) = (count(State::Done), count(State::Failed));
+        let running: Vec<String> = s.1.iter().map(|(c, p)| format!("{c} {p}")).collect();
+        eprintln!(
+            "cells: {done} done, {failed} failed, {} left of {}; running: {}",
+            self.ids.len() - done - failed,
+            self.ids.len(),
+            if running.is_empty() {
+                "none".into()
+            } else {
+                running.join(", ")
+            }
+        );
+    }
+}
+
+/// What a run of the sweep ended with.
+#[derive(Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub done: usize,
+    pub failed: usize,
+    pub skipped: usize,
+}
+
+/// Generates the grid's synthetic corpus or prepares its text corpus at `base.data.dir` when
+/// no data set is there yet; with `[probes]`, that corpus goes to `probes.mix_with` (kept
+/// when one is there) and the probes mixed into it to `base.data.dir`.
+fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<()> {
+    if grid.synth.is_none() && grid.corpus.is_none() && grid.probes.is_none() {
+        return Ok(());
+    }
+    let dir = &cells[0].config.data.dir;
+    if dir.join("meta.json").exists() {
+        return Ok(());
+    }
+    // One runner generates; others wait on the lock and then find the data set.
+    let lock = std::fs::File::create(out.join("data.lock"))?;
+    lock.lock()?;
+    if dir.join("meta.json").exists() {
+        return Ok(());
+    }
+    let corpus_dir = match &grid.probes {
+        Some(p) => p.mix_with.clone().unwrap_or_default(),
+        None => dir.clone(),
+    };
+    let prepared = corpus_dir.join("meta.json").exists();
+    if let (Some(synth), false) = (&grid.synth, prepared) {
+        data::synth(synth, &corpus_dir).with_context(|| {
+            format!(
+                "generating the grid's synthetic corpus at {}",
+                corpus_dir.display()
+            )
+        })?;
+    }
+    if let (Some(spec), false) = (&grid.corpus, prepared) {
+        let summary = corpus::prepare(spec, &corpus_dir, quiet)
+            .with_context(|| format!("preparing the grid's corpus at {}", corpus_dir.display()))?;
+        if !quiet {
+            eprintln!("{}", summary.report(&corpus_dir));
+        }
+    }
+    if let Some(p) = &grid.probes {
+        let meta = p
+            .write(dir)
+            .with_context(|| format!("writing the grid's probe data set at {}", dir.display()))?;
+        if !quiet {
+            eprintln!(
+                "probes: {} train and {} validation tokens at {}",
+                meta.train_tokens,
+                meta.val_tokens,
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs the cells of a grid that are not finished (or only cell `args.cell`).
+pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
+    atomic::ensure_writable_dir(&args.out)?;
+    atomic::write_bytes(
+        &args.out.join("cells.json"),
+        serde_json::to_string_pretty(cells)?.as_bytes(),
+    )?;
+    ensure_data(grid, cells, &args.out, args.quiet)?;
+    let exe = std::env::current_exe().context("cannot locate the attnsweep binary")?;
+    let outcome = Mutex::new(Outcome::default());
+    // Each cell is attempted at most once per invocation, so a failing cell cannot loop.
+    let attempted = Mutex::new(std::collections::BTreeSet::<String>::new());
+    let mp = if args.quiet {
+        MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
+    } else {
+        MultiProgress::new()
+    };
+    let chosen: Vec<&Cell> = match args.cell {
+        Some(k) => {
+            let c = cells.get(k).with_context(|| {
+                format!(
+                    "--cell {k}: the grid has cells 0 ..= {}",
+                    cells.len().saturating_sub(1)
+                )
+            })?;
+            for dep in c.depends_on.iter().chain(&c.reads) {
+                let st = read_status(&args.out.join(dep));
+                ensure!(
+                    st.is_some_and(|s| s.state == State::Done),
+                    "--cell {k}: its dependency {dep} is not finished"
+                );
+            }
+            vec![c]
+        }
+        None => cells.iter().collect(),
+    };
+    let status = (!args.quiet && !std::io::stderr().is_terminal()).then(|| {
+        let mut ids: Vec<String> = chosen.iter().map(|c| c.id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        StatusLines {
+            every: Duration::from_secs(args.status_every),
+            out: args.out.clone(),
+            ids,
+            state: Mutex::new((std::time::Instant::now(), BTreeMap::new())),
+        }
+    });
+    let overall = mp.add(ProgressBar::new(chosen.len() as u64));
+    overall.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} cells {msg}").expect("template"),
+    );
+    let workers = args.devices.len().max(args.jobs).max(1);
+    let threads_per_job =
+        (std::thread::available_parallelism().map_or(1, |n| n.get()) / workers).max(1);
+    let stages: Vec<&str> = {
+        let mut s: Vec<&str> = Vec::new();
+        for c in &chosen {
+            if !s.contains(&c.stage.as_str()) {
+                s.push(&c.stage);
+            }
+        }
+        s
+    };
+    for stage in stages {
+        // Loop until every cell of the stage has a final state: cells another runner holds
+        // are waited for, and taken over if that runner dies before finishing them.
+        loop {
+            let pending: Vec<&Cell> = chosen
+                .iter()
+                .copied()
+                .filter(|c| c.stage == stage)
+                .filter(|c| !attempted.lock().unwrap().contains(&c.id))
+                .filter(|c| match read_status(&args.out.join(&c.id)) {
+                    Some(s) if s.state == State::Done => false,
+                    Some(s) if s.state == State::Failed => args.retry_failed,
+                    // Never started, or interrupted (a runner died while it ran): run/resume.
+                    _ => true,
+                })
+                .collect();
+            if pending.is_empty() {
+                break;
+            }
+            let next = AtomicUsize::new(0);
+            let held_elsewhere = Mutex::new(Vec::<PathBuf>::new());
+            std::thread::scope(|s| {
+                for w in 0..workers.min(pending.len()) {
+                    let (next, pending, held_elsewhere, outcome, overall, mp, exe, attempted) = (
+                        &next,
+                        &pending,
+                        &held_elsewhere,
+                        &outcome,
+                        &overall,
+                        &mp,
+                        &exe,
+                        &attempted,
+                    );
+                    let watch = Watch {
+                        mp,
+                        status: status.as_ref(),
+                    };
+                    s.spawn(move || loop {
+                        let i = next.fetch_add(1, Ordering::SeqCst);
+                        let Some(cell) = pending.get(i) else { break };
+                        let device = args.devices.get(w).copied();
+                        let result = run_cell(cell, args, exe, device, threads_per_job, &watch);
+                        if !matches!(result, Ok(CellRun::HeldElsewhere)) {
+                            attempted.lock().unwrap().insert(cell.id.clone());
+                        }
+                        match result {
+                            Ok(CellRun::Done) => {
+                                outcome.lock().unwrap().done += 1;
+                                overall.inc(1);
+                            }
+                            Ok(CellRun::Failed(e)) => {
+                                outcome.lock().unwrap().failed += 1;
+                                overall.inc(1);
+                                let _ = mp.println(format!(
+                                    "cell {} ({}) failed: {e}",
+                                    cell.id, cell.label
+                                ));
+                            }
+                            Ok(CellRun::HeldElsewhere) => {
+                                held_elsewhere.lock().unwrap().push(args.out.join(&cell.id))
+                            }
+                            Err(e) => {
+                                outcome.lock().unwrap().failed += 1;
+                                let _ = mp.println(format!("cell {}: {e:#}", cell.id));
+                            }
+                        }
+                    });
+                }
+            });
+            let held = held_elsewhere.into_inner().unwrap();
+            if held.is_empty() {
+                break;
+            }
+            for dir in held {
+                // Blocks until the other runner releases the cell (or dies).
+                if let Ok(f) = std::fs::File::open(dir.join("lock")) {
+                    let _ = f.lock();
+                }
+            }
+        }
+    }
+    overall.finish_and_clear();
+    let mut o = outcome.into_inner().unwrap();
+    o.skipped = chosen.len() - o.done - o.failed;
+    Ok(o)
+}
+
+enum CellRun {
+    Done,
+    Failed(String),
+    HeldElsewhere,
+}
+
+/// What shows a running cell's progress: its bar, and the status lines off a terminal.
+struct Watch<'a> {
+    mp: &'a MultiProgress,
+    status: Option<&'a StatusLines>,
+}
+
+fn run_cell(
+    cell: &Cell,
+    args: &SweepArgs,
+    exe: &Path,
+    device: Option<usize>,
+    threads: usize,
+    watch: &Watch,
+) -> Result<CellRun> {
+    let mp = watch.mp;
+    let dir = args.out.join(&cell.id);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let lock = std::fs::File::create(dir.join("lock"))?;
+    if lock.try_lock().is_err() {
+        return Ok(CellRun::HeldElsewhere);
+    }
+    // Another runner may have finished it between our listing and our lock.
+    let previous = read_status(&dir);
+    if previous.as_ref().is_some_and(|s| s.state == State::Done) {
+        return Ok(CellRun::Done);
+    }
+    let attempts = previous.map_or(0, |s| s.attempts) + 1;
+    atomic::write_bytes(
+        &dir.join("cell.json"),
+        serde_json::to_string_pretty(cell)?.as_bytes(),
+    )?;
+    write_status(
+        &dir,
+        &Status {
+            state: State::Running,
+            attempts,
+            error: None,
+        },
+    )?;
+    let dep_dir = cell.depends_on.as_ref().map(|d| args.out.join(d));
+    let reads_dir = cell.reads.as_ref().map(|d| args.out.join(d));
+    let fail = |error: String| -> Result<CellRun> {
+        write_status(
+            &dir,
+            &Status {
+                state: State::Failed,
+                attempts,
+                error: Some(error.clone()),
+            },
+        )?;
+        Ok(CellRun::Failed(error))
+    };
+    for d in dep_dir.iter().chain(&reads_dir) {
+        if read_status(d).is_none_or(|s| s.state != State::Done) {
+            return fail(format!("dependency {} did not finish", d.display()));
+        }
+    }
+    let mut cmd = Command::new(exe);
+    match cell.kind {
+        StageKind::Train => {
+            // `{source}` in a setting names the directory of the cell this one depends on
+            // (e.g. a head ranking written by that cell's evaluation).
+            // and `{reads}` that of the cell it reads.
+            let shown = |d: &Option<PathBuf>| {
+                d.as_ref()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default()
+            };
+            let mut config = cell.config.clone();
+            if cell.match_usage {
+                let read = reads_dir.as_ref().expect("match_usage cells read a cell");
+                match usage_of(read) {
+                    Ok(mu_f) => config.attention.bernoulli_p = mu_f,
+                    Err(e) => return fail(format!("{e:#}")),
+                }
+            }
+            atomic::write_bytes(
+                &dir.join("cell.toml"),
+                config
+                    .to_toml()
+                    .replace("{source}", &shown(&dep_dir))
+                    .replace("{reads}", &shown(&reads_dir))
+                    .as_bytes(),
+            )?;
+            cmd.args(["train", "-q", "--out"]).arg(&dir);
+            if dir.join("config.toml").exists() {
+                cmd.arg("--resume");
+            } else {
+                cmd.arg("--config").arg(dir.join("cell.toml"));
+                if let Some(d) = &dep_dir {
+                    cmd.arg("--init-from").arg(d);
+                }
+            }
+        }
+        StageKind::Eval => {
+            let d = dep_dir.as_ref().expect("eval cells depend on a cell");
+            cmd.args(["eval", "-q", "--run"])
+                .arg(d)
+                .arg("--out")
+                .arg(dir.join("eval"));
+            // A setting naming `{source}` or `{reads}` came from the evaluated cell, whose
+            // config holds it resolved (eval stages may not set one of their own).
+            for (k, v) in cell.settings.iter().filter(|(_, v)| !has_placeholder(v)) {
+                cmd.arg("--set").arg(format!("{k}={v}"));
+            }
+        }
+        StageKind::Prune => {
+            let d = dep_dir.as_ref().expect("prune cells depend on a cell");
+            cmd.args(["prune", "--run"]).arg(d).arg("--out").arg(&dir);
+            cmd.arg("--threshold")
+                .arg(cell.threshold.expect("prune threshold").to_string());
+        }
+    }
+    if let Some(dev) = device {
+        cmd.env("CUDA_VISIBLE_DEVICES", dev.to_string());
+    }
+    cmd.env("OMP_NUM_THREADS", threads.to_string());
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("log.txt"))?;
+    // The child's stdin is the locked file, so the lock lives as long as the child does: a
+    // runner killed mid-cell leaves its child to finish, and no other runner starts the cell
+    // until both are gone.
+    cmd.stdin(Stdio::from(lock.try_clone()?))
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log));
+    // Training shows its steps; evaluation and pruning, which log no steps, a spinner.
+    let bar = match cell.kind {
+        StageKind::Train => {
+            let b = mp.add(ProgressBar::new(cell.config.train.steps as u64));
+            b.set_style(
+                ProgressStyle::with_template("  {bar:20} {pos}/{len} {msg}").expect("template"),
+            );
+            b
+        }
+        _ => {
+            let b = mp.add(ProgressBar::new_spinner());
+            b.set_style(
+                ProgressStyle::with_template("  {spinner} {elapsed} {msg}").expect("template"),
+            );
+            b
+        }
+    };
+    bar.set_message(format!("{} {}", cell.stage, cell.label));
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {}", exe.display()))?;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        let progress = match cell.kind {
+            StageKind::Train => {
+                let step = last_logged_step(&dir.join("train_log.csv"));
+                bar.set_position(step);
+                format!("step {step}/{}", cell.config.train.steps)
+            }
+            _ => {
+                bar.tick();
+                format!("{:?} {}s", cell.kind, bar.elapsed().as_secs()).to_lowercase()
+            }
+        };
+        if let Some(s) = watch.status {
+            s.set(&cell.id, Some(progress));
+            s.tick();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    if let Some(s) = watch.status {
+        s.set(&cell.id, None);
+    }
+    bar.finish_and_clear();
+    mp.remove(&bar);
+    fault::point("sweep_cell_finished");
+    if status.success() {
+        write_status(
+            &dir,
+            &Status {
+                state: State::Done,
+                attempts,
+                error: None,
+            },
+        )?;
+        Ok(CellRun::Done)
+    } else {
+        let text = std::fs::read_to_string(dir.join("log.txt")).unwrap_or_default();
+        let error = text
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("exited with an error")
+            .to_string();
+        fail(error)
+    }
+}
+
+fn last_logged_step(log: &Path) -> u64 {
+    std::fs::read_to_string(log)
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .last()
+                .and_then(|l| l.split(',').next())
+                .and_then(|s| s.parse().ok())
+        })
+        .unwrap_or(0)
+}
