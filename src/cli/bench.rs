@@ -470,104 +470,130 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         "bench attention needs a GPU and the CUDA kernel library"
     );
     std::fs::create_dir_all(&b.out)?;
-    let dev = Device::Cuda(0);
     let mut rows: Vec<Row> = Vec::new();
     // The peers first: their process must find the GPU's memory free.
     if b.peers {
-        let flags = [
-            ("--lengths", joined(&b.lengths)),
-            ("--head-dims", joined(&b.head_dims)),
-            ("--windows", joined(&b.windows)),
-            ("--sparsities", joined(&b.sparsities)),
-            ("--routed-usages", joined(&b.routed_usages)),
-            ("--ppa-powers", joined(&b.ppa_powers)),
-            ("--ppa-window", b.ppa_window.to_string()),
-            ("--heads", b.heads.to_string()),
-            ("--reps", b.reps.to_string()),
-        ];
-        let printed = run_peer(
-            &b.out,
-            &b.python,
-            "bench_peers.py",
-            include_str!("../../kernels/bench_peers.py"),
-            &flags,
-        )?;
-        rows.extend(peer_rows(&printed)?);
+        rows.extend(peer_attention_rows(b)?);
     }
     for &len in &b.lengths {
         for &d in &b.head_dims {
-            tch::manual_seed(0);
-            let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
-            let (q, k, v) = (mk(), mk(), mk());
-            for &w in &b.windows {
-                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
-                    kern.list_attention(q, k, v, None, w).expect("kernel")
-                });
-                rows.push(Row::ours("swa".into(), len, d, w, 0.0, t));
-            }
-            for &s in &b.sparsities {
-                let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
-                let pos = Tensor::randperm(len, (Kind::Int64, dev))
-                    .narrow(0, 0, n)
-                    .sort(0, false)
-                    .0;
-                let qpos = pos
-                    .to_kind(Kind::Int)
-                    .view([1, 1, n])
-                    .expand([1, b.heads, n], false)
-                    .contiguous();
-                let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
-                let qc = q.index_select(2, &pos).contiguous();
-                let t = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
-                    kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
-                        .expect("kernel")
-                });
-                rows.push(Row::ours("sparse".into(), len, d, len, s, t));
-            }
-            for &w in &b.windows {
-                for &u in &b.routed_usages {
-                    // The gate pattern is an input, built outside the timed call as the
-                    // other cases' query lists are.
-                    let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
-                    let paths = routed_paths(&on);
-                    let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
-                        kern.routed_attention(q, k, v, &paths, w)
-                            .expect("routed attention on the bench's inputs")
-                    });
-                    rows.push(Row::ours("routed".into(), len, d, w, 1.0 - u, t));
-                }
-            }
-            for &p in &b.ppa_powers {
-                let pattern = KeyPattern::Ppa {
-                    power: p,
-                    window: b.ppa_window as usize,
-                };
-                let offsets = pattern.offsets_beyond_window(len as usize);
-                let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
-                let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
-                    match offsets.tensor.numel() {
-                        0 => kern.list_attention(q, k, v, None, b.ppa_window),
-                        _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
-                    }
-                    .expect("kernel")
-                });
-                // Named as the peer script names it (Python's float repr: 0.0, 0.25).
-                rows.push(Row::ours(
-                    format!("ppa_p{p:?}"),
-                    len,
-                    d,
-                    b.ppa_window,
-                    0.0,
-                    t,
-                ));
-            }
+            rows.extend(our_attention_rows(b, kern, len, d));
         }
     }
     let csv_path = b.out.join("attention_bench.csv");
+    write_attention_csv(b, &rows, &csv_path)?;
+    write_scaling(
+        &scaling(&rows, b.heads),
+        &b.out.join("attention_scaling.csv"),
+    )?;
+    write_speedup_figure(b, &rows)?;
+    Ok(csv_path)
+}
+
+/// The peers' rows (SDPA's backends, FlexAttention), timed by `kernels/bench_peers.py` in a
+/// process of their own.
+fn peer_attention_rows(b: &AttentionBench) -> Result<Vec<Row>> {
+    let flags = [
+        ("--lengths", joined(&b.lengths)),
+        ("--head-dims", joined(&b.head_dims)),
+        ("--windows", joined(&b.windows)),
+        ("--sparsities", joined(&b.sparsities)),
+        ("--routed-usages", joined(&b.routed_usages)),
+        ("--ppa-powers", joined(&b.ppa_powers)),
+        ("--ppa-window", b.ppa_window.to_string()),
+        ("--heads", b.heads.to_string()),
+        ("--reps", b.reps.to_string()),
+    ];
+    let printed = run_peer(
+        &b.out,
+        &b.python,
+        "bench_peers.py",
+        include_str!("../../kernels/bench_peers.py"),
+        &flags,
+    )?;
+    peer_rows(&printed)
+}
+
+/// Our kernels on every case at one length and head dim: windows, sparse queries, routed
+/// queries and PPA, on one set of random q, k, v.
+fn our_attention_rows(b: &AttentionBench, kern: &Kernels, len: i64, d: i64) -> Vec<Row> {
+    let dev = Device::Cuda(0);
+    let mut rows = Vec::new();
+    tch::manual_seed(0);
+    let mk = || Tensor::randn([1, b.heads, len, d], (Kind::BFloat16, dev));
+    let (q, k, v) = (mk(), mk(), mk());
+    for &w in &b.windows {
+        let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+            kern.list_attention(q, k, v, None, w).expect("kernel")
+        });
+        rows.push(Row::ours("swa".into(), len, d, w, 0.0, t));
+    }
+    for &s in &b.sparsities {
+        let n = ((len as f64 * (1.0 - s)).round() as i64).max(1);
+        let pos = Tensor::randperm(len, (Kind::Int64, dev))
+            .narrow(0, 0, n)
+            .sort(0, false)
+            .0;
+        let qpos = pos
+            .to_kind(Kind::Int)
+            .view([1, 1, n])
+            .expand([1, b.heads, n], false)
+            .contiguous();
+        let nq = Tensor::full([1, b.heads], n, (Kind::Int, dev));
+        let qc = q.index_select(2, &pos).contiguous();
+        let t = time_op(kern, b.reps, &qc, &k, &v, |q, k, v| {
+            kern.list_attention(q, k, v, Some((&qpos, &nq)), len)
+                .expect("kernel")
+        });
+        rows.push(Row::ours("sparse".into(), len, d, len, s, t));
+    }
+    for &w in &b.windows {
+        for &u in &b.routed_usages {
+            // The gate pattern is an input, built outside the timed call as the
+            // other cases' query lists are.
+            let on = Tensor::rand([1, b.heads, len], (Kind::Float, dev)).lt(u);
+            let paths = routed_paths(&on);
+            let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+                kern.routed_attention(q, k, v, &paths, w)
+                    .expect("routed attention on the bench's inputs")
+            });
+            rows.push(Row::ours("routed".into(), len, d, w, 1.0 - u, t));
+        }
+    }
+    for &p in &b.ppa_powers {
+        let pattern = KeyPattern::Ppa {
+            power: p,
+            window: b.ppa_window as usize,
+        };
+        let offsets = pattern.offsets_beyond_window(len as usize);
+        let offsets = PpaOffsets::new(&offsets, b.ppa_window as usize, dev);
+        let t = time_op(kern, b.reps, &q, &k, &v, |q, k, v| {
+            match offsets.tensor.numel() {
+                0 => kern.list_attention(q, k, v, None, b.ppa_window),
+                _ => kern.ppa_attention(q, k, v, b.ppa_window, &offsets),
+            }
+            .expect("kernel")
+        });
+        // Named as the peer script names it (Python's float repr: 0.0, 0.25).
+        rows.push(Row::ours(
+            format!("ppa_p{p:?}"),
+            len,
+            d,
+            b.ppa_window,
+            0.0,
+            t,
+        ));
+    }
+    rows
+}
+
+/// `attention_bench.csv`: every row with its TFLOP/s and its speed-ups over the dense peers'
+/// forward and backward.
+fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Result<()> {
     // Speed-ups over a dense peer's forward and backward (empty without that peer in the run):
     // cuDNN, the fastest, and FlashAttention-2 (SDPA's flash backend), the paper's reference.
     let over = |name: &str, r: &Row| {
-        dense_peer(&rows, name, r).map_or([String::new(), String::new()], |c| {
+        dense_peer(rows, name, r).map_or([String::new(), String::new()], |c| {
             [
                 format!("{:.3}", c.fwd_ms / r.fwd_ms),
                 format!("{:.3}", c.bwd_ms() / r.bwd_ms()),
@@ -618,13 +644,14 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             "bwd_vs_flash_causal",
         ],
         records,
-    )?;
-    write_scaling(
-        &scaling(&rows, b.heads),
-        &b.out.join("attention_scaling.csv"),
-    )?;
+    )
+}
+
+/// `attention_speedup.png/svg`, or none (and an earlier run's removed) without a sparse case
+/// beside FlashAttention-2.
+fn write_speedup_figure(b: &AttentionBench, rows: &[Row]) -> Result<()> {
     let figure = b.out.join("attention_speedup");
-    match speedup_figure(&rows) {
+    match speedup_figure(rows) {
         Some(f) => {
             f.save(&figure)?;
         }
@@ -636,7 +663,7 @@ pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
             }
         }
     }
-    Ok(csv_path)
+    Ok(())
 }
 
 /// The row of dense causal peer `name` (`sdpa_cudnn`, `sdpa_flash`) at `r`'s length and

@@ -466,48 +466,9 @@ static PANIC: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new
 
 fn run() -> Result<()> {
     match Cli::parse().command {
-        Command::Train(c) => {
-            let cfg = if c.resume {
-                anyhow::ensure!(
-                    c.config.config.is_none(),
-                    "--resume uses the run's saved config.toml; drop --config"
-                );
-                Config::load(Some(&c.out.join("config.toml")), &c.config.sets)?
-            } else {
-                Config::load(c.config.config.as_deref(), &c.config.sets)?
-            };
-            train::train(
-                cfg,
-                &TrainArgs {
-                    out: c.out,
-                    resume: c.resume,
-                    init_from: c.init_from,
-                    stop_at: c.stop_at_step,
-                    quiet: c.quiet,
-                    status_every: c.status_every,
-                },
-            )
-        }
+        Command::Train(c) => run_train(c),
         Command::Eval(c) => run_eval(c),
-        Command::Convert(c) => {
-            let dtype = OutDtype::parse(&c.dtype)?;
-            let r = convert::convert(
-                &c.from,
-                c.config.as_deref(),
-                &c.out,
-                dtype,
-                c.allow_pickle,
-            )?;
-            println!(
-                "{:?}: {} tensors, {} parameters -> {} (config {})",
-                r.family,
-                r.tensors,
-                r.parameters,
-                c.out.display(),
-                r.config.display()
-            );
-            Ok(())
-        }
+        Command::Convert(c) => run_convert(c),
         Command::Export(c) => {
             let dtype = OutDtype::parse(&c.dtype)?;
             println!(
@@ -516,58 +477,8 @@ fn run() -> Result<()> {
             );
             Ok(())
         }
-        Command::Bench(BenchCmd::Attention(c)) => {
-            let b = AttentionBench {
-                lengths: c.lengths,
-                head_dims: c.head_dims,
-                windows: c.windows,
-                sparsities: c.sparsities,
-                routed_usages: c.routed_usages,
-                ppa_powers: c.ppa_powers,
-                ppa_window: c.ppa_window,
-                heads: c.heads,
-                reps: c.reps,
-                out: c.out,
-                python: c.python,
-                peers: !c.no_peers,
-            };
-            b.validate()?;
-            let kern = kernels::cuda().context(
-                "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-            )?;
-            println!("{}", bench::run(&b, kern)?.display());
-            Ok(())
-        }
-        Command::Bench(BenchCmd::Train(c)) => {
-            let b = TrainBench {
-                lengths: c.lengths,
-                tokens: c.tokens,
-                methods: match c.methods.is_empty() {
-                    true => TrainMethod::all().collect(),
-                    false => c.methods,
-                },
-                layers: c.layers,
-                hidden: c.hidden,
-                heads: c.heads,
-                intermediate: c.intermediate,
-                vocab: c.vocab,
-                window: c.window,
-                full_usage: c.full_usage,
-                ste_sample: c.ste_sample,
-                ppa_power: c.ppa_power,
-                steps: c.steps,
-                warmup: c.warmup,
-                out: c.out,
-                python: c.python,
-                peers: if c.no_peers { Vec::new() } else { c.peers },
-            };
-            b.validate()?;
-            kernels::cuda().context(
-                "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-            )?;
-            println!("{}", bench::run_train(&b)?.display());
-            Ok(())
-        }
+        Command::Bench(BenchCmd::Attention(c)) => run_bench_attention(c),
+        Command::Bench(BenchCmd::Train(c)) => run_bench_train(c),
         Command::Kernels(KernelsCmd::Build { cpu }) => {
             let variant = cpu.then_some(Variant::Cpu);
             println!("{}", kernels::build(variant, false)?.display());
@@ -582,26 +493,7 @@ fn run() -> Result<()> {
             }
             Ok(())
         }
-        Command::Prune(c) => {
-            let out = c
-                .out
-                .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
-            let r = prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
-            println!(
-                "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
-                r.pruned_layers,
-                r.sparsity.len(),
-                r.kv_cache_bytes_before,
-                r.kv_cache_bytes_after,
-                100.0 * r.kv_cache_bytes_after / r.kv_cache_bytes_full,
-                r.kv_cache_bytes_full,
-                r.loss_before,
-                r.loss_after,
-                r.loss_after - r.loss_before,
-                out.display()
-            );
-            Ok(())
-        }
+        Command::Prune(c) => run_prune(c),
         Command::Data(DataCmd::Prepare(c)) => {
             let summary = corpus::prepare(&c.spec, &c.out, false)?;
             eprintln!("{}", summary.report(&c.out));
@@ -618,6 +510,124 @@ fn run() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn run_train(c: TrainCmd) -> Result<()> {
+    let cfg = if c.resume {
+        anyhow::ensure!(
+            c.config.config.is_none(),
+            "--resume uses the run's saved config.toml; drop --config"
+        );
+        Config::load(Some(&c.out.join("config.toml")), &c.config.sets)?
+    } else {
+        Config::load(c.config.config.as_deref(), &c.config.sets)?
+    };
+    train::train(
+        cfg,
+        &TrainArgs {
+            out: c.out,
+            resume: c.resume,
+            init_from: c.init_from,
+            stop_at: c.stop_at_step,
+            quiet: c.quiet,
+            status_every: c.status_every,
+        },
+    )
+}
+
+fn run_convert(c: ConvertCmd) -> Result<()> {
+    let dtype = OutDtype::parse(&c.dtype)?;
+    let r = convert::convert(
+        &c.from,
+        c.config.as_deref(),
+        &c.out,
+        dtype,
+        c.allow_pickle,
+    )?;
+    println!(
+        "{:?}: {} tensors, {} parameters -> {} (config {})",
+        r.family,
+        r.tensors,
+        r.parameters,
+        c.out.display(),
+        r.config.display()
+    );
+    Ok(())
+}
+
+fn run_bench_attention(c: BenchAttentionCmd) -> Result<()> {
+    let b = AttentionBench {
+        lengths: c.lengths,
+        head_dims: c.head_dims,
+        windows: c.windows,
+        sparsities: c.sparsities,
+        routed_usages: c.routed_usages,
+        ppa_powers: c.ppa_powers,
+        ppa_window: c.ppa_window,
+        heads: c.heads,
+        reps: c.reps,
+        out: c.out,
+        python: c.python,
+        peers: !c.no_peers,
+    };
+    b.validate()?;
+    let kern = kernels::cuda().context(
+        "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+    )?;
+    println!("{}", bench::run(&b, kern)?.display());
+    Ok(())
+}
+
+fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
+    let b = TrainBench {
+        lengths: c.lengths,
+        tokens: c.tokens,
+        methods: match c.methods.is_empty() {
+            true => TrainMethod::all().collect(),
+            false => c.methods,
+        },
+        layers: c.layers,
+        hidden: c.hidden,
+        heads: c.heads,
+        intermediate: c.intermediate,
+        vocab: c.vocab,
+        window: c.window,
+        full_usage: c.full_usage,
+        ste_sample: c.ste_sample,
+        ppa_power: c.ppa_power,
+        steps: c.steps,
+        warmup: c.warmup,
+        out: c.out,
+        python: c.python,
+        peers: if c.no_peers { Vec::new() } else { c.peers },
+    };
+    b.validate()?;
+    kernels::cuda().context(
+        "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+    )?;
+    println!("{}", bench::run_train(&b)?.display());
+    Ok(())
+}
+
+fn run_prune(c: PruneCmd) -> Result<()> {
+    let out = c
+        .out
+        .unwrap_or_else(|| c.run.join(format!("pruned-{}", c.threshold)));
+    let r = prune::prune_l2a(&c.run, c.ckpt.as_deref(), c.threshold, &out)?;
+    println!(
+        "pruned layers {:?} of {}: KV cache {:.0} -> {:.0} bytes ({:.1}% of full attention's {:.0}); val loss {:.4} -> {:.4} ({:+.4}) -> {}",
+        r.pruned_layers,
+        r.sparsity.len(),
+        r.kv_cache_bytes_before,
+        r.kv_cache_bytes_after,
+        100.0 * r.kv_cache_bytes_after / r.kv_cache_bytes_full,
+        r.kv_cache_bytes_full,
+        r.loss_before,
+        r.loss_after,
+        r.loss_after - r.loss_before,
+        out.display()
+    );
+    Ok(())
 }
 
 fn run_sweep(c: SweepCmd) -> Result<()> {

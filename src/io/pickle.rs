@@ -421,249 +421,309 @@ impl<'a> Machine<'a> {
 
     fn run(mut self) -> Result<Value> {
         loop {
-            let op = self.u8()?;
-            match op {
-                0x80 => {
-                    let proto = self.u8()?;
-                    ensure!(proto <= 5, "pickle protocol {proto} is not supported");
-                }
-                0x95 => {
-                    self.take(8)?;
-                }
+            match self.u8()? {
                 b'.' => return self.pop(),
-                b'(' => self.marks.push(self.stack.len()),
-                b'0' => {
-                    self.pop()?;
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let v = self.top()?.clone();
-                    self.stack.push(v);
-                }
-                b'N' => self.stack.push(Value::Scalar("None")),
-                0x88 | 0x89 => self.stack.push(Value::Scalar("bool")),
-                b'J' => {
-                    let v = self.le(4)? as u32 as i32 as i64;
-                    self.stack.push(Value::Int(v));
-                }
-                b'K' => {
-                    let v = self.u8()? as i64;
-                    self.stack.push(Value::Int(v));
-                }
-                b'M' => {
-                    let v = self.le(2)? as i64;
-                    self.stack.push(Value::Int(v));
-                }
-                0x8a | 0x8b => {
-                    let n = if op == 0x8a {
-                        self.u8()? as usize
-                    } else {
-                        self.le(4)? as usize
-                    };
-                    ensure!(n <= 8, "a pickled integer of {n} bytes is too large");
-                    let b = self.take(n)?;
-                    let mut v: i64 = 0;
-                    for (i, &x) in b.iter().enumerate() {
-                        v |= (x as i64) << (8 * i);
-                    }
-                    // Two's complement of the bytes given.
-                    if n > 0 && n < 8 && b[n - 1] & 0x80 != 0 {
-                        v -= 1i64 << (8 * n);
-                    }
-                    self.stack.push(Value::Int(v));
-                }
-                b'I' | b'L' => {
-                    let l = self.line()?.trim_end_matches('L');
-                    let v = match l {
-                        "00" | "01" => Value::Scalar("bool"),
-                        _ => Value::Int(l.parse().context("a pickled integer")?),
-                    };
-                    self.stack.push(v);
-                }
-                b'G' => {
-                    self.take(8)?;
-                    self.stack.push(Value::Scalar("float"));
-                }
-                b'F' => {
-                    self.line()?;
-                    self.stack.push(Value::Scalar("float"));
-                }
-                b'X' => {
-                    let n = self.le(4)? as usize;
-                    let v = self.text(n)?;
-                    self.stack.push(v);
-                }
-                0x8c => {
-                    let n = self.u8()? as usize;
-                    let v = self.text(n)?;
-                    self.stack.push(v);
-                }
-                0x8d => {
-                    let n = self.le(8)? as usize;
-                    let v = self.text(n)?;
-                    self.stack.push(v);
-                }
-                b'V' => {
-                    let v = Value::Str(self.line()?.to_string());
-                    self.stack.push(v);
-                }
-                b'T' | b'U' | b'B' | b'C' | 0x8e => {
-                    let n = match op {
-                        b'U' | b'C' => self.u8()? as usize,
-                        0x8e => self.le(8)? as usize,
-                        _ => self.le(4)? as usize,
-                    };
-                    let b = self.take(n)?;
-                    // Python 2 strings (T, U) are text to Python 3's default decoder.
-                    let v = match (op, std::str::from_utf8(b)) {
-                        (b'T' | b'U', Ok(s)) => Value::Str(s.to_string()),
-                        _ => Value::Scalar("bytes"),
-                    };
-                    self.stack.push(v);
-                }
-                b'S' => {
-                    let l = self.line()?;
-                    let v = Value::Str(l.trim_matches(|c| c == '\'' || c == '"').to_string());
-                    self.stack.push(v);
-                }
-                b')' => self.stack.push(Value::Tuple(Rc::new([]))),
-                b't' => {
-                    let items = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(items.into()));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    ensure!(self.stack.len() >= n, "the pickle's stack is too short");
-                    let items = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(items.into()));
-                }
-                b']' => self.stack.push(Value::List(Rc::default())),
-                b'l' => {
-                    let items = self.pop_mark()?;
-                    self.stack.push(Value::List(Rc::new(RefCell::new(items))));
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    match self.top()? {
-                        Value::List(l) => l.borrow_mut().push(v),
-                        other => bail!("the pickle appends to a {}", kind_name(other)),
-                    }
-                }
-                b'e' => {
-                    let items = self.pop_mark()?;
-                    match self.top()? {
-                        Value::List(l) => l.borrow_mut().extend(items),
-                        other => bail!("the pickle appends to a {}", kind_name(other)),
-                    }
-                }
-                b'}' => self.stack.push(Value::Dict(Rc::default())),
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    let d = pairs(items)?;
-                    self.stack.push(Value::Dict(Rc::new(RefCell::new(d))));
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    match self.top()? {
-                        Value::Dict(d) => d.borrow_mut().push((k, v)),
-                        other => bail!("the pickle sets an item of a {}", kind_name(other)),
-                    }
-                }
-                b'u' => {
-                    let items = pairs(self.pop_mark()?)?;
-                    match self.top()? {
-                        Value::Dict(d) => d.borrow_mut().extend(items),
-                        other => bail!("the pickle sets items of a {}", kind_name(other)),
-                    }
-                }
-                0x8f => self.stack.push(Value::List(Rc::default())),
-                0x90 => {
-                    let items = self.pop_mark()?;
-                    match self.top()? {
-                        Value::List(l) => l.borrow_mut().extend(items),
-                        other => bail!("the pickle adds items to a {}", kind_name(other)),
-                    }
-                }
-                0x91 => {
-                    let items = self.pop_mark()?;
-                    self.stack.push(Value::List(Rc::new(RefCell::new(items))));
-                }
-                b'c' => {
-                    let module = self.line()?.to_string();
-                    let name = self.line()?.to_string();
-                    self.global(module, name)?;
-                }
-                0x93 => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    match (module, name) {
-                        (Value::Str(m), Value::Str(n)) => self.global(m, n)?,
-                        _ => bail!("the pickle's STACK_GLOBAL names are not strings"),
-                    }
-                }
-                b'R' | 0x81 => {
-                    let args = self.pop()?;
-                    let f = self.pop()?;
-                    let Value::Tuple(args) = args else {
-                        bail!("the pickle calls with arguments that are not a tuple")
-                    };
-                    let v = call(f, &args)?;
-                    self.stack.push(v);
-                }
-                0x92 => {
-                    let _kwargs = self.pop()?;
-                    let args = self.pop()?;
-                    let f = self.pop()?;
-                    let Value::Tuple(args) = args else {
-                        bail!("the pickle calls with arguments that are not a tuple")
-                    };
-                    let v = call(f, &args)?;
-                    self.stack.push(v);
-                }
-                b'b' => {
-                    // State for an object built above: an OrderedDict's attributes (a
-                    // state_dict's `_metadata`) or a tensor's; none changes the tensors.
-                    self.pop()?;
-                }
-                b'q' => {
-                    let i = self.u8()? as u32;
-                    self.put(i)?;
-                }
-                b'r' => {
-                    let i = self.le(4)? as u32;
-                    self.put(i)?;
-                }
-                b'p' => {
-                    let i = self.line()?.parse().context("a pickle memo index")?;
-                    self.put(i)?;
-                }
-                0x94 => {
-                    let i = self.memo.len() as u32;
-                    self.put(i)?;
-                }
-                b'h' => {
-                    let i = self.u8()? as u32;
-                    self.get(i)?;
-                }
-                b'j' => {
-                    let i = self.le(4)? as u32;
-                    self.get(i)?;
-                }
-                b'g' => {
-                    let i = self.line()?.parse().context("a pickle memo index")?;
-                    self.get(i)?;
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    let v = storage(pid)?;
-                    self.stack.push(v);
-                }
-                other => bail!("pickle instruction 0x{other:02x} is not supported"),
+                op => self.step(op)?,
             }
         }
+    }
+
+    /// One instruction, by family (pickletools' names in each family's documentation).
+    fn step(&mut self, op: u8) -> Result<()> {
+        match op {
+            0x80 | 0x95 | b'(' | b'0' | b'1' | b'2' => self.control(op),
+            b'N' | 0x88 | 0x89 | b'J' | b'K' | b'M' | 0x8a | 0x8b | b'I' | b'L' | b'G' | b'F' => self.number(op),
+            b'X' | 0x8c | 0x8d | b'V' | b'T' | b'U' | b'B' | b'C' | 0x8e | b'S' => self.string(op),
+            b')' | b't' | 0x85..=0x87 | b']' | b'l' | b'a' | b'e' | b'}' | b'd' | b's' | b'u' | 0x8f | 0x90 | 0x91 => self.container(op),
+            b'c' | 0x93 | b'R' | 0x81 | 0x92 | b'b' | b'Q' => self.object(op),
+            b'q' | b'r' | b'p' | 0x94 | b'h' | b'j' | b'g' => self.memo(op),
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+    }
+
+    /// Protocol, framing, marks and the stack: PROTO, FRAME, MARK, POP, POP_MARK, DUP.
+    fn control(&mut self, op: u8) -> Result<()> {
+        match op {
+            0x80 => {
+                let proto = self.u8()?;
+                ensure!(proto <= 5, "pickle protocol {proto} is not supported");
+            }
+            0x95 => {
+                self.take(8)?;
+            }
+            b'(' => self.marks.push(self.stack.len()),
+            b'0' => {
+                self.pop()?;
+            }
+            b'1' => {
+                self.pop_mark()?;
+            }
+            b'2' => {
+                let v = self.top()?.clone();
+                self.stack.push(v);
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
+    }
+
+    /// Numbers and constants: NONE, NEWTRUE/NEWFALSE, the integers, the floats (read, never built).
+    fn number(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'N' => self.stack.push(Value::Scalar("None")),
+            0x88 | 0x89 => self.stack.push(Value::Scalar("bool")),
+            b'J' => {
+                let v = self.le(4)? as u32 as i32 as i64;
+                self.stack.push(Value::Int(v));
+            }
+            b'K' => {
+                let v = self.u8()? as i64;
+                self.stack.push(Value::Int(v));
+            }
+            b'M' => {
+                let v = self.le(2)? as i64;
+                self.stack.push(Value::Int(v));
+            }
+            0x8a | 0x8b => {
+                let n = if op == 0x8a {
+                    self.u8()? as usize
+                } else {
+                    self.le(4)? as usize
+                };
+                ensure!(n <= 8, "a pickled integer of {n} bytes is too large");
+                let b = self.take(n)?;
+                let mut v: i64 = 0;
+                for (i, &x) in b.iter().enumerate() {
+                    v |= (x as i64) << (8 * i);
+                }
+                // Two's complement of the bytes given.
+                if n > 0 && n < 8 && b[n - 1] & 0x80 != 0 {
+                    v -= 1i64 << (8 * n);
+                }
+                self.stack.push(Value::Int(v));
+            }
+            b'I' | b'L' => {
+                let l = self.line()?.trim_end_matches('L');
+                let v = match l {
+                    "00" | "01" => Value::Scalar("bool"),
+                    _ => Value::Int(l.parse().context("a pickled integer")?),
+                };
+                self.stack.push(v);
+            }
+            b'G' => {
+                self.take(8)?;
+                self.stack.push(Value::Scalar("float"));
+            }
+            b'F' => {
+                self.line()?;
+                self.stack.push(Value::Scalar("float"));
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
+    }
+
+    /// Strings and bytes (bytes are read, never built).
+    fn string(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'X' => {
+                let n = self.le(4)? as usize;
+                let v = self.text(n)?;
+                self.stack.push(v);
+            }
+            0x8c => {
+                let n = self.u8()? as usize;
+                let v = self.text(n)?;
+                self.stack.push(v);
+            }
+            0x8d => {
+                let n = self.le(8)? as usize;
+                let v = self.text(n)?;
+                self.stack.push(v);
+            }
+            b'V' => {
+                let v = Value::Str(self.line()?.to_string());
+                self.stack.push(v);
+            }
+            b'T' | b'U' | b'B' | b'C' | 0x8e => {
+                let n = match op {
+                    b'U' | b'C' => self.u8()? as usize,
+                    0x8e => self.le(8)? as usize,
+                    _ => self.le(4)? as usize,
+                };
+                let b = self.take(n)?;
+                // Python 2 strings (T, U) are text to Python 3's default decoder.
+                let v = match (op, std::str::from_utf8(b)) {
+                    (b'T' | b'U', Ok(s)) => Value::Str(s.to_string()),
+                    _ => Value::Scalar("bytes"),
+                };
+                self.stack.push(v);
+            }
+            b'S' => {
+                let l = self.line()?;
+                let v = Value::Str(l.trim_matches(|c| c == '\'' || c == '"').to_string());
+                self.stack.push(v);
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
+    }
+
+    /// Tuples, lists, dicts and sets, and what adds to them.
+    fn container(&mut self, op: u8) -> Result<()> {
+        match op {
+            b')' => self.stack.push(Value::Tuple(Rc::new([]))),
+            b't' => {
+                let items = self.pop_mark()?;
+                self.stack.push(Value::Tuple(items.into()));
+            }
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                ensure!(self.stack.len() >= n, "the pickle's stack is too short");
+                let items = self.stack.split_off(self.stack.len() - n);
+                self.stack.push(Value::Tuple(items.into()));
+            }
+            b']' => self.stack.push(Value::List(Rc::default())),
+            b'l' => {
+                let items = self.pop_mark()?;
+                self.stack.push(Value::List(Rc::new(RefCell::new(items))));
+            }
+            b'a' => {
+                let v = self.pop()?;
+                match self.top()? {
+                    Value::List(l) => l.borrow_mut().push(v),
+                    other => bail!("the pickle appends to a {}", kind_name(other)),
+                }
+            }
+            b'e' => {
+                let items = self.pop_mark()?;
+                match self.top()? {
+                    Value::List(l) => l.borrow_mut().extend(items),
+                    other => bail!("the pickle appends to a {}", kind_name(other)),
+                }
+            }
+            b'}' => self.stack.push(Value::Dict(Rc::default())),
+            b'd' => {
+                let items = self.pop_mark()?;
+                let d = pairs(items)?;
+                self.stack.push(Value::Dict(Rc::new(RefCell::new(d))));
+            }
+            b's' => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                match self.top()? {
+                    Value::Dict(d) => d.borrow_mut().push((k, v)),
+                    other => bail!("the pickle sets an item of a {}", kind_name(other)),
+                }
+            }
+            b'u' => {
+                let items = pairs(self.pop_mark()?)?;
+                match self.top()? {
+                    Value::Dict(d) => d.borrow_mut().extend(items),
+                    other => bail!("the pickle sets items of a {}", kind_name(other)),
+                }
+            }
+            0x8f => self.stack.push(Value::List(Rc::default())),
+            0x90 => {
+                let items = self.pop_mark()?;
+                match self.top()? {
+                    Value::List(l) => l.borrow_mut().extend(items),
+                    other => bail!("the pickle adds items to a {}", kind_name(other)),
+                }
+            }
+            0x91 => {
+                let items = self.pop_mark()?;
+                self.stack.push(Value::List(Rc::new(RefCell::new(items))));
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
+    }
+
+    /// Globals (allowed ones only), calls of them, BUILD and persistent ids (tensor storages).
+    fn object(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'c' => {
+                let module = self.line()?.to_string();
+                let name = self.line()?.to_string();
+                self.global(module, name)?;
+            }
+            0x93 => {
+                let name = self.pop()?;
+                let module = self.pop()?;
+                match (module, name) {
+                    (Value::Str(m), Value::Str(n)) => self.global(m, n)?,
+                    _ => bail!("the pickle's STACK_GLOBAL names are not strings"),
+                }
+            }
+            b'R' | 0x81 => {
+                let args = self.pop()?;
+                let f = self.pop()?;
+                let Value::Tuple(args) = args else {
+                    bail!("the pickle calls with arguments that are not a tuple")
+                };
+                let v = call(f, &args)?;
+                self.stack.push(v);
+            }
+            0x92 => {
+                let _kwargs = self.pop()?;
+                let args = self.pop()?;
+                let f = self.pop()?;
+                let Value::Tuple(args) = args else {
+                    bail!("the pickle calls with arguments that are not a tuple")
+                };
+                let v = call(f, &args)?;
+                self.stack.push(v);
+            }
+            b'b' => {
+                // State for an object built above: an OrderedDict's attributes (a
+                // state_dict's `_metadata`) or a tensor's; none changes the tensors.
+                self.pop()?;
+            }
+            b'Q' => {
+                let pid = self.pop()?;
+                let v = storage(pid)?;
+                self.stack.push(v);
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
+    }
+
+    /// The memo: PUT and GET in their three forms each, and MEMOIZE.
+    fn memo(&mut self, op: u8) -> Result<()> {
+        match op {
+            b'q' => {
+                let i = self.u8()? as u32;
+                self.put(i)?;
+            }
+            b'r' => {
+                let i = self.le(4)? as u32;
+                self.put(i)?;
+            }
+            b'p' => {
+                let i = self.line()?.parse().context("a pickle memo index")?;
+                self.put(i)?;
+            }
+            0x94 => {
+                let i = self.memo.len() as u32;
+                self.put(i)?;
+            }
+            b'h' => {
+                let i = self.u8()? as u32;
+                self.get(i)?;
+            }
+            b'j' => {
+                let i = self.le(4)? as u32;
+                self.get(i)?;
+            }
+            b'g' => {
+                let i = self.line()?.parse().context("a pickle memo index")?;
+                self.get(i)?;
+            }
+            other => bail!("pickle instruction 0x{other:02x} is not supported"),
+        }
+        Ok(())
     }
 
     fn global(&mut self, module: String, name: String) -> Result<()> {

@@ -315,6 +315,37 @@ pub fn convert(
         "{} already holds a model; choose another --out",
         out.display()
     );
+    let (family, cfg) = read_hf_config(src, config)?;
+    let scratch = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    // What this conversion wrote into `out`, removed if it fails before the end: a later
+    // attempt would otherwise find weights without a config, and refuse the directory.
+    let mut written: Vec<PathBuf> = Vec::new();
+    let files = weight_files(src, allow_pickle, &scratch, &manifest_names(&cfg));
+    let result = files.and_then(|files| {
+        let tensors = write_weights(src, &files, out, &cfg, dtype, &mut written)?;
+        copy_tokenizer(src, out, &mut written)?;
+        let config_path = out.join("config.toml");
+        atomic::write_bytes(&config_path, cfg.to_toml().as_bytes())?;
+        Ok(ConvertReport {
+            family,
+            tensors: tensors.0,
+            parameters: tensors.1,
+            config: config_path,
+        })
+    });
+    let _ = std::fs::remove_dir_all(&scratch);
+    if result.is_err() {
+        for p in &written {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+    result
+}
+
+/// The model a Hugging Face `config.json` describes (the directory's own, or `config` beside a
+/// weight file), as a validated config: a sliding-window family converts to method `swa`.
+fn read_hf_config(src: &Path, config: Option<&Path>) -> Result<(Family, Config)> {
     let cfg_path = match config {
         Some(c) => c.to_path_buf(),
         None if src.is_dir() => src.join("config.json"),
@@ -340,155 +371,167 @@ pub fn convert(
     }
     cfg.validate()
         .with_context(|| format!("{} gives an invalid model", cfg_path.display()))?;
+    Ok((family, cfg))
+}
 
-    let scratch = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)?;
-    // What this conversion wrote into `out`, removed if it fails before the end: a later
-    // attempt would otherwise find weights without a config, and refuse the directory.
-    let mut written: Vec<PathBuf> = Vec::new();
-    let result = (|| -> Result<ConvertReport> {
-        let expected_names: Vec<String> =
-            manifest(&cfg.model).into_iter().map(|(n, _)| n).collect();
-        let files = weight_files(src, allow_pickle, &scratch, &expected_names)?;
-        let maps: Vec<Mmap> = files.iter().map(|f| mmap(f)).collect::<Result<_>>()?;
-        let parsed: Vec<SafeTensors> = maps
-            .iter()
-            .zip(&files)
-            .map(|(m, f)| {
-                SafeTensors::deserialize(m).map_err(|e| {
-                    anyhow::anyhow!(
-                        "{} is not a valid safetensors file (truncated or corrupt): {e:?}",
-                        f.display()
-                    )
-                })
-            })
-            .collect::<Result<_>>()?;
-        let mut source: BTreeMap<String, (usize, Dtype, Vec<usize>)> = BTreeMap::new();
-        for (i, st) in parsed.iter().enumerate() {
-            for (name, view) in st.tensors() {
-                ensure!(
-                    !source.contains_key(&name),
-                    "tensor {name} appears in two shards"
-                );
-                source.insert(name, (i, view.dtype(), view.shape().to_vec()));
-            }
-        }
-        let expected = manifest(&cfg.model);
-        let mut problems = Vec::new();
-        let missing: Vec<&str> = expected
-            .iter()
-            .filter(|(n, _)| !source.contains_key(n))
-            .map(|(n, _)| n.as_str())
-            .collect();
-        if !missing.is_empty() {
-            problems.push(format!("missing tensors: {missing:?}"));
-        }
-        for (n, shape) in &expected {
-            if let Some((_, _, s)) = source.get(n) {
-                let s: Vec<i64> = s.iter().map(|&x| x as i64).collect();
-                if &s != shape {
-                    problems.push(format!(
-                        "tensor {n} has shape {s:?}, the config implies {shape:?}"
-                    ));
-                }
-            }
-        }
-        let tensor_bytes = |name: &str| -> Result<&[u8]> {
-            let (i, _, _) = source[name];
-            Ok(parsed[i]
-                .tensor(name)
-                .map_err(|e| anyhow::anyhow!("{name}: {e:?}"))?
-                .data())
-        };
-        let mut unused = Vec::new();
-        for name in source
-            .keys()
-            .filter(|n| !expected.iter().any(|(e, _)| e == *n))
-        {
-            // Derived buffers some checkpoints carry, and a tied head stored twice.
-            if name.ends_with("rotary_emb.inv_freq") {
-                continue;
-            }
-            if name == "lm_head.weight"
-                && cfg.model.tie_word_embeddings
-                && source.contains_key("model.embed_tokens.weight")
-            {
-                if tensor_bytes(name)? == tensor_bytes("model.embed_tokens.weight")? {
-                    continue;
-                }
-                problems.push("lm_head.weight differs from model.embed_tokens.weight although tie_word_embeddings = true".into());
-                continue;
-            }
-            unused.push(name.clone());
-        }
-        if !unused.is_empty() {
-            problems.push(format!("tensors the model has no place for: {unused:?}"));
-        }
-        for (n, _) in &expected {
-            if let Some((_, d, _)) = source.get(n) {
-                if let Err(e) = kind_of(*d) {
-                    problems.push(format!("{n}: {e}"));
-                }
-            }
-        }
-        ensure!(
-            problems.is_empty(),
-            "cannot convert {}:\n  {}",
-            src.display(),
-            problems.join("\n  ")
-        );
+fn manifest_names(cfg: &Config) -> Vec<String> {
+    manifest(&cfg.model).into_iter().map(|(n, _)| n).collect()
+}
 
-        atomic::ensure_writable_dir(out)?;
-        let mut parameters = 0u64;
-        let views: Vec<(String, Lazy)> = expected
-            .iter()
-            .map(|(n, _)| {
-                let (_, d, shape) = source[n].clone();
-                parameters += shape.iter().product::<usize>() as u64;
-                Ok((
-                    n.clone(),
-                    Lazy {
-                        bytes: tensor_bytes(n)?,
-                        shape,
-                        src: d,
-                        dst: dtype.target(d),
-                    },
-                ))
+/// Every tensor of the safetensors `files`, by name: the file it is in, its type and shape.
+type Sources = BTreeMap<String, (usize, Dtype, Vec<usize>)>;
+
+/// Checks the source tensors against the model's manifest (each present, of its shape and a
+/// float type, nothing left over but derived buffers and a tied head stored twice), then writes
+/// `model.safetensors` one tensor at a time; returns the tensors and parameters written.
+fn write_weights(
+    src: &Path,
+    files: &[PathBuf],
+    out: &Path,
+    cfg: &Config,
+    dtype: OutDtype,
+    written: &mut Vec<PathBuf>,
+) -> Result<(usize, u64)> {
+    let maps: Vec<Mmap> = files.iter().map(|f| mmap(f)).collect::<Result<_>>()?;
+    let parsed: Vec<SafeTensors> = maps
+        .iter()
+        .zip(files)
+        .map(|(m, f)| {
+            SafeTensors::deserialize(m).map_err(|e| {
+                anyhow::anyhow!(
+                    "{} is not a valid safetensors file (truncated or corrupt): {e:?}",
+                    f.display()
+                )
             })
-            .collect::<Result<_>>()?;
-        atomic::write_with(&out.join("model.safetensors"), |tmp| {
-            safetensors::tensor::serialize_to_file(views, &None, tmp)
-                .map_err(|e| anyhow::anyhow!("writing weights: {e:?}"))
-        })?;
-        written.push(out.join("model.safetensors"));
-        if src.is_dir() {
-            for f in [
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "generation_config.json",
-            ] {
-                if src.join(f).is_file() {
-                    atomic::write_bytes(&out.join(f), &std::fs::read(src.join(f))?)?;
-                    written.push(out.join(f));
-                }
-            }
-        }
-        let config_path = out.join("config.toml");
-        atomic::write_bytes(&config_path, cfg.to_toml().as_bytes())?;
-        Ok(ConvertReport {
-            family,
-            tensors: expected.len(),
-            parameters,
-            config: config_path,
         })
-    })();
-    let _ = std::fs::remove_dir_all(&scratch);
-    if result.is_err() {
-        for p in &written {
-            let _ = std::fs::remove_file(p);
+        .collect::<Result<_>>()?;
+    let mut source: Sources = BTreeMap::new();
+    for (i, st) in parsed.iter().enumerate() {
+        for (name, view) in st.tensors() {
+            ensure!(
+                !source.contains_key(&name),
+                "tensor {name} appears in two shards"
+            );
+            source.insert(name, (i, view.dtype(), view.shape().to_vec()));
         }
     }
-    result
+    let tensor_bytes = |name: &str| -> Result<&[u8]> {
+        let (i, _, _) = source[name];
+        Ok(parsed[i]
+            .tensor(name)
+            .map_err(|e| anyhow::anyhow!("{name}: {e:?}"))?
+            .data())
+    };
+    let expected = manifest(&cfg.model);
+    let problems = problems(cfg, &expected, &source, &tensor_bytes)?;
+    ensure!(
+        problems.is_empty(),
+        "cannot convert {}:\n  {}",
+        src.display(),
+        problems.join("\n  ")
+    );
+    atomic::ensure_writable_dir(out)?;
+    let mut parameters = 0u64;
+    let views: Vec<(String, Lazy)> = expected
+        .iter()
+        .map(|(n, _)| {
+            let (_, d, shape) = source[n].clone();
+            parameters += shape.iter().product::<usize>() as u64;
+            Ok((
+                n.clone(),
+                Lazy {
+                    bytes: tensor_bytes(n)?,
+                    shape,
+                    src: d,
+                    dst: dtype.target(d),
+                },
+            ))
+        })
+        .collect::<Result<_>>()?;
+    atomic::write_with(&out.join("model.safetensors"), |tmp| {
+        safetensors::tensor::serialize_to_file(views, &None, tmp)
+            .map_err(|e| anyhow::anyhow!("writing weights: {e:?}"))
+    })?;
+    written.push(out.join("model.safetensors"));
+    Ok((expected.len(), parameters))
+}
+
+/// What keeps the source tensors from filling the model: missing ones, wrong shapes, tensors
+/// the model has no place for, types that are not floats.
+fn problems<'a>(
+    cfg: &Config,
+    expected: &[(String, Vec<i64>)],
+    source: &Sources,
+    tensor_bytes: &dyn Fn(&str) -> Result<&'a [u8]>,
+) -> Result<Vec<String>> {
+    let mut problems = Vec::new();
+    let missing: Vec<&str> = expected
+        .iter()
+        .filter(|(n, _)| !source.contains_key(n))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    if !missing.is_empty() {
+        problems.push(format!("missing tensors: {missing:?}"));
+    }
+    for (n, shape) in expected {
+        if let Some((_, _, s)) = source.get(n) {
+            let s: Vec<i64> = s.iter().map(|&x| x as i64).collect();
+            if &s != shape {
+                problems.push(format!(
+                    "tensor {n} has shape {s:?}, the config implies {shape:?}"
+                ));
+            }
+        }
+    }
+    let mut unused = Vec::new();
+    for name in source
+        .keys()
+        .filter(|n| !expected.iter().any(|(e, _)| e == *n))
+    {
+        // Derived buffers some checkpoints carry, and a tied head stored twice.
+        if name.ends_with("rotary_emb.inv_freq") {
+            continue;
+        }
+        if name == "lm_head.weight"
+            && cfg.model.tie_word_embeddings
+            && source.contains_key("model.embed_tokens.weight")
+        {
+            if tensor_bytes(name)? == tensor_bytes("model.embed_tokens.weight")? {
+                continue;
+            }
+            problems.push("lm_head.weight differs from model.embed_tokens.weight although tie_word_embeddings = true".into());
+            continue;
+        }
+        unused.push(name.clone());
+    }
+    if !unused.is_empty() {
+        problems.push(format!("tensors the model has no place for: {unused:?}"));
+    }
+    for (n, _) in expected {
+        if let Some((_, d, _)) = source.get(n) {
+            if let Err(e) = kind_of(*d) {
+                problems.push(format!("{n}: {e}"));
+            }
+        }
+    }
+    Ok(problems)
+}
+
+/// The tokenizer files of a model directory, copied along.
+fn copy_tokenizer(src: &Path, out: &Path, written: &mut Vec<PathBuf>) -> Result<()> {
+    if src.is_dir() {
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            if src.join(f).is_file() {
+                atomic::write_bytes(&out.join(f), &std::fs::read(src.join(f))?)?;
+                written.push(out.join(f));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes a trained full-attention or sliding-window model in the Hugging Face layout:

@@ -713,56 +713,85 @@ pub fn run(
     }
     let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
     atomic::ensure_writable_dir(dir)?;
-    let mut tidy: Vec<TidyRow> = Vec::new();
-    let mut results: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    let mut n_samples: BTreeMap<String, usize> = BTreeMap::new();
-    let mut configs = serde_json::Map::new();
-    let row = |task: &str, length, depth, metric: &str, v: &[f64]| TidyRow {
+    let mut scores = Scores::default();
+    if !e.tasks.is_empty() {
+        scores.probes(model, cfg, meta, &tok, device, dir)?;
+    }
+    for path in &e.mc {
+        scores.multiple_choice(model, cfg, &tok, device, dir, path, opts)?;
+    }
+    scores.write(cfg, device, dir, model_path)?;
+    Ok(scores.results)
+}
+
+/// What the tasks scored, gathered for `tasks.csv` and the harness-shaped `results.json`.
+#[derive(Default)]
+struct Scores {
+    tidy: Vec<TidyRow>,
+    /// Per task: each metric's mean and standard error.
+    results: BTreeMap<String, BTreeMap<String, f64>>,
+    n_samples: BTreeMap<String, usize>,
+    configs: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A row of `tasks.csv`: the mean of `v`.
+fn tidy_row(task: &str, length: Option<usize>, depth: Option<f64>, metric: &str, v: &[f64]) -> TidyRow {
+    TidyRow {
         task: task.into(),
         length,
         depth,
         metric: metric.into(),
         value: mean(v),
         n: v.len(),
-    };
-    if !e.tasks.is_empty() {
+    }
+}
+
+impl Scores {
+    /// The long-context probes: every (task, length, depth) cell, each task overall, and the
+    /// files beside them (`niah.csv`, `probe_samples.jsonl`, `efficiency.csv`, and for routed
+    /// models `probe_head_usage.csv`).
+    fn probes(
+        &mut self,
+        model: &Llama,
+        cfg: &Config,
+        meta: &data::Meta,
+        tok: &TextTokenizer,
+        device: Device,
+        dir: &Path,
+    ) -> Result<()> {
+        let e = &cfg.eval;
         let hay = haystack(cfg, meta)?;
         let ProbeRun {
             cells,
             costs,
             head_gates,
-        } = run_probes(model, cfg, &tok, &hay, device)?;
+        } = run_probes(model, cfg, tok, &hay, device)?;
         let mut by_task: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
         for c in &cells {
             let name = c.task.name();
-            tidy.push(row(
-                name,
-                Some(c.length),
-                c.depth,
-                "exact_match",
-                &c.exact_match,
-            ));
-            tidy.push(row(name, Some(c.length), c.depth, "recall", &c.recall));
+            let at = |metric: &str, v: &[f64]| tidy_row(name, Some(c.length), c.depth, metric, v);
+            self.tidy.push(at("exact_match", &c.exact_match));
+            self.tidy.push(at("recall", &c.recall));
             let t = by_task.entry(name).or_default();
             t.0.extend(&c.exact_match);
             t.1.extend(&c.recall);
             if let Some(f) = &c.full_ratio {
-                tidy.push(row(name, Some(c.length), c.depth, "full_ratio", f));
+                self.tidy.push(at("full_ratio", f));
                 t.2.extend(f);
             }
         }
         for (name, (em, rec, fr)) in &by_task {
-            let r = results.entry(name.to_string()).or_default();
+            let r = self.results.entry(name.to_string()).or_default();
             for (metric, v) in [("exact_match", em), ("recall", rec), ("full_ratio", fr)] {
                 if v.is_empty() {
                     continue;
                 }
                 r.insert(metric.into(), mean(v));
                 r.insert(format!("{metric}_stderr"), stderr(v));
-                tidy.push(row(name, None, None, metric, v));
+                self.tidy.push(tidy_row(name, None, None, metric, v));
             }
-            n_samples.insert(name.to_string(), em.len());
-            configs.insert(
+            self.n_samples.insert(name.to_string(), em.len());
+            self.configs.insert(
                 name.to_string(),
                 serde_json::json!({
                     "task": name,
@@ -785,13 +814,25 @@ pub fn run(
         if !head_gates.is_empty() {
             write_probe_head_usage(&dir.join("probe_head_usage.csv"), &head_gates)?;
         }
+        Ok(())
     }
-    let max_len = if e.max_length == 0 {
-        cfg.data.seq_len
-    } else {
-        e.max_length
-    };
-    for path in &e.mc {
+
+    /// One multiple-choice file, scored as lm-evaluation-harness does (`acc`, `acc_norm`).
+    #[allow(clippy::too_many_arguments)]
+    fn multiple_choice(
+        &mut self,
+        model: &Llama,
+        cfg: &Config,
+        tok: &TextTokenizer,
+        device: Device,
+        dir: &Path,
+        path: &Path,
+        opts: &RunOptions,
+    ) -> Result<()> {
+        let max_len = match cfg.eval.max_length {
+            0 => cfg.data.seq_len,
+            n => n,
+        };
         // The task's name is for display; the path itself is opened as given.
         let name = path
             .file_stem()
@@ -799,32 +840,25 @@ pub fn run(
             .to_string_lossy()
             .into_owned();
         ensure!(
-            !results.contains_key(&name),
+            !self.results.contains_key(&name),
             "two tasks are named {name}; rename one multiple-choice file"
         );
         let items = read_mc(path)?;
-        let scored = score_mc(
-            model,
-            &tok,
-            &items,
-            max_len,
-            device,
-            eval::eval_gate_seed(cfg),
-        )
-        .with_context(|| format!("scoring {}", path.display()))?;
+        let scored = score_mc(model, tok, &items, max_len, device, eval::eval_gate_seed(cfg))
+            .with_context(|| format!("scoring {}", path.display()))?;
         if opts.log_samples {
             write_mc_samples(&dir.join(format!("samples_{name}.jsonl")), &items, &scored)?;
         }
         let acc: Vec<f64> = scored.iter().map(|r| r.acc).collect();
         let acc_norm: Vec<f64> = scored.iter().map(|r| r.acc_norm).collect();
-        let r = results.entry(name.clone()).or_default();
+        let r = self.results.entry(name.clone()).or_default();
         for (metric, v) in [("acc", &acc), ("acc_norm", &acc_norm)] {
             r.insert(metric.into(), mean(v));
             r.insert(format!("{metric}_stderr"), stderr(v));
-            tidy.push(row(&name, None, None, metric, v));
+            self.tidy.push(tidy_row(&name, None, None, metric, v));
         }
-        n_samples.insert(name.clone(), items.len());
-        configs.insert(
+        self.n_samples.insert(name.clone(), items.len());
+        self.configs.insert(
             name.clone(),
             serde_json::json!({
                 "task": name,
@@ -834,47 +868,52 @@ pub fn run(
                 "metric_list": ["acc", "acc_norm"],
             }),
         );
-    }
-    atomic::write_with(&dir.join("tasks.csv"), |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        for r in &tidy {
-            w.serialize(r)?;
-        }
-        w.flush()?;
         Ok(())
-    })?;
-    // The harness's keys carry a filter name after a comma; these tasks have none.
-    let harness_results: serde_json::Map<String, serde_json::Value> = results
-        .iter()
-        .map(|(task, m)| {
-            let mut o = serde_json::Map::new();
-            o.insert("alias".into(), task.clone().into());
-            for (k, v) in m {
-                o.insert(format!("{k},none"), serde_json::json!(v));
+    }
+
+    /// `tasks.csv` and `results.json` (lm-evaluation-harness's shape).
+    fn write(&self, cfg: &Config, device: Device, dir: &Path, model_path: &Path) -> Result<()> {
+        atomic::write_with(&dir.join("tasks.csv"), |tmp| {
+            let mut w = csv::Writer::from_path(tmp)?;
+            for r in &self.tidy {
+                w.serialize(r)?;
             }
-            (task.clone(), o.into())
-        })
-        .collect();
-    let json = serde_json::json!({
-        "results": harness_results,
-        "configs": configs,
-        "versions": results.keys().map(|k| (k.clone(), serde_json::json!(1))).collect::<serde_json::Map<_, _>>(),
-        "n-samples": n_samples.iter().map(|(k, n)| (k.clone(), serde_json::json!({"original": n, "effective": n}))).collect::<serde_json::Map<_, _>>(),
-        "config": {
-            "model": "attnsweep",
-            "model_args": model_path.display().to_string(),
-            "method": cfg.attention.method,
-            "batch_size": e.batch_size,
-            "device": format!("{device:?}"),
-        },
-        "attnsweep_version": env!("CARGO_PKG_VERSION"),
-        "date": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-    });
-    atomic::write_bytes(
-        &dir.join("results.json"),
-        serde_json::to_string_pretty(&json)?.as_bytes(),
-    )?;
-    Ok(results)
+            w.flush()?;
+            Ok(())
+        })?;
+        // The harness's keys carry a filter name after a comma; these tasks have none.
+        let harness_results: serde_json::Map<String, serde_json::Value> = self
+            .results
+            .iter()
+            .map(|(task, m)| {
+                let mut o = serde_json::Map::new();
+                o.insert("alias".into(), task.clone().into());
+                for (k, v) in m {
+                    o.insert(format!("{k},none"), serde_json::json!(v));
+                }
+                (task.clone(), o.into())
+            })
+            .collect();
+        let json = serde_json::json!({
+            "results": harness_results,
+            "configs": self.configs,
+            "versions": self.results.keys().map(|k| (k.clone(), serde_json::json!(1))).collect::<serde_json::Map<_, _>>(),
+            "n-samples": self.n_samples.iter().map(|(k, n)| (k.clone(), serde_json::json!({"original": n, "effective": n}))).collect::<serde_json::Map<_, _>>(),
+            "config": {
+                "model": "attnsweep",
+                "model_args": model_path.display().to_string(),
+                "method": cfg.attention.method,
+                "batch_size": cfg.eval.batch_size,
+                "device": format!("{device:?}"),
+            },
+            "attnsweep_version": env!("CARGO_PKG_VERSION"),
+            "date": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        });
+        atomic::write_bytes(
+            &dir.join("results.json"),
+            serde_json::to_string_pretty(&json)?.as_bytes(),
+        )
+    }
 }
 
 /// `probe_samples.jsonl`: every probe's target and generation (the harness's logged samples).

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 use crate::config;
 use crate::config::RESUME_MAY_CHANGE;
 use crate::config::TrainConfig;
@@ -373,6 +373,31 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
 }
 
 pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
+    let prepared = prepare(&mut cfg, args)?;
+    let mut t = Trainer::new(&cfg, args, prepared)?;
+    let last = args.stop_at.map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
+    while t.state.step < last {
+        let step = t.step()?;
+        t.record(&step, last)?;
+    }
+    t.finish()
+}
+
+/// A run directory ready to train into: checked against what it holds, with its data split,
+/// the device, the lock that keeps other trainers out, and the weights a fresh continued
+/// run starts from.
+struct Prepared {
+    device: Device,
+    train_split: Split,
+    val_split: Split,
+    /// Held for the whole run: the OS releases it when the process dies.
+    _lock: std::fs::File,
+    init_from: Option<PathBuf>,
+}
+
+/// Checks the run directory, the data and the memory before anything is written, then takes
+/// the directory: its lock, the record of the weights it starts from, and its `config.toml`.
+fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     let out = &args.out;
     let cfg_path = out.join("config.toml");
     if args.resume {
@@ -387,9 +412,9 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             out.display()
         );
     }
-    let meta = resolve_with_data(&mut cfg)?;
+    let meta = resolve_with_data(cfg)?;
     let changed = if args.resume {
-        resume_changes(&cfg_path, &cfg)?
+        resume_changes(&cfg_path, cfg)?
     } else {
         Vec::new()
     };
@@ -415,7 +440,7 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             split.largest_shard()
         );
     }
-    memory::check_training(&cfg, device)?;
+    memory::check_training(cfg, device)?;
     atomic::ensure_writable_dir(out)?;
     // One trainer per run directory; the OS releases the lock when the process dies.
     let lock = std::fs::File::create(out.join("train.lock"))
@@ -425,10 +450,30 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
         "another attnsweep process is training into {}",
         out.display()
     );
-    // A run resumed before its first checkpoint starts again from the same weights.
-    // The path's own bytes, so a path that is not UTF-8 comes back unchanged.
-    let init_record = out.join("init_from.txt");
-    let init_from = match &args.init_from {
+    let init_from = init_record(args)?;
+    if !args.resume || !changed.is_empty() {
+        atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
+    }
+    if !args.quiet {
+        for (key, was, now) in &changed {
+            eprintln!("resuming with {key} = {now} (was {was})");
+        }
+    }
+    Ok(Prepared {
+        device,
+        train_split,
+        val_split,
+        _lock: lock,
+        init_from,
+    })
+}
+
+/// The weights a continued-pretraining run starts from, recorded in `init_from.txt` so that a
+/// run resumed before its first checkpoint starts again from the same weights. The path's own
+/// bytes, so a path that is not UTF-8 comes back unchanged.
+fn init_record(args: &TrainArgs) -> Result<Option<PathBuf>> {
+    let init_record = args.out.join("init_from.txt");
+    Ok(match &args.init_from {
         Some(src) if !args.resume => {
             let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
             atomic::write_bytes(&init_record, abs.as_os_str().as_bytes())?;
@@ -442,152 +487,188 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
             PathBuf::from(std::ffi::OsStr::from_bytes(&bytes))
         }),
         _ => None,
-    };
-    if !args.resume || !changed.is_empty() {
-        atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
-    }
-    if !args.quiet {
-        for (key, was, now) in &changed {
-            eprintln!("resuming with {key} = {now} (was {was})");
+    })
+}
+
+/// A training run in progress: the model, its optimizer and counters, the generators, and
+/// where it logs.
+struct Trainer<'a> {
+    cfg: &'a Config,
+    args: &'a TrainArgs,
+    prepared: Prepared,
+    built: Built,
+    params: BTreeMap<String, Tensor>,
+    opt: AdamW,
+    state: TrainState,
+    rng: Rng,
+    gate_rng: Rng,
+    ctx: ForwardCtx,
+    /// Probability per step of a forced global step (`MethodSpec::force_global`).
+    p_force: f64,
+    /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
+    routers: Vec<Tensor>,
+    log_path: PathBuf,
+    val_log_path: PathBuf,
+    progress: Progress,
+    status: String,
+    /// Tokens and time since the last logged row, for its tokens/s.
+    window_start: Instant,
+    window_tokens: u64,
+}
+
+/// What one optimizer step measured.
+struct Step {
+    lr: f64,
+    loss: f64,
+    grad_norm: f64,
+    /// Sums over the micro-batches of the regulariser and mu_f, for methods with them.
+    reg_sum: Option<f64>,
+    mu_sum: Option<f64>,
+}
+
+impl<'a> Trainer<'a> {
+    /// Builds the model and optimizer, then restores them: from the run's latest checkpoint
+    /// when resuming, else from `--init-from`'s weights (new modules a paper initialises from
+    /// the base attention copying them).
+    fn new(cfg: &'a Config, args: &'a TrainArgs, prepared: Prepared) -> Result<Trainer<'a>> {
+        let out = &args.out;
+        let built = Built::new(cfg, prepared.device)?;
+        let params = built.params();
+        let t = &cfg.train;
+        let trainable: BTreeMap<String, Tensor> = params
+            .iter()
+            .filter(|(name, p)| {
+                let frozen = t.freeze_mlp && frozen_by_freeze_mlp(name);
+                if frozen {
+                    let _ = p.set_requires_grad(false);
+                }
+                !frozen
+            })
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .collect();
+        let mut opt = AdamW::new(&trainable, built.model.kernels);
+        let mut state = TrainState {
+            step: 0,
+            rng_state: Rng::new(t.seed ^ 0xDA7A).state,
+            gate_rng_state: Rng::new(t.seed ^ 0x6A7E).state,
+            tokens_seen: 0,
+        };
+        let resumed_from = if args.resume {
+            checkpoint::latest(out)?
+        } else {
+            None
+        };
+        if let Some(ckpt) = &resumed_from {
+            state = checkpoint::read_state(ckpt)?;
+            ensure!(
+                state.step <= t.steps,
+                "{} is at step {}, beyond train.steps = {}: it belongs to a longer run, so this \
+                 config.toml does not describe it",
+                ckpt.display(),
+                state.step,
+                t.steps
+            );
+            checkpoint::load_into(&params, &ckpt.join("model.safetensors"), true)?;
+            opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
+        } else if let Some(src) = &prepared.init_from {
+            init_from(&built, &params, src, args.quiet)?;
         }
-    }
-
-    let built = Built::new(&cfg, device)?;
-    let params = built.params();
-    let t = &cfg.train;
-    let trainable: BTreeMap<String, Tensor> = params
-        .iter()
-        .filter(|(name, p)| {
-            let frozen = t.freeze_mlp && frozen_by_freeze_mlp(name);
-            if frozen {
-                let _ = p.set_requires_grad(false);
-            }
-            !frozen
-        })
-        .map(|(n, p)| (n.clone(), p.shallow_clone()))
-        .collect();
-    let mut opt = AdamW::new(&trainable, built.model.kernels);
-    let mut state = TrainState {
-        step: 0,
-        rng_state: Rng::new(t.seed ^ 0xDA7A).state,
-        gate_rng_state: Rng::new(t.seed ^ 0x6A7E).state,
-        tokens_seen: 0,
-    };
-
-    let resumed_from = if args.resume {
-        checkpoint::latest(out)?
-    } else {
-        None
-    };
-    if let Some(ckpt) = &resumed_from {
-        state = checkpoint::read_state(ckpt)?;
-        ensure!(
-            state.step <= t.steps,
-            "{} is at step {}, beyond train.steps = {}: it belongs to a longer run, so this \
-             config.toml does not describe it",
-            ckpt.display(),
-            state.step,
-            t.steps
-        );
-        checkpoint::load_into(&params, &ckpt.join("model.safetensors"), true)?;
-        opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
-    } else if let Some(src) = &init_from {
-        let file = checkpoint::resolve_weights(src)?;
-        let r = checkpoint::load_into(&params, &file, false)?;
-        ensure!(
-            !r.loaded.is_empty(),
-            "--init-from {}: no tensor name matches this model",
-            file.display()
-        );
-        // New modules that a paper initialises from the base attention copy the loaded weights.
-        built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
+        let log_path = out.join("train_log.csv");
+        let val_log_path = out.join("val_log.csv");
+        if args.resume {
+            truncate_log(&log_path, state.step)?;
+            // The final evaluation's row is written again below.
+            truncate_log(&val_log_path, state.step.min(t.steps - 1))?;
+            checkpoint::remove_temporaries(out)?;
+        }
+        let ctx = ForwardCtx {
+            compute_logits: built.model.kernels.is_some(),
+            ..Default::default()
+        };
+        let routers: Vec<Tensor> = trainable
+            .iter()
+            .filter(|(n, _)| t.router_hold_steps > 0 && n.contains(".router."))
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
         if !args.quiet {
+            let n: i64 = params.values().map(|p| p.numel() as i64).sum();
+            let path = match &built.model.kernels {
+                Some(k) => format!("kernels {}", k.path.display()),
+                None => "reference path".into(),
+            };
             eprintln!(
-                "init-from {}: loaded {} tensors, initialised {} new ({:?}), ignored {} ({:?})",
-                file.display(),
-                r.loaded.len(),
-                r.initialised.len(),
-                r.initialised,
-                r.unused.len(),
-                r.unused
+                "device {:?}, {} params, attention {:?} ({path}), {} steps from step {}{}",
+                prepared.device,
+                n,
+                cfg.attention.method,
+                t.steps,
+                state.step,
+                resumed_from
+                    .as_ref()
+                    .map(|c| format!(" (resumed from {})", c.display()))
+                    .unwrap_or_default()
             );
         }
-    }
-    let log_path = out.join("train_log.csv");
-    let val_log_path = out.join("val_log.csv");
-    if args.resume {
-        truncate_log(&log_path, state.step)?;
-        // The final evaluation's row is written again below.
-        truncate_log(&val_log_path, state.step.min(t.steps - 1))?;
-        checkpoint::remove_temporaries(out)?;
-    }
-    let mut rng = Rng {
-        state: state.rng_state,
-    };
-    let mut gate_rng = Rng {
-        state: state.gate_rng_state,
-    };
-    let mut ctx = ForwardCtx {
-        compute_logits: built.model.kernels.is_some(),
-        ..Default::default()
-    };
-    let p_force = (spec(cfg.attention.method).force_global)(&cfg.attention);
-    // train.router_hold_steps: the routers' weights, kept out of the update while held.
-    let routers: Vec<&Tensor> = trainable
-        .iter()
-        .filter(|(n, _)| t.router_hold_steps > 0 && n.contains(".router."))
-        .map(|(_, p)| p)
-        .collect();
-    let last = args.stop_at.map_or(t.steps, |s| s.min(t.steps));
-    if !args.quiet {
-        let n: i64 = params.values().map(|p| p.numel() as i64).sum();
-        let path = match &built.model.kernels {
-            Some(k) => format!("kernels {}", k.path.display()),
-            None => "reference path".into(),
-        };
-        eprintln!(
-            "device {device:?}, {} params, attention {:?} ({path}), {} steps from step {}{}",
-            n,
-            cfg.attention.method,
-            t.steps,
-            state.step,
-            resumed_from
-                .as_ref()
-                .map(|c| format!(" (resumed from {})", c.display()))
-                .unwrap_or_default()
+        let mut progress = Progress::new(
+            t.steps as u64,
+            "steps",
+            args.quiet,
+            Duration::from_secs(args.status_every),
         );
+        progress.start_at(state.step as u64);
+        Ok(Trainer {
+            cfg,
+            args,
+            prepared,
+            built,
+            params,
+            opt,
+            rng: Rng {
+                state: state.rng_state,
+            },
+            gate_rng: Rng {
+                state: state.gate_rng_state,
+            },
+            state,
+            ctx,
+            p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
+            routers,
+            log_path,
+            val_log_path,
+            progress,
+            status: String::new(),
+            window_start: Instant::now(),
+            window_tokens: 0,
+        })
     }
-    let mut progress = Progress::new(
-        t.steps as u64,
-        "steps",
-        args.quiet,
-        Duration::from_secs(args.status_every),
-    );
-    progress.start_at(state.step as u64);
-    let mut status = String::new();
 
-    let tokens_per_step = (t.batch_size * t.grad_accum * cfg.data.seq_len) as u64;
-    let mut window_start = Instant::now();
-    let mut window_tokens = 0u64;
-    while state.step < last {
-        let lr = learning_rate(t, state.step);
-        opt.zero_grad();
+    /// One optimizer step over `train.grad_accum` micro-batches; refused before the update
+    /// when the loss or the gradient norm is not finite.
+    fn step(&mut self) -> Result<Step> {
+        let t = &self.cfg.train;
+        let lr = learning_rate(t, self.state.step);
+        self.opt.zero_grad();
         // A forced global step (L2A's anti-collapse draw): once per optimizer step, from the
         // gate generator.
-        ctx.force_global = p_force > 0.0 && gate_rng.uniform() < p_force;
+        self.ctx.force_global = self.p_force > 0.0 && self.gate_rng.uniform() < self.p_force;
         // While held, every gate is open and the router gets no gradient (so AdamW leaves it
         // and its moments untouched).
-        let held = (state.step as usize) < t.router_hold_steps;
-        ctx.gate_override = held.then_some(GateOverride::Constant(1.0));
-        for r in &routers {
+        let held = self.state.step < t.router_hold_steps;
+        self.ctx.gate_override = held.then_some(GateOverride::Constant(1.0));
+        for r in &self.routers {
             let _ = r.set_requires_grad(!held);
         }
         // Context-free (Bernoulli) gates are drawn afresh each step.
-        ctx.gate_seed = gate_rng.next_u64();
+        self.ctx.gate_seed = self.gate_rng.next_u64();
         let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
         for _ in 0..t.grad_accum {
-            let b = train_split.sample(&mut rng, t.batch_size, cfg.data.seq_len, device)?;
-            let m = micro_step(&built.model, &b.x, &b.y, &ctx, t.grad_accum);
+            let b = self.prepared.train_split.sample(
+                &mut self.rng,
+                t.batch_size,
+                self.cfg.data.seq_len,
+                self.prepared.device,
+            )?;
+            let m = micro_step(&self.built.model, &b.x, &b.y, &self.ctx, t.grad_accum);
             loss_sum += m.loss;
             if let Some(r) = m.reg {
                 *reg_sum.get_or_insert(0.0) += r;
@@ -596,92 +677,150 @@ pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
                 *mu_sum.get_or_insert(0.0) += mu;
             }
         }
-        let accum = t.grad_accum as f64;
-        let loss = loss_sum / accum;
-        let fmt_opt = |v: Option<f64>| v.map(|v| format!("{:.6}", v / accum)).unwrap_or_default();
-        let grad_norm = opt.clip_grad_norm(t.grad_clip);
+        let loss = loss_sum / t.grad_accum as f64;
+        let grad_norm = self.opt.clip_grad_norm(t.grad_clip);
         if !loss.is_finite() || !grad_norm.is_finite() {
             bail!(
                 "non-finite {} at step {}: the update was not applied; the last good checkpoint is kept",
                 if loss.is_finite() { format!("gradient norm ({grad_norm})") } else { format!("loss ({loss})") },
-                state.step + 1
+                self.state.step + 1
             );
         }
-        opt.update(lr, t);
+        self.opt.update(lr, t);
         fault::point("step_applied");
-        state.step += 1;
-        state.tokens_seen += tokens_per_step;
-        window_tokens += tokens_per_step;
-        if state.step % t.log_every == 0 || state.step == last {
-            let tps = window_tokens as f64 / window_start.elapsed().as_secs_f64();
-            status = format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s");
+        let tokens_per_step = (t.batch_size * t.grad_accum * self.cfg.data.seq_len) as u64;
+        self.state.step += 1;
+        self.state.tokens_seen += tokens_per_step;
+        self.window_tokens += tokens_per_step;
+        Ok(Step {
+            lr,
+            loss,
+            grad_norm,
+            reg_sum,
+            mu_sum,
+        })
+    }
+
+    /// After a step: its log row, a validation loss and a checkpoint when they are due.
+    fn record(&mut self, s: &Step, last: usize) -> Result<()> {
+        let t = &self.cfg.train;
+        let step = self.state.step;
+        let accum = t.grad_accum as f64;
+        let fmt_opt = |v: Option<f64>| v.map(|v| format!("{:.6}", v / accum)).unwrap_or_default();
+        if step % t.log_every == 0 || step == last {
+            let tps = self.window_tokens as f64 / self.window_start.elapsed().as_secs_f64();
+            let (loss, lr) = (s.loss, s.lr);
+            self.status = format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s");
             append_row(
-                &log_path,
+                &self.log_path,
                 &LOG_HEADER,
                 &[
-                    state.step.to_string(),
+                    step.to_string(),
                     format!("{loss:.6}"),
                     format!("{lr:.6e}"),
-                    format!("{grad_norm:.6}"),
+                    format!("{:.6}", s.grad_norm),
                     format!("{tps:.1}"),
-                    state.tokens_seen.to_string(),
-                    fmt_opt(reg_sum),
-                    fmt_opt(mu_sum),
+                    self.state.tokens_seen.to_string(),
+                    fmt_opt(s.reg_sum),
+                    fmt_opt(s.mu_sum),
                 ],
             )?;
-            window_start = Instant::now();
-            window_tokens = 0;
+            self.window_start = Instant::now();
+            self.window_tokens = 0;
         }
-        progress.update(state.step as u64, &status);
-        if t.eval_every > 0 && state.step % t.eval_every == 0 && state.step < t.steps {
-            let r = eval::evaluate(&built.model, &val_split, &cfg, "val", device, false)?;
-            append_row(
-                &val_log_path,
-                &["step", "val_loss"],
-                &[state.step.to_string(), format!("{:.6}", r.loss)],
+        self.progress.update(step as u64, &self.status);
+        if t.eval_every > 0 && step % t.eval_every == 0 && step < t.steps {
+            let r = eval::evaluate(
+                &self.built.model,
+                &self.prepared.val_split,
+                self.cfg,
+                "val",
+                self.prepared.device,
+                false,
             )?;
-            progress.println(&format!("step {}: val loss {:.4}", state.step, r.loss));
+            append_row(
+                &self.val_log_path,
+                &["step", "val_loss"],
+                &[step.to_string(), format!("{:.6}", r.loss)],
+            )?;
+            self.progress
+                .println(&format!("step {step}: val loss {:.4}", r.loss));
         }
-        if state.step % t.ckpt_every == 0 || state.step == last {
-            state.rng_state = rng.state;
-            state.gate_rng_state = gate_rng.state;
-            let model_tensors: Vec<(String, Tensor)> = params
+        if step % t.ckpt_every == 0 || step == last {
+            self.state.rng_state = self.rng.state;
+            self.state.gate_rng_state = self.gate_rng.state;
+            let model_tensors: Vec<(String, Tensor)> = self
+                .params
                 .iter()
                 .map(|(n, p)| (n.clone(), p.shallow_clone()))
                 .collect();
             checkpoint::save(
-                out,
+                &self.args.out,
                 &model_tensors,
-                &opt.state_tensors(),
-                &state,
+                &self.opt.state_tensors(),
+                &self.state,
                 t.keep_checkpoints,
             )?;
         }
+        Ok(())
     }
-    progress.finish();
-    if state.step == t.steps {
-        let mut r = eval::evaluate(&built.model, &val_split, &cfg, "val", device, false)?;
-        r.checkpoint_step = Some(state.step);
-        r.timing = eval::timing_of(&built.model, &val_split, &cfg, device);
-        append_row(
-            &val_log_path,
-            &["step", "val_loss"],
-            &[state.step.to_string(), format!("{:.6}", r.loss)],
-        )?;
-        eval::write_report(&out.join("eval"), &r, &cfg)?;
-        if !args.quiet {
+
+    /// The final evaluation (`eval/`) once every step is done, or a note that the run stopped
+    /// early and can be resumed.
+    fn finish(self) -> Result<()> {
+        self.progress.finish();
+        let (cfg, args, t) = (self.cfg, self.args, &self.cfg.train);
+        let (model, device) = (&self.built.model, self.prepared.device);
+        if self.state.step == t.steps {
+            let val = &self.prepared.val_split;
+            let mut r = eval::evaluate(model, val, cfg, "val", device, false)?;
+            r.checkpoint_step = Some(self.state.step);
+            r.timing = eval::timing_of(model, val, cfg, device);
+            append_row(
+                &self.val_log_path,
+                &["step", "val_loss"],
+                &[self.state.step.to_string(), format!("{:.6}", r.loss)],
+            )?;
+            eval::write_report(&args.out.join("eval"), &r, cfg)?;
+            if !args.quiet {
+                eprintln!(
+                    "done: {} steps, val loss {:.4} (ppl {:.2}), results in {}",
+                    t.steps,
+                    r.loss,
+                    r.perplexity,
+                    args.out.display()
+                );
+            }
+        } else if !args.quiet {
             eprintln!(
-                "done: {} steps, val loss {:.4} (ppl {:.2}), results in {}",
-                t.steps,
-                r.loss,
-                r.perplexity,
-                out.display()
+                "stopped at step {} of {}; continue with --resume",
+                self.state.step, t.steps
             );
         }
-    } else if !args.quiet {
+        Ok(())
+    }
+}
+
+/// Loads `--init-from`'s weights into `params` (continued pretraining); new modules a paper
+/// initialises from the base attention copy the loaded weights.
+fn init_from(built: &Built, params: &BTreeMap<String, Tensor>, src: &Path, quiet: bool) -> Result<()> {
+    let file = checkpoint::resolve_weights(src)?;
+    let r = checkpoint::load_into(params, &file, false)?;
+    ensure!(
+        !r.loaded.is_empty(),
+        "--init-from {}: no tensor name matches this model",
+        file.display()
+    );
+    built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
+    if !quiet {
         eprintln!(
-            "stopped at step {} of {}; continue with --resume",
-            state.step, t.steps
+            "init-from {}: loaded {} tensors, initialised {} new ({:?}), ignored {} ({:?})",
+            file.display(),
+            r.loaded.len(),
+            r.initialised.len(),
+            r.initialised,
+            r.unused.len(),
+            r.unused
         );
     }
     Ok(())

@@ -254,7 +254,22 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         .filter(|r| r.method == Method::Aha && r.router == Router::Learned)
         .collect();
     let mut figs: Vec<(String, Figure)> = Vec::new();
+    mu_f_vs_window(&train, &mut figs);
+    head_usage(&aha, &mut figs);
+    lambda_ablation(&aha, &mut figs);
+    threshold_sweep(&all, &mut figs);
+    layer_sparsity(&all, &mut figs);
+    loss_curves(sweep, &train, &mut figs);
+    router_curves(sweep, &train, &mut figs);
+    bucket_loss(&all, &mut figs);
+    ppa_s_curve(&train, &mut figs);
+    cell_files(sweep, &all, &mut figs)?;
+    figs.extend(pareto_figures(&all));
+    Ok(figs)
+}
 
+/// AHA Tables 1/2: every learned router's usage and loss against the window, where windows vary.
+fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let routed_by_window: Vec<&Row> = train
         .iter()
         .copied()
@@ -278,8 +293,12 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             ),
         ));
     }
+}
+
+/// AHA Figs. 3/4: each learned AHA cell's layer x head usage, and every head sorted.
+fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let mut sorted_usage = Vec::new();
-    for r in &aha {
+    for r in aha {
         let Some(g) = r.gates() else { continue };
         let m = g.per_head.clone();
         if m.is_empty() {
@@ -313,6 +332,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+}
+
+/// AHA Table 4: usage and loss against lambda, where lambdas vary.
+fn lambda_ablation(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let lambdas: std::collections::BTreeSet<u64> = aha.iter().map(|r| r.lambda.to_bits()).collect();
     if lambdas.len() > 1 {
         let key = |r: &Row| format!("w={}", r.window);
@@ -326,6 +349,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             ),
         ));
     }
+}
+
+/// L2A Fig. 13: quality against attention work as the test-time threshold varies.
+fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let tau: Vec<&Row> = all
         .iter()
         .filter(|r| r.method == Method::L2a && r.kind == StageKind::Eval && r.mu_f().is_some())
@@ -365,6 +392,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+}
+
+/// L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer of each trained per-token router.
+fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     for r in all
         .iter()
         .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train)
@@ -385,6 +416,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+}
+
+/// Validation loss during training (PPA Fig. 2), continuations on their own axes too.
+fn loss_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let curves: Vec<(bool, Series)> = train
         .iter()
         .filter_map(|r| {
@@ -444,8 +479,11 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         };
         figs.push(("loss_curves".into(), fig));
     }
-    // The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
-    // usage and training loss over its own steps, from `train_log.csv`.
+}
+
+/// The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
+/// usage and training loss over its own steps, from `train_log.csv`.
+fn router_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let logs: Vec<(&Row, Vec<Vec<f64>>)> = train
         .iter()
         .filter(|r| r.router == Router::Learned && r.mu_f().is_some())
@@ -481,6 +519,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+}
+
+/// Loss by dependency distance on the synthetic corpus, every evaluated cell.
+fn bucket_loss(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let buckets: Vec<&Row> = all
         .iter()
         .filter(|r| r.kind != StageKind::Prune && r.report.buckets.len() > 1)
@@ -512,6 +554,10 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             },
         ));
     }
+}
+
+/// PPA Fig. 3 and Table 1: final loss against p, and the far-recall accuracy beside it.
+fn ppa_s_curve(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let ppa: Vec<&Row> = train
         .iter()
         .copied()
@@ -558,7 +604,12 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
         };
         figs.push(("ppa_s_curve".into(), fig));
     }
-    for r in &all {
+}
+
+/// The figures of each cell's own evaluation files: probe usage maps (AHA Fig. 3 per task)
+/// and NIAH by length and depth (SwiAttn Figs. 3 and 6).
+fn cell_files(sweep: &Path, all: &[Row], figs: &mut Vec<(String, Figure)>) -> Result<()> {
+    for r in all {
         let p = sweep.join(&r.cell).join("eval/probe_head_usage.csv");
         if p.is_file() {
             for (task, f) in probe_usage_maps(&p, &format!("{} {}", name_of(r.method), r.label))? {
@@ -575,8 +626,7 @@ pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
             }
         }
     }
-    figs.extend(pareto_figures(&all));
-    Ok(figs)
+    Ok(())
 }
 
 /// Per cost of `pareto::Cost`, over the comparable cells: validation loss against it, and

@@ -240,6 +240,37 @@ fn matching_cell<'a>(
 /// config once the settings its method ignores are set aside, the same starting point and
 /// kind) shares that cell's id and directory, so it is run once.
 pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
+    check_grid(grid)?;
+    let mut cells: Vec<Cell> = Vec::new();
+    // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
+    // computation, not a collision of the 32-bit hashes.
+    let mut fingerprints: BTreeMap<String, String> = BTreeMap::new();
+    for (si, stage) in grid.stages.iter().enumerate() {
+        let what = format!("stage {:?}", stage.name);
+        ensure!(
+            grid.stages[..si].iter().all(|s| s.name != stage.name),
+            "{what} is defined twice"
+        );
+        let (source, reads) = stage_sources(grid, si, &what)?;
+        if stage.kind == StageKind::Prune {
+            let of = source.as_deref().expect("prune stages have `of`");
+            check_prune(stage, of, &cells, &what)?;
+        }
+        let first = cells.len();
+        for plan in plans(stage, source.as_deref(), &cells, &what)? {
+            let cell = new_cell(grid, stage, plan, reads.as_deref(), &cells, &mut fingerprints, &what)?;
+            cells.push(cell);
+        }
+        ensure!(
+            cells.len() > first,
+            "{what} expands to no cells (every assignment is excluded, or the stage it works on has none); give it axes, include or set"
+        );
+    }
+    Ok(cells)
+}
+
+/// The grid's own sections: its name, and its data set described once.
+fn check_grid(grid: &Grid) -> Result<()> {
     ensure!(
         !grid.stages.is_empty(),
         "grid {} has no [[stage]]",
@@ -288,243 +319,277 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             grid.name
         );
     }
-    let mut cells: Vec<Cell> = Vec::new();
-    // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
-    // computation, not a collision of the 32-bit hashes.
-    let mut fingerprints: BTreeMap<String, String> = BTreeMap::new();
-    for (si, stage) in grid.stages.iter().enumerate() {
-        let what = format!("stage {:?}", stage.name);
-        ensure!(
-            grid.stages[..si].iter().all(|s| s.name != stage.name),
-            "{what} is defined twice"
-        );
-        let earlier = |name: &Option<String>, field: &str| -> Result<Option<&Stage>> {
-            match name {
-                None => Ok(None),
-                Some(n) => match grid.stages[..si].iter().find(|s| &s.name == n) {
-                    Some(s) => Ok(Some(s)),
-                    None => bail!("{what}: {field} = {n:?} names no earlier stage"),
-                },
-            }
-        };
-        let (source, reads) = match stage.kind {
-            StageKind::Train => {
-                ensure!(
-                    stage.of.is_none(),
-                    "{what}: `of` is for eval and prune stages; train stages use init_from"
-                );
-                ensure!(
-                    stage.thresholds.is_empty(),
-                    "{what}: thresholds are for prune stages"
-                );
-                let from = earlier(&stage.init_from, "init_from")?;
-                if let Some(f) = from.filter(|f| f.kind == StageKind::Eval) {
-                    bail!(
-                        "{what}: init_from = {:?} names a stage of kind eval, whose cells hold no weights to start from",
-                        f.name
-                    );
-                }
-                (from, earlier(&stage.reads, "reads")?)
-            }
-            StageKind::Eval | StageKind::Prune => {
-                ensure!(
-                    stage.init_from.is_none() && stage.reads.is_none(),
-                    "{what}: init_from and reads are for train stages"
-                );
-                if let Some(k) = stage
-                    .set
-                    .iter()
-                    .chain(stage.axes.iter())
-                    .find(|(_, v)| has_placeholder(v))
-                    .map(|(k, _)| k)
-                {
-                    bail!(
-                        "{what}: {k} holds {{source}} or {{reads}}, which only train stages \
-                         resolve; give the path itself"
-                    );
-                }
-                let of = earlier(&stage.of, "of")?;
-                let Some(of) = of else {
-                    bail!("{what}: a {:?} stage needs `of`", stage.kind)
-                };
-                // Evaluation needs a model: a trained or a pruned one; pruning a trained one.
-                let allowed = match stage.kind {
-                    StageKind::Eval => of.kind != StageKind::Eval,
-                    _ => of.kind == StageKind::Train,
-                };
-                ensure!(
-                    allowed,
-                    "{what}: of = {:?} names a stage of kind {}, whose cells hold no model to {}",
-                    of.name,
-                    format!("{:?}", of.kind).to_lowercase(),
-                    if stage.kind == StageKind::Eval {
-                        "evaluate"
-                    } else {
-                        "prune"
-                    }
-                );
-                (Some(of), None)
-            }
-        };
-        let source = source.map(|s| s.name.clone());
-        let reads = reads.map(|s| s.name.clone());
-        if stage.kind == StageKind::Prune {
+    Ok(())
+}
+
+/// The stages stage `si` starts from or acts on (`init_from`, `of`) and reads, by name, each an
+/// earlier stage of a kind it can use.
+fn stage_sources(grid: &Grid, si: usize, what: &str) -> Result<(Option<String>, Option<String>)> {
+    let stage = &grid.stages[si];
+    let earlier = |name: &Option<String>, field: &str| -> Result<Option<&Stage>> {
+        match name {
+            None => Ok(None),
+            Some(n) => match grid.stages[..si].iter().find(|s| &s.name == n) {
+                Some(s) => Ok(Some(s)),
+                None => bail!("{what}: {field} = {n:?} names no earlier stage"),
+            },
+        }
+    };
+    let (source, reads) = match stage.kind {
+        StageKind::Train => {
             ensure!(
-                !stage.thresholds.is_empty(),
-                "{what}: a prune stage needs thresholds"
+                stage.of.is_none(),
+                "{what}: `of` is for eval and prune stages; train stages use init_from"
             );
-            if let Some(t) = stage.thresholds.iter().find(|t| !(0.0..=1.0).contains(*t)) {
-                bail!("{what}: threshold {t} is outside 0 ..= 1 (a layer is pruned when its sparsity, 1 - its mean gate, reaches the threshold)");
-            }
             ensure!(
-                stage.axes.is_empty() && stage.zip.is_empty() && stage.include.is_empty(),
-                "{what}: prune stages take thresholds, not axes"
+                stage.thresholds.is_empty(),
+                "{what}: thresholds are for prune stages"
             );
-            let of = source.as_deref().expect("prune stages have `of`");
-            if let Some(c) = cells
-                .iter()
-                .find(|c| c.stage == of && c.config.attention.method != Method::L2a)
-            {
+            let from = earlier(&stage.init_from, "init_from")?;
+            if let Some(f) = from.filter(|f| f.kind == StageKind::Eval) {
                 bail!(
-                    "{what}: pruning removes L2A's global modules, but cell {} ({}) of stage {of:?} trains method {:?}",
-                    c.id,
-                    c.label,
-                    c.config.attention.method
+                    "{what}: init_from = {:?} names a stage of kind eval, whose cells hold no weights to start from",
+                    f.name
                 );
             }
+            (from, earlier(&stage.reads, "reads")?)
         }
-        let stage_assignments = match stage.kind {
-            StageKind::Prune => vec![BTreeMap::new()],
-            _ => assignments(stage)?,
-        };
-        // (assignment, dependency, threshold) of every cell of the stage.
-        let mut plans: Vec<(BTreeMap<String, toml::Value>, Option<Cell>, Option<f64>)> = Vec::new();
-        match (&source, stage.kind) {
-            (None, _) => plans.extend(stage_assignments.into_iter().map(|a| (a, None, None))),
-            // A train cell continues from the one cell of the source stage that agrees with
-            // it on every varied key both stages have.
-            (Some(src), StageKind::Train) => {
-                for a in stage_assignments {
-                    let dep = matching_cell(&cells, src, &a, &what)?.clone();
-                    plans.push((a, Some(dep), None));
-                }
-            }
-            // Eval and prune cells act on every cell of their source stage.
-            (Some(src), _) => {
-                let mut seen = std::collections::BTreeSet::new();
-                let deps: Vec<&Cell> = cells
-                    .iter()
-                    .filter(|c| &c.stage == src && seen.insert(c.id.clone()))
-                    .collect();
-                for d in deps {
-                    if stage.kind == StageKind::Prune {
-                        plans.extend(
-                            stage
-                                .thresholds
-                                .iter()
-                                .map(|&t| (BTreeMap::new(), Some(d.clone()), Some(t))),
-                        );
-                    } else {
-                        plans.extend(
-                            stage_assignments
-                                .iter()
-                                .map(|a| (a.clone(), Some(d.clone()), None)),
-                        );
-                    }
-                }
-            }
-        }
-        let first = cells.len();
-        for (assignment, dep, threshold) in plans {
-            let mut settings: BTreeMap<String, toml::Value> = stage
+        StageKind::Eval | StageKind::Prune => {
+            ensure!(
+                stage.init_from.is_none() && stage.reads.is_none(),
+                "{what}: init_from and reads are for train stages"
+            );
+            if let Some(k) = stage
                 .set
                 .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            settings.extend(assignment.clone());
-            // Eval and prune cells act on the model of the cell they depend on.
-            let (config, settings) = match (&dep, stage.kind) {
-                (Some(d), StageKind::Eval) => {
-                    let mut s = d.settings.clone();
-                    s.extend(settings);
-                    (resolve(&grid.base, &s, &what)?, s)
-                }
-                (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
-                _ => (resolve(&grid.base, &settings, &what)?, settings),
-            };
-            let read = match &reads {
-                Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
-                None => None,
-            };
-            if stage.match_usage {
-                let a = &config.attention;
-                ensure!(
-                    read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
-                    "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
-                     reads: it needs reads = \"<stage>\" and a routed method with \
-                     attention.router = \"bernoulli\""
+                .chain(stage.axes.iter())
+                .find(|(_, v)| has_placeholder(v))
+                .map(|(k, _)| k)
+            {
+                bail!(
+                    "{what}: {k} holds {{source}} or {{reads}}, which only train stages \
+                     resolve; give the path itself"
                 );
             }
-            let fingerprint = format!(
-                "{:?}\n{}\n{}\n{:?}{}{}",
-                stage.kind,
-                config.canonical().non_default_toml(),
-                dep.as_ref().map_or("", |d| d.id.as_str()),
-                threshold.map(|t| t.to_bits()),
-                read.as_ref()
-                    .map_or(String::new(), |r| format!("\nreads {r}")),
-                if stage.match_usage {
-                    "\nmatch_usage"
+            let of = earlier(&stage.of, "of")?;
+            let Some(of) = of else {
+                bail!("{what}: a {:?} stage needs `of`", stage.kind)
+            };
+            // Evaluation needs a model: a trained or a pruned one; pruning a trained one.
+            let allowed = match stage.kind {
+                StageKind::Eval => of.kind != StageKind::Eval,
+                _ => of.kind == StageKind::Train,
+            };
+            ensure!(
+                allowed,
+                "{what}: of = {:?} names a stage of kind {}, whose cells hold no model to {}",
+                of.name,
+                format!("{:?}", of.kind).to_lowercase(),
+                if stage.kind == StageKind::Eval {
+                    "evaluate"
                 } else {
-                    ""
+                    "prune"
                 }
             );
-            let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
-            match fingerprints.get(&hash) {
-                Some(f) if *f != fingerprint => bail!(
-                    "{what}: two different cells share the hash {hash}; change any setting of one"
-                ),
-                _ => fingerprints.insert(hash.clone(), fingerprint),
-            };
-            let id = cells
-                .iter()
-                .find(|c| c.id.ends_with(&hash))
-                .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
-            // The label names what varies: the dependency's varied keys, then this cell's.
-            let mut shown = dep
-                .as_ref()
-                .map(|d| d.assignment.clone())
-                .unwrap_or_default();
-            if stage.kind != StageKind::Train {
-                shown.extend(assignment.clone());
-            } else {
-                shown = assignment.clone();
-            }
-            let mut lab = label(&shown);
-            if let Some(t) = threshold {
-                lab = format!("{lab} threshold={t}").trim().to_string();
-            }
-            cells.push(Cell {
-                index: cells.len(),
-                id,
-                stage: stage.name.clone(),
-                kind: stage.kind,
-                label: lab,
-                assignment: shown,
-                settings,
-                depends_on: dep.map(|d| d.id),
-                reads: read,
-                match_usage: stage.match_usage,
-                threshold,
-                config,
-            });
+            (Some(of), None)
         }
-        ensure!(
-            cells.len() > first,
-            "{what} expands to no cells (every assignment is excluded, or the stage it works on has none); give it axes, include or set"
+    };
+    Ok((source.map(|s| s.name.clone()), reads.map(|s| s.name.clone())))
+}
+
+/// A prune stage takes thresholds, and acts on L2A cells only.
+fn check_prune(stage: &Stage, of: &str, cells: &[Cell], what: &str) -> Result<()> {
+    ensure!(
+        !stage.thresholds.is_empty(),
+        "{what}: a prune stage needs thresholds"
+    );
+    if let Some(t) = stage.thresholds.iter().find(|t| !(0.0..=1.0).contains(*t)) {
+        bail!("{what}: threshold {t} is outside 0 ..= 1 (a layer is pruned when its sparsity, 1 - its mean gate, reaches the threshold)");
+    }
+    ensure!(
+        stage.axes.is_empty() && stage.zip.is_empty() && stage.include.is_empty(),
+        "{what}: prune stages take thresholds, not axes"
+    );
+    if let Some(c) = cells
+        .iter()
+        .find(|c| c.stage == of && c.config.attention.method != Method::L2a)
+    {
+        bail!(
+            "{what}: pruning removes L2A's global modules, but cell {} ({}) of stage {of:?} trains method {:?}",
+            c.id,
+            c.label,
+            c.config.attention.method
         );
     }
-    Ok(cells)
+    Ok(())
+}
+
+/// One cell a stage plans: its own varied settings, the cell it starts from or acts on, and
+/// (prune cells) its threshold.
+struct Plan {
+    assignment: BTreeMap<String, toml::Value>,
+    dep: Option<Cell>,
+    threshold: Option<f64>,
+}
+
+impl Plan {
+    fn new(
+        assignment: BTreeMap<String, toml::Value>,
+        dep: Option<Cell>,
+        threshold: Option<f64>,
+    ) -> Plan {
+        Plan {
+            assignment,
+            dep,
+            threshold,
+        }
+    }
+}
+
+/// The cells a stage plans: its assignments, each from the matching cell of the stage it
+/// continues (train), or on every cell of the stage it acts on (eval, prune).
+fn plans(stage: &Stage, source: Option<&str>, cells: &[Cell], what: &str) -> Result<Vec<Plan>> {
+    let stage_assignments = match stage.kind {
+        StageKind::Prune => vec![BTreeMap::new()],
+        _ => assignments(stage)?,
+    };
+    let mut plans: Vec<Plan> = Vec::new();
+    match (source, stage.kind) {
+        (None, _) => plans.extend(stage_assignments.into_iter().map(|a| Plan::new(a, None, None))),
+        // A train cell continues from the one cell of the source stage that agrees with
+        // it on every varied key both stages have.
+        (Some(src), StageKind::Train) => {
+            for a in stage_assignments {
+                let dep = matching_cell(cells, src, &a, what)?.clone();
+                plans.push(Plan::new(a, Some(dep), None));
+            }
+        }
+        // Eval and prune cells act on every cell of their source stage.
+        (Some(src), _) => {
+            let mut seen = std::collections::BTreeSet::new();
+            let deps: Vec<&Cell> = cells
+                .iter()
+                .filter(|c| c.stage == src && seen.insert(c.id.clone()))
+                .collect();
+            for d in deps {
+                if stage.kind == StageKind::Prune {
+                    plans.extend(
+                        stage
+                            .thresholds
+                            .iter()
+                            .map(|&t| Plan::new(BTreeMap::new(), Some(d.clone()), Some(t))),
+                    );
+                } else {
+                    plans.extend(
+                        stage_assignments
+                            .iter()
+                            .map(|a| Plan::new(a.clone(), Some(d.clone()), None)),
+                    );
+                }
+            }
+        }
+    }
+    Ok(plans)
+}
+
+/// The cell a plan makes: its resolved config, the cell it reads, its id (the hash of what it
+/// computes, shared with an earlier cell that computes the same) and its label.
+fn new_cell(
+    grid: &Grid,
+    stage: &Stage,
+    plan: Plan,
+    reads: Option<&str>,
+    cells: &[Cell],
+    fingerprints: &mut BTreeMap<String, String>,
+    what: &str,
+) -> Result<Cell> {
+    let Plan {
+        assignment,
+        dep,
+        threshold,
+    } = plan;
+        let mut settings: BTreeMap<String, toml::Value> = stage
+            .set
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        settings.extend(assignment.clone());
+        // Eval and prune cells act on the model of the cell they depend on.
+        let (config, settings) = match (&dep, stage.kind) {
+            (Some(d), StageKind::Eval) => {
+                let mut s = d.settings.clone();
+                s.extend(settings);
+                (resolve(&grid.base, &s, what)?, s)
+            }
+            (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
+            _ => (resolve(&grid.base, &settings, what)?, settings),
+        };
+        let read = match &reads {
+            Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
+            None => None,
+        };
+        if stage.match_usage {
+            let a = &config.attention;
+            ensure!(
+                read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
+                "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
+                 reads: it needs reads = \"<stage>\" and a routed method with \
+                 attention.router = \"bernoulli\""
+            );
+        }
+        let fingerprint = format!(
+            "{:?}\n{}\n{}\n{:?}{}{}",
+            stage.kind,
+            config.canonical().non_default_toml(),
+            dep.as_ref().map_or("", |d| d.id.as_str()),
+            threshold.map(|t| t.to_bits()),
+            read.as_ref()
+                .map_or(String::new(), |r| format!("\nreads {r}")),
+            if stage.match_usage {
+                "\nmatch_usage"
+            } else {
+                ""
+            }
+        );
+        let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+        match fingerprints.get(&hash) {
+            Some(f) if *f != fingerprint => bail!(
+                "{what}: two different cells share the hash {hash}; change any setting of one"
+            ),
+            _ => fingerprints.insert(hash.clone(), fingerprint),
+        };
+        let id = cells
+            .iter()
+            .find(|c| c.id.ends_with(&hash))
+            .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
+        // The label names what varies: the dependency's varied keys, then this cell's.
+        let mut shown = dep
+            .as_ref()
+            .map(|d| d.assignment.clone())
+            .unwrap_or_default();
+        if stage.kind != StageKind::Train {
+            shown.extend(assignment.clone());
+        } else {
+            shown = assignment.clone();
+        }
+        let mut lab = label(&shown);
+        if let Some(t) = threshold {
+            lab = format!("{lab} threshold={t}").trim().to_string();
+        }
+        Ok(Cell {
+            index: cells.len(),
+            id,
+            stage: stage.name.clone(),
+            kind: stage.kind,
+            label: lab,
+            assignment: shown,
+            settings,
+            depends_on: dep.map(|d| d.id),
+            reads: read,
+            match_usage: stage.match_usage,
+            threshold,
+            config,
+        })
 }
 
 pub(super) fn label(a: &BTreeMap<String, toml::Value>) -> String {

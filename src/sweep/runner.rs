@@ -364,7 +364,6 @@ fn run_cell(
     threads: usize,
     watch: &Watch,
 ) -> Result<CellRun> {
-    let mp = watch.mp;
     let dir = args.out.join(&cell.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let lock = std::fs::File::create(dir.join("lock"))?;
@@ -389,8 +388,6 @@ fn run_cell(
             error: None,
         },
     )?;
-    let dep_dir = cell.depends_on.as_ref().map(|d| args.out.join(d));
-    let reads_dir = cell.reads.as_ref().map(|d| args.out.join(d));
     let fail = |error: String| -> Result<CellRun> {
         write_status(
             &dir,
@@ -402,9 +399,61 @@ fn run_cell(
         )?;
         Ok(CellRun::Failed(error))
     };
+    let mut cmd = match cell_command(cell, args, exe, &dir)? {
+        Ok(cmd) => cmd,
+        Err(error) => return fail(error),
+    };
+    if let Some(dev) = device {
+        cmd.env("CUDA_VISIBLE_DEVICES", dev.to_string());
+    }
+    cmd.env("OMP_NUM_THREADS", threads.to_string());
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("log.txt"))?;
+    // The child's stdin is the locked file, so the lock lives as long as the child does: a
+    // runner killed mid-cell leaves its child to finish, and no other runner starts the cell
+    // until both are gone.
+    cmd.stdin(Stdio::from(lock.try_clone()?))
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log));
+    let status = watch_child(cell, cmd, exe, &dir, watch)?;
+    fault::point("sweep_cell_finished");
+    if status.success() {
+        write_status(
+            &dir,
+            &Status {
+                state: State::Done,
+                attempts,
+                error: None,
+            },
+        )?;
+        Ok(CellRun::Done)
+    } else {
+        let text = std::fs::read_to_string(dir.join("log.txt")).unwrap_or_default();
+        let error = text
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("exited with an error")
+            .to_string();
+        fail(error)
+    }
+}
+
+/// The command that runs `cell` in `dir` (`attnsweep train`, `eval` or `prune`), or the reason
+/// it cannot run: a dependency that did not finish, a usage to match that is not there.
+fn cell_command(
+    cell: &Cell,
+    args: &SweepArgs,
+    exe: &Path,
+    dir: &Path,
+) -> Result<std::result::Result<Command, String>> {
+    let dep_dir = cell.depends_on.as_ref().map(|d| args.out.join(d));
+    let reads_dir = cell.reads.as_ref().map(|d| args.out.join(d));
     for d in dep_dir.iter().chain(&reads_dir) {
         if read_status(d).is_none_or(|s| s.state != State::Done) {
-            return fail(format!("dependency {} did not finish", d.display()));
+            return Ok(Err(format!("dependency {} did not finish", d.display())));
         }
     }
     let mut cmd = Command::new(exe);
@@ -423,7 +472,7 @@ fn run_cell(
                 let read = reads_dir.as_ref().expect("match_usage cells read a cell");
                 match usage_of(read) {
                     Ok(mu_f) => config.attention.bernoulli_p = mu_f,
-                    Err(e) => return fail(format!("{e:#}")),
+                    Err(e) => return Ok(Err(format!("{e:#}"))),
                 }
             }
             atomic::write_bytes(
@@ -463,20 +512,19 @@ fn run_cell(
                 .arg(cell.threshold.expect("prune threshold").to_string());
         }
     }
-    if let Some(dev) = device {
-        cmd.env("CUDA_VISIBLE_DEVICES", dev.to_string());
-    }
-    cmd.env("OMP_NUM_THREADS", threads.to_string());
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join("log.txt"))?;
-    // The child's stdin is the locked file, so the lock lives as long as the child does: a
-    // runner killed mid-cell leaves its child to finish, and no other runner starts the cell
-    // until both are gone.
-    cmd.stdin(Stdio::from(lock.try_clone()?))
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log));
+    Ok(Ok(cmd))
+}
+
+/// Starts `cmd` and waits for it, showing the cell's progress (training's logged steps, or a
+/// spinner) on its bar and in the status lines.
+fn watch_child(
+    cell: &Cell,
+    mut cmd: Command,
+    exe: &Path,
+    dir: &Path,
+    watch: &Watch,
+) -> Result<std::process::ExitStatus> {
+    let mp = watch.mp;
     // Training shows its steps; evaluation and pruning, which log no steps, a spinner.
     let bar = match cell.kind {
         StageKind::Train => {
@@ -524,27 +572,7 @@ fn run_cell(
     }
     bar.finish_and_clear();
     mp.remove(&bar);
-    fault::point("sweep_cell_finished");
-    if status.success() {
-        write_status(
-            &dir,
-            &Status {
-                state: State::Done,
-                attempts,
-                error: None,
-            },
-        )?;
-        Ok(CellRun::Done)
-    } else {
-        let text = std::fs::read_to_string(dir.join("log.txt")).unwrap_or_default();
-        let error = text
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("exited with an error")
-            .to_string();
-        fail(error)
-    }
+    Ok(status)
 }
 
 fn last_logged_step(log: &Path) -> u64 {
