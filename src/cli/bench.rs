@@ -19,21 +19,21 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use crate::util::atomic;
 
-pub struct AttentionBench {
-    pub lengths: Vec<i64>,
-    pub head_dims: Vec<i64>,
-    pub windows: Vec<i64>,
-    pub sparsities: Vec<f64>,
+pub(crate) struct AttentionBench {
+    pub(crate) lengths: Vec<i64>,
+    pub(crate) head_dims: Vec<i64>,
+    pub(crate) windows: Vec<i64>,
+    pub(crate) sparsities: Vec<f64>,
     /// Fractions of (token, head) pairs routed to the full prefix (the rest to the window).
-    pub routed_usages: Vec<f64>,
+    pub(crate) routed_usages: Vec<f64>,
     /// PPA powers, each with `ppa_window`.
-    pub ppa_powers: Vec<f64>,
-    pub ppa_window: i64,
-    pub heads: i64,
-    pub reps: usize,
-    pub out: PathBuf,
-    pub python: String,
-    pub peers: bool,
+    pub(crate) ppa_powers: Vec<f64>,
+    pub(crate) ppa_window: i64,
+    pub(crate) heads: i64,
+    pub(crate) reps: usize,
+    pub(crate) out: PathBuf,
+    pub(crate) python: String,
+    pub(crate) peers: bool,
 }
 
 /// Every value of `flag` satisfies `ok`, or an error names the flag, what it needs and the
@@ -67,7 +67,7 @@ fn check_lengths(lengths: &[i64]) -> Result<()> {
 
 impl AttentionBench {
     /// The flags, checked before anything runs or is written.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         check_lengths(&self.lengths)?;
         ensure!(
             !self.head_dims.is_empty(),
@@ -464,7 +464,7 @@ fn write_scaling(rows: &[Scaling], path: &Path) -> Result<()> {
     write_csv(path, &header, records)
 }
 
-pub fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
+pub(crate) fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
     ensure!(
         kern.cuda && tch::Cuda::is_available(),
         "bench attention needs a GPU and the CUDA kernel library"
@@ -743,34 +743,34 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
 /// `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
 /// model per method and length, beside the same model in plain eager PyTorch
 /// (`kernels/train_peer.py`), timed in one run.
-pub struct TrainBench {
-    pub lengths: Vec<i64>,
+pub(crate) struct TrainBench {
+    pub(crate) lengths: Vec<i64>,
     /// Tokens per step; the batch is `tokens / L` (at least 1).
-    pub tokens: i64,
-    pub methods: Vec<TrainMethod>,
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub intermediate: usize,
-    pub vocab: usize,
-    pub window: usize,
+    pub(crate) tokens: i64,
+    pub(crate) methods: Vec<TrainMethod>,
+    pub(crate) layers: usize,
+    pub(crate) hidden: usize,
+    pub(crate) heads: usize,
+    pub(crate) intermediate: usize,
+    pub(crate) vocab: usize,
+    pub(crate) window: usize,
     /// Fraction of AHA's (token, head) gates open at the start.
-    pub full_usage: f64,
+    pub(crate) full_usage: f64,
     /// `attention.ste_sample` of the aha-sampled rows.
-    pub ste_sample: f64,
+    pub(crate) ste_sample: f64,
     /// `attention.ppa_power` of the ppa rows.
-    pub ppa_power: f64,
-    pub steps: usize,
-    pub warmup: usize,
-    pub out: PathBuf,
-    pub python: String,
+    pub(crate) ppa_power: f64,
+    pub(crate) steps: usize,
+    pub(crate) warmup: usize,
+    pub(crate) out: PathBuf,
+    pub(crate) python: String,
     /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
-    pub peers: Vec<String>,
+    pub(crate) peers: Vec<String>,
 }
 
 impl TrainBench {
     /// The flags, checked before anything runs or is written.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         check_lengths(&self.lengths)?;
         ensure!(
             !self.methods.is_empty(),
@@ -816,14 +816,14 @@ impl TrainBench {
 
 /// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
 #[derive(Clone, Copy)]
-pub struct TrainMethod {
+pub(crate) struct TrainMethod {
     method: Method,
     variant: &'static BenchVariant,
 }
 
 impl TrainMethod {
     /// Every variant the registry lists, in its order.
-    pub fn all() -> impl Iterator<Item = TrainMethod> {
+    pub(crate) fn all() -> impl Iterator<Item = TrainMethod> {
         methods().flat_map(|s| {
             s.bench.iter().map(|variant| TrainMethod {
                 method: s.method,
@@ -833,7 +833,7 @@ impl TrainMethod {
     }
 
     /// The variant named `name` (for `--methods`).
-    pub fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
+    pub(crate) fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
         TrainMethod::all()
             .find(|m| m.name() == name)
             .ok_or_else(|| {
@@ -980,7 +980,7 @@ fn calibrate_routers(built: &Built, usage: f64, len: i64) {
 }
 
 /// Runs the training bench; returns the CSV's path.
-pub fn run_train(b: &TrainBench) -> Result<PathBuf> {
+pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
     ensure!(
         tch::Cuda::is_available(),
         "bench train needs a GPU and the CUDA kernel library"

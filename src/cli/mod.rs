@@ -1,6 +1,6 @@
 //! The command line: `attnsweep train | eval | data`.
 
-pub mod bench;
+pub(crate) mod bench;
 
 use crate::cli::bench::TrainMethod;
 use crate::config::Config;

@@ -31,7 +31,7 @@ pub enum Method {
 
 impl Method {
     /// Every method, in the order tables and the CLI list them.
-    pub const ALL: [Method; 8] = [
+    pub(crate) const ALL: [Method; 8] = [
         Method::Full,
         Method::Swa,
         Method::Ppa,
@@ -44,25 +44,11 @@ impl Method {
 
     /// Whether its layers gate tokens between a full and a window path (learned, context-free
     /// or fixed gates), so that a model of it reports gate usage.
-    pub fn is_routed(self) -> bool {
+    pub(crate) fn is_routed(self) -> bool {
         matches!(
             self,
             Method::Aha | Method::L2a | Method::Swiattn | Method::StaticHeads
         )
-    }
-
-    /// The name the config writes (`"static_hybrid"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Full => "full",
-            Method::Swa => "swa",
-            Method::Ppa => "ppa",
-            Method::StaticHybrid => "static_hybrid",
-            Method::Aha => "aha",
-            Method::L2a => "l2a",
-            Method::Swiattn => "swiattn",
-            Method::StaticHeads => "static_heads",
-        }
     }
 }
 
@@ -189,7 +175,7 @@ impl AttentionConfig {
     /// a method with a router reads `router`, and `bernoulli_p` for context-free gates or its
     /// learned router's settings otherwise. Two configs that differ only in the others compute
     /// the same thing.
-    pub fn reads(&self) -> Vec<&'static str> {
+    pub(crate) fn reads(&self) -> Vec<&'static str> {
         let mut keys = vec!["method", "attn_impl"];
         let learned = self.router == Router::Learned;
         // A method with a router: the settings its learned router reads.
@@ -248,7 +234,7 @@ impl AttentionConfig {
     /// The same computation with every setting its method does not read (`reads`) at its
     /// default: `lambda` on a full-attention model, `ppa_power` on a window, the regulariser of
     /// context-free gates.
-    pub fn canonical(&self) -> AttentionConfig {
+    pub(crate) fn canonical(&self) -> AttentionConfig {
         let keep = self.reads();
         let d = AttentionConfig::default();
         let mut a = self.clone();

@@ -85,7 +85,7 @@ impl Default for EvalConfig {
 
 impl EvalConfig {
     /// The probe settings, unset ones at their defaults.
-    pub fn probe_spec(&self) -> ProbeSpec {
+    pub(crate) fn probe_spec(&self) -> ProbeSpec {
         let d = ProbeSpec::default();
         ProbeSpec {
             seed: self.probe_seed,

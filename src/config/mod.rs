@@ -13,9 +13,11 @@ mod train;
 
 pub use attention::{AttentionConfig, AttnImpl, Method, Reduction, Router};
 pub use eval::{EvalConfig, HaystackKind};
-pub use model::{ModelConfig, NormPlacement, QkNorm, RopeScaling};
-pub use overrides::{apply_override, parse_value, reject_non_finite};
-pub use train::{parse_device, DataConfig, DeviceSpec, Dtype, TrainConfig};
+pub use model::ModelConfig;
+pub use model::{NormPlacement, QkNorm, RopeScaling};
+pub(crate) use overrides::{apply_override, reject_non_finite};
+pub use train::{DataConfig, Dtype, TrainConfig};
+pub(crate) use train::{parse_device, DeviceSpec};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -32,7 +34,7 @@ pub struct Config {
 }
 
 impl Config {
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         self.model.validate()?;
         self.attention.validate(&self.model, &self.train)?;
         self.data.validate()?;
@@ -42,7 +44,7 @@ impl Config {
 
     /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`
     /// when that is unset.
-    pub fn eval_seq_len(&self) -> usize {
+    pub(crate) fn eval_seq_len(&self) -> usize {
         match self.eval.seq_len {
             0 => self.data.seq_len,
             n => n,
@@ -50,7 +52,7 @@ impl Config {
     }
 
     /// The setting `eval_seq_len` comes from, for messages.
-    pub fn eval_seq_len_key(&self) -> &'static str {
+    pub(crate) fn eval_seq_len_key(&self) -> &'static str {
         match self.eval.seq_len {
             0 => "data.seq_len",
             _ => "eval.seq_len",
@@ -58,7 +60,7 @@ impl Config {
     }
 
     /// Reads an experiment file as a TOML tree (the defaults' empty tree when `path` is None).
-    pub fn read_tree(path: Option<&Path>) -> Result<toml::Table> {
+    pub(crate) fn read_tree(path: Option<&Path>) -> Result<toml::Table> {
         let Some(p) = path else {
             return Ok(toml::Table::new());
         };
@@ -69,7 +71,7 @@ impl Config {
     }
 
     /// A config from its TOML tree: every number finite, every key known, every value in range.
-    pub fn from_tree(tree: toml::Table) -> Result<Config> {
+    pub(crate) fn from_tree(tree: toml::Table) -> Result<Config> {
         reject_non_finite(&tree, "")?;
         let cfg: Config = toml::Value::Table(tree).try_into()?;
         cfg.validate()?;
@@ -112,7 +114,7 @@ impl Config {
     /// The config with every path in a form text can hold: a path that is not UTF-8 (an
     /// `eval --mc` file, say) is recorded as its lossy rendering. For reports only; the run
     /// itself opens the path as given.
-    pub fn recordable(&self) -> Config {
+    pub(crate) fn recordable(&self) -> Config {
         let mut c = self.clone();
         let lossy = |p: &mut PathBuf| {
             if p.to_str().is_none() {
@@ -132,7 +134,7 @@ impl Config {
 
     /// The settings whose values differ between self and other, dotted (`train.lr`), with
     /// both values as TOML writes them.
-    pub fn differences(&self, other: &Config) -> Vec<(String, String, String)> {
+    pub(crate) fn differences(&self, other: &Config) -> Vec<(String, String, String)> {
         fn walk(
             prefix: &str,
             a: &toml::Table,
@@ -164,7 +166,7 @@ impl Config {
     /// The same computation with every attention setting that its method ignores put back to
     /// its default (`AttentionConfig::canonical`): two configs that differ only there compute
     /// the same thing, so they identify the same sweep cell.
-    pub fn canonical(&self) -> Config {
+    pub(crate) fn canonical(&self) -> Config {
         Config {
             attention: self.attention.canonical(),
             ..self.clone()
@@ -173,7 +175,7 @@ impl Config {
 
     /// The settings that differ from the defaults, as TOML: what identifies a computation,
     /// unchanged when a later version adds settings with defaults.
-    pub fn non_default_toml(&self) -> String {
+    pub(crate) fn non_default_toml(&self) -> String {
         fn strip(v: &mut toml::Table, d: &toml::Table) {
             v.retain(|k, x| match (x, d.get(k)) {
                 (toml::Value::Table(t), Some(toml::Value::Table(dt))) => {
@@ -195,7 +197,7 @@ impl Config {
 /// it logs, checkpoints and evaluates, and which attention implementation computes the same
 /// function. The others define the run: changed mid-run, its result would match neither
 /// configuration, so `train --resume` refuses them.
-pub const RESUME_MAY_CHANGE: &[&str] = &[
+pub(crate) const RESUME_MAY_CHANGE: &[&str] = &[
     "train.device",
     "train.log_every",
     "train.ckpt_every",
@@ -206,7 +208,7 @@ pub const RESUME_MAY_CHANGE: &[&str] = &[
 ];
 
 /// Whether `train --resume` may change the dotted setting `key`.
-pub fn resume_may_change(key: &str) -> bool {
+pub(crate) fn resume_may_change(key: &str) -> bool {
     RESUME_MAY_CHANGE.iter().any(|k| {
         key == *k
             || key
@@ -217,6 +219,7 @@ pub fn resume_may_change(key: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::overrides::parse_value;
     use super::*;
 
     fn err_of(toml_text: &str, sets: &[&str]) -> String {

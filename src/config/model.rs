@@ -87,7 +87,7 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
-    pub fn head_dim(&self) -> usize {
+    pub(crate) fn head_dim(&self) -> usize {
         if self.head_dim == 0 {
             self.hidden_size / self.num_attention_heads.max(1)
         } else {

@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 
 /// Refuses NaN and infinite numbers anywhere in a TOML tree (TOML allows `nan` and `inf`, and
 /// NaN would pass any range check), naming the dotted key.
-pub fn reject_non_finite(tree: &toml::Table, prefix: &str) -> Result<()> {
+pub(crate) fn reject_non_finite(tree: &toml::Table, prefix: &str) -> Result<()> {
     fn walk(v: &toml::Value, key: &str) -> Result<()> {
         match v {
             toml::Value::Float(f) if !f.is_finite() => {
@@ -23,7 +23,7 @@ pub fn reject_non_finite(tree: &toml::Table, prefix: &str) -> Result<()> {
 /// A `--set` value: a TOML value (number, bool, array, quoted string), else a bare string, so
 /// `--set attention.method=swa` needs no quotes; in a list, each bare word is a string
 /// (`[passkey, mqar]`).
-pub fn parse_value(raw: &str) -> toml::Value {
+pub(crate) fn parse_value(raw: &str) -> toml::Value {
     let raw = raw.trim();
     let toml_value = |text: &str| {
         format!("v = {text}")
@@ -48,7 +48,7 @@ pub fn parse_value(raw: &str) -> toml::Value {
 }
 
 /// `section.key=value`, the value read by `parse_value`.
-pub fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
+pub(crate) fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
     let (key, raw) = spec
         .split_once('=')
         .with_context(|| format!("--set {spec:?}: expected section.key=value"))?;

@@ -129,7 +129,7 @@ pub enum DeviceSpec {
     Cuda(usize),
 }
 
-pub fn parse_device(s: &str) -> Result<DeviceSpec> {
+pub(crate) fn parse_device(s: &str) -> Result<DeviceSpec> {
     Ok(match s {
         "auto" => DeviceSpec::Auto,
         "cpu" => DeviceSpec::Cpu,

@@ -32,33 +32,33 @@ use std::time::{Duration, Instant};
 /// `base.data.dir` when no data set is there (unset fields at their defaults).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
 #[serde(deny_unknown_fields, default)]
-pub struct PrepareSpec {
+pub(crate) struct PrepareSpec {
     /// Files and directories to read; directories recursively, in sorted order, hidden
     /// entries skipped. Formats by name: .jsonl/.ndjson/.json (JSON Lines), .parquet, anything
     /// else plain text; a further .gz, .zst or .xz is decompressed.
     #[arg(long, short, num_args = 1..)]
-    pub input: Vec<PathBuf>,
+    pub(crate) input: Vec<PathBuf>,
     /// Also read the installed sources of this Python package (its directory, as
     /// $ATTNSWEEP_PYTHON or python3 finds it), e.g. `torch`; meta.json records its version.
     #[arg(long)]
-    pub python_package: Option<String>,
+    pub(crate) python_package: Option<String>,
     /// Read only the files of a directory whose path below it matches one of these patterns
     /// (`*` crosses directories: `*.py` finds every Python file); files named directly are
     /// always read.
     #[arg(long, value_delimiter = ',')]
-    pub glob: Vec<String>,
+    pub(crate) glob: Vec<String>,
     /// Field (JSON Lines) or column (Parquet) holding each record's text.
     #[arg(long, default_value_t = PrepareSpec::default().text_field)]
-    pub text_field: String,
+    pub(crate) text_field: String,
     /// Fraction of the token stream (its end) held out as the validation split.
     #[arg(long, value_parser = finite_flag, default_value_t = PrepareSpec::default().val_fraction)]
-    pub val_fraction: f64,
+    pub(crate) val_fraction: f64,
     /// Tokens per shard file.
     #[arg(long, default_value_t = PrepareSpec::default().shard_tokens)]
-    pub shard_tokens: usize,
+    pub(crate) shard_tokens: usize,
     /// A Hugging Face tokenizer.json (e.g. from a converted model); byte-level when omitted.
     #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
+    pub(crate) tokenizer: Option<PathBuf>,
 }
 
 impl Default for PrepareSpec {
@@ -77,7 +77,7 @@ impl Default for PrepareSpec {
 
 impl PrepareSpec {
     /// Settings checked before anything is read.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         ensure!(
             self.val_fraction > 0.0 && self.val_fraction < 1.0,
             "val fraction must be in (0, 1), got {}",
@@ -405,18 +405,18 @@ impl Skipped {
 }
 
 /// What a prepared corpus holds, and what was left out.
-pub struct Summary {
-    pub meta: Meta,
-    pub record: CorpusRecord,
-    pub skipped_files: Vec<(PathBuf, String)>,
-    pub skipped_records: u64,
-    pub record_reasons: Vec<String>,
-    pub seconds: f64,
+pub(crate) struct Summary {
+    pub(crate) meta: Meta,
+    pub(crate) record: CorpusRecord,
+    pub(crate) skipped_files: Vec<(PathBuf, String)>,
+    pub(crate) skipped_records: u64,
+    pub(crate) record_reasons: Vec<String>,
+    pub(crate) seconds: f64,
 }
 
 impl Summary {
     /// Lines for the user: counts, rate, and why files and records were skipped.
-    pub fn report(&self, out: &Path) -> String {
+    pub(crate) fn report(&self, out: &Path) -> String {
         let c = &self.record;
         let mut s = format!(
             "prepared {} documents from {} files ({:.1} MB of text) into {} train and {} val tokens at {} in {:.1} s ({:.1} MB/s)\n",
@@ -462,7 +462,7 @@ impl Summary {
 const BATCH_BYTES: usize = 16 << 20;
 
 /// Tokenises `spec`'s corpus into a data set at `out` (see the module's description).
-pub fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Summary> {
+pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Summary> {
     spec.validate()?;
     let tok = match &spec.tokenizer {
         Some(p) => TextTokenizer::hf(p)?,

@@ -9,54 +9,54 @@ use std::path::Path;
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Meta {
-    pub format: u32,
-    pub tokenizer: String,
-    pub vocab_size: usize,
+    pub(crate) format: u32,
+    pub(crate) tokenizer: String,
+    pub(crate) vocab_size: usize,
     /// Token separating documents, if the tokenizer has one.
-    pub eot_token: Option<u32>,
-    pub train: Vec<String>,
-    pub val: Vec<String>,
-    pub train_tokens: u64,
-    pub val_tokens: u64,
+    pub(crate) eot_token: Option<u32>,
+    pub(crate) train: Vec<String>,
+    pub(crate) val: Vec<String>,
+    pub(crate) train_tokens: u64,
+    pub(crate) val_tokens: u64,
     /// Present for the synthetic corpus: how it was generated.
-    pub synth: Option<SynthSpec>,
+    pub(crate) synth: Option<SynthSpec>,
     /// Present when the data set holds probe documents (`data probes`): the settings they
     /// were written with, which evaluation's probes default to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub probes: Option<ProbeDocs>,
+    pub(crate) probes: Option<ProbeDocs>,
     /// Present for a data set prepared from text (`data prepare`): what it was read from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub corpus: Option<CorpusRecord>,
+    pub(crate) corpus: Option<CorpusRecord>,
 }
 
 /// What a data set prepared from text records of its corpus (in `meta.json`), so two
 /// machines can tell whether they built the same one.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct CorpusRecord {
+pub(crate) struct CorpusRecord {
     /// The Python package read, with its version (`torch 2.11.0`).
-    pub python_package: Option<String>,
-    pub glob: Vec<String>,
-    pub text_field: String,
+    pub(crate) python_package: Option<String>,
+    pub(crate) glob: Vec<String>,
+    pub(crate) text_field: String,
     /// Files read (skipped ones not counted).
-    pub files: u64,
-    pub documents: u64,
+    pub(crate) files: u64,
+    pub(crate) documents: u64,
     /// UTF-8 bytes of the documents' text.
-    pub text_bytes: u64,
-    pub skipped_files: u64,
-    pub skipped_records: u64,
+    pub(crate) text_bytes: u64,
+    pub(crate) skipped_files: u64,
+    pub(crate) skipped_records: u64,
     /// SHA-256 of the token stream (train then val, each token a little-endian u32).
-    pub tokens_sha256: String,
+    pub(crate) tokens_sha256: String,
 }
 
 /// What a data set's probe documents were written with, beyond their seed: evaluation's
 /// probes take these unless `eval.digits`, `eval.needles` or `eval.queries` say otherwise.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ProbeDocs {
-    pub digits: usize,
-    pub needles: usize,
-    pub queries: usize,
+pub(crate) struct ProbeDocs {
+    pub(crate) digits: usize,
+    pub(crate) needles: usize,
+    pub(crate) queries: usize,
 }
 
 
@@ -66,40 +66,40 @@ pub struct ProbeDocs {
 /// `meta.json`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
 #[serde(deny_unknown_fields, default)]
-pub struct SynthSpec {
+pub(crate) struct SynthSpec {
     /// Seed of the filler language and of both splits.
     #[arg(long, default_value_t = SynthSpec::default().seed)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Vocabulary: 2 markers (DEF, ASK), keys, values, and filler for the rest.
     #[arg(long, default_value_t = SynthSpec::default().vocab_size)]
-    pub vocab_size: usize,
+    pub(crate) vocab_size: usize,
     /// Distinct keys; a key is reused with a new value once its query has been asked.
     #[arg(long, default_value_t = SynthSpec::default().n_keys)]
-    pub n_keys: usize,
+    pub(crate) n_keys: usize,
     /// Distinct values.
     #[arg(long, default_value_t = SynthSpec::default().n_values)]
-    pub n_values: usize,
+    pub(crate) n_values: usize,
     /// Successors per token in the filler bigram model (its entropy is at most log(branch)).
     #[arg(long, default_value_t = SynthSpec::default().branch)]
-    pub branch: usize,
+    pub(crate) branch: usize,
     /// Probability that a filler position starts a definition.
     #[arg(long, default_value_t = SynthSpec::default().event_rate)]
-    pub event_rate: f64,
+    pub(crate) event_rate: f64,
     /// Power-law exponent of the query-to-definition distance, P(D) ∝ D^-alpha.
     #[arg(long, default_value_t = SynthSpec::default().alpha)]
-    pub alpha: f64,
+    pub(crate) alpha: f64,
     /// Shortest query-to-definition distance.
     #[arg(long, default_value_t = SynthSpec::default().min_distance)]
-    pub min_distance: usize,
+    pub(crate) min_distance: usize,
     /// Longest query-to-definition distance (normally the training sequence length).
     #[arg(long, default_value_t = SynthSpec::default().max_distance)]
-    pub max_distance: usize,
+    pub(crate) max_distance: usize,
     /// Tokens in the training split.
     #[arg(long, default_value_t = SynthSpec::default().train_tokens)]
-    pub train_tokens: usize,
+    pub(crate) train_tokens: usize,
     /// Tokens in the validation split.
     #[arg(long, default_value_t = SynthSpec::default().val_tokens)]
-    pub val_tokens: usize,
+    pub(crate) val_tokens: usize,
 }
 
 impl Default for SynthSpec {
@@ -121,7 +121,7 @@ impl Default for SynthSpec {
 }
 
 impl SynthSpec {
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         for (name, v) in [("event rate", self.event_rate), ("alpha", self.alpha)] {
             ensure!(v.is_finite(), "synth {name} {v} is not a finite number");
         }

@@ -8,14 +8,18 @@
 //! directory with `meta.json` (written last: without it the directory is not a data set)
 //! and its shards.
 
-pub mod corpus;
-pub mod meta;
-pub mod probes;
-pub mod shards;
-pub mod synth;
-pub mod tokenizer;
+pub(crate) mod corpus;
+pub(crate) mod meta;
+pub(crate) mod probes;
+pub(crate) mod shards;
+pub(crate) mod synth;
+pub(crate) mod tokenizer;
 
-pub use meta::{read_meta, CorpusRecord, Meta, ProbeDocs, SynthSpec};
-pub use shards::{write_shard, Batch, Shard, Split, Width, DEPS_MAGIC, TOKENS_MAGIC};
-pub use synth::{synth, synth_stream, SynthStream, ASK, DEF, DEP_NONE};
-pub use tokenizer::{tokenizer_of, TextTokenizer, BYTE_EOT};
+pub use meta::{read_meta, Meta};
+pub(crate) use meta::SynthSpec;
+pub use shards::{write_shard, Shard, Width, TOKENS_MAGIC};
+pub(crate) use shards::Split;
+pub(crate) use synth::{synth, DEP_NONE};
+pub(crate) use tokenizer::{tokenizer_of, TextTokenizer};
+#[cfg(test)]
+pub(crate) use tokenizer::BYTE_EOT;

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Task {
+pub(crate) enum Task {
     NiahSingle,
     NiahMultikey,
     NiahMultivalue,
@@ -28,7 +28,7 @@ pub enum Task {
     VariableTracking,
 }
 
-pub const TASKS: [Task; 6] = [
+pub(crate) const TASKS: [Task; 6] = [
     Task::NiahSingle,
     Task::NiahMultikey,
     Task::NiahMultivalue,
@@ -38,7 +38,7 @@ pub const TASKS: [Task; 6] = [
 ];
 
 impl Task {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Task::NiahSingle => "niah_single",
             Task::NiahMultikey => "niah_multikey",
@@ -49,7 +49,7 @@ impl Task {
         }
     }
 
-    pub fn parse(name: &str) -> Result<Task> {
+    pub(crate) fn parse(name: &str) -> Result<Task> {
         match TASKS.iter().find(|t| t.name() == name) {
             Some(t) => Ok(*t),
             None => bail!(
@@ -61,7 +61,7 @@ impl Task {
 
     /// Whether the task places its needle at a chosen depth (MQAR fills the whole context
     /// with pairs instead).
-    pub fn has_depth(self) -> bool {
+    pub(crate) fn has_depth(self) -> bool {
         self != Task::Mqar
     }
 }
@@ -88,15 +88,15 @@ const WORDS: [&str; 64] = [
 
 /// Everything a probe's text depends on besides the task and its position in the grid.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ProbeSpec {
-    pub seed: u64,
+pub(crate) struct ProbeSpec {
+    pub(crate) seed: u64,
     /// Digits of every magic number and pass key (RULER uses 7).
-    pub digits: usize,
+    pub(crate) digits: usize,
     /// Needles (distractor keys or values) of the multi-needle tasks, and variables of the
     /// variable-tracking chain.
-    pub needles: usize,
+    pub(crate) needles: usize,
     /// Keys asked at once in MQAR.
-    pub queries: usize,
+    pub(crate) queries: usize,
 }
 
 impl Default for ProbeSpec {
@@ -111,7 +111,7 @@ impl Default for ProbeSpec {
 }
 
 impl ProbeSpec {
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         ensure!(
             (1..=18).contains(&self.digits),
             "probe digits {} must be in 1 ..= 18",
@@ -132,7 +132,7 @@ impl ProbeSpec {
 }
 
 /// Where haystack tokens come from.
-pub enum Haystack {
+pub(crate) enum Haystack {
     Noise,
     /// A token stream (a prepared corpus split) to cut windows from.
     Text(Vec<u32>),
@@ -140,23 +140,23 @@ pub enum Haystack {
 
 /// One rendered probe.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Probe {
-    pub task: Task,
+pub(crate) struct Probe {
+    pub(crate) task: Task,
     /// Tokens of the prompt; exactly the requested length.
-    pub prompt: Vec<u32>,
+    pub(crate) prompt: Vec<u32>,
     /// What the model should generate after the prompt, e.g. " 4821937" or " 12, 57".
-    pub target: String,
+    pub(crate) target: String,
     /// The separate answers inside the target (one for single-answer tasks).
-    pub answers: Vec<String>,
+    pub(crate) answers: Vec<String>,
     /// Token index where the relevant needle starts.
-    pub needle_at: usize,
+    pub(crate) needle_at: usize,
     /// Haystack tokens before the relevant needle over all haystack tokens: the requested
     /// depth snapped to a sentence start.
-    pub depth: f64,
+    pub(crate) depth: f64,
 }
 
 /// Generation of the answer stops at any of these characters (or at the end of document).
-pub const STOP: [char; 2] = ['.', '\n'];
+pub(crate) const STOP: [char; 2] = ['.', '\n'];
 
 /// The text a training document puts after the answer.
 const END: &str = ".\n";
@@ -275,7 +275,7 @@ fn draft(task: Task, spec: &ProbeSpec, rng: &mut Rng) -> Draft {
 
 /// Renders the probe of `task` at `length` tokens and `depth` (ignored by MQAR), the
 /// `sample`-th of its grid cell. Deterministic in (spec, task, length, depth, sample).
-pub fn generate(
+pub(crate) fn generate(
     task: Task,
     spec: &ProbeSpec,
     haystack: &Haystack,
@@ -467,7 +467,7 @@ fn mqar(spec: &ProbeSpec, rng: &mut Rng, tok: &TextTokenizer, length: usize) -> 
 
 impl Probe {
     /// The probe as a training document: prompt, target, end of answer, end of document.
-    pub fn document(&self, tok: &TextTokenizer) -> Result<Vec<u32>> {
+    pub(crate) fn document(&self, tok: &TextTokenizer) -> Result<Vec<u32>> {
         let mut doc = self.prompt.clone();
         doc.extend(tok.encode(&format!("{}{END}", self.target))?);
         doc.extend(tok.eot());
@@ -477,7 +477,7 @@ impl Probe {
     /// Scores generated text: `(exact_match, recall)`. The prediction is the text before the
     /// first stop character; exact match compares it (trimmed) with the target, recall is
     /// the fraction of answers found in it (RULER's string match).
-    pub fn score(&self, generated: &str) -> (f64, f64) {
+    pub(crate) fn score(&self, generated: &str) -> (f64, f64) {
         let pred = generated.split(&STOP[..]).next().unwrap_or("").trim();
         let exact = (pred == self.target.trim()) as u8 as f64;
         let found = self
@@ -497,44 +497,44 @@ impl Probe {
 /// `[corpus]` or `[synth]` data set, which is then prepared at `mix_with`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, clap::Args)]
 #[serde(deny_unknown_fields, default)]
-pub struct ProbesArgs {
+pub(crate) struct ProbesArgs {
     /// A prepared data set to mix the probes into (its tokenizer is used; its splits feed the
     /// text haystack).
     #[arg(long)]
-    pub mix_with: Option<PathBuf>,
+    pub(crate) mix_with: Option<PathBuf>,
     /// Share of tokens that are probes when mixing (1: probes only).
     #[arg(long, value_parser = finite_flag, default_value_t = 1.0)]
-    pub probe_fraction: f64,
+    pub(crate) probe_fraction: f64,
     /// A tokenizer.json when there is no corpus; byte-level when omitted.
     #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
+    pub(crate) tokenizer: Option<PathBuf>,
     /// Probe tasks, drawn uniformly per document.
     #[arg(long, value_delimiter = ',', default_value = "niah_single")]
-    pub tasks: Vec<String>,
+    pub(crate) tasks: Vec<String>,
     /// Prompt lengths in tokens, drawn uniformly per document (depths are uniform in [0, 1]).
     #[arg(long, value_delimiter = ',', default_value = "256")]
-    pub lengths: Vec<usize>,
+    pub(crate) lengths: Vec<usize>,
     /// Probe documents in the train split.
     #[arg(long, default_value_t = 20_000)]
-    pub train_docs: usize,
+    pub(crate) train_docs: usize,
     /// Probe documents in the val split (drawn from a different seed).
     #[arg(long, default_value_t = 500)]
-    pub val_docs: usize,
+    pub(crate) val_docs: usize,
     /// Haystack: noise (RULER's sentences) or text (the mixed corpus).
     #[arg(long, default_value = "noise", value_parser = ["noise", "text"])]
-    pub haystack: String,
+    pub(crate) haystack: String,
     /// Seed of the documents (evaluation probes use eval.probe_seed, a different stream).
     #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Digits of magic numbers and pass keys.
     #[arg(long, default_value_t = ProbeSpec::default().digits)]
-    pub digits: usize,
+    pub(crate) digits: usize,
     /// Needles of the multi-key and multi-value tasks; variables per tracking chain.
     #[arg(long, default_value_t = ProbeSpec::default().needles)]
-    pub needles: usize,
+    pub(crate) needles: usize,
     /// Keys asked at once in MQAR.
     #[arg(long, default_value_t = ProbeSpec::default().queries)]
-    pub queries: usize,
+    pub(crate) queries: usize,
 }
 
 impl Default for ProbesArgs {
@@ -559,7 +559,7 @@ impl Default for ProbesArgs {
 
 impl ProbesArgs {
     /// Checks what can be checked before anything is written.
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         for t in &self.tasks {
             Task::parse(t)?;
         }
@@ -581,7 +581,7 @@ impl ProbesArgs {
     }
 
     /// Writes the data set at `out`.
-    pub fn write(&self, out: &Path) -> Result<Meta> {
+    pub(crate) fn write(&self, out: &Path) -> Result<Meta> {
         self.validate()?;
         let tok = match &self.tokenizer {
             Some(p) => TextTokenizer::hf(p)?,
@@ -605,22 +605,22 @@ impl ProbesArgs {
 
 /// A data set of probe documents, optionally mixed into a prepared corpus so small models
 /// learn the probe format while they learn the language.
-pub struct MixSpec {
-    pub tasks: Vec<Task>,
+pub(crate) struct MixSpec {
+    pub(crate) tasks: Vec<Task>,
     /// Each document's prompt length is drawn from these; its depth uniformly from [0, 1].
-    pub lengths: Vec<usize>,
-    pub train_docs: usize,
-    pub val_docs: usize,
+    pub(crate) lengths: Vec<usize>,
+    pub(crate) train_docs: usize,
+    pub(crate) val_docs: usize,
     /// Share of the tokens that are probes when a corpus is mixed in.
-    pub probe_fraction: f64,
+    pub(crate) probe_fraction: f64,
     /// Cut haystacks from the corpus (each split from its own split) instead of noise.
-    pub text_haystack: bool,
+    pub(crate) text_haystack: bool,
 }
 
 /// Writes the data set: per split, probe documents, each followed by corpus tokens (in
 /// corpus order, wrapping around) so probes make up `probe_fraction` of the tokens. The
 /// tokenizer is the corpus's when there is one, else `tok`.
-pub fn write_dataset(
+pub(crate) fn write_dataset(
     spec: &ProbeSpec,
     mix: &MixSpec,
     tok: TextTokenizer,

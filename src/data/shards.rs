@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tch::Tensor;
 
 pub const TOKENS_MAGIC: i32 = 20240520;
-pub const DEPS_MAGIC: i32 = 20261122;
+pub(crate) const DEPS_MAGIC: i32 = 20261122;
 const HEADER_INTS: usize = 256;
 const HEADER_BYTES: usize = HEADER_INTS * 4;
 
@@ -233,21 +233,21 @@ pub(super) fn deps_name(name: &str) -> String {
 // Loading.
 
 /// The shards of one split, with their dependency shards when the data set has them.
-pub struct Split {
+pub(crate) struct Split {
     shards: Vec<Shard>,
     deps: Option<Vec<Shard>>,
 }
 
 /// One batch: inputs and targets `[B, L]` (int64), and, for the synthetic corpus, the
 /// dependency distance of each prediction `[B, L]` plus each row's offset into its stream.
-pub struct Batch {
-    pub x: Tensor,
-    pub y: Tensor,
-    pub deps: Option<Vec<u32>>,
+pub(crate) struct Batch {
+    pub(crate) x: Tensor,
+    pub(crate) y: Tensor,
+    pub(crate) deps: Option<Vec<u32>>,
 }
 
 impl Split {
-    pub fn open(dir: &Path, meta: &Meta, split: &str) -> Result<Split> {
+    pub(crate) fn open(dir: &Path, meta: &Meta, split: &str) -> Result<Split> {
         let names = match split {
             "train" => &meta.train,
             "val" => &meta.val,
@@ -305,18 +305,14 @@ impl Split {
         Ok(Split { shards, deps })
     }
 
-    pub fn tokens(&self) -> usize {
-        self.shards.iter().map(|s| s.len()).sum()
-    }
-
     /// Tokens of the split's largest shard: a sequence never crosses shards, so the longest
     /// it can give (inputs and the next token) is this many.
-    pub fn largest_shard(&self) -> usize {
+    pub(crate) fn largest_shard(&self) -> usize {
         self.shards.iter().map(|s| s.len()).max().unwrap_or(0)
     }
 
     /// Every token of the split, shards in order.
-    pub fn all_tokens(&self) -> Vec<u32> {
+    pub(crate) fn all_tokens(&self) -> Vec<u32> {
         self.shards
             .iter()
             .flat_map(|s| (0..s.len()).map(move |i| s.get(i)))
@@ -344,7 +340,7 @@ impl Split {
     }
 
     /// A batch of windows drawn uniformly over all valid start positions of all shards.
-    pub fn sample(
+    pub(crate) fn sample(
         &self,
         rng: &mut Rng,
         batch: usize,
@@ -378,7 +374,7 @@ impl Split {
 
     /// Consecutive non-overlapping windows in order, grouped into batches; at most
     /// `max_batches` batches (0 = all).
-    pub fn sequential(
+    pub(crate) fn sequential(
         &self,
         batch: usize,
         seq_len: usize,

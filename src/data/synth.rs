@@ -8,12 +8,12 @@ use crate::util::rng::Rng;
 use anyhow::Result;
 use std::path::Path;
 
-pub const DEF: u32 = 0;
-pub const ASK: u32 = 1;
+pub(crate) const DEF: u32 = 0;
+pub(crate) const ASK: u32 = 1;
 
 /// Dependency distance marking a position whose next token cannot be predicted from context
 /// (the start of an event, a freshly drawn key or value).
-pub const DEP_NONE: u32 = 0;
+pub(crate) const DEP_NONE: u32 = 0;
 
 impl SynthSpec {
     fn first_value(&self) -> u32 {
@@ -44,14 +44,14 @@ impl SynthSpec {
 /// One generated stream: `deps[i]` is the dependency distance of the prediction made at
 /// position i (of token i+1): 1 for filler (bigram), the distance back to the defining value
 /// for the key of a query, `DEP_NONE` where the next token is unpredictable.
-pub struct SynthStream {
-    pub tokens: Vec<u32>,
-    pub deps: Vec<u32>,
+pub(crate) struct SynthStream {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) deps: Vec<u32>,
 }
 
 /// Generates `n` tokens. The filler bigram table depends only on `spec.seed`, so train and
 /// val (different `stream_seed`) share one language.
-pub fn synth_stream(spec: &SynthSpec, stream_seed: u64, n: usize) -> SynthStream {
+pub(crate) fn synth_stream(spec: &SynthSpec, stream_seed: u64, n: usize) -> SynthStream {
     let mut table_rng = Rng::new(spec.seed);
     let n_filler = spec.vocab_size as u32 - spec.first_filler();
     let successors: Vec<Vec<u32>> = (0..spec.vocab_size)
@@ -137,7 +137,7 @@ pub fn synth_stream(spec: &SynthSpec, stream_seed: u64, n: usize) -> SynthStream
 }
 
 /// Writes the synthetic corpus (tokens and dependency shards) as a data set.
-pub fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
+pub(crate) fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
     spec.validate()?;
     prepare_out_dir(out)?;
     let width = Width::for_vocab(spec.vocab_size);

@@ -7,10 +7,10 @@ use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 
 /// Byte-level tokenizer: token = byte value, 256 = end of document.
-pub const BYTE_EOT: u32 = 256;
+pub(crate) const BYTE_EOT: u32 = 256;
 
 /// How text becomes tokens: bytes, or a Hugging Face `tokenizer.json`.
-pub enum TextTokenizer {
+pub(crate) enum TextTokenizer {
     Bytes,
     Hf {
         tokenizer: Box<tokenizers::Tokenizer>,
@@ -19,7 +19,7 @@ pub enum TextTokenizer {
 }
 
 /// The tokenizer a data set was prepared with.
-pub fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
+pub(crate) fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
     match meta.tokenizer.as_str() {
         "byte" => Ok(TextTokenizer::Bytes),
         "tokenizer.json" => TextTokenizer::hf(&dir.join("tokenizer.json")),
@@ -34,7 +34,7 @@ pub fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
 const EOT_NAMES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
 
 impl TextTokenizer {
-    pub fn hf(path: &Path) -> Result<TextTokenizer> {
+    pub(crate) fn hf(path: &Path) -> Result<TextTokenizer> {
         let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| {
             anyhow::anyhow!("{} is not a readable tokenizer.json: {e}", path.display())
         })?;
@@ -44,14 +44,14 @@ impl TextTokenizer {
         })
     }
 
-    pub fn vocab_size(&self) -> usize {
+    pub(crate) fn vocab_size(&self) -> usize {
         match self {
             TextTokenizer::Bytes => 257,
             TextTokenizer::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
         }
     }
 
-    pub fn eot(&self) -> Option<u32> {
+    pub(crate) fn eot(&self) -> Option<u32> {
         match self {
             TextTokenizer::Bytes => Some(BYTE_EOT),
             TextTokenizer::Hf { tokenizer, .. } => {
@@ -63,7 +63,7 @@ impl TextTokenizer {
     /// The token the tokenizer puts before a text when asked for its special tokens (Llama's
     /// `<s>`, `<|begin_of_text|>`), found by encoding with and without them; None for
     /// byte-level and for tokenizers that add none (Qwen, GPT-2).
-    pub fn bos(&self) -> Option<u32> {
+    pub(crate) fn bos(&self) -> Option<u32> {
         let TextTokenizer::Hf { tokenizer, .. } = self else {
             return None;
         };
@@ -75,7 +75,7 @@ impl TextTokenizer {
 
     /// Tokens of `text` with the tokenizer's special tokens added as its post-processor
     /// says (a BOS first, for most), as Hugging Face's `tokenizer(text)` gives them.
-    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
+    pub(crate) fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer
@@ -87,7 +87,7 @@ impl TextTokenizer {
     }
 
     /// Text of `ids`; a byte-level end of document ends it.
-    pub fn decode(&self, ids: &[u32]) -> String {
+    pub(crate) fn decode(&self, ids: &[u32]) -> String {
         match self {
             TextTokenizer::Bytes => {
                 let bytes: Vec<u8> = ids
@@ -102,7 +102,7 @@ impl TextTokenizer {
     }
 
     /// Tokens of `text`, without special tokens.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+    pub(crate) fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             TextTokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             TextTokenizer::Hf { tokenizer, path } => Ok(tokenizer

@@ -20,22 +20,22 @@ use crate::util::fault;
 /// Everything besides tensors that a resumed run needs to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct TrainState {
+pub(crate) struct TrainState {
     /// Optimizer steps completed.
-    pub step: usize,
+    pub(crate) step: usize,
     /// State of the data-sampling generator after `step` steps.
-    pub rng_state: u64,
+    pub(crate) rng_state: u64,
     /// State of the generator behind random gates (Bernoulli routers, L2A's p_force).
-    pub gate_rng_state: u64,
-    pub tokens_seen: u64,
+    pub(crate) gate_rng_state: u64,
+    pub(crate) tokens_seen: u64,
 }
 
-pub fn checkpoints_dir(run: &Path) -> PathBuf {
+pub(crate) fn checkpoints_dir(run: &Path) -> PathBuf {
     run.join("checkpoints")
 }
 
 /// The newest complete checkpoint of a run, if any.
-pub fn latest(run: &Path) -> Result<Option<PathBuf>> {
+pub(crate) fn latest(run: &Path) -> Result<Option<PathBuf>> {
     let p = checkpoints_dir(run).join("latest");
     match std::fs::read_to_string(&p) {
         Ok(name) => {
@@ -60,7 +60,7 @@ pub fn latest(run: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// Writes a checkpoint for `state.step` and keeps the newest `keep` of them.
-pub fn save(
+pub(crate) fn save(
     run: &Path,
     model: &[(String, Tensor)],
     optim: &[(String, Tensor)],
@@ -102,7 +102,7 @@ pub fn save(
 
 /// Removes what crashed processes left half-written: checkpoint directories, and the file
 /// that was to replace `latest`.
-pub fn remove_temporaries(run: &Path) -> Result<()> {
+pub(crate) fn remove_temporaries(run: &Path) -> Result<()> {
     let root = checkpoints_dir(run);
     let Ok(entries) = std::fs::read_dir(&root) else {
         return Ok(());
@@ -146,7 +146,7 @@ fn prune(root: &Path, keep: usize, latest: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn read_state(ckpt: &Path) -> Result<TrainState> {
+pub(crate) fn read_state(ckpt: &Path) -> Result<TrainState> {
     let p = ckpt.join("state.json");
     let text =
         std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
@@ -170,7 +170,7 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
 
 /// Resolves what `--init-from` or `eval --ckpt` may name: a run directory (its latest
 /// checkpoint), a checkpoint directory, or a `.safetensors` file.
-pub fn resolve_weights(path: &Path) -> Result<PathBuf> {
+pub(crate) fn resolve_weights(path: &Path) -> Result<PathBuf> {
     if path.is_file() {
         return Ok(path.to_path_buf());
     }
@@ -191,7 +191,7 @@ pub fn resolve_weights(path: &Path) -> Result<PathBuf> {
 
 /// The training step of a weight file that sits in a checkpoint directory (beside its
 /// `state.json`); None for a bare weight file.
-pub fn step_of(weights: &Path) -> Option<usize> {
+pub(crate) fn step_of(weights: &Path) -> Option<usize> {
     let dir = weights.parent()?;
     dir.join("state.json")
         .is_file()
@@ -202,11 +202,11 @@ pub fn step_of(weights: &Path) -> Option<usize> {
 /// How loading a weight file into a model went.
 #[derive(Debug, Default)]
 pub struct LoadReport {
-    pub loaded: Vec<String>,
+    pub(crate) loaded: Vec<String>,
     /// Model parameters the file did not have (left at their initialisation).
-    pub initialised: Vec<String>,
+    pub(crate) initialised: Vec<String>,
     /// File tensors no model parameter has.
-    pub unused: Vec<String>,
+    pub(crate) unused: Vec<String>,
 }
 
 /// Copies tensors into `params` by name. With `strict`, every parameter must be filled and

@@ -1,4 +1,4 @@
 //! Files of tensors: checkpoints written and read back, PyTorch archives read without Python.
 
 pub mod checkpoint;
-pub mod pickle;
+pub(crate) mod pickle;

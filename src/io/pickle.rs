@@ -25,7 +25,7 @@ use tch::{Kind, Tensor};
 
 /// What kind of weight file `path` is, by its first bytes and zip contents.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Format {
+pub(crate) enum Format {
     /// Safetensors: a little-endian u64 header length, then the JSON header.
     Safetensors,
     /// `torch.save`'s zip archive (PyTorch >= 1.6).
@@ -36,7 +36,7 @@ pub enum Format {
     LegacyPickle,
 }
 
-pub fn format(path: &Path) -> Result<Format> {
+pub(crate) fn format(path: &Path) -> Result<Format> {
     let mut head = [0u8; 9];
     let mut f =
         std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -82,7 +82,7 @@ pub fn format(path: &Path) -> Result<Format> {
 /// Every tensor of the file at a dotted name (`model.layers.0.mlp.up_proj.weight`; list and
 /// tuple items by index), for the formats read without Python. Other values (numbers,
 /// strings, an optimizer's settings) are skipped.
-pub fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
+pub(crate) fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
     match format(path)? {
         Format::Module => {
             let named = Tensor::load_multi(path)
@@ -883,7 +883,7 @@ fn call(f: Value, args: &[Value]) -> Result<Value> {
 /// ..., "optimizer": ...}` or `{"state_dict": ...}`. Two wrappers that match equally well
 /// (`{"model": ..., "ema": ...}`) are an error naming both: which one is meant is the user's
 /// call.
-pub fn unwrap_state_dict(
+pub(crate) fn unwrap_state_dict(
     tensors: Vec<(String, Tensor)>,
     expected: &[String],
 ) -> Result<Vec<(String, Tensor)>> {
@@ -930,7 +930,7 @@ pub fn unwrap_state_dict(
 /// The tensors of a pickle as Python's `torch.load` reads them (unrestricted: it runs what
 /// the pickle names), for what the reader above refuses; for trusted files only, and needs a
 /// Python with torch and safetensors.
-pub fn read_with_python(path: &Path, scratch: &Path) -> Result<Vec<(String, Tensor)>> {
+pub(crate) fn read_with_python(path: &Path, scratch: &Path) -> Result<Vec<(String, Tensor)>> {
     let out = scratch.join("from_python.safetensors");
     let script = "import sys, torch\nfrom safetensors.torch import save_file\nsd = torch.load(sys.argv[1], map_location='cpu', weights_only=False)\nflat = {}\ndef walk(v, name):\n    if isinstance(v, torch.Tensor):\n        flat[name] = v.detach().clone().contiguous()\n    elif isinstance(v, dict):\n        for k, x in v.items(): walk(x, f'{name}.{k}' if name else str(k))\n    elif isinstance(v, (list, tuple)):\n        for i, x in enumerate(v): walk(x, f'{name}.{i}' if name else str(i))\nwalk(sd, '')\nsave_file(flat, sys.argv[2])\n";
     let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -956,7 +956,7 @@ pub fn read_with_python(path: &Path, scratch: &Path) -> Result<Vec<(String, Tens
 
 /// The tensors of a PyTorch checkpoint: in-process where the format allows, through Python
 /// with `allow_pickle` for the rest.
-pub fn read_checkpoint(
+pub(crate) fn read_checkpoint(
     path: &Path,
     allow_pickle: bool,
     scratch: &Path,

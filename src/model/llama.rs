@@ -18,7 +18,7 @@ use tch::{nn, Device, Kind, Tensor};
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
 
-pub struct Mlp {
+pub(crate) struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
@@ -60,23 +60,23 @@ impl Mlp {
 /// One block. Pre-norm (Llama): h = x + attn(norm(x)), out = h + mlp(norm(h)). Post-norm
 /// (OLMo-2): h = x + norm(attn(x)), out = h + norm(mlp(h)); there `post_attention_layernorm`
 /// normalises the attention output and `post_feedforward_layernorm` the MLP output.
-pub struct DecoderLayer {
+pub(crate) struct DecoderLayer {
     input_layernorm: Option<RmsNorm>,
-    pub self_attn: SelfAttention,
+    pub(crate) self_attn: SelfAttention,
     post_attention_layernorm: RmsNorm,
     post_feedforward_layernorm: Option<RmsNorm>,
     mlp: Mlp,
 }
 
 /// Per-layer key-value caches of a sequence being decoded, and how many tokens it holds.
-pub struct ModelCache {
-    pub layers: Vec<RefCell<LayerCache>>,
-    pub len: i64,
+pub(crate) struct ModelCache {
+    pub(crate) layers: Vec<RefCell<LayerCache>>,
+    pub(crate) len: i64,
 }
 
 impl ModelCache {
     /// Bytes of keys and values held now, over all layers.
-    pub fn bytes(&self) -> f64 {
+    pub(crate) fn bytes(&self) -> f64 {
         self.layers.iter().map(|l| l.borrow().bytes()).sum()
     }
 }
@@ -87,14 +87,14 @@ pub struct ForwardOutput {
     /// forward's context asks for it.
     pub logits: Tensor,
     /// One entry per layer.
-    pub layers: Vec<AttnOutput>,
+    pub(crate) layers: Vec<AttnOutput>,
 }
 
 impl ForwardOutput {
     /// The method's regulariser: the mean over layers of each layer's term (every paper
     /// normalises by the number of layers), None for methods without one. `nll: [B, L]` is
     /// the per-token language-model loss, which SwiAttn's adaptive weight reads.
-    pub fn regulariser(&self, nll: &Tensor) -> Option<Tensor> {
+    pub(crate) fn regulariser(&self, nll: &Tensor) -> Option<Tensor> {
         let terms: Vec<Tensor> = self
             .layers
             .iter()
@@ -104,14 +104,14 @@ impl ForwardOutput {
     }
 
     /// (query, key) pairs attended over all layers and heads.
-    pub fn attended_pairs(&self) -> f64 {
+    pub(crate) fn attended_pairs(&self) -> f64 {
         self.layers.iter().map(|l| l.pairs.double_value(&[])).sum()
     }
 
     /// Mean of the hard gates over layers, tokens and heads (mu_f); None for static methods.
     /// A static layer of a routed model (a pruned L2A layer) is all window: it counts as 0, as
     /// evaluation counts it.
-    pub fn full_usage(&self) -> Option<Tensor> {
+    pub(crate) fn full_usage(&self) -> Option<Tensor> {
         let means: Vec<Tensor> = self
             .layers
             .iter()
@@ -123,20 +123,20 @@ impl ForwardOutput {
 }
 
 pub struct Llama {
-    pub cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
     embed_tokens: Tensor,
-    pub layers: Vec<DecoderLayer>,
+    pub(crate) layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     compute: Kind,
     /// The kernel library the attention layers use, None on the reference path.
-    pub kernels: Option<&'static Kernels>,
+    pub(crate) kernels: Option<&'static Kernels>,
 }
 
 impl Llama {
     /// Creates the parameters under `vs` (initialised from tch's current seed), reading first
     /// what the method reads from files (static heads' ranking: `MethodSpec::fixed_heads`).
-    pub fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Result<Self> {
+    pub(crate) fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Result<Self> {
         let fixed_heads = (spec(attn.method).fixed_heads)(cfg, attn)?;
         let kernels =
             kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
@@ -198,7 +198,7 @@ impl Llama {
     }
 
     /// `(new, base)` names of parameters a method adds that start as copies of base ones.
-    pub fn derived_params(&self) -> Vec<(String, String)> {
+    pub(crate) fn derived_params(&self) -> Vec<(String, String)> {
         self.layers
             .iter()
             .flat_map(|l| l.self_attn.derived_params())
@@ -206,7 +206,7 @@ impl Llama {
     }
 
     /// Key-value cache bytes per layer at decode time for a context of `len` tokens.
-    pub fn kv_cache_bytes(&self, len: usize) -> Vec<f64> {
+    pub(crate) fn kv_cache_bytes(&self, len: usize) -> Vec<f64> {
         let elt = self.compute.elt_size_in_bytes();
         self.layers
             .iter()
@@ -223,7 +223,7 @@ impl Llama {
     }
 
     /// An empty decoding cache for `forward_cached`.
-    pub fn new_cache(&self) -> ModelCache {
+    pub(crate) fn new_cache(&self) -> ModelCache {
         ModelCache {
             layers: self
                 .layers
@@ -236,7 +236,7 @@ impl Llama {
 
     /// The next `ids: [B, T]` after the tokens `cache` already holds: same outputs as the
     /// whole-sequence forward gives at those positions, computing only the new queries.
-    pub fn forward_cached(
+    pub(crate) fn forward_cached(
         &self,
         ids: &Tensor,
         cache: &mut ModelCache,
@@ -323,7 +323,7 @@ impl Llama {
 
     /// Key-value cache bytes of the same model with full attention in every layer, for one
     /// sequence of `len` tokens: the denominator of every cache-size ratio.
-    pub fn full_kv_cache_bytes(&self, len: usize) -> f64 {
+    pub(crate) fn full_kv_cache_bytes(&self, len: usize) -> f64 {
         let m = &self.cfg;
         (m.num_hidden_layers * len * 2 * m.num_key_value_heads * m.head_dim()) as f64
             * self.compute.elt_size_in_bytes() as f64
@@ -331,14 +331,14 @@ impl Llama {
 
     /// Full-causal (query, key) pairs over all layers and heads for a `[B, L]` input: the
     /// denominator of every attention-work ratio.
-    pub fn full_pairs(&self, batch: usize, len: usize) -> f64 {
+    pub(crate) fn full_pairs(&self, batch: usize, len: usize) -> f64 {
         (batch * self.cfg.num_attention_heads * self.cfg.num_hidden_layers) as f64
             * KeyPattern::Full.attended_pairs(len) as f64
     }
 }
 
 /// Waits for the work queued on `device` (nothing to wait for on the CPU).
-pub fn sync(device: Device) {
+pub(crate) fn sync(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }

@@ -3,8 +3,8 @@
 //! that stacks them (`llama.rs`).
 
 pub mod attention;
-pub mod kernels;
-pub mod llama;
-pub mod nn;
+pub(crate) mod kernels;
+pub(crate) mod llama;
+pub(crate) mod nn;
 
 pub use llama::*;

@@ -9,13 +9,13 @@ use tch::{nn, Kind, Tensor};
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
 
-pub struct Linear {
-    pub weight: Tensor,
-    pub bias: Option<Tensor>,
+pub(crate) struct Linear {
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Tensor>,
 }
 
 impl Linear {
-    pub fn new(p: nn::Path, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Self {
+    pub(crate) fn new(p: nn::Path, in_dim: i64, out_dim: i64, bias: bool, std: f64) -> Self {
         let weight = p.var(
             "weight",
             &[out_dim, in_dim],
@@ -28,7 +28,7 @@ impl Linear {
         Linear { weight, bias }
     }
 
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         let k = x.kind();
         x.linear(
             &self.weight.to_kind(k),
@@ -39,14 +39,14 @@ impl Linear {
 
 /// `x` in at least fp32 (fp64 stays fp64), for reductions and thresholds that must not
 /// depend on the compute dtype.
-pub fn upcast(x: &Tensor) -> Tensor {
+pub(crate) fn upcast(x: &Tensor) -> Tensor {
     match x.kind() {
         Kind::Double | Kind::Float => x.shallow_clone(),
         _ => x.to_kind(Kind::Float),
     }
 }
 
-pub struct RmsNorm {
+pub(crate) struct RmsNorm {
     weight: Tensor,
     eps: f64,
     /// The fused kernel (`kernels/norm.cu`) computes it where a library is loaded.
@@ -54,7 +54,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+    pub(crate) fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
         RmsNorm {
             weight: p.var("weight", &[dim], nn::Init::Const(1.0)),
             eps,
@@ -62,13 +62,13 @@ impl RmsNorm {
         }
     }
 
-    pub fn with_kernels(self, kernels: Option<&'static Kernels>) -> Self {
+    pub(crate) fn with_kernels(self, kernels: Option<&'static Kernels>) -> Self {
         RmsNorm { kernels, ..self }
     }
 
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         if let Some(k) = kernels::kernel_for(self.kernels, x) {
             if self.weight.kind() == Kind::Float {
                 return k
@@ -85,14 +85,14 @@ impl RmsNorm {
 
 /// Rotary position embedding in Hugging Face's "rotate half" layout: dimension c is paired
 /// with c + head_dim/2.
-pub struct Rope {
+pub(crate) struct Rope {
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Rope {
     /// Angles position * inv_freq for positions 0 .. len.
-    pub fn new(len: i64, inv_freq: &[f64], kind: Kind, device: tch::Device) -> Self {
+    pub(crate) fn new(len: i64, inv_freq: &[f64], kind: Kind, device: tch::Device) -> Self {
         let opts = (Kind::Float, device);
         let inv_freq = Tensor::from_slice(inv_freq)
             .to_kind(Kind::Float)
@@ -106,7 +106,7 @@ impl Rope {
     }
 
     /// The angles of positions `start .. start + len`.
-    pub fn slice(&self, start: i64, len: i64) -> Rope {
+    pub(crate) fn slice(&self, start: i64, len: i64) -> Rope {
         Rope {
             cos: self.cos.narrow(0, start, len),
             sin: self.sin.narrow(0, start, len),
@@ -115,7 +115,7 @@ impl Rope {
 
     /// `x: [B, L, H, D]` rotated and transposed to `[B, H, L, D]`, by the fused kernel where
     /// a library is given.
-    pub fn apply_transposed(
+    pub(crate) fn apply_transposed(
         &self,
         x: &Tensor,
         kernels: Option<&Kernels>,
@@ -129,7 +129,7 @@ impl Rope {
     }
 
     /// `x: [B, H, L, D]`.
-    pub fn apply(&self, x: &Tensor) -> Tensor {
+    pub(crate) fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size()[3] / 2;
         let rotated = Tensor::cat(&[-x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
         x * &self.cos + rotated * &self.sin
@@ -139,7 +139,7 @@ impl Rope {
 /// Rotary frequencies theta^(-2i/d), with Hugging Face's rope_scaling applied (linear:
 /// divided by the factor; llama3: long wavelengths divided by the factor, short ones kept,
 /// a smooth blend between).
-pub fn inv_freq(m: &ModelConfig) -> Vec<f64> {
+pub(crate) fn inv_freq(m: &ModelConfig) -> Vec<f64> {
     let d = m.head_dim();
     let base: Vec<f64> = (0..d / 2)
         .map(|i| 1.0 / m.rope_theta.powf((2 * i) as f64 / d as f64))
@@ -175,7 +175,7 @@ pub fn inv_freq(m: &ModelConfig) -> Vec<f64> {
 }
 
 /// Per-position next-token negative log-likelihood, `[B, L]`, in fp32 (fp64 for fp64 logits).
-pub fn token_nll(logits: &Tensor, targets: &Tensor) -> Tensor {
+pub(crate) fn token_nll(logits: &Tensor, targets: &Tensor) -> Tensor {
     let logits = upcast(logits);
     let logp = logits.log_softmax(-1, logits.kind());
     -logp

@@ -32,7 +32,7 @@ pub enum OutDtype {
 }
 
 impl OutDtype {
-    pub fn parse(s: &str) -> Result<OutDtype> {
+    pub(crate) fn parse(s: &str) -> Result<OutDtype> {
         Ok(match s {
             "keep" => OutDtype::Keep,
             "fp32" => OutDtype::Fp32,
@@ -107,7 +107,7 @@ impl Family {
 }
 
 /// `[model]` from a Hugging Face config.json, and the sliding window it declares, if any.
-pub fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> {
+pub(crate) fn model_from_hf(v: &Value) -> Result<(Family, ModelConfig, Option<usize>)> {
     let arch = v["architectures"]
         .get(0)
         .and_then(|a| a.as_str())
@@ -288,10 +288,10 @@ impl View for Lazy<'_> {
 
 #[derive(Debug)]
 pub struct ConvertReport {
-    pub family: Family,
-    pub tensors: usize,
-    pub parameters: u64,
-    pub config: PathBuf,
+    pub(crate) family: Family,
+    pub(crate) tensors: usize,
+    pub(crate) parameters: u64,
+    pub(crate) config: PathBuf,
 }
 
 fn mmap(path: &Path) -> Result<Mmap> {
@@ -537,7 +537,7 @@ fn copy_tokenizer(src: &Path, out: &Path, written: &mut Vec<PathBuf>) -> Result<
 /// Writes a trained full-attention or sliding-window model in the Hugging Face layout:
 /// config.json (Llama, Mistral for a window, Qwen2, Qwen3 or OLMo-2, by the model's
 /// features) and model.safetensors.
-pub fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> Result<PathBuf> {
+pub(crate) fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> Result<PathBuf> {
     // A run directory or a conversion there would be shadowed: `resolve_weights` reads a
     // model.safetensors beside the checkpoints first.
     let taken = [

@@ -25,98 +25,98 @@ use crate::util::fault;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct AttentionWork {
+pub(crate) struct AttentionWork {
     /// (query, key) pairs attended over all layers, heads and evaluated sequences, by the
     /// paths actually executed: a routed token's full prefix or window, PPA's offsets, and
     /// for L2A both its local window and its global module.
-    pub pairs: f64,
-    pub full_causal_pairs: f64,
+    pub(crate) pairs: f64,
+    pub(crate) full_causal_pairs: f64,
     /// pairs / full_causal_pairs: attention work relative to full causal attention in the
     /// same model. Not a density: above 1 when a method attends more pairs than full
     /// attention would (L2A at a low threshold adds its global module's pairs to its window's).
-    pub pairs_vs_full: f64,
+    pub(crate) pairs_vs_full: f64,
     /// 4 * pairs * head_dim: QK^T and PV, a multiply and an add each.
-    pub flops: f64,
-    pub full_causal_flops: f64,
+    pub(crate) flops: f64,
+    pub(crate) full_causal_flops: f64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct Bucket {
+pub(crate) struct Bucket {
     /// "unpredictable", "local", "d2-3", "d4-7", ..., or "out_of_context".
-    pub bucket: String,
+    pub(crate) bucket: String,
     /// Smallest dependency distance in the bucket (0 for unpredictable, u32::MAX for
     /// out_of_context), for sorting.
-    pub min_distance: u32,
-    pub tokens: u64,
-    pub loss: f64,
+    pub(crate) min_distance: u32,
+    pub(crate) tokens: u64,
+    pub(crate) loss: f64,
     /// Share of the bucket's tokens the model's argmax predicts exactly (a recall's answer is
     /// a copy of its definition's value, so this is the recall task's accuracy); None in
     /// reports written before it was measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accuracy: Option<f64>,
+    pub(crate) accuracy: Option<f64>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct EvalReport {
-    pub split: String,
+pub(crate) struct EvalReport {
+    pub(crate) split: String,
     /// Length of the evaluated sequences (`eval.seq_len`, or `data.seq_len`).
-    pub seq_len: usize,
+    pub(crate) seq_len: usize,
     /// Training step of the evaluated weights, None when they are a bare weight file.
-    pub checkpoint_step: Option<usize>,
+    pub(crate) checkpoint_step: Option<usize>,
     /// The run's `train.steps`: a checkpoint step below it is a model evaluated before its
     /// training finished.
-    pub train_steps: usize,
-    pub tokens: u64,
-    pub loss: f64,
-    pub perplexity: f64,
-    pub bits_per_token: f64,
+    pub(crate) train_steps: usize,
+    pub(crate) tokens: u64,
+    pub(crate) loss: f64,
+    pub(crate) perplexity: f64,
+    pub(crate) bits_per_token: f64,
     /// Entropy (nats) of the evaluated targets' unigram distribution: the loss of a model
     /// that knows token frequencies and nothing else.
-    pub unigram_entropy: f64,
-    pub attention: AttentionWork,
+    pub(crate) unigram_entropy: f64,
+    pub(crate) attention: AttentionWork,
     /// Key-value cache bytes per layer for one sequence of seq_len tokens at decode time.
-    pub kv_cache_bytes: Vec<f64>,
-    pub kv_cache_bytes_total: f64,
+    pub(crate) kv_cache_bytes: Vec<f64>,
+    pub(crate) kv_cache_bytes_total: f64,
     /// The same model with full attention in every layer.
-    pub kv_cache_bytes_full: f64,
+    pub(crate) kv_cache_bytes_full: f64,
     /// Empty unless the data set records dependency distances.
-    pub buckets: Vec<Bucket>,
+    pub(crate) buckets: Vec<Bucket>,
     /// Routed methods only.
-    pub gates: Option<GateReport>,
+    pub(crate) gates: Option<GateReport>,
     /// Measured inference time (`eval.timing`); None when not asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timing: Option<Timing>,
+    pub(crate) timing: Option<Timing>,
 }
 
 /// What one batch of the evaluated split costs in time on the evaluating device. Each figure
 /// is the median of `TIMING_REPS` repetitions after one unmeasured warm-up, and includes the
 /// host's work (kernel launches, a method's own synchronisations): the time a run pays.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct Timing {
-    pub device: String,
+pub(crate) struct Timing {
+    pub(crate) device: String,
     /// Sequences of the timed batch and their length.
-    pub batch: usize,
-    pub seq_len: usize,
+    pub(crate) batch: usize,
+    pub(crate) seq_len: usize,
     /// One forward of the batch without gradients, milliseconds.
-    pub forward_ms: f64,
+    pub(crate) forward_ms: f64,
     /// The attention layers' part of it, each timed with the device synchronised around it.
-    pub attention_ms: f64,
+    pub(crate) attention_ms: f64,
     /// Prefill of the batch's first `seq_len - decode_steps` tokens into a key-value cache.
-    pub prefill_ms: f64,
+    pub(crate) prefill_ms: f64,
     /// Tokens then decoded one at a time per sequence, greedily, over the cache.
-    pub decode_steps: usize,
+    pub(crate) decode_steps: usize,
     /// Generated tokens per second, all sequences of the batch together.
-    pub decode_tokens_per_s: f64,
+    pub(crate) decode_tokens_per_s: f64,
     /// Bytes of keys and values the cache holds per sequence after decoding (measured from
     /// the cache, beside the estimate `kv_cache_bytes_total`).
-    pub decode_cache_bytes: f64,
+    pub(crate) decode_cache_bytes: f64,
 }
 
 /// Repetitions behind each figure of `Timing`.
 const TIMING_REPS: usize = 3;
 
 /// Times `x: [B, L]` (int64 ids) through `model`: see `Timing`.
-pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
+pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
     let device = x.device();
     let (batch, len) = (x.size()[0], x.size()[1]);
     let steps = 64.min(len / 2);
@@ -170,20 +170,20 @@ pub fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct GateReport {
+pub(crate) struct GateReport {
     /// Mean hard gate over layers, tokens and heads (a static layer of a routed model, such
     /// as a pruned L2A layer, counts as all window).
-    pub mu_f: f64,
-    pub per_layer: Vec<f64>,
+    pub(crate) mu_f: f64,
+    pub(crate) per_layer: Vec<f64>,
     /// `[layer][head]`.
-    pub per_head: Vec<Vec<f64>>,
+    pub(crate) per_head: Vec<Vec<f64>>,
     /// `[layer][head]`: gaps between consecutive full-path calls of each head.
-    pub gaps: Vec<Vec<GapStats>>,
+    pub(crate) gaps: Vec<Vec<GapStats>>,
     /// Heads without a measured median gap: their estimated survival never falls to one half
     /// within the evaluated sequences (or they never call twice in one).
-    pub censored_heads: usize,
+    pub(crate) censored_heads: usize,
     /// Synthetic corpus only.
-    pub need: Option<NeedReport>,
+    pub(crate) need: Option<NeedReport>,
 }
 
 /// The distribution of one head's gaps: the number of tokens from one call of its full path to
@@ -196,22 +196,22 @@ pub struct GateReport {
 /// sequence start, so they would bias it long. `censored_share` reports how often a head
 /// calls fewer than twice in a sequence.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct GapStats {
+pub(crate) struct GapStats {
     /// Complete gaps observed.
-    pub gaps: u64,
+    pub(crate) gaps: u64,
     /// Mean of the complete gaps: the paper's statistic, biased short.
-    pub mean: Option<f64>,
+    pub(crate) mean: Option<f64>,
     /// Kaplan-Meier median and 90th percentile of the gap; None when the estimated survival
     /// never falls that low (too many spells censored, or no complete gap at all).
-    pub median: Option<u32>,
-    pub p90: Option<u32>,
+    pub(crate) median: Option<u32>,
+    pub(crate) p90: Option<u32>,
     /// Longest complete gap.
-    pub max: Option<u32>,
+    pub(crate) max: Option<u32>,
     /// Longest censored spell: some gap is longer than this.
-    pub max_censored: Option<u32>,
+    pub(crate) max_censored: Option<u32>,
     /// Share of the evaluated sequences in which the head called full attention fewer than
     /// twice (no complete gap).
-    pub censored_share: f64,
+    pub(crate) censored_share: f64,
 }
 
 /// Running counts behind one head's `GapStats`.
@@ -279,23 +279,23 @@ impl GapCounts {
 /// predicts depends on one at least w back. Positions with no dependency and those whose
 /// dependency lies before the sequence start (no attention can reach it) are left out.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct NeedReport {
-    pub window: usize,
-    pub positions: u64,
-    pub needing: u64,
+pub(crate) struct NeedReport {
+    pub(crate) window: usize,
+    pub(crate) positions: u64,
+    pub(crate) needing: u64,
     /// Per layer, each (position, head) gate is one decision.
-    pub per_layer: Vec<PrecisionRecall>,
+    pub(crate) per_layer: Vec<PrecisionRecall>,
     /// Every (layer, position, head) gate is one decision.
-    pub all_gates: PrecisionRecall,
+    pub(crate) all_gates: PrecisionRecall,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct PrecisionRecall {
-    pub true_pos: u64,
-    pub false_pos: u64,
-    pub false_neg: u64,
-    pub precision: Option<f64>,
-    pub recall: Option<f64>,
+pub(crate) struct PrecisionRecall {
+    pub(crate) true_pos: u64,
+    pub(crate) false_pos: u64,
+    pub(crate) false_neg: u64,
+    pub(crate) precision: Option<f64>,
+    pub(crate) recall: Option<f64>,
 }
 
 impl PrecisionRecall {
@@ -421,7 +421,7 @@ impl GateAccum {
 /// Which bucket the prediction at in-sequence position `t` with dependency `dep` falls in.
 /// Recall dependencies are bucketed by powers of two; one whose source lies before the
 /// start of the evaluated sequence cannot be resolved by any attention pattern.
-pub fn bucket_of(dep: u32, t: usize) -> (String, u32) {
+pub(crate) fn bucket_of(dep: u32, t: usize) -> (String, u32) {
     match dep {
         DEP_NONE => ("unpredictable".into(), 0),
         1 => ("local".into(), 1),
@@ -436,14 +436,14 @@ pub fn bucket_of(dep: u32, t: usize) -> (String, u32) {
 /// The seed context-free (Bernoulli) gates draw from when a model is evaluated: one per run, so
 /// an evaluation repeats exactly, and apart from the training's draws. Evaluation batches, the
 /// timed batch, probes and multiple-choice items each derive their own from it.
-pub fn eval_gate_seed(cfg: &Config) -> u64 {
+pub(crate) fn eval_gate_seed(cfg: &Config) -> u64 {
     cfg.train.seed ^ 0xE7A1
 }
 
 /// Loss, attention work, buckets and gate statistics of `model` on `split`, over sequences of
 /// `cfg.eval_seq_len()` tokens. `show`: a progress bar (status lines off a terminal) over the
 /// batches.
-pub fn evaluate(
+pub(crate) fn evaluate(
     model: &Llama,
     split: &Split,
     cfg: &Config,
@@ -568,7 +568,7 @@ pub fn evaluate(
 
 /// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final
 /// evaluation of a training run and `attnsweep eval` measure it, the periodic ones do not.
-pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
+pub(crate) fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
     if !cfg.eval.timing {
         return None;
     }
@@ -585,14 +585,14 @@ pub fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> 
 /// renamed on one side cannot silently vanish on the other.
 #[derive(Serialize, Deserialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
-pub struct EvalFile {
-    pub report: EvalReport,
-    pub config: Config,
+pub(crate) struct EvalFile {
+    pub(crate) report: EvalReport,
+    pub(crate) config: Config,
 }
 
 /// The `eval.json` in `dir`; None when there is none, an error naming the file when it is not
 /// one this version writes.
-pub fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
+pub(crate) fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
     let path = dir.join("eval.json");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
@@ -609,7 +609,7 @@ pub fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
 
 /// Writes `eval.json` (report plus the resolved config), `eval.csv` (one metric per row) and,
 /// when there are buckets, `eval_buckets.csv`; also the resolved `config.toml`.
-pub fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
+pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
     atomic::ensure_writable_dir(dir)?;
     let file = EvalFile {
         report: report.clone(),

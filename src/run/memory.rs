@@ -20,7 +20,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// Parameters of the model a config describes, a method's additions included (L2A's global
 /// module, SwiAttn's second output projection; routers are negligible).
-pub fn parameters(cfg: &Config) -> f64 {
+pub(crate) fn parameters(cfg: &Config) -> f64 {
     let m = &cfg.model;
     let (d, f, v) = (
         m.hidden_size as f64,
@@ -50,7 +50,7 @@ fn logits_bytes(cfg: &Config, rows: usize, len: usize) -> f64 {
 
 /// Memory on the host now available to this process: the kernel's MemAvailable, lowered to
 /// what a cgroup (a container's or a Slurm job's) still allows; None where neither is known.
-pub fn available_host() -> Option<f64> {
+pub(crate) fn available_host() -> Option<f64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let avail = meminfo.as_deref().and_then(|t| {
         t.lines()
@@ -103,7 +103,7 @@ fn check(what: &str, parts: &[(&str, f64)], device: Device, advice: &str) -> Res
 }
 
 /// A model loaded for evaluation, conversion or export: its parameters.
-pub fn check_model(cfg: &Config, device: Device) -> Result<()> {
+pub(crate) fn check_model(cfg: &Config, device: Device) -> Result<()> {
     check(
         "the model",
         &[("parameters", 4.0 * parameters(cfg))],
@@ -126,7 +126,7 @@ fn frozen_parameters(cfg: &Config) -> f64 {
 
 /// Training: parameters, the gradients and AdamW moments of those that train, the larger of
 /// a micro-batch's logits (with their gradient) and an evaluation batch's, and the masks.
-pub fn check_training(cfg: &Config, device: Device) -> Result<()> {
+pub(crate) fn check_training(cfg: &Config, device: Device) -> Result<()> {
     let (t, e) = (&cfg.train, &cfg.eval);
     let len = cfg.data.seq_len;
     let trained = parameters(cfg) - frozen_parameters(cfg);
@@ -152,7 +152,7 @@ pub fn check_training(cfg: &Config, device: Device) -> Result<()> {
 }
 
 /// Evaluation of the loss: the model and one batch's logits and masks.
-pub fn check_eval(cfg: &Config, device: Device) -> Result<()> {
+pub(crate) fn check_eval(cfg: &Config, device: Device) -> Result<()> {
     let len = cfg.eval_seq_len();
     check(
         "evaluation",
@@ -168,7 +168,7 @@ pub fn check_eval(cfg: &Config, device: Device) -> Result<()> {
 
 /// Probes: one batch of prompts of the longest length, its prefill's logits, the masks the
 /// decoding cache builds ([queries, keys], full attention included), and the cache.
-pub fn check_probes(cfg: &Config, device: Device, longest: usize) -> Result<()> {
+pub(crate) fn check_probes(cfg: &Config, device: Device, longest: usize) -> Result<()> {
     let m = &cfg.model;
     let rows = cfg.eval.batch_size.min(cfg.eval.samples);
     let cache = 2.0

@@ -3,11 +3,11 @@
 //! its directory.
 
 pub mod convert;
-pub mod eval;
-pub mod memory;
-pub mod prune;
+pub(crate) mod eval;
+pub(crate) mod memory;
+pub(crate) mod prune;
 pub mod tasks;
-pub mod train;
+pub(crate) mod train;
 
 use crate::io::checkpoint;
 use crate::config::{parse_device, Config, DeviceSpec, Dtype};
@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
 
-pub fn resolve_device(spec: &str) -> Result<Device> {
+pub(crate) fn resolve_device(spec: &str) -> Result<Device> {
     Ok(match parse_device(spec)? {
         DeviceSpec::Auto => Device::cuda_if_available(),
         DeviceSpec::Cpu => Device::Cpu,
@@ -37,7 +37,7 @@ pub fn resolve_device(spec: &str) -> Result<Device> {
     })
 }
 
-pub fn compute_kind(d: Dtype) -> Kind {
+pub(crate) fn compute_kind(d: Dtype) -> Kind {
     match d {
         Dtype::Fp32 => Kind::Float,
         Dtype::Bf16 => Kind::BFloat16,
@@ -68,7 +68,7 @@ impl Built {
     /// Sets each parameter a method adds to a copy of the base parameter it starts from
     /// (L2A's global module, SwiAttn's window-branch output projection), for those `which`
     /// selects.
-    pub fn copy_derived(&self, which: impl Fn(&str) -> bool) {
+    pub(crate) fn copy_derived(&self, which: impl Fn(&str) -> bool) {
         let params = self.params();
         tch::no_grad(|| {
             for (dst, src) in self.model.derived_params() {
@@ -81,21 +81,21 @@ impl Built {
 }
 
 /// A trained model loaded from its run directory, ready to evaluate.
-pub struct LoadedRun {
-    pub cfg: Config,
+pub(crate) struct LoadedRun {
+    pub(crate) cfg: Config,
     /// The run's data set; None when opened without data.
     meta: Option<data::Meta>,
-    pub device: Device,
-    pub built: Built,
+    pub(crate) device: Device,
+    pub(crate) built: Built,
     /// The weight file that was loaded.
-    pub weights: PathBuf,
+    pub(crate) weights: PathBuf,
     /// The training step of those weights (None for a bare weight file).
-    pub step: Option<usize>,
+    pub(crate) step: Option<usize>,
 }
 
 /// The config of a run directory with `sets` applied: an error says whether the directory
 /// holds no run or an override is at fault.
-pub fn run_config(run: &Path, sets: &[String]) -> Result<Config> {
+pub(crate) fn run_config(run: &Path, sets: &[String]) -> Result<Config> {
     let path = run.join("config.toml");
     ensure!(
         path.is_file(),
@@ -115,7 +115,7 @@ impl LoadedRun {
     /// The run's saved config with `sets` applied, its data set (unless `with_data` is false:
     /// reading weights needs none when the config names its vocabulary), and the weights of
     /// `ckpt` (a checkpoint directory or .safetensors file) or of the run's latest checkpoint.
-    pub fn open(
+    pub(crate) fn open(
         run: &Path,
         sets: &[String],
         ckpt: Option<&Path>,
@@ -142,14 +142,14 @@ impl LoadedRun {
     }
 
     /// The run's data set.
-    pub fn meta(&self) -> Result<&data::Meta> {
+    pub(crate) fn meta(&self) -> Result<&data::Meta> {
         self.meta
             .as_ref()
             .context("the run was opened without its data set")
     }
 
     /// Says on stderr when the weights are not those of the finished run.
-    pub fn warn_if_unfinished(&self) {
+    pub(crate) fn warn_if_unfinished(&self) {
         if let Some(step) = self.step.filter(|&s| s < self.cfg.train.steps) {
             eprintln!(
                 "warning: evaluating the checkpoint of step {step}, before training finished \
@@ -162,7 +162,7 @@ impl LoadedRun {
 
 /// Resolves settings that depend on the data set (the vocabulary size) and checks the
 /// model can represent it.
-pub fn resolve_with_data(cfg: &mut Config) -> Result<data::Meta> {
+pub(crate) fn resolve_with_data(cfg: &mut Config) -> Result<data::Meta> {
     ensure!(!cfg.data.dir.as_os_str().is_empty(), "data.dir is not set: point it at a directory made by `attnsweep data prepare` or `data synth`");
     let meta = data::read_meta(&cfg.data.dir)?;
     if cfg.model.vocab_size == 0 {

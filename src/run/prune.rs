@@ -17,22 +17,22 @@ use crate::run::eval;
 use crate::run::memory;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct PruneReport {
-    pub threshold: f64,
+pub(crate) struct PruneReport {
+    pub(crate) threshold: f64,
     /// 1 - mean gate per layer on the validation split, before pruning.
-    pub sparsity: Vec<f64>,
-    pub pruned_layers: Vec<usize>,
-    pub kv_cache_bytes_before: f64,
-    pub kv_cache_bytes_after: f64,
-    pub kv_cache_bytes_full: f64,
-    pub loss_before: f64,
-    pub loss_after: f64,
+    pub(crate) sparsity: Vec<f64>,
+    pub(crate) pruned_layers: Vec<usize>,
+    pub(crate) kv_cache_bytes_before: f64,
+    pub(crate) kv_cache_bytes_after: f64,
+    pub(crate) kv_cache_bytes_full: f64,
+    pub(crate) loss_before: f64,
+    pub(crate) loss_after: f64,
 }
 
 /// L2A pruning (L2A section 3.4): layers whose measured sparsity is at least `threshold` lose
 /// their global module and keep only the window. Writes the pruned model (config.toml,
 /// model.safetensors), its evaluation and `prune.json` to `out`.
-pub fn prune_l2a(
+pub(crate) fn prune_l2a(
     run: &Path,
     ckpt: Option<&Path>,
     threshold: f64,

@@ -22,23 +22,23 @@ use crate::run::eval;
 use crate::run::memory;
 
 /// What greedy decoding of a batch produced and cost.
-pub struct Generation {
+pub(crate) struct Generation {
     /// Generated ids per row, ending before the first end-of-document token.
-    pub tokens: Vec<Vec<u32>>,
+    pub(crate) tokens: Vec<Vec<u32>>,
     /// (query, key) pairs of the prefill over layers, heads and rows.
-    pub prefill_pairs: f64,
+    pub(crate) prefill_pairs: f64,
     /// Pairs of each decoding step after the prefill, over layers, heads and rows.
-    pub decode_pairs: Vec<f64>,
+    pub(crate) decode_pairs: Vec<f64>,
     /// `[row][i]`: mean hard gate over layers and heads of the query that produced generated
     /// token i (the last prompt position for i = 0); None for static methods.
-    pub gates: Option<Vec<Vec<f64>>>,
+    pub(crate) gates: Option<Vec<Vec<f64>>>,
     /// The prompts' head usage: hard gates summed over rows and prompt positions per layer
     /// and head; None for static methods.
-    pub prompt_gates: Option<HeadGates>,
+    pub(crate) prompt_gates: Option<HeadGates>,
     /// Cache bytes after the last step, all rows.
-    pub cache_bytes: f64,
-    pub prefill_seconds: f64,
-    pub decode_seconds: f64,
+    pub(crate) cache_bytes: f64,
+    pub(crate) prefill_seconds: f64,
+    pub(crate) decode_seconds: f64,
 }
 
 /// Per row, the mean gate over layers and heads at position `pos` of the forward's chunk; a
@@ -74,9 +74,9 @@ fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Vec<f64>> {
 /// usage map of the text they were summed over. A layer without gates (a pruned L2A layer)
 /// counts as window.
 #[derive(Clone, Debug, PartialEq)]
-pub struct HeadGates {
-    pub sums: Vec<Vec<f64>>,
-    pub positions: f64,
+pub(crate) struct HeadGates {
+    pub(crate) sums: Vec<Vec<f64>>,
+    pub(crate) positions: f64,
 }
 
 impl HeadGates {
@@ -113,7 +113,7 @@ impl HeadGates {
     }
 
     /// Usage per layer and head: the share of positions whose gate chose the full path.
-    pub fn usage(&self) -> Vec<Vec<f64>> {
+    pub(crate) fn usage(&self) -> Vec<Vec<f64>> {
         self.sums
             .iter()
             .map(|r| r.iter().map(|s| s / self.positions).collect())
@@ -123,7 +123,7 @@ impl HeadGates {
 
 /// Greedy decoding of `max_new` tokens after `prompts: [B, L]` (int64) with the model's
 /// key-value cache.
-pub fn greedy(
+pub(crate) fn greedy(
     model: &Llama,
     prompts: &Tensor,
     max_new: usize,
@@ -190,48 +190,48 @@ pub fn greedy(
 
 /// Scores of one (task, length, depth) cell of the probe grid.
 #[derive(Clone, Debug)]
-pub struct ProbeCell {
-    pub task: Task,
-    pub length: usize,
+pub(crate) struct ProbeCell {
+    pub(crate) task: Task,
+    pub(crate) length: usize,
     /// Requested depth; None for MQAR.
-    pub depth: Option<f64>,
-    pub exact_match: Vec<f64>,
-    pub recall: Vec<f64>,
+    pub(crate) depth: Option<f64>,
+    pub(crate) exact_match: Vec<f64>,
+    pub(crate) recall: Vec<f64>,
     /// Per probe, the mean gate over the queries that generated the answer's tokens.
-    pub full_ratio: Option<Vec<f64>>,
+    pub(crate) full_ratio: Option<Vec<f64>>,
     /// Per probe, the target and the generated text, for inspection.
-    pub outputs: Vec<(String, String)>,
+    pub(crate) outputs: Vec<(String, String)>,
 }
 
 /// Inference cost of the probes of one (task, length).
 #[derive(Clone, Debug, Default)]
-pub struct Cost {
-    pub rows: usize,
-    pub length: usize,
-    pub prefill_pairs: f64,
-    pub decode_pairs: f64,
-    pub decode_tokens: usize,
+pub(crate) struct Cost {
+    pub(crate) rows: usize,
+    pub(crate) length: usize,
+    pub(crate) prefill_pairs: f64,
+    pub(crate) decode_pairs: f64,
+    pub(crate) decode_tokens: usize,
     /// Keys full causal attention would read for the same decoded tokens (per layer and head).
-    pub full_decode_keys: f64,
-    pub cache_bytes: f64,
+    pub(crate) full_decode_keys: f64,
+    pub(crate) cache_bytes: f64,
     /// Cache bytes full attention would hold for the same sequences.
-    pub full_cache_bytes: f64,
-    pub prefill_seconds: f64,
-    pub batches: usize,
-    pub decode_seconds: f64,
+    pub(crate) full_cache_bytes: f64,
+    pub(crate) prefill_seconds: f64,
+    pub(crate) batches: usize,
+    pub(crate) decode_seconds: f64,
 }
 
 /// What the probes of `cfg.eval.tasks` measured: a cell per (task, length, depth), the
 /// inference cost per (task, length), and each task's head usage over its prompts (routed
 /// methods).
-pub struct ProbeRun {
-    pub cells: Vec<ProbeCell>,
-    pub costs: BTreeMap<(Task, usize), Cost>,
-    pub head_gates: BTreeMap<Task, HeadGates>,
+pub(crate) struct ProbeRun {
+    pub(crate) cells: Vec<ProbeCell>,
+    pub(crate) costs: BTreeMap<(Task, usize), Cost>,
+    pub(crate) head_gates: BTreeMap<Task, HeadGates>,
 }
 
 /// The probes of `cfg.eval.tasks` over lengths and depths.
-pub fn run_probes(
+pub(crate) fn run_probes(
     model: &Llama,
     cfg: &Config,
     tok: &TextTokenizer,
@@ -350,7 +350,7 @@ pub fn run_probes(
 
 /// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
 /// run's data set), which must use the run's tokenizer.
-pub fn haystack(cfg: &Config, run_meta: &data::Meta) -> Result<Haystack> {
+pub(crate) fn haystack(cfg: &Config, run_meta: &data::Meta) -> Result<Haystack> {
     match cfg.eval.haystack {
         HaystackKind::Noise => Ok(Haystack::Noise),
         HaystackKind::Text => {
@@ -385,12 +385,12 @@ pub fn haystack(cfg: &Config, run_meta: &data::Meta) -> Result<Haystack> {
 #[derive(Deserialize, Clone, Debug)]
 #[serde(deny_unknown_fields)]
 pub struct McItem {
-    pub context: String,
-    pub choices: Vec<String>,
-    pub gold: usize,
+    pub(crate) context: String,
+    pub(crate) choices: Vec<String>,
+    pub(crate) gold: usize,
     /// Put between the context and each choice (the harness's default is a space).
     #[serde(default = "space")]
-    pub target_delimiter: String,
+    pub(crate) target_delimiter: String,
 }
 
 fn space() -> String {
@@ -496,14 +496,14 @@ fn encode_pair(
 /// One choice scored: the sum of its tokens' log-likelihoods, and whether each of them is
 /// the model's most likely next token (the harness's `is_greedy`).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ChoiceScore {
-    pub loglik: f64,
-    pub greedy: bool,
+pub(crate) struct ChoiceScore {
+    pub(crate) loglik: f64,
+    pub(crate) greedy: bool,
 }
 
 /// Each choice's score after the context. Inputs longer than `max_len` lose the start of
 /// their context. `gate_seed` seeds context-free (Bernoulli) gates.
-pub fn choice_logliks(
+pub(crate) fn choice_logliks(
     model: &Llama,
     tok: &TextTokenizer,
     item: &McItem,
@@ -578,17 +578,17 @@ pub fn choice_logliks(
 /// One item's result: every choice's score, the predictions by log-likelihood and by
 /// log-likelihood per character, and whether each is the gold.
 #[derive(Clone, Debug)]
-pub struct McResult {
-    pub scores: Vec<ChoiceScore>,
-    pub prediction: usize,
-    pub prediction_norm: usize,
-    pub acc: f64,
-    pub acc_norm: f64,
+pub(crate) struct McResult {
+    pub(crate) scores: Vec<ChoiceScore>,
+    pub(crate) prediction: usize,
+    pub(crate) prediction_norm: usize,
+    pub(crate) acc: f64,
+    pub(crate) acc_norm: f64,
 }
 
 /// Scores every item: `acc` takes the choice of highest log-likelihood, `acc_norm` the
 /// highest per character of the choice (ties to the first, as numpy's argmax does).
-pub fn score_mc(
+pub(crate) fn score_mc(
     model: &Llama,
     tok: &TextTokenizer,
     items: &[McItem],
@@ -690,15 +690,15 @@ struct TidyRow {
 
 /// How `run` reports.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct RunOptions {
+pub(crate) struct RunOptions {
     /// Write every multiple-choice item's scoring (`samples_<task>.jsonl`).
-    pub log_samples: bool,
+    pub(crate) log_samples: bool,
 }
 
 /// Runs every task `cfg.eval` names (probes and multiple choice) and writes `results.json`,
 /// `tasks.csv`, `niah.csv` (tasks with a needle depth) and `efficiency.csv` to `dir`.
 /// Returns the overall metrics per task.
-pub fn run(
+pub(crate) fn run(
     model: &Llama,
     cfg: &Config,
     meta: &data::Meta,

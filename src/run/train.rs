@@ -29,19 +29,19 @@ use crate::run::memory;
 use crate::util::fault;
 
 /// What one forward and backward over a micro-batch measured.
-pub struct MicroStep {
+pub(crate) struct MicroStep {
     /// Language-model loss (mean token NLL).
-    pub loss: f64,
+    pub(crate) loss: f64,
     /// The method's regulariser, if it has one.
-    pub reg: Option<f64>,
+    pub(crate) reg: Option<f64>,
     /// Full-attention usage mu_f, for routed methods.
-    pub full_usage: Option<f64>,
+    pub(crate) full_usage: Option<f64>,
 }
 
 /// The loss of one micro-batch `x -> y` (language model plus the method's regulariser), with
 /// what it measured. With a kernel library the cross-entropy is the fused one, which reads
 /// logits left in the compute dtype (`ForwardCtx::compute_logits`).
-pub fn forward_loss(
+pub(crate) fn forward_loss(
     model: &Llama,
     x: &Tensor,
     y: &Tensor,
@@ -70,7 +70,7 @@ pub fn forward_loss(
 
 /// Forward and backward of one micro-batch, gradients scaled by `1 / accum` and added to
 /// the parameters' gradients.
-pub fn micro_step(
+pub(crate) fn micro_step(
     model: &Llama,
     x: &Tensor,
     y: &Tensor,
@@ -84,7 +84,7 @@ pub fn micro_step(
 
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
 /// `lr * min_lr_ratio` at the last step.
-pub fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
+pub(crate) fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
     if step < cfg.warmup_steps {
         return cfg.lr * (step + 1) as f64 / cfg.warmup_steps as f64;
     }
@@ -99,18 +99,18 @@ pub fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
 ///
 /// With a kernel library the step runs fused (`kernels/optim.cu`: one launch for the norm, one
 /// for clipping and the update), the same maths as the per-tensor form below.
-pub struct AdamW {
+pub(crate) struct AdamW {
     params: Vec<(String, Tensor)>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
-    pub step: i64,
+    pub(crate) step: i64,
     kernels: Option<&'static Kernels>,
     /// Clipping factor the fused path applies inside the next update.
     clip: f64,
 }
 
 impl AdamW {
-    pub fn new(params: &BTreeMap<String, Tensor>, kernels: Option<&'static Kernels>) -> Self {
+    pub(crate) fn new(params: &BTreeMap<String, Tensor>, kernels: Option<&'static Kernels>) -> Self {
         let params: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -142,7 +142,7 @@ impl AdamW {
         out
     }
 
-    pub fn zero_grad(&self) {
+    pub(crate) fn zero_grad(&self) {
         for (_, p) in &self.params {
             let mut g = p.grad();
             if g.defined() {
@@ -153,7 +153,7 @@ impl AdamW {
 
     /// Global gradient norm before clipping; gradients are scaled down to `max_norm` when
     /// it is exceeded (0 disables clipping).
-    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+    pub(crate) fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
         if let Some(k) = self.kernels {
             let (_, grads, _, _) = self.with_grads();
             let total = k
@@ -191,7 +191,7 @@ impl AdamW {
         })
     }
 
-    pub fn update(&mut self, lr: f64, t: &TrainConfig) {
+    pub(crate) fn update(&mut self, lr: f64, t: &TrainConfig) {
         self.step += 1;
         let bc1 = 1.0 - t.beta1.powi(self.step as i32);
         let bc2 = 1.0 - t.beta2.powi(self.step as i32);
@@ -233,7 +233,7 @@ impl AdamW {
     }
 
     /// Moments under PyTorch's state names, for the checkpoint.
-    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+    pub(crate) fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, (n, _)) in self.params.iter().enumerate() {
             out.push((format!("exp_avg.{n}"), self.exp_avg[i].shallow_clone()));
@@ -245,7 +245,7 @@ impl AdamW {
         out
     }
 
-    pub fn load_state(&mut self, path: &Path, step: usize) -> Result<()> {
+    pub(crate) fn load_state(&mut self, path: &Path, step: usize) -> Result<()> {
         let file = checkpoint::read_tensors(path)?;
         tch::no_grad(|| -> Result<()> {
             for (i, (n, p)) in self.params.iter().enumerate() {
@@ -276,23 +276,23 @@ impl AdamW {
 
 /// The parameters `train.freeze_mlp` keeps fixed (L2A E.1.3: only attention, routers and
 /// norms learn): the MLPs, the token embedding and the output head, tied or not.
-pub fn frozen_by_freeze_mlp(name: &str) -> bool {
+pub(crate) fn frozen_by_freeze_mlp(name: &str) -> bool {
     name.contains(".mlp.")
         || name.starts_with("model.embed_tokens.")
         || name.starts_with("lm_head.")
 }
 
 /// Options of one `attnsweep train` invocation beyond the config.
-pub struct TrainArgs {
-    pub out: PathBuf,
-    pub resume: bool,
-    pub init_from: Option<PathBuf>,
+pub(crate) struct TrainArgs {
+    pub(crate) out: PathBuf,
+    pub(crate) resume: bool,
+    pub(crate) init_from: Option<PathBuf>,
     /// Stop (with a checkpoint) once this many steps are done, leaving the run resumable;
     /// the schedule still spans `train.steps`.
-    pub stop_at: Option<usize>,
-    pub quiet: bool,
+    pub(crate) stop_at: Option<usize>,
+    pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
-    pub status_every: u64,
+    pub(crate) status_every: u64,
 }
 
 /// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
@@ -372,7 +372,7 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
     Ok(changed)
 }
 
-pub fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
+pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let prepared = prepare(&mut cfg, args)?;
     let mut t = Trainer::new(&cfg, args, prepared)?;
     let last = args.stop_at.map_or(cfg.train.steps, |s| s.min(cfg.train.steps));

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 static FONT: &[u8] = include_bytes!("fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
-pub const SIZE: (u32, u32) = (900, 560);
+pub(crate) const SIZE: (u32, u32) = (900, 560);
 
 fn register_font() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -30,26 +30,26 @@ fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 }
 
 /// One line (or point set) of a chart.
-pub struct Series {
-    pub name: String,
-    pub points: Vec<(f64, f64)>,
-    pub line: bool,
+pub(crate) struct Series {
+    pub(crate) name: String,
+    pub(crate) points: Vec<(f64, f64)>,
+    pub(crate) line: bool,
     /// Text drawn beside each point (same length as `points`), e.g. tau values.
-    pub labels: Vec<String>,
+    pub(crate) labels: Vec<String>,
 }
 
 /// One x-y chart of a [`Figure::Panels`].
-pub struct Panel {
-    pub title: String,
-    pub x: String,
-    pub y: String,
-    pub series: Vec<Series>,
-    pub x_axis: XAxis,
+pub(crate) struct Panel {
+    pub(crate) title: String,
+    pub(crate) x: String,
+    pub(crate) y: String,
+    pub(crate) series: Vec<Series>,
+    pub(crate) x_axis: XAxis,
 }
 
 /// How a chart's x axis is scaled and where its ticks go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum XAxis {
+pub(crate) enum XAxis {
     /// Linear, ticks at round numbers: measured values (steps, attention work).
     Linear,
     /// Linear, ticks at the values a sweep set (PPA's p, needle depth) when there are few.
@@ -59,7 +59,7 @@ pub enum XAxis {
 }
 
 /// What a figure is drawn from; `draw` renders it on any plotters backend.
-pub enum Figure {
+pub(crate) enum Figure {
     /// x-y chart.
     Lines {
         title: String,
@@ -414,7 +414,8 @@ fn has_legend(series: &[Series]) -> bool {
 }
 
 impl Figure {
-    pub fn title(&self) -> &str {
+    #[cfg(test)]
+    pub(crate) fn title(&self) -> &str {
         match self {
             Figure::Lines { title, .. }
             | Figure::Heatmap { title, .. }
@@ -423,7 +424,7 @@ impl Figure {
         }
     }
 
-    pub fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+    pub(crate) fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         register_font();
         root.fill(&WHITE).map_err(err)?;
         let text = |size: u32| (FAMILY, size).into_font();
@@ -571,7 +572,7 @@ impl Figure {
     }
 
     /// Pixels of the figure: panels side by side widen it.
-    pub fn size(&self) -> (u32, u32) {
+    pub(crate) fn size(&self) -> (u32, u32) {
         match self {
             Figure::Panels { panels, .. } => (LEGEND_W + 560 * panels.len() as u32, SIZE.1),
             _ => SIZE,
@@ -579,7 +580,7 @@ impl Figure {
     }
 
     /// Writes `<stem>.png` and `<stem>.svg`.
-    pub fn save(&self, stem: &Path) -> Result<Vec<PathBuf>> {
+    pub(crate) fn save(&self, stem: &Path) -> Result<Vec<PathBuf>> {
         let png = stem.with_extension("png");
         let svg = stem.with_extension("svg");
         let size = self.size();

@@ -245,7 +245,7 @@ fn niah_figures(
 }
 
 /// Every figure the sweep directory's cells can fill, as (file stem, figure).
-pub fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
+pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     let all = rows(sweep)?;
     let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
     let aha: Vec<&Row> = train
@@ -729,7 +729,7 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
 }
 
 /// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
-pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let mut written = tables::write_all(sweep, out)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;

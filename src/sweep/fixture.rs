@@ -22,7 +22,7 @@ struct Spec {
     edit: fn(&mut Config),
 }
 
-pub fn sweep_dir(name: &str) -> PathBuf {
+pub(crate) fn sweep_dir(name: &str) -> PathBuf {
     let dir =
         std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -441,7 +441,7 @@ pub fn sweep_dir(name: &str) -> PathBuf {
     dir
 }
 
-pub fn csv(path: &Path) -> Vec<Vec<String>> {
+pub(crate) fn csv(path: &Path) -> Vec<Vec<String>> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()

@@ -14,28 +14,28 @@ use crate::config;
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct Grid {
-    pub name: String,
+    pub(crate) name: String,
     /// `data synth`'s settings (unset ones at their defaults): the corpus is generated at
     /// `base.data.dir` when it holds none.
     #[serde(default)]
-    pub synth: Option<SynthSpec>,
+    pub(crate) synth: Option<SynthSpec>,
     /// `data prepare`'s settings: a text corpus prepared at `base.data.dir` when it holds
     /// none (instead of `[synth]`).
     #[serde(default)]
-    pub corpus: Option<PrepareSpec>,
+    pub(crate) corpus: Option<PrepareSpec>,
     /// `data probes`' settings: probe documents written at `base.data.dir`, mixed into the
     /// `[corpus]` or `[synth]` data set, which is then prepared at `probes.mix_with`.
     #[serde(default)]
-    pub probes: Option<ProbesArgs>,
+    pub(crate) probes: Option<ProbesArgs>,
     #[serde(default)]
-    pub base: toml::Table,
+    pub(crate) base: toml::Table,
     #[serde(rename = "stage")]
-    pub stages: Vec<Stage>,
+    pub(crate) stages: Vec<Stage>,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum StageKind {
+pub(crate) enum StageKind {
     Train,
     Eval,
     Prune,
@@ -43,38 +43,38 @@ pub enum StageKind {
 
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
-pub struct Stage {
-    pub name: String,
+pub(crate) struct Stage {
+    pub(crate) name: String,
     #[serde(default = "default_kind")]
-    pub kind: StageKind,
+    pub(crate) kind: StageKind,
     /// train: continue from the matching cell of this stage.
     #[serde(default)]
-    pub init_from: Option<String>,
+    pub(crate) init_from: Option<String>,
     /// eval and prune: the stage whose cells they work on.
     #[serde(default)]
-    pub of: Option<String>,
+    pub(crate) of: Option<String>,
     #[serde(default)]
-    pub set: toml::Table,
+    pub(crate) set: toml::Table,
     #[serde(default)]
-    pub axes: toml::Table,
+    pub(crate) axes: toml::Table,
     #[serde(default)]
-    pub zip: toml::Table,
+    pub(crate) zip: toml::Table,
     #[serde(default)]
-    pub include: Vec<toml::Table>,
+    pub(crate) include: Vec<toml::Table>,
     #[serde(default)]
-    pub exclude: Vec<toml::Table>,
+    pub(crate) exclude: Vec<toml::Table>,
     /// prune: the sparsity thresholds.
     #[serde(default)]
-    pub thresholds: Vec<f64>,
+    pub(crate) thresholds: Vec<f64>,
     /// train: a stage whose matching cell this one reads files of (`{reads}` in string
     /// settings names its directory) without starting from its weights; e.g. static top-k
     /// heads ranked by an AHA cell but trained from the same base for the same budget.
     #[serde(default)]
-    pub reads: Option<String>,
+    pub(crate) reads: Option<String>,
     /// train, with `reads` and Bernoulli gates: draw them at the usage (mu_f) the read
     /// cell's evaluation measured, so random gates open as often as its learned ones.
     #[serde(default)]
-    pub match_usage: bool,
+    pub(crate) match_usage: bool,
 }
 
 fn default_kind() -> StageKind {
@@ -85,28 +85,28 @@ fn default_kind() -> StageKind {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Cell {
     /// Position in the expanded grid (what `--cell` and Slurm array tasks name).
-    pub index: usize,
-    pub id: String,
-    pub stage: String,
-    pub kind: StageKind,
+    pub(crate) index: usize,
+    pub(crate) id: String,
+    pub(crate) stage: String,
+    pub(crate) kind: StageKind,
     /// The settings that distinguish this cell within its stage (`key=value ...`).
-    pub label: String,
+    pub(crate) label: String,
     /// The varied settings behind the label (for eval and prune cells, those of the cell
     /// they act on too).
-    pub assignment: BTreeMap<String, toml::Value>,
+    pub(crate) assignment: BTreeMap<String, toml::Value>,
     /// Every override applied on top of the base, by dotted key.
-    pub settings: BTreeMap<String, toml::Value>,
+    pub(crate) settings: BTreeMap<String, toml::Value>,
     /// Cell this one starts from (train) or works on (eval, prune).
-    pub depends_on: Option<String>,
+    pub(crate) depends_on: Option<String>,
     /// Cell whose files this one reads (a stage's `reads`).
     #[serde(default)]
-    pub reads: Option<String>,
+    pub(crate) reads: Option<String>,
     /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
     #[serde(default)]
-    pub match_usage: bool,
-    pub threshold: Option<f64>,
+    pub(crate) match_usage: bool,
+    pub(crate) threshold: Option<f64>,
     /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
-    pub config: Config,
+    pub(crate) config: Config,
 }
 
 pub fn read_grid(path: &Path) -> Result<Grid> {

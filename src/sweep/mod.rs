@@ -62,17 +62,17 @@
 #[cfg(test)]
 mod fixture;
 mod grid;
-pub mod pareto;
+pub(crate) mod pareto;
 mod figure;
 mod figures;
 mod rows;
 mod runner;
 mod slurm;
-pub mod tables;
+pub(crate) mod tables;
 
-pub use grid::{expand, read_grid, Cell, Grid, Stage, StageKind};
-pub use figure::{Figure, Panel, Series, XAxis};
-pub use figures::write_all;
-pub use rows::{log_columns, name_of, rows, Row};
-pub use runner::{failed_cells, read_status, run, Outcome, State, Status, SweepArgs};
-pub use slurm::emit_slurm;
+pub use grid::{expand, read_grid, Cell, Grid};
+pub(crate) use figure::{Figure, Panel, Series, XAxis};
+pub(crate) use figures::write_all;
+pub(crate) use grid::StageKind;
+pub(crate) use runner::{failed_cells, read_status, run, SweepArgs};
+pub(crate) use slurm::emit_slurm;

@@ -17,7 +17,7 @@ use crate::run::eval::Timing;
 
 /// A cost the methods are compared on; lower is cheaper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cost {
+pub(crate) enum Cost {
     /// Attended (query, key) pairs over full causal attention's, as executed.
     Work,
     /// Seconds of training per million tokens, measured (the training that made the model).
@@ -27,9 +27,9 @@ pub enum Cost {
 }
 
 impl Cost {
-    pub const ALL: [Cost; 3] = [Cost::Work, Cost::TrainTime, Cost::DecodeMemory];
+    pub(crate) const ALL: [Cost; 3] = [Cost::Work, Cost::TrainTime, Cost::DecodeMemory];
 
-    pub fn of(self, r: &Row) -> Option<f64> {
+    pub(crate) fn of(self, r: &Row) -> Option<f64> {
         let v = match self {
             Cost::Work => r.pairs_vs_full(),
             Cost::TrainTime => 1e6 / r.train_tokens_per_s?,
@@ -38,7 +38,7 @@ impl Cost {
         v.is_finite().then_some(v)
     }
 
-    pub fn axis(self) -> &'static str {
+    pub(crate) fn axis(self) -> &'static str {
         match self {
             Cost::Work => "attended pairs / full causal",
             Cost::TrainTime => "training seconds per million tokens (measured)",
@@ -47,7 +47,7 @@ impl Cost {
     }
 
     /// The column of `pareto.csv` marking the front on this cost, and the figure's stem.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Cost::Work => "work",
             Cost::TrainTime => "time",
@@ -63,7 +63,7 @@ impl Cost {
 /// another length fall outside. An evaluation of a cell's model with the same attention (one
 /// that only adds probes) is a second measurement of that model, not a model of its own: its
 /// task metrics join the cell's row and it has none.
-pub fn comparable(rows: &[Row]) -> Vec<Row> {
+pub(crate) fn comparable(rows: &[Row]) -> Vec<Row> {
     let mut kept: Vec<Row> = group(rows).into_iter().cloned().collect();
     let mut i = 0;
     while i < kept.len() {
@@ -111,7 +111,7 @@ fn group(rows: &[Row]) -> Vec<&Row> {
 
 /// For each (cost, loss) point, whether no other point is at least as good on both and better
 /// on one. Points with a missing or non-finite value are never on the front.
-pub fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
+pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
     let ok = |p: &Option<(f64, f64)>| p.filter(|(x, y)| x.is_finite() && y.is_finite());
     points
         .iter()
@@ -127,7 +127,7 @@ pub fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
 
 /// A method as a reader names it (`MethodSpec::label`); Bernoulli gates are a method of their
 /// own (the routed method's paths, gates drawn at random).
-pub fn family(r: &Row) -> String {
+pub(crate) fn family(r: &Row) -> String {
     let name = spec(r.method).label;
     match r.router == Router::Bernoulli && r.method.is_routed() {
         true => format!("{name} with Bernoulli gates"),
@@ -137,7 +137,7 @@ pub fn family(r: &Row) -> String {
 
 /// What sets a cell apart within its family: its window and the method's own settings
 /// (`MethodSpec::describe`), or the usage its Bernoulli gates were drawn at.
-pub fn settings(r: &Row) -> String {
+pub(crate) fn settings(r: &Row) -> String {
     let method = spec(r.method);
     let w = format!("w{}", r.window);
     let mut parts: Vec<String> = match (method.windowed, r.router) {
@@ -157,7 +157,7 @@ pub fn settings(r: &Row) -> String {
 }
 
 /// Mean exact match over the long-context probe tasks the cell was evaluated on.
-pub fn probe_exact_match(r: &Row) -> Option<f64> {
+pub(crate) fn probe_exact_match(r: &Row) -> Option<f64> {
     let v: Vec<f64> = r
         .tasks
         .iter()
@@ -170,7 +170,7 @@ pub fn probe_exact_match(r: &Row) -> Option<f64> {
 /// The distance from which the synthetic corpus's answers count as long-range in one
 /// comparison: its shortest window, so every cell is scored on the same answers (a cell's own
 /// `far` starts at its own window, which would score a wider window on fewer, harder ones).
-pub fn reach<'a>(rows: impl IntoIterator<Item = &'a Row>) -> f64 {
+pub(crate) fn reach<'a>(rows: impl IntoIterator<Item = &'a Row>) -> f64 {
     rows.into_iter()
         .filter(|r| spec(r.method).windowed)
         .map(|r| r.window)
@@ -180,7 +180,7 @@ pub fn reach<'a>(rows: impl IntoIterator<Item = &'a Row>) -> f64 {
 
 /// Long-context quality and its name: the probes' mean exact match where the cell ran them,
 /// else the synthetic corpus's exact-match accuracy on answers at least `reach` back.
-pub fn accuracy(r: &Row, reach: f64) -> Option<(f64, String)> {
+pub(crate) fn accuracy(r: &Row, reach: f64) -> Option<(f64, String)> {
     match probe_exact_match(r) {
         Some(v) => Some((v, "probe exact match".into())),
         None => r
@@ -192,7 +192,7 @@ pub fn accuracy(r: &Row, reach: f64) -> Option<(f64, String)> {
 
 /// `pareto.csv`: one row per comparable cell with every cost and quality measured, and for
 /// each cost whether the cell is on the loss front; None when there is nothing to compare.
-pub fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
+pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let rows = comparable(rows);
     let mut rows: Vec<&Row> = rows.iter().collect();
     if rows.len() < 2 {

@@ -14,68 +14,68 @@ use std::path::Path;
 
 /// What the tables know of one finished cell.
 #[derive(Debug, Clone)]
-pub struct Row {
-    pub cell: String,
-    pub stage: String,
-    pub kind: StageKind,
-    pub label: String,
-    pub method: Method,
+pub(crate) struct Row {
+    pub(crate) cell: String,
+    pub(crate) stage: String,
+    pub(crate) kind: StageKind,
+    pub(crate) label: String,
+    pub(crate) method: Method,
     /// The cell this one continued from or evaluates ("" when none), and its method.
-    pub source: String,
-    pub source_method: Option<Method>,
-    pub window: f64,
-    pub lambda: f64,
-    pub tau: f64,
-    pub ppa_power: f64,
-    pub top_k: f64,
-    pub router: Router,
-    pub bernoulli_p: f64,
-    pub variant: String,
+    pub(crate) source: String,
+    pub(crate) source_method: Option<Method>,
+    pub(crate) window: f64,
+    pub(crate) lambda: f64,
+    pub(crate) tau: f64,
+    pub(crate) ppa_power: f64,
+    pub(crate) top_k: f64,
+    pub(crate) router: Router,
+    pub(crate) bernoulli_p: f64,
+    pub(crate) variant: String,
     /// AHA Table 5's row name: "AHA", "top-k" static heads (at AHA's budget when top_k is 0),
     /// "all heads full", or "all heads window" (SWA trained as long).
-    pub setting: String,
+    pub(crate) setting: String,
     /// The model's (layer, head) pairs.
-    pub heads: usize,
+    pub(crate) heads: usize,
     /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
     /// the squared norm, which alpha weighs hidden_size times more).
-    pub swiattn_alpha: Option<f64>,
-    pub swiattn_disagreement: Option<Reduction>,
+    pub(crate) swiattn_alpha: Option<f64>,
+    pub(crate) swiattn_disagreement: Option<Reduction>,
     /// Training tokens behind the model (its own steps and those of every cell it continued
     /// from), and what identifies its model and data: the basis of retain %'s reference.
-    pub budget_tokens: f64,
+    pub(crate) budget_tokens: f64,
     /// Tokens behind the model before the cell's own training began, and per step of it.
-    pub start_tokens: f64,
-    pub tokens_per_step: f64,
-    pub model_key: String,
+    pub(crate) start_tokens: f64,
+    pub(crate) tokens_per_step: f64,
+    pub(crate) model_key: String,
     /// The cell's evaluation (`eval.json`), and its pruning (`prune.json`) for prune cells.
-    pub report: EvalReport,
-    pub prune: Option<PruneReport>,
+    pub(crate) report: EvalReport,
+    pub(crate) prune: Option<PruneReport>,
     /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
-    pub tasks: BTreeMap<String, f64>,
+    pub(crate) tasks: BTreeMap<String, f64>,
     /// Training throughput of a train cell: the median of its `train_log.csv` rates.
-    pub tokens_per_s: Option<f64>,
+    pub(crate) tokens_per_s: Option<f64>,
     /// The throughput of the training that made the evaluated model: the cell's own, or for
     /// an eval or prune cell that of the train cell it derives from.
-    pub train_tokens_per_s: Option<f64>,
+    pub(crate) train_tokens_per_s: Option<f64>,
     /// The attention the cell was evaluated with.
-    pub attention: AttentionConfig,
+    pub(crate) attention: AttentionConfig,
 }
 
 impl Row {
-    pub fn loss(&self) -> f64 {
+    pub(crate) fn loss(&self) -> f64 {
         self.report.loss
     }
 
-    pub fn pairs_vs_full(&self) -> f64 {
+    pub(crate) fn pairs_vs_full(&self) -> f64 {
         self.report.attention.pairs_vs_full
     }
 
     /// Full-attention usage of a routed model (pruned L2A layers counted as window).
-    pub fn mu_f(&self) -> Option<f64> {
+    pub(crate) fn mu_f(&self) -> Option<f64> {
         self.report.gates.as_ref().map(|g| g.mu_f)
     }
 
-    pub fn gates(&self) -> Option<&GateReport> {
+    pub(crate) fn gates(&self) -> Option<&GateReport> {
         self.report.gates.as_ref()
     }
 
@@ -83,13 +83,13 @@ impl Row {
     /// cell's window back (full attention's window setting, 64 by default, where it has
     /// none), pooled over those distance buckets: the long-range task of the synthetic
     /// corpus. None without buckets, or with none that far.
-    pub fn far(&self) -> Option<(f64, Option<f64>)> {
+    pub(crate) fn far(&self) -> Option<(f64, Option<f64>)> {
         self.beyond(self.window)
     }
 
     /// `far` for the predictions whose dependency lies at least `distance` back (a bucket
     /// counts when its shortest distance does).
-    pub fn beyond(&self, distance: f64) -> Option<(f64, Option<f64>)> {
+    pub(crate) fn beyond(&self, distance: f64) -> Option<(f64, Option<f64>)> {
         let far: Vec<&Bucket> = self
             .report
             .buckets
@@ -111,7 +111,7 @@ impl Row {
 }
 
 /// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
-pub fn name_of<T: serde::Serialize>(v: T) -> String {
+pub(crate) fn name_of<T: serde::Serialize>(v: T) -> String {
     toml::Value::try_from(v)
         .ok()
         .and_then(|v| v.as_str().map(String::from))
@@ -147,7 +147,7 @@ fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
 
 /// The finished cells of a sweep directory, each once (cells that several stages share
 /// appear under the first).
-pub fn rows(sweep: &Path) -> Result<Vec<Row>> {
+pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
     let cells_path = sweep.join("cells.json");
     let text = std::fs::read_to_string(&cells_path).with_context(|| {
         format!(
@@ -257,7 +257,7 @@ fn median_rate(log: &Path) -> Option<f64> {
 /// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
 /// step, keeping the rows where each of them is a finite number; None when the file or a
 /// column is missing.
-pub fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
+pub(crate) fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
     let mut rdr = csv::Reader::from_path(log).ok()?;
     let header = rdr.headers().ok()?.clone();
     let cols: Vec<usize> = names

@@ -20,20 +20,20 @@ use crate::util::fault;
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
-pub enum State {
+pub(crate) enum State {
     Running,
     Done,
     Failed,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct Status {
-    pub state: State,
-    pub attempts: u32,
-    pub error: Option<String>,
+pub(crate) struct Status {
+    pub(crate) state: State,
+    pub(crate) attempts: u32,
+    pub(crate) error: Option<String>,
 }
 
-pub fn read_status(cell_dir: &Path) -> Option<Status> {
+pub(crate) fn read_status(cell_dir: &Path) -> Option<Status> {
     std::fs::read_to_string(cell_dir.join("status.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
@@ -60,19 +60,19 @@ fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
 }
 
 /// Options of one `attnsweep sweep` invocation.
-pub struct SweepArgs {
-    pub out: PathBuf,
-    pub jobs: usize,
-    pub devices: Vec<usize>,
-    pub cell: Option<usize>,
-    pub retry_failed: bool,
-    pub quiet: bool,
+pub(crate) struct SweepArgs {
+    pub(crate) out: PathBuf,
+    pub(crate) jobs: usize,
+    pub(crate) devices: Vec<usize>,
+    pub(crate) cell: Option<usize>,
+    pub(crate) retry_failed: bool,
+    pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
-    pub status_every: u64,
+    pub(crate) status_every: u64,
 }
 
 /// The cells (ids, once each) of `cells` that `args` would run and whose last attempt failed.
-pub fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
+pub(crate) fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
     let ids: std::collections::BTreeSet<String> = cells
         .iter()
         .filter(|c| args.cell.is_none_or(|k| c.index == k))
@@ -135,10 +135,10 @@ impl StatusLines {
 
 /// What a run of the sweep ended with.
 #[derive(Debug, Default, PartialEq)]
-pub struct Outcome {
-    pub done: usize,
-    pub failed: usize,
-    pub skipped: usize,
+pub(crate) struct Outcome {
+    pub(crate) done: usize,
+    pub(crate) failed: usize,
+    pub(crate) skipped: usize,
 }
 
 /// Generates the grid's synthetic corpus or prepares its text corpus at `base.data.dir` when
@@ -195,7 +195,7 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<(
 }
 
 /// Runs the cells of a grid that are not finished (or only cell `args.cell`).
-pub fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
+pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
     atomic::ensure_writable_dir(&args.out)?;
     atomic::write_bytes(
         &args.out.join("cells.json"),

@@ -398,7 +398,7 @@ fn filtered(summary: &DataFrame, rows: &[Row], keep: impl Fn(&Row) -> bool) -> R
 
 /// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
 /// returns the files written.
-pub fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     atomic::ensure_writable_dir(out)?;
     let rows = rows(sweep)?;
     let mut written = Vec::new();

@@ -8,7 +8,7 @@ use crate::util::fault;
 
 /// A temporary sibling of `path`, unique to this process, keeping the extension (the
 /// safetensors writer picks its format by extension).
-pub fn temp_sibling(path: &Path) -> PathBuf {
+pub(crate) fn temp_sibling(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -17,7 +17,7 @@ pub fn temp_sibling(path: &Path) -> PathBuf {
 }
 
 /// Runs `write` against a temporary path, fsyncs it, then renames it over `path`.
-pub fn write_with<F>(path: &Path, write: F) -> Result<()>
+pub(crate) fn write_with<F>(path: &Path, write: F) -> Result<()>
 where
     F: FnOnce(&Path) -> Result<()>,
 {
@@ -36,13 +36,13 @@ where
     result.with_context(|| format!("writing {}", path.display()))
 }
 
-pub fn write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
     write_with(path, |tmp| Ok(std::fs::write(tmp, bytes)?))
 }
 
 /// Creates `dir` (and parents) and proves it is writable by creating and removing a probe
 /// file, so a run fails before it computes anything rather than at its first save.
-pub fn ensure_writable_dir(dir: &Path) -> Result<()> {
+pub(crate) fn ensure_writable_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create output directory {}", dir.display()))?;
     let probe = dir.join(format!(".probe-{}", std::process::id()));

@@ -15,7 +15,7 @@ static FAIL_AT: OnceLock<Option<usize>> = OnceLock::new();
 static WRITES: AtomicUsize = AtomicUsize::new(0);
 
 /// Called before each file write: the injected full-disk error, if this is the chosen write.
-pub fn write_error() -> std::io::Result<()> {
+pub(crate) fn write_error() -> std::io::Result<()> {
     let at = FAIL_AT.get_or_init(|| std::env::var("ATTNSWEEP_FAIL_WRITE").ok()?.parse().ok());
     match at {
         Some(n) if WRITES.fetch_add(1, Ordering::Relaxed) + 1 == *n => Err(std::io::Error::new(
@@ -27,7 +27,7 @@ pub fn write_error() -> std::io::Result<()> {
 }
 
 /// Where a crash may be injected; the names are listed by `POINTS`.
-pub fn point(name: &str) {
+pub(crate) fn point(name: &str) {
     let target = TARGET.get_or_init(|| {
         let v = std::env::var("ATTNSWEEP_CRASH_AT").ok()?;
         let mut parts = v.split(':');

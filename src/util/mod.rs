@@ -1,11 +1,11 @@
 //! The bottom layer: helpers with no knowledge of models or experiments.
 
-pub mod atomic;
+pub(crate) mod atomic;
 pub mod fault;
-pub mod flags;
-pub mod progress;
+pub(crate) mod flags;
+pub(crate) mod progress;
 pub mod rng;
-pub mod stats;
+pub(crate) mod stats;
 
 /// A fresh, empty directory of this test process for a unit test named `tag`.
 #[cfg(test)]

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 /// Seconds between status lines when stderr is not a terminal, unless a command's
 /// `--status-every` says otherwise.
-pub const DEFAULT_STATUS_EVERY: u64 = 30;
+pub(crate) const DEFAULT_STATUS_EVERY: u64 = 30;
 
-pub struct Progress {
+pub(crate) struct Progress {
     bar: ProgressBar,
     lines: Option<Lines>,
 }
@@ -28,7 +28,7 @@ struct Lines {
 impl Progress {
     /// Progress over `len` units named by `label` (e.g. "steps"); nothing at all when `quiet`.
     /// `every` is the interval of status lines where stderr is not a terminal.
-    pub fn new(len: u64, label: &str, quiet: bool, every: Duration) -> Progress {
+    pub(crate) fn new(len: u64, label: &str, quiet: bool, every: Duration) -> Progress {
         let terminal = std::io::stderr().is_terminal();
         let bar = if quiet || !terminal {
             ProgressBar::hidden()
@@ -53,7 +53,7 @@ impl Progress {
     }
 
     /// Where counting starts (a resumed run's first step), without a status line.
-    pub fn start_at(&mut self, pos: u64) {
+    pub(crate) fn start_at(&mut self, pos: u64) {
         self.bar.set_position(pos);
         if let Some(l) = &mut self.lines {
             l.first = pos;
@@ -63,7 +63,7 @@ impl Progress {
     /// Moves to `pos` with `msg` (e.g. "loss 2.31 5400 tok/s"); where stderr is not a
     /// terminal, prints `pos/len label msg, elapsed, ETA` once `every` has passed since the
     /// last line.
-    pub fn update(&mut self, pos: u64, msg: &str) {
+    pub(crate) fn update(&mut self, pos: u64, msg: &str) {
         self.bar.set_position(pos);
         self.bar.set_message(msg.to_string());
         let Some(l) = &mut self.lines else { return };
@@ -86,7 +86,7 @@ impl Progress {
     }
 
     /// A line above the bar (or in the log).
-    pub fn println(&self, line: &str) {
+    pub(crate) fn println(&self, line: &str) {
         if self.bar.is_hidden() {
             if self.lines.is_some() {
                 eprintln!("{line}");
@@ -96,7 +96,7 @@ impl Progress {
         }
     }
 
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         self.bar.finish_and_clear();
     }
 }

@@ -7,7 +7,7 @@
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rng {
-    pub state: u64,
+    pub(crate) state: u64,
 }
 
 impl Rng {
@@ -26,7 +26,7 @@ impl Rng {
     /// A seed derived from `seed` and `keys`, each key mixed in by one SplitMix64 step: the
     /// streams of different keys are independent, and a key's stream does not depend on any
     /// generator's state.
-    pub fn derive(seed: u64, keys: &[u64]) -> u64 {
+    pub(crate) fn derive(seed: u64, keys: &[u64]) -> u64 {
         keys.iter()
             .fold(seed, |acc, k| Rng::new(acc ^ k).next_u64())
     }
@@ -44,7 +44,7 @@ impl Rng {
     }
 
     /// Index drawn with probability proportional to `weights`.
-    pub fn weighted(&mut self, weights: &[f64]) -> usize {
+    pub(crate) fn weighted(&mut self, weights: &[f64]) -> usize {
         let total: f64 = weights.iter().sum();
         let mut x = self.uniform() * total;
         for (i, w) in weights.iter().enumerate() {

@@ -255,13 +255,13 @@ impl PerHead {
 
 /// The columns of `head_ranking.csv`, which evaluation writes of a routed model and static
 /// heads read: heads by descending usage.
-pub const HEAD_RANKING_COLUMNS: [&str; 4] = ["rank", "layer", "head", "mu_f"];
+pub(crate) const HEAD_RANKING_COLUMNS: [&str; 4] = ["rank", "layer", "head", "mu_f"];
 
 /// Reads a `head_ranking.csv` and marks its first `top_k` (layer, head) pairs as full:
 /// `[layer][head]`. `top_k` 0 takes the ranked model's own budget: as many heads as its
 /// per-head usage adds up to (rounded), so the static model calls the full path for the same
 /// share of (token, head) pairs (AHA Table 5 at equal budget).
-pub fn read_head_assignment(
+pub(crate) fn read_head_assignment(
     path: &Path,
     top_k: usize,
     layers: usize,
@@ -321,7 +321,7 @@ pub fn read_head_assignment(
 
 /// Static heads' name of a top-k setting: all heads, the ranked model's budget (top_k 0, its
 /// heads counted from the usage measured), or k.
-pub fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
+pub(crate) fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
     match a.top_k {
         k if k == heads => "all heads full".into(),
         0 => format!(

@@ -14,7 +14,7 @@ use anyhow::Result;
 use tch::{nn, Tensor};
 
 /// A layer's regulariser before it is averaged over layers.
-pub enum Regulariser {
+pub(crate) enum Regulariser {
     /// Finished per-layer term (AHA: lambda * mean s; L2A: lambda * mean d_hat^2).
     Term(Tensor),
     /// A term that needs the per-token language-model loss `nll: [B, L]`, known only after
@@ -24,7 +24,7 @@ pub enum Regulariser {
 
 impl Regulariser {
     /// The per-layer term; `nll: [B, L]` is the per-token language-model loss.
-    pub fn term(&self, nll: &Tensor) -> Tensor {
+    pub(crate) fn term(&self, nll: &Tensor) -> Tensor {
         match self {
             Regulariser::Term(t) => t.shallow_clone(),
             Regulariser::PerToken(term) => term(nll),
@@ -33,22 +33,22 @@ impl Regulariser {
 }
 
 /// What one attention layer hands back to the model.
-pub struct AttnOutput {
+pub(crate) struct AttnOutput {
     /// `[B, L, hidden]`, ready for the residual add.
-    pub y: Tensor,
+    pub(crate) y: Tensor,
     /// Hard gates `[B, L, H]` (1 = full path; per-token methods repeat theirs over heads);
     /// None for static methods.
-    pub gates: Option<Tensor>,
+    pub(crate) gates: Option<Tensor>,
     /// Soft router scores `[B, L, H]` or `[B, L, 1]` when the gates come from a learned router.
-    pub scores: Option<Tensor>,
-    pub reg: Option<Regulariser>,
+    pub(crate) scores: Option<Tensor>,
+    pub(crate) reg: Option<Regulariser>,
     /// (query, key) pairs of the path actually executed, summed over batch and query heads
     /// (a scalar tensor, so counting never waits for the device).
-    pub pairs: Tensor,
+    pub(crate) pairs: Tensor,
 }
 
 /// Query, key, value and output projections of one attention module (HF names).
-pub struct Projections {
+pub(crate) struct Projections {
     pub(super) q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -147,7 +147,7 @@ impl Projections {
 
 /// Parameters of one set of projections (q, k, v, o with their biases and q/k norms where the
 /// model has them): one layer's base attention, or a module that copies it.
-pub fn projection_params(m: &ModelConfig) -> f64 {
+pub(crate) fn projection_params(m: &ModelConfig) -> f64 {
     let (d, hd) = (m.hidden_size as f64, m.head_dim() as f64);
     let (q, kv) = (
         m.num_attention_heads as f64 * hd,
@@ -167,12 +167,12 @@ pub fn projection_params(m: &ModelConfig) -> f64 {
 /// bookkeeping.
 #[derive(Clone, Copy)]
 pub(super) struct Chunk<'a, 'k> {
-    pub x: &'a Tensor,
-    pub q: &'a Tensor,
-    pub k: &'a Tensor,
-    pub v: &'a Tensor,
-    pub rope: &'a Rope,
-    pub keys: &'a Keys<'k>,
+    pub(crate) x: &'a Tensor,
+    pub(crate) q: &'a Tensor,
+    pub(crate) k: &'a Tensor,
+    pub(crate) v: &'a Tensor,
+    pub(crate) rope: &'a Rope,
+    pub(crate) keys: &'a Keys<'k>,
 }
 
 /// What a method adds to the layer every method shares (`Base`): each method's file implements
@@ -196,24 +196,19 @@ pub(super) trait Route {
     fn window_only(&self, _layer: &Base) -> Option<usize> {
         None
     }
-
-    /// The pattern of a static layer, None for routed ones.
-    fn static_pattern(&self) -> Option<KeyPattern> {
-        None
-    }
 }
 
 /// What a method's `build` makes its part of a layer from.
 pub(super) struct Build<'a> {
     /// `model.layers.N.self_attn`.
-    pub p: &'a nn::Path<'a>,
-    pub layer: usize,
-    pub m: &'a ModelConfig,
-    pub a: &'a AttentionConfig,
+    pub(crate) p: &'a nn::Path<'a>,
+    pub(crate) layer: usize,
+    pub(crate) m: &'a ModelConfig,
+    pub(crate) a: &'a AttentionConfig,
     /// This layer's heads, true where always full, for a method that reads a fixed per-head
     /// assignment (`MethodSpec::fixed_heads`).
-    pub fixed_heads: Option<&'a [bool]>,
-    pub kernels: Option<&'static Kernels>,
+    pub(crate) fixed_heads: Option<&'a [bool]>,
+    pub(crate) kernels: Option<&'static Kernels>,
 }
 
 impl Build<'_> {
@@ -252,10 +247,10 @@ impl Build<'_> {
 /// The layer every method shares: its base projections, window, position in the model and the
 /// kernel library (None: the reference path).
 pub(super) struct Base {
-    pub proj: Projections,
-    pub window: usize,
-    pub layer: usize,
-    pub kernels: Option<&'static Kernels>,
+    pub(crate) proj: Projections,
+    pub(crate) window: usize,
+    pub(crate) layer: usize,
+    pub(crate) kernels: Option<&'static Kernels>,
 }
 
 /// How a layer's attention runs for one call, decided in `Base::exec` and nowhere
@@ -273,7 +268,7 @@ pub(super) const KERNEL_FAILED: &str = "attention kernel failed on inputs the mo
 
 impl Base {
     /// Where this call runs: see `Exec`.
-    pub fn exec<'a>(&self, keys: &Keys<'a>) -> Exec<'a> {
+    pub(crate) fn exec<'a>(&self, keys: &Keys<'a>) -> Exec<'a> {
         match (self.kernels, keys) {
             (Some(kern), Keys::Chunk(masks)) => Exec::Kernels(kern, masks),
             (None, Keys::Chunk(_)) => Exec::Reference,
@@ -283,7 +278,7 @@ impl Base {
 
     /// `pattern` for every query of the chunk: windows and PPA go to the kernels where they
     /// run (`exec`).
-    pub fn attend_all(
+    pub(crate) fn attend_all(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -311,7 +306,7 @@ impl Base {
 /// Where a method's gates sit: none (a fixed pattern), one per (token, head), or one per token
 /// shared by its heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gates {
+pub(crate) enum Gates {
     None,
     PerHead,
     PerToken,
@@ -319,51 +314,51 @@ pub enum Gates {
 
 /// A method's facts, stated once beside its maths; the registry (`registry.rs`) lists every
 /// method's, and memory estimates, tables, figures, training and the benches read them there.
-pub struct MethodSpec {
-    pub method: Method,
+pub(crate) struct MethodSpec {
+    pub(crate) method: Method,
     /// How tables, figures and the CLI name it ("AHA").
-    pub label: &'static str,
+    pub(crate) label: &'static str,
     /// Where its gates sit.
-    pub gates: Gates,
+    pub(crate) gates: Gates,
     /// Whether it reads `attention.window` (every method but full attention).
-    pub windowed: bool,
+    pub(crate) windowed: bool,
     /// Whether its reference path builds a dense `[L, L]` mask per pattern (every method but
     /// full attention, which runs the fused causal kernel).
-    pub dense_mask: bool,
+    pub(crate) dense_mask: bool,
     /// Builds its part of one layer.
     pub(super) build: fn(&Build) -> Box<dyn Route>,
     /// Parameters it adds to one layer's attention (routers are negligible and not counted).
-    pub extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
+    pub(crate) extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
     /// What it reads from files before the model is built: a fixed `[layer][head]` assignment
     /// (true: always full), None for methods that read none.
-    pub fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<Vec<Vec<bool>>>>,
+    pub(crate) fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<Vec<Vec<bool>>>>,
     /// Probability per training step that every token runs its global path (L2A's `p_force`).
-    pub force_global: fn(&AttentionConfig) -> f64,
+    pub(crate) force_global: fn(&AttentionConfig) -> f64,
     /// Its own settings, shown beside its window where figures name a cell (`λ 0.0003`), given
     /// the attention it ran with, the model's heads and the usage measured (None: not routed).
-    pub describe: fn(&AttentionConfig, usize, Option<f64>) -> Vec<String>,
+    pub(crate) describe: fn(&AttentionConfig, usize, Option<f64>) -> Vec<String>,
     /// Its configuration's name in its paper's ablation table ("" where it has none).
-    pub variant: fn(&AttentionConfig) -> String,
+    pub(crate) variant: fn(&AttentionConfig) -> String,
     /// The variants `bench train` times (`--methods`), each with its training setup.
-    pub bench: &'static [BenchVariant],
+    pub(crate) bench: &'static [BenchVariant],
 }
 
 /// One variant of a method in `bench train`.
-pub struct BenchVariant {
-    pub name: &'static str,
+pub(crate) struct BenchVariant {
+    pub(crate) name: &'static str,
     /// The training bench's settings beside the method: the usage its gates open at and the
     /// share of window pairs whose full path is computed for the router.
-    pub setup: fn(&mut AttentionConfig, &BenchKnobs),
+    pub(crate) setup: fn(&mut AttentionConfig, &BenchKnobs),
     /// Its learned router is set to open at `BenchKnobs::full_usage` before timing.
-    pub calibrate_router: bool,
+    pub(crate) calibrate_router: bool,
     /// The PyTorch peer (`kernels/train_peer.py`) implements it under this name.
-    pub peer: Option<&'static str>,
+    pub(crate) peer: Option<&'static str>,
 }
 
 /// The settings of `bench train` a method's variant may read.
-pub struct BenchKnobs {
-    pub full_usage: f64,
-    pub ste_sample: f64,
+pub(crate) struct BenchKnobs {
+    pub(crate) full_usage: f64,
+    pub(crate) ste_sample: f64,
 }
 
 /// The defaults of `MethodSpec`'s hooks for a method that adds, reads and forces nothing.

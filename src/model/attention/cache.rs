@@ -16,13 +16,13 @@ struct Slot {
 /// A layer's decoding cache: slot 0 holds the attention's keys and values, slot 1 those of
 /// L2A's global module. Layers that only ever look back a window keep only that window.
 #[derive(Default)]
-pub struct LayerCache {
+pub(crate) struct LayerCache {
     slots: [Option<Slot>; 2],
 }
 
 impl LayerCache {
     /// Bytes held (keys and values).
-    pub fn bytes(&self) -> f64 {
+    pub(crate) fn bytes(&self) -> f64 {
         self.slots
             .iter()
             .flatten()
@@ -33,7 +33,7 @@ impl LayerCache {
 
 /// Where a layer's keys and values come from: the chunk being processed alone (training,
 /// whole-sequence evaluation), or a decoding cache the chunk's keys extend.
-pub enum Keys<'a> {
+pub(crate) enum Keys<'a> {
     Chunk(&'a MaskCache),
     Cache {
         cache: &'a RefCell<LayerCache>,

@@ -1,31 +1,34 @@
 //! What one forward pass is asked for beyond the model's own parameters: gate overrides, the
 //! seed of context-free gates, L2A's forced global step, the logits' dtype and timing.
 
+#[cfg(test)]
 use tch::Tensor;
 
 /// Per-forward options that are not part of the model.
 #[derive(Default)]
 pub struct ForwardCtx {
     /// L2A: run global attention for every token this step (p_force).
-    pub force_global: bool,
-    pub gate_override: Option<GateOverride>,
+    pub(crate) force_global: bool,
+    pub(crate) gate_override: Option<GateOverride>,
     /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
     /// head), so a token's gate does not depend on how the sequence is cut into chunks.
-    pub gate_seed: u64,
+    pub(crate) gate_seed: u64,
     /// Leave the logits in the compute dtype (training's fused loss reads them so) instead
     /// of fp32.
-    pub compute_logits: bool,
+    pub(crate) compute_logits: bool,
     /// When Some, each attention layer's forward is timed, the device synchronised before
     /// and after it, and its seconds added here: the attention layers' share of a forward.
     /// The synchronisation slows the forward, so a forward's own time is taken without it.
-    pub attention_seconds: std::cell::Cell<Option<f64>>,
+    pub(crate) attention_seconds: std::cell::Cell<Option<f64>>,
 }
 
 /// Replaces the gates a layer would compute, for analysis and tests.
-pub enum GateOverride {
+pub(crate) enum GateOverride {
     /// Every gate of every layer is this value (0 or 1); the STE gradient still flows.
     Constant(f64),
     /// Per layer `(hard, anchor)`: the gate is `hard + s - anchor`, the soft relaxation around
-    /// recorded hard gates, whose gradient at `s = anchor` is exactly the STE gradient.
+    /// recorded hard gates, whose gradient at `s = anchor` is exactly the STE gradient (the
+    /// tests' check of the router's gradient).
+    #[cfg(test)]
     Relaxed(Vec<(Tensor, Tensor)>),
 }

@@ -13,7 +13,7 @@ use crate::config::{AttentionConfig, Method};
 
 /// The pattern of StaticHybrid's layer `layer`: every `hybrid_every`-th layer (the last of each
 /// group) full, the others the window.
-pub fn hybrid_pattern(a: &AttentionConfig, layer: usize) -> KeyPattern {
+pub(crate) fn hybrid_pattern(a: &AttentionConfig, layer: usize) -> KeyPattern {
     if (layer + 1) % a.hybrid_every == 0 {
         KeyPattern::Full
     } else {

@@ -8,14 +8,14 @@ use crate::model::nn::{upcast, Linear, RmsNorm};
 use tch::{Device, Kind, Tensor};
 
 /// Forward with the hard gate, backward as if it were the soft score (straight-through).
-pub fn straight_through(hard: &Tensor, soft: &Tensor) -> Tensor {
+pub(crate) fn straight_through(hard: &Tensor, soft: &Tensor) -> Tensor {
     // `soft - sg(soft)` first: exactly 0, so the value is exactly `hard` in any dtype
     // (`(hard + soft) - soft` can round away from it).
     hard + (soft - soft.detach())
 }
 
 /// Hard gate from soft scores: `s > tau` (AHA, SwiAttn) or `s >= tau` (L2A).
-pub fn threshold(scores: &Tensor, tau: f64, inclusive: bool) -> Tensor {
+pub(crate) fn threshold(scores: &Tensor, tau: f64, inclusive: bool) -> Tensor {
     let on = if inclusive {
         scores.ge(tau)
     } else {
@@ -45,13 +45,13 @@ pub(super) enum GateSource {
 /// A layer's gates for one chunk.
 pub(super) struct Gate {
     /// Hard gates, 0 or 1.
-    pub hard: Tensor,
+    pub(crate) hard: Tensor,
     /// The value the forward uses: equal to `hard`, with the straight-through gradient of a
     /// learned router.
-    pub value: Tensor,
+    pub(crate) value: Tensor,
     /// A learned router's soft scores and logits.
-    pub scores: Option<Tensor>,
-    pub logits: Option<Tensor>,
+    pub(crate) scores: Option<Tensor>,
+    pub(crate) logits: Option<Tensor>,
 }
 
 impl GateSource {
@@ -84,6 +84,7 @@ impl GateSource {
                 let hard = Tensor::full(like, *c, opts);
                 (hard.shallow_clone(), ste(hard))
             }
+            #[cfg(test)]
             Some(GateOverride::Relaxed(layers)) => {
                 let (hard, anchor) = &layers[layer];
                 let s = scores

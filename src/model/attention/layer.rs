@@ -4,7 +4,6 @@
 use super::base::{AttnOutput, Base, Build, Chunk, Projections, Route};
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
-use super::patterns::KeyPattern;
 use super::registry::spec;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::model::kernels::Kernels;
@@ -13,7 +12,7 @@ use tch::{nn, Tensor};
 
 /// One attention layer of any method, with Hugging Face parameter names for the base
 /// module; parameters a method adds sit beside them (`router`, `global_attn.*`, `swa_o_proj`).
-pub struct SelfAttention {
+pub(crate) struct SelfAttention {
     base: Base,
     route: Box<dyn Route>,
     prefix: String,
@@ -22,7 +21,7 @@ pub struct SelfAttention {
 impl SelfAttention {
     /// `p` is `model.layers.N.self_attn`; `fixed_heads` this layer's fixed per-head assignment
     /// where the method reads one (`MethodSpec::fixed_heads`).
-    pub fn new(
+    pub(crate) fn new(
         p: nn::Path,
         layer: usize,
         m: &ModelConfig,
@@ -56,7 +55,7 @@ impl SelfAttention {
 
     /// Parameters a method adds that start as copies of base parameters, `(new, base)`:
     /// L2A's global module and SwiAttn's window-branch output projection.
-    pub fn derived_params(&self) -> Vec<(String, String)> {
+    pub(crate) fn derived_params(&self) -> Vec<(String, String)> {
         let p = &self.prefix;
         self.route
             .derived_params()
@@ -67,14 +66,14 @@ impl SelfAttention {
 
     /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
     /// decode time (`elt` bytes per value).
-    pub fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
+    pub(crate) fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
         let per = self.base.proj.kv_bytes_per_position(elt);
         self.route.kv_cache_bytes(&self.base, len, per, elt)
     }
 
     /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
     /// `keys.start() ..`; `rope` covers those positions. The method's file computes the rest.
-    pub fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
+    pub(crate) fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
         let l = x.size()[1];
         let start = keys.start();
         let (q, k, v) = self.base.proj.qkv(x, rope, self.base.kernels);
@@ -93,10 +92,5 @@ impl SelfAttention {
             keys.trim(0, w, start + l);
         }
         out
-    }
-
-    /// The pattern of a static layer, None for routed ones.
-    pub fn static_pattern(&self) -> Option<KeyPattern> {
-        self.route.static_pattern()
     }
 }

@@ -36,18 +36,19 @@ mod swiattn;
 #[cfg(test)]
 mod tests;
 
-pub use aha::{read_head_assignment, top_k_name, HEAD_RANKING_COLUMNS};
-pub use base::{
-    projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates, MethodSpec, Regulariser,
-};
-pub use cache::{Keys, LayerCache};
-pub use ctx::{ForwardCtx, GateOverride};
-pub use fixed::hybrid_pattern;
+pub(crate) use aha::{top_k_name, HEAD_RANKING_COLUMNS};
+pub(crate) use base::{projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates};
+pub(crate) use cache::{Keys, LayerCache};
+pub use ctx::ForwardCtx;
+pub(crate) use ctx::GateOverride;
+pub(crate) use layer::SelfAttention;
+pub(crate) use patterns::{KeyPattern, MaskCache};
+pub(crate) use registry::{all as methods, spec};
+pub(crate) use shared::routed_paths;
+// What the kernels' tests compare with: the reference attention, gates and pair counts.
 #[cfg(test)]
-pub(crate) use gates::hash_uniform;
-pub use gates::{straight_through, threshold};
-pub use layer::SelfAttention;
-pub use patterns::{attend, is_power_offset, KeyPattern, MaskCache};
-pub use registry::{all as methods, spec};
-pub use shared::{routed_pairs, routed_paths};
-pub use swiattn::variant as swiattn_variant;
+pub(crate) use {
+    gates::{hash_uniform, threshold},
+    patterns::attend,
+    shared::routed_pairs,
+};

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KeyPattern {
+pub(crate) enum KeyPattern {
     /// Causal attention over the whole prefix.
     Full,
     /// The last `w` keys, self included.
@@ -22,7 +22,7 @@ pub enum KeyPattern {
 
 impl KeyPattern {
     /// Whether a query sees the key `d >= 0` positions before it.
-    pub fn sees(&self, d: usize) -> bool {
+    pub(crate) fn sees(&self, d: usize) -> bool {
         match *self {
             KeyPattern::Full => true,
             KeyPattern::Window(w) => d < w,
@@ -31,13 +31,13 @@ impl KeyPattern {
     }
 
     /// `sees(d)` for d = 0 .. len.
-    pub fn distance_table(&self, len: usize) -> Vec<bool> {
+    pub(crate) fn distance_table(&self, len: usize) -> Vec<bool> {
         (0..len).map(|d| self.sees(d)).collect()
     }
 
     /// Number of (query, key) pairs attended in one causal sequence of length `len`:
     /// a distance d occurs for the `len - d` queries i >= d.
-    pub fn attended_pairs(&self, len: usize) -> u64 {
+    pub(crate) fn attended_pairs(&self, len: usize) -> u64 {
         self.distance_table(len)
             .iter()
             .enumerate()
@@ -48,7 +48,7 @@ impl KeyPattern {
 
     /// Pairs attended by the queries at positions `start .. end` (query i sees the distances
     /// d <= i the pattern allows).
-    pub fn pairs_between(&self, start: usize, end: usize) -> u64 {
+    pub(crate) fn pairs_between(&self, start: usize, end: usize) -> u64 {
         let mut seen = 0u64;
         let mut total = 0u64;
         for (i, s) in self.distance_table(end).iter().enumerate() {
@@ -61,7 +61,7 @@ impl KeyPattern {
     }
 
     /// Dense `[len, len]` boolean mask, true where query i (row) may attend key k (column).
-    pub fn mask(&self, len: usize, device: Device) -> Tensor {
+    pub(crate) fn mask(&self, len: usize, device: Device) -> Tensor {
         let pos = Tensor::arange(len as i64, (Kind::Int64, device));
         let dist = pos.unsqueeze(1) - pos.unsqueeze(0);
         let causal = dist.ge(0);
@@ -74,7 +74,7 @@ impl KeyPattern {
 
     /// The distances below `len` that PPA sees beyond its window (ascending); empty for the
     /// other patterns.
-    pub fn offsets_beyond_window(&self, len: usize) -> Vec<i32> {
+    pub(crate) fn offsets_beyond_window(&self, len: usize) -> Vec<i32> {
         match *self {
             KeyPattern::Ppa { power, window } => (window..len)
                 .filter(|&d| is_power_offset(d, power))
@@ -85,14 +85,14 @@ impl KeyPattern {
     }
 
     /// Whether the dense causal kernel can stand in for the mask at this length.
-    pub fn is_full_at(&self, len: usize) -> bool {
+    pub(crate) fn is_full_at(&self, len: usize) -> bool {
         self.distance_table(len).iter().all(|&s| s)
     }
 }
 
 /// PPA offset set: `j in S_p` iff `floor(j^p) - floor((j-1)^p) = 1`, with `0^p = 0` for
 /// p > 0. (For p = 0 every `j^0 = 1` and `0^0 = 1`, so S_0 is empty and PPA is SWA.)
-pub fn is_power_offset(j: usize, p: f64) -> bool {
+pub(crate) fn is_power_offset(j: usize, p: f64) -> bool {
     if j == 0 {
         return false;
     }
@@ -108,7 +108,7 @@ pub fn is_power_offset(j: usize, p: f64) -> bool {
 /// Reference attention over `q: [B, H, L, D]`, `k, v: [B, Hkv, L, D]`: softmax over the keys
 /// the pattern allows. Full attention goes to the fused causal kernel; other patterns pass
 /// their dense mask (correct everywhere, fast nowhere: the CUDA kernels replace it).
-pub fn attend(
+pub(crate) fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -134,7 +134,7 @@ pub fn attend(
 
 /// Dense masks and PPA offset lists built once per forward and shared by the layers that use
 /// the same pattern.
-pub struct MaskCache {
+pub(crate) struct MaskCache {
     len: usize,
     device: Device,
     masks: RefCell<Vec<(KeyPattern, Tensor)>>,
@@ -142,7 +142,7 @@ pub struct MaskCache {
 }
 
 impl MaskCache {
-    pub fn new(len: usize, device: Device) -> Self {
+    pub(crate) fn new(len: usize, device: Device) -> Self {
         MaskCache {
             len,
             device,
@@ -169,7 +169,7 @@ impl MaskCache {
     }
 
     /// `pattern` applied to (q, k, v), with the mask built at most once per forward.
-    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pattern: KeyPattern) -> Tensor {
+    pub(crate) fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pattern: KeyPattern) -> Tensor {
         if pattern.is_full_at(self.len) {
             return attend(q, k, v, &pattern, None);
         }

@@ -10,7 +10,7 @@ use super::swiattn::SWIATTN;
 use crate::config::Method;
 
 /// The facts of method `m`.
-pub fn spec(m: Method) -> &'static MethodSpec {
+pub(crate) fn spec(m: Method) -> &'static MethodSpec {
     match m {
         Method::Full => &FULL,
         Method::Swa => &SWA,
@@ -24,6 +24,6 @@ pub fn spec(m: Method) -> &'static MethodSpec {
 }
 
 /// Every method's facts, in `Method::ALL`'s order.
-pub fn all() -> impl Iterator<Item = &'static MethodSpec> {
+pub(crate) fn all() -> impl Iterator<Item = &'static MethodSpec> {
     Method::ALL.into_iter().map(spec)
 }

@@ -49,9 +49,6 @@ impl Route for Static {
         }
     }
 
-    fn static_pattern(&self) -> Option<KeyPattern> {
-        Some(self.0)
-    }
 }
 
 /// The routed kernels' per-query paths `[B, H, L]` (uint8) from bool masks: the whole prefix
@@ -66,7 +63,7 @@ pub(super) fn query_paths(full: &Tensor, window: Option<&Tensor>) -> Tensor {
 
 /// Routed kernels' paths for a bool choice `on: [B, H, L]`: the whole prefix where on, the
 /// window elsewhere.
-pub fn routed_paths(on: &Tensor) -> Tensor {
+pub(crate) fn routed_paths(on: &Tensor) -> Tensor {
     query_paths(on, Some(&on.logical_not()))
 }
 
@@ -161,7 +158,7 @@ pub(super) fn branches(
 
 /// Pairs attended when gate `[B, L, H]` for the positions from `start` on picks, per (token,
 /// head), the whole prefix (i + 1 keys) or the window (min(w, i + 1) keys).
-pub fn routed_pairs(hard: &Tensor, window: usize, start: i64) -> Tensor {
+pub(crate) fn routed_pairs(hard: &Tensor, window: usize, start: i64) -> Tensor {
     let l = hard.size()[1];
     let full = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, hard.device()));
     let win = full.clamp_max(window as f64);

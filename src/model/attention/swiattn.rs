@@ -72,14 +72,14 @@ impl Route for Switch {
 
 /// SwiAttn's regulariser settings (`attention.swiattn_*`).
 #[derive(Clone, Copy, Debug)]
-pub struct SwiAttnReg {
-    pub gamma_base: f64,
-    pub eps: f64,
-    pub alpha: f64,
-    pub adaptive: bool,
-    pub nll: bool,
+pub(crate) struct SwiAttnReg {
+    pub(crate) gamma_base: f64,
+    pub(crate) eps: f64,
+    pub(crate) alpha: f64,
+    pub(crate) adaptive: bool,
+    pub(crate) nll: bool,
     /// How `||O_full - O_swa||^2` is reduced over the hidden dimension.
-    pub disagreement: Reduction,
+    pub(crate) disagreement: Reduction,
 }
 
 impl SwiAttnReg {
@@ -154,7 +154,7 @@ impl Switch {
 }
 
 /// SwiAttn's regulariser variant by its Table 4 name.
-pub fn variant(a: &AttentionConfig) -> String {
+pub(crate) fn variant(a: &AttentionConfig) -> String {
         if !a.swiattn_adaptive {
         return "V1 (no adaptive weight)".into();
     }

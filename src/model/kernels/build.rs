@@ -70,7 +70,7 @@ fn source_hash() -> String {
     format!("{:08x}", h >> 32)
 }
 
-pub fn cache_dir() -> PathBuf {
+pub(crate) fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("ATTNSWEEP_KERNELS_DIR") {
         return PathBuf::from(d);
     }
@@ -133,7 +133,7 @@ fn find_torch() -> Result<Torch> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Variant {
+pub(crate) enum Variant {
     Cpu,
     /// Compute capability, e.g. 90.
     Cuda(u32),
@@ -177,7 +177,7 @@ fn build_dir(variant: Variant, torch: &Torch) -> PathBuf {
 
 /// Compiles the library for `variant` unless a build of these sources for this torch exists;
 /// returns the library's path.
-pub fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
+pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
     let variant = match variant {
         Some(v) => v,
         None => Variant::Cuda(gpu_capability()?),
@@ -358,7 +358,7 @@ fn which(prog: &str) -> Result<()> {
 }
 
 /// The built library for `variant` matching this binary's sources, if any.
-pub fn find(variant: Variant) -> Option<PathBuf> {
+pub(crate) fn find(variant: Variant) -> Option<PathBuf> {
     newest_build(
         &cache_dir(),
         &format!("{}-{}-", variant.name(), source_hash()),

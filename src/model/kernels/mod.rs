@@ -13,7 +13,7 @@ mod ffi;
 #[cfg(test)]
 pub(crate) mod tests;
 
-pub use build::{build, cache_dir, find, Variant};
+pub(crate) use build::{build, find, Variant};
 
 use crate::config::AttnImpl;
 use anyhow::{ensure, Context, Result};
@@ -26,62 +26,65 @@ use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
 /// One AdamW step's scalars for [`Kernels::adamw`].
-pub struct AdamWStep {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
+pub(crate) struct AdamWStep {
+    pub(crate) lr: f64,
+    pub(crate) beta1: f64,
+    pub(crate) beta2: f64,
+    pub(crate) eps: f64,
+    pub(crate) weight_decay: f64,
     /// Bias corrections `1 - beta^t`.
-    pub bc1: f64,
-    pub bc2: f64,
+    pub(crate) bc1: f64,
+    pub(crate) bc2: f64,
     /// Factor the gradients are scaled by first (1: no clipping).
-    pub clip: f64,
+    pub(crate) clip: f64,
 }
 
 /// AHA's gates of one layer ([`Kernels::aha_gates`]).
 #[derive(Debug)]
-pub struct AhaGates {
+pub(crate) struct AhaGates {
     /// `[B, H, L]` zeros whose gradient reaches the router scores: the straight-through mix's
     /// weight (`Kernels::st_mix`).
-    pub weight: Tensor,
+    pub(crate) weight: Tensor,
     /// `[B, L, H]` fp32, 1 where the gate is open (the whole prefix).
-    pub hard: Tensor,
+    pub(crate) hard: Tensor,
     /// `[B, H, L]` `QueryPath`s each query runs with gradient: the one its gate picked.
-    pub chosen: Tensor,
+    pub(crate) chosen: Tensor,
     /// `[B, H, L]` `QueryPath`s the straight-through gradient also reads: the window of open
     /// gates, the whole prefix of probed window gates, nothing elsewhere.
-    pub other: Tensor,
+    pub(crate) other: Tensor,
     /// Key-query pairs the chosen paths attend (fp64 scalar).
-    pub pairs: Tensor,
+    pub(crate) pairs: Tensor,
 }
 
 /// What a query of routed attention sees: `Kernels::routed_attention`'s `path` values (uint8),
 /// in increasing order of reach.
 #[derive(Clone, Copy)]
 #[repr(u8)]
-pub enum QueryPath {
+pub(crate) enum QueryPath {
+    /// No key: what the zeros of a paths tensor mean (`query_paths` leaves them where a query
+    /// takes neither path); only the kernels' tests write it by name.
+    #[cfg(test)]
     Nothing = 0,
     Window = 1,
     Full = 2,
 }
 
 /// A CUDA timing event of a library built with CUDA ([`Kernels::event`]).
-pub struct Event<'a> {
+pub(crate) struct Event<'a> {
     kern: &'a Kernels,
     raw: *mut c_void,
 }
 
 impl Event<'_> {
     /// Records the event on the current stream.
-    pub fn record(&self) -> Result<()> {
+    pub(crate) fn record(&self) -> Result<()> {
         status("CUDA event", |e, n| unsafe {
             (self.kern.f.event_record)(self.raw, e, n)
         })
     }
 
     /// Milliseconds on the device's clock from `start` to this event, once this one is reached.
-    pub fn ms_since(&self, start: &Event) -> Result<f64> {
+    pub(crate) fn ms_since(&self, start: &Event) -> Result<f64> {
         let mut ms = 0f64;
         status("CUDA event", |e, n| unsafe {
             (self.kern.f.event_elapsed)(start.raw, self.raw, &mut ms, e, n)
@@ -97,20 +100,20 @@ impl Drop for Event<'_> {
 }
 
 /// The library where it takes `x`'s dtype: the fused element-wise kernels take fp32 and bf16.
-pub fn kernel_for<'a>(kernels: Option<&'a Kernels>, x: &Tensor) -> Option<&'a Kernels> {
+pub(crate) fn kernel_for<'a>(kernels: Option<&'a Kernels>, x: &Tensor) -> Option<&'a Kernels> {
     kernels.filter(|_| matches!(x.kind(), Kind::Float | Kind::BFloat16))
 }
 
 /// A loaded kernel library.
-pub struct Kernels {
+pub(crate) struct Kernels {
     _lib: Library,
     f: EntryPoints,
-    pub cuda: bool,
-    pub path: PathBuf,
+    pub(crate) cuda: bool,
+    pub(crate) path: PathBuf,
 }
 
 impl Kernels {
-    pub fn load(path: &Path) -> Result<Kernels> {
+    pub(crate) fn load(path: &Path) -> Result<Kernels> {
         // Safety: the library is ours, built from this binary's sources against the libtorch
         // this process already links; its initialisers only register nothing global. Its
         // interface version is checked before any other entry point is looked up.
@@ -137,7 +140,7 @@ impl Kernels {
     /// Attention of queries `q: [B, H, Lq, D]` over `k, v: [B, Hkv, L, D]`: query r at position
     /// `qpos[b, h, r]` (int32, ascending; all positions when None) sees keys at most `window - 1`
     /// before it; rows `r >= nq[b, h]` are inactive and return zeros. Differentiable in q, k, v.
-    pub fn list_attention(
+    pub(crate) fn list_attention(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -152,7 +155,7 @@ impl Kernels {
     /// [B, H, L]` (uint8, `QueryPath` values) says whether it sees its whole prefix, its `window`,
     /// or nothing (zeros). The paths' queries form one list per (b, h), compacted on the
     /// device, so each query runs only its own path, in one launch. Differentiable in q, k, v.
-    pub fn routed_attention(
+    pub(crate) fn routed_attention(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -168,7 +171,7 @@ impl Kernels {
     /// PPA attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees its
     /// window and the keys at the distances in `offsets` (the power offsets beyond the window).
     /// Differentiable in q, k, v.
-    pub fn ppa_attention(
+    pub(crate) fn ppa_attention(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -213,19 +216,19 @@ impl Kernels {
 
     /// Per-token next-token NLL (fp32, shaped like `targets`) of `logits: [..., V]` (fp32 or
     /// bf16, read in their dtype; the gradient comes back in it), differentiable in logits.
-    pub fn token_nll(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    pub(crate) fn token_nll(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         call2(self.f.token_nll, "cross-entropy kernel", logits, targets)
     }
 
     /// The MLP's gate `silu(gate) * up` (both fp32 or both bf16, one shape) in one kernel,
     /// computed in fp32; differentiable in both.
-    pub fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    pub(crate) fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         call2(self.f.swiglu, "SwiGLU kernel", gate, up)
     }
 
     /// RMSNorm of `x: [..., d]` (fp32 or bf16) with `weight: [d]` (fp32), computed in fp32,
     /// returned in x's dtype; differentiable in both.
-    pub fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    pub(crate) fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         new_tensor("RMSNorm kernel", |e, n| unsafe {
             (self.f.rms_norm)(ptr(x), ptr(weight), eps, e, n)
         })
@@ -234,24 +237,24 @@ impl Kernels {
     /// Rotary embedding of `x: [B, L, H, D]` (fp32 or bf16) at angles with `cos, sin: [L, D]`
     /// (read in x's dtype where they have it, else in fp32), returned transposed to
     /// `[B, H, L, D]` (as attention reads it); differentiable in x.
-    pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    pub(crate) fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         self.move_heads("rope kernel", x, Some((cos, sin)), true)
     }
 
     /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
     /// the library was built without CUDA.
-    pub fn event(&self) -> Result<Event<'_>> {
+    pub(crate) fn event(&self) -> Result<Event<'_>> {
         let raw = new_object("CUDA event", |e, n| unsafe { (self.f.event_new)(e, n) })?;
         Ok(Event { kern: self, raw })
     }
 
     /// `x: [B, L, H, D]` (fp32 or bf16) as a contiguous `[B, H, L, D]`; differentiable.
-    pub fn to_heads(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn to_heads(&self, x: &Tensor) -> Result<Tensor> {
         self.move_heads("head transpose kernel", x, None, true)
     }
 
     /// `y: [B, H, L, D]` (fp32 or bf16) as a contiguous `[B, L, H, D]`; differentiable.
-    pub fn from_heads(&self, y: &Tensor) -> Result<Tensor> {
+    pub(crate) fn from_heads(&self, y: &Tensor) -> Result<Tensor> {
         self.move_heads("head transpose kernel", y, None, false)
     }
 
@@ -273,7 +276,7 @@ impl Kernels {
     /// AHA's straight-through mix `c + w * (sg(c) - o)` of `c, o: [B, H, L, D]` (bf16 on the
     /// GPU) with one weight a row, `w: [B, H, L]`: equal to `c` where `w` is 0, with gradient
     /// `dy` for `c` and `rowsum(dy * (c - o))` for `w` (none for `o`). One kernel each way.
-    pub fn st_mix(&self, c: &Tensor, o: &Tensor, w: &Tensor) -> Result<Tensor> {
+    pub(crate) fn st_mix(&self, c: &Tensor, o: &Tensor, w: &Tensor) -> Result<Tensor> {
         call3(self.f.st_mix, "straight-through mix kernel", c, o, w)
     }
 
@@ -281,7 +284,7 @@ impl Kernels {
     /// fp32) with `w: [heads, d]` and `b: [heads]` (fp32), as `Linear::forward` on the fp32 `x`
     /// followed by a sigmoid computes them, reading `x` once in its own dtype each way;
     /// differentiable in x, w and b.
-    pub fn router(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    pub(crate) fn router(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         let none = Tensor::zeros([0], (Kind::Float, x.device()));
         call3(self.f.router, "router kernel", x, w, b.unwrap_or(&none))
     }
@@ -292,7 +295,7 @@ impl Kernels {
     /// `sample = 1` probes every one (the exact straight-through gradient). The weight's
     /// gradient reaches `s` as the straight-through gradient, scaled by `1 / sample` at probes.
     #[allow(clippy::too_many_arguments)]
-    pub fn aha_gates(
+    pub(crate) fn aha_gates(
         &self,
         s: &Tensor,
         tau: f64,
@@ -330,7 +333,7 @@ impl Kernels {
     }
 
     /// Global L2 norm of `grads` (fp32, contiguous, one device), in one launch.
-    pub fn grad_norm(&self, grads: &[Tensor]) -> Result<f64> {
+    pub(crate) fn grad_norm(&self, grads: &[Tensor]) -> Result<f64> {
         let mut norm = 0f64;
         let p = pointers(grads);
         status("gradient norm kernel", |e, n| unsafe {
@@ -341,7 +344,7 @@ impl Kernels {
 
     /// Clipping and AdamW over all parameters in one launch, in place; the four slices are
     /// parallel (parameter, gradient, first and second moment), all fp32 and contiguous.
-    pub fn adamw(
+    pub(crate) fn adamw(
         &self,
         p: &[Tensor],
         g: &[Tensor],
@@ -383,9 +386,9 @@ impl Kernels {
 /// device, and where the GPU kernels split them: the nearer ones run in the tile kernels, those
 /// from index `pairs_from` on pair by pair (kernels/attention.cu, far pairs). The CPU reference
 /// takes them all at once, whatever the split.
-pub struct PpaOffsets {
-    pub tensor: Tensor,
-    pub pairs_from: usize,
+pub(crate) struct PpaOffsets {
+    pub(crate) tensor: Tensor,
+    pub(crate) pairs_from: usize,
 }
 
 /// The gap between consecutive far distances from which the pair kernels take them over. Past
@@ -393,7 +396,7 @@ pub struct PpaOffsets {
 /// bench from 16 to 96 and tiles only (PERFORMANCE.md, "PPA's sparse far distances pair by
 /// pair"): 24 to 48 within a few percent of each other, 96 up to 40% slower for p = 0.5, 16
 /// 13% slower for p = 0.75 at L 32768.
-pub const PPA_PAIR_GAP: i64 = 32;
+pub(crate) const PPA_PAIR_GAP: i64 = 32;
 
 impl PpaOffsets {
     /// Split where the GPU kernels run fastest: pairs from the first offset after which every
@@ -402,7 +405,7 @@ impl PpaOffsets {
     /// at w = 64) goes to the pairs too: kept, it alone held the tile kernels on their PPA
     /// instantiation, whose forward took as long at w = 64 as the window kernel at w = 256
     /// (PERFORMANCE.md, "PPA's sparse far distances pair by pair").
-    pub fn new(offsets: &[i32], window: usize, device: Device) -> Self {
+    pub(crate) fn new(offsets: &[i32], window: usize, device: Device) -> Self {
         let gap_before = |j: usize| {
             offsets[j] as i64
                 - if j == 0 {
@@ -422,14 +425,14 @@ impl PpaOffsets {
         Self::split_at(offsets, pairs_from, device)
     }
 
-    pub fn split_at(offsets: &[i32], pairs_from: usize, device: Device) -> Self {
+    pub(crate) fn split_at(offsets: &[i32], pairs_from: usize, device: Device) -> Self {
         PpaOffsets {
             tensor: Tensor::from_slice(offsets).to_device(device),
             pairs_from,
         }
     }
 
-    pub fn shallow_clone(&self) -> Self {
+    pub(crate) fn shallow_clone(&self) -> Self {
         PpaOffsets {
             tensor: self.tensor.shallow_clone(),
             pairs_from: self.pairs_from,
@@ -440,7 +443,7 @@ impl PpaOffsets {
 static CUDA_KERNELS: OnceLock<Option<Kernels>> = OnceLock::new();
 
 /// The CUDA kernel library, if one is built for this binary's sources (loaded once).
-pub fn cuda() -> Option<&'static Kernels> {
+pub(crate) fn cuda() -> Option<&'static Kernels> {
     CUDA_KERNELS
         .get_or_init(|| {
             let cc = build::gpu_capability().ok()?;
@@ -460,7 +463,7 @@ pub fn cuda() -> Option<&'static Kernels> {
 static CPU_KERNELS: OnceLock<Kernels> = OnceLock::new();
 
 /// The CPU build of the library (the autograd layer over its ATen reference), built if needed.
-pub fn cpu() -> Result<&'static Kernels> {
+pub(crate) fn cpu() -> Result<&'static Kernels> {
     // One build at a time in this process (tests ask from several threads).
     static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
@@ -476,7 +479,7 @@ pub fn cpu() -> Result<&'static Kernels> {
 }
 
 /// The library a model's attention uses under `attn_impl`, or None for the reference path.
-pub fn for_model(
+pub(crate) fn for_model(
     imp: AttnImpl,
     device: Device,
     compute: Kind,
