@@ -5,8 +5,8 @@
 mod common;
 use common::bin;
 
-use attnsweep::model::attention::ForwardCtx;
 use attnsweep::config::Config;
+use attnsweep::model::attention::ForwardCtx;
 use attnsweep::run::Built;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -53,8 +53,12 @@ fn logits(converted: &Path, expected: &Path) -> (Tensor, Tensor) {
     )
     .unwrap();
     let built = Built::new(&cfg, Device::Cpu).unwrap();
-    attnsweep::io::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
-        .unwrap();
+    attnsweep::io::checkpoint::load_into(
+        &built.params(),
+        &converted.join("model.safetensors"),
+        true,
+    )
+    .unwrap();
     let want: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(expected)
         .unwrap()
         .into_iter()
@@ -147,8 +151,12 @@ fn pytorch_checkpoints_convert_in_process() {
     )
     .unwrap();
     let built = Built::new(&cfg, Device::Cpu).unwrap();
-    attnsweep::io::checkpoint::load_into(&built.params(), &converted.join("model.safetensors"), true)
-        .unwrap();
+    attnsweep::io::checkpoint::load_into(
+        &built.params(),
+        &converted.join("model.safetensors"),
+        true,
+    )
+    .unwrap();
     let ot = scratch("varstore").with_extension("ot");
     built.vs.save(&ot).unwrap();
     check(&ot, &[], "varstore");

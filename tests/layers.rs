@@ -7,7 +7,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The layers, lowest first; `lib.rs` and `main.rs` sit above them all.
-const LAYERS: [&str; 8] = ["util", "io", "data", "config", "model", "run", "sweep", "cli"];
+const LAYERS: [&str; 8] = [
+    "util", "io", "data", "config", "model", "run", "sweep", "cli",
+];
 
 /// One source file: its module path (`["model", "attention", "aha"]`), its whole text and its
 /// non-test code.
@@ -33,7 +35,10 @@ fn sources() -> Vec<Source> {
                     .components()
                     .map(|c| c.as_os_str().to_string_lossy().into_owned())
                     .collect();
-                if matches!(module.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+                if matches!(
+                    module.last().map(String::as_str),
+                    Some("mod" | "lib" | "main")
+                ) {
                     module.pop();
                 }
                 let text = std::fs::read_to_string(&p).unwrap();
@@ -199,7 +204,11 @@ fn layer(s: &Source) -> usize {
 }
 
 /// The file an absolute path's item is defined in, following a folder's `pub use` re-exports.
-fn resolve(files: &BTreeMap<Vec<String>, &Source>, segs: &[String], depth: usize) -> Option<PathBuf> {
+fn resolve(
+    files: &BTreeMap<Vec<String>, &Source>,
+    segs: &[String],
+    depth: usize,
+) -> Option<PathBuf> {
     for k in (1..=segs.len()).rev() {
         let Some(src) = files.get(&segs[..k]) else {
             continue;
@@ -374,7 +383,11 @@ fn the_reader_sees_circles_and_upward_imports() {
         code: code.into(),
     };
     let srcs = vec![
-        src("util/a.rs", &["util", "a"], "use crate::run::b::Thing;\nuse super::c;"),
+        src(
+            "util/a.rs",
+            &["util", "a"],
+            "use crate::run::b::Thing;\nuse super::c;",
+        ),
         src("run/b.rs", &["run", "b"], "fn f() { crate::util::a::g(); }"),
         src("util/c.rs", &["util", "c"], ""),
         src("util/mod.rs", &["util"], "pub mod a;\npub mod c;"),
@@ -387,6 +400,11 @@ fn the_reader_sees_circles_and_upward_imports() {
     assert!(layer(&srcs[0]) < layer(&srcs[1]));
     assert_eq!(
         expand_use("crate::x::{a, b::{C, D}, self}"),
-        ["crate::x::a", "crate::x::b::C", "crate::x::b::D", "crate::x"]
+        [
+            "crate::x::a",
+            "crate::x::b::C",
+            "crate::x::b::D",
+            "crate::x"
+        ]
     );
 }

@@ -4,20 +4,20 @@
 //! speed-up-against-sparsity figure (L2A Fig. 8).
 
 use crate::config::{AttnImpl, Config, Dtype, Method};
-use crate::run::train::{forward_loss, AdamW};
-use crate::run::Built;
 use crate::model::attention::{
     methods, routed_paths, BenchKnobs, BenchVariant, ForwardCtx, KeyPattern,
 };
-use crate::util::stats::median;
 use crate::model::kernels::{Kernels, PpaOffsets};
+use crate::run::train::{forward_loss, AdamW};
+use crate::run::Built;
 use crate::sweep::{Figure, Panel, Series, XAxis};
+use crate::util::atomic;
+use crate::util::stats::median;
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
-use crate::util::atomic;
 
 pub(crate) struct AttentionBench {
     pub(crate) lengths: Vec<i64>,
@@ -838,7 +838,10 @@ impl TrainMethod {
             .find(|m| m.name() == name)
             .ok_or_else(|| {
                 let names: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
-                format!("{name:?} is not a method the bench times ({})", names.join(", "))
+                format!(
+                    "{name:?} is not a method the bench times ({})",
+                    names.join(", ")
+                )
             })
     }
 

@@ -2,31 +2,31 @@
 
 pub(crate) mod bench;
 
-use crate::cli::bench::TrainMethod;
-use crate::config::Config;
-use crate::sweep;
-use crate::util::flags::finite_flag;
-use crate::data::{self, SynthSpec};
-use crate::run::eval;
-use crate::run::train::{self, TrainArgs};
-use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand};
-use std::path::PathBuf;
 use crate::cli::bench::AttentionBench;
 use crate::cli::bench::TrainBench;
+use crate::cli::bench::TrainMethod;
+use crate::config::Config;
 use crate::data::corpus;
 use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
+use crate::data::{self, SynthSpec};
 use crate::model::kernels;
 use crate::model::kernels::Variant;
-use crate::run::LoadedRun;
 use crate::run::convert;
 use crate::run::convert::OutDtype;
+use crate::run::eval;
 use crate::run::memory;
 use crate::run::prune;
 use crate::run::tasks;
 use crate::run::tasks::RunOptions;
+use crate::run::train::{self, TrainArgs};
+use crate::run::LoadedRun;
+use crate::sweep;
 use crate::sweep::tables;
+use crate::util::flags::finite_flag;
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(
@@ -537,13 +537,7 @@ fn run_train(c: TrainCmd) -> Result<()> {
 
 fn run_convert(c: ConvertCmd) -> Result<()> {
     let dtype = OutDtype::parse(&c.dtype)?;
-    let r = convert::convert(
-        &c.from,
-        c.config.as_deref(),
-        &c.out,
-        dtype,
-        c.allow_pickle,
-    )?;
+    let r = convert::convert(&c.from, c.config.as_deref(), &c.out, dtype, c.allow_pickle)?;
     println!(
         "{:?}: {} tensors, {} parameters -> {} (config {})",
         r.family,
@@ -602,9 +596,8 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         peers: if c.no_peers { Vec::new() } else { c.peers },
     };
     b.validate()?;
-    kernels::cuda().context(
-        "bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-    )?;
+    kernels::cuda()
+        .context("bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
     println!("{}", bench::run_train(&b)?.display());
     Ok(())
 }

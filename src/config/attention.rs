@@ -206,7 +206,8 @@ impl AttentionConfig {
                 keys.extend(["window", "swiattn_shared_o_proj"]);
                 // gamma = gamma_base without the adaptive weight, whose terms are then unread;
                 // with alpha 0 the disagreement's reduction is unread.
-                let regulariser: &[&'static str] = match (self.swiattn_adaptive, self.swiattn_alpha) {
+                let regulariser: &[&'static str] = match (self.swiattn_adaptive, self.swiattn_alpha)
+                {
                     (false, _) => &["swiattn_gamma_base", "swiattn_adaptive"],
                     (true, a) if a == 0.0 => &[
                         "swiattn_gamma_base",
@@ -224,7 +225,10 @@ impl AttentionConfig {
                         "swiattn_disagreement",
                     ],
                 };
-                router(&mut keys, &[&["tau", "router_init_bias"][..], regulariser].concat());
+                router(
+                    &mut keys,
+                    &[&["tau", "router_init_bias"][..], regulariser].concat(),
+                );
             }
             Method::StaticHeads => keys.extend(["window", "head_ranking", "top_k"]),
         }
@@ -275,7 +279,7 @@ impl AttentionConfig {
     /// Every setting's range, and the checks of one method's settings (`check_method`).
     pub(crate) fn validate(&self, m: &ModelConfig, train: &TrainConfig) -> Result<()> {
         let a = self;
-                check("attention.window", a.window, 1, 1 << 30)?;
+        check("attention.window", a.window, 1, 1 << 30)?;
         check("attention.ppa_power", a.ppa_power, 0.0, 1.0)?;
         check("attention.hybrid_every", a.hybrid_every, 1, 1024)?;
         check("attention.tau", a.tau, 0.0, 1.0)?;
@@ -303,8 +307,7 @@ impl AttentionConfig {
         if !a.pruned_layers.is_empty() && a.method != Method::L2a {
             bail!("attention.pruned_layers applies to method \"l2a\" only");
         }
-        if train.router_hold_steps > 0
-            && !(a.method == Method::L2a && a.router == Router::Learned)
+        if train.router_hold_steps > 0 && !(a.method == Method::L2a && a.router == Router::Learned)
         {
             bail!(
                 "train.router_hold_steps = {} applies to method \"l2a\" with a learned router only; \

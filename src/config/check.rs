@@ -3,7 +3,12 @@
 use anyhow::{bail, Result};
 
 /// `lo <= v <= hi`, written so that NaN (for which every comparison is false) fails it.
-pub(crate) fn check<T: PartialOrd + std::fmt::Display>(key: &str, v: T, lo: T, hi: T) -> Result<()> {
+pub(crate) fn check<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    v: T,
+    lo: T,
+    hi: T,
+) -> Result<()> {
     if !(v >= lo && v <= hi) {
         bail!("{key} = {v} is out of range: allowed {lo} ..= {hi}");
     }

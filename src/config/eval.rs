@@ -99,7 +99,7 @@ impl EvalConfig {
 impl EvalConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         let e = self;
-                check("eval.batch_size", e.batch_size, 1, 1 << 20)?;
+        check("eval.batch_size", e.batch_size, 1, 1 << 20)?;
         for t in &e.tasks {
             Task::parse(t).context("eval.tasks")?;
         }

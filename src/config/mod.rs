@@ -16,8 +16,8 @@ pub use eval::{EvalConfig, HaystackKind};
 pub use model::ModelConfig;
 pub use model::{NormPlacement, QkNorm, RopeScaling};
 pub(crate) use overrides::{apply_override, reject_non_finite};
-pub use train::{DataConfig, Dtype, TrainConfig};
 pub(crate) use train::{parse_device, DeviceSpec};
+pub use train::{DataConfig, Dtype, TrainConfig};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};

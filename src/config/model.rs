@@ -99,7 +99,7 @@ impl ModelConfig {
 impl ModelConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         let m = self;
-                if m.vocab_size != 0 {
+        if m.vocab_size != 0 {
             check("model.vocab_size", m.vocab_size, 2, 1 << 24)?;
         }
         check("model.hidden_size", m.hidden_size, 1, 65_536)?;

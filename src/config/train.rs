@@ -103,7 +103,7 @@ impl DataConfig {
 impl TrainConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         let t = self;
-                check("train.steps", t.steps, 1, 1 << 40)?;
+        check("train.steps", t.steps, 1, 1 << 40)?;
         check("train.batch_size", t.batch_size, 1, 1 << 20)?;
         check("train.grad_accum", t.grad_accum, 1, 1 << 16)?;
         check_open_f("train.lr", t.lr, 0.0, 10.0)?;

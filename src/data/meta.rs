@@ -59,7 +59,6 @@ pub(crate) struct ProbeDocs {
     pub(crate) queries: usize,
 }
 
-
 /// How the synthetic corpus is generated. Token ids: 0 = DEF, 1 = ASK, then `n_keys` keys,
 /// then `n_values` values, then filler. One type for every place that takes it: the flags of
 /// `data synth`, a grid's `[synth]` section (unset fields at their defaults) and a data set's

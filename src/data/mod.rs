@@ -15,11 +15,11 @@ pub(crate) mod shards;
 pub(crate) mod synth;
 pub(crate) mod tokenizer;
 
-pub use meta::{read_meta, Meta};
 pub(crate) use meta::SynthSpec;
-pub use shards::{write_shard, Shard, Width, TOKENS_MAGIC};
+pub use meta::{read_meta, Meta};
 pub(crate) use shards::Split;
+pub use shards::{write_shard, Shard, Width, TOKENS_MAGIC};
 pub(crate) use synth::{synth, DEP_NONE};
-pub(crate) use tokenizer::{tokenizer_of, TextTokenizer};
 #[cfg(test)]
 pub(crate) use tokenizer::BYTE_EOT;
+pub(crate) use tokenizer::{tokenizer_of, TextTokenizer};

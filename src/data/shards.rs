@@ -228,7 +228,6 @@ pub(super) fn deps_name(name: &str) -> String {
     name.replace(".bin", ".deps.bin")
 }
 
-
 // ---------------------------------------------------------------------------------------
 // Loading.
 
@@ -400,13 +399,12 @@ impl Split {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::util;
     use crate::data::meta::SynthSpec;
     use crate::data::synth::synth;
+    use crate::util;
 
     fn tmp(name: &str) -> PathBuf {
         util::scratch_dir(&format!("data-{name}"))

@@ -10,12 +10,12 @@
 //! intact and `latest` never names a partial one.
 
 use crate::util::atomic;
+use crate::util::fault;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
-use crate::util::fault;
 
 /// Everything besides tensors that a resumed run needs to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -432,9 +432,24 @@ impl<'a> Machine<'a> {
     fn step(&mut self, op: u8) -> Result<()> {
         match op {
             0x80 | 0x95 | b'(' | b'0' | b'1' | b'2' => self.control(op),
-            b'N' | 0x88 | 0x89 | b'J' | b'K' | b'M' | 0x8a | 0x8b | b'I' | b'L' | b'G' | b'F' => self.number(op),
+            b'N' | 0x88 | 0x89 | b'J' | b'K' | b'M' | 0x8a | 0x8b | b'I' | b'L' | b'G' | b'F' => {
+                self.number(op)
+            }
             b'X' | 0x8c | 0x8d | b'V' | b'T' | b'U' | b'B' | b'C' | 0x8e | b'S' => self.string(op),
-            b')' | b't' | 0x85..=0x87 | b']' | b'l' | b'a' | b'e' | b'}' | b'd' | b's' | b'u' | 0x8f | 0x90 | 0x91 => self.container(op),
+            b')'
+            | b't'
+            | 0x85..=0x87
+            | b']'
+            | b'l'
+            | b'a'
+            | b'e'
+            | b'}'
+            | b'd'
+            | b's'
+            | b'u'
+            | 0x8f
+            | 0x90
+            | 0x91 => self.container(op),
             b'c' | 0x93 | b'R' | 0x81 | 0x92 | b'b' | b'Q' => self.object(op),
             b'q' | b'r' | b'p' | 0x94 | b'h' | b'j' | b'g' => self.memo(op),
             other => bail!("pickle instruction 0x{other:02x} is not supported"),

@@ -7,16 +7,16 @@
 //! gradients to the parameters, which is what autocast does in PyTorch. The shared layers
 //! (linear maps, RMSNorm, rotary embedding) are in `nn.rs`, the attention in `attention/`.
 
-use crate::model::attention::{
-    spec,    AttnOutput, ForwardCtx, KeyPattern, Keys, LayerCache, MaskCache, SelfAttention,
-};
 use crate::config::{AttentionConfig, ModelConfig, NormPlacement, QkNorm};
+use crate::model::attention::{
+    spec, AttnOutput, ForwardCtx, KeyPattern, Keys, LayerCache, MaskCache, SelfAttention,
+};
+use crate::model::kernels;
+use crate::model::kernels::Kernels;
 use crate::model::nn::{inv_freq, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
-use crate::model::kernels;
-use crate::model::kernels::Kernels;
 
 pub(crate) struct Mlp {
     gate_proj: Linear,
@@ -27,11 +27,7 @@ pub(crate) struct Mlp {
 }
 
 impl Mlp {
-    fn new(
-        p: nn::Path,
-        m: &ModelConfig,
-        kernels: Option<&'static Kernels>,
-    ) -> Self {
+    fn new(p: nn::Path, m: &ModelConfig, kernels: Option<&'static Kernels>) -> Self {
         let (d, f, std) = (
             m.hidden_size as i64,
             m.intermediate_size as i64,
@@ -136,10 +132,14 @@ pub struct Llama {
 impl Llama {
     /// Creates the parameters under `vs` (initialised from tch's current seed), reading first
     /// what the method reads from files (static heads' ranking: `MethodSpec::fixed_heads`).
-    pub(crate) fn new(vs: &nn::Path, cfg: &ModelConfig, attn: &AttentionConfig, compute: Kind) -> Result<Self> {
+    pub(crate) fn new(
+        vs: &nn::Path,
+        cfg: &ModelConfig,
+        attn: &AttentionConfig,
+        compute: Kind,
+    ) -> Result<Self> {
         let fixed_heads = (spec(attn.method).fixed_heads)(cfg, attn)?;
-        let kernels =
-            kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
+        let kernels = kernels::for_model(attn.attn_impl, vs.device(), compute, cfg.head_dim())?;
         let d = cfg.hidden_size as i64;
         let eps = cfg.rms_norm_eps;
         let model = vs / "model";
@@ -484,13 +484,8 @@ mod tests {
                 ..tiny(tie, bias)
             };
             let vs = nn::VarStore::new(Device::Cpu);
-            let _m = Llama::new(
-                &vs.root(),
-                &cfg,
-                &AttentionConfig::default(),
-                Kind::Float,
-            )
-            .unwrap();
+            let _m =
+                Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float).unwrap();
             let mut built: Vec<(String, Vec<i64>)> = vs
                 .variables()
                 .into_iter()
@@ -563,11 +558,9 @@ mod tests {
                 ..Default::default()
             };
             let cpu_vs = nn::VarStore::new(Device::Cpu);
-            let cpu =
-                Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
+            let cpu = Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
             let mut gpu_vs = nn::VarStore::new(Device::Cuda(0));
-            let gpu =
-                Llama::new(&gpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
+            let gpu = Llama::new(&gpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
             gpu_vs.copy(&cpu_vs).unwrap();
             let ids = Tensor::randint(11, [3, 37], (Kind::Int64, Device::Cpu));
             let want = cpu.forward(&ids, &ForwardCtx::default()).logits;
@@ -585,13 +578,7 @@ mod tests {
         tch::manual_seed(2);
         let vs = nn::VarStore::new(Device::Cpu);
         let cfg = tiny(true, true);
-        let m32 = Llama::new(
-            &vs.root(),
-            &cfg,
-            &AttentionConfig::default(),
-            Kind::Float,
-        )
-        .unwrap();
+        let m32 = Llama::new(&vs.root(), &cfg, &AttentionConfig::default(), Kind::Float).unwrap();
         let ids = Tensor::from_slice(&[1i64, 5, 3, 7, 2, 9]).view([1, 6]);
         let l32 = m32.forward(&ids, &ForwardCtx::default()).logits;
         let m16 = Llama {

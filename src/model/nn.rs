@@ -5,9 +5,9 @@
 //! embedding run as its fused kernels.
 
 use crate::config::ModelConfig;
-use tch::{nn, Kind, Tensor};
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
+use tch::{nn, Kind, Tensor};
 
 pub(crate) struct Linear {
     pub(crate) weight: Tensor,
@@ -115,11 +115,7 @@ impl Rope {
 
     /// `x: [B, L, H, D]` rotated and transposed to `[B, H, L, D]`, by the fused kernel where
     /// a library is given.
-    pub(crate) fn apply_transposed(
-        &self,
-        x: &Tensor,
-        kernels: Option<&Kernels>,
-    ) -> Tensor {
+    pub(crate) fn apply_transposed(&self, x: &Tensor, kernels: Option<&Kernels>) -> Tensor {
         match kernels::kernel_for(kernels, x) {
             Some(k) => k
                 .rope(x, &self.cos, &self.sin)

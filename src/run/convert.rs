@@ -7,9 +7,12 @@
 //! shape right, or nothing is written. Safetensors files are memory-mapped and written one
 //! tensor at a time, so converting needs little more memory than the largest tensor.
 
-use crate::util::atomic;
 use crate::config::{Config, Method, ModelConfig, NormPlacement, QkNorm, RopeScaling};
+use crate::io::pickle;
+use crate::io::pickle::Format;
 use crate::model::manifest;
+use crate::run::LoadedRun;
+use crate::util::atomic;
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -18,9 +21,6 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
-use crate::io::pickle;
-use crate::io::pickle::Format;
-use crate::run::LoadedRun;
 
 /// The dtype written: as in the source, or converted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -537,7 +537,12 @@ fn copy_tokenizer(src: &Path, out: &Path, written: &mut Vec<PathBuf>) -> Result<
 /// Writes a trained full-attention or sliding-window model in the Hugging Face layout:
 /// config.json (Llama, Mistral for a window, Qwen2, Qwen3 or OLMo-2, by the model's
 /// features) and model.safetensors.
-pub(crate) fn export(run: &Path, ckpt: Option<&Path>, out: &Path, dtype: OutDtype) -> Result<PathBuf> {
+pub(crate) fn export(
+    run: &Path,
+    ckpt: Option<&Path>,
+    out: &Path,
+    dtype: OutDtype,
+) -> Result<PathBuf> {
     // A run directory or a conversion there would be shadowed: `resolve_weights` reads a
     // model.safetensors beside the checkpoints first.
     let taken = [

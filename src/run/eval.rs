@@ -5,13 +5,16 @@
 //! each head, and on the synthetic corpus the precision and recall of gate = 1 against the
 //! ground-truth need for global attention.
 
-use crate::util::atomic;
-use crate::model::attention::{ForwardCtx, HEAD_RANKING_COLUMNS};
 use crate::config::Config;
 use crate::data::{Split, DEP_NONE};
-use crate::model::Llama;
+use crate::model;
+use crate::model::attention::{ForwardCtx, HEAD_RANKING_COLUMNS};
 use crate::model::nn::token_nll;
+use crate::model::Llama;
+use crate::util::atomic;
+use crate::util::fault;
 use crate::util::progress::Progress;
+use crate::util::progress::DEFAULT_STATUS_EVERY;
 use crate::util::rng::Rng;
 use crate::util::stats::median;
 use anyhow::{Context, Result};
@@ -20,9 +23,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 use tch::{Device, Kind, Tensor};
-use crate::model;
-use crate::util::fault;
-use crate::util::progress::DEFAULT_STATUS_EVERY;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub(crate) struct AttentionWork {
@@ -568,7 +568,12 @@ pub(crate) fn evaluate(
 
 /// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final
 /// evaluation of a training run and `attnsweep eval` measure it, the periodic ones do not.
-pub(crate) fn timing_of(model: &Llama, split: &Split, cfg: &Config, device: Device) -> Option<Timing> {
+pub(crate) fn timing_of(
+    model: &Llama,
+    split: &Split,
+    cfg: &Config,
+    device: Device,
+) -> Option<Timing> {
     if !cfg.eval.timing {
         return None;
     }
@@ -799,11 +804,11 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
 mod tests {
     use super::*;
     use crate::config::EvalConfig;
-    use crate::config::Router;
-    use crate::run::Built;
-    use crate::run::train;
-    use crate::util;
     use crate::config::Method;
+    use crate::config::Router;
+    use crate::run::train;
+    use crate::run::Built;
+    use crate::util;
 
     /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
     /// spell after 4 censored at 5), none (no spell observed from its start: left out), 1, 8
@@ -921,8 +926,7 @@ mod tests {
         let b = Built::new(&c, Device::Cpu).unwrap();
         let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
         let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
-        let (_, step) =
-            train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
+        let (_, step) = train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
         let mu = report.gates.unwrap().mu_f;
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.
         assert!((mu - 0.5).abs() < 1e-12, "{mu}");

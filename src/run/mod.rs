@@ -9,9 +9,9 @@ pub(crate) mod prune;
 pub mod tasks;
 pub(crate) mod train;
 
-use crate::io::checkpoint;
 use crate::config::{parse_device, Config, DeviceSpec, Dtype};
 use crate::data;
+use crate::io::checkpoint;
 use crate::model::Llama;
 use anyhow::{ensure, Context, Result};
 use std::collections::BTreeMap;

@@ -2,19 +2,19 @@
 //! threshold loses its global module and keeps its window; the report gives the key-value
 //! cache before and after and the change in loss.
 
-use crate::util::atomic;
+use crate::config::Method;
 use crate::data::Split;
+use crate::io::checkpoint;
+use crate::run::eval;
 use crate::run::eval::{evaluate, write_report};
+use crate::run::memory;
+use crate::run::Built;
+use crate::run::LoadedRun;
+use crate::util::atomic;
 use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use tch::Tensor;
-use crate::config::Method;
-use crate::io::checkpoint;
-use crate::run::Built;
-use crate::run::LoadedRun;
-use crate::run::eval;
-use crate::run::memory;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub(crate) struct PruneReport {

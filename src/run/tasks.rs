@@ -5,12 +5,14 @@
 //! lm-evaluation-harness shape (`results.json`) and as tidy CSV (`tasks.csv`, `niah.csv`,
 //! `efficiency.csv`).
 
-use crate::util::atomic;
-use crate::model::attention::ForwardCtx;
 use crate::config::{Config, HaystackKind};
-use crate::data::{self, Split, TextTokenizer};
-use crate::model::{ForwardOutput, Llama};
 use crate::data::probes::{self, Haystack, Probe, Task};
+use crate::data::{self, Split, TextTokenizer};
+use crate::model::attention::ForwardCtx;
+use crate::model::{ForwardOutput, Llama};
+use crate::run::eval;
+use crate::run::memory;
+use crate::util::atomic;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde::Deserialize;
@@ -18,8 +20,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
-use crate::run::eval;
-use crate::run::memory;
 
 /// What greedy decoding of a batch produced and cost.
 pub(crate) struct Generation {
@@ -735,7 +735,13 @@ struct Scores {
 }
 
 /// A row of `tasks.csv`: the mean of `v`.
-fn tidy_row(task: &str, length: Option<usize>, depth: Option<f64>, metric: &str, v: &[f64]) -> TidyRow {
+fn tidy_row(
+    task: &str,
+    length: Option<usize>,
+    depth: Option<f64>,
+    metric: &str,
+    v: &[f64],
+) -> TidyRow {
     TidyRow {
         task: task.into(),
         length,
@@ -844,8 +850,15 @@ impl Scores {
             "two tasks are named {name}; rename one multiple-choice file"
         );
         let items = read_mc(path)?;
-        let scored = score_mc(model, tok, &items, max_len, device, eval::eval_gate_seed(cfg))
-            .with_context(|| format!("scoring {}", path.display()))?;
+        let scored = score_mc(
+            model,
+            tok,
+            &items,
+            max_len,
+            device,
+            eval::eval_gate_seed(cfg),
+        )
+        .with_context(|| format!("scoring {}", path.display()))?;
         if opts.log_samples {
             write_mc_samples(&dir.join(format!("samples_{name}.jsonl")), &items, &scored)?;
         }
@@ -1070,10 +1083,10 @@ fn write_efficiency(
 mod tests {
     use super::*;
     use crate::config::Method;
-    use crate::util;
     use crate::config::ModelConfig;
     use crate::data::BYTE_EOT;
     use crate::run::Built;
+    use crate::util;
 
     fn tiny() -> Built {
         Built::new(&tiny_config(), Device::Cpu).unwrap()

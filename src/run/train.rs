@@ -4,29 +4,29 @@
 //! The optimizer is written out here rather than taken from `tch::nn::Optimizer` because its
 //! moments must be saved and restored exactly for a resumed run to match an uninterrupted one.
 
-use crate::util::atomic;
-use crate::model::attention::{spec, ForwardCtx, GateOverride};
-use crate::io::checkpoint::{self, TrainState};
+use crate::config;
 use crate::config::Config;
+use crate::config::TrainConfig;
+use crate::config::RESUME_MAY_CHANGE;
 use crate::data::Split;
-use crate::run::eval;
+use crate::io::checkpoint::{self, TrainState};
+use crate::model::attention::{spec, ForwardCtx, GateOverride};
 use crate::model::kernels::{AdamWStep, Kernels};
-use crate::model::Llama;
 use crate::model::nn::token_nll;
+use crate::model::Llama;
+use crate::run::eval;
+use crate::run::memory;
+use crate::run::{resolve_device, resolve_with_data, Built};
+use crate::util::atomic;
+use crate::util::fault;
 use crate::util::progress::Progress;
 use crate::util::rng::Rng;
-use crate::run::{resolve_device, resolve_with_data, Built};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
-use crate::config;
-use crate::config::RESUME_MAY_CHANGE;
-use crate::config::TrainConfig;
-use crate::run::memory;
-use crate::util::fault;
 
 /// What one forward and backward over a micro-batch measured.
 pub(crate) struct MicroStep {
@@ -110,7 +110,10 @@ pub(crate) struct AdamW {
 }
 
 impl AdamW {
-    pub(crate) fn new(params: &BTreeMap<String, Tensor>, kernels: Option<&'static Kernels>) -> Self {
+    pub(crate) fn new(
+        params: &BTreeMap<String, Tensor>,
+        kernels: Option<&'static Kernels>,
+    ) -> Self {
         let params: Vec<(String, Tensor)> = params
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -375,7 +378,9 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
 pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let prepared = prepare(&mut cfg, args)?;
     let mut t = Trainer::new(&cfg, args, prepared)?;
-    let last = args.stop_at.map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
+    let last = args
+        .stop_at
+        .map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
     while t.state.step < last {
         let step = t.step()?;
         t.record(&step, last)?;
@@ -803,7 +808,12 @@ impl<'a> Trainer<'a> {
 
 /// Loads `--init-from`'s weights into `params` (continued pretraining); new modules a paper
 /// initialises from the base attention copy the loaded weights.
-fn init_from(built: &Built, params: &BTreeMap<String, Tensor>, src: &Path, quiet: bool) -> Result<()> {
+fn init_from(
+    built: &Built,
+    params: &BTreeMap<String, Tensor>,
+    src: &Path,
+    quiet: bool,
+) -> Result<()> {
     let file = checkpoint::resolve_weights(src)?;
     let r = checkpoint::load_into(params, &file, false)?;
     ensure!(
@@ -829,9 +839,9 @@ fn init_from(built: &Built, params: &BTreeMap<String, Tensor>, src: &Path, quiet
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Method, TrainConfig};
     use crate::model::kernels;
     use crate::model::kernels::tests;
-    use crate::config::{Method, TrainConfig};
     use tch::Device;
 
     /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the

@@ -742,9 +742,9 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sweep::fixture;
-    use crate::sweep::figure::tests::render;
     use crate::sweep::figure::cell_label;
+    use crate::sweep::figure::tests::render;
+    use crate::sweep::fixture;
 
     #[test]
     fn every_figure_of_a_fixture_sweep_renders() {

@@ -2,14 +2,13 @@
 //! figures.
 
 use crate::config::{Config, Method};
+use crate::run::eval::Timing;
 use crate::run::eval::{
-    AttentionWork, Bucket, EvalFile, EvalReport, GapStats, GateReport, NeedReport,
-    PrecisionRecall,
+    AttentionWork, Bucket, EvalFile, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
 };
 use crate::run::prune::PruneReport;
 use crate::sweep::{Cell, StageKind};
 use std::path::{Path, PathBuf};
-use crate::run::eval::Timing;
 
 struct Spec {
     id: &'static str,
@@ -23,8 +22,7 @@ struct Spec {
 }
 
 pub(crate) fn sweep_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     // AHA at w 16 with a strong penalty, trained and evaluated again with the same attention.

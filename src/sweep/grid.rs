@@ -1,6 +1,7 @@
 //! A grid file's cells: stages expanded over their axes into cells, each a run whose id is a
 //! hash of what it computes (see the folder's documentation).
 
+use crate::config;
 use crate::config::{apply_override, Config, Method, Router};
 use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
@@ -9,7 +10,6 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
-use crate::config;
 
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
@@ -258,7 +258,15 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
         }
         let first = cells.len();
         for plan in plans(stage, source.as_deref(), &cells, &what)? {
-            let cell = new_cell(grid, stage, plan, reads.as_deref(), &cells, &mut fingerprints, &what)?;
+            let cell = new_cell(
+                grid,
+                stage,
+                plan,
+                reads.as_deref(),
+                &cells,
+                &mut fingerprints,
+                &what,
+            )?;
             cells.push(cell);
         }
         ensure!(
@@ -394,7 +402,10 @@ fn stage_sources(grid: &Grid, si: usize, what: &str) -> Result<(Option<String>, 
             (Some(of), None)
         }
     };
-    Ok((source.map(|s| s.name.clone()), reads.map(|s| s.name.clone())))
+    Ok((
+        source.map(|s| s.name.clone()),
+        reads.map(|s| s.name.clone()),
+    ))
 }
 
 /// A prune stage takes thresholds, and acts on L2A cells only.
@@ -455,7 +466,11 @@ fn plans(stage: &Stage, source: Option<&str>, cells: &[Cell], what: &str) -> Res
     };
     let mut plans: Vec<Plan> = Vec::new();
     match (source, stage.kind) {
-        (None, _) => plans.extend(stage_assignments.into_iter().map(|a| Plan::new(a, None, None))),
+        (None, _) => plans.extend(
+            stage_assignments
+                .into_iter()
+                .map(|a| Plan::new(a, None, None)),
+        ),
         // A train cell continues from the one cell of the source stage that agrees with
         // it on every varied key both stages have.
         (Some(src), StageKind::Train) => {
@@ -508,88 +523,88 @@ fn new_cell(
         dep,
         threshold,
     } = plan;
-        let mut settings: BTreeMap<String, toml::Value> = stage
-            .set
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        settings.extend(assignment.clone());
-        // Eval and prune cells act on the model of the cell they depend on.
-        let (config, settings) = match (&dep, stage.kind) {
-            (Some(d), StageKind::Eval) => {
-                let mut s = d.settings.clone();
-                s.extend(settings);
-                (resolve(&grid.base, &s, what)?, s)
-            }
-            (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
-            _ => (resolve(&grid.base, &settings, what)?, settings),
-        };
-        let read = match &reads {
-            Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
-            None => None,
-        };
-        if stage.match_usage {
-            let a = &config.attention;
-            ensure!(
-                read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
-                "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
+    let mut settings: BTreeMap<String, toml::Value> = stage
+        .set
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    settings.extend(assignment.clone());
+    // Eval and prune cells act on the model of the cell they depend on.
+    let (config, settings) = match (&dep, stage.kind) {
+        (Some(d), StageKind::Eval) => {
+            let mut s = d.settings.clone();
+            s.extend(settings);
+            (resolve(&grid.base, &s, what)?, s)
+        }
+        (Some(d), StageKind::Prune) => (d.config.clone(), d.settings.clone()),
+        _ => (resolve(&grid.base, &settings, what)?, settings),
+    };
+    let read = match &reads {
+        Some(r) => Some(matching_cell(&cells, r, &assignment, &what)?.id.clone()),
+        None => None,
+    };
+    if stage.match_usage {
+        let a = &config.attention;
+        ensure!(
+            read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
+            "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
                  reads: it needs reads = \"<stage>\" and a routed method with \
                  attention.router = \"bernoulli\""
-            );
-        }
-        let fingerprint = format!(
-            "{:?}\n{}\n{}\n{:?}{}{}",
-            stage.kind,
-            config.canonical().non_default_toml(),
-            dep.as_ref().map_or("", |d| d.id.as_str()),
-            threshold.map(|t| t.to_bits()),
-            read.as_ref()
-                .map_or(String::new(), |r| format!("\nreads {r}")),
-            if stage.match_usage {
-                "\nmatch_usage"
-            } else {
-                ""
-            }
         );
-        let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
-        match fingerprints.get(&hash) {
-            Some(f) if *f != fingerprint => bail!(
-                "{what}: two different cells share the hash {hash}; change any setting of one"
-            ),
-            _ => fingerprints.insert(hash.clone(), fingerprint),
-        };
-        let id = cells
-            .iter()
-            .find(|c| c.id.ends_with(&hash))
-            .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
-        // The label names what varies: the dependency's varied keys, then this cell's.
-        let mut shown = dep
-            .as_ref()
-            .map(|d| d.assignment.clone())
-            .unwrap_or_default();
-        if stage.kind != StageKind::Train {
-            shown.extend(assignment.clone());
+    }
+    let fingerprint = format!(
+        "{:?}\n{}\n{}\n{:?}{}{}",
+        stage.kind,
+        config.canonical().non_default_toml(),
+        dep.as_ref().map_or("", |d| d.id.as_str()),
+        threshold.map(|t| t.to_bits()),
+        read.as_ref()
+            .map_or(String::new(), |r| format!("\nreads {r}")),
+        if stage.match_usage {
+            "\nmatch_usage"
         } else {
-            shown = assignment.clone();
+            ""
         }
-        let mut lab = label(&shown);
-        if let Some(t) = threshold {
-            lab = format!("{lab} threshold={t}").trim().to_string();
+    );
+    let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+    match fingerprints.get(&hash) {
+        Some(f) if *f != fingerprint => {
+            bail!("{what}: two different cells share the hash {hash}; change any setting of one")
         }
-        Ok(Cell {
-            index: cells.len(),
-            id,
-            stage: stage.name.clone(),
-            kind: stage.kind,
-            label: lab,
-            assignment: shown,
-            settings,
-            depends_on: dep.map(|d| d.id),
-            reads: read,
-            match_usage: stage.match_usage,
-            threshold,
-            config,
-        })
+        _ => fingerprints.insert(hash.clone(), fingerprint),
+    };
+    let id = cells
+        .iter()
+        .find(|c| c.id.ends_with(&hash))
+        .map_or_else(|| format!("{}{hash}", stage.name), |c| c.id.clone());
+    // The label names what varies: the dependency's varied keys, then this cell's.
+    let mut shown = dep
+        .as_ref()
+        .map(|d| d.assignment.clone())
+        .unwrap_or_default();
+    if stage.kind != StageKind::Train {
+        shown.extend(assignment.clone());
+    } else {
+        shown = assignment.clone();
+    }
+    let mut lab = label(&shown);
+    if let Some(t) = threshold {
+        lab = format!("{lab} threshold={t}").trim().to_string();
+    }
+    Ok(Cell {
+        index: cells.len(),
+        id,
+        stage: stage.name.clone(),
+        kind: stage.kind,
+        label: lab,
+        assignment: shown,
+        settings,
+        depends_on: dep.map(|d| d.id),
+        reads: read,
+        match_usage: stage.match_usage,
+        threshold,
+        config,
+    })
 }
 
 pub(super) fn label(a: &BTreeMap<String, toml::Value>) -> String {

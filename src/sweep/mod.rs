@@ -59,20 +59,20 @@
 //! (written atomically), so re-running a sweep skips finished cells, resumes interrupted ones
 //! and reruns failed ones only with `--retry-failed`.
 
+mod figure;
+mod figures;
 #[cfg(test)]
 mod fixture;
 mod grid;
 pub(crate) mod pareto;
-mod figure;
-mod figures;
 mod rows;
 mod runner;
 mod slurm;
 pub(crate) mod tables;
 
-pub use grid::{expand, read_grid, Cell, Grid};
 pub(crate) use figure::{Figure, Panel, Series, XAxis};
 pub(crate) use figures::write_all;
 pub(crate) use grid::StageKind;
+pub use grid::{expand, read_grid, Cell, Grid};
 pub(crate) use runner::{failed_cells, read_status, run, SweepArgs};
 pub(crate) use slurm::emit_slurm;

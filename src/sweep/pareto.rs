@@ -4,16 +4,16 @@
 //! accuracy against it. `pareto.csv` and the `pareto*` figures are drawn from the same rows
 //! and fronts defined here.
 
+use super::rows::{name_of, Row};
+use crate::config::AttentionConfig;
 use crate::config::{Method, Router};
 use crate::model::attention::spec;
+use crate::run::eval::PrecisionRecall;
+use crate::run::eval::Timing;
 use crate::sweep::StageKind;
-use super::rows::{name_of, Row};
 use anyhow::Result;
 use polars::prelude::*;
 use std::collections::BTreeMap;
-use crate::config::AttentionConfig;
-use crate::run::eval::PrecisionRecall;
-use crate::run::eval::Timing;
 
 /// A cost the methods are compared on; lower is cheaper.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -203,7 +203,9 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             variant: (spec(a.method).variant)(a),
             setting: match a.method {
                 Method::Aha => "AHA".into(),
-                Method::StaticHeads => top_k_name(a, heads, ev.report.gates.as_ref().map(|g| g.mu_f)),
+                Method::StaticHeads => {
+                    top_k_name(a, heads, ev.report.gates.as_ref().map(|g| g.mu_f))
+                }
                 Method::Swa if c.kind == StageKind::Train => "all heads window".into(),
                 _ => String::new(),
             },

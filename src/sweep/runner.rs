@@ -4,7 +4,9 @@
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
 use crate::data::{self, corpus};
+use crate::run::eval;
 use crate::util::atomic;
+use crate::util::fault;
 use anyhow::{ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -15,8 +17,6 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
-use crate::run::eval;
-use crate::util::fault;
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]

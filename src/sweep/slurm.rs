@@ -8,7 +8,12 @@ use std::path::{Path, PathBuf};
 /// Writes a Slurm job array per stage (one array task per cell, each running
 /// `attnsweep sweep --grid G --cell K`) and `submit.sh`, which submits them in stage order,
 /// each stage waiting for the previous one.
-pub(crate) fn emit_slurm(grid_path: &Path, grid: &Grid, cells: &[Cell], out: &Path) -> Result<PathBuf> {
+pub(crate) fn emit_slurm(
+    grid_path: &Path,
+    grid: &Grid,
+    cells: &[Cell],
+    out: &Path,
+) -> Result<PathBuf> {
     let dir = out.join("slurm");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let exe = std::env::current_exe()?;

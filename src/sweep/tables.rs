@@ -516,8 +516,8 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
 
 #[cfg(test)]
 mod tests {
-    use crate::sweep::fixture::{csv, sweep_dir};
     use super::*;
+    use crate::sweep::fixture::{csv, sweep_dir};
 
     #[test]
     fn pareto_table_compares_one_budget_on_every_cost() {

@@ -2,9 +2,9 @@
 //! name and renamed into place, so a reader sees either the old complete file or the new
 //! complete file, never a half-written one.
 
+use crate::util::fault;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
-use crate::util::fault;
 
 /// A temporary sibling of `path`, unique to this process, keeping the extension (the
 /// safetensors writer picks its format by extension).

@@ -7,8 +7,9 @@
 //! the router's gradient reads the other path only where it needs it.
 
 use super::base::{
-    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, AttnOutput, Base, BenchKnobs,
-    BenchVariant, Build, Chunk, Exec, Gates, MethodSpec, Regulariser, Route, KERNEL_FAILED,
+    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, AttnOutput, Base,
+    BenchKnobs, BenchVariant, Build, Chunk, Exec, Gates, MethodSpec, Regulariser, Route,
+    KERNEL_FAILED,
 };
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
@@ -102,7 +103,9 @@ impl PerHead {
         ) = (layer.exec(keys), gates, &ctx.gate_override)
         {
             let input = router_input(norm, x);
-            return self.per_head_fused(layer, kern, &input, q, k, v, router, *tau, *lambda, start, ctx);
+            return self.per_head_fused(
+                layer, kern, &input, q, k, v, router, *tau, *lambda, start, ctx,
+            );
         }
         let g = gates.gates(layer.layer, x, [b, l, h], start, ctx);
         let learned = matches!(gates, GateSource::Learned { .. });
@@ -251,7 +254,6 @@ impl PerHead {
         }
     }
 }
-
 
 /// The columns of `head_ranking.csv`, which evaluation writes of a routed model and static
 /// heads read: heads by descending usage.

@@ -4,8 +4,8 @@
 //! runs one, and each method's facts.
 
 use super::base::{
-    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchVariant, Build, Gates,
-    MethodSpec, Route,
+    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchVariant, Build,
+    Gates, MethodSpec, Route,
 };
 use super::patterns::KeyPattern;
 use super::shared::Static;

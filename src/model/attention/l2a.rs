@@ -8,8 +8,8 @@
 //! the window (`attention.pruned_layers`, `attnsweep prune`).
 
 use super::base::{
-    no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant, Build, Chunk, Exec, Gates,
-    MethodSpec, Projections, Regulariser, Route,
+    no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant,
+    Build, Chunk, Exec, Gates, MethodSpec, Projections, Regulariser, Route,
 };
 use super::ctx::ForwardCtx;
 use super::gates::GateSource;

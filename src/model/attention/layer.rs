@@ -73,7 +73,13 @@ impl SelfAttention {
 
     /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
     /// `keys.start() ..`; `rope` covers those positions. The method's file computes the rest.
-    pub(crate) fn forward(&self, x: &Tensor, rope: &Rope, keys: &Keys, ctx: &ForwardCtx) -> AttnOutput {
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> AttnOutput {
         let l = x.size()[1];
         let start = keys.start();
         let (q, k, v) = self.base.proj.qkv(x, rope, self.base.kernels);

@@ -48,7 +48,6 @@ impl Route for Static {
             _ => None,
         }
     }
-
 }
 
 /// The routed kernels' per-query paths `[B, H, L]` (uint8) from bool masks: the whole prefix

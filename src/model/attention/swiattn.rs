@@ -7,8 +7,8 @@
 //! branches' disagreement.
 
 use super::base::{
-    never_forced, no_fixed_heads, AttnOutput, Base, BenchVariant, Build, Chunk, Gates,
-    MethodSpec, Regulariser, Route,
+    never_forced, no_fixed_heads, AttnOutput, Base, BenchVariant, Build, Chunk, Gates, MethodSpec,
+    Regulariser, Route,
 };
 use super::ctx::ForwardCtx;
 use super::gates::GateSource;
@@ -124,7 +124,15 @@ impl Switch {
         let g = gates.gates(layer.layer, x, [b, l, 1], start, ctx);
         // The router's gradient and the regulariser's disagreement read both paths.
         let learned = matches!(gates, GateSource::Learned { .. });
-        let (full, local) = branches(layer, q, k, v, &g.hard.expand([b, l, h], false), keys, learned);
+        let (full, local) = branches(
+            layer,
+            q,
+            k,
+            v,
+            &g.hard.expand([b, l, h], false),
+            keys,
+            learned,
+        );
         let full = layer.proj.out(&full, layer.kernels);
         let local = match swa_o_proj {
             Some(o) => o.forward(&layer.proj.merge(&local, layer.kernels)),
@@ -155,7 +163,7 @@ impl Switch {
 
 /// SwiAttn's regulariser variant by its Table 4 name.
 pub(crate) fn variant(a: &AttentionConfig) -> String {
-        if !a.swiattn_adaptive {
+    if !a.swiattn_adaptive {
         return "V1 (no adaptive weight)".into();
     }
     if !a.swiattn_nll {

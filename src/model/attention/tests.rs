@@ -243,12 +243,12 @@ fn attention_matches_explicit_softmax_with_gqa() {
 // ---- routed methods -------------------------------------------------------------
 
 use crate::config::Config;
-use crate::model::ForwardOutput;
-use crate::model::nn::token_nll;
-use crate::run::Built;
-use crate::model::Llama;
 use crate::model::kernels::tests;
 use crate::model::nn::inv_freq;
+use crate::model::nn::token_nll;
+use crate::model::ForwardOutput;
+use crate::model::Llama;
+use crate::run::Built;
 
 fn routed_cfg(method: Method, f: impl FnOnce(&mut Config)) -> Config {
     let mut c = Config::default();
@@ -589,13 +589,7 @@ fn router_gradient_is_the_ste_gradient() {
         b.model = {
             // Rebuild the model view over the fp64 parameters with fp64 compute.
             let mut vs = nn::VarStore::new(Device::Cpu);
-            let m = Llama::new(
-                &vs.root(),
-                &cfg.model,
-                &cfg.attention,
-                Kind::Double,
-            )
-            .unwrap();
+            let m = Llama::new(&vs.root(), &cfg.model, &cfg.attention, Kind::Double).unwrap();
             vs.double();
             vs.copy(&b.vs).unwrap();
             b.vs = vs;
@@ -792,12 +786,7 @@ fn post_norm_routers_read_a_normalised_hidden_state() {
         }
         randomise_routers(&b, 1.0);
         let x = Tensor::randn([1, 6, 16], (Kind::Float, Device::Cpu));
-        let rope = Rope::new(
-            6,
-            &inv_freq(&cfg.model),
-            Kind::Float,
-            Device::Cpu,
-        );
+        let rope = Rope::new(6, &inv_freq(&cfg.model), Kind::Float, Device::Cpu);
         let masks = MaskCache::new(6, Device::Cpu);
         let scores = |x: &Tensor| {
             b.model.layers[0]

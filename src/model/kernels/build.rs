@@ -4,18 +4,24 @@
 //! finished builds, keyed by a hash of the sources, the interface version, the torch and the
 //! GPU architecture.
 
+use crate::util::progress::Progress;
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use crate::util::progress::Progress;
 
 const SOURCES: [(&str, &str); 18] = [
-    ("attention.cu", include_str!("../../../kernels/attention.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+    ),
     (
         "attention_sm90.cu",
         include_str!("../../../kernels/attention_sm90.cu"),
     ),
-    ("attention.cuh", include_str!("../../../kernels/attention.cuh")),
+    (
+        "attention.cuh",
+        include_str!("../../../kernels/attention.cuh"),
+    ),
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("loss.cu", include_str!("../../../kernels/loss.cu")),
     ("loss.cuh", include_str!("../../../kernels/loss.cuh")),
@@ -308,12 +314,7 @@ fn compile_in_parallel(units: Vec<(&str, Command)>, quiet: bool) -> Result<()> {
     let queue = std::sync::Mutex::new(units);
     let (done, finished) = std::sync::mpsc::channel();
     let start = std::time::Instant::now();
-    let mut progress = Progress::new(
-        n as u64,
-        "units compiled",
-        quiet,
-        std::time::Duration::ZERO,
-    );
+    let mut progress = Progress::new(n as u64, "units compiled", quiet, std::time::Duration::ZERO);
     let mut first_error = None;
     std::thread::scope(|s| {
         for _ in 0..workers {

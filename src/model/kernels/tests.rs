@@ -4,11 +4,11 @@
 use super::build::{newest_build, LIB};
 use super::*;
 use crate::model::attention::{attend, KeyPattern};
-use std::process::Command;
 use crate::model::nn;
 use crate::model::nn::Rope;
 use crate::util;
 use crate::util::rng::Rng;
+use std::process::Command;
 
 /// Reference for one case: dense attention with the window mask, then the rows of the
 /// query list (zeros for inactive rows), in fp32 from the same (rounded) inputs.
