@@ -337,3 +337,55 @@ impl AttentionConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use toml::Value;
+
+    /// `canonical` knows every setting: a full-attention config (which reads none of them)
+    /// with every setting but `method` and `attn_impl` changed comes back as the defaults.
+    #[test]
+    fn canonical_resets_every_setting_a_method_does_not_read() {
+        let defaults = toml::Table::try_from(AttentionConfig::default()).unwrap();
+        let mut changed = defaults.clone();
+        for (k, v) in changed.iter_mut() {
+            if k == "method" || k == "attn_impl" {
+                continue;
+            }
+            *v = match (k.as_str(), v.clone()) {
+                (_, Value::Integer(i)) => Value::Integer(i + 1),
+                (_, Value::Float(f)) => Value::Float(f + 0.125),
+                (_, Value::Boolean(b)) => Value::Boolean(!b),
+                ("router", _) => Value::String("bernoulli".into()),
+                ("swiattn_disagreement", _) => Value::String("sum".into()),
+                (_, Value::String(s)) => Value::String(s + "x"),
+                (_, Value::Array(_)) => Value::Array(vec![Value::Integer(1)]),
+                (k, other) => panic!("{k} = {other}: give this test a changed value of its type"),
+            };
+        }
+        let a: AttentionConfig = Value::Table(changed.clone()).try_into().unwrap();
+        let back = toml::Table::try_from(&a).unwrap();
+        for (k, v) in &back {
+            if k != "method" && k != "attn_impl" {
+                assert_ne!(Some(v), defaults.get(k), "{k} was not changed");
+            }
+        }
+        assert_eq!(a.canonical(), AttentionConfig::default());
+    }
+
+    /// `Method::ALL` lists each method once, as the config names them.
+    #[test]
+    fn every_method_is_listed_once() {
+        let names: Vec<String> = Method::ALL
+            .iter()
+            .map(|m| Value::try_from(m).unwrap().as_str().unwrap().to_string())
+            .collect();
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        for name in &names {
+            let m: Method = Value::String(name.clone()).try_into().unwrap();
+            assert!(Method::ALL.contains(&m));
+        }
+    }
+}

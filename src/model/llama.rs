@@ -541,15 +541,11 @@ mod tests {
             tch::Cuda::is_available(),
             "gpu_forward_matches_cpu needs a CUDA device"
         );
-        for method in [
-            Method::Full,
-            Method::Swa,
-            Method::Ppa,
-            Method::StaticHybrid,
-            Method::Aha,
-            Method::L2a,
-            Method::Swiattn,
-        ] {
+        // Every method but static heads, which reads a ranking file.
+        for method in Method::ALL
+            .into_iter()
+            .filter(|&m| m != Method::StaticHeads)
+        {
             tch::manual_seed(3);
             let attn = AttentionConfig {
                 method,

@@ -27,3 +27,30 @@ pub(crate) fn spec(m: Method) -> &'static MethodSpec {
 pub(crate) fn all() -> impl Iterator<Item = &'static MethodSpec> {
     Method::ALL.into_iter().map(spec)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Each method's spec is its own, and the names tables, figures and the bench use are
+    /// each given once.
+    #[test]
+    fn every_method_has_its_own_spec() {
+        for m in Method::ALL {
+            assert_eq!(spec(m).method, m);
+        }
+        let labels: BTreeSet<&str> = all().map(|s| s.label).collect();
+        assert_eq!(labels.len(), Method::ALL.len());
+        let bench: Vec<&str> = all().flat_map(|s| s.bench.iter().map(|b| b.name)).collect();
+        assert_eq!(bench.iter().collect::<BTreeSet<_>>().len(), bench.len());
+        // A method reads its window exactly when its spec says so.
+        for s in all() {
+            let a = crate::config::AttentionConfig {
+                method: s.method,
+                ..Default::default()
+            };
+            assert_eq!(a.reads().contains(&"window"), s.windowed, "{:?}", s.method);
+        }
+    }
+}
