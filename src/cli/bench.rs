@@ -5,7 +5,7 @@
 
 use crate::config::{AttnImpl, Config, Dtype, Method};
 use crate::model::attention::{
-    methods, routed_paths, BenchKnobs, BenchVariant, ForwardCtx, KeyPattern,
+    all_methods, routed_paths, BenchKnobs, BenchVariant, ForwardCtx, KeyPattern,
 };
 use crate::model::kernels::{Kernels, PpaOffsets};
 use crate::run::train::{forward_loss, AdamW};
@@ -824,7 +824,7 @@ pub(crate) struct TrainMethod {
 impl TrainMethod {
     /// Every variant the registry lists, in its order.
     pub(crate) fn all() -> impl Iterator<Item = TrainMethod> {
-        methods().flat_map(|s| {
+        all_methods().flat_map(|s| {
             s.bench.iter().map(|variant| TrainMethod {
                 method: s.method,
                 variant,

@@ -4,7 +4,7 @@
 use super::base::{AttnOutput, Base, Build, Chunk, Projections, Route};
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
-use super::registry::spec;
+use super::methods::spec;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::model::kernels::Kernels;
 use crate::model::nn::Rope;

@@ -8,11 +8,7 @@
 //! | `gates.rs` | routers, thresholds, context-free gates, the straight-through estimator |
 //! | `base.rs` | what every method builds on: projections, the chunk, where a call runs (`Base::exec`), the `Route` a method implements, its `MethodSpec` |
 //! | `shared.rs` | what several methods share: a layer of one fixed pattern, the routed kernels' paths |
-//! | `fixed.rs` | full, SWA, PPA, StaticHybrid: one fixed pattern per layer |
-//! | `aha.rs` | AHA (and static top-k heads): full or window per token and head |
-//! | `l2a.rs` | L2A: a window, and a global module for routed tokens |
-//! | `swiattn.rs` | SwiAttn: a full or a window branch per token, its adaptive regulariser |
-//! | `registry.rs` | every method's `MethodSpec` |
+//! | `methods/` | one file per method (`fixed.rs`: full, SWA, PPA, StaticHybrid; `aha.rs`: AHA and static heads; `l2a.rs`; `swiattn.rs`), each with its `MethodSpec`, and the registry of them (`methods/mod.rs`) |
 //! | `layer.rs` | `SelfAttention`: the base projections and the method's part, built from its spec |
 //!
 //! Each file imports only those above it in this table; method files never import each other.
@@ -21,29 +17,24 @@
 //! the same function on each, and the kernels only skip work whose result is multiplied by a
 //! hard zero.
 
-mod aha;
 mod base;
 mod cache;
 mod ctx;
-mod fixed;
 mod gates;
-mod l2a;
 mod layer;
+mod methods;
 mod patterns;
-mod registry;
 mod shared;
-mod swiattn;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use aha::{top_k_name, HEAD_RANKING_COLUMNS};
 pub(crate) use base::{projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates};
 pub(crate) use cache::{Keys, LayerCache};
 pub use ctx::ForwardCtx;
 pub(crate) use ctx::GateOverride;
 pub(crate) use layer::SelfAttention;
+pub(crate) use methods::{all as all_methods, spec, top_k_name, HEAD_RANKING_COLUMNS};
 pub(crate) use patterns::{KeyPattern, MaskCache};
-pub(crate) use registry::{all as methods, spec};
 pub(crate) use shared::routed_paths;
 // What the kernels' tests compare with: the reference attention, gates and pair counts.
 #[cfg(test)]

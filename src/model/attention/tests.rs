@@ -1,9 +1,8 @@
 //! Tests of every method's attention against independent computations.
 
-use super::fixed::hybrid_pattern;
 use super::gates::hash_uniform;
+use super::methods::{hybrid_pattern, SwiAttnReg};
 use super::patterns::is_power_offset;
-use super::swiattn::SwiAttnReg;
 use super::*;
 use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, Reduction, Router};
 use crate::model::nn::Rope;

@@ -1,13 +1,29 @@
-//! Every method's facts (`MethodSpec`), one entry per method, each stated in the method's own
-//! file beside its maths. A new method adds its file, its arm here, its settings
-//! (`config/attention.rs`) and its tests.
+//! The methods, one file each, and their registry: every method's facts (`MethodSpec`), each
+//! stated in the method's own file beside its maths. A new method adds its file, its line
+//! and arm here, and its settings (`config/attention.rs`); its tests go in its file.
+//!
+//! | file | methods |
+//! |---|---|
+//! | `fixed.rs` | full, SWA, PPA, StaticHybrid: one fixed pattern per layer |
+//! | `aha.rs` | AHA (and static top-k heads): full or window per token and head |
+//! | `l2a.rs` | L2A: a window, and a global module for routed tokens |
+//! | `swiattn.rs` | SwiAttn: a full or a window branch per token, its adaptive regulariser |
 
-use super::aha::{AHA, STATIC_HEADS};
-use super::base::MethodSpec;
-use super::fixed::{FULL, PPA, STATIC_HYBRID, SWA};
-use super::l2a::L2A;
-use super::swiattn::SWIATTN;
+mod aha;
+mod fixed;
+mod l2a;
+mod swiattn;
+
+pub(crate) use aha::{top_k_name, HEAD_RANKING_COLUMNS};
+#[cfg(test)]
+pub(super) use {fixed::hybrid_pattern, swiattn::SwiAttnReg};
+
 use crate::config::Method;
+use crate::model::attention::base::MethodSpec;
+use aha::{AHA, STATIC_HEADS};
+use fixed::{FULL, PPA, STATIC_HYBRID, SWA};
+use l2a::L2A;
+use swiattn::SWIATTN;
 
 /// The facts of method `m`.
 pub(crate) fn spec(m: Method) -> &'static MethodSpec {

@@ -6,14 +6,14 @@
 //! `gamma * softplus(r_t)` with `gamma = gamma_base / (eps + NLL_t + alpha * D_t)`, `D_t` the
 //! branches' disagreement.
 
-use super::base::{
+use crate::config::{AttentionConfig, Method, ModelConfig, Reduction};
+use crate::model::attention::base::{
     never_forced, no_fixed_heads, AttnOutput, Base, BenchVariant, Build, Chunk, Gates, MethodSpec,
     Regulariser, Route,
 };
-use super::ctx::ForwardCtx;
-use super::gates::GateSource;
-use super::shared::{branches, routed_pairs};
-use crate::config::{AttentionConfig, Method, ModelConfig, Reduction};
+use crate::model::attention::ctx::ForwardCtx;
+use crate::model::attention::gates::GateSource;
+use crate::model::attention::shared::{branches, routed_pairs};
 use crate::model::nn::Linear;
 use tch::{Kind, Tensor};
 
@@ -85,7 +85,7 @@ pub(crate) struct SwiAttnReg {
 impl SwiAttnReg {
     /// The branches' disagreement per token, `[B, T]` in fp32: the mean (the paper's MSE) or
     /// the sum (the squared norm) over the hidden dimension of `(full - local)^2`.
-    pub(super) fn disagreement(&self, full: &Tensor, local: &Tensor) -> Tensor {
+    fn disagreement(&self, full: &Tensor, local: &Tensor) -> Tensor {
         let sq = (full - local).to_kind(Kind::Float).square();
         match self.disagreement {
             Reduction::Mean => sq.mean_dim(-1, false, Kind::Float),
@@ -96,7 +96,7 @@ impl SwiAttnReg {
     /// The layer's term `mean(gamma * softplus(r))` for router logits `r` and the branches'
     /// disagreement, `[B, T]` both, and the per-token language-model loss `nll: [B, T]`;
     /// gamma is a weight, not a path for gradients.
-    pub(super) fn term(&self, logits: &Tensor, disagreement: &Tensor, nll: &Tensor) -> Tensor {
+    pub(in crate::model::attention) fn term(&self, logits: &Tensor, disagreement: &Tensor, nll: &Tensor) -> Tensor {
         let gamma = if self.adaptive {
             let nll = if self.nll {
                 nll.detach().to_kind(Kind::Float)

@@ -3,13 +3,13 @@
 //! others the window). Which keys each pattern sees is `patterns.rs`; here is the layer that
 //! runs one, and each method's facts.
 
-use super::base::{
+use crate::config::{AttentionConfig, Method};
+use crate::model::attention::base::{
     never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchVariant, Build,
     Gates, MethodSpec, Route,
 };
-use super::patterns::KeyPattern;
-use super::shared::Static;
-use crate::config::{AttentionConfig, Method};
+use crate::model::attention::patterns::KeyPattern;
+use crate::model::attention::shared::Static;
 
 /// The pattern of StaticHybrid's layer `layer`: every `hybrid_every`-th layer (the last of each
 /// group) full, the others the window.

@@ -7,15 +7,15 @@
 //! for every token, so the router gets a gradient on tokens it masked. Pruned layers keep only
 //! the window (`attention.pruned_layers`, `attnsweep prune`).
 
-use super::base::{
+use crate::config::{AttentionConfig, Method, Router};
+use crate::model::attention::base::{
     no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant,
     Build, Chunk, Exec, Gates, MethodSpec, Projections, Regulariser, Route,
 };
-use super::ctx::ForwardCtx;
-use super::gates::GateSource;
-use super::patterns::KeyPattern;
-use super::shared::{full_rows, Static};
-use crate::config::{AttentionConfig, Method, Router};
+use crate::model::attention::ctx::ForwardCtx;
+use crate::model::attention::gates::GateSource;
+use crate::model::attention::patterns::KeyPattern;
+use crate::model::attention::shared::{full_rows, Static};
 use tch::{Kind, Tensor};
 
 /// L2A's layer: the window, and the global module for routed tokens.

@@ -6,16 +6,16 @@
 //! per-head gate. On the kernels each query runs only the path it picked (one routed launch);
 //! the router's gradient reads the other path only where it needs it.
 
-use super::base::{
+use crate::config::{AttentionConfig, Method, ModelConfig};
+use crate::model::attention::base::{
     never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, AttnOutput, Base,
     BenchKnobs, BenchVariant, Build, Chunk, Exec, Gates, MethodSpec, Regulariser, Route,
     KERNEL_FAILED,
 };
-use super::cache::Keys;
-use super::ctx::ForwardCtx;
-use super::gates::{hash_uniform, router_input, GateSource};
-use super::shared::{branches, query_paths, routed_attention, routed_pairs};
-use crate::config::{AttentionConfig, Method, ModelConfig};
+use crate::model::attention::cache::Keys;
+use crate::model::attention::ctx::ForwardCtx;
+use crate::model::attention::gates::{hash_uniform, router_input, GateSource};
+use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
 use crate::model::kernels::Kernels;
 use crate::model::nn::Linear;
 use anyhow::{bail, ensure, Context, Result};
