@@ -17,6 +17,7 @@ use crate::run::convert::OutDtype;
 use crate::run::eval;
 use crate::run::memory;
 use crate::run::prune;
+use crate::run::report;
 use crate::run::tasks;
 use crate::run::tasks::RunOptions;
 use crate::run::train::{self, TrainArgs};
@@ -749,7 +750,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     let mut report = eval::evaluate(&built.model, &split, cfg, &c.split, run.device, !c.quiet)?;
     report.checkpoint_step = run.step;
     report.timing = eval::timing_of(&built.model, &split, cfg, run.device);
-    eval::write_report(&out, &report, cfg)?;
+    report::write_report(&out, &report, cfg)?;
     if !c.quiet {
         println!(
             "{} loss {:.4}  ppl {:.3}  bits/token {:.4}  (unigram entropy {:.4})  attended pairs / full causal {:.4}  ({} tokens of {}-token sequences) -> {}",

@@ -6,6 +6,7 @@ pub mod convert;
 pub(crate) mod eval;
 pub(crate) mod memory;
 pub(crate) mod prune;
+pub(crate) mod report;
 pub mod tasks;
 pub(crate) mod train;
 

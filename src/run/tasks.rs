@@ -12,6 +12,7 @@ use crate::model::attention::ForwardCtx;
 use crate::model::{ForwardOutput, Llama};
 use crate::run::eval;
 use crate::run::memory;
+use crate::run::report;
 use crate::util::atomic;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
@@ -962,7 +963,7 @@ fn write_probe_head_usage(path: &Path, by_task: &BTreeMap<Task, HeadGates>) -> R
         }
     }
     let header = ["task", "layer", "head", "mu_f"].map(String::from);
-    eval::write_csv(path, &header, &rows)
+    report::write_csv(path, &header, &rows)
 }
 
 /// `niah.csv`: per (depth, length), RULER's accuracy (recall of the answers) and the mean

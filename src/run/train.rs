@@ -16,6 +16,7 @@ use crate::model::nn::token_nll;
 use crate::model::Llama;
 use crate::run::eval;
 use crate::run::memory;
+use crate::run::report;
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
 use crate::util::fault;
@@ -786,7 +787,7 @@ impl<'a> Trainer<'a> {
                 &["step", "val_loss"],
                 &[self.state.step.to_string(), format!("{:.6}", r.loss)],
             )?;
-            eval::write_report(&args.out.join("eval"), &r, cfg)?;
+            report::write_report(&args.out.join("eval"), &r, cfg)?;
             if !args.quiet {
                 eprintln!(
                     "done: {} steps, val loss {:.4} (ppl {:.2}), results in {}",

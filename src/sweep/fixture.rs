@@ -2,11 +2,11 @@
 //! figures.
 
 use crate::config::{Config, Method};
-use crate::run::eval::Timing;
-use crate::run::eval::{
+use crate::run::prune::PruneReport;
+use crate::run::report::Timing;
+use crate::run::report::{
     AttentionWork, Bucket, EvalFile, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
 };
-use crate::run::prune::PruneReport;
 use crate::sweep::{Cell, StageKind};
 use std::path::{Path, PathBuf};
 

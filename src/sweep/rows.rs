@@ -5,8 +5,8 @@ use super::grid::{Cell, StageKind};
 use super::runner::{read_status, State};
 use crate::config::{AttentionConfig, Method, Reduction, Router};
 use crate::model::attention::{spec, top_k_name};
-use crate::run::eval::{self, Bucket, EvalReport, GateReport};
 use crate::run::prune::PruneReport;
+use crate::run::report::{self, Bucket, EvalReport, GateReport};
 use crate::util::stats::median;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -167,7 +167,7 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
         if read_status(&dir).is_none_or(|s| s.state != State::Done) {
             continue;
         }
-        let Some(ev) = eval::read_report(&dir.join("eval"))? else {
+        let Some(ev) = report::read_report(&dir.join("eval"))? else {
             continue;
         };
         let a = &c.config.attention;

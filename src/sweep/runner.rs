@@ -4,7 +4,7 @@
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
 use crate::data::{self, corpus};
-use crate::run::eval;
+use crate::run::report;
 use crate::util::atomic;
 use crate::util::fault;
 use anyhow::{ensure, Context, Result};
@@ -42,7 +42,7 @@ pub(crate) fn read_status(cell_dir: &Path) -> Option<Status> {
 /// The full-attention usage (mu_f) a finished routed cell's evaluation measured.
 fn usage_of(cell_dir: &Path) -> Result<f64> {
     let eval = cell_dir.join("eval");
-    let report = eval::read_report(&eval)?
+    let report = report::read_report(&eval)?
         .with_context(|| format!("{} holds no evaluation to match usage with", eval.display()))?;
     report.report.gates.map(|g| g.mu_f).with_context(|| {
         format!(

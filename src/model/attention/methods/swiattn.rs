@@ -96,7 +96,12 @@ impl SwiAttnReg {
     /// The layer's term `mean(gamma * softplus(r))` for router logits `r` and the branches'
     /// disagreement, `[B, T]` both, and the per-token language-model loss `nll: [B, T]`;
     /// gamma is a weight, not a path for gradients.
-    pub(in crate::model::attention) fn term(&self, logits: &Tensor, disagreement: &Tensor, nll: &Tensor) -> Tensor {
+    pub(in crate::model::attention) fn term(
+        &self,
+        logits: &Tensor,
+        disagreement: &Tensor,
+        nll: &Tensor,
+    ) -> Tensor {
         let gamma = if self.adaptive {
             let nll = if self.nll {
                 nll.detach().to_kind(Kind::Float)
