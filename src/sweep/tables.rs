@@ -449,7 +449,7 @@ fn write_or_remove(path: &Path, df: Option<DataFrame>, written: &mut Vec<PathBuf
 
 /// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
 /// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
-/// usage and the distribution of its gaps between full-path calls (`eval::GapStats`), heads by
+/// usage and the distribution of its gaps between full-path calls (`report::GapStats`), heads by
 /// usage within a cell. None when the sweep has no AHA cell.
 fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();

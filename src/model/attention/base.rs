@@ -312,7 +312,7 @@ pub(crate) enum Gates {
     PerToken,
 }
 
-/// A method's facts, stated once beside its maths; the registry (`registry.rs`) lists every
+/// A method's facts, stated once beside its maths; the registry (`methods/mod.rs`) lists every
 /// method's, and memory estimates, tables, figures, training and the benches read them there.
 pub(crate) struct MethodSpec {
     pub(crate) method: Method,
