@@ -25,6 +25,7 @@ use crate::run::LoadedRun;
 use crate::sweep;
 use crate::sweep::tables;
 use crate::util::flags::finite_flag;
+use crate::util::progress::DEFAULT_STATUS_EVERY;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -104,7 +105,7 @@ struct SweepCmd {
     quiet: bool,
     /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
     /// (cells done, failed and left; the running cells' steps).
-    #[arg(long, value_name = "SECONDS", default_value_t = crate::util::progress::DEFAULT_STATUS_EVERY)]
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STATUS_EVERY)]
     status_every: u64,
 }
 
@@ -336,7 +337,7 @@ struct TrainCmd {
     quiet: bool,
     /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
     /// (step, loss, tokens/s, ETA).
-    #[arg(long, value_name = "SECONDS", default_value_t = crate::util::progress::DEFAULT_STATUS_EVERY)]
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STATUS_EVERY)]
     status_every: u64,
 }
 
