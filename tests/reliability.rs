@@ -491,6 +491,23 @@ fn a_full_disk_fails_clearly_corrupts_nothing_and_resume_recovers() {
     for ((na, a), (_, b)) in final_weights(&reference).iter().zip(&final_weights(&run)) {
         assert!(a.equal(b), "{na} differs after failed writes");
     }
+    // A sweep's own writes (its data lock, a cell's directory, lock and state) on a full disk
+    // name the file they failed on too.
+    let g = grid(&dir, &data);
+    let mut named = 0;
+    for n in 1..=6 {
+        let out = dir.join(format!("sweep-{n}"));
+        let o = sweep_cmd(&g, &out)
+            .env("ATTNSWEEP_FAIL_WRITE", n.to_string())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        if err.contains("No space left on device") {
+            assert!(err.contains(&*out.to_string_lossy()), "sweep write {n}: {err}");
+            named += 1;
+        }
+    }
+    assert!(named >= 2, "only {named} of the sweep's writes failed in the sweep itself");
     // An output path that cannot be a directory.
     let file = dir.join("a-file");
     std::fs::write(&file, b"x").unwrap();

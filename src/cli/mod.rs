@@ -24,6 +24,7 @@ use crate::run::train::{self, TrainArgs};
 use crate::run::LoadedRun;
 use crate::sweep;
 use crate::sweep::tables;
+use crate::util::atomic;
 use crate::util::flags::finite_flag;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
 use anyhow::{Context, Result};
@@ -651,7 +652,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         return Ok(());
     }
     if c.emit.is_some() {
-        std::fs::create_dir_all(&out)?;
+        atomic::ensure_writable_dir(&out)?;
         let submit = sweep::emit_slurm(&c.grid, &grid, &cells, &out)?;
         println!("wrote Slurm job arrays; submit with {}", submit.display());
         return Ok(());

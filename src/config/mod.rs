@@ -19,7 +19,7 @@ pub(crate) use overrides::{apply_override, reject_non_finite};
 pub(crate) use train::{parse_device, DeviceSpec};
 pub use train::{DataConfig, Dtype, TrainConfig};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -73,6 +73,7 @@ impl Config {
     /// A config from its TOML tree: every number finite, every key known, every value in range.
     pub(crate) fn from_tree(tree: toml::Table) -> Result<Config> {
         reject_non_finite(&tree, "")?;
+        check_names(&tree)?;
         let cfg: Config = toml::Value::Table(tree).try_into()?;
         cfg.validate()?;
         Ok(cfg)
@@ -193,6 +194,45 @@ impl Config {
     }
 }
 
+/// Refuses a value that is not a string where a setting takes one (a name, a path), naming the
+/// names it takes where it takes only some (`attention.method = 3`: one of full, swa, ...).
+fn check_names(tree: &toml::Table) -> Result<()> {
+    let defaults = toml::Table::try_from(Config::default()).expect("config serialises");
+    for (section, given) in tree {
+        let (Some(given), Some(toml::Value::Table(d))) = (given.as_table(), defaults.get(section))
+        else {
+            continue;
+        };
+        for (key, value) in given {
+            if value.is_str() || !d.get(key).is_some_and(toml::Value::is_str) {
+                continue;
+            }
+            let dotted = format!("{section}.{key}");
+            bail!(match names_of(&dotted) {
+                Some(names) => format!("{dotted} = {value} is not one of {}", names.join(", ")),
+                None => format!("{dotted} = {value} must be a string"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The names the setting `dotted` takes, read off the error a name it does not take gives;
+/// None for a setting that takes any string.
+fn names_of(dotted: &str) -> Option<Vec<String>> {
+    let mut tree = toml::Table::new();
+    apply_override(&mut tree, &format!("{dotted}=\"\u{1}\"")).ok()?;
+    let e = toml::Value::Table(tree).try_into::<Config>().err()?.to_string();
+    let expected = e.split_once("expected")?.1;
+    let names: Vec<String> = expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect();
+    (!names.is_empty()).then_some(names)
+}
+
 /// The settings a resumed run may change (a dotted key, or a whole section): where and how often
 /// it logs, checkpoints and evaluates, and which attention implementation computes the same
 /// function. The others define the run: changed mid-run, its result would match neither
@@ -292,6 +332,9 @@ mod tests {
                 "{set}: {e}"
             );
         }
+        // A finite base too small for the rotary frequencies to stay finite.
+        let e = err_of("", &["model.rope_theta=1e-300"]);
+        assert!(e.contains("model.rope_theta") && e.contains("out of range"), "{e}");
         let e = err_of("[train]\ngrad_clip = nan\n", &[]);
         assert!(e.contains("train.grad_clip") && e.contains("finite"), "{e}");
         let e = err_of(
@@ -325,6 +368,33 @@ mod tests {
             &["train.router_hold_steps=5"],
         );
         assert!(e.contains("learned router only"), "{e}");
+    }
+
+    /// A number too large for any setting is out of range, not "a string"; a setting that
+    /// takes one of some names, given something else, lists them.
+    #[test]
+    fn wrong_values_are_named_as_such() {
+        let e = err_of("", &["attention.window=99999999999999999999"]);
+        assert!(
+            e.contains("attention.window") && e.contains("out of range") && !e.contains("string"),
+            "{e}"
+        );
+        for (set, names) in [
+            ("attention.method=3", "full, swa, ppa"),
+            ("attention.router=[1]", "learned, bernoulli"),
+            ("train.dtype=true", "fp32, bf16"),
+        ] {
+            let e = err_of("", &[set]);
+            let key = set.split('=').next().unwrap();
+            assert!(
+                e.contains(key) && e.contains(&format!("one of {names}")),
+                "{set}: {e}"
+            );
+        }
+        let e = err_of("[attention]\nmethod = 3\n", &[]);
+        assert!(e.contains("attention.method") && e.contains("one of full"), "{e}");
+        let e = err_of("", &["train.device=3"]);
+        assert!(e.contains("train.device") && e.contains("string"), "{e}");
     }
 
     /// Lists of bare words need no quotes, as single bare words need none.

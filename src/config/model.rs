@@ -133,7 +133,9 @@ impl ModelConfig {
                 m.head_dim()
             );
         }
-        check_open_f("model.rope_theta", m.rope_theta, 0.0, 1e12)?;
+        // Below 1 the rotary frequencies theta^(-2i/d) exceed one turn per token and overflow
+        // for tiny bases (1e-300 gives infinities).
+        check("model.rope_theta", m.rope_theta, 1.0, 1e12)?;
         check_open_f("model.rms_norm_eps", m.rms_norm_eps, 0.0, 1.0)?;
         check_open_f("model.initializer_range", m.initializer_range, 0.0, 10.0)?;
         if let Some(r) = &m.rope_scaling {

@@ -58,6 +58,15 @@ pub(crate) fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
         bail!("--set {spec:?}: key must look like section.key (e.g. attention.window)");
     }
     let value = parse_value(raw);
+    // A whole number TOML cannot hold would otherwise come back as a bare string.
+    let digits = raw.trim().trim_start_matches(['+', '-']);
+    if value.is_str() && !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit() || c == '_') {
+        bail!(
+            "--set {spec}: {key} = {} is out of range: no setting takes an integer beyond {}",
+            raw.trim(),
+            i64::MAX
+        );
+    }
     let mut table = tree;
     for p in &parts[..parts.len() - 1] {
         let entry = table

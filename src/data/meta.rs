@@ -6,6 +6,9 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// The layout of a data set this version writes and reads (`Meta::format`).
+pub(crate) const META_FORMAT: u32 = 1;
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Meta {
@@ -187,5 +190,43 @@ pub fn read_meta(dir: &Path) -> Result<Meta> {
     let text = std::fs::read_to_string(&p).with_context(|| {
         format!("{} is not a prepared data set (no readable meta.json); run `attnsweep data prepare` or `data synth`", dir.display())
     })?;
-    serde_json::from_str(&text).with_context(|| format!("{} is malformed", p.display()))
+    let meta: Meta =
+        serde_json::from_str(&text).with_context(|| format!("{} is malformed", p.display()))?;
+    ensure!(
+        meta.format == META_FORMAT,
+        "{} is a data set of format {}, which this version does not read (it reads format \
+         {META_FORMAT}); prepare the data set again with this version",
+        p.display(),
+        meta.format
+    );
+    Ok(meta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data set of a format this version does not know is refused, naming the format.
+    #[test]
+    fn an_unknown_format_is_refused() {
+        let dir = crate::util::scratch_dir("meta-format");
+        let meta = Meta {
+            format: META_FORMAT,
+            tokenizer: "byte".into(),
+            vocab_size: 257,
+            eot_token: Some(256),
+            train: vec!["train_000000.bin".into()],
+            val: vec!["val_000000.bin".into()],
+            train_tokens: 10,
+            val_tokens: 10,
+            synth: None,
+            probes: None,
+            corpus: None,
+        };
+        write_meta(&dir, &meta).unwrap();
+        assert_eq!(read_meta(&dir).unwrap(), meta);
+        write_meta(&dir, &Meta { format: 7, ..meta }).unwrap();
+        let e = format!("{:#}", read_meta(&dir).unwrap_err());
+        assert!(e.contains("format 7") && e.contains("meta.json"), "{e}");
+    }
 }

@@ -2,7 +2,7 @@
 //! it again a power-law distance later, in a filler language, with every position's
 //! dependency distance recorded beside its token (`SynthSpec` holds the settings).
 
-use super::meta::{prepare_out_dir, write_meta, Meta, SynthSpec};
+use super::meta::{prepare_out_dir, write_meta, Meta, SynthSpec, META_FORMAT};
 use super::shards::{deps_name, write_shard, Width, DEPS_MAGIC, TOKENS_MAGIC};
 use crate::util::rng::Rng;
 use anyhow::Result;
@@ -157,7 +157,7 @@ pub(crate) fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
         names.push(name);
     }
     let meta = Meta {
-        format: 1,
+        format: META_FORMAT,
         tokenizer: "synth".into(),
         vocab_size: spec.vocab_size,
         eot_token: None,

@@ -1,7 +1,7 @@
 //! How text becomes tokens: bytes (256 = end of document) or a Hugging Face
 //! `tokenizer.json`, and the record a text data set keeps of its tokenizer.
 
-use super::meta::{write_meta, CorpusRecord, Meta, ProbeDocs};
+use super::meta::{write_meta, CorpusRecord, Meta, ProbeDocs, META_FORMAT};
 use crate::util::atomic;
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
@@ -133,7 +133,7 @@ pub(crate) fn finish_text_dataset(
         }
     };
     let meta = Meta {
-        format: 1,
+        format: META_FORMAT,
         tokenizer,
         vocab_size: tok.vocab_size(),
         eot_token: tok.eot(),

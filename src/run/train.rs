@@ -449,8 +449,7 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     memory::check_training(cfg, device)?;
     atomic::ensure_writable_dir(out)?;
     // One trainer per run directory; the OS releases the lock when the process dies.
-    let lock = std::fs::File::create(out.join("train.lock"))
-        .with_context(|| format!("cannot create {}", out.join("train.lock").display()))?;
+    let lock = atomic::create_file(&out.join("train.lock"))?;
     ensure!(
         lock.try_lock().is_ok(),
         "another attnsweep process is training into {}",

@@ -153,7 +153,7 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<(
         return Ok(());
     }
     // One runner generates; others wait on the lock and then find the data set.
-    let lock = std::fs::File::create(out.join("data.lock"))?;
+    let lock = atomic::create_file(&out.join("data.lock"))?;
     lock.lock()?;
     if dir.join("meta.json").exists() {
         return Ok(());
@@ -366,7 +366,7 @@ fn run_cell(
 ) -> Result<CellRun> {
     let dir = args.out.join(&cell.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let lock = std::fs::File::create(dir.join("lock"))?;
+    let lock = atomic::create_file(&dir.join("lock"))?;
     if lock.try_lock().is_err() {
         return Ok(CellRun::HeldElsewhere);
     }

@@ -46,10 +46,18 @@ pub(crate) fn ensure_writable_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create output directory {}", dir.display()))?;
     let probe = dir.join(format!(".probe-{}", std::process::id()));
-    std::fs::write(&probe, b"")
+    fault::write_error()
+        .and_then(|()| std::fs::write(&probe, b""))
         .with_context(|| format!("output directory {} is not writable", dir.display()))?;
     std::fs::remove_file(&probe).ok();
     Ok(())
+}
+
+/// Creates (or truncates) the file `path` that a lock or a log lives in, an error naming it.
+pub(crate) fn create_file(path: &Path) -> Result<std::fs::File> {
+    fault::write_error()
+        .and_then(|()| std::fs::File::create(path))
+        .with_context(|| format!("cannot create {}", path.display()))
 }
 
 #[cfg(test)]
