@@ -177,6 +177,9 @@ fn refused(module: &str, name: &str) -> anyhow::Error {
     )
 }
 
+/// The largest pickle (a checkpoint's structure, without its tensors' bytes) read.
+const MAX_PICKLE_BYTES: usize = 256 << 20;
+
 struct TorchSave {
     zip: zip::ZipArchive<std::fs::File>,
     /// The directory inside the archive that holds data.pkl.
@@ -200,27 +203,42 @@ impl TorchSave {
         })
     }
 
-    fn entry(&mut self, name: &str) -> Result<Vec<u8>> {
+    /// The bytes of entry `name`, which may hold at most `declared` (a storage's, from the
+    /// pickle): a compressed entry is inflated no further, so a small file cannot make the
+    /// reader hold gigabytes.
+    fn entry(&mut self, name: &str, declared: usize) -> Result<Vec<u8>> {
         let full = format!("{}{name}", self.prefix);
-        let mut f = self
+        let path = self.path.display().to_string();
+        let f = self
             .zip
             .by_name(&full)
-            .with_context(|| format!("{} lacks {full}", self.path.display()))?;
+            .with_context(|| format!("{path} lacks {full}"))?;
+        let claimed = f.size();
+        ensure!(
+            claimed <= declared as u64,
+            "{path}: entry {full} claims {claimed} bytes, more than the {declared} its pickle \
+             declares; the file is corrupt or crafted"
+        );
         // No capacity from the header's claimed size: the bytes that arrive decide.
         let mut out = Vec::new();
-        f.read_to_end(&mut out)?;
+        f.take(declared as u64 + 1).read_to_end(&mut out)?;
+        ensure!(
+            out.len() <= declared,
+            "{path}: entry {full} holds more than the {declared} bytes its pickle declares; the \
+             file is corrupt or crafted"
+        );
         Ok(out)
     }
 
     fn tensors(mut self) -> Result<Vec<(String, Tensor)>> {
-        if let Ok(order) = self.entry("byteorder") {
+        if let Ok(order) = self.entry("byteorder", 16) {
             ensure!(
                 order == b"little",
                 "{} stores its tensors big-endian, which is not supported",
                 self.path.display()
             );
         }
-        let pickle = self.entry("data.pkl")?;
+        let pickle = self.entry("data.pkl", MAX_PICKLE_BYTES)?;
         let root = Machine::new(&pickle)
             .run()
             .with_context(|| format!("reading {}", self.path.display()))?;
@@ -231,7 +249,10 @@ impl TorchSave {
         let mut out = Vec::new();
         for (name, t) in leaves {
             if !storages.contains_key(&t.key) {
-                let bytes = self.entry(&format!("data/{}", t.key))?;
+                let declared = (t.numel as usize)
+                    .checked_mul(t.kind.elt_size_in_bytes())
+                    .with_context(|| format!("storage {} is too large", t.key))?;
+                let bytes = self.entry(&format!("data/{}", t.key), declared)?;
                 storages.insert(t.key.clone(), bytes);
             }
             let bytes = &storages[&t.key];
@@ -1025,6 +1046,45 @@ mod tests {
             (1, vec![2, 3], vec![1, 2])
         );
         assert_eq!((t.kind, t.numel, t.key.as_str()), (Kind::Float, 7, "0"));
+    }
+
+    /// A deflated storage that inflates far beyond what its pickle declares (a 64 MiB entry
+    /// for a storage of 7 floats) is refused by name after at most the declared bytes and
+    /// one more, however large it claims to be.
+    #[test]
+    fn an_entry_larger_than_its_storage_is_refused() {
+        use std::io::Write;
+        let mut p = vec![0x80, 2];
+        p.extend(b"}(X\x01\x00\x00\x00w");
+        p.extend(b"ctorch._utils\n_rebuild_tensor_v2\n(");
+        p.extend(b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x07tQ");
+        p.extend(b"K\x00K\x07\x85K\x01\x85\x89}tR");
+        p.extend(b"u.");
+        let dir = crate::util::scratch_dir("pickle-bomb");
+        let write = |name: &str, storage: &[u8], deflate: bool| {
+            let path = dir.join(name);
+            let mut z = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+            let stored = zip::write::FileOptions::default()
+                .compression_method(zip::CompressionMethod::Stored);
+            z.start_file("archive/data.pkl", stored).unwrap();
+            z.write_all(&p).unwrap();
+            let method = match deflate {
+                true => zip::CompressionMethod::Deflated,
+                false => zip::CompressionMethod::Stored,
+            };
+            z.start_file("archive/data/0", stored.compression_method(method))
+                .unwrap();
+            z.write_all(storage).unwrap();
+            z.finish().unwrap();
+            path
+        };
+        let fine = write("fine.pt", &[0u8; 28], false);
+        let t = TorchSave::open(&fine).unwrap().tensors().unwrap();
+        assert_eq!(t[0].1.size(), [7]);
+        let bomb = write("bomb.pt", &vec![0u8; 64 << 20], true);
+        assert!(std::fs::metadata(&bomb).unwrap().len() < 1 << 20);
+        let e = format!("{:#}", TorchSave::open(&bomb).unwrap().tensors().unwrap_err());
+        assert!(e.contains("archive/data/0") && e.contains("28"), "{e}");
     }
 
     /// Globals outside the list are refused by name, before anything is called.
