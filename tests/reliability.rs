@@ -503,11 +503,17 @@ fn a_full_disk_fails_clearly_corrupts_nothing_and_resume_recovers() {
             .unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         if err.contains("No space left on device") {
-            assert!(err.contains(&*out.to_string_lossy()), "sweep write {n}: {err}");
+            assert!(
+                err.contains(&*out.to_string_lossy()),
+                "sweep write {n}: {err}"
+            );
             named += 1;
         }
     }
-    assert!(named >= 2, "only {named} of the sweep's writes failed in the sweep itself");
+    assert!(
+        named >= 2,
+        "only {named} of the sweep's writes failed in the sweep itself"
+    );
     // An output path that cannot be a directory.
     let file = dir.join("a-file");
     std::fs::write(&file, b"x").unwrap();

@@ -627,6 +627,7 @@ fn run_prune(c: PruneCmd) -> Result<()> {
 }
 
 fn run_sweep(c: SweepCmd) -> Result<()> {
+    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
     let grid = sweep::read_grid(&c.grid)?;
     let cells = sweep::expand(&grid)?;
     let out = c
@@ -657,7 +658,6 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         println!("wrote Slurm job arrays; submit with {}", submit.display());
         return Ok(());
     }
-    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1");
     let args = sweep::SweepArgs {
         out: out.clone(),
         jobs: c.jobs,

@@ -222,7 +222,10 @@ fn check_names(tree: &toml::Table) -> Result<()> {
 fn names_of(dotted: &str) -> Option<Vec<String>> {
     let mut tree = toml::Table::new();
     apply_override(&mut tree, &format!("{dotted}=\"\u{1}\"")).ok()?;
-    let e = toml::Value::Table(tree).try_into::<Config>().err()?.to_string();
+    let e = toml::Value::Table(tree)
+        .try_into::<Config>()
+        .err()?
+        .to_string();
     let expected = e.split_once("expected")?.1;
     let names: Vec<String> = expected
         .split('`')
@@ -334,7 +337,10 @@ mod tests {
         }
         // A finite base too small for the rotary frequencies to stay finite.
         let e = err_of("", &["model.rope_theta=1e-300"]);
-        assert!(e.contains("model.rope_theta") && e.contains("out of range"), "{e}");
+        assert!(
+            e.contains("model.rope_theta") && e.contains("out of range"),
+            "{e}"
+        );
         let e = err_of("[train]\ngrad_clip = nan\n", &[]);
         assert!(e.contains("train.grad_clip") && e.contains("finite"), "{e}");
         let e = err_of(
@@ -392,7 +398,10 @@ mod tests {
             );
         }
         let e = err_of("[attention]\nmethod = 3\n", &[]);
-        assert!(e.contains("attention.method") && e.contains("one of full"), "{e}");
+        assert!(
+            e.contains("attention.method") && e.contains("one of full"),
+            "{e}"
+        );
         let e = err_of("", &["train.device=3"]);
         assert!(e.contains("train.device") && e.contains("string"), "{e}");
     }

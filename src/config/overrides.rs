@@ -60,7 +60,10 @@ pub(crate) fn apply_override(tree: &mut toml::Table, spec: &str) -> Result<()> {
     let value = parse_value(raw);
     // A whole number TOML cannot hold would otherwise come back as a bare string.
     let digits = raw.trim().trim_start_matches(['+', '-']);
-    if value.is_str() && !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit() || c == '_') {
+    if value.is_str()
+        && !digits.is_empty()
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
+    {
         bail!(
             "--set {spec}: {key} = {} is out of range: no setting takes an integer beyond {}",
             raw.trim(),

@@ -175,7 +175,9 @@ pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
             out.display()
         );
     }
-    atomic::ensure_writable_dir(out)
+    atomic::ensure_writable_dir(out)?;
+    // A writer killed before it finished left its temporary shards.
+    atomic::remove_stale_temporaries(out)
 }
 
 pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<()> {

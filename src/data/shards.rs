@@ -284,7 +284,7 @@ impl Split {
                 );
             }
         }
-        let deps = if meta.synth.is_some() {
+        let deps = if let Some(spec) = &meta.synth {
             let d = names
                 .iter()
                 .map(|n| Shard::open(&dir.join(deps_name(n)), DEPS_MAGIC))
@@ -296,6 +296,18 @@ impl Split {
                     d.len(),
                     t.len()
                 );
+                // A distance is at most the corpus's longest (0 marks none).
+                if let Some((i, v)) = (0..d.len())
+                    .map(|i| (i, d.get(i)))
+                    .find(|(_, v)| *v as usize > spec.max_distance)
+                {
+                    bail!(
+                        "dependency shard of {n}: distance {v} at index {i} is beyond the \
+                         corpus's max_distance = {}; the shard is corrupt: generate the data set \
+                         again (attnsweep data synth)",
+                        spec.max_distance
+                    );
+                }
             }
             Some(d)
         } else {
@@ -435,6 +447,35 @@ mod tests {
         }
         assert!(write_shard(&d.join("x.bin"), TOKENS_MAGIC, Width::U16, &[70000]).is_err());
         assert!(!d.join("x.bin").exists());
+    }
+
+    /// A dependency shard is range-checked as a token shard is: a distance beyond the
+    /// corpus's longest is refused, naming the shard.
+    #[test]
+    fn dependencies_beyond_the_corpus_are_refused() {
+        let d = tmp("deps-range");
+        let spec = SynthSpec {
+            train_tokens: 5000,
+            val_tokens: 1000,
+            max_distance: 32,
+            ..Default::default()
+        };
+        let meta = synth(&spec, &d.join("ds")).unwrap();
+        Split::open(&d.join("ds"), &meta, "train").unwrap();
+        let name = deps_name(&meta.train[0]);
+        write_shard(
+            &d.join("ds").join(&name),
+            DEPS_MAGIC,
+            Width::U32,
+            &[1_000_000; 5000],
+        )
+        .unwrap();
+        let e = format!(
+            "{:#}",
+            Split::open(&d.join("ds"), &meta, "train").err().unwrap()
+        );
+        assert!(e.contains(&name) || e.contains(&meta.train[0]), "{e}");
+        assert!(e.contains("max_distance = 32"), "{e}");
     }
 
     #[test]

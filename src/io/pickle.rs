@@ -1083,7 +1083,10 @@ mod tests {
         assert_eq!(t[0].1.size(), [7]);
         let bomb = write("bomb.pt", &vec![0u8; 64 << 20], true);
         assert!(std::fs::metadata(&bomb).unwrap().len() < 1 << 20);
-        let e = format!("{:#}", TorchSave::open(&bomb).unwrap().tensors().unwrap_err());
+        let e = format!(
+            "{:#}",
+            TorchSave::open(&bomb).unwrap().tensors().unwrap_err()
+        );
         assert!(e.contains("archive/data/0") && e.contains("28"), "{e}");
     }
 

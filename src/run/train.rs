@@ -379,6 +379,7 @@ fn resume_changes(cfg_path: &Path, cfg: &Config) -> Result<Vec<(String, String, 
 pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let prepared = prepare(&mut cfg, args)?;
     let mut t = Trainer::new(&cfg, args, prepared)?;
+    t.record_run()?;
     let last = args
         .stop_at
         .map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
@@ -399,10 +400,14 @@ struct Prepared {
     /// Held for the whole run: the OS releases it when the process dies.
     _lock: std::fs::File,
     init_from: Option<PathBuf>,
+    /// Settings a resumed run changes (`resume_changes`), as (key, was, now).
+    changed: Vec<(String, String, String)>,
 }
 
 /// Checks the run directory, the data and the memory before anything is written, then takes
-/// the directory: its lock, the record of the weights it starts from, and its `config.toml`.
+/// the directory's lock. What records the run (`config.toml`, `init_from.txt`) is written once
+/// its weights are in place (`Trainer::record_run`), so a run that fails before (an
+/// `--init-from` that does not fit) leaves nothing that blocks a second try.
 fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     let out = &args.out;
     let cfg_path = out.join("config.toml");
@@ -455,34 +460,24 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
         "another attnsweep process is training into {}",
         out.display()
     );
-    let init_from = init_record(args)?;
-    if !args.resume || !changed.is_empty() {
-        atomic::write_bytes(&cfg_path, cfg.to_toml().as_bytes())?;
-    }
-    if !args.quiet {
-        for (key, was, now) in &changed {
-            eprintln!("resuming with {key} = {now} (was {was})");
-        }
-    }
     Ok(Prepared {
         device,
         train_split,
         val_split,
         _lock: lock,
-        init_from,
+        init_from: init_source(args)?,
+        changed,
     })
 }
 
-/// The weights a continued-pretraining run starts from, recorded in `init_from.txt` so that a
-/// run resumed before its first checkpoint starts again from the same weights. The path's own
-/// bytes, so a path that is not UTF-8 comes back unchanged.
-fn init_record(args: &TrainArgs) -> Result<Option<PathBuf>> {
+/// The weights a continued-pretraining run starts from: `--init-from`, or on resume what
+/// `init_from.txt` recorded, so that a run resumed before its first checkpoint starts again from
+/// the same weights. The path's own bytes, so a path that is not UTF-8 comes back unchanged.
+fn init_source(args: &TrainArgs) -> Result<Option<PathBuf>> {
     let init_record = args.out.join("init_from.txt");
     Ok(match &args.init_from {
         Some(src) if !args.resume => {
-            let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
-            atomic::write_bytes(&init_record, abs.as_os_str().as_bytes())?;
-            Some(abs)
+            Some(std::fs::canonicalize(src).unwrap_or_else(|_| src.clone()))
         }
         _ if args.resume => std::fs::read(&init_record).ok().map(|mut bytes| {
             // A newline added by an editor is not part of the path.
@@ -645,6 +640,24 @@ impl<'a> Trainer<'a> {
             window_start: Instant::now(),
             window_tokens: 0,
         })
+    }
+
+    /// Records the run once its weights are in place: `init_from.txt` (a fresh continued run)
+    /// and `config.toml` (a fresh run, or a resumed one that changes settings).
+    fn record_run(&self) -> Result<()> {
+        let (args, p) = (self.args, &self.prepared);
+        if let (false, Some(src)) = (args.resume, &p.init_from) {
+            atomic::write_bytes(&args.out.join("init_from.txt"), src.as_os_str().as_bytes())?;
+        }
+        if !args.resume || !p.changed.is_empty() {
+            atomic::write_bytes(&args.out.join("config.toml"), self.cfg.to_toml().as_bytes())?;
+        }
+        if !args.quiet {
+            for (key, was, now) in &p.changed {
+                eprintln!("resuming with {key} = {now} (was {was})");
+            }
+        }
+        Ok(())
     }
 
     /// One optimizer step over `train.grad_accum` micro-batches; refused before the update

@@ -53,6 +53,29 @@ pub(crate) fn ensure_writable_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Removes the temporary files (`temp_sibling`) that writers killed mid-write left in `dir`:
+/// those of processes that no longer run.
+pub(crate) fn remove_stale_temporaries(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(".tmp-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let path = e.path();
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Creates (or truncates) the file `path` that a lock or a log lives in, an error naming it.
 pub(crate) fn create_file(path: &Path) -> Result<std::fs::File> {
     fault::write_error()
@@ -63,6 +86,23 @@ pub(crate) fn create_file(path: &Path) -> Result<std::fs::File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a killed writer left is removed; a running writer's temporary stays.
+    #[test]
+    fn temporaries_of_dead_writers_are_removed() {
+        let dir = crate::util::scratch_dir("stale-temps");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.join(format!(".tmp-{dead}-train_000000.bin"));
+        let live = temp_sibling(&dir.join("val_000000.bin"));
+        let kept = dir.join("train_000000.bin");
+        for p in [&stale, &live, &kept] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        remove_stale_temporaries(&dir).unwrap();
+        assert!(!stale.exists() && live.exists() && kept.exists());
+    }
 
     #[test]
     fn failed_write_keeps_old_file_and_leaves_no_temp() {
