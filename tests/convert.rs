@@ -57,6 +57,7 @@ fn logits(converted: &Path, expected: &Path) -> (Tensor, Tensor) {
         &built.params(),
         &converted.join("model.safetensors"),
         true,
+        attnsweep::io::checkpoint::Precision::AnyFloat,
     )
     .unwrap();
     let want: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(expected)
@@ -155,6 +156,7 @@ fn pytorch_checkpoints_convert_in_process() {
         &built.params(),
         &converted.join("model.safetensors"),
         true,
+        attnsweep::io::checkpoint::Precision::AnyFloat,
     )
     .unwrap();
     let ot = scratch("varstore").with_extension("ot");

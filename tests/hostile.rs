@@ -108,3 +108,124 @@ fn leftovers_and_zero_jobs_block_nothing() {
     let o = train(&run, &sets, &["--init-from", base.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// The final weights of a run and the file they are in.
+fn final_weights(run: &Path) -> (PathBuf, Vec<(String, tch::Tensor)>) {
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    let file = run
+        .join("checkpoints")
+        .join(latest.trim())
+        .join("model.safetensors");
+    let tensors = tch::Tensor::read_safetensors(&file).unwrap();
+    (file, tensors)
+}
+
+/// `tensors` written to `file` with the one named `name` replaced by `edit` of it.
+fn with_edited(
+    tensors: &[(String, tch::Tensor)],
+    name: &str,
+    edit: impl Fn(&tch::Tensor) -> tch::Tensor,
+    file: &Path,
+) {
+    let edited: Vec<(String, tch::Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| match n == name {
+            true => (n.clone(), edit(t)),
+            false => (n.clone(), t.shallow_clone()),
+        })
+        .collect();
+    tch::Tensor::write_safetensors(&edited, file).unwrap();
+}
+
+/// Items 2 and 10: a weight that is not floating point, of another precision in a run's own
+/// checkpoint, or not finite is refused on load, by name, by `eval --ckpt`, `--resume` and
+/// `--init-from`; a converted model's other float type is loaded (and said so).
+#[test]
+fn weights_of_another_type_or_not_finite_are_refused_by_name() {
+    use tch::Kind;
+    let dir = scratch("weights");
+    let data = synth(&dir, 6000);
+    let mut sets = tiny(4);
+    sets.push(data);
+    let run = dir.join("run");
+    assert!(train(&run, &sets, &["--stop-at-step", "2"])
+        .status
+        .success());
+    let (ckpt, tensors) = final_weights(&run);
+    let name = "model.norm.weight";
+    let eval_with = |file: &Path| {
+        bin()
+            .args(["eval", "-q", "--run"])
+            .arg(&run)
+            .arg("--ckpt")
+            .arg(file)
+            .args(["--out"])
+            .arg(dir.join("eval"))
+            .output()
+            .unwrap()
+    };
+    // Integers where a weight belongs, and NaN in one: refused, the tensor named.
+    let ints = dir.join("ints.safetensors");
+    with_edited(&tensors, name, |t| t.to_kind(Kind::Int64), &ints);
+    let e = stderr(&eval_with(&ints));
+    assert!(e.contains(name) && e.contains("not floating point"), "{e}");
+    let nan = dir.join("nan.safetensors");
+    with_edited(&tensors, name, |t| t.fill(f64::NAN), &nan);
+    let e = stderr(&eval_with(&nan));
+    assert!(e.contains(name) && e.contains("non-finite"), "{e}");
+    let o = train(
+        &dir.join("from-nan"),
+        &sets,
+        &["--init-from", nan.to_str().unwrap()],
+    );
+    assert!(
+        !o.status.success() && stderr(&o).contains(name),
+        "{}",
+        stderr(&o)
+    );
+    // A model file of another float type loads, converted; a run's own checkpoint of
+    // another precision does not.
+    let half = dir.join("half.safetensors");
+    with_edited(&tensors, name, |t| t.to_kind(Kind::Half), &half);
+    assert!(eval_with(&half).status.success());
+    with_edited(&tensors, name, |t| t.to_kind(Kind::Half), &ckpt);
+    let o = bin()
+        .args(["train", "-q", "--resume", "--out"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains(name) && e.contains("Half"),
+        "{e}"
+    );
+}
+
+/// Item 10: a run that diverges before its first checkpoint says that no checkpoint was kept,
+/// not that "the last good" one was.
+#[test]
+fn a_diverged_run_says_which_checkpoint_it_keeps() {
+    let dir = scratch("diverged");
+    let data = synth(&dir, 6000);
+    let mut sets = tiny(30);
+    sets.extend(
+        [
+            "train.lr=9.9",
+            "train.grad_clip=0",
+            "train.beta2=0",
+            "train.warmup_steps=0",
+            "train.ckpt_every=1000",
+            "model.hidden_size=64",
+            "model.intermediate_size=128",
+        ]
+        .map(String::from),
+    );
+    sets.push(data);
+    let o = train(&dir.join("run"), &sets, &[]);
+    let e = stderr(&o);
+    assert!(!o.status.success() && e.contains("non-finite"), "{e}");
+    assert!(
+        e.contains("no checkpoint was written") && !e.contains("last good"),
+        "{e}"
+    );
+}

@@ -15,7 +15,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// Everything besides tensors that a resumed run needs to continue exactly.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -207,30 +207,96 @@ pub struct LoadReport {
     pub(crate) initialised: Vec<String>,
     /// File tensors no model parameter has.
     pub(crate) unused: Vec<String>,
+    /// Loaded tensors of another float type, converted to the parameters'.
+    pub(crate) converted: Vec<String>,
+}
+
+/// Which element types a load accepts beside the parameters' own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// The parameters' type exactly: the run's own checkpoints, which hold fp32 parameters.
+    Exact,
+    /// Any floating-point type, converted: a model file stating its own (`convert --dtype`
+    /// writes bf16 or fp16 ones). The load report lists the tensors converted.
+    AnyFloat,
+}
+
+/// What a load of `path` may convert: a step checkpoint of a run (`checkpoints/step_N/`) holds
+/// the parameters as trained, so nothing; a model file (converted or exported) any float type.
+pub(crate) fn precision_of(path: &Path) -> Precision {
+    match step_of(path) {
+        Some(_) => Precision::Exact,
+        None => Precision::AnyFloat,
+    }
+}
+
+/// The tensor `name` of `path` as a parameter takes it: the right shape, a float type the load
+/// allows, finite values; an error naming the tensor otherwise.
+fn check_tensor(
+    path: &Path,
+    name: &str,
+    t: &Tensor,
+    p: &Tensor,
+    precision: Precision,
+) -> Result<()> {
+    ensure!(
+        t.size() == p.size(),
+        "{}: tensor {name} has shape {:?}, the model expects {:?}",
+        path.display(),
+        t.size(),
+        p.size()
+    );
+    let float = matches!(
+        t.kind(),
+        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
+    );
+    ensure!(
+        float,
+        "{}: tensor {name} holds {:?} values, not floating point: it is not a weight of this \
+         model",
+        path.display(),
+        t.kind()
+    );
+    ensure!(
+        precision == Precision::AnyFloat || t.kind() == p.kind(),
+        "{}: tensor {name} is {:?} where the model holds {:?}; a checkpoint of a run holds its \
+         parameters as trained, so this one was changed after it was written",
+        path.display(),
+        t.kind(),
+        p.kind()
+    );
+    let bad = t.isfinite().logical_not().sum(Kind::Int64).int64_value(&[]);
+    ensure!(
+        bad == 0,
+        "{}: tensor {name} holds {bad} non-finite values (NaN or infinite); these weights \
+         cannot be trained or evaluated",
+        path.display()
+    );
+    Ok(())
 }
 
 /// Copies tensors into `params` by name. With `strict`, every parameter must be filled and
 /// every tensor used; without it, missing parameters keep their initialisation (continued
-/// pretraining into a model with new parts). A shape mismatch is always an error, and nothing
-/// is copied unless the whole file checks out.
+/// pretraining into a model with new parts). Each tensor must have its parameter's shape, a
+/// float type `precision` allows and finite values; nothing is copied unless the whole file
+/// checks out.
 pub fn load_into(
     params: &BTreeMap<String, Tensor>,
     path: &Path,
     strict: bool,
+    precision: Precision,
 ) -> Result<LoadReport> {
     let file = read_tensors(path)?;
     let mut report = LoadReport::default();
     for (name, p) in params {
         match file.get(name) {
-            Some(t) if t.size() != p.size() => {
-                bail!(
-                    "{}: tensor {name} has shape {:?}, the model expects {:?}",
-                    path.display(),
-                    t.size(),
-                    p.size()
-                )
+            Some(t) => {
+                check_tensor(path, name, t, p, precision)?;
+                if t.kind() != p.kind() {
+                    report.converted.push(name.clone());
+                }
+                report.loaded.push(name.clone())
             }
-            Some(_) => report.loaded.push(name.clone()),
             None => report.initialised.push(name.clone()),
         }
     }

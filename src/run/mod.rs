@@ -131,7 +131,12 @@ impl LoadedRun {
         let weights = checkpoint::resolve_weights(ckpt.unwrap_or(run))?;
         memory::check_model(&cfg, device)?;
         let built = Built::new(&cfg, device)?;
-        checkpoint::load_into(&built.params(), &weights, true)?;
+        checkpoint::load_into(
+            &built.params(),
+            &weights,
+            true,
+            checkpoint::precision_of(&weights),
+        )?;
         Ok(LoadedRun {
             step: checkpoint::step_of(&weights),
             cfg,

@@ -73,7 +73,12 @@ pub(crate) fn prune_l2a(
         .filter(|&l| sparsity[l] >= threshold || cfg.attention.pruned_layers.contains(&l))
         .collect();
     let pruned = Built::new(&pruned_cfg, loaded.device)?;
-    let r = checkpoint::load_into(&pruned.params(), &loaded.weights, false)?;
+    let r = checkpoint::load_into(
+        &pruned.params(),
+        &loaded.weights,
+        false,
+        checkpoint::precision_of(&loaded.weights),
+    )?;
     ensure!(
         r.initialised.is_empty(),
         "{} lacks {:?}",

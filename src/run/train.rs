@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::config::TrainConfig;
 use crate::config::RESUME_MAY_CHANGE;
 use crate::data::Split;
-use crate::io::checkpoint::{self, TrainState};
+use crate::io::checkpoint::{self, Precision, TrainState};
 use crate::model::attention::{spec, ForwardCtx, GateOverride};
 use crate::model::kernels::{AdamWStep, Kernels};
 use crate::model::nn::token_nll;
@@ -568,7 +568,12 @@ impl<'a> Trainer<'a> {
                 state.step,
                 t.steps
             );
-            checkpoint::load_into(&params, &ckpt.join("model.safetensors"), true)?;
+            checkpoint::load_into(
+                &params,
+                &ckpt.join("model.safetensors"),
+                true,
+                Precision::Exact,
+            )?;
             opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
         } else if let Some(src) = &prepared.init_from {
             init_from(&built, &params, src, args.quiet)?;
@@ -699,9 +704,14 @@ impl<'a> Trainer<'a> {
         let grad_norm = self.opt.clip_grad_norm(t.grad_clip);
         if !loss.is_finite() || !grad_norm.is_finite() {
             bail!(
-                "non-finite {} at step {}: the update was not applied; the last good checkpoint is kept",
-                if loss.is_finite() { format!("gradient norm ({grad_norm})") } else { format!("loss ({loss})") },
-                self.state.step + 1
+                "non-finite {} at step {}: the update was not applied; {}",
+                if loss.is_finite() {
+                    format!("gradient norm ({grad_norm})")
+                } else {
+                    format!("loss ({loss})")
+                },
+                self.state.step + 1,
+                self.what_is_kept()?
             );
         }
         self.opt.update(lr, t);
@@ -717,6 +727,31 @@ impl<'a> Trainer<'a> {
             reg_sum,
             mu_sum,
         })
+    }
+
+    /// What a run stopped by a non-finite step leaves: the weights that are not finite, if any
+    /// (the step before produced them), and the newest checkpoint, if one was written.
+    fn what_is_kept(&self) -> Result<String> {
+        let bad: Vec<&String> = self
+            .params
+            .iter()
+            .filter(|(_, p)| p.isfinite().all().int64_value(&[]) == 0)
+            .map(|(n, _)| n)
+            .collect();
+        let weights = match bad.is_empty() {
+            true => String::new(),
+            false => format!("the weights {bad:?} are no longer finite; "),
+        };
+        let kept = match checkpoint::latest(&self.args.out)? {
+            Some(ckpt) => format!(
+                "the newest checkpoint, {}, is kept (resume continues from it)",
+                ckpt.display()
+            ),
+            None => "no checkpoint was written before it: lower train.lr or set \
+                     train.grad_clip, and start again"
+                .into(),
+        };
+        Ok(weights + &kept)
     }
 
     /// After a step: its log row, a validation loss and a checkpoint when they are due.
@@ -828,7 +863,7 @@ fn init_from(
     quiet: bool,
 ) -> Result<()> {
     let file = checkpoint::resolve_weights(src)?;
-    let r = checkpoint::load_into(params, &file, false)?;
+    let r = checkpoint::load_into(params, &file, false, checkpoint::precision_of(&file))?;
     ensure!(
         !r.loaded.is_empty(),
         "--init-from {}: no tensor name matches this model",
@@ -837,9 +872,11 @@ fn init_from(
     built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
     if !quiet {
         eprintln!(
-            "init-from {}: loaded {} tensors, initialised {} new ({:?}), ignored {} ({:?})",
+            "init-from {}: loaded {} tensors ({} converted to the parameters' fp32), \
+             initialised {} new ({:?}), ignored {} ({:?})",
             file.display(),
             r.loaded.len(),
+            r.converted.len(),
             r.initialised.len(),
             r.initialised,
             r.unused.len(),
