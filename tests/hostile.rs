@@ -229,3 +229,52 @@ fn a_diverged_run_says_which_checkpoint_it_keeps() {
         "{e}"
     );
 }
+
+/// Item 1: a run resumed after its data set was replaced under the same directory (another
+/// seed) is refused, naming the directory; with the data set it started on it resumes.
+#[test]
+fn resume_refuses_a_replaced_data_set() {
+    let dir = scratch("replaced");
+    let data = synth(&dir, 6000);
+    let mut sets = tiny(4);
+    sets.push(data);
+    let run = dir.join("run");
+    assert!(train(&run, &sets, &["--stop-at-step", "2"])
+        .status
+        .success());
+    let resume = || {
+        bin()
+            .args(["train", "-q", "--resume", "--out"])
+            .arg(&run)
+            .output()
+            .unwrap()
+    };
+    let data_dir = dir.join("data");
+    let moved = dir.join("data-first");
+    std::fs::rename(&data_dir, &moved).unwrap();
+    let o = bin()
+        .args([
+            "data",
+            "synth",
+            "--train-tokens",
+            "6000",
+            "--val-tokens",
+            "4096",
+        ])
+        .args(["--max-distance", "64", "--seed", "2", "--out"])
+        .arg(&data_dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = resume();
+    let e = stderr(&o);
+    assert!(
+        !o.status.success() && e.contains("not the one this run started on"),
+        "{e}"
+    );
+    assert!(e.contains(&*data_dir.to_string_lossy()), "{e}");
+    std::fs::remove_dir_all(&data_dir).unwrap();
+    std::fs::rename(&moved, &data_dir).unwrap();
+    let o = resume();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -4,6 +4,7 @@
 use crate::util::atomic;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use std::path::Path;
 
 /// The layout of a data set this version writes and reads (`Meta::format`).
@@ -30,6 +31,12 @@ pub struct Meta {
     /// Present for a data set prepared from text (`data prepare`): what it was read from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) corpus: Option<CorpusRecord>,
+    /// SHA-256 of the shards' bytes (train then val, each token shard followed by its
+    /// dependency shard where there is one), recorded by `write_meta`: with the rest of this
+    /// file, what identifies the data set's contents (`identity`). Absent from data sets
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) shards_sha256: Option<String>,
 }
 
 /// What a data set prepared from text records of its corpus (in `meta.json`), so two
@@ -180,11 +187,40 @@ pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
     atomic::remove_stale_temporaries(out)
 }
 
-pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<()> {
+/// Writes `meta.json`, the data set's last file, with the hash of the shards it lists (which
+/// must be written already); returns what it wrote.
+pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<Meta> {
+    let mut hash = Sha256::new();
+    for name in meta.train.iter().chain(&meta.val) {
+        let mut files = vec![name.clone()];
+        if meta.synth.is_some() {
+            files.push(name.replace(".bin", ".deps.bin"));
+        }
+        for f in files {
+            let path = out.join(&f);
+            let mut file = std::fs::File::open(&path)
+                .with_context(|| format!("cannot read shard {}", path.display()))?;
+            std::io::copy(&mut file, &mut hash)
+                .with_context(|| format!("cannot read shard {}", path.display()))?;
+        }
+    }
+    let meta = Meta {
+        shards_sha256: Some(format!("{:x}", hash.finalize())),
+        ..meta.clone()
+    };
     atomic::write_bytes(
         &out.join("meta.json"),
-        serde_json::to_string_pretty(meta)?.as_bytes(),
-    )
+        serde_json::to_string_pretty(&meta)?.as_bytes(),
+    )?;
+    Ok(meta)
+}
+
+/// What identifies the data set at `dir`: the SHA-256 of its `meta.json`, which records how it
+/// was made and the hash of its shards. A run records it, and a resumed run refuses another.
+pub(crate) fn identity(dir: &Path) -> Result<String> {
+    let p = dir.join("meta.json");
+    let bytes = std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
+    Ok(format!("{:x}", Sha256::digest(&bytes)))
 }
 
 pub fn read_meta(dir: &Path) -> Result<Meta> {
@@ -224,9 +260,13 @@ mod tests {
             synth: None,
             probes: None,
             corpus: None,
+            shards_sha256: None,
         };
-        write_meta(&dir, &meta).unwrap();
-        assert_eq!(read_meta(&dir).unwrap(), meta);
+        std::fs::write(dir.join("train_000000.bin"), b"t").unwrap();
+        std::fs::write(dir.join("val_000000.bin"), b"v").unwrap();
+        let written = write_meta(&dir, &meta).unwrap();
+        assert_eq!(read_meta(&dir).unwrap(), written);
+        assert!(written.shards_sha256.is_some());
         write_meta(&dir, &Meta { format: 7, ..meta }).unwrap();
         let e = format!("{:#}", read_meta(&dir).unwrap_err());
         assert!(e.contains("format 7") && e.contains("meta.json"), "{e}");

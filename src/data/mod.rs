@@ -15,6 +15,7 @@ pub(crate) mod shards;
 pub(crate) mod synth;
 pub(crate) mod tokenizer;
 
+pub(crate) use meta::identity;
 pub(crate) use meta::SynthSpec;
 pub use meta::{read_meta, Meta};
 pub(crate) use shards::Split;

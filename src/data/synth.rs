@@ -168,9 +168,9 @@ pub(crate) fn synth(spec: &SynthSpec, out: &Path) -> Result<Meta> {
         synth: Some(spec.clone()),
         probes: None,
         corpus: None,
+        shards_sha256: None,
     };
-    write_meta(out, &meta)?;
-    Ok(meta)
+    write_meta(out, &meta)
 }
 
 #[cfg(test)]

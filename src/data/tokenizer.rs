@@ -144,7 +144,7 @@ pub(crate) fn finish_text_dataset(
         synth: None,
         probes,
         corpus,
+        shards_sha256: None,
     };
-    write_meta(out, &meta)?;
-    Ok(meta)
+    write_meta(out, &meta)
 }

@@ -505,6 +505,7 @@ mod tests {
             synth: None,
             probes: None,
             corpus: None,
+            shards_sha256: None,
         };
         std::fs::write(dir.join("meta.json"), serde_json::to_string(&meta).unwrap()).unwrap();
         let mut c = Config::default();

@@ -8,7 +8,7 @@ use crate::config;
 use crate::config::Config;
 use crate::config::TrainConfig;
 use crate::config::RESUME_MAY_CHANGE;
-use crate::data::Split;
+use crate::data::{self, Split};
 use crate::io::checkpoint::{self, Precision, TrainState};
 use crate::model::attention::{spec, ForwardCtx, GateOverride};
 use crate::model::kernels::{AdamWStep, Kernels};
@@ -23,6 +23,7 @@ use crate::util::fault;
 use crate::util::progress::Progress;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -390,6 +391,43 @@ pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     t.finish()
 }
 
+/// What a run records of the data set it trains on (`data.json`), so that a resumed run can
+/// tell whether the data set under `data.dir` is still that one.
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct DataRecord {
+    dir: String,
+    /// `data::identity`: the hash of its `meta.json`, which holds the hash of its shards.
+    meta_sha256: String,
+}
+
+fn data_record_path(out: &Path) -> PathBuf {
+    out.join("data.json")
+}
+
+/// Refuses to resume on a data set other than the one the run started on (replaced under the
+/// same directory: another seed, another corpus). Runs started before the record was kept are
+/// not checked.
+fn check_same_data(out: &Path, dir: &Path) -> Result<()> {
+    let path = data_record_path(out);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let started: DataRecord =
+        serde_json::from_str(&text).with_context(|| format!("{} is malformed", path.display()))?;
+    let now = data::identity(dir)?;
+    ensure!(
+        started.meta_sha256 == now,
+        "--resume: the data set at {} is not the one this run started on (its meta.json hashed \
+         {} then and {now} now: regenerated, or another corpus); a resumed run continues on the \
+         data it started with, so restore that data set, or start a new run on this one \
+         (--init-from {} takes this run's weights)",
+        dir.display(),
+        started.meta_sha256,
+        out.display()
+    );
+    Ok(())
+}
+
 /// A run directory ready to train into: checked against what it holds, with its data split,
 /// the device, the lock that keeps other trainers out, and the weights a fresh continued
 /// run starts from.
@@ -425,6 +463,7 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     }
     let meta = resolve_with_data(cfg)?;
     let changed = if args.resume {
+        check_same_data(out, &cfg.data.dir)?;
         resume_changes(&cfg_path, cfg)?
     } else {
         Vec::new()
@@ -653,6 +692,16 @@ impl<'a> Trainer<'a> {
         let (args, p) = (self.args, &self.prepared);
         if let (false, Some(src)) = (args.resume, &p.init_from) {
             atomic::write_bytes(&args.out.join("init_from.txt"), src.as_os_str().as_bytes())?;
+        }
+        if !args.resume {
+            let record = DataRecord {
+                dir: self.cfg.data.dir.to_string_lossy().into_owned(),
+                meta_sha256: data::identity(&self.cfg.data.dir)?,
+            };
+            atomic::write_bytes(
+                &data_record_path(&args.out),
+                serde_json::to_string_pretty(&record)?.as_bytes(),
+            )?;
         }
         if !args.resume || !p.changed.is_empty() {
             atomic::write_bytes(&args.out.join("config.toml"), self.cfg.to_toml().as_bytes())?;
