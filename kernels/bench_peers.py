@@ -30,7 +30,7 @@ def floats(s):
 
 def times_ms(fn, reps):
     """(device, host) milliseconds of one call of fn, by the protocol attnsweep times its own
-    kernels with (`src/bench.rs`, `times`), after three calls to warm up. Device: reps calls
+    kernels with (`src/cli/bench.rs`, `times`), after three calls to warm up. Device: reps calls
     back to back between one pair of CUDA events, divided by reps, the median of three such
     batches: the host queues the next call while the GPU runs the last, so launch overhead
     (large for a compiled call from Python) is hidden for every implementation alike. Host: each
@@ -61,7 +61,7 @@ def times_ms(fn, reps):
 
 def fwd_and_fwdbwd(attn, q, k, v, reps):
     """(fwd, fwd+bwd) under the device protocol, then both under the host protocol. The
-    backward, as attnsweep's (`src/bench.rs`, `time_op`): dO = 1 filled inside the call, the
+    backward, as attnsweep's (`src/cli/bench.rs`, `time_op`): dO = 1 filled inside the call, the
     gradients returned, not accumulated into .grad."""
     fwd = times_ms(lambda: attn(q, k, v), reps)
     qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))

@@ -60,26 +60,61 @@ fn sources() -> Vec<Source> {
     out
 }
 
-/// The text before the file's `#[cfg(test)] mod tests`, without single `#[cfg(test)]` items.
+/// The text without its `#[cfg(test)]` items: a `mod tests { ... }` block (to its closing
+/// brace), or a one-line item (`mod fixture;`, `pub(crate) use ...;`).
 fn without_tests(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::new();
     let mut i = 0;
     while i < lines.len() {
-        let l = lines[i].trim();
-        if l == "#[cfg(test)]" {
-            let next = lines.get(i + 1).map_or("", |n| n.trim());
-            if next.contains("mod tests") {
-                break;
-            }
-            // A test-only item of one line (`mod fixture;`, `pub(crate) use ...;`).
-            i += 2;
+        if lines[i].trim() != "#[cfg(test)]" {
+            out.push(lines[i]);
+            i += 1;
             continue;
         }
-        out.push(lines[i]);
         i += 1;
+        // The item's lines, to where its braces (if it opens any) close.
+        let mut depth = 0i64;
+        while i < lines.len() {
+            depth += braces(lines[i]);
+            i += 1;
+            if depth <= 0 {
+                break;
+            }
+        }
     }
     out.join("\n")
+}
+
+/// Opening minus closing braces of a line of code, those in string and character literals and
+/// comments not counted.
+fn braces(line: &str) -> i64 {
+    let (mut n, mut chars) = (0, line.chars().peekable());
+    let mut in_str = false;
+    while let Some(c) = chars.next() {
+        match (in_str, c) {
+            (true, '\\') => {
+                chars.next();
+            }
+            (true, '"') => in_str = false,
+            (true, _) => {}
+            (false, '"') => in_str = true,
+            (false, '\'') => {
+                // A character literal ('{', '\'') or a lifetime ('a): skip the literal only.
+                let rest: String = chars.clone().take(3).collect();
+                if rest.starts_with('\\') {
+                    chars.nth(2);
+                } else if rest.chars().nth(1) == Some('\'') {
+                    chars.nth(1);
+                }
+            }
+            (false, '/') if chars.peek() == Some(&'/') => break,
+            (false, '{') => n += 1,
+            (false, '}') => n -= 1,
+            _ => {}
+        }
+    }
+    n
 }
 
 /// The paths a use tree names: `a::{b, c::{d, e as f}}` gives `a::b`, `a::c::d`, `a::c::e as f`.
@@ -171,9 +206,20 @@ fn references(code: &str) -> Vec<String> {
     // Paths written in code: `crate::x::y`, `super::x`, `child::x`.
     for line in code.lines() {
         let t = line.trim_start();
-        if t.starts_with("//") || t.starts_with("use ") || t.starts_with("pub use ") {
+        let public_use = t
+            .split_once(" use ")
+            .is_some_and(|(lead, _)| lead.starts_with("pub") && !lead.contains(' '));
+        if t.starts_with("//") || t.starts_with("use ") || public_use {
             continue;
         }
+        // A visibility (`pub(in crate::model::attention)`) names a module, not a dependency.
+        let line = match line.split_once("pub(in ") {
+            Some((before, after)) => {
+                format!("{before}{}", after.split_once(')').map_or("", |x| x.1))
+            }
+            None => line.to_string(),
+        };
+        let line = line.as_str();
         let b = line.as_bytes();
         let mut i = 0;
         while i < b.len() {
@@ -278,6 +324,35 @@ fn graph(srcs: &[Source]) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
     edges
 }
 
+/// What each file re-exports (`pub use`, `pub(crate) use`), as file-level edges: a folder's
+/// index showing its children's items is no dependency of its own, but a re-export from a
+/// layer above would be one.
+fn reexports(srcs: &[Source]) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
+    let files: BTreeMap<Vec<String>, &Source> =
+        srcs.iter().map(|s| (s.module.clone(), s)).collect();
+    let mut edges: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
+    for s in srcs {
+        for (_, tree) in use_statements(&s.code).into_iter().filter(|u| u.0) {
+            for item in expand_use(&tree) {
+                let path = item.split(" as ").next().unwrap().trim().to_string();
+                let head = path.split("::").next().unwrap();
+                let child = s.code.contains(&format!("mod {head};"));
+                let path = match child {
+                    true => format!("self::{path}"),
+                    false => path,
+                };
+                if !matches!(path.split("::").next(), Some("crate" | "super" | "self")) {
+                    continue;
+                }
+                if let Some(t) = resolve(&files, &absolute(&s.module, &path), 0) {
+                    edges.entry(s.path.clone()).or_default().insert(t);
+                }
+            }
+        }
+    }
+    edges
+}
+
 /// The import circles of `edges`: its strongly connected components of more than one file.
 fn circles(edges: &BTreeMap<PathBuf, BTreeSet<PathBuf>>) -> Vec<Vec<PathBuf>> {
     let nodes: Vec<&PathBuf> = edges
@@ -327,7 +402,11 @@ fn layers_import_only_layers_below_them() {
     }
     let by_path: BTreeMap<&PathBuf, &Source> = srcs.iter().map(|s| (&s.path, s)).collect();
     let mut upward = Vec::new();
-    for (from, tos) in graph(&srcs) {
+    let mut edges = graph(&srcs);
+    for (from, tos) in reexports(&srcs) {
+        edges.entry(from).or_default().extend(tos);
+    }
+    for (from, tos) in edges {
         let l = layer(by_path[&from]);
         for to in tos {
             let lt = layer(by_path[&to]);
@@ -398,6 +477,17 @@ fn the_reader_sees_circles_and_upward_imports() {
     let a = &edges[&PathBuf::from("util/a.rs")];
     assert!(a.contains(&PathBuf::from("run/b.rs")) && a.contains(&PathBuf::from("util/c.rs")));
     assert!(layer(&srcs[0]) < layer(&srcs[1]));
+    // A re-export reads what it shows.
+    let shown = vec![
+        src(
+            "util/mod.rs",
+            &["util"],
+            "pub(crate) use crate::run::b::Thing;",
+        ),
+        src("run/b.rs", &["run", "b"], ""),
+    ];
+    let r = reexports(&shown);
+    assert!(r[&PathBuf::from("util/mod.rs")].contains(&PathBuf::from("run/b.rs")));
     assert_eq!(
         expand_use("crate::x::{a, b::{C, D}, self}"),
         [

@@ -1,7 +1,9 @@
-//! `attnsweep bench attention`: the attention kernels beside their peers, timed in one run on
-//! the same shapes: our sliding-window and sparse-query kernels here, SDPA (cuDNN, flash) and
-//! FlexAttention in `kernels/bench_peers.py`, run by this command. Writes one CSV and the
-//! speed-up-against-sparsity figure (L2A Fig. 8).
+//! The benches. `attnsweep bench attention`: the attention kernels beside their peers, timed in
+//! one run on the same shapes: our sliding-window and sparse-query kernels here, SDPA (cuDNN,
+//! flash) and FlexAttention in `kernels/bench_peers.py`, run by this command; it writes one CSV
+//! and the speed-up-against-sparsity figure (L2A Fig. 8). `attnsweep bench train`: whole
+//! training steps of every method variant the registry lists (`MethodSpec::bench`) beside
+//! eager and compiled PyTorch (`kernels/train_peer.py`).
 
 use crate::config::{AttnImpl, Config, Dtype, Method};
 use crate::model::attention::{

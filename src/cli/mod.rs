@@ -1,4 +1,5 @@
-//! The command line: `attnsweep train | eval | data`.
+//! The command line: `attnsweep train | eval | prune | data | convert | export | sweep | plot |
+//! bench | kernels`, each a thin call into the layers below.
 
 pub(crate) mod bench;
 

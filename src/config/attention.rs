@@ -2,9 +2,9 @@
 //! them in one place: which settings it reads (`AttentionConfig::reads`, the rest are set
 //! aside when a sweep cell's id is computed) and the checks that concern it alone.
 //!
-//! A new method adds its variant to `Method`, its fields to `AttentionConfig` (with their
-//! defaults and range checks), and its arm to `reads` and, where it has such checks, to
-//! `check_method`.
+//! A new method adds its variant to `Method` and `Method::ALL`, its fields to `AttentionConfig`
+//! (with their defaults, and their range checks in `validate`), its arm to `reads`, and its
+//! fields to `canonical`'s list.
 
 use super::check::{check, check_open_f};
 use super::{ModelConfig, TrainConfig};
@@ -41,15 +41,6 @@ impl Method {
         Method::Swiattn,
         Method::StaticHeads,
     ];
-
-    /// Whether its layers gate tokens between a full and a window path (learned, context-free
-    /// or fixed gates), so that a model of it reports gate usage.
-    pub(crate) fn is_routed(self) -> bool {
-        matches!(
-            self,
-            Method::Aha | Method::L2a | Method::Swiattn | Method::StaticHeads
-        )
-    }
 }
 
 /// Which implementation computes attention.
@@ -276,7 +267,7 @@ impl AttentionConfig {
         a
     }
 
-    /// Every setting's range, and the checks of one method's settings (`check_method`).
+    /// Every setting's range, and the checks that concern one method's settings alone.
     pub(crate) fn validate(&self, m: &ModelConfig, train: &TrainConfig) -> Result<()> {
         let a = self;
         check("attention.window", a.window, 1, 1 << 30)?;
@@ -374,18 +365,26 @@ mod tests {
         assert_eq!(a.canonical(), AttentionConfig::default());
     }
 
-    /// `Method::ALL` lists each method once, as the config names them.
+    /// `Method::ALL` lists every method once, in declaration order: the variants as serde
+    /// knows them (from the error a name it does not know gives) are ALL's names.
     #[test]
     fn every_method_is_listed_once() {
         let names: Vec<String> = Method::ALL
             .iter()
             .map(|m| Value::try_from(m).unwrap().as_str().unwrap().to_string())
             .collect();
-        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
-        assert_eq!(unique.len(), names.len());
-        for name in &names {
-            let m: Method = Value::String(name.clone()).try_into().unwrap();
-            assert!(Method::ALL.contains(&m));
-        }
+        let e = Value::String("\u{1}".into())
+            .try_into::<Method>()
+            .unwrap_err()
+            .to_string();
+        let declared: Vec<&str> = e
+            .split_once("expected")
+            .unwrap()
+            .1
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .collect();
+        assert_eq!(names, declared, "{e}");
     }
 }

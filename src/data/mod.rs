@@ -1,12 +1,8 @@
-//! Token data: binary shards on disk, the byte-level tokenizer, the synthetic long-tail
-//! dependency corpus, and the loader that samples training windows from memory-mapped shards.
-//!
-//! Shard layout (llm.c's): a header of 256 little-endian int32 (`[0]` magic, `[1]` version,
-//! `[2]` number of values), then the values. Token shards use magic 20240520 with version 1
-//! for uint16 and version 2 for uint32 tokens. The synthetic corpus stores each position's
-//! dependency distance in a parallel uint32 shard with magic 20261122. A data set is a
-//! directory with `meta.json` (written last: without it the directory is not a data set)
-//! and its shards.
+//! Data sets on disk: a directory of shards and, written last, `meta.json` (`meta.rs`: without
+//! it the directory is not a data set); the shards and the loader that samples training
+//! windows from them (`shards.rs`); how text becomes tokens (`tokenizer.rs`); the synthetic
+//! long-tail dependency corpus (`synth.rs`); text corpora read from files (`corpus.rs`,
+//! `data prepare`); and RULER-style probe documents (`probes.rs`, `data probes`).
 
 pub(crate) mod corpus;
 pub(crate) mod meta;

@@ -296,16 +296,21 @@ impl Split {
                     d.len(),
                     t.len()
                 );
-                // A distance is at most the corpus's longest (0 marks none).
+                // A distance is at most the corpus's longest (0 marks none): max_distance, and
+                // the three tokens each of the other keys' queries and one event may delay a
+                // query that falls due behind them.
+                let longest = spec.max_distance + 3 * (spec.n_keys + 1);
                 if let Some((i, v)) = (0..d.len())
                     .map(|i| (i, d.get(i)))
-                    .find(|(_, v)| *v as usize > spec.max_distance)
+                    .find(|(_, v)| *v as usize > longest)
                 {
                     bail!(
-                        "dependency shard of {n}: distance {v} at index {i} is beyond the \
-                         corpus's max_distance = {}; the shard is corrupt: generate the data set \
-                         again (attnsweep data synth)",
-                        spec.max_distance
+                        "dependency shard of {n}: distance {v} at index {i} is beyond the longest \
+                         this corpus can hold ({longest}: max_distance = {} and the delay of \
+                         its {} keys' queries); the shard is corrupt: generate the data set again \
+                         (attnsweep data synth)",
+                        spec.max_distance,
+                        spec.n_keys
                     );
                 }
             }
@@ -476,6 +481,17 @@ mod tests {
         );
         assert!(e.contains(&name) || e.contains(&meta.train[0]), "{e}");
         assert!(e.contains("max_distance = 32"), "{e}");
+        // Every distance the generator writes passes: a query may fall due behind others.
+        for seed in 1..4 {
+            let spec = SynthSpec {
+                seed,
+                event_rate: 0.3,
+                ..spec.clone()
+            };
+            let out = d.join(format!("busy{seed}"));
+            let meta = synth(&spec, &out).unwrap();
+            Split::open(&out, &meta, "train").unwrap();
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Checkpoints in and out: Hugging Face model directories (Llama, Qwen2, Qwen3, OLMo-2)
+//! Checkpoints in and out: Hugging Face model directories (Llama, Mistral, Qwen2, Qwen3, OLMo-2)
 //! and plain PyTorch state dicts become attnsweep checkpoints; trained full-attention or
 //! sliding-window models go back to the Hugging Face layout.
 //!

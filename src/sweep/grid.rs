@@ -6,6 +6,7 @@ use crate::config::{apply_override, Config, Method, Router};
 use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
 use crate::data::SynthSpec;
+use crate::model::attention::{spec, Gates};
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -546,7 +547,7 @@ fn new_cell(
     if stage.match_usage {
         let a = &config.attention;
         ensure!(
-            read.is_some() && a.method.is_routed() && a.router == Router::Bernoulli,
+            read.is_some() && spec(a.method).gates != Gates::None && a.router == Router::Bernoulli,
             "{what}: match_usage draws Bernoulli gates at the usage of the cell it \
                  reads: it needs reads = \"<stage>\" and a routed method with \
                  attention.router = \"bernoulli\""

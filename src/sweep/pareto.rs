@@ -7,7 +7,7 @@
 use super::rows::{name_of, Row};
 use crate::config::AttentionConfig;
 use crate::config::{Method, Router};
-use crate::model::attention::spec;
+use crate::model::attention::{spec, Gates};
 use crate::run::report::{PrecisionRecall, Timing};
 use crate::sweep::StageKind;
 use anyhow::Result;
@@ -128,7 +128,7 @@ pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
 /// own (the routed method's paths, gates drawn at random).
 pub(crate) fn family(r: &Row) -> String {
     let name = spec(r.method).label;
-    match r.router == Router::Bernoulli && r.method.is_routed() {
+    match r.router == Router::Bernoulli && spec(r.method).gates != Gates::None {
         true => format!("{name} with Bernoulli gates"),
         false => name.into(),
     }

@@ -848,7 +848,7 @@ fn kv_cache_bytes_follow_each_layer_kind() {
 /// one routed launch plus the other path without gradient) and in evaluation (each query
 /// on its own path).
 /// On the CPU the library runs its ATen reference, so this checks the wiring; the CUDA
-/// kernels themselves are checked in `src/kernels/tests.rs`.
+/// kernels themselves are checked in `src/model/kernels/tests.rs`.
 #[test]
 fn kernel_path_matches_reference_path_for_every_method() {
     use crate::config::AttnImpl;

@@ -203,7 +203,7 @@ impl PerHead {
     }
 
     /// AHA's layer with a learned router on the kernels, over the chunk's own keys: what the
-    /// general branch of `aha_forward` and `per_head` compute, with the gates, probes, paths and
+    /// general branch of `forward_chunk` and `per_head` compute, with the gates, probes, paths and
     /// pairs in one kernel (`Kernels::aha_gates`) and the router's scores in one
     /// (`Kernels::router`), where ATen took some fifty launches a layer,
     /// whose host cost bounded the training step's forward at L 8192 (PERFORMANCE.md).
