@@ -455,14 +455,54 @@ pub fn main() -> Result<()> {
                 .unwrap_or_default();
             // libtorch's failed allocations, on the host and on a GPU.
             if msg.contains("can't allocate memory") || msg.contains("out of memory") {
-                let first = msg.lines().next().unwrap_or_default();
                 anyhow::bail!(
-                    "out of memory: {first}; lower the batch size, sequence length or model size"
+                    "out of memory: {}; lower train.batch_size (train.grad_accum keeps the \
+                     tokens per step), data.seq_len, eval.batch_size, eval.lengths or the \
+                     model's size",
+                    torch_cause(&msg)
                 );
             }
-            anyhow::bail!("internal error{at}: {msg} (please report it)")
+            anyhow::bail!(
+                "internal error{at}: {} (please report it)",
+                torch_cause(&msg)
+            )
         }
     }
+    .map_err(|e| {
+        // An error of libtorch's carries its C++ backtrace: its first line is the cause.
+        let text = format!("{e:#}");
+        match text.contains("frame #0") {
+            true => anyhow::anyhow!("{}", torch_cause(&text)),
+            false => e,
+        }
+    })
+}
+
+/// The cause in a message that may carry libtorch's error: the message up to its C++
+/// backtrace (`\nframe #0: ...`, written as escaped newlines in a panic's debug text), without
+/// tch's wrapping (`Torch("...")`, `Internal torch error: `) or libtorch's `[enforce fail at
+/// FILE:LINE] CONDITION.` prefix; what comes before them (an error's context) is kept.
+fn torch_cause(msg: &str) -> String {
+    let msg = msg.replace("called `Result::unwrap()` on an `Err` value: ", "");
+    let (context, torch) = ["Torch(\"", "Internal torch error: "]
+        .iter()
+        .find_map(|w| msg.split_once(w))
+        .unwrap_or(("", &msg));
+    let end = ["\\n", "\n", "Exception raised from", "frame #0"]
+        .iter()
+        .filter_map(|m| torch.find(m))
+        .min()
+        .unwrap_or(torch.len());
+    let mut cause = torch[..end].trim();
+    if let Some((_, rest)) = cause.split_once("[enforce fail at ") {
+        cause = rest.split_once("] ").map_or(rest, |x| x.1);
+        if let Some((condition, message)) = cause.split_once(". ") {
+            if condition.contains("==") || condition.contains("!=") {
+                cause = message;
+            }
+        }
+    }
+    format!("{context}{cause}").trim().to_string()
 }
 
 /// The message and place of the first panic, kept by the panic hook.
@@ -804,6 +844,28 @@ fn run_eval(c: EvalCmd) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// libtorch's refusal of an allocation, as tch panics with it and as an error carries it:
+    /// its cause on one line, without the C++ backtrace.
+    #[test]
+    fn a_libtorch_error_shows_its_cause_alone() {
+        let e = tch::Tensor::f_empty([1i64 << 45], (tch::Kind::Float, tch::Device::Cpu))
+            .err()
+            .unwrap();
+        let panicked = format!("called `Result::unwrap()` on an `Err` value: {e:?}");
+        for text in [panicked, format!("{e}")] {
+            assert!(text.contains("frame #0"), "{text}");
+            let cause = torch_cause(&text);
+            assert!(
+                cause.starts_with("DefaultCPUAllocator: can't allocate memory")
+                    && !cause.contains("frame")
+                    && !cause.contains('\n')
+                    && cause.len() < 200,
+                "{cause}"
+            );
+        }
+        assert_eq!(torch_cause("plain message"), "plain message");
+    }
     use clap::CommandFactory;
 
     fn check(cmd: &clap::Command, path: &str) {

@@ -42,9 +42,11 @@ pub(crate) fn point(name: &str) {
         if p == name && PASSED.fetch_add(1, Ordering::Relaxed) + 1 == *n {
             match how.as_str() {
                 "panic" => panic!("injected panic at {name}"),
-                "alloc" => panic!(
-                    "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes (injected at {name})"
-                ),
+                // A real allocation libtorch refuses (128 TiB), failing as any would: a
+                // panic out of tch carrying libtorch's message and C++ backtrace.
+                "alloc" => {
+                    let _ = tch::Tensor::empty([1i64 << 45], (tch::Kind::Float, tch::Device::Cpu));
+                }
                 _ => std::process::abort(),
             }
         }
