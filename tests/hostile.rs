@@ -278,3 +278,39 @@ fn resume_refuses_a_replaced_data_set() {
     let o = resume();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Item 11: a corpus whose records lack the text field, or whose files hold no record, says so
+/// and names `--text-field`; null Parquet rows are counted among the skipped records (the unit
+/// test `every_format_is_read_in_order_and_unreadable_files_are_skipped_with_a_reason`).
+#[test]
+fn a_corpus_without_its_text_field_says_which_flag_names_it() {
+    let dir = scratch("text-field");
+    let prepare = |input: &Path, out: &str| {
+        bin()
+            .args(["data", "prepare", "--input"])
+            .arg(input)
+            .arg("--out")
+            .arg(dir.join(out))
+            .output()
+            .unwrap()
+    };
+    let body = dir.join("body.jsonl");
+    std::fs::write(
+        &body,
+        "{\"body\": \"one\", \"id\": 1}\n{\"body\": \"two\", \"id\": 2}\n",
+    )
+    .unwrap();
+    let o = prepare(&body, "a");
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains("2 records were skipped")
+            && e.contains("--text-field")
+            && e.contains("\"body\""),
+        "{e}"
+    );
+    let empty = dir.join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let e = stderr(&prepare(&empty, "b"));
+    assert!(e.contains("hold no record"), "{e}");
+}

@@ -314,7 +314,19 @@ fn read_file(
             let mut stopped = |row, reason| {
                 skipped.record(format!("{}: rows from {row}: {reason}", path.display()))
             };
-            return parquet_documents(&bytes, text_field, PARQUET_ROWS, emit, &mut stopped);
+            let read = parquet_documents(&bytes, text_field, PARQUET_ROWS, emit, &mut stopped)?;
+            if let Ok(nulls) = read.as_ref().map(|&n| n).map_err(|_| ()) {
+                if nulls > 0 {
+                    skipped.record_many(
+                        nulls,
+                        format!(
+                            "{}: {nulls} rows with a null {text_field:?}",
+                            path.display()
+                        ),
+                    );
+                }
+            }
+            return Ok(read.map(|_| ()));
         }
     }
     Ok(Ok(()))
@@ -330,7 +342,13 @@ fn record_text(line: &[u8], field: &str) -> std::result::Result<String, String> 
         }
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
         Some(_) => Err(format!("field {field:?} is not a string")),
-        None => Err(format!("no field {field:?}")),
+        None => Err(match value.as_object() {
+            Some(o) => {
+                let keys: Vec<&String> = o.keys().take(8).collect();
+                format!("no field {field:?} (its fields: {keys:?})")
+            }
+            None => format!("no field {field:?} (the record is not a JSON object)"),
+        }),
     }
 }
 
@@ -338,16 +356,18 @@ fn record_text(line: &[u8], field: &str) -> std::result::Result<String, String> 
 const PARQUET_ROWS: usize = 65_536;
 
 /// The `field` column's strings of a Parquet file, handed to `emit` in row order, read
-/// `rows_per_read` at a time; Ok(Err(reason)) when the file cannot be a source of text (not
-/// Parquet, no such column, not strings). A later batch that cannot be read ends the file
-/// there, reported through `stopped(first row, reason)`.
+/// `rows_per_read` at a time; the rows whose field is null (no document) are counted and their
+/// number returned. Ok(Err(reason)) when the file cannot be a source of text (not Parquet, no
+/// such column, not strings). A later batch that cannot be read ends the file there, reported
+/// through `stopped(first row, reason)`.
 fn parquet_documents(
     bytes: &[u8],
     field: &str,
     rows_per_read: usize,
     emit: &mut dyn FnMut(String) -> Result<()>,
     stopped: &mut dyn FnMut(usize, String),
-) -> Result<std::result::Result<(), String>> {
+) -> Result<std::result::Result<u64, String>> {
+    let mut nulls = 0u64;
     use polars::prelude::{ParquetReader, SerReader};
     let reader = || ParquetReader::new(std::io::Cursor::new(bytes));
     let rows = match reader().num_rows() {
@@ -378,11 +398,54 @@ fn parquet_documents(
             )));
         };
         // A null row is no document.
-        for text in strings.into_iter().flatten() {
-            emit(text.to_string())?;
+        for text in strings.into_iter() {
+            match text {
+                Some(text) => emit(text.to_string())?,
+                None => nulls += 1,
+            }
         }
     }
-    Ok(Ok(()))
+    Ok(Ok(nulls))
+}
+
+/// Why a corpus gave no document: files skipped, records skipped (each with its first reason),
+/// or files without a record; and, where the text's field or column was not found, the flag
+/// that names it.
+fn nothing_read(
+    files: usize,
+    skipped_files: &[(PathBuf, String)],
+    skipped: &Skipped,
+    field: &str,
+) -> String {
+    let mut parts = Vec::new();
+    if let Some((p, why)) = skipped_files.first() {
+        parts.push(format!(
+            "{} of the {files} files were skipped (e.g. {}: {why})",
+            skipped_files.len(),
+            p.display()
+        ));
+    }
+    if let Some(why) = skipped.reasons.first() {
+        parts.push(format!(
+            "{} records were skipped (e.g. {why})",
+            skipped.count
+        ));
+    }
+    if parts.is_empty() {
+        parts.push(format!("the {files} files hold no record"));
+    }
+    let reasons = skipped_files.iter().map(|f| &f.1).chain(&skipped.reasons);
+    let field_missing = reasons
+        .clone()
+        .any(|r| r.contains("no field") || r.contains("column") || r.contains("null"));
+    let hint = match field_missing {
+        true => format!(
+            "; --text-field names the field (JSON Lines) or column (Parquet) that holds the \
+             text, now {field:?}"
+        ),
+        false => String::new(),
+    };
+    format!("no document was read: {}{hint}", parts.join("; "))
 }
 
 /// Records skipped inside files: how many, and the first reasons.
@@ -397,7 +460,12 @@ const REASONS_SHOWN: usize = 10;
 
 impl Skipped {
     fn record(&mut self, reason: String) {
-        self.count += 1;
+        self.record_many(1, reason)
+    }
+
+    /// `n` records skipped for one reason.
+    fn record_many(&mut self, n: u64, reason: String) {
+        self.count += n;
         if self.reasons.len() < REASONS_SHOWN {
             self.reasons.push(reason);
         }
@@ -528,13 +596,8 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
     progress.finish();
     ensure!(
         stream.documents > 0,
-        "no document was read: {} of {} files were skipped{}",
-        skipped_files.len(),
-        files.len(),
-        skipped_files
-            .first()
-            .map(|(p, why)| format!(" (e.g. {}: {why})", p.display()))
-            .unwrap_or_default()
+        "{}",
+        nothing_read(files.len(), &skipped_files, &skipped, &spec.text_field)
     );
     let record = CorpusRecord {
         python_package: package,
@@ -793,7 +856,8 @@ mod tests {
                 ("h.txt".to_string(), "not UTF-8 (invalid byte at offset 3)"),
             ]
         );
-        assert_eq!(s.record.skipped_records, 3);
+        // Three records of b.jsonl.gz, and c.parquet's null row.
+        assert_eq!(s.record.skipped_records, 4);
         assert!(s.record_reasons[0].ends_with("b.jsonl.gz:3: field \"text\" is not a string"));
         assert!(
             s.record_reasons[2]
@@ -803,8 +867,15 @@ mod tests {
         );
         let report = s.report(&out);
         assert!(
-            report.contains("skipped 2 files") && report.contains("skipped 3 records"),
+            report.contains("skipped 2 files") && report.contains("skipped 4 records"),
             "{report}"
+        );
+        assert!(
+            s.record_reasons
+                .iter()
+                .any(|r| r.ends_with("c.parquet: 1 rows with a null \"text\"")),
+            "{:?}",
+            s.record_reasons
         );
         // The record in meta.json is the one reported, and reads back.
         assert_eq!(
@@ -866,7 +937,8 @@ mod tests {
         let r = parquet_documents(&bytes, "text", 2, &mut |t| Ok(got.push(t)), &mut |_, _| {
             panic!("no slice fails")
         });
-        assert_eq!(r.unwrap(), Ok(()));
+        // The null row is counted, not read.
+        assert_eq!(r.unwrap(), Ok(1));
         assert_eq!(got, ["a", "b", "c", "d"]);
         let no_column = parquet_documents(&bytes, "body", 2, &mut |_| Ok(()), &mut |_, _| {});
         assert!(no_column
