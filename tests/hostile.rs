@@ -314,3 +314,31 @@ fn a_corpus_without_its_text_field_says_which_flag_names_it() {
     let e = stderr(&prepare(&empty, "b"));
     assert!(e.contains("hold no record"), "{e}");
 }
+
+/// Item 7: a synthetic corpus larger than a shard holds is refused at once, before a token is
+/// generated (it was built in memory first and aborted the process), and one that fits streams
+/// to disk.
+#[test]
+fn a_synthetic_corpus_too_large_is_refused_before_it_is_built() {
+    let dir = scratch("huge-synth");
+    let start = std::time::Instant::now();
+    let o = bin()
+        .args([
+            "data",
+            "synth",
+            "--train-tokens",
+            "1000000000000000",
+            "--out",
+        ])
+        .arg(dir.join("huge"))
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("--train-tokens") && !e.contains("backtrace"),
+        "{e}"
+    );
+    assert!(start.elapsed().as_secs() < 10);
+    assert!(!dir.join("huge").join("meta.json").exists());
+}

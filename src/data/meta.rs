@@ -131,6 +131,18 @@ impl Default for SynthSpec {
 
 impl SynthSpec {
     pub(crate) fn validate(&self) -> Result<()> {
+        // Each split is one shard, whose header counts its values in an int32: checked before
+        // a token is generated.
+        for (flag, n) in [
+            ("--train-tokens", self.train_tokens),
+            ("--val-tokens", self.val_tokens),
+        ] {
+            ensure!(
+                n <= i32::MAX as usize,
+                "synth {flag} {n} is more than one shard holds ({}); lower it",
+                i32::MAX
+            );
+        }
         for (name, v) in [("event rate", self.event_rate), ("alpha", self.alpha)] {
             ensure!(v.is_finite(), "synth {name} {v} is not a finite number");
         }
