@@ -11,7 +11,7 @@
 //! what the caught allocation errors are for. The memory of a GPU is not read (nothing here
 //! can ask its driver), so runs on a GPU are not checked at all.
 
-use crate::config::Config;
+use crate::config::{Config, Dtype};
 use crate::model::attention::{projection_params, spec};
 use anyhow::{bail, Result};
 use tch::Device;
@@ -124,8 +124,27 @@ fn frozen_parameters(cfg: &Config) -> f64 {
     v * d + head + m.num_hidden_layers as f64 * 3.0 * d * m.intermediate_size as f64
 }
 
-/// Training: parameters, the gradients and AdamW moments of those that train, the larger of
-/// a micro-batch's logits (with their gradient) and an evaluation batch's, and the masks.
+/// Activations a micro-batch keeps for its backward pass, counting per layer and token only
+/// what is certainly saved, in the compute dtype: the block's input and the attention's (its
+/// normalised input), the queries, keys and values, the attention's output, and the MLP's gate
+/// and up projections. Measured on the CPU, a step keeps about 1.6 times this (the norms'
+/// statistics, the MLP's product, the residual sums), so it stays below the true need.
+pub(crate) fn activation_bytes(cfg: &Config) -> f64 {
+    let m = &cfg.model;
+    let (d, f) = (m.hidden_size as f64, m.intermediate_size as f64);
+    let q = (m.num_attention_heads * m.head_dim()) as f64;
+    let kv = (m.num_key_value_heads * m.head_dim()) as f64;
+    let tokens = (cfg.train.batch_size * cfg.data.seq_len) as f64;
+    let elt = match cfg.train.dtype {
+        Dtype::Fp32 => 4.0,
+        Dtype::Bf16 => 2.0,
+    };
+    tokens * m.num_hidden_layers as f64 * (2.0 * d + 2.0 * q + 2.0 * kv + 2.0 * f) * elt
+}
+
+/// Training: parameters, the gradients and AdamW moments of those that train, a micro-batch's
+/// activations, the larger of its logits (with their gradient) and an evaluation batch's, and
+/// the masks.
 pub(crate) fn check_training(cfg: &Config, device: Device) -> Result<()> {
     let (t, e) = (&cfg.train, &cfg.eval);
     let len = cfg.data.seq_len;
@@ -135,6 +154,10 @@ pub(crate) fn check_training(cfg: &Config, device: Device) -> Result<()> {
         &[
             ("parameters", 4.0 * parameters(cfg)),
             ("gradients and optimizer state", 12.0 * trained),
+            (
+                "activations kept for the backward pass",
+                activation_bytes(cfg),
+            ),
             (
                 "logits of a batch",
                 (1.5 * logits_bytes(cfg, t.batch_size, len)).max(logits_bytes(
@@ -249,5 +272,28 @@ mod tests {
         assert!(e.contains("eval.lengths"), "{e}");
         // On a GPU nothing is read, so nothing is refused.
         check_probes(&c, Device::Cuda(0), 1_000_000).unwrap();
+    }
+
+    /// A run whose parameters, logits and masks fit in a few GiB but whose activations need
+    /// about 240 GiB is refused for them, before anything is allocated (it was let through
+    /// and killed by the operating system).
+    #[test]
+    fn activations_are_counted() {
+        let mut c = Config::default();
+        c.model.vocab_size = 257;
+        c.model.hidden_size = 1024;
+        c.model.intermediate_size = 4096;
+        c.model.num_hidden_layers = 8;
+        c.model.num_attention_heads = 8;
+        c.model.num_key_value_heads = 8;
+        c.data.seq_len = 1024;
+        c.train.batch_size = 512;
+        c.attention.method = crate::config::Method::Swa;
+        let act = activation_bytes(&c);
+        assert!((act / GIB - 224.0).abs() < 1.0, "{}", act / GIB);
+        let e = format!("{:#}", check_training(&c, Device::Cpu).unwrap_err());
+        assert!(e.contains("activations kept for the backward pass"), "{e}");
+        c.train.dtype = Dtype::Bf16;
+        assert_eq!(activation_bytes(&c), act / 2.0);
     }
 }
