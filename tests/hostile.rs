@@ -342,3 +342,66 @@ fn a_synthetic_corpus_too_large_is_refused_before_it_is_built() {
     assert!(start.elapsed().as_secs() < 10);
     assert!(!dir.join("huge").join("meta.json").exists());
 }
+
+/// Item 14: `sweep --dry-run` refuses cells that would fail at once: no data set and none made
+/// by the grid, a vocabulary smaller than the data's, a sequence longer than any shard, and a
+/// continuation from a model of another shape.
+#[test]
+fn a_dry_run_finds_cells_that_cannot_start() {
+    let dir = scratch("dry-run");
+    let data = synth(&dir, 6000);
+    let data_dir = data.trim_start_matches("data.dir=").to_string();
+    let dry = |name: &str, data: &str, model: &str, extra: &str| {
+        let g = dir.join(format!("{name}.toml"));
+        std::fs::write(
+            &g,
+            format!(
+                "name = \"{name}\"\n[base.data]\n{data}\n[base.model]\nhidden_size = 16\n\
+                 intermediate_size = 32\nnum_hidden_layers = 1\n{model}\n[base.train]\nsteps = 2\n\
+                 warmup_steps = 1\n[[stage]]\nname = \"base\"\n\
+                 set = {{ \"attention.method\" = \"full\" }}\n{extra}"
+            ),
+        )
+        .unwrap();
+        bin()
+            .args(["sweep", "--dry-run", "--grid"])
+            .arg(&g)
+            .arg("--out")
+            .arg(dir.join(name))
+            .output()
+            .unwrap()
+    };
+    let fine = format!("dir = \"{data_dir}\"\nseq_len = 32");
+    let o = dry("fine", &fine, "", "");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let wide = "[[stage]]\nname = \"wide\"\ninit_from = \"base\"\n\
+                set = { \"model.hidden_size\" = 32 }\n";
+    for (name, data, model, extra, says) in [
+        (
+            "nodata",
+            "dir = \"/nonexistent/data\"".to_string(),
+            "",
+            "",
+            "holds no data set",
+        ),
+        (
+            "vocab",
+            fine.clone(),
+            "vocab_size = 10",
+            "",
+            "smaller than the data set's vocabulary",
+        ),
+        (
+            "long",
+            format!("dir = \"{data_dir}\"\nseq_len = 100000"),
+            "",
+            "",
+            "longer than any train shard",
+        ),
+        ("shape", fine.clone(), "", wide, "another shape"),
+    ] {
+        let o = dry(name, &data, model, extra);
+        let e = stderr(&o);
+        assert!(!o.status.success() && e.contains(says), "{name}: {e}");
+    }
+}

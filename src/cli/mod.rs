@@ -691,6 +691,13 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
                 cell.index, cell.id, state, cell.stage, cell.label
             );
         }
+        let problems = sweep::problems(&grid, &cells);
+        anyhow::ensure!(
+            problems.is_empty(),
+            "{} cells would fail when run:\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
         return Ok(());
     }
     if c.emit.is_some() {

@@ -59,6 +59,7 @@
 //! (written atomically), so re-running a sweep skips finished cells, resumes interrupted ones
 //! and reruns failed ones only with `--retry-failed`.
 
+mod check;
 mod figure;
 mod figures;
 #[cfg(test)]
@@ -70,6 +71,7 @@ mod runner;
 mod slurm;
 pub(crate) mod tables;
 
+pub(crate) use check::problems;
 pub(crate) use figure::{Figure, Panel, Series, XAxis};
 pub(crate) use figures::write_all;
 pub(crate) use grid::StageKind;
