@@ -405,3 +405,27 @@ fn a_dry_run_finds_cells_that_cannot_start() {
         assert!(!o.status.success() && e.contains(says), "{name}: {e}");
     }
 }
+
+/// The demo writes where git does not look: a second `make demo` (or a first) leaves a clone's
+/// tracked files as they were, though its tables hold measured rates.
+#[test]
+fn the_demo_writes_nothing_git_tracks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let makefile = std::fs::read_to_string(root.join("Makefile")).unwrap();
+    let out = makefile
+        .lines()
+        .find_map(|l| l.strip_prefix("DEMO_OUT := "))
+        .expect("the Makefile names the demo's output (DEMO_OUT)")
+        .trim();
+    assert!(
+        makefile.contains("--grid sweeps/demo.toml --out $(DEMO_OUT)")
+            && makefile.contains("plot --sweep $(DEMO_OUT)"),
+        "the demo's sweep and plot write DEMO_OUT"
+    );
+    let ignore = std::fs::read_to_string(root.join(".gitignore")).unwrap();
+    let top = out.split('/').next().unwrap();
+    assert!(
+        ignore.lines().any(|l| l.trim() == format!("/{top}")),
+        "{out} is not ignored by .gitignore"
+    );
+}
