@@ -5,6 +5,11 @@
 // Unfused, the fp32 upcast and each of these products is a pass over the activations, in
 // the forward and again in the backward. dw is summed per block and the blocks' partial
 // sums are added after, so the result does not depend on scheduling.
+//
+// The backward keeps each thread's share of dw in registers: a warp per row holds at most
+// 32 * MAXC columns (d <= 1024, the models this was written for). Wider rows (hidden sizes of
+// 1-8B models, OLMo-2's norm over all query heads) take a whole block per row, each thread
+// C columns, with the row's dot product summed across the block.
 
 #include "norm.cuh"
 #include "common.cuh"
@@ -12,6 +17,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
+
+#include <tuple>
+#include <type_traits>
 
 namespace attnsweep {
 namespace {
@@ -82,9 +90,71 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
     }
 }
 
+// A block per row (rows strided over the blocks), thread t holding columns t + WIDE * c for
+// c < C: dw's partial sums stay in registers whatever d (up to WIDE * C).
+template <typename T, int WIDE, int C>
+__global__ void __launch_bounds__(WIDE)
+    norm_backward_wide(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
+                       const float* __restrict__ rstd, int64_t rows, int d, T* __restrict__ dx,
+                       float* __restrict__ partial) {
+    constexpr int NW = WIDE / 32;
+    // Two slots, alternating by row: a row's sums are written while the last row's may still
+    // be read, so one barrier a row suffices.
+    __shared__ float sums[2][NW];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float acc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[c] = 0.f;
+    int slot = 0;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, slot ^= 1) {
+        const T *xr = x + r * d, *gr = dy + r * d;
+        const float rs = rstd[r];
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int j = threadIdx.x + WIDE * c;
+            if (j < d) dot += to_float(gr[j]) * w[j] * to_float(xr[j]) * rs;
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) sums[slot][warp] = dot;
+        __syncthreads();
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < NW; ++k) total += sums[slot][k];
+        const float mean = total / d;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int j = threadIdx.x + WIDE * c;
+            if (j < d) {
+                const float n = to_float(xr[j]) * rs, g = to_float(gr[j]);
+                dx[r * d + j] = static_cast<T>(rs * (g * w[j] - n * mean));
+                acc[c] += g * n;
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        const int j = threadIdx.x + WIDE * c;
+        if (j < d) partial[blockIdx.x * (int64_t)d + j] = acc[c];
+    }
+}
+
+// Calls f with the block width and columns a thread (as integral constants) that cover d:
+// 256 threads up to 16 columns each (d <= 4096), then 1024 threads up to 32 (d <= 32768; 64
+// would spill, 1024 threads leaving each 64 registers).
+template <typename F>
+void by_width(int64_t d, F f) {
+    using std::integral_constant;
+    if (d <= 256 * 8) f(integral_constant<int, 256>{}, integral_constant<int, 8>{});
+    else if (d <= 256 * 16) f(integral_constant<int, 256>{}, integral_constant<int, 16>{});
+    else if (d <= 1024 * 8) f(integral_constant<int, 1024>{}, integral_constant<int, 8>{});
+    else if (d <= 1024 * 16) f(integral_constant<int, 1024>{}, integral_constant<int, 16>{});
+    else f(integral_constant<int, 1024>{}, integral_constant<int, 32>{});  // up to cuda_norm_max_dim
+}
+
 }  // namespace
 
-int cuda_norm_max_dim() { return 32 * MAXC; }
+int64_t cuda_norm_max_dim() { return 1024 * 32; }
 
 void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -105,15 +175,29 @@ void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::
                             at::Tensor& dx, at::Tensor& dw) {
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t d = x.size(-1), rows = x.numel() / d;
-    const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>(BLOCKS, (rows + WARPS - 1) / WARPS));
+    const bool narrow = d <= 32 * MAXC;
+    // The wide kernel takes a block a row: as many blocks as rows, up to two a multiprocessor.
+    const int blocks = (int)std::max<int64_t>(
+        1, narrow ? std::min<int64_t>(BLOCKS, (rows + WARPS - 1) / WARPS) : std::min<int64_t>(BLOCKS, rows));
     auto partial = at::zeros({blocks, d}, w.options());
     if (rows > 0) {
         auto stream = at::cuda::getCurrentCUDAStream();
         dispatch_float(x, [&](auto t) {
             using T = decltype(t);
-            norm_backward<T><<<blocks, WARPS * 32, 0, stream>>>(
-                static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(), static_cast<const T*>(dy.data_ptr()),
-                rstd.data_ptr<float>(), rows, (int)d, static_cast<T*>(dx.data_ptr()), partial.data_ptr<float>());
+            const auto args = std::make_tuple(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
+                                              static_cast<const T*>(dy.data_ptr()), rstd.data_ptr<float>(), rows,
+                                              (int)d, static_cast<T*>(dx.data_ptr()), partial.data_ptr<float>());
+            if (narrow)
+                std::apply([&](auto... a) { norm_backward<T><<<blocks, WARPS * 32, 0, stream>>>(a...); }, args);
+            else
+                by_width(d, [&](auto wide, auto c) {
+                    std::apply(
+                        [&](auto... a) {
+                            norm_backward_wide<T, decltype(wide)::value, decltype(c)::value>
+                                <<<blocks, decltype(wide)::value, 0, stream>>>(a...);
+                        },
+                        args);
+                });
         });
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

@@ -5,8 +5,8 @@
 
 namespace attnsweep {
 
-// The widest d the kernels take.
-int cuda_norm_max_dim();
+// The widest d the kernels take (wider rows take the ATen formulas, on the GPU too).
+int64_t cuda_norm_max_dim();
 void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd);
 void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
                             at::Tensor& dx, at::Tensor& dw);

@@ -12,7 +12,10 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "walk.cuh"
@@ -27,6 +30,8 @@
 #include "swiglu.cuh"
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #else
 namespace attnsweep {
 struct AdamWStep {
@@ -39,6 +44,15 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// Says once per process, on standard error as the binary's own warnings are, that a kernel
+// cannot serve a shape and the ATen form runs it instead (same result, slower).
+void warn_once(const std::string& why) {
+    static std::mutex lock;
+    static std::set<std::string> said;
+    const std::lock_guard<std::mutex> guard(lock);
+    if (said.insert(why).second) std::fprintf(stderr, "warning: %s; it runs on ATen instead\n", why.c_str());
+}
 
 // The query list of a call in the reference's terms: positions [B, H, Lq] (int64), and
 // masks [B, H, Lq] of the active rows and of the full-prefix rows.
@@ -375,7 +389,10 @@ struct AhaGates : public torch::autograd::Function<AhaGates> {
 struct RouterFn : public torch::autograd::Function<RouterFn> {
     static bool fused(const at::Tensor& x, const at::Tensor& w) {
 #ifdef ATTNSWEEP_CUDA
-        return x.is_cuda() && attnsweep::cuda_router_fits(x, w);
+        if (!x.is_cuda()) return false;
+        const auto why = attnsweep::cuda_router_misfit(x, w);
+        if (!why.empty()) warn_once(why);
+        return why.empty();
 #else
         return false;
 #endif
@@ -463,17 +480,29 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
 };
 
 // RMSNorm of x [..., d] with weight w [d] (fp32), computed in fp32, y in x's dtype (see
-// norm.cu); the reference is the same formulas in ATen.
+// norm.cu); the reference, for CPU tensors and rows wider than the kernels take, is the same
+// formulas in ATen.
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+    static bool fused(const at::Tensor& x) {
+#ifdef ATTNSWEEP_CUDA
+        if (!x.is_cuda()) return false;
+        if (x.size(-1) <= attnsweep::cuda_norm_max_dim()) return true;
+        warn_once("the RMSNorm kernel takes rows of at most " + std::to_string(attnsweep::cuda_norm_max_dim()) +
+                  " values, not " + std::to_string(x.size(-1)));
+        return false;
+#else
+        TORCH_CHECK(!x.is_cuda(), "this kernel library was built without CUDA; run `attnsweep kernels build`");
+        return false;
+#endif
+    }
+
     static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, double eps) {
         at::Tensor y, rstd;
-        if (x.is_cuda()) {
+        if (fused(x)) {
 #ifdef ATTNSWEEP_CUDA
             y = at::empty_like(x);
             rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
             attnsweep::cuda_rms_norm(x, w, eps, y, rstd);
-#else
-            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
         } else {
             auto xf = x.to(at::kFloat);
@@ -489,7 +518,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
         const auto &x = s[0], &w = s[1], &rstd = s[2];
         auto dy = grads[0].to(x.scalar_type()).contiguous();
         at::Tensor dx, dw;
-        if (x.is_cuda()) {
+        if (fused(x)) {
 #ifdef ATTNSWEEP_CUDA
             dx = at::empty_like(x);
             attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, dx, dw);
@@ -742,6 +771,34 @@ void attnsweep_event_free(void* event) {
 #endif
 }
 
+// Memory of CUDA device `device`, in bytes, written to out[0..5]: what the caching allocator
+// holds in tensors now and at most since the last reset, what it has reserved from the driver
+// (tensors and its cache), then the device's free and total memory (the driver's count, in
+// which the allocator's cache is not free). With reset, the peak starts again from now.
+// Returns 0, or 1 with a message.
+int attnsweep_cuda_memory(int64_t device, int reset, double* out, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), "no CUDA device ", device);
+        const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+        namespace alloc = c10::cuda::CUDACachingAllocator;
+        const auto stats = alloc::getDeviceStats((c10::DeviceIndex)device);
+        const auto& bytes = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+        size_t free = 0, total = 0;
+        C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+        out[0] = (double)bytes.current;
+        out[1] = (double)bytes.peak;
+        out[2] = (double)stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+        out[3] = (double)free;
+        out[4] = (double)total;
+        if (reset) alloc::resetPeakStats((c10::DeviceIndex)device);
+#else
+        TORCH_CHECK(false, "this kernel library was built without CUDA");
+#endif
+        return 0;
+    });
+}
+
 // out = attention of q over (k, v) for the query list (qpos, nq may be null: dense), each
 // query seeing its window and, where offsets is not null, the keys at those distances (PPA;
 // on the GPU, offsets from index pairs_from on run pair by pair), with autograd. Returns a new
@@ -872,10 +929,6 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
         TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
         TORCH_CHECK(x->device() == w->device(), "RMSNorm input and weight on different devices");
-#ifdef ATTNSWEEP_CUDA
-        TORCH_CHECK(!x->is_cuda() || x->size(-1) <= attnsweep::cuda_norm_max_dim(), "RMSNorm kernel takes d <= ",
-                    attnsweep::cuda_norm_max_dim());
-#endif
         auto out = RmsNormFn::apply(x->contiguous(), w->contiguous(), eps);
         return new at::Tensor(out[0]);
     });

@@ -10,12 +10,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <sstream>
+
 namespace attnsweep {
 namespace {
 
 constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int MAX_HEADS = 16;
-constexpr int64_t ROUTER_SMEM = 96 * 1024;  // W in shared memory, at most
 
 // W in shared memory as [heads][V][d / V]: element k of 16-byte chunk c of row h at
 // (h V + k) (d / V) + c. A warp's lanes read consecutive chunks, so each of their reads of one
@@ -217,12 +218,22 @@ void set_smem(K kernel, size_t bytes) {
 
 }  // namespace
 
-bool cuda_router_fits(const at::Tensor& x, const at::Tensor& w) {
+std::string cuda_router_misfit(const at::Tensor& x, const at::Tensor& w) {
     const int64_t d = x.size(-1), heads = w.size(0);
     const int64_t v = x.scalar_type() == at::kBFloat16 ? 8 : 4;
-    return (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.is_contiguous() &&
-           reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && d % v == 0 && heads >= 1 && heads <= MAX_HEADS &&
-           heads * d * 4 <= ROUTER_SMEM;
+    // W in shared memory: at most what one block may opt in to (227 KiB on an H100).
+    const int64_t smem = (int64_t)at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+    std::ostringstream why;
+    if (heads < 1 || heads > MAX_HEADS)
+        why << "the router kernel takes 1 to " << MAX_HEADS << " heads, not " << heads;
+    else if (heads * d * 4 > smem)
+        why << "the router kernel keeps its weight in shared memory: " << heads << " heads x " << d
+            << " inputs need " << heads * d * 4 / 1024 << " KiB, the GPU gives a block " << smem / 1024 << " KiB";
+    else if (d % v != 0)
+        why << "the router kernel reads 16-byte chunks: its input width " << d << " must be a multiple of " << v;
+    else if (!x.is_contiguous() || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0)
+        why << "the router kernel reads its input in 16-byte chunks, and this one is not contiguous and aligned";
+    return why.str();
 }
 
 void cuda_router_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b, at::Tensor& s) {

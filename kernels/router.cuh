@@ -3,11 +3,14 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace attnsweep {
 
-// Whether the kernels take x and w (dtype, alignment, at most 16 heads, W within shared
-// memory); ops.cpp runs the ATen form otherwise.
-bool cuda_router_fits(const at::Tensor& x, const at::Tensor& w);
+// Why the kernels cannot take x (bf16 or fp32) and w (at most 16 heads, W within shared
+// memory, x in aligned 16-byte chunks), or empty where they can; ops.cpp runs the ATen form
+// otherwise.
+std::string cuda_router_misfit(const at::Tensor& x, const at::Tensor& w);
 // s = sigmoid(x w^T + b); b may be null.
 void cuda_router_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b, at::Tensor& s);
 // dx (x's dtype), dw [heads, d] and db [heads] (fp32) from ds and the forward's s.

@@ -266,7 +266,9 @@ fn resume_equals_uninterrupted_bitwise() {
     );
     assert_eq!(std::fs::read(parts.join("config.toml")).unwrap(), before);
     assert_eq!(listing(&parts.join("checkpoints")), ckpts);
-    // Settings that leave the computation as it was change, and config.toml records them.
+    // Settings that leave the computation as it was change, and config.toml records them:
+    // recomputing every block in the backward (activation checkpointing) gives the same
+    // gradients bit for bit.
     ok(&[
         "train",
         "-q",
@@ -275,9 +277,15 @@ fn resume_equals_uninterrupted_bitwise() {
         p,
         "--set",
         "train.eval_every=4",
+        "--set",
+        "train.activation_checkpointing=full",
     ]);
     let saved = std::fs::read_to_string(parts.join("config.toml")).unwrap();
     assert!(saved.contains("eval_every = 4"), "{saved}");
+    assert!(
+        saved.contains("activation_checkpointing = \"full\""),
+        "{saved}"
+    );
     let a = std::fs::read(d.join("whole/checkpoints/step_00000009/model.safetensors")).unwrap();
     let b = std::fs::read(d.join("parts/checkpoints/step_00000009/model.safetensors")).unwrap();
     assert!(a == b, "resumed weights differ from the uninterrupted run");
@@ -715,6 +723,15 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         (vec!["--window", "0"], "--window must be at least 1"),
         (vec!["--steps", "0"], "--steps must be at least 1"),
         (vec!["--lengths", "0"], "--lengths must be at least 1"),
+        (vec!["--model", "no-such-model"], "neither a preset"),
+        (
+            vec!["--model", "qwen2.5-1.5b", "--hidden", "512"],
+            "cannot be used with",
+        ),
+        (
+            vec!["--checkpointing", "sometimes"],
+            "not one of none, full",
+        ),
     ] {
         let mut args = vec!["bench", "train", "--out", b];
         args.extend(flags);

@@ -1,18 +1,12 @@
-//! The benches. `attnsweep bench attention`: the attention kernels beside their peers, timed in
-//! one run on the same shapes: our sliding-window and sparse-query kernels here, SDPA (cuDNN,
-//! flash) and FlexAttention in `kernels/bench_peers.py`, run by this command; it writes one CSV
-//! and the speed-up-against-sparsity figure (L2A Fig. 8). `attnsweep bench train`: whole
-//! training steps of every method variant the registry lists (`MethodSpec::bench`) beside
-//! eager and compiled PyTorch (`kernels/train_peer.py`).
+//! `attnsweep bench attention`: the attention kernels beside their peers, timed in one run on
+//! the same shapes: our sliding-window and sparse-query kernels here, SDPA (cuDNN, flash) and
+//! FlexAttention in `kernels/bench_peers.py`, run by this command; it writes one CSV and the
+//! speed-up-against-sparsity figure (L2A Fig. 8). What the training bench (`bench_train.rs`)
+//! shares with it: running a peer script, writing a CSV.
 
-use crate::config::{AttnImpl, Config, Dtype, Method};
-use crate::model::attention::{
-    all_methods, routed_paths, BenchKnobs, BenchVariant, ForwardCtx, KeyPattern,
-};
+use crate::model::attention::{routed_paths, KeyPattern};
 use crate::model::kernels::{Kernels, PpaOffsets};
-use crate::run::train::{forward_loss, AdamW};
-use crate::run::Built;
-use crate::sweep::{Figure, Panel, Series, XAxis};
+use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
 use crate::util::stats::median;
 use anyhow::{ensure, Context, Result};
@@ -54,7 +48,7 @@ fn check_each<T: std::fmt::Display + Copy>(
 
 /// At least one length, each at least 1, none twice (each is a point of the fitted
 /// exponents).
-fn check_lengths(lengths: &[i64]) -> Result<()> {
+pub(super) fn check_lengths(lengths: &[i64]) -> Result<()> {
     ensure!(!lengths.is_empty(), "--lengths needs at least one length");
     check_each("--lengths", lengths, |l| l >= 1, "must be at least 1")?;
     let mut distinct = lengths.to_vec();
@@ -108,7 +102,7 @@ impl AttentionBench {
 }
 
 /// Values as one comma-separated flag value.
-fn joined<T: std::fmt::Display>(values: &[T]) -> String {
+pub(super) fn joined<T: std::fmt::Display>(values: &[T]) -> String {
     values
         .iter()
         .map(|v| v.to_string())
@@ -119,7 +113,7 @@ fn joined<T: std::fmt::Display>(values: &[T]) -> String {
 /// Runs the peer script `name` (written to `out`) with its `flags` and returns what it
 /// printed. A peer that cannot start or fails is reported and leaves its rows out (those
 /// printed before it failed are kept): our own cases still run and are written.
-fn run_peer(
+pub(super) fn run_peer(
     out: &Path,
     python: &str,
     name: &str,
@@ -335,7 +329,7 @@ fn pairs(r: &Row, heads: i64) -> f64 {
 }
 
 /// A CSV of `header` and `records`, written whole or not at all (`atomic`).
-fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
+pub(super) fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
     atomic::write_with(path, |tmp| {
         let mut w = csv::Writer::from_path(tmp)?;
         w.write_record(header)?;
@@ -719,6 +713,7 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
                         points: pts,
                         line: true,
                         labels: vec![],
+                        look: Look::ByPlace,
                     });
                 }
             }
@@ -740,370 +735,6 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
         title: "Sparse-query attention against dense causal attention".into(),
         panels,
     })
-}
-
-/// `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
-/// model per method and length, beside the same model in plain eager PyTorch
-/// (`kernels/train_peer.py`), timed in one run.
-pub(crate) struct TrainBench {
-    pub(crate) lengths: Vec<i64>,
-    /// Tokens per step; the batch is `tokens / L` (at least 1).
-    pub(crate) tokens: i64,
-    pub(crate) methods: Vec<TrainMethod>,
-    pub(crate) layers: usize,
-    pub(crate) hidden: usize,
-    pub(crate) heads: usize,
-    pub(crate) intermediate: usize,
-    pub(crate) vocab: usize,
-    pub(crate) window: usize,
-    /// Fraction of AHA's (token, head) gates open at the start.
-    pub(crate) full_usage: f64,
-    /// `attention.ste_sample` of the aha-sampled rows.
-    pub(crate) ste_sample: f64,
-    /// `attention.ppa_power` of the ppa rows.
-    pub(crate) ppa_power: f64,
-    pub(crate) steps: usize,
-    pub(crate) warmup: usize,
-    pub(crate) out: PathBuf,
-    pub(crate) python: String,
-    /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
-    pub(crate) peers: Vec<String>,
-}
-
-impl TrainBench {
-    /// The flags, checked before anything runs or is written.
-    pub(crate) fn validate(&self) -> Result<()> {
-        check_lengths(&self.lengths)?;
-        ensure!(
-            !self.methods.is_empty(),
-            "--methods needs at least one method"
-        );
-        ensure!(self.tokens >= 1, "--tokens must be at least 1");
-        ensure!(self.layers >= 1, "--layers must be at least 1");
-        ensure!(self.heads >= 1, "--heads must be at least 1");
-        ensure!(
-            self.hidden % self.heads == 0,
-            "--hidden {} is not a multiple of --heads {}",
-            self.hidden,
-            self.heads
-        );
-        ensure!(self.intermediate >= 1, "--intermediate must be at least 1");
-        ensure!(self.vocab >= 2, "--vocab must be at least 2");
-        ensure!(self.window >= 1, "--window must be at least 1");
-        ensure!(
-            self.full_usage > 0.0 && self.full_usage < 1.0,
-            "--full-usage must lie strictly between 0 and 1 (got {})",
-            self.full_usage
-        );
-        ensure!(
-            self.ste_sample > 0.0 && self.ste_sample <= 1.0,
-            "--ste-sample must lie in (0, 1] (got {})",
-            self.ste_sample
-        );
-        ensure!(self.steps >= 1, "--steps must be at least 1");
-        ensure!(
-            (0.0..=1.0).contains(&self.ppa_power),
-            "--ppa-power must lie in [0, 1] (got {})",
-            self.ppa_power
-        );
-        for p in &self.peers {
-            ensure!(
-                p == "eager" || p == "compile",
-                "--peers takes eager and compile (got {p:?})"
-            );
-        }
-        Ok(())
-    }
-}
-
-/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
-#[derive(Clone, Copy)]
-pub(crate) struct TrainMethod {
-    method: Method,
-    variant: &'static BenchVariant,
-}
-
-impl TrainMethod {
-    /// Every variant the registry lists, in its order.
-    pub(crate) fn all() -> impl Iterator<Item = TrainMethod> {
-        all_methods().flat_map(|s| {
-            s.bench.iter().map(|variant| TrainMethod {
-                method: s.method,
-                variant,
-            })
-        })
-    }
-
-    /// The variant named `name` (for `--methods`).
-    pub(crate) fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
-        TrainMethod::all()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| {
-                let names: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
-                format!(
-                    "{name:?} is not a method the bench times ({})",
-                    names.join(", ")
-                )
-            })
-    }
-
-    fn name(self) -> &'static str {
-        self.variant.name
-    }
-}
-
-struct TrainRow {
-    imp: String,
-    method: String,
-    len: i64,
-    batch: i64,
-    step_ms: f64,
-    /// Forward (with the loss), backward and optimizer medians; attnsweep rows only.
-    phases_ms: Option<[f64; 3]>,
-    full_usage: Option<f64>,
-}
-
-impl TrainBench {
-    fn config(&self, method: TrainMethod, len: i64) -> Config {
-        let mut c = Config::default();
-        c.model.vocab_size = self.vocab;
-        c.model.hidden_size = self.hidden;
-        c.model.intermediate_size = self.intermediate;
-        c.model.num_hidden_layers = self.layers;
-        c.model.num_attention_heads = self.heads;
-        c.model.num_key_value_heads = self.heads;
-        c.attention.method = method.method;
-        let knobs = BenchKnobs {
-            full_usage: self.full_usage,
-            ste_sample: self.ste_sample,
-        };
-        (method.variant.setup)(&mut c.attention, &knobs);
-        c.attention.ppa_power = self.ppa_power;
-        c.attention.window = self.window;
-        c.attention.attn_impl = AttnImpl::Cuda;
-        c.data.seq_len = len as usize;
-        c.train.dtype = Dtype::Bf16;
-        c.train.device = "cuda".into();
-        c
-    }
-
-    /// Median step time of attnsweep's training step for one method and length, with the
-    /// medians of its phases (forward with the loss, backward, optimizer).
-    fn measure(&self, method: TrainMethod, len: i64) -> Result<TrainRow> {
-        let cfg = self.config(method, len);
-        let dev = Device::Cuda(0);
-        let built = Built::new(&cfg, dev)?;
-        if method.variant.calibrate_router {
-            calibrate_routers(&built, self.full_usage, len);
-        }
-        let params = built.params();
-        let mut opt = AdamW::new(&params, built.model.kernels);
-        let batch = (self.tokens / len).max(1);
-        let ids = Tensor::randint(self.vocab as i64, [batch, len + 1], (Kind::Int64, dev));
-        let (x, y) = (ids.narrow(1, 0, len), ids.narrow(1, 1, len));
-        let ctx = ForwardCtx {
-            compute_logits: true,
-            ..Default::default()
-        };
-        let mut phases: [Vec<f64>; 4] = Default::default();
-        let mut usage = None;
-        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
-        for step in 0..self.warmup + self.steps {
-            tch::Cuda::synchronize(0);
-            let start = Instant::now();
-            opt.zero_grad();
-            let (loss, stats) = forward_loss(&built.model, &x, &y, &ctx);
-            let fwd = Instant::now();
-            loss.backward();
-            tch::Cuda::synchronize(0);
-            let bwd = Instant::now();
-            opt.clip_grad_norm(cfg.train.grad_clip);
-            // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
-            opt.update(0.0, &cfg.train);
-            tch::Cuda::synchronize(0);
-            if step >= self.warmup {
-                let secs = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-                let t = [
-                    ms(start),
-                    secs(fwd.duration_since(start)),
-                    secs(bwd.duration_since(fwd)),
-                    ms(bwd),
-                ];
-                for (v, x) in phases.iter_mut().zip(t) {
-                    v.push(x);
-                }
-            }
-            usage = stats.full_usage;
-        }
-        let [total, f, b, o] = phases;
-        Ok(TrainRow {
-            imp: "attnsweep".into(),
-            method: method.name().into(),
-            len,
-            batch,
-            step_ms: median(total),
-            phases_ms: Some([median(f), median(b), median(o)]),
-            full_usage: usage,
-        })
-    }
-}
-
-/// Sets every router so that about `usage` of its gates (AHA: per token and head; SwiAttn:
-/// per token) open on random tokens: random weights (unit-variance logits on normalised inputs), then, layer by layer
-/// under the gates of the layers below, the bias that puts the threshold at the `1 - usage`
-/// quantile of the measured logits.
-fn calibrate_routers(built: &Built, usage: f64, len: i64) {
-    let params = built.params();
-    let dev = Device::Cuda(0);
-    tch::no_grad(|| {
-        for (name, p) in &params {
-            if name.ends_with("router.weight") {
-                let d = p.size()[1] as f64;
-                p.shallow_clone().copy_(&(p.randn_like() / d.sqrt()));
-            } else if name.ends_with("router.bias") {
-                let _ = p.shallow_clone().zero_();
-            }
-        }
-        let ids = Tensor::randint(
-            built.model.cfg.vocab_size as i64,
-            [1, len],
-            (Kind::Int64, dev),
-        );
-        for layer in 0..built.model.layers.len() {
-            let out = built.model.forward(&ids, &ForwardCtx::default());
-            let s = out.layers[layer]
-                .scores
-                .as_ref()
-                .expect("layers with learned routers have router scores");
-            let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
-            // Logits with the current (zero) bias of this layer.
-            let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
-            let q = logits.quantile_scalar(1.0 - usage, None, false, "linear");
-            let _ = bias.shallow_clone().fill_(-q.double_value(&[]));
-        }
-    });
-}
-
-/// Runs the training bench; returns the CSV's path.
-pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
-    ensure!(
-        tch::Cuda::is_available(),
-        "bench train needs a GPU and the CUDA kernel library"
-    );
-    std::fs::create_dir_all(&b.out)?;
-    let mut rows: Vec<TrainRow> = Vec::new();
-    // The variants the peers implement (`BenchVariant::peer`).
-    let peer_methods: Vec<&str> = b.methods.iter().filter_map(|m| m.variant.peer).collect();
-    // A list of variants without a peer (aha-sampled) leaves the peers nothing to run.
-    if !b.peers.is_empty() && !peer_methods.is_empty() {
-        let flags = [
-            ("--lengths", joined(&b.lengths)),
-            ("--methods", joined(&peer_methods)),
-            ("--tokens", b.tokens.to_string()),
-            ("--layers", b.layers.to_string()),
-            ("--hidden", b.hidden.to_string()),
-            ("--heads", b.heads.to_string()),
-            ("--intermediate", b.intermediate.to_string()),
-            ("--vocab", b.vocab.to_string()),
-            ("--window", b.window.to_string()),
-            ("--full-usage", b.full_usage.to_string()),
-            ("--ppa-power", b.ppa_power.to_string()),
-            ("--impls", b.peers.join(",")),
-            ("--steps", b.steps.to_string()),
-            ("--warmup", b.warmup.to_string()),
-            ("--lr", "0".to_string()),
-        ];
-        let printed = run_peer(
-            &b.out,
-            &b.python,
-            "train_peer.py",
-            include_str!("../../kernels/train_peer.py"),
-            &flags,
-        )?;
-        for line in printed.lines() {
-            if let Some(note) = line.strip_prefix("# ") {
-                eprintln!("{note}");
-                continue;
-            }
-            let f: Vec<&str> = line.split(',').collect();
-            if f.len() == 7 {
-                rows.push(TrainRow {
-                    imp: f[0].into(),
-                    method: f[1].into(),
-                    len: f[2].parse()?,
-                    batch: f[3].parse()?,
-                    step_ms: f[4].parse()?,
-                    phases_ms: None,
-                    full_usage: f[6].parse().ok(),
-                });
-            }
-        }
-    }
-    for &len in &b.lengths {
-        for &m in &b.methods {
-            // One failed case (out of memory at a long length) is reported, not fatal.
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.measure(m, len)));
-            match r {
-                Ok(Ok(row)) => rows.push(row),
-                Ok(Err(e)) => eprintln!("attnsweep {} L={len}: {e:#}", m.name()),
-                Err(_) => eprintln!(
-                    "attnsweep {} L={len}: failed (see the message above)",
-                    m.name()
-                ),
-            }
-        }
-    }
-    let csv_path = b.out.join("train_bench.csv");
-    let full_of = |imp: &str, len: i64| {
-        rows.iter()
-            .find(|r| r.imp == imp && r.method == "full" && r.len == len)
-            .map(|r| r.step_ms)
-    };
-    let records = rows
-        .iter()
-        .map(|r| {
-            let ratio =
-                |base: Option<f64>| base.map_or(String::new(), |s| format!("{:.3}", s / r.step_ms));
-            [
-                r.imp.clone(),
-                r.method.clone(),
-                r.len.to_string(),
-                r.batch.to_string(),
-                format!("{:.3}", r.step_ms),
-                format!("{:.0}", (r.batch * r.len) as f64 / r.step_ms * 1e3),
-                r.full_usage.map_or(String::new(), |u| format!("{u:.4}")),
-                ratio(full_of(&r.imp, r.len)),
-                ratio(full_of("torch_eager", r.len)),
-                ratio(full_of("torch_compile", r.len)),
-            ]
-            .into_iter()
-            .chain((0..3).map(|i| {
-                r.phases_ms
-                    .map_or(String::new(), |p| format!("{:.3}", p[i]))
-            }))
-            .collect()
-        })
-        .collect();
-    write_csv(
-        &csv_path,
-        &[
-            "impl",
-            "method",
-            "L",
-            "batch",
-            "step_ms",
-            "tokens_per_s",
-            "full_usage",
-            "vs_same_impl_full",
-            "vs_eager_full",
-            "vs_compile_full",
-            "fwd_ms",
-            "bwd_ms",
-            "opt_ms",
-        ],
-        records,
-    )?;
-    Ok(csv_path)
 }
 
 #[cfg(test)]

@@ -2,11 +2,13 @@
 //! bench | kernels`, each a thin call into the layers below.
 
 pub(crate) mod bench;
+pub(crate) mod bench_train;
+mod panics;
 
 use crate::cli::bench::AttentionBench;
-use crate::cli::bench::TrainBench;
-use crate::cli::bench::TrainMethod;
-use crate::config::Config;
+use crate::cli::bench_train::{TrainBench, TrainMethod};
+use crate::cli::panics::torch_cause;
+use crate::config::{Checkpointing, Config, ModelConfig};
 use crate::data::corpus;
 use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
@@ -17,6 +19,7 @@ use crate::run::convert;
 use crate::run::convert::OutDtype;
 use crate::run::eval;
 use crate::run::memory;
+use crate::run::presets;
 use crate::run::prune;
 use crate::run::report;
 use crate::run::tasks;
@@ -154,22 +157,27 @@ struct BenchTrainCmd {
     /// Attention methods [default: every one the bench times].
     #[arg(long, value_delimiter = ',', value_parser = TrainMethod::parse)]
     methods: Vec<TrainMethod>,
-    /// Decoder layers.
-    #[arg(long, default_value_t = 8)]
+    /// The model: a preset (smollm2-135m, qwen3-0.6b, qwen2.5-1.5b, olmo2-1b, llama3.2-1b)
+    /// or a Hugging Face config.json (or its directory). Without it, the shape of the flags
+    /// below.
+    #[arg(long)]
+    model: Option<String>,
+    /// Decoder layers (a custom shape, without --model).
+    #[arg(long, default_value_t = 8, conflicts_with = "model")]
     layers: usize,
-    /// Model width (d_model).
-    #[arg(long, default_value_t = 512)]
+    /// Model width (d_model; a custom shape).
+    #[arg(long, default_value_t = 512, conflicts_with = "model")]
     hidden: usize,
-    /// Attention heads (as many key-value heads; head_dim = hidden / heads).
-    #[arg(long, default_value_t = 8)]
+    /// Attention heads (as many key-value heads; head_dim = hidden / heads; a custom shape).
+    #[arg(long, default_value_t = 8, conflicts_with = "model")]
     heads: usize,
-    /// SwiGLU width.
-    #[arg(long, default_value_t = 1536)]
+    /// SwiGLU width (a custom shape).
+    #[arg(long, default_value_t = 1536, conflicts_with = "model")]
     intermediate: usize,
-    /// Vocabulary size (random tokens).
-    #[arg(long, default_value_t = 32000)]
+    /// Vocabulary size (a custom shape; the tokens are random).
+    #[arg(long, default_value_t = 32000, conflicts_with = "model")]
     vocab: usize,
-    /// Sliding window of swa and of AHA's local path.
+    /// Sliding window of swa, of AHA's and SwiAttn's local paths and of L2A's window.
     #[arg(long, default_value_t = 256)]
     window: usize,
     /// Fraction of the gates open: AHA's (token, head) and SwiAttn's token gates (routers
@@ -182,13 +190,21 @@ struct BenchTrainCmd {
     /// attention.ste_sample of the aha-sampled method.
     #[arg(long, value_parser = finite_flag, default_value_t = 0.1)]
     ste_sample: f64,
+    /// train.activation_checkpointing of our cases: none, full, selective, or auto (the
+    /// memory plan's choice).
+    #[arg(long, default_value = "auto", value_parser = parse_checkpointing)]
+    checkpointing: Checkpointing,
+    /// train.loss_chunk_tokens of our cases (0: the memory plan's choice).
+    #[arg(long, default_value_t = 0)]
+    loss_chunk_tokens: usize,
     /// Timed steps per case (median reported), after the warm-up steps.
     #[arg(long, default_value_t = 10)]
     steps: usize,
     /// Untimed steps first.
     #[arg(long, default_value_t = 3)]
     warmup: usize,
-    /// Output directory.
+    /// Output directory; rows of earlier runs in it stay, a case measured again replaces its
+    /// row.
     #[arg(long, default_value = "results/bench_train")]
     out: PathBuf,
     /// Python with torch for the peers.
@@ -200,6 +216,21 @@ struct BenchTrainCmd {
     /// Skip the peers.
     #[arg(long)]
     no_peers: bool,
+    /// Run no case: rewrite train_bench.csv's derived columns and the figures in --out from
+    /// the rows it holds (the other flags are not read).
+    #[arg(long)]
+    redraw: bool,
+}
+
+/// `--checkpointing`'s values, by their config names.
+fn parse_checkpointing(s: &str) -> std::result::Result<Checkpointing, String> {
+    match s {
+        "none" => Ok(Checkpointing::None),
+        "full" => Ok(Checkpointing::Full),
+        "selective" => Ok(Checkpointing::Selective),
+        "auto" => Ok(Checkpointing::Auto),
+        _ => Err(format!("{s:?} is not one of none, full, selective, auto")),
+    }
 }
 
 #[derive(Args)]
@@ -429,30 +460,11 @@ struct SynthCmd {
 /// Runs the command line. A panic (a bug, or an allocation that failed inside libtorch)
 /// comes back as an error naming where it happened, never as a Rust panic.
 pub fn main() -> Result<()> {
-    std::panic::set_hook(Box::new(|info| {
-        let msg = info
-            .payload()
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        let at = info
-            .location()
-            .map(|l| format!(" at {}:{}", l.file(), l.line()))
-            .unwrap_or_default();
-        // The first panic is the cause; a scope re-raising a worker's panic comes after it.
-        if let Ok(mut first) = PANIC.lock() {
-            first.get_or_insert((msg, at));
-        }
-    }));
+    panics::keep_first();
     match std::panic::catch_unwind(run) {
         Ok(result) => result,
         Err(_) => {
-            let (msg, at) = PANIC
-                .lock()
-                .ok()
-                .and_then(|mut p| p.take())
-                .unwrap_or_default();
+            let (msg, at) = panics::take();
             // libtorch's failed allocations, on the host and on a GPU.
             if msg.contains("can't allocate memory") || msg.contains("out of memory") {
                 anyhow::bail!(
@@ -477,36 +489,6 @@ pub fn main() -> Result<()> {
         }
     })
 }
-
-/// The cause in a message that may carry libtorch's error: the message up to its C++
-/// backtrace (`\nframe #0: ...`, written as escaped newlines in a panic's debug text), without
-/// tch's wrapping (`Torch("...")`, `Internal torch error: `) or libtorch's `[enforce fail at
-/// FILE:LINE] CONDITION.` prefix; what comes before them (an error's context) is kept.
-fn torch_cause(msg: &str) -> String {
-    let msg = msg.replace("called `Result::unwrap()` on an `Err` value: ", "");
-    let (context, torch) = ["Torch(\"", "Internal torch error: "]
-        .iter()
-        .find_map(|w| msg.split_once(w))
-        .unwrap_or(("", &msg));
-    let end = ["\\n", "\n", "Exception raised from", "frame #0"]
-        .iter()
-        .filter_map(|m| torch.find(m))
-        .min()
-        .unwrap_or(torch.len());
-    let mut cause = torch[..end].trim();
-    if let Some((_, rest)) = cause.split_once("[enforce fail at ") {
-        cause = rest.split_once("] ").map_or(rest, |x| x.1);
-        if let Some((condition, message)) = cause.split_once(". ") {
-            if condition.contains("==") || condition.contains("!=") {
-                cause = message;
-            }
-        }
-    }
-    format!("{context}{cause}").trim().to_string()
-}
-
-/// The message and place of the first panic, kept by the panic hook.
-static PANIC: std::sync::Mutex<Option<(String, String)>> = std::sync::Mutex::new(None);
 
 fn run() -> Result<()> {
     match Cli::parse().command {
@@ -617,6 +599,36 @@ fn run_bench_attention(c: BenchAttentionCmd) -> Result<()> {
 }
 
 fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
+    if c.redraw {
+        println!("{}", bench_train::redraw(&c.out)?.display());
+        return Ok(());
+    }
+    let (model_name, model) = match &c.model {
+        Some(spec) => (spec.clone(), presets::model(spec)?),
+        None => {
+            // The custom shape's flags, named as such.
+            anyhow::ensure!(c.layers >= 1, "--layers must be at least 1");
+            anyhow::ensure!(c.heads >= 1, "--heads must be at least 1");
+            anyhow::ensure!(
+                c.hidden % c.heads == 0,
+                "--hidden {} is not a multiple of --heads {}",
+                c.hidden,
+                c.heads
+            );
+            anyhow::ensure!(c.intermediate >= 1, "--intermediate must be at least 1");
+            anyhow::ensure!(c.vocab >= 2, "--vocab must be at least 2");
+            let m = ModelConfig {
+                vocab_size: c.vocab,
+                hidden_size: c.hidden,
+                intermediate_size: c.intermediate,
+                num_hidden_layers: c.layers,
+                num_attention_heads: c.heads,
+                num_key_value_heads: c.heads,
+                ..Default::default()
+            };
+            ("custom".to_string(), m)
+        }
+    };
     let b = TrainBench {
         lengths: c.lengths,
         tokens: c.tokens,
@@ -624,15 +636,14 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
             true => TrainMethod::all().collect(),
             false => c.methods,
         },
-        layers: c.layers,
-        hidden: c.hidden,
-        heads: c.heads,
-        intermediate: c.intermediate,
-        vocab: c.vocab,
+        model_name,
+        model,
         window: c.window,
         full_usage: c.full_usage,
         ste_sample: c.ste_sample,
         ppa_power: c.ppa_power,
+        checkpointing: c.checkpointing,
+        loss_chunk_tokens: c.loss_chunk_tokens,
         steps: c.steps,
         warmup: c.warmup,
         out: c.out,
@@ -640,9 +651,7 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         peers: if c.no_peers { Vec::new() } else { c.peers },
     };
     b.validate()?;
-    kernels::cuda()
-        .context("bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
-    println!("{}", bench::run_train(&b)?.display());
+    println!("{}", bench_train::run_train(&b)?.display());
     Ok(())
 }
 

@@ -17,7 +17,7 @@ pub use model::ModelConfig;
 pub use model::{NormPlacement, QkNorm, RopeScaling};
 pub(crate) use overrides::{apply_override, reject_non_finite};
 pub(crate) use train::{parse_device, DeviceSpec};
-pub use train::{DataConfig, Dtype, TrainConfig};
+pub use train::{Checkpointing, DataConfig, Dtype, TrainConfig};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -246,6 +246,8 @@ pub(crate) const RESUME_MAY_CHANGE: &[&str] = &[
     "train.ckpt_every",
     "train.keep_checkpoints",
     "train.eval_every",
+    "train.activation_checkpointing",
+    "train.loss_chunk_tokens",
     "attention.attn_impl",
     "eval",
 ];

@@ -29,6 +29,21 @@ pub enum Dtype {
     Bf16,
 }
 
+/// Which blocks run their forward again in the backward instead of keeping their activations
+/// (`model/step.rs`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Checkpointing {
+    None,
+    /// Every block.
+    Full,
+    /// Every other block, from the first (torchtitan's selective checkpointing by layer):
+    /// about half the activations for about half the recomputation.
+    Selective,
+    /// The first of none, selective and full whose planned peak fits the device's memory.
+    Auto,
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -65,6 +80,13 @@ pub struct TrainConfig {
     /// before the global module, started as a copy of attention reading other inputs, has
     /// become useful.
     pub router_hold_steps: usize,
+    /// Activation checkpointing by block: "none", "full", "selective" or "auto" (the memory
+    /// plan, `run/memory.rs`, picks the first that fits the device).
+    pub activation_checkpointing: Checkpointing,
+    /// Tokens a chunk of the loss: the output projection and cross-entropy run one chunk at a
+    /// time, forward and backward, so the logits never exist whole. 0 chooses: the whole
+    /// micro-batch where its logits take at most 1 GiB, else chunks of about 1 GiB of logits.
+    pub loss_chunk_tokens: usize,
 }
 
 impl Default for TrainConfig {
@@ -90,6 +112,8 @@ impl Default for TrainConfig {
             eval_every: 0,
             freeze_mlp: false,
             router_hold_steps: 0,
+            activation_checkpointing: Checkpointing::Auto,
+            loss_chunk_tokens: 0,
         }
     }
 }

@@ -91,12 +91,12 @@ impl ForwardOutput {
     /// normalises by the number of layers), None for methods without one. `nll: [B, L]` is
     /// the per-token language-model loss, which SwiAttn's adaptive weight reads.
     pub(crate) fn regulariser(&self, nll: &Tensor) -> Option<Tensor> {
-        let terms: Vec<Tensor> = self
-            .layers
-            .iter()
-            .filter_map(|l| l.reg.as_ref().map(|r| r.term(nll)))
-            .collect();
-        (!terms.is_empty()).then(|| Tensor::stack(&terms, 0).mean(Kind::Float))
+        mean_term(
+            self.layers
+                .iter()
+                .filter_map(|l| l.reg.as_ref().map(|r| r.term(nll)))
+                .collect(),
+        )
     }
 
     /// (query, key) pairs attended over all layers and heads.
@@ -108,14 +108,24 @@ impl ForwardOutput {
     /// A static layer of a routed model (a pruned L2A layer) is all window: it counts as 0, as
     /// evaluation counts it.
     pub(crate) fn full_usage(&self) -> Option<Tensor> {
-        let means: Vec<Tensor> = self
-            .layers
-            .iter()
-            .filter_map(|l| l.gates.as_ref().map(|g| g.mean(Kind::Float)))
-            .collect();
-        (!means.is_empty())
-            .then(|| Tensor::stack(&means, 0).sum(Kind::Float) / self.layers.len() as f64)
+        usage(
+            self.layers
+                .iter()
+                .filter_map(|l| l.gates.as_ref().map(|g| g.mean(Kind::Float)))
+                .collect(),
+            self.layers.len(),
+        )
     }
+}
+
+/// The regulariser from its per-layer terms: their mean (None without any).
+pub(crate) fn mean_term(terms: Vec<Tensor>) -> Option<Tensor> {
+    (!terms.is_empty()).then(|| Tensor::stack(&terms, 0).mean(Kind::Float))
+}
+
+/// mu_f from the mean gate of each gated layer, over all `layers` (None without any).
+pub(crate) fn usage(means: Vec<Tensor>, layers: usize) -> Option<Tensor> {
+    (!means.is_empty()).then(|| Tensor::stack(&means, 0).sum(Kind::Float) / layers as f64)
 }
 
 pub struct Llama {
@@ -124,7 +134,8 @@ pub struct Llama {
     pub(crate) layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
-    compute: Kind,
+    /// The kind activations are computed in (bf16 or fp32).
+    pub(crate) compute: Kind,
     /// The kernel library the attention layers use, None on the reference path.
     pub(crate) kernels: Option<&'static Kernels>,
 }
@@ -216,10 +227,15 @@ impl Llama {
 
     /// `ids: [B, L]` int64 token ids.
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
-        let len = ids.size()[1];
-        let masks = MaskCache::new(len as usize, ids.device());
-        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, ids.device());
+        let (masks, rope) = self.sequence(ids.size()[1], ids.device());
         self.run(ids, &rope, |_| Keys::Chunk(&masks), ctx)
+    }
+
+    /// The masks and rotary angles of a whole sequence of `len` tokens.
+    pub(crate) fn sequence(&self, len: i64, device: Device) -> (MaskCache, Rope) {
+        let masks = MaskCache::new(len as usize, device);
+        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, device);
+        (masks, rope)
     }
 
     /// An empty decoding cache for `forward_cached`.
@@ -265,53 +281,14 @@ impl Llama {
         keys: impl Fn(usize) -> Keys<'a>,
         ctx: &ForwardCtx,
     ) -> ForwardOutput {
-        let mut h =
-            Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute);
+        let mut h = self.embed(ids);
         let mut outs = Vec::with_capacity(self.layers.len());
-        let device = ids.device();
-        let attend =
-            |layer: &DecoderLayer, x: &Tensor, keys: &Keys| match ctx.attention_seconds.get() {
-                None => layer.self_attn.forward(x, rope, keys, ctx),
-                Some(spent) => {
-                    sync(device);
-                    let start = std::time::Instant::now();
-                    let out = layer.self_attn.forward(x, rope, keys, ctx);
-                    sync(device);
-                    ctx.attention_seconds
-                        .set(Some(spent + start.elapsed().as_secs_f64()));
-                    out
-                }
-            };
-        for (i, layer) in self.layers.iter().enumerate() {
-            let keys = keys(i);
-            let attn = match &layer.input_layernorm {
-                Some(norm) => {
-                    let attn = attend(layer, &norm.forward(&h), &keys);
-                    h = &h + &attn.y;
-                    h = &h
-                        + layer
-                            .mlp
-                            .forward(&layer.post_attention_layernorm.forward(&h));
-                    attn
-                }
-                None => {
-                    let attn = attend(layer, &h, &keys);
-                    h = &h + layer.post_attention_layernorm.forward(&attn.y);
-                    let ff = layer
-                        .post_feedforward_layernorm
-                        .as_ref()
-                        .expect("post-norm layer");
-                    h = &h + ff.forward(&layer.mlp.forward(&h));
-                    attn
-                }
-            };
+        for i in 0..self.layers.len() {
+            let (next, attn) = self.block(i, &h, rope, &keys(i), ctx);
+            h = next;
             outs.push(attn);
         }
-        let h = self.norm.forward(&h);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => h.linear(&self.embed_tokens.to_kind(self.compute), None::<Tensor>),
-        };
+        let logits = self.logits(&self.final_norm(&h));
         ForwardOutput {
             logits: match ctx.compute_logits {
                 true => logits,
@@ -319,6 +296,80 @@ impl Llama {
             },
             layers: outs,
         }
+    }
+
+    /// Token embeddings in the compute dtype: the first block's input.
+    pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute)
+    }
+
+    /// Block `i` over its input `h`: the block's output and what its attention handed back.
+    pub(crate) fn block(
+        &self,
+        i: usize,
+        h: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> (Tensor, AttnOutput) {
+        let layer = &self.layers[i];
+        let device = h.device();
+        let attend = |x: &Tensor| match ctx.attention_seconds.get() {
+            None => layer.self_attn.forward(x, rope, keys, ctx),
+            Some(spent) => {
+                sync(device);
+                let start = std::time::Instant::now();
+                let out = layer.self_attn.forward(x, rope, keys, ctx);
+                sync(device);
+                ctx.attention_seconds
+                    .set(Some(spent + start.elapsed().as_secs_f64()));
+                out
+            }
+        };
+        match &layer.input_layernorm {
+            Some(norm) => {
+                let attn = attend(&norm.forward(h));
+                let h = h + &attn.y;
+                let out = &h
+                    + layer
+                        .mlp
+                        .forward(&layer.post_attention_layernorm.forward(&h));
+                (out, attn)
+            }
+            None => {
+                let attn = attend(h);
+                let h = h + layer.post_attention_layernorm.forward(&attn.y);
+                let ff = layer
+                    .post_feedforward_layernorm
+                    .as_ref()
+                    .expect("post-norm layer");
+                let out = &h + ff.forward(&layer.mlp.forward(&h));
+                (out, attn)
+            }
+        }
+    }
+
+    /// The final RMSNorm, the head's input.
+    pub(crate) fn final_norm(&self, h: &Tensor) -> Tensor {
+        self.norm.forward(h)
+    }
+
+    /// The output projection's weight: the head's own, or the embedding where they are tied.
+    pub(crate) fn head_weight(&self) -> &Tensor {
+        match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.embed_tokens,
+        }
+    }
+
+    /// Whether the head's weight is the embedding's (tied).
+    pub(crate) fn ties_head(&self) -> bool {
+        self.lm_head.is_none()
+    }
+
+    /// Logits in `hn`'s dtype of final-normed hidden states `hn`.
+    pub(crate) fn logits(&self, hn: &Tensor) -> Tensor {
+        hn.linear(&self.head_weight().to_kind(hn.kind()), None::<Tensor>)
     }
 
     /// Key-value cache bytes of the same model with full attention in every layer, for one

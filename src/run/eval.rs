@@ -436,7 +436,7 @@ mod tests {
     use crate::config::EvalConfig;
     use crate::config::Method;
     use crate::config::Router;
-    use crate::run::train;
+    use crate::model::step;
     use crate::run::Built;
     use crate::util;
 
@@ -557,7 +557,7 @@ mod tests {
         let b = Built::new(&c, Device::Cpu).unwrap();
         let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
         let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
-        let (_, step) = train::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
+        let (_, step) = step::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
         let mu = report.gates.unwrap().mu_f;
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.
         assert!((mu - 0.5).abs() < 1e-12, "{mu}");

@@ -5,6 +5,7 @@
 pub mod convert;
 pub(crate) mod eval;
 pub(crate) mod memory;
+pub(crate) mod presets;
 pub(crate) mod prune;
 pub(crate) mod report;
 pub mod tasks;

@@ -11,11 +11,12 @@ use crate::config::RESUME_MAY_CHANGE;
 use crate::data::{self, Split};
 use crate::io::checkpoint::{self, Precision, TrainState};
 use crate::model::attention::{spec, ForwardCtx, GateOverride};
+use crate::model::kernels;
 use crate::model::kernels::{AdamWStep, Kernels};
-use crate::model::nn::token_nll;
-use crate::model::Llama;
+use crate::model::step::forward_backward;
 use crate::run::eval;
 use crate::run::memory;
+use crate::run::memory::MemoryPlan;
 use crate::run::report;
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
@@ -28,61 +29,9 @@ use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+const GIB: f64 = (1u64 << 30) as f64;
 use tch::{Device, Kind, Tensor};
-
-/// What one forward and backward over a micro-batch measured.
-pub(crate) struct MicroStep {
-    /// Language-model loss (mean token NLL).
-    pub(crate) loss: f64,
-    /// The method's regulariser, if it has one.
-    pub(crate) reg: Option<f64>,
-    /// Full-attention usage mu_f, for routed methods.
-    pub(crate) full_usage: Option<f64>,
-}
-
-/// The loss of one micro-batch `x -> y` (language model plus the method's regulariser), with
-/// what it measured. With a kernel library the cross-entropy is the fused one, which reads
-/// logits left in the compute dtype (`ForwardCtx::compute_logits`).
-pub(crate) fn forward_loss(
-    model: &Llama,
-    x: &Tensor,
-    y: &Tensor,
-    ctx: &ForwardCtx,
-) -> (Tensor, MicroStep) {
-    let fwd = model.forward(x, ctx);
-    let nll = match model.kernels {
-        Some(k) => k
-            .token_nll(&fwd.logits, y)
-            .expect("cross-entropy kernel on the model's own logits"),
-        None => token_nll(&fwd.logits, y),
-    };
-    let lm = nll.mean(Kind::Float);
-    let reg = fwd.regulariser(&nll);
-    let stats = MicroStep {
-        loss: lm.double_value(&[]),
-        reg: reg.as_ref().map(|r| r.double_value(&[])),
-        full_usage: fwd.full_usage().map(|mu| mu.double_value(&[])),
-    };
-    let total = match reg {
-        Some(r) => lm + r,
-        None => lm,
-    };
-    (total, stats)
-}
-
-/// Forward and backward of one micro-batch, gradients scaled by `1 / accum` and added to
-/// the parameters' gradients.
-pub(crate) fn micro_step(
-    model: &Llama,
-    x: &Tensor,
-    y: &Tensor,
-    ctx: &ForwardCtx,
-    accum: usize,
-) -> MicroStep {
-    let (total, stats) = forward_loss(model, x, y, ctx);
-    (total / accum as f64).backward();
-    stats
-}
 
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
 /// `lr * min_lr_ratio` at the last step.
@@ -301,8 +250,12 @@ pub(crate) struct TrainArgs {
 }
 
 /// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
-/// methods without them.
-const LOG_HEADER: [&str; 8] = [
+/// methods without them. On a GPU, `peak_gib` is the most its tensors held since the row
+/// before and `planned_gib` the memory plan's prediction of it (`memory::plan_on_device`);
+/// both empty on the CPU.
+const VAL_LOG_HEADER: [&str; 2] = ["step", "val_loss"];
+
+const LOG_HEADER: [&str; 10] = [
     "step",
     "loss",
     "lr",
@@ -311,23 +264,37 @@ const LOG_HEADER: [&str; 8] = [
     "tokens_seen",
     "reg",
     "mu_f",
+    "peak_gib",
+    "planned_gib",
 ];
 
 /// Keeps the header and rows up to `step` of a CSV log whose first column is the step, so a
 /// resumed run does not repeat the rows an interrupted run wrote after its last checkpoint.
-/// A row cut short by a crash (fewer fields than the header) is dropped too.
-fn truncate_log(path: &Path, step: usize) -> Result<()> {
+/// A row cut short by a crash (fewer fields than the header) is dropped too. A log written
+/// with fewer columns than `header` (by an earlier version) gets `header`, its rows empty
+/// fields for the new columns.
+fn truncate_log(path: &Path, step: usize, header: &[&str]) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
     let text = std::fs::read_to_string(path)?;
-    let fields = text.lines().next().map_or(0, |h| h.split(',').count());
+    let old = text.lines().next().unwrap_or_default();
+    let fields = old.split(',').count();
+    let widen = header.starts_with(&old.split(',').collect::<Vec<_>>()) && header.len() > fields;
+    let pad = match widen {
+        true => ",".repeat(header.len() - fields),
+        false => String::new(),
+    };
     let mut keep = String::new();
     for (i, line) in text.lines().enumerate() {
         let s: Option<usize> = line.split(',').next().and_then(|v| v.parse().ok());
         let whole = line.split(',').count() == fields;
-        if i == 0 || (whole && s.is_some_and(|s| s <= step)) {
+        if i == 0 && widen {
+            keep.push_str(&header.join(","));
+            keep.push('\n');
+        } else if i == 0 || (whole && s.is_some_and(|s| s <= step)) {
             keep.push_str(line);
+            keep.push_str(if i == 0 { "" } else { &pad });
             keep.push('\n');
         }
     }
@@ -440,6 +407,9 @@ struct Prepared {
     init_from: Option<PathBuf>,
     /// Settings a resumed run changes (`resume_changes`), as (key, was, now).
     changed: Vec<(String, String, String)>,
+    /// The memory plan from the config alone (on a GPU, planned again once the model is
+    /// there: `memory::plan_on_device`).
+    plan: MemoryPlan,
 }
 
 /// Checks the run directory, the data and the memory before anything is written, then takes
@@ -490,7 +460,7 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
             split.largest_shard()
         );
     }
-    memory::check_training(cfg, device)?;
+    let plan = memory::check_training(cfg, device)?;
     atomic::ensure_writable_dir(out)?;
     // One trainer per run directory; the OS releases the lock when the process dies.
     let lock = atomic::create_file(&out.join("train.lock"))?;
@@ -506,6 +476,7 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
         _lock: lock,
         init_from: init_source(args)?,
         changed,
+        plan,
     })
 }
 
@@ -542,6 +513,12 @@ struct Trainer<'a> {
     rng: Rng,
     gate_rng: Rng,
     ctx: ForwardCtx,
+    /// How each micro-step keeps its activations and computes its loss.
+    plan: MemoryPlan,
+    /// The library that reads the GPU's memory and the device's index, on a GPU.
+    gpu: Option<(&'static Kernels, usize)>,
+    /// Predicted peak bytes on the GPU (`memory::plan_on_device`).
+    planned: Option<f64>,
     /// Probability per step of a forced global step (`MethodSpec::force_global`).
     p_force: f64,
     /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
@@ -585,6 +562,24 @@ impl<'a> Trainer<'a> {
             })
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .collect();
+        // On a GPU the plan is made again with the model there, before the optimizer's state
+        // is: its blocks measured, the device's memory read.
+        let gpu = match prepared.device {
+            Device::Cuda(i) => kernels::cuda().map(|k| (k, i)),
+            Device::Cpu | Device::Mps | Device::Vulkan => None,
+        };
+        let (plan, planned) = match gpu {
+            Some((k, i)) => {
+                let trained: Vec<Tensor> = trainable.values().map(|p| p.shallow_clone()).collect();
+                let plan = memory::plan_on_device(cfg, &built.model, &trained, k, i)?;
+                let peak = plan.peak;
+                (plan, Some(peak))
+            }
+            None => (prepared.plan.clone(), None),
+        };
+        if !args.quiet {
+            eprintln!("{}", plan.describe(cfg, planned));
+        }
         let mut opt = AdamW::new(&trainable, built.model.kernels);
         let mut state = TrainState {
             step: 0,
@@ -620,9 +615,9 @@ impl<'a> Trainer<'a> {
         let log_path = out.join("train_log.csv");
         let val_log_path = out.join("val_log.csv");
         if args.resume {
-            truncate_log(&log_path, state.step)?;
+            truncate_log(&log_path, state.step, &LOG_HEADER)?;
             // The final evaluation's row is written again below.
-            truncate_log(&val_log_path, state.step.min(t.steps - 1))?;
+            truncate_log(&val_log_path, state.step.min(t.steps - 1), &VAL_LOG_HEADER)?;
             checkpoint::remove_temporaries(out)?;
         }
         let ctx = ForwardCtx {
@@ -675,6 +670,9 @@ impl<'a> Trainer<'a> {
             },
             state,
             ctx,
+            plan,
+            gpu,
+            planned,
             p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
             routers,
             log_path,
@@ -740,7 +738,14 @@ impl<'a> Trainer<'a> {
                 self.cfg.data.seq_len,
                 self.prepared.device,
             )?;
-            let m = micro_step(&self.built.model, &b.x, &b.y, &self.ctx, t.grad_accum);
+            let m = forward_backward(
+                &self.built.model,
+                &b.x,
+                &b.y,
+                &self.ctx,
+                &self.plan.step,
+                t.grad_accum,
+            );
             loss_sum += m.loss;
             if let Some(r) = m.reg {
                 *reg_sum.get_or_insert(0.0) += r;
@@ -812,6 +817,11 @@ impl<'a> Trainer<'a> {
         if step % t.log_every == 0 || step == last {
             let tps = self.window_tokens as f64 / self.window_start.elapsed().as_secs_f64();
             let (loss, lr) = (s.loss, s.lr);
+            // The GPU's peak since the last row, and from now on the next row's.
+            let peak = match self.gpu {
+                Some((k, i)) => Some(k.cuda_memory(i, true)?.peak),
+                None => None,
+            };
             self.status = format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s");
             append_row(
                 &self.log_path,
@@ -825,6 +835,9 @@ impl<'a> Trainer<'a> {
                     self.state.tokens_seen.to_string(),
                     fmt_opt(s.reg_sum),
                     fmt_opt(s.mu_sum),
+                    peak.map_or(String::new(), |p| format!("{:.3}", p / GIB)),
+                    self.planned
+                        .map_or(String::new(), |p| format!("{:.3}", p / GIB)),
                 ],
             )?;
             self.window_start = Instant::now();
@@ -842,7 +855,7 @@ impl<'a> Trainer<'a> {
             )?;
             append_row(
                 &self.val_log_path,
-                &["step", "val_loss"],
+                &VAL_LOG_HEADER,
                 &[step.to_string(), format!("{:.6}", r.loss)],
             )?;
             self.progress
@@ -880,7 +893,7 @@ impl<'a> Trainer<'a> {
             r.timing = eval::timing_of(model, val, cfg, device);
             append_row(
                 &self.val_log_path,
-                &["step", "val_loss"],
+                &VAL_LOG_HEADER,
                 &[self.state.step.to_string(), format!("{:.6}", r.loss)],
             )?;
             report::write_report(&args.out.join("eval"), &r, cfg)?;
@@ -970,6 +983,26 @@ mod tests {
                 "model.layers.0.mlp.up_proj.weight",
             ]
         );
+    }
+
+    /// A log of an earlier version's columns gets the new header, its rows padded, the
+    /// rows past the step and a cut row dropped; a current log keeps its rows as they are.
+    #[test]
+    fn resumed_logs_keep_their_rows_under_the_new_columns() {
+        let dir = crate::util::scratch_dir("truncate-log");
+        let path = dir.join("train_log.csv");
+        std::fs::write(&path, "step,loss\n1,2.5\n2,2.4\n3,2.3\n4\n").unwrap();
+        truncate_log(&path, 2, &["step", "loss", "peak_gib"]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "step,loss,peak_gib\n1,2.5,\n2,2.4,\n"
+        );
+        truncate_log(&path, 1, &["step", "loss", "peak_gib"]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "step,loss,peak_gib\n1,2.5,\n"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -36,6 +36,40 @@ pub(crate) struct Series {
     pub(crate) line: bool,
     /// Text drawn beside each point (same length as `points`), e.g. tau values.
     pub(crate) labels: Vec<String>,
+    pub(crate) look: Look,
+}
+
+/// How a series is drawn: by its place in the chart (colours and markers cycle), or as its
+/// maker chose, so that series sharing a colour read as one thing done two ways (a method
+/// run by us and by a peer: the colour the method's, the marker and dashes the
+/// implementation's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Look {
+    #[default]
+    ByPlace,
+    Chosen {
+        /// Index into the palette.
+        colour: usize,
+        /// Index into the marker shapes.
+        shape: usize,
+        hollow: bool,
+        dashed: bool,
+    },
+}
+
+impl Look {
+    /// The colour, shape, hollowness and dashes of series `i` drawn this way.
+    fn resolve(self, i: usize) -> (RGBColor, usize, bool, bool) {
+        match self {
+            Look::ByPlace => (PALETTE[i % PALETTE.len()], i % 5, i % 2 == 1, false),
+            Look::Chosen {
+                colour,
+                shape,
+                hollow,
+                dashed,
+            } => (PALETTE[colour % PALETTE.len()], shape % 5, hollow, dashed),
+        }
+    }
 }
 
 /// One x-y chart of a [`Figure::Panels`].
@@ -162,11 +196,15 @@ const LEGEND_W: u32 = 300;
 /// windows, powers, lambdas) rather than at round numbers.
 const SWEPT_TICKS: usize = 12;
 
-/// The marker of series `i`: colours cycle through 7, shapes through 5 (35 distinct), and
-/// every other series is hollow and larger, so coinciding points of two series both show.
-fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(i: usize, p: C) -> DynElement<'a, DB, C> {
-    let c = PALETTE[i % PALETTE.len()];
-    let hollow = i % 2 == 1;
+/// The marker of series `i` drawn with `look`; by place, colours cycle through 7, shapes
+/// through 5 (35 distinct), and every other series is hollow and larger, so coinciding points
+/// of two series both show.
+fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(
+    i: usize,
+    look: Look,
+    p: C,
+) -> DynElement<'a, DB, C> {
+    let (c, shape, hollow, _) = look.resolve(i);
     let size = if hollow { 7 } else { 5 };
     let style = if hollow {
         c.stroke_width(2)
@@ -174,7 +212,7 @@ fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(i: usize, p: C) -> DynElem
         c.filled()
     };
     let at = EmptyElement::at(p);
-    match i % 5 {
+    match shape {
         0 => (at + Circle::new((0, 0), size, style)).into_dyn(),
         1 => (at + TriangleMarker::new((0, 0), size + 1, style)).into_dyn(),
         2 => (at + Rectangle::new([(-size, -size), (size, size)], style)).into_dyn(),
@@ -244,7 +282,8 @@ impl<R: Ranged<ValueType = f64>> Ranged for Swept<R> {
 }
 
 /// The x values of every series, when there are few enough to label each one; vertical
-/// markers (a series at one x, such as a window's reach) are not swept values.
+/// markers (a series at one x, such as a window's reach) are not swept values, unless no
+/// series varies.
 fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
     let mut xs: Vec<f64> = series
         .iter()
@@ -252,9 +291,17 @@ fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
         .flat_map(|s| s.points.iter().map(|p| p.0))
         .filter(|v| v.is_finite())
         .collect();
+    if xs.is_empty() {
+        // No series varies (one length measured): its value still gets its tick.
+        xs = series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0))
+            .filter(|v| v.is_finite())
+            .collect();
+    }
     xs.sort_by(f64::total_cmp);
     xs.dedup();
-    (xs.len() >= 2 && xs.len() <= SWEPT_TICKS).then_some(xs)
+    (!xs.is_empty() && xs.len() <= SWEPT_TICKS).then_some(xs)
 }
 
 /// The largest power of ten, down to 1e-8, on whose decimal grid every value lies, so
@@ -303,7 +350,17 @@ fn draw_lines<DB: DrawingBackend>(
         }
     };
     let y_fmt = tick_format((y1 - y0) / 10.0);
-    let x_fmt = tick_format(x_step);
+    // Swept whole numbers (lengths of 131072 tokens) printed whole, never rounded to 1.3e5.
+    let whole = swept
+        .as_ref()
+        .is_some_and(|xs| xs.iter().all(|v| v.fract() == 0.0 && v.abs() < 1e15));
+    let x_fmt = {
+        let round = tick_format(x_step);
+        move |v: &f64| match whole && v.fract() == 0.0 {
+            true => format!("{}", *v as i64),
+            false => round(v),
+        }
+    };
     let mut builder = ChartBuilder::on(root);
     builder
         .caption(title, text(20))
@@ -326,15 +383,31 @@ fn draw_lines<DB: DrawingBackend>(
                 .draw()
                 .map_err(err)?;
             for (i, s) in series.iter().enumerate() {
-                let c = PALETTE[i % PALETTE.len()];
-                if s.line {
-                    chart
-                        .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
-                        .map_err(err)?;
+                let (c, _, _, dashed) = s.look.resolve(i);
+                match (s.line, dashed) {
+                    (true, false) => {
+                        chart
+                            .draw_series(LineSeries::new(s.points.clone(), c.stroke_width(2)))
+                            .map_err(err)?;
+                    }
+                    (true, true) => {
+                        chart
+                            .draw_series(DashedLineSeries::new(
+                                s.points.clone(),
+                                8,
+                                5,
+                                c.stroke_width(2),
+                            ))
+                            .map_err(err)?;
+                    }
+                    (false, _) => {}
                 }
                 // One draw per marker: the shapes differ in type.
                 for &p in &s.points {
-                    chart.plotting_area().draw(&marker(i, p)).map_err(err)?;
+                    chart
+                        .plotting_area()
+                        .draw(&marker(i, s.look, p))
+                        .map_err(err)?;
                 }
                 chart
                     .draw_series(
@@ -385,12 +458,19 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Seri
     let fits = ((h as i32 - 70) / row).max(1) as usize;
     for (i, s) in series.iter().enumerate().take(fits) {
         let y = 60 + i as i32 * row;
-        let c = PALETTE[i % PALETTE.len()];
+        let (c, _, _, dashed) = s.look.resolve(i);
         if s.line {
-            area.draw(&PathElement::new(vec![(4, y), (36, y)], c.stroke_width(2)))
-                .map_err(err)?;
+            // A dashed line's sample: two dashes with a gap.
+            let segments = match dashed {
+                true => vec![(4, 16), (24, 36)],
+                false => vec![(4, 36)],
+            };
+            for (a, b) in segments {
+                area.draw(&PathElement::new(vec![(a, y), (b, y)], c.stroke_width(2)))
+                    .map_err(err)?;
+            }
         }
-        area.draw(&marker::<DB, (i32, i32)>(i, (20, y)))
+        area.draw(&marker::<DB, (i32, i32)>(i, s.look, (20, y)))
             .map_err(err)?;
         let name: String = s.name.chars().take(30).collect();
         area.draw(&Text::new(name, (44, y - 8), text.clone()))
@@ -601,6 +681,7 @@ pub(super) fn series(name: String, mut points: Vec<(f64, f64)>, line: bool) -> S
         points,
         line,
         labels: vec![],
+        look: Look::ByPlace,
     }
 }
 
@@ -703,6 +784,28 @@ pub(super) mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn long_lengths_are_labelled_whole_and_a_single_length_gets_its_tick() {
+        let line = |xs: &[f64]| Figure::Lines {
+            title: "tokens/s".into(),
+            x: "L".into(),
+            y: "tokens/s".into(),
+            series: vec![series(
+                "ours full".into(),
+                xs.iter().map(|&x| (x, 1e4 * 8192.0 / x)).collect(),
+                true,
+            )],
+            x_axis: XAxis::LogSwept,
+        };
+        let t = texts(&render(&line(&[8192.0, 32768.0, 131072.0])).1);
+        for l in ["8192", "32768", "131072"] {
+            assert!(t.iter().any(|x| x == l), "tick {l} missing: {t:?}");
+        }
+        assert!(!t.iter().any(|x| x.contains("e5")), "{t:?}");
+        let t = texts(&render(&line(&[4096.0])).1);
+        assert!(t.iter().any(|x| x == "4096"), "{t:?}");
     }
 
     #[test]

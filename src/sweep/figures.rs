@@ -18,7 +18,7 @@
 //! | `pareto`, `pareto_time`, `pareto_memory` | every method of one budget: loss against attention work, measured training time and decode memory, each with its Pareto front |
 
 use super::figure::{
-    exact_step, min_gap, series, sorted, tick_format, Figure, Panel, Series, XAxis,
+    exact_step, min_gap, series, sorted, tick_format, Figure, Look, Panel, Series, XAxis,
 };
 use super::grid::StageKind;
 use super::pareto::{self, accuracy, Cost};
@@ -367,6 +367,7 @@ fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
                     points: vec![],
                     line: true,
                     labels: vec![],
+                    look: Look::ByPlace,
                 });
             s.points.push((r.pairs_vs_full(), r.loss()));
             s.labels.push(format!("tau={}", r.tau));
@@ -679,6 +680,7 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                         points: vec![],
                         line: false,
                         labels: vec![],
+                        look: Look::ByPlace,
                     });
                 s.points.push(*p);
                 // Settings beside the front's points only: the cells off it crowd together,

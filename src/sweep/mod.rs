@@ -72,7 +72,7 @@ mod slurm;
 pub(crate) mod tables;
 
 pub(crate) use check::problems;
-pub(crate) use figure::{Figure, Panel, Series, XAxis};
+pub(crate) use figure::{Figure, Look, Panel, Series, XAxis};
 pub(crate) use figures::write_all;
 pub(crate) use grid::StageKind;
 pub use grid::{expand, read_grid, Cell, Grid};

@@ -28,7 +28,9 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use base::{projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates};
+pub(crate) use base::{
+    projection_params, AttnOutput, BenchKnobs, BenchVariant, Gates, Regulariser,
+};
 pub(crate) use cache::{Keys, LayerCache};
 pub use ctx::ForwardCtx;
 pub(crate) use ctx::GateOverride;

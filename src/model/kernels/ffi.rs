@@ -123,6 +123,9 @@ entry_points! {
     event_record: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
     event_elapsed: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut f64, *mut c_char, usize) -> i32;
     event_free: unsafe extern "C" fn(*mut c_void);
+    /// device, reset, out[5]: the allocator's current, peak and reserved bytes, the device's
+    /// free and total memory.
+    cuda_memory: unsafe extern "C" fn(i64, i32, *mut f64, *mut c_char, usize) -> i32;
 }
 
 /// A tensor's handle as the library's entry points take it.

@@ -69,6 +69,20 @@ pub(crate) enum QueryPath {
     Full = 2,
 }
 
+/// Memory of a CUDA device, in bytes ([`Kernels::cuda_memory`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CudaMemory {
+    /// Held in tensors by the caching allocator now.
+    pub(crate) allocated: f64,
+    /// The most held in tensors since the last reset.
+    pub(crate) peak: f64,
+    /// Taken from the driver by the allocator: its tensors and its cache.
+    pub(crate) reserved: f64,
+    /// Free on the device (the driver's count: the allocator's cache is not free).
+    pub(crate) free: f64,
+    pub(crate) total: f64,
+}
+
 /// A CUDA timing event of a library built with CUDA ([`Kernels::event`]).
 pub(crate) struct Event<'a> {
     kern: &'a Kernels,
@@ -246,6 +260,23 @@ impl Kernels {
     pub(crate) fn event(&self) -> Result<Event<'_>> {
         let raw = new_object("CUDA event", |e, n| unsafe { (self.f.event_new)(e, n) })?;
         Ok(Event { kern: self, raw })
+    }
+
+    /// Memory of CUDA device `device` now (`CudaMemory`); with `reset`, the peak starts again
+    /// from now. An error where the library was built without CUDA.
+    pub(crate) fn cuda_memory(&self, device: usize, reset: bool) -> Result<CudaMemory> {
+        let mut out = [0f64; 5];
+        status("CUDA memory", |e, n| unsafe {
+            (self.f.cuda_memory)(device as i64, i32::from(reset), out.as_mut_ptr(), e, n)
+        })?;
+        let [allocated, peak, reserved, free, total] = out;
+        Ok(CudaMemory {
+            allocated,
+            peak,
+            reserved,
+            free,
+            total,
+        })
     }
 
     /// `x: [B, L, H, D]` (fp32 or bf16) as a contiguous `[B, H, L, D]`; differentiable.
@@ -488,11 +519,18 @@ pub(crate) fn for_model(
     let fits = compute == Kind::BFloat16 && (head_dim == 64 || head_dim == 128);
     match imp {
         AttnImpl::Reference => Ok(None),
-        AttnImpl::Auto => Ok(if device.is_cuda() && fits {
-            cuda()
-        } else {
-            None
-        }),
+        AttnImpl::Auto if !device.is_cuda() => Ok(None),
+        AttnImpl::Auto => {
+            let kernels = cuda();
+            if kernels.is_some() && !fits {
+                // Said once a model: the whole model then runs the reference path.
+                eprintln!(
+                    "warning: the attention kernels take bf16 and head_dim 64 or 128, not \
+                     {compute:?} and {head_dim}: this model runs the reference path (ATen, slower)"
+                );
+            }
+            Ok(kernels.filter(|_| fits))
+        }
         AttnImpl::Cuda if device.is_cuda() => {
             ensure!(fits, "attention.attn_impl = \"cuda\" needs train.dtype = \"bf16\" and head_dim 64 or 128 (got {compute:?}, {head_dim})");
             cuda().map(Some).context("attention.attn_impl = \"cuda\" but no CUDA kernel library is built for this binary (or the one found failed to load: see the warning above); run `attnsweep kernels build`")

@@ -126,20 +126,25 @@ fn check_against(
 /// inputs: lengths that are not tile multiples, windows at the boundaries, GQA, empty and
 /// full query lists.
 fn compare_with_reference(kern: &Kernels, device: Device, kind: Kind, head_dims: &[i64], tol: f64) {
-    let (b, h, hkv) = (2i64, 4i64, 2i64);
     for &d in head_dims {
-        for &(len, window, sparse) in &[
-            (37i64, 1i64, false),
-            (130, 7, false),
-            (200, 64, false),
-            (333, 333, false),
-            (70, 500, false),
-            (600, 700, false),
-            (2048, 128, false),
-            (2048, 1 << 20, true),
-            (333, 1000, true),
-            (200, 17, true),
+        // Heads (query, key-value): GQA 2, then Qwen2.5-1.5B's ratio (12 / 2) and plain
+        // multi-head attention on a few cases.
+        for &(h, hkv, len, window, sparse) in &[
+            (4i64, 2i64, 37i64, 1i64, false),
+            (4, 2, 130, 7, false),
+            (4, 2, 200, 64, false),
+            (4, 2, 333, 333, false),
+            (4, 2, 70, 500, false),
+            (4, 2, 600, 700, false),
+            (4, 2, 2048, 128, false),
+            (4, 2, 2048, 1 << 20, true),
+            (4, 2, 333, 1000, true),
+            (4, 2, 200, 17, true),
+            (12, 2, 300, 1 << 20, false),
+            (12, 2, 300, 64, true),
+            (3, 3, 300, 100, false),
         ] {
+            let b = 2i64;
             tch::manual_seed(len * 7 + window + d);
             let counts: Vec<i64> = if sparse {
                 vec![0, len / 3, len, 5, 1, len - 1, 2, len / 2]
@@ -154,7 +159,7 @@ fn compare_with_reference(kern: &Kernels, device: Device, kind: Kind, head_dims:
                 [b, hkv, len, d],
                 (kind, device),
                 tol,
-                &format!("D={d} L={len} w={window} sparse={sparse}"),
+                &format!("D={d} H={h}/{hkv} L={len} w={window} sparse={sparse}"),
                 |q, k, v| kern.list_attention(q, k, v, l, window).unwrap(),
                 |q, k, v| reference(q, k, v, l, window),
             );
@@ -254,9 +259,13 @@ fn cross_entropy_matches_log_softmax(kern: &Kernels, device: Device, kind: Kind,
 
 /// The fused RMSNorm against the model's ATen form in fp32 from the same (rounded)
 /// inputs: output and both gradients, for a width that is a multiple of 32 and one that
-/// is not.
+/// is not, the hidden sizes of 1-8B models (a block a row on the GPU, up to 16 columns a
+/// thread of 256, then of 1024), OLMo-2's norm over its queries (2048) and one wider than
+/// any kernel takes (ATen on the GPU too).
 fn rms_norm_matches_reference(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
-    for d in [512i64, 100] {
+    for d in [
+        512i64, 100, 1536, 2048, 3584, 4100, 8192, 12000, 32768, 40000,
+    ] {
         tch::manual_seed(d);
         let x = Tensor::randn([3, 67, d], (Kind::Float, device))
             .to_kind(kind)
@@ -537,7 +546,9 @@ fn aha_gates_match_reference(kern: &Kernels, device: Device) {
 
 /// A router's scores and gradients against `Linear::forward` on the fp32 input and a
 /// sigmoid: with and without bias, one head and several, a width the kernels take in
-/// 16-byte chunks of a few lanes, and one (17 heads) they leave to ATen.
+/// 16-byte chunks of a few lanes, the per-head routers of Qwen2.5-1.5B (12 x 1536) and
+/// OLMo-2-1B (16 x 2048, a weight of 128 KiB in shared memory), and shapes they leave to
+/// ATen (17 heads; Qwen2.5-7B's 28 x 3584).
 fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
     use crate::model::nn::Linear;
     // 20001 tokens a row: on a GPU of up to ~150 SMs, blocks of the weight's gradient take
@@ -548,6 +559,9 @@ fn router_matches_reference(kern: &Kernels, device: Device, kind: Kind) {
         (3, 40, true, 33),
         (17, 64, true, 33),
         (4, 64, true, 20001),
+        (12, 1536, true, 300),
+        (16, 2048, true, 300),
+        (28, 3584, true, 33),
     ] {
         tch::manual_seed(heads * 1000 + d);
         let x = (Tensor::randn([2, len, d], (Kind::Float, device)))

@@ -1,0 +1,844 @@
+//! `attnsweep bench train`: whole training steps (forward, backward, clipping, AdamW) of one
+//! model shape (a preset, a Hugging Face `config.json`, or a custom shape from the flags) per
+//! method variant and length, beside the same model in plain PyTorch
+//! (`kernels/train_peer.py`: eager, and compiled with FlexAttention block masks for the
+//! sparse methods), timed in one run. Each case of ours runs under the memory plan training
+//! uses (`run/memory.rs`: activation checkpointing and the loss's chunks) and reports its peak
+//! memory beside the plan's prediction; every row gives its model-FLOPs utilisation.
+//!
+//! Rows accumulate in `train_bench.csv` across runs into one directory (a case measured again
+//! replaces its row, the others stay), and `train_bench_<model>.png/svg` plots them all:
+//! tokens/s and peak memory against the length, a line per (implementation, method).
+
+use super::bench::{check_lengths, joined, run_peer, write_csv};
+use super::panics::last_panic;
+use crate::config::{AttnImpl, Checkpointing, Config, Dtype, Method, ModelConfig};
+use crate::model::attention::{all_methods, BenchKnobs, BenchVariant, ForwardCtx};
+use crate::model::kernels;
+use crate::model::step::forward_backward;
+use crate::run::memory;
+use crate::run::train::AdamW;
+use crate::run::Built;
+use crate::sweep::{Figure, Look, Panel, Series, XAxis};
+use crate::util::stats::median;
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// The dense bf16 peak the utilisation divides by: an H100 SXM's (and an H200's), 989.4
+/// TFLOP/s without sparsity.
+pub(crate) const PEAK_FLOPS: f64 = 989.4e12;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+pub(crate) struct TrainBench {
+    pub(crate) lengths: Vec<i64>,
+    /// Tokens per step; the batch is `tokens / L` (at least 1).
+    pub(crate) tokens: i64,
+    pub(crate) methods: Vec<TrainMethod>,
+    /// The model's name in the CSV (the preset, the config's path, or "custom").
+    pub(crate) model_name: String,
+    pub(crate) model: ModelConfig,
+    pub(crate) window: usize,
+    /// Fraction of the gates open: AHA's (token, head), SwiAttn's and L2A's token gates.
+    pub(crate) full_usage: f64,
+    /// `attention.ste_sample` of the aha-sampled rows.
+    pub(crate) ste_sample: f64,
+    /// `attention.ppa_power` of the ppa rows.
+    pub(crate) ppa_power: f64,
+    /// `train.activation_checkpointing` of our cases.
+    pub(crate) checkpointing: Checkpointing,
+    /// `train.loss_chunk_tokens` of our cases.
+    pub(crate) loss_chunk_tokens: usize,
+    pub(crate) steps: usize,
+    pub(crate) warmup: usize,
+    pub(crate) out: PathBuf,
+    pub(crate) python: String,
+    /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
+    pub(crate) peers: Vec<String>,
+}
+
+impl TrainBench {
+    /// The flags, checked before anything runs or is written.
+    pub(crate) fn validate(&self) -> Result<()> {
+        check_lengths(&self.lengths)?;
+        ensure!(
+            !self.methods.is_empty(),
+            "--methods needs at least one method"
+        );
+        ensure!(self.tokens >= 1, "--tokens must be at least 1");
+        ensure!(self.window >= 1, "--window must be at least 1");
+        ensure!(
+            self.full_usage > 0.0 && self.full_usage < 1.0,
+            "--full-usage must lie strictly between 0 and 1 (got {})",
+            self.full_usage
+        );
+        ensure!(
+            self.ste_sample > 0.0 && self.ste_sample <= 1.0,
+            "--ste-sample must lie in (0, 1] (got {})",
+            self.ste_sample
+        );
+        ensure!(self.steps >= 1, "--steps must be at least 1");
+        ensure!(
+            (0.0..=1.0).contains(&self.ppa_power),
+            "--ppa-power must lie in [0, 1] (got {})",
+            self.ppa_power
+        );
+        for p in &self.peers {
+            ensure!(
+                p == "eager" || p == "compile",
+                "--peers takes eager and compile (got {p:?})"
+            );
+        }
+        self.model.validate()?;
+        ensure!(
+            self.model.vocab_size >= 2,
+            "the model's vocabulary must hold at least 2 tokens"
+        );
+        Ok(())
+    }
+}
+
+/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
+/// The `impl` column of our rows.
+const OURS: &str = "attnsweep";
+
+/// A method's place in the registry's order of bench variants (unknown names last).
+fn method_rank(name: &str) -> usize {
+    TrainMethod::all()
+        .position(|m| m.name() == name)
+        .unwrap_or(usize::MAX)
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct TrainMethod {
+    method: Method,
+    variant: &'static BenchVariant,
+}
+
+impl TrainMethod {
+    /// Every variant the registry lists, in its order.
+    pub(crate) fn all() -> impl Iterator<Item = TrainMethod> {
+        all_methods().flat_map(|s| {
+            s.bench.iter().map(|variant| TrainMethod {
+                method: s.method,
+                variant,
+            })
+        })
+    }
+
+    /// The variant named `name` (for `--methods`).
+    pub(crate) fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
+        TrainMethod::all()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
+                format!(
+                    "{name:?} is not a method the bench times ({})",
+                    names.join(", ")
+                )
+            })
+    }
+
+    fn name(self) -> &'static str {
+        self.variant.name
+    }
+}
+
+/// One case measured (or refused): a row of `train_bench.csv`.
+#[derive(Clone, Debug, PartialEq)]
+struct TrainRow {
+    model: String,
+    imp: String,
+    method: String,
+    window: usize,
+    /// The usage the gates were set to open at (`--full-usage`).
+    usage_set: f64,
+    len: i64,
+    batch: i64,
+    /// How the case keeps its activations and computes its loss.
+    setup: String,
+    /// None where the case failed (`note` says why).
+    step_ms: Option<f64>,
+    peak_gib: Option<f64>,
+    planned_gib: Option<f64>,
+    /// mu_f measured on the timed steps.
+    full_usage: Option<f64>,
+    note: String,
+}
+
+const HEADER: [&str; 17] = [
+    "model",
+    "impl",
+    "method",
+    "window",
+    "usage_set",
+    "L",
+    "batch",
+    "setup",
+    "step_ms",
+    "tokens_per_s",
+    "peak_gib",
+    "planned_gib",
+    "mfu",
+    "full_usage",
+    "vs_same_impl_full",
+    "vs_compile_full",
+    "note",
+];
+
+/// Model FLOPs a token of `m` takes in a training step at length `len`: 6 per parameter of
+/// every matrix product (projections, MLP, head; the embedding lookup is none), and 12 per
+/// query dimension and attended key for attention (QK and PV, forward and backward), with
+/// full causal attention's (len + 1) / 2 keys a query: the dense model's count, the same for
+/// every method, so a sparse method's utilisation reads as throughput in dense-model units.
+pub(crate) fn flops_per_token(m: &ModelConfig, len: i64) -> f64 {
+    let (d, f, v) = (
+        m.hidden_size as f64,
+        m.intermediate_size as f64,
+        m.vocab_size as f64,
+    );
+    let q = (m.num_attention_heads * m.head_dim()) as f64;
+    let kv = (m.num_key_value_heads * m.head_dim()) as f64;
+    let layer = d * q * 2.0 + d * kv * 2.0 + 3.0 * d * f;
+    let matmul = m.num_hidden_layers as f64 * layer + v * d;
+    6.0 * matmul + 12.0 * m.num_hidden_layers as f64 * q * (len as f64 + 1.0) / 2.0
+}
+
+impl TrainRow {
+    fn key(&self) -> (String, String, String, usize, String, i64) {
+        (
+            self.model.clone(),
+            self.imp.clone(),
+            self.method.clone(),
+            self.window,
+            format!("{}", self.usage_set),
+            self.len,
+        )
+    }
+
+    fn tokens_per_s(&self) -> Option<f64> {
+        self.step_ms
+            .map(|ms| (self.batch * self.len) as f64 / ms * 1e3)
+    }
+
+    fn record(&self, rows: &[TrainRow], models: &BTreeMap<String, ModelConfig>) -> Vec<String> {
+        let full_of = |imp: &str| {
+            rows.iter()
+                .find(|r| {
+                    r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
+                })
+                .and_then(|r| r.step_ms)
+        };
+        let ratio = |base: Option<f64>| match (base, self.step_ms) {
+            (Some(b), Some(s)) => format!("{:.3}", b / s),
+            _ => String::new(),
+        };
+        let opt =
+            |v: Option<f64>, digits: usize| v.map_or(String::new(), |v| format!("{v:.digits$}"));
+        let mfu = match (self.tokens_per_s(), models.get(&self.model)) {
+            (Some(t), Some(m)) => Some(t * flops_per_token(m, self.len) / PEAK_FLOPS),
+            _ => None,
+        };
+        vec![
+            self.model.clone(),
+            self.imp.clone(),
+            self.method.clone(),
+            self.window.to_string(),
+            self.usage_set.to_string(),
+            self.len.to_string(),
+            self.batch.to_string(),
+            self.setup.clone(),
+            opt(self.step_ms, 3),
+            opt(self.tokens_per_s(), 0),
+            opt(self.peak_gib, 2),
+            opt(self.planned_gib, 2),
+            opt(mfu, 3),
+            opt(self.full_usage, 4),
+            ratio(full_of(&self.imp)),
+            ratio(full_of("torch_compile")),
+            self.note.clone(),
+        ]
+    }
+
+    /// A row of an earlier run's CSV.
+    fn parse(r: &csv::StringRecord) -> Result<TrainRow> {
+        let get = |i: usize| r.get(i).unwrap_or_default().to_string();
+        let num = |i: usize| -> Result<Option<f64>> {
+            let s = get(i);
+            if s.is_empty() {
+                return Ok(None);
+            }
+            let v: f64 = s
+                .parse()
+                .with_context(|| format!("{} = {s:?} is not a number", HEADER[i]))?;
+            ensure!(v.is_finite(), "{} = {s} is not finite", HEADER[i]);
+            Ok(Some(v))
+        };
+        Ok(TrainRow {
+            model: get(0),
+            imp: get(1),
+            method: get(2),
+            window: get(3).parse().context("window is not an integer")?,
+            usage_set: num(4)?.context("usage_set is empty")?,
+            len: get(5).parse().context("L is not an integer")?,
+            batch: get(6).parse().context("batch is not an integer")?,
+            setup: get(7),
+            step_ms: num(8)?,
+            peak_gib: num(10)?,
+            planned_gib: num(11)?,
+            full_usage: num(13)?,
+            note: get(16),
+        })
+    }
+}
+
+impl TrainBench {
+    fn config(&self, method: TrainMethod, len: i64) -> Config {
+        let mut c = Config::default();
+        c.model = self.model.clone();
+        c.attention.method = method.method;
+        let knobs = BenchKnobs {
+            full_usage: self.full_usage,
+            ste_sample: self.ste_sample,
+        };
+        (method.variant.setup)(&mut c.attention, &knobs);
+        c.attention.ppa_power = self.ppa_power;
+        c.attention.window = self.window;
+        c.attention.attn_impl = AttnImpl::Cuda;
+        c.data.seq_len = len as usize;
+        c.train.batch_size = (self.tokens / len).max(1) as usize;
+        c.train.dtype = Dtype::Bf16;
+        c.train.device = "cuda".into();
+        c.train.activation_checkpointing = self.checkpointing;
+        c.train.loss_chunk_tokens = self.loss_chunk_tokens;
+        c
+    }
+
+    /// Median step time of our training step for one method and length, under the memory
+    /// plan training would use, with its peak memory.
+    fn measure(
+        &self,
+        method: TrainMethod,
+        len: i64,
+        kern: &'static kernels::Kernels,
+    ) -> Result<TrainRow> {
+        let cfg = self.config(method, len);
+        let dev = Device::Cuda(0);
+        let built = Built::new(&cfg, dev)?;
+        if method.variant.calibrate_router {
+            calibrate_routers(&built, self.full_usage, len);
+        }
+        let params = built.params();
+        let trained: Vec<Tensor> = params.values().map(|p| p.shallow_clone()).collect();
+        let plan = memory::plan_on_device(&cfg, &built.model, &trained, kern, 0)?;
+        let mut opt = AdamW::new(&params, built.model.kernels);
+        let batch = cfg.train.batch_size as i64;
+        let ids = Tensor::randint(
+            self.model.vocab_size as i64,
+            [batch, len + 1],
+            (Kind::Int64, dev),
+        );
+        let (x, y) = (ids.narrow(1, 0, len), ids.narrow(1, 1, len));
+        let ctx = ForwardCtx {
+            compute_logits: true,
+            ..Default::default()
+        };
+        let mut times = Vec::new();
+        let mut usage = Vec::new();
+        for step in 0..self.warmup + self.steps {
+            if step == self.warmup {
+                kern.cuda_memory(0, true)?;
+            }
+            tch::Cuda::synchronize(0);
+            let start = Instant::now();
+            opt.zero_grad();
+            let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, 1);
+            opt.clip_grad_norm(cfg.train.grad_clip);
+            // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
+            opt.update(0.0, &cfg.train);
+            tch::Cuda::synchronize(0);
+            if step >= self.warmup {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+                usage.extend(stats.full_usage);
+            }
+        }
+        let peak = kern.cuda_memory(0, false)?.peak;
+        Ok(TrainRow {
+            imp: OURS.into(),
+            step_ms: Some(median(times)),
+            peak_gib: Some(peak / GIB),
+            planned_gib: Some(plan.peak / GIB),
+            full_usage: (!usage.is_empty()).then(|| median(usage)),
+            setup: setup_of(&plan),
+            ..self.row(method.name(), len)
+        })
+    }
+
+    /// A row of this run's model and settings for `method` at `len`, nothing measured yet.
+    fn row(&self, method: &str, len: i64) -> TrainRow {
+        TrainRow {
+            model: self.model_name.clone(),
+            imp: String::new(),
+            method: method.into(),
+            window: self.window,
+            usage_set: self.full_usage,
+            len,
+            batch: (self.tokens / len).max(1),
+            setup: String::new(),
+            step_ms: None,
+            peak_gib: None,
+            planned_gib: None,
+            full_usage: None,
+            note: String::new(),
+        }
+    }
+}
+
+/// The plan's checkpointing and loss chunks, as the CSV's `setup` says them.
+fn setup_of(plan: &memory::MemoryPlan) -> String {
+    let ckpt = format!("{:?}", plan.checkpointing).to_lowercase();
+    match plan.step.loss_chunk {
+        Some(n) => format!("checkpointing {ckpt}; loss in chunks of {n}"),
+        None => format!("checkpointing {ckpt}"),
+    }
+}
+
+/// Sets every router so that about `usage` of its gates (AHA: per token and head; SwiAttn:
+/// per token) open on random tokens: random weights (unit-variance logits on normalised
+/// inputs), then, layer by layer under the gates of the layers below, the bias that puts the
+/// threshold at the `1 - usage` quantile of the measured logits.
+fn calibrate_routers(built: &Built, usage: f64, len: i64) {
+    let params = built.params();
+    let dev = Device::Cuda(0);
+    tch::no_grad(|| {
+        for (name, p) in &params {
+            if name.ends_with("router.weight") {
+                let d = p.size()[1] as f64;
+                p.shallow_clone().copy_(&(p.randn_like() / d.sqrt()));
+            } else if name.ends_with("router.bias") {
+                let _ = p.shallow_clone().zero_();
+            }
+        }
+        // The calibration's forwards keep no graph; a shorter sequence suffices for the
+        // quantile and keeps the logits small.
+        let len = len.min(8192);
+        let ids = Tensor::randint(
+            built.model.cfg.vocab_size as i64,
+            [1, len],
+            (Kind::Int64, dev),
+        );
+        for layer in 0..built.model.layers.len() {
+            let out = built.model.forward(&ids, &ForwardCtx::default());
+            let s = out.layers[layer]
+                .scores
+                .as_ref()
+                .expect("layers with learned routers have router scores");
+            let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
+            // Logits with the current (zero) bias of this layer.
+            let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
+            let q = logits.quantile_scalar(1.0 - usage, None, false, "linear");
+            let _ = bias.shallow_clone().fill_(-q.double_value(&[]));
+        }
+    });
+}
+
+/// The rows of `train_bench.csv` in `out` from earlier runs (none where there is no file).
+fn earlier_rows(path: &Path) -> Result<Vec<TrainRow>> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let mut r =
+        csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let header: Vec<String> = r.headers()?.iter().map(String::from).collect();
+    if header != HEADER {
+        bail!(
+            "{} holds a bench of another format (columns {}); choose another --out or move it away",
+            path.display(),
+            header.join(",")
+        );
+    }
+    r.records()
+        .enumerate()
+        .map(|(i, rec)| {
+            TrainRow::parse(&rec?).with_context(|| format!("{} row {}", path.display(), i + 2))
+        })
+        .collect()
+}
+
+/// The peer's rows: `impl,method,L,batch,step_ms,tokens_per_s,full_usage,peak_gib,setup,note`
+/// (a case it could not run: no time, the reason in `note`), or `# note` lines, passed on.
+fn peer_rows(b: &TrainBench, printed: &str) -> Result<Vec<TrainRow>> {
+    let mut rows = Vec::new();
+    for line in printed.lines() {
+        if let Some(note) = line.strip_prefix("# ") {
+            eprintln!("{note}");
+            continue;
+        }
+        let f: Vec<&str> = line.splitn(10, ',').collect();
+        if f.len() != 10 {
+            continue;
+        }
+        let num = |s: &str| -> Result<Option<f64>> {
+            match s {
+                "" => Ok(None),
+                s => {
+                    let v: f64 = s
+                        .parse()
+                        .with_context(|| format!("peer printed {line:?}"))?;
+                    ensure!(v.is_finite(), "peer printed a non-finite value: {line:?}");
+                    Ok(Some(v))
+                }
+            }
+        };
+        rows.push(TrainRow {
+            imp: f[0].into(),
+            batch: f[3]
+                .parse()
+                .with_context(|| format!("peer printed {line:?}"))?,
+            step_ms: num(f[4])?,
+            full_usage: num(f[6])?,
+            peak_gib: num(f[7])?,
+            setup: f[8].into(),
+            note: f[9].into(),
+            ..b.row(
+                f[1],
+                f[2].parse()
+                    .with_context(|| format!("peer printed {line:?}"))?,
+            )
+        });
+    }
+    Ok(rows)
+}
+
+/// Runs the training bench; returns the CSV's path.
+pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
+    let kern = kernels::cuda()
+        .context("bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
+    std::fs::create_dir_all(&b.out)?;
+    let csv_path = b.out.join("train_bench.csv");
+    let mut rows = earlier_rows(&csv_path)?;
+    let mut fresh: Vec<TrainRow> = Vec::new();
+    // The variants the peers implement (`BenchVariant::peer`).
+    let peer_methods: Vec<&str> = b.methods.iter().filter_map(|m| m.variant.peer).collect();
+    // A list of variants without a peer (aha-sampled) leaves the peers nothing to run.
+    if !b.peers.is_empty() && !peer_methods.is_empty() {
+        let model_json = b.out.join("peer_model.json");
+        std::fs::write(&model_json, serde_json::to_string_pretty(&b.model)?)
+            .with_context(|| format!("cannot write {}", model_json.display()))?;
+        let flags = [
+            ("--lengths", joined(&b.lengths)),
+            ("--methods", joined(&peer_methods)),
+            ("--tokens", b.tokens.to_string()),
+            ("--model", model_json.display().to_string()),
+            ("--window", b.window.to_string()),
+            ("--full-usage", b.full_usage.to_string()),
+            ("--ppa-power", b.ppa_power.to_string()),
+            ("--impls", b.peers.join(",")),
+            ("--steps", b.steps.to_string()),
+            ("--warmup", b.warmup.to_string()),
+            ("--lr", "0".to_string()),
+        ];
+        let printed = run_peer(
+            &b.out,
+            &b.python,
+            "train_peer.py",
+            include_str!("../../kernels/train_peer.py"),
+            &flags,
+        )?;
+        fresh.extend(peer_rows(b, &printed)?);
+    }
+    for &len in &b.lengths {
+        for &m in &b.methods {
+            // One failed case (out of memory at a long length) is recorded with its reason,
+            // not fatal.
+            let r =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.measure(m, len, kern)));
+            let failed = |why: String| {
+                eprintln!("attnsweep {} L={len}: {why}", m.name());
+                TrainRow {
+                    imp: OURS.into(),
+                    note: why,
+                    ..b.row(m.name(), len)
+                }
+            };
+            fresh.push(match r {
+                Ok(Ok(row)) => row,
+                Ok(Err(e)) => failed(format!("{e:#}")),
+                Err(_) => failed(last_panic()),
+            });
+        }
+    }
+    for f in fresh {
+        rows.retain(|r| r.key() != f.key());
+        rows.push(f);
+    }
+    write_outputs(&b.out, &rows, Some((&b.model_name, &b.model)))
+}
+
+/// Runs nothing: rewrites `out`'s train_bench.csv (its derived columns) and figures from the
+/// rows it holds; returns the CSV's path.
+pub(crate) fn redraw(out: &Path) -> Result<PathBuf> {
+    let csv_path = out.join("train_bench.csv");
+    ensure!(
+        csv_path.exists(),
+        "{} does not exist: --redraw rewrites the CSV and figures a bench wrote there",
+        csv_path.display()
+    );
+    write_outputs(out, &earlier_rows(&csv_path)?, None)
+}
+
+/// The CSV (ratios and utilisation derived from every row) and a figure per model, in `out`;
+/// `model` the shape of the bench just run, other models' shapes from their presets.
+fn write_outputs(
+    out: &Path,
+    rows: &[TrainRow],
+    model: Option<(&String, &ModelConfig)>,
+) -> Result<PathBuf> {
+    let csv_path = out.join("train_bench.csv");
+    let mut models = BTreeMap::new();
+    if let Some((name, m)) = model {
+        models.insert(name.clone(), m.clone());
+    }
+    // Rows of other models from earlier runs: their shapes from their presets, where they are.
+    for r in rows {
+        if !models.contains_key(&r.model) {
+            if let Ok(m) = crate::run::presets::model(&r.model) {
+                models.insert(r.model.clone(), m);
+            }
+        }
+    }
+    let records = rows.iter().map(|r| r.record(rows, &models)).collect();
+    write_csv(&csv_path, &HEADER, records)?;
+    for model in models.keys() {
+        if let Some(f) = figure(rows, model) {
+            f.save(&out.join(format!("train_bench_{}", file_safe(model))))?;
+        }
+    }
+    Ok(csv_path)
+}
+
+/// `name` as part of a file name: letters, digits and '-' kept, anything else (a path's
+/// separators, a version's dots, which would read as an extension) as '_'.
+fn file_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| match c.is_ascii_alphanumeric() || c == '-' {
+            true => c,
+            false => '_',
+        })
+        .collect()
+}
+
+/// Tokens/s and peak memory against the length for `model`'s rows that ran, a line per
+/// (implementation, method, window): None where none ran. A method (with its window) keeps
+/// one colour; ours is drawn solid with filled circles, the compiled peer dashed with hollow
+/// squares, the eager one dashed with crosses.
+fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
+    let mut lines: Vec<(String, String, usize)> = rows
+        .iter()
+        .filter(|r| r.model == model && r.step_ms.is_some())
+        .map(|r| (r.imp.clone(), r.method.clone(), r.window))
+        .collect();
+    // Ours first, then the peers; methods in the order `all_methods` names them.
+    let order = |(imp, method, window): &(String, String, usize)| {
+        let imp_rank = [OURS, "torch_compile", "torch_eager"]
+            .iter()
+            .position(|i| i == imp)
+            .unwrap_or(3);
+        (imp_rank, method_rank(method), *window)
+    };
+    lines.sort_by_key(order);
+    lines.dedup();
+    if lines.is_empty() {
+        return None;
+    }
+    let windows: Vec<usize> = {
+        let mut w: Vec<usize> = lines.iter().map(|l| l.2).collect();
+        w.sort();
+        w.dedup();
+        w
+    };
+    // A colour per (method, window) in the order they first come.
+    let mut kinds: Vec<(usize, usize)> = lines.iter().map(|l| (method_rank(&l.1), l.2)).collect();
+    kinds.sort();
+    kinds.dedup();
+    let look = |imp: &str, method: &str, window: usize| Look::Chosen {
+        colour: kinds
+            .iter()
+            .position(|k| *k == (method_rank(method), window))
+            .unwrap_or(0),
+        shape: match imp {
+            OURS => 0,
+            "torch_compile" => 2,
+            _ => 4,
+        },
+        hollow: imp != OURS,
+        dashed: imp != OURS,
+    };
+    let panel = |title: &str, y: &str, value: fn(&TrainRow) -> Option<f64>| Panel {
+        title: title.into(),
+        x: "sequence length L (tokens)".into(),
+        y: y.into(),
+        series: lines
+            .iter()
+            .filter_map(|(imp, method, window)| {
+                let mut points: Vec<(f64, f64)> = rows
+                    .iter()
+                    .filter(|r| {
+                        r.model == model
+                            && &r.imp == imp
+                            && &r.method == method
+                            && r.window == *window
+                    })
+                    .filter_map(|r| value(r).map(|v| (r.len as f64, v)))
+                    .collect();
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                // The window named where two differ, on the methods that have one.
+                let name = match windows.len() == 1 || method == "full" {
+                    true => format!("{imp} {method}"),
+                    false => format!("{imp} {method} w={window}"),
+                };
+                (!points.is_empty()).then_some(Series {
+                    name,
+                    points,
+                    line: true,
+                    labels: vec![],
+                    look: look(imp, method, *window),
+                })
+            })
+            .collect(),
+        x_axis: XAxis::LogSwept,
+    };
+    Some(Figure::Panels {
+        title: format!("Training steps of {model}: ours beside plain PyTorch"),
+        panels: vec![
+            panel("throughput", "tokens/s", |r| r.tokens_per_s()),
+            panel("peak memory", "peak GPU memory (GiB)", |r| r.peak_gib),
+        ],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::presets;
+
+    /// The utilisation's FLOPs: 6 per matrix parameter and the causal attention term, for
+    /// Qwen2.5-1.5B at 8192 tokens (about 9.3 GFLOP of matrices plus 2.1 of attention).
+    #[test]
+    fn model_flops_count_matrices_and_causal_attention() {
+        let m = presets::model("qwen2.5-1.5b").unwrap();
+        let f = flops_per_token(&m, 8192);
+        let matmul = 28.0 * (1536.0 * 1536.0 * 2.0 + 1536.0 * 256.0 * 2.0 + 3.0 * 1536.0 * 8960.0)
+            + 151936.0 * 1536.0;
+        let attention = 12.0 * 28.0 * 1536.0 * 8193.0 / 2.0;
+        assert!((f - 6.0 * matmul - attention).abs() < 1.0, "{f}");
+        assert!((f / 1e9 - 11.38).abs() < 0.01, "{}", f / 1e9);
+    }
+
+    fn bench() -> TrainBench {
+        TrainBench {
+            lengths: vec![1024],
+            tokens: 4096,
+            methods: vec![TrainMethod::parse("full").unwrap()],
+            model_name: "smollm2-135m".into(),
+            model: presets::model("smollm2-135m").unwrap(),
+            window: 256,
+            full_usage: 0.1,
+            ste_sample: 0.1,
+            ppa_power: 0.5,
+            checkpointing: Checkpointing::Auto,
+            loss_chunk_tokens: 0,
+            steps: 1,
+            warmup: 0,
+            out: PathBuf::new(),
+            python: "python3".into(),
+            peers: vec![],
+        }
+    }
+
+    /// The peer's rows read back, its failures kept with their reason, a non-finite value
+    /// refused; the CSV's rows read back as written, and a row measured again replaces its
+    /// earlier one only.
+    #[test]
+    fn rows_round_trip_and_replace_by_case() {
+        let b = bench();
+        let rows = peer_rows(
+            &b,
+            "# a note\ntorch_compile,full,1024,4,50.0,81920,,12.5,per-block checkpointing,\n\
+             torch_eager,swa,1024,4,,,,,,out of memory, even so\n",
+        )
+        .unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].step_ms, Some(50.0));
+        assert_eq!(rows[0].setup, "per-block checkpointing");
+        assert_eq!(rows[1].step_ms, None);
+        assert_eq!(rows[1].note, "out of memory, even so");
+        assert!(peer_rows(&b, "torch_eager,full,1024,4,nan,1,,1,x,\n").is_err());
+
+        let dir = crate::util::scratch_dir("bench-train-csv");
+        let path = dir.join("train_bench.csv");
+        let mut models = BTreeMap::new();
+        models.insert(b.model_name.clone(), b.model.clone());
+        let records = rows.iter().map(|r| r.record(&rows, &models)).collect();
+        write_csv(&path, &HEADER, records).unwrap();
+        let back = earlier_rows(&path).unwrap();
+        assert_eq!(back, rows);
+        // Redrawn from its rows, the CSV is the same and the model's figure is drawn.
+        let text = std::fs::read_to_string(&path).unwrap();
+        redraw(&dir).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        assert!(dir.join("train_bench_smollm2-135m.png").exists());
+        assert!(format!("{:#}", redraw(&dir.join("none")).unwrap_err()).contains("does not exist"));
+        // MFU of the compiled full row: 81920 tokens/s times the model's FLOPs over the peak.
+        let mfu = 81920.0 * flops_per_token(&b.model, 1024) / PEAK_FLOPS;
+        assert!(text.contains(&format!("{mfu:.3}")), "{text}");
+        std::fs::write(&path, "a,b\n1,2\n").unwrap();
+        let e = format!("{:#}", earlier_rows(&path).unwrap_err());
+        assert!(e.contains("another format"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A line per (implementation, method) in both panels, the failed cases left out; a
+    /// method keeps its colour across implementations, ours solid and the peer's dashed.
+    #[test]
+    fn the_figure_draws_what_ran() {
+        let b = bench();
+        let mut ran = b.row("full", 1024);
+        ran.imp = OURS.into();
+        ran.step_ms = Some(10.0);
+        ran.peak_gib = Some(3.0);
+        let mut longer = ran.clone();
+        longer.len = 4096;
+        longer.step_ms = Some(40.0);
+        let mut failed = b.row("swa", 1024);
+        failed.imp = OURS.into();
+        let mut swa = failed.clone();
+        swa.step_ms = Some(5.0);
+        swa.peak_gib = Some(2.0);
+        let mut peer = ran.clone();
+        peer.imp = "torch_compile".into();
+        let rows = [peer, ran, longer, failed, swa];
+        let Some(Figure::Panels { panels, .. }) = figure(&rows, "smollm2-135m") else {
+            panic!("a figure");
+        };
+        for p in &panels {
+            let names: Vec<&str> = p.series.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(
+                names,
+                ["attnsweep full", "attnsweep swa", "torch_compile full"]
+            );
+            assert_eq!(p.series[0].points.len(), 2);
+            let look = |i: usize| match p.series[i].look {
+                Look::Chosen { colour, dashed, .. } => (colour, dashed),
+                Look::ByPlace => panic!("a chosen look"),
+            };
+            assert_eq!(look(0), (0, false));
+            assert_eq!(look(1), (1, false));
+            assert_eq!(look(2), (0, true));
+        }
+        assert!(figure(&[], "smollm2-135m").is_none());
+    }
+}
