@@ -580,8 +580,8 @@ __global__ void __launch_bounds__(ROUTE_THREADS)
 }
 
 // One thread per distance d: a binary search of the offsets gives both neighbours, and a warp
-// ballot the bits of its 32 distances.
-__global__ void far_table_kernel(const int* offsets, int n, int len, int* table) {
+// ballot the bits of its 32 distances (the window's among them).
+__global__ void far_table_kernel(const int* offsets, int n, int len, int window, int* table) {
     const int d = blockIdx.x * blockDim.x + threadIdx.x;
     int lo = 0, hi = n;  // first offset >= d
     while (lo < hi) {
@@ -589,7 +589,7 @@ __global__ void far_table_kernel(const int* offsets, int n, int len, int* table)
         if (offsets[mid] < d) lo = mid + 1; else hi = mid;
     }
     const bool far = d < len && lo < n && offsets[lo] == d;
-    const unsigned bits = __ballot_sync(0xffffffffu, far);
+    const unsigned bits = __ballot_sync(0xffffffffu, far || (d < len && d < window));
     if (d % 32 == 0 && d < len) table[d / 32] = (int)bits;
     if (d < len) {
         int* above = table + far_words(len);
@@ -990,12 +990,12 @@ at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tenso
     return y;
 }
 
-at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len) {
+at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len, int64_t window) {
     const at::cuda::CUDAGuard guard(offsets.device());
     auto table = at::empty({far_words((int)len) + 2 * len}, offsets.options().dtype(at::kInt));
     if (len > 0) {
         far_table_kernel<<<far_words((int)len), 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-            offsets.data_ptr<int>(), (int)offsets.numel(), (int)len, table.data_ptr<int>());
+            offsets.data_ptr<int>(), (int)offsets.numel(), (int)len, (int)std::min(window, len), table.data_ptr<int>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return table;
@@ -1017,9 +1017,16 @@ ListShape list_shape(const at::Tensor& q, const at::Tensor& k, const QueryList& 
     return a;
 }
 
+// With a far table the sm90 kernels mask by its bits alone, which hold the window's distances:
+// every row must see its window, none its whole prefix.
+static void check_far(const QueryList& list) {
+    TORCH_CHECK(!list.far || !list.nfull, "a list with PPA's far distances cannot hold full-prefix rows");
+}
+
 void cuda_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const QueryList& list, int64_t window,
                   at::Tensor& out, at::Tensor& lse) {
     const at::cuda::CUDAGuard guard(q.device());
+    check_far(list);
     if (q.numel() == 0) return;  // a grid of zero blocks would not launch
     if (use_sm90()) {
         sm90_forward(q, k, v, list, window, out, lse);
@@ -1041,6 +1048,7 @@ void cuda_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
     const at::cuda::CUDAGuard guard(q.device());
+    check_far(list);
     if (q.numel() == 0) {  // no query sees a key
         dk.zero_(), dv.zero_();
         return;

@@ -72,8 +72,8 @@ void cuda_far_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at:
 at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tensor& w);
 
 // PPA's far distances as the table QueryList::far takes (walk.cuh has its layout), from
-// offsets: int32, ascending (entries outside [0, len) see nothing).
-at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len);
+// offsets: int32, ascending (entries outside [0, len) see nothing), and the window.
+at::Tensor cuda_far_table(const at::Tensor& offsets, int64_t len, int64_t window);
 
 // AHA's gates of one layer (walk.cuh, aha_route; salt: aha_salt of the seed and the layer) from
 // router scores [B, L, H] fp32, contiguous: hard [B, L, H] fp32, chosen and other [B, H, L]

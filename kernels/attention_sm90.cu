@@ -369,8 +369,9 @@ __global__ void __launch_bounds__(THREADS, list_blocks<D, BK, DQ>())
             // The mask only on tiles not wholly inside every row's window: a branch taken by the
             // whole warpgroup, so interior tiles pay nothing for it.
             if (!inside(ws, k0, BK, p.window, p.len)) {
-                // PPA's far bits of this thread's rows: bit i of far[hr][h] is distance
-                // dlow + 64 h + i, dlow the row's distance to its last column less BK - 1.
+                // PPA's bits of this thread's rows: bit i of far[hr][h] is distance dlow + 64 h +
+                // i, dlow the row's distance to its last column less BK - 1. They hold the window
+                // and are zero below distance 0, so with them one bit test is the whole mask.
                 uint64_t far[2][BK / 64];
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr)
@@ -381,8 +382,11 @@ __global__ void __launch_bounds__(THREADS, list_blocks<D, BK, DQ>())
                 for (int e = 0; e < BK / 2; ++e) {
                     const int key = k0 + (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
                     const int idx = BK - 1 - (e / 4) * 8 - (e & 1);  // pos - key - dlow
-                    if (!visible(key, pos_row[hr], win_row(hr), p.len) && !((far[hr][idx / 64] >> (idx % 64)) & 1))
-                        s[e] = -INFINITY;
+                    // dQ keeps the window's comparisons before the bit: at D = 128 the bit
+                    // test alone makes ptxas spill 76 bytes there, the forward none.
+                    const bool bit = (far[hr][idx / 64] >> (idx % 64)) & 1;
+                    const bool ok = FAR && !DQ ? bit : visible(key, pos_row[hr], win_row(hr), p.len) || bit;
+                    if (!ok) s[e] = -INFINITY;
                 }
             }
             if constexpr (DQ) {
@@ -635,16 +639,17 @@ __global__ void __launch_bounds__(KV_THREADS, 1)
             // key's window (warpgroup-uniform, so the branch costs interior tiles nothing).
             const bool interior = n == BQT && pmin >= kw0 + 63 && pmax - kw0 < window && kw0 + 63 < p.len;
             if (!interior) {
-                // PPA's far bits (dense lists: query c at r0 + c): bit i of far[hr] is the
-                // distance from key_row[hr] to query column r0 + 2 (lane % 4) + i.
+                // PPA's bits (dense lists: query c at r0 + c): bit i of far[hr] is the distance
+                // from key_row[hr] to query column r0 + 2 (lane % 4) + i, window included.
                 const uint64_t far[2] = {far_bits64(fv, r0 + (lane % 4) * 2 - key_row[0]),
                                          far_bits64(fv, r0 + (lane % 4) * 2 - key_row[1])};
 #pragma unroll
                 for (int e = 0; e < BQT / 2; ++e) {
                     const int c = (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
                     const int key = key_row[hr], q = pos(c);
-                    const bool seen = (key <= q) & (q - key < window) & (key < p.len);
-                    const bool ok = (c < n) & (seen | ((far[hr] >> ((e / 4) * 8 + (e & 1))) & 1));
+                    const bool seen = FAR ? (far[hr] >> ((e / 4) * 8 + (e & 1))) & 1
+                                          : (key <= q) & (q - key < window) & (key < p.len);
+                    const bool ok = (c < n) & seen;
                     s[e] = ok ? s[e] : -INFINITY;
                 }
             }

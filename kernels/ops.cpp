@@ -146,9 +146,9 @@ attnsweep::QueryList query_list(const at::Tensor& qpos, const at::Tensor& nq, co
     return list;
 }
 
-// PPA's offsets as the kernels' far-distance table (empty without offsets).
-at::Tensor far_table(const at::Tensor& offsets, const at::Tensor& k) {
-    return offsets.numel() > 0 ? attnsweep::cuda_far_table(offsets, k.size(2)) : none(k);
+// PPA's offsets and window as the kernels' far-distance table (empty without offsets).
+at::Tensor far_table(const at::Tensor& offsets, const at::Tensor& k, int64_t window) {
+    return offsets.numel() > 0 ? attnsweep::cuda_far_table(offsets, k.size(2), window) : none(k);
 }
 
 // The CUDA kernels' (out, lse) and (dq, dk, dv) for a query list, in fresh tensors.
@@ -178,7 +178,7 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         auto near = offsets.slice(0, 0, pairs_from), pairs = offsets.slice(0, pairs_from);
         if (q.is_cuda()) {
 #ifdef ATTNSWEEP_CUDA
-            far = far_table(near, k);
+            far = far_table(near, k, window);
             std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far, near), window);
             attnsweep::cuda_far_pairs_forward(q, k, v, pairs, out, lse);
 #else

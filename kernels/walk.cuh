@@ -77,11 +77,14 @@ __host__ __device__ __forceinline__ AhaRoute aha_route(const AhaGateArgs& a, flo
 }
 
 // PPA's far distances (ListShape::far, null for the other patterns): the distances d >= window
-// a query also sees, as one int32 table (cuda_far_table): the bit of each distance, then for
-// each distance the nearest far one at or above it (INT32_MAX if none), then the nearest at or
-// below it (-1 if none). The bits serve the masks; the two neighbours let a tile walk jump over
-// the far tiles no pair of which is seen, in one load (the far distances of sparse powers thin
-// out with distance, so most far tiles hold none).
+// a query also sees, as one int32 table (cuda_far_table): the bit of each distance a query sees
+// (the window's and the far ones), then for each distance the nearest far one at or above it
+// (INT32_MAX if none), then the nearest far one at or below it (-1 if none). The bits are the
+// masks: with the window in them the sm90 forward and dK/dV kernels mask a score with one bit
+// test, where the window's comparisons took three more (PERFORMANCE.md, PPA's mask as one bit
+// test); the other kernels still compare too, which the bits make redundant, not wrong. The two
+// neighbours let a tile walk jump over the far tiles no pair of which is seen, in one load (the
+// far distances of sparse powers thin out with distance, so most far tiles hold none).
 __host__ __device__ __forceinline__ int far_words(int len) { return (len + 31) / 32; }
 
 // What the far-distance helpers below read of a call, with far a null the compiler can see
@@ -102,8 +105,8 @@ __device__ __forceinline__ int far_below(const Shape& p, int d) {
     return __ldg(p.far + far_words(p.len) + (int64_t)p.len + d);
 }
 
-// PPA's far bits of the 64 distances from d0 (bit i: distance d0 + i; none outside [0, len),
-// none without p.far). Kernels take a thread's 64 at once, as three word loads: each row's
+// PPA's bits of the 64 distances from d0 (bit i: distance d0 + i; none outside [0, len), none
+// without p.far). Kernels take a thread's 64 at once, as three word loads: each row's
 // distances to a tile's columns are consecutive, and a load per pair costs registers the
 // backward kernels do not have.
 template <typename Shape>

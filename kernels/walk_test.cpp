@@ -28,13 +28,13 @@ static bool is_off(long d, double p) {  // S_p
 }
 int fails = 0;
 // Host twin of far_table_kernel (same per-distance rule).
-std::vector<int> build_table(const std::vector<int>& offsets, int len) {
+std::vector<int> build_table(const std::vector<int>& offsets, int len, int window) {
     int W = (len + 31) / 32, n = offsets.size();
     std::vector<int> t(W + 2 * len, 0);
     for (int d = 0; d < W * 32; ++d) {
         int lo = std::lower_bound(offsets.begin(), offsets.end(), d) - offsets.begin();
         bool far = d < len && lo < n && offsets[lo] == d;
-        if (far) t[d / 32] |= 1u << (d % 32);
+        if (far || (d < len && d < window)) t[d / 32] |= 1u << (d % 32);
         if (d < len) { t[W + d] = lo < n && offsets[lo] < len ? offsets[lo] : INT32_MAX; t[W + len + d] = far ? d : lo > 0 ? offsets[lo - 1] : -1; }
     }
     return t;
@@ -45,7 +45,7 @@ void check(int L, int w, const std::vector<int>& offs, double pw) {
     std::vector<char> ref(L, 0);  // visible distance
     for (int d = 0; d < L; ++d) ref[d] = d < w;
     for (int d : offs) ref[d] = 1;
-    std::vector<int> table = build_table(offs, L);
+    std::vector<int> table = build_table(offs, L, w);
     Shape p{table.data(), L, w};
     auto vis = [&](int q, int k) { return k <= q && q < L && k >= 0 && ref[q - k]; };
     // covered[q][k]: pair visited in a tile and passing the mask.
@@ -93,7 +93,7 @@ void check(int L, int w, const std::vector<int>& offs, double pw) {
                             if (!sm90) {
                                 bool interior = k0 + BK - 1 <= pos_row[0] && k0 + BK - 1 <= pos_row[1] && pos_row[0] - k0 < w && pos_row[1] - k0 < w && k0 + BK <= L;
                                 ok = interior || visible(key, pos_row[hr], w, L) || ((far[hr][idx / 64] >> (idx % 64)) & 1);
-                            } else ok = ins || visible(key, pos_row[hr], w, L) || ((far[hr][idx / 64] >> (idx % 64)) & 1);
+                            } else ok = ins || ((far[hr][idx / 64] >> (idx % 64)) & 1);
                             if (ok && pos_row[hr] >= 0 && key < L) cov[(size_t)pos_row[hr] * L + key] = 1;
                         }
                     }
@@ -120,8 +120,7 @@ void check(int L, int w, const std::vector<int>& offs, double pw) {
                         for (int e = 0; e < 32; ++e) {
                             int c = (e / 4) * 8 + (lane % 4) * 2 + (e & 1), hr = (e >> 1) & 1;
                             int key = key_row[hr], q = r0 + c;
-                            bool seen = (key <= q) & (q - key < w) & (key < L);
-                            bool ok = interior ? c < n : (c < n) & (seen | ((far[hr] >> ((e / 4) * 8 + (e & 1))) & 1));
+                            bool ok = interior ? c < n : (c < n) & ((far[hr] >> ((e / 4) * 8 + (e & 1))) & 1);
                             if (ok && key < L && q < L) cov[(size_t)q * L + key] = 1;
                         }
                     }
@@ -189,7 +188,7 @@ int helpers() {
         std::vector<char> far(L, 0);
         for (int d = w; d < L; ++d)
             if (rng() % 7 == 0) far[d] = 1, offs.push_back(d);
-        const std::vector<int> table = build_table(offs, L);
+        const std::vector<int> table = build_table(offs, L, w);
         const Shape p{table.data(), L, w};
         for (int dlo = -70; dlo < L + 70; ++dlo)
             for (int dhi = dlo - 3; dhi < dlo + 140; ++dhi) {
@@ -201,7 +200,7 @@ int helpers() {
             const uint64_t b = far_bits64(p, d0);
             for (int i = 0; i < 64; ++i) {
                 const int d = d0 + i;
-                fails += (int)((b >> i) & 1) != (d >= 0 && d < L && far[d]);
+                fails += (int)((b >> i) & 1) != (d >= 0 && d < L && (d < w || far[d]));
             }
         }
     }
@@ -231,7 +230,7 @@ void tiles() {
             std::vector<int> offs;
             for (int d = w; d < L; ++d)
                 if (is_off(d, pw)) offs.push_back(d);
-            const std::vector<int> table = build_table(offs, L);
+            const std::vector<int> table = build_table(offs, L, w);
             const Shape p{table.data(), L, w};
             long nb = 0, ng = 0, cb = 0, cg = 0;
             for (int row0 = 0; row0 < L; row0 += BQ) {
