@@ -9,6 +9,7 @@
 // the dense form carries empty qpos, nq and nfull tensors (autograd functions take no
 // undefined tensors).
 
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -792,6 +793,30 @@ int attnsweep_cuda_memory(int64_t device, int reset, double* out, char* err, siz
         out[3] = (double)free;
         out[4] = (double)total;
         if (reset) alloc::resetPeakStats((c10::DeviceIndex)device);
+#else
+        TORCH_CHECK(false, "this kernel library was built without CUDA");
+#endif
+        return 0;
+    });
+}
+
+// The GPU's work between a start and a stop, as PyTorch's profiler (Kineto) records it: start
+// (trace null) begins recording CUDA activity, kernels with their names and durations among it;
+// stop ends it and writes the Chrome trace to the file trace. Returns 0, or 1 with a message.
+int attnsweep_profile(int start, const char* trace, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        namespace prof = torch::profiler::impl;
+        namespace kineto = torch::autograd::profiler;
+        const std::set<prof::ActivityType> activities{prof::ActivityType::CUDA};
+        if (start) {
+            const prof::ProfilerConfig config(prof::ProfilerState::KINETO);
+            kineto::prepareProfiler(config, activities);
+            kineto::enableProfiler(config, activities);
+        } else {
+            TORCH_CHECK(trace != nullptr, "stopping the profiler needs a trace file");
+            kineto::disableProfiler()->save(trace);
+        }
 #else
         TORCH_CHECK(false, "this kernel library was built without CUDA");
 #endif

@@ -289,6 +289,7 @@ def main():
     ap.add_argument("--hybrid-every", type=int, default=4)
     ap.add_argument("--impls", default="eager", help="eager, compile or both")
     ap.add_argument("--lr", type=float, default=3e-4, help="0 keeps the gate pattern fixed while timing")
+    ap.add_argument("--profile", default="", help="one more step under torch.profiler: its Chrome trace at PREFIX_<impl>_<method>_L<L>.json")
     a = ap.parse_args()
     with open(a.model) as f:
         m = json.load(f)
@@ -345,11 +346,8 @@ def run_case(a, m, impl, l, batch, checkpointed):
     x, y = ids[:, :-1], ids[:, 1:]
     masks = model.masks(l, dev) if a.method != "full" else {}
     times, usage = [], None
-    for step in range(a.warmup + a.steps):
-        if step == a.warmup:
-            torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss, usage = model(x, y, masks)
         loss.backward()
@@ -357,9 +355,23 @@ def run_case(a, m, impl, l, batch, checkpointed):
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
+        return usage
+
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
-        if step >= a.warmup:
+        start = time.perf_counter()
+        usage = step()
+        torch.cuda.synchronize()
+        if i >= a.warmup:
             times.append(time.perf_counter() - start)
+    if a.profile:
+        # After the timed steps, so the profiler's cost is in none of them.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(f"{a.profile}_torch_{impl}_{a.method}_L{l}.json")
     times.sort()
     ms = times[len(times) // 2] * 1e3
     mu = "" if usage is None else f"{usage.item():.4f}"

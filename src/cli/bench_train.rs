@@ -12,6 +12,7 @@
 
 use super::bench::{check_lengths, joined, run_peer, write_csv};
 use super::panics::last_panic;
+use super::profile;
 use crate::config::{AttnImpl, Checkpointing, Config, Dtype, Method, ModelConfig};
 use crate::model::attention::{all_methods, BenchKnobs, BenchVariant, ForwardCtx};
 use crate::model::kernels;
@@ -58,6 +59,9 @@ pub(crate) struct TrainBench {
     pub(crate) python: String,
     /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
     pub(crate) peers: Vec<String>,
+    /// One more step of each case (ours and the peers') under PyTorch's profiler: its trace in
+    /// `out/profiles/`, summed by kernel and by kind (`profile::summarise`).
+    pub(crate) profile: bool,
 }
 
 impl TrainBench {
@@ -366,6 +370,20 @@ impl TrainBench {
             }
         }
         let peak = kern.cuda_memory(0, false)?.peak;
+        if self.profile {
+            // After the timed steps, so the profiler's cost is in none of them.
+            kern.profile_start()?;
+            opt.zero_grad();
+            forward_backward(&built.model, &x, &y, &ctx, &plan.step, 1);
+            opt.clip_grad_norm(cfg.train.grad_clip);
+            opt.update(0.0, &cfg.train);
+            tch::Cuda::synchronize(0);
+            let stem = self.trace_stem().display().to_string();
+            kern.profile_stop(Path::new(&format!(
+                "{stem}_{OURS}_{}_L{len}.json",
+                method.name()
+            )))?;
+        }
         Ok(TrainRow {
             imp: OURS.into(),
             step_ms: Some(median(times)),
@@ -375,6 +393,11 @@ impl TrainBench {
             setup: setup_of(&plan),
             ..self.row(method.name(), len)
         })
+    }
+
+    /// Where the profiled steps' traces go, less their `_<impl>_<method>_L<len>.json`.
+    fn trace_stem(&self) -> PathBuf {
+        self.out.join("profiles").join(file_safe(&self.model_name))
     }
 
     /// A row of this run's model and settings for `method` at `len`, nothing measured yet.
@@ -518,6 +541,9 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
     let kern = kernels::cuda()
         .context("bench train needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
     std::fs::create_dir_all(&b.out)?;
+    if b.profile {
+        std::fs::create_dir_all(b.out.join("profiles"))?;
+    }
     let csv_path = b.out.join("train_bench.csv");
     let mut rows = earlier_rows(&csv_path)?;
     let mut fresh: Vec<TrainRow> = Vec::new();
@@ -540,6 +566,13 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             ("--steps", b.steps.to_string()),
             ("--warmup", b.warmup.to_string()),
             ("--lr", "0".to_string()),
+            (
+                "--profile",
+                match b.profile {
+                    true => b.trace_stem().display().to_string(),
+                    false => String::new(),
+                },
+            ),
         ];
         let printed = run_peer(
             &b.out,
@@ -616,6 +649,10 @@ fn write_outputs(
         if let Some(f) = figure(rows, model) {
             f.save(&out.join(format!("train_bench_{}", file_safe(model))))?;
         }
+    }
+    let profiles = out.join("profiles");
+    if profiles.is_dir() {
+        profile::summarise(&profiles)?;
     }
     Ok(csv_path)
 }
@@ -756,6 +793,7 @@ mod tests {
             out: PathBuf::new(),
             python: "python3".into(),
             peers: vec![],
+            profile: false,
         }
     }
 

@@ -4,6 +4,7 @@
 pub(crate) mod bench;
 pub(crate) mod bench_train;
 mod panics;
+mod profile;
 
 use crate::cli::bench::AttentionBench;
 use crate::cli::bench_train::{TrainBench, TrainMethod};
@@ -220,6 +221,11 @@ struct BenchTrainCmd {
     /// the rows it holds (the other flags are not read).
     #[arg(long)]
     redraw: bool,
+    /// One more step of each case, ours and the peers', under PyTorch's profiler: Chrome
+    /// traces in --out/profiles, with kernel_time.csv and kernel_kinds.csv (GPU time by kernel
+    /// and by kind).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// `--checkpointing`'s values, by their config names.
@@ -649,6 +655,7 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         out: c.out,
         python: c.python,
         peers: if c.no_peers { Vec::new() } else { c.peers },
+        profile: c.profile,
     };
     b.validate()?;
     println!("{}", bench_train::run_train(&b)?.display());

@@ -126,6 +126,9 @@ entry_points! {
     /// device, reset, out[5]: the allocator's current, peak and reserved bytes, the device's
     /// free and total memory.
     cuda_memory: unsafe extern "C" fn(i64, i32, *mut f64, *mut c_char, usize) -> i32;
+    /// start, trace path: PyTorch's profiler over the GPU's work, its Chrome trace written at
+    /// the stop.
+    profile: unsafe extern "C" fn(i32, *const c_char, *mut c_char, usize) -> i32;
 }
 
 /// A tensor's handle as the library's entry points take it.

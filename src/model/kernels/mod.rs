@@ -279,6 +279,23 @@ impl Kernels {
         })
     }
 
+    /// Starts recording the GPU's work with PyTorch's profiler (`profile_stop` ends it); an
+    /// error where the library was built without CUDA.
+    pub(crate) fn profile_start(&self) -> Result<()> {
+        status("profiler", |e, n| unsafe {
+            (self.f.profile)(1, std::ptr::null(), e, n)
+        })
+    }
+
+    /// Stops the recording `profile_start` began and writes its Chrome trace to `trace`.
+    pub(crate) fn profile_stop(&self, trace: &Path) -> Result<()> {
+        let path = std::ffi::CString::new(trace.to_string_lossy().as_bytes())
+            .with_context(|| format!("{} holds a NUL byte", trace.display()))?;
+        status("profiler", |e, n| unsafe {
+            (self.f.profile)(0, path.as_ptr(), e, n)
+        })
+    }
+
     /// `x: [B, L, H, D]` (fp32 or bf16) as a contiguous `[B, H, L, D]`; differentiable.
     pub(crate) fn to_heads(&self, x: &Tensor) -> Result<Tensor> {
         self.move_heads("head transpose kernel", x, None, true)
