@@ -62,7 +62,9 @@ pub(crate) struct Projections {
 }
 
 impl Projections {
-    pub(super) fn new(p: &nn::Path, m: &ModelConfig) -> Self {
+    /// `kernels`: the library the q/k norms run on (the fused RMSNorm), None on the reference
+    /// path.
+    pub(super) fn new(p: &nn::Path, m: &ModelConfig, kernels: Option<&'static Kernels>) -> Self {
         let (h, kv, hd) = (
             m.num_attention_heads as i64,
             m.num_key_value_heads as i64,
@@ -75,8 +77,9 @@ impl Projections {
             QkNorm::PerHead => (hd, hd),
             QkNorm::Full => (h * hd, kv * hd),
         };
-        let norm =
-            |name: &str, dim: i64| (dim > 0).then(|| RmsNorm::new(p / name, dim, m.rms_norm_eps));
+        let norm = |name: &str, dim: i64| {
+            (dim > 0).then(|| RmsNorm::new(p / name, dim, m.rms_norm_eps).with_kernels(kernels))
+        };
         Projections {
             q_proj: Linear::new(p / "q_proj", d, h * hd, bias, std),
             k_proj: Linear::new(p / "k_proj", d, kv * hd, bias, std),

@@ -31,7 +31,7 @@ impl SelfAttention {
     ) -> Self {
         // The base projections first: parameters draw their initial values from tch's
         // generator in the order they are created.
-        let proj = Projections::new(&p, m);
+        let proj = Projections::new(&p, m, kernels);
         let build = Build {
             p: &p,
             layer,

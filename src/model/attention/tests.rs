@@ -4,7 +4,9 @@ use super::gates::hash_uniform;
 use super::methods::{hybrid_pattern, SwiAttnReg};
 use super::patterns::is_power_offset;
 use super::*;
-use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, Reduction, Router};
+use crate::config::{
+    AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm, Reduction, Router,
+};
 use crate::model::nn::Rope;
 use crate::util::rng::Rng;
 use tch::{nn, Device, Kind, Tensor};
@@ -876,6 +878,19 @@ fn kernel_path_matches_reference_path_for_every_method() {
         ),
         (Method::L2a, routed_cfg(Method::L2a, |_| {})),
         (Method::Swiattn, routed_cfg(Method::Swiattn, |_| {})),
+        // The q/k norms on the library too: OLMo-2's over the projection, Qwen3's per head
+        // (in L2A's global module as well).
+        (
+            Method::Full,
+            routed_cfg(Method::Full, |c| {
+                c.model.qk_norm = QkNorm::Full;
+                c.model.norm_placement = NormPlacement::Post;
+            }),
+        ),
+        (
+            Method::L2a,
+            routed_cfg(Method::L2a, |c| c.model.qk_norm = QkNorm::PerHead),
+        ),
     ] {
         let reference = Built::new(&cfg, Device::Cpu).unwrap();
         randomise_routers(&reference, 1.0);

@@ -32,7 +32,7 @@ fn build(b: &Build) -> Box<dyn Route> {
     }
     Box::new(Global {
         gates: b.gates(1, None, true, false),
-        global: Projections::new(&(b.p / "global_attn"), b.m),
+        global: Projections::new(&(b.p / "global_attn"), b.m, b.kernels),
     })
 }
 
