@@ -730,7 +730,7 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         ),
         (
             vec!["--checkpointing", "sometimes"],
-            "not one of none, full",
+            "expected one of `none`, `full`, `selective`, `auto`",
         ),
     ] {
         let mut args = vec!["bench", "train", "--out", b];

@@ -39,7 +39,8 @@ pub(crate) struct TrainBench {
     /// Tokens per step; the batch is `tokens / L` (at least 1).
     pub(crate) tokens: i64,
     pub(crate) methods: Vec<TrainMethod>,
-    /// The model's name in the CSV (the preset, the config's path, or "custom").
+    /// The model's name in the CSV (the preset, the config's path, or `custom-l..-d..` from
+    /// the shape flags).
     pub(crate) model_name: String,
     pub(crate) model: ModelConfig,
     pub(crate) window: usize,
@@ -105,7 +106,6 @@ impl TrainBench {
     }
 }
 
-/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
 /// The `impl` column of our rows.
 const OURS: &str = "attnsweep";
 
@@ -116,6 +116,7 @@ fn method_rank(name: &str) -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
 #[derive(Clone, Copy)]
 pub(crate) struct TrainMethod {
     method: Method,
@@ -170,8 +171,15 @@ struct TrainRow {
     planned_gib: Option<f64>,
     /// mu_f measured on the timed steps.
     full_usage: Option<f64>,
+    /// The utilisation as last written: kept for a model whose shape this run cannot resolve
+    /// (`write_outputs`).
+    mfu: Option<f64>,
     note: String,
 }
+
+/// The settings a row's method reads (`BenchVariant::reads_window`, `reads_usage`): its
+/// window and its gates' usage (as written in the CSV), None for one it does not read.
+type Case = (Option<usize>, Option<String>);
 
 const HEADER: [&str; 17] = [
     "model",
@@ -212,14 +220,25 @@ pub(crate) fn flops_per_token(m: &ModelConfig, len: i64) -> f64 {
 }
 
 impl TrainRow {
-    fn key(&self) -> (String, String, String, usize, String, i64) {
+    /// The case a row measures: a setting its method does not read does not tell two rows
+    /// apart (full attention at another `--window` is the same case).
+    fn key(&self) -> (String, String, String, Case, i64) {
         (
             self.model.clone(),
             self.imp.clone(),
             self.method.clone(),
-            self.window,
-            format!("{}", self.usage_set),
+            self.case(),
             self.len,
+        )
+    }
+
+    fn case(&self) -> Case {
+        let (window, usage) = TrainMethod::parse(&self.method).map_or((true, true), |m| {
+            (m.variant.reads_window, m.variant.reads_usage)
+        });
+        (
+            window.then_some(self.window),
+            usage.then(|| format!("{}", self.usage_set)),
         )
     }
 
@@ -234,17 +253,18 @@ impl TrainRow {
                 .find(|r| {
                     r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
                 })
-                .and_then(|r| r.step_ms)
+                .and_then(|r| r.tokens_per_s())
         };
-        let ratio = |base: Option<f64>| match (base, self.step_ms) {
-            (Some(b), Some(s)) => format!("{:.3}", b / s),
+        // Of throughputs, not step times: rows of runs with other --tokens hold other batches.
+        let ratio = |base: Option<f64>| match (base, self.tokens_per_s()) {
+            (Some(b), Some(t)) => format!("{:.3}", t / b),
             _ => String::new(),
         };
         let opt =
             |v: Option<f64>, digits: usize| v.map_or(String::new(), |v| format!("{v:.digits$}"));
         let mfu = match (self.tokens_per_s(), models.get(&self.model)) {
             (Some(t), Some(m)) => Some(t * flops_per_token(m, self.len) / PEAK_FLOPS),
-            _ => None,
+            _ => self.mfu,
         };
         vec![
             self.model.clone(),
@@ -270,17 +290,7 @@ impl TrainRow {
     /// A row of an earlier run's CSV.
     fn parse(r: &csv::StringRecord) -> Result<TrainRow> {
         let get = |i: usize| r.get(i).unwrap_or_default().to_string();
-        let num = |i: usize| -> Result<Option<f64>> {
-            let s = get(i);
-            if s.is_empty() {
-                return Ok(None);
-            }
-            let v: f64 = s
-                .parse()
-                .with_context(|| format!("{} = {s:?} is not a number", HEADER[i]))?;
-            ensure!(v.is_finite(), "{} = {s} is not finite", HEADER[i]);
-            Ok(Some(v))
-        };
+        let num = |i: usize| optional_number(&get(i), HEADER[i]);
         Ok(TrainRow {
             model: get(0),
             imp: get(1),
@@ -294,6 +304,7 @@ impl TrainRow {
             peak_gib: num(10)?,
             planned_gib: num(11)?,
             full_usage: num(13)?,
+            mfu: num(12)?,
             note: get(16),
         })
     }
@@ -313,7 +324,7 @@ impl TrainBench {
         c.attention.window = self.window;
         c.attention.attn_impl = AttnImpl::Cuda;
         c.data.seq_len = len as usize;
-        c.train.batch_size = (self.tokens / len).max(1) as usize;
+        c.train.batch_size = self.batch(len) as usize;
         c.train.dtype = Dtype::Bf16;
         c.train.device = "cuda".into();
         c.train.activation_checkpointing = self.checkpointing;
@@ -352,38 +363,43 @@ impl TrainBench {
         };
         let mut times = Vec::new();
         let mut usage = Vec::new();
-        for step in 0..self.warmup + self.steps {
-            if step == self.warmup {
-                kern.cuda_memory(0, true)?;
-            }
-            tch::Cuda::synchronize(0);
-            let start = Instant::now();
+        let mut step = || {
             opt.zero_grad();
             let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, 1);
             opt.clip_grad_norm(cfg.train.grad_clip);
             // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
             opt.update(0.0, &cfg.train);
             tch::Cuda::synchronize(0);
-            if step >= self.warmup {
+            stats
+        };
+        for i in 0..self.warmup + self.steps {
+            if i == self.warmup {
+                kern.cuda_memory(0, true)?;
+            }
+            tch::Cuda::synchronize(0);
+            let start = Instant::now();
+            let stats = step();
+            if i >= self.warmup {
                 times.push(start.elapsed().as_secs_f64() * 1e3);
                 usage.extend(stats.full_usage);
             }
         }
         let peak = kern.cuda_memory(0, false)?.peak;
-        if self.profile {
-            // After the timed steps, so the profiler's cost is in none of them.
-            kern.profile_start()?;
-            opt.zero_grad();
-            forward_backward(&built.model, &x, &y, &ctx, &plan.step, 1);
-            opt.clip_grad_norm(cfg.train.grad_clip);
-            opt.update(0.0, &cfg.train);
-            tch::Cuda::synchronize(0);
-            let stem = self.trace_stem().display().to_string();
-            kern.profile_stop(Path::new(&format!(
-                "{stem}_{OURS}_{}_L{len}.json",
-                method.name()
-            )))?;
-        }
+        // After the timed steps, so the profiler's cost is in none of them; a profile that
+        // fails leaves the measured row, with why in its note.
+        let note = match self.profile {
+            true => {
+                let trace = PathBuf::from(format!(
+                    "{}_{OURS}_{}_L{len}.json",
+                    self.trace_stem().display(),
+                    method.name()
+                ));
+                profile_step(kern, &trace, || {
+                    step();
+                })
+            }
+            false => String::new(),
+        };
         Ok(TrainRow {
             imp: OURS.into(),
             step_ms: Some(median(times)),
@@ -391,8 +407,14 @@ impl TrainBench {
             planned_gib: Some(plan.peak / GIB),
             full_usage: (!usage.is_empty()).then(|| median(usage)),
             setup: setup_of(&plan),
+            note,
             ..self.row(method.name(), len)
         })
+    }
+
+    /// Sequences a step: `tokens / len`, at least one.
+    fn batch(&self, len: i64) -> i64 {
+        (self.tokens / len).max(1)
     }
 
     /// Where the profiled steps' traces go, less their `_<impl>_<method>_L<len>.json`.
@@ -409,14 +431,30 @@ impl TrainBench {
             window: self.window,
             usage_set: self.full_usage,
             len,
-            batch: (self.tokens / len).max(1),
+            batch: self.batch(len),
             setup: String::new(),
             step_ms: None,
             peak_gib: None,
             planned_gib: None,
             full_usage: None,
+            mfu: None,
             note: String::new(),
         }
+    }
+}
+
+/// Runs `step` under the profiler, its trace written to `trace`: "" when it was, else why not
+/// (the profiler stopped whatever the step did, so the next case can start it again).
+fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnOnce()) -> String {
+    if let Err(e) = kern.profile_start() {
+        return format!("no profile: {e:#}");
+    }
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step));
+    let stopped = kern.profile_stop(trace);
+    match (ran, stopped) {
+        (Ok(()), Ok(())) => String::new(),
+        (Err(_), _) => format!("no profile: its step failed: {}", last_panic()),
+        (Ok(()), Err(e)) => format!("no profile: {e:#}"),
     }
 }
 
@@ -468,6 +506,18 @@ fn calibrate_routers(built: &Built, usage: f64, len: i64) {
     });
 }
 
+/// A number of a CSV field named `what`: None where empty, else a finite number.
+fn optional_number(s: &str, what: &str) -> Result<Option<f64>> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let v: f64 = s
+        .parse()
+        .with_context(|| format!("{what} = {s:?} is not a number"))?;
+    ensure!(v.is_finite(), "{what} = {s} is not finite");
+    Ok(Some(v))
+}
+
 /// The rows of `train_bench.csv` in `out` from earlier runs (none where there is no file).
 fn earlier_rows(path: &Path) -> Result<Vec<TrainRow>> {
     if !path.exists() {
@@ -502,19 +552,15 @@ fn peer_rows(b: &TrainBench, printed: &str) -> Result<Vec<TrainRow>> {
         }
         let f: Vec<&str> = line.splitn(10, ',').collect();
         if f.len() != 10 {
+            if line.starts_with("torch_") {
+                eprintln!(
+                    "warning: the peer printed a row without its 10 fields, left out: {line:?}"
+                );
+            }
             continue;
         }
-        let num = |s: &str| -> Result<Option<f64>> {
-            match s {
-                "" => Ok(None),
-                s => {
-                    let v: f64 = s
-                        .parse()
-                        .with_context(|| format!("peer printed {line:?}"))?;
-                    ensure!(v.is_finite(), "peer printed a non-finite value: {line:?}");
-                    Ok(Some(v))
-                }
-            }
+        let num = |s: &str| {
+            optional_number(s, "a value").with_context(|| format!("peer printed {line:?}"))
         };
         rows.push(TrainRow {
             imp: f[0].into(),
@@ -604,11 +650,17 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             });
         }
     }
-    for f in fresh {
-        rows.retain(|r| r.key() != f.key());
-        rows.push(f);
-    }
+    let rows = merge(rows, fresh);
     write_outputs(&b.out, &rows, Some((&b.model_name, &b.model)))
+}
+
+/// `earlier` with the `fresh` rows in place of the rows of their cases.
+fn merge(mut earlier: Vec<TrainRow>, fresh: Vec<TrainRow>) -> Vec<TrainRow> {
+    for f in fresh {
+        earlier.retain(|r| r.key() != f.key());
+        earlier.push(f);
+    }
+    earlier
 }
 
 /// Runs nothing: rewrites `out`'s train_bench.csv (its derived columns) and figures from the
@@ -631,11 +683,21 @@ fn write_outputs(
     model: Option<(&String, &ModelConfig)>,
 ) -> Result<PathBuf> {
     let csv_path = out.join("train_bench.csv");
+    // One row per case, the last measured (earlier runs may hold a case twice under settings
+    // its method does not read).
+    let kept: Vec<TrainRow> = rows
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| !rows[i + 1..].iter().any(|later| later.key() == r.key()))
+        .map(|(_, r)| r.clone())
+        .collect();
+    let rows = &kept[..];
     let mut models = BTreeMap::new();
     if let Some((name, m)) = model {
         models.insert(name.clone(), m.clone());
     }
-    // Rows of other models from earlier runs: their shapes from their presets, where they are.
+    // Rows of other models from earlier runs: their shapes from their presets, where they are
+    // (elsewhere their utilisation stays as written).
     for r in rows {
         if !models.contains_key(&r.model) {
             if let Ok(m) = crate::run::presets::model(&r.model) {
@@ -645,7 +707,10 @@ fn write_outputs(
     }
     let records = rows.iter().map(|r| r.record(rows, &models)).collect();
     write_csv(&csv_path, &HEADER, records)?;
-    for model in models.keys() {
+    let mut names: Vec<&String> = rows.iter().map(|r| &r.model).collect();
+    names.sort();
+    names.dedup();
+    for model in names {
         if let Some(f) = figure(rows, model) {
             f.save(&out.join(format!("train_bench_{}", file_safe(model))))?;
         }
@@ -669,42 +734,51 @@ fn file_safe(name: &str) -> String {
 }
 
 /// Tokens/s and peak memory against the length for `model`'s rows that ran, a line per
-/// (implementation, method, window): None where none ran. A method (with its window) keeps
-/// one colour; ours is drawn solid with filled circles, the compiled peer dashed with hollow
+/// (implementation, method, case): None where none ran. A method (with its case) keeps one
+/// colour; ours is drawn solid with filled circles, the compiled peer dashed with hollow
 /// squares, the eager one dashed with crosses.
 fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
-    let mut lines: Vec<(String, String, usize)> = rows
+    type Line = (String, String, Case);
+    let mut lines: Vec<Line> = rows
         .iter()
         .filter(|r| r.model == model && r.step_ms.is_some())
-        .map(|r| (r.imp.clone(), r.method.clone(), r.window))
+        .map(|r| (r.imp.clone(), r.method.clone(), r.case()))
         .collect();
     // Ours first, then the peers; methods in the order `all_methods` names them.
-    let order = |(imp, method, window): &(String, String, usize)| {
-        let imp_rank = [OURS, "torch_compile", "torch_eager"]
+    let imp_rank = |imp: &str| {
+        [OURS, "torch_compile", "torch_eager"]
             .iter()
-            .position(|i| i == imp)
-            .unwrap_or(3);
-        (imp_rank, method_rank(method), *window)
+            .position(|i| *i == imp)
+            .unwrap_or(3)
     };
-    lines.sort_by_key(order);
+    lines.sort_by(|a, b| {
+        (imp_rank(&a.0), method_rank(&a.1), &a.2)
+            .partial_cmp(&(imp_rank(&b.0), method_rank(&b.1), &b.2))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     lines.dedup();
     if lines.is_empty() {
         return None;
     }
-    let windows: Vec<usize> = {
-        let mut w: Vec<usize> = lines.iter().map(|l| l.2).collect();
-        w.sort();
-        w.dedup();
-        w
+    // Where every line with a window has the same one (or usage), the names leave it out.
+    let distinct = |f: fn(&Case) -> Option<String>| {
+        let mut v: Vec<String> = lines.iter().filter_map(|l| f(&l.2)).collect();
+        v.sort();
+        v.dedup();
+        v.len() > 1
     };
-    // A colour per (method, window) in the order they first come.
-    let mut kinds: Vec<(usize, usize)> = lines.iter().map(|l| (method_rank(&l.1), l.2)).collect();
-    kinds.sort();
+    let (name_windows, name_usages) = (
+        distinct(|c| c.0.map(|w| w.to_string())),
+        distinct(|c| c.1.clone()),
+    );
+    // A colour per (method, case), in the order of the methods.
+    let mut kinds: Vec<(usize, &Case)> = lines.iter().map(|l| (method_rank(&l.1), &l.2)).collect();
+    kinds.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     kinds.dedup();
-    let look = |imp: &str, method: &str, window: usize| Look::Chosen {
+    let look = |imp: &str, method: &str, case: &Case| Look::Chosen {
         colour: kinds
             .iter()
-            .position(|k| *k == (method_rank(method), window))
+            .position(|k| *k == (method_rank(method), case))
             .unwrap_or(0),
         shape: match imp {
             OURS => 0,
@@ -720,29 +794,31 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         y: y.into(),
         series: lines
             .iter()
-            .filter_map(|(imp, method, window)| {
+            .filter_map(|(imp, method, case)| {
                 let mut points: Vec<(f64, f64)> = rows
                     .iter()
                     .filter(|r| {
                         r.model == model
                             && &r.imp == imp
                             && &r.method == method
-                            && r.window == *window
+                            && &r.case() == case
                     })
                     .filter_map(|r| value(r).map(|v| (r.len as f64, v)))
                     .collect();
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                // The window named where two differ, on the methods that have one.
-                let name = match windows.len() == 1 || method == "full" {
-                    true => format!("{imp} {method}"),
-                    false => format!("{imp} {method} w={window}"),
-                };
+                let mut name = format!("{imp} {method}");
+                if let (true, Some(w)) = (name_windows, case.0) {
+                    name += &format!(" w={w}");
+                }
+                if let (true, Some(u)) = (name_usages, &case.1) {
+                    name += &format!(" u={u}");
+                }
                 (!points.is_empty()).then_some(Series {
                     name,
                     points,
                     line: true,
                     labels: vec![],
-                    look: look(imp, method, *window),
+                    look: look(imp, method, case),
                 })
             })
             .collect(),
@@ -822,7 +898,12 @@ mod tests {
         models.insert(b.model_name.clone(), b.model.clone());
         let records = rows.iter().map(|r| r.record(&rows, &models)).collect();
         write_csv(&path, &HEADER, records).unwrap();
-        let back = earlier_rows(&path).unwrap();
+        // Read back as written, the utilisation the CSV adds among it.
+        let back: Vec<TrainRow> = earlier_rows(&path)
+            .unwrap()
+            .into_iter()
+            .map(|r| TrainRow { mfu: None, ..r })
+            .collect();
         assert_eq!(back, rows);
         // Redrawn from its rows, the CSV is the same and the model's figure is drawn.
         let text = std::fs::read_to_string(&path).unwrap();
@@ -836,6 +917,59 @@ mod tests {
         std::fs::write(&path, "a,b\n1,2\n").unwrap();
         let e = format!("{:#}", earlier_rows(&path).unwrap_err());
         assert!(e.contains("another format"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A case is what its method reads: full attention measured at another window or usage
+    /// replaces its row, an AHA at another usage does not; ratios compare throughputs, so rows
+    /// of another batch compare right; a model whose shape is unknown keeps its utilisation.
+    #[test]
+    fn cases_are_what_their_methods_read() {
+        let b = bench();
+        let ran = |method: &str, window: usize, usage: f64, step_ms: f64| TrainRow {
+            imp: OURS.into(),
+            window,
+            usage_set: usage,
+            step_ms: Some(step_ms),
+            ..b.row(method, 1024)
+        };
+        let earlier = vec![ran("full", 256, 0.1, 10.0), ran("aha", 256, 0.1, 9.0)];
+        let mut full = ran("full", 64, 0.2, 20.0);
+        full.batch = 8;
+        let merged = merge(earlier, vec![full.clone(), ran("aha", 256, 0.2, 8.0)]);
+        assert_eq!(merged.len(), 3, "{merged:?}");
+        assert_eq!(merged.iter().filter(|r| r.method == "full").count(), 1);
+        assert_eq!(merged.iter().filter(|r| r.method == "aha").count(), 2);
+
+        let dir = crate::util::scratch_dir("bench-train-cases");
+        // Full attention twice under other windows in one file: the later row is kept.
+        let mut custom = full.clone();
+        custom.model = "custom-l2-d64-h2-f128-v300".into();
+        custom.mfu = Some(0.25);
+        let mut rows = merged.clone();
+        rows.insert(0, ran("full", 512, 0.3, 99.0));
+        rows.push(custom);
+        write_outputs(&dir, &rows, Some((&b.model_name, &b.model))).unwrap();
+        let back = earlier_rows(&dir.join("train_bench.csv")).unwrap();
+        assert_eq!(back.len(), 4, "{back:?}");
+        let aha = back
+            .iter()
+            .find(|r| r.method == "aha" && r.usage_set == 0.2)
+            .unwrap();
+        // 1024 x 4 tokens in 8 ms against full's 1024 x 8 in 20 ms.
+        let text = std::fs::read_to_string(dir.join("train_bench.csv")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.contains(",aha,") && l.contains(",0.2,"))
+            .unwrap();
+        // vs_same_impl_full 1.250; no compiled peer here.
+        assert!(line.ends_with(",1.250,,"), "{line}");
+        assert!(aha.mfu.is_some());
+        let custom = back.iter().find(|r| r.model.starts_with("custom")).unwrap();
+        assert_eq!(custom.mfu, Some(0.25));
+        assert!(dir
+            .join("train_bench_custom-l2-d64-h2-f128-v300.png")
+            .exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

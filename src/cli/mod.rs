@@ -228,15 +228,10 @@ struct BenchTrainCmd {
     profile: bool,
 }
 
-/// `--checkpointing`'s values, by their config names.
+/// `--checkpointing`'s values: `train.activation_checkpointing`'s, read as the config reads
+/// them.
 fn parse_checkpointing(s: &str) -> std::result::Result<Checkpointing, String> {
-    match s {
-        "none" => Ok(Checkpointing::None),
-        "full" => Ok(Checkpointing::Full),
-        "selective" => Ok(Checkpointing::Selective),
-        "auto" => Ok(Checkpointing::Auto),
-        _ => Err(format!("{s:?} is not one of none, full, selective, auto")),
-    }
+    serde_json::from_value(serde_json::Value::String(s.into())).map_err(|e| e.to_string())
 }
 
 #[derive(Args)]
@@ -621,6 +616,14 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
                 c.hidden,
                 c.heads
             );
+            anyhow::ensure!(
+                (c.hidden / c.heads) % 2 == 0,
+                "--hidden {} / --heads {} gives heads of {} values; rotary embedding needs an \
+                 even head size",
+                c.hidden,
+                c.heads,
+                c.hidden / c.heads
+            );
             anyhow::ensure!(c.intermediate >= 1, "--intermediate must be at least 1");
             anyhow::ensure!(c.vocab >= 2, "--vocab must be at least 2");
             let m = ModelConfig {
@@ -632,7 +635,12 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
                 num_key_value_heads: c.heads,
                 ..Default::default()
             };
-            ("custom".to_string(), m)
+            // Named by its shape, so benches of two shapes in one --out keep their rows apart.
+            let name = format!(
+                "custom-l{}-d{}-h{}-f{}-v{}",
+                c.layers, c.hidden, c.heads, c.intermediate, c.vocab
+            );
+            (name, m)
         }
     };
     let b = TrainBench {

@@ -61,12 +61,17 @@ pub(super) fn torch_cause(msg: &str) -> String {
     format!("{context}{cause}").trim().to_string()
 }
 
-/// The cause of the panic the hook kept last (`torch_cause` of its message), taken: for a
-/// command that catches a failed case and goes on (`bench train`).
+/// The cause of the panic the hook kept (`torch_cause` of its message), taken: for a command
+/// that catches a failed case and goes on (`bench train`). A libtorch error is its own
+/// cause; any other panic is a bug, named with its place.
 pub(super) fn last_panic() -> String {
-    let (msg, _) = take();
-    match msg.is_empty() {
-        true => "failed without a message".into(),
-        false => torch_cause(&msg),
+    let (msg, at) = take();
+    match (
+        msg.is_empty(),
+        msg.contains("Torch(") || msg.contains("torch error"),
+    ) {
+        (true, _) => "failed without a message".into(),
+        (false, true) => torch_cause(&msg),
+        (false, false) => format!("{}{at} (please report it)", torch_cause(&msg)),
     }
 }

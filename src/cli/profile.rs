@@ -33,6 +33,12 @@ const KINDS: [(&str, &[&str]); 7] = [
         "matmul",
         &["gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv"],
     ),
+    // Before the norms: the gradient clipping's norm kernels (ATen's `lpnorm`) are the
+    // optimizer's, as our `sumsq_kernel` is.
+    (
+        "optimizer",
+        &["adam", "multi_tensor", "foreach", "sumsq", "lpnorm"],
+    ),
     ("norm", &["norm", "rsqrt"]),
     (
         "loss",
@@ -44,7 +50,6 @@ const KINDS: [(&str, &[&str]); 7] = [
             "nll_loss",
         ],
     ),
-    ("optimizer", &["adam", "multi_tensor", "foreach", "sumsq"]),
     ("router", &["router", "aha_gates", "st_mix"]),
     (
         "elementwise",
@@ -115,7 +120,9 @@ pub(super) fn kernel_times(path: &Path) -> Result<Vec<KernelTime>> {
 
 /// Every trace (`*.json`) in `dir` summarised: `kernel_time.csv` (a row per trace and kernel
 /// name, with its kind) and `kernel_kinds.csv` (a row per trace and kind, with its share of
-/// the trace's kernel time). Returns the paths written.
+/// the trace's kernel time). Without traces (they are large, and not always kept) an existing
+/// `kernel_time.csv` is read back instead and its kinds drawn again by today's rule. Returns
+/// the paths written (none where there is neither).
 pub(super) fn summarise(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut traces: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read {}", dir.display()))?
@@ -123,17 +130,27 @@ pub(super) fn summarise(dir: &Path) -> Result<Vec<PathBuf>> {
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     traces.sort();
+    let by_name = dir.join("kernel_time.csv");
+    let per_trace: Vec<(String, Vec<KernelTime>)> = match (traces.is_empty(), by_name.exists()) {
+        (false, _) => traces
+            .iter()
+            .map(|t| {
+                let stem = t
+                    .file_stem()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_string();
+                kernel_times(t).map(|k| (stem, k))
+            })
+            .collect::<Result<_>>()?,
+        (true, true) => read_kernel_times(&by_name)?,
+        (true, false) => return Ok(Vec::new()),
+    };
     let (mut names, mut kinds) = (Vec::new(), Vec::new());
-    for t in &traces {
-        let stem = t
-            .file_stem()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .to_string();
-        let times = kernel_times(t)?;
+    for (stem, times) in &per_trace {
         let total: f64 = times.iter().map(|k| k.ms).sum();
         let mut by_kind: BTreeMap<&str, (usize, f64)> = BTreeMap::new();
-        for k in &times {
+        for k in times {
             let e = by_kind.entry(kind(&k.name)).or_default();
             e.0 += k.calls;
             e.1 += k.ms;
@@ -155,11 +172,41 @@ pub(super) fn summarise(dir: &Path) -> Result<Vec<PathBuf>> {
             ]);
         }
     }
-    let by_name = dir.join("kernel_time.csv");
     write_csv(&by_name, &["trace", "kind", "kernel", "calls", "ms"], names)?;
     let by_kind = dir.join("kernel_kinds.csv");
     write_csv(&by_kind, &["trace", "kind", "calls", "ms", "share"], kinds)?;
     Ok(vec![by_name, by_kind])
+}
+
+/// The kernels of each trace as an earlier `summarise` wrote them, in its order.
+fn read_kernel_times(path: &Path) -> Result<Vec<(String, Vec<KernelTime>)>> {
+    let mut r =
+        csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out: Vec<(String, Vec<KernelTime>)> = Vec::new();
+    for (i, rec) in r.records().enumerate() {
+        let rec = rec.with_context(|| format!("{} row {}", path.display(), i + 2))?;
+        let field = |j: usize| rec.get(j).unwrap_or_default();
+        let bad = || {
+            format!(
+                "{} row {}: not a kernel_time.csv row",
+                path.display(),
+                i + 2
+            )
+        };
+        let calls: usize = field(3).parse().with_context(bad)?;
+        let ms: f64 = field(4).parse().with_context(bad)?;
+        anyhow::ensure!(ms.is_finite(), "{}: time {ms} is not finite", bad());
+        let k = KernelTime {
+            name: field(2).to_string(),
+            calls,
+            ms,
+        };
+        match out.last_mut() {
+            Some((t, ks)) if t == field(0) => ks.push(k),
+            _ => out.push((field(0).to_string(), vec![k])),
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -185,6 +232,10 @@ mod tests {
             ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
             ("void attnsweep::ce_forward<bf16>", "loss"),
             ("void attnsweep::adamw_kernel(...)", "optimizer"),
+            (
+                "void at::native::lpnorm_cleanup<float, (at::native::NormType)1>",
+                "optimizer",
+            ),
             ("triton_poi_fused__unsafe_view_mul_silu_7", "elementwise"),
             (
                 "void at::vectorized_elementwise_kernel<4, FillFunctor>",

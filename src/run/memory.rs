@@ -8,8 +8,12 @@
 //! evaluation's logits with their log-softmax, the dense masks of windowed and sparse layers,
 //! the key-value cache of decoding), so they stay below the true need: a run they refuse
 //! could not have fitted, and what they leave out (other activations, allocator slack) is
-//! what the caught allocation errors are for. The memory of a GPU is not read (nothing here
-//! can ask its driver), so runs on a GPU are not checked at all.
+//! what the caught allocation errors are for.
+//!
+//! Training on a GPU is planned once the model is on the device (`plan_on_device`): each
+//! block's forward and backward is measured at two lengths and fitted, the peak of a step
+//! predicted for each checkpointing choice from those fits and the allocator's counts, and the
+//! first choice that fits what the driver reports is taken; a run none fits is refused there.
 
 use crate::config::{Checkpointing, Config, Dtype};
 use crate::model::attention::{projection_params, spec};
@@ -273,9 +277,9 @@ fn training_parts(cfg: &Config, checkpointing: Checkpointing) -> Vec<(&'static s
     ]
 }
 
-const TRAINING_ADVICE: &str = "set train.activation_checkpointing = \"full\" (or \"auto\"), or \
-     lower train.batch_size (train.grad_accum keeps the tokens per step), data.seq_len, \
-     eval.batch_size or the model's size";
+const TRAINING_ADVICE: &str = "set train.activation_checkpointing = \"auto\" (it tries \"full\" \
+     too) and a smaller train.loss_chunk_tokens, or lower train.batch_size (train.grad_accum keeps \
+     the tokens per step), data.seq_len, eval.batch_size or the model's size";
 
 /// Training, before the model is built: on the CPU, the first checkpointing
 /// `train.activation_checkpointing` allows whose lower bound fits the host's memory, refused
@@ -417,8 +421,7 @@ fn probe_blocks(
 }
 
 /// Peak bytes on the device of a training step of `cfg` under `step`, with `costs` per block
-/// and `fixed` bytes of parameters, gradients and optimizer state; with its parts at the
-/// peak, for the message that refuses it.
+/// and `fixed` bytes of parameters, gradients and optimizer state.
 fn predict(
     cfg: &Config,
     costs: &[BlockCost],

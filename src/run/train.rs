@@ -249,12 +249,13 @@ pub(crate) struct TrainArgs {
     pub(crate) status_every: u64,
 }
 
+/// The validation log's columns.
+const VAL_LOG_HEADER: [&str; 2] = ["step", "val_loss"];
+
 /// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
 /// methods without them. On a GPU, `peak_gib` is the most its tensors held since the row
 /// before and `planned_gib` the memory plan's prediction of it (`memory::plan_on_device`);
 /// both empty on the CPU.
-const VAL_LOG_HEADER: [&str; 2] = ["step", "val_loss"];
-
 const LOG_HEADER: [&str; 10] = [
     "step",
     "loss",

@@ -356,6 +356,10 @@ pub(crate) struct BenchVariant {
     pub(crate) calibrate_router: bool,
     /// The PyTorch peer (`kernels/train_peer.py`) implements it under this name.
     pub(crate) peer: Option<&'static str>,
+    /// What it computes depends on the window (`--window`); on the gates' usage
+    /// (`--full-usage`). A setting it does not read is not part of its case.
+    pub(crate) reads_window: bool,
+    pub(crate) reads_usage: bool,
 }
 
 /// The settings of `bench train` a method's variant may read.

@@ -353,6 +353,8 @@ pub(super) const AHA: MethodSpec = MethodSpec {
             setup: no_setup,
             calibrate_router: true,
             peer: Some("aha"),
+            reads_window: true,
+            reads_usage: true,
         },
         // The sampled straight-through gradient (`--ste-sample`); the peers have the paper's only.
         BenchVariant {
@@ -360,6 +362,8 @@ pub(super) const AHA: MethodSpec = MethodSpec {
             setup: |a: &mut AttentionConfig, k: &BenchKnobs| a.ste_sample = k.ste_sample,
             calibrate_router: true,
             peer: None,
+            reads_window: true,
+            reads_usage: true,
         },
     ],
 };

@@ -45,13 +45,16 @@ const fn fixed(
     }
 }
 
-/// The bench variant of a fixed pattern: the method as configured, timed beside its peer.
-const fn timed(name: &'static str) -> BenchVariant {
+/// The bench variant of a fixed pattern: the method as configured, timed beside its peer;
+/// `reads_window` where its pattern has a window.
+const fn timed(name: &'static str, reads_window: bool) -> BenchVariant {
     BenchVariant {
         name,
         setup: no_setup,
         calibrate_router: false,
         peer: Some(name),
+        reads_window,
+        reads_usage: false,
     }
 }
 
@@ -59,14 +62,14 @@ pub(super) const FULL: MethodSpec = fixed(
     Method::Full,
     "Full",
     |_| Box::new(Static(KeyPattern::Full)),
-    &[timed("full")],
+    &[timed("full", false)],
 );
 
 pub(super) const SWA: MethodSpec = fixed(
     Method::Swa,
     "SWA",
     |b| Box::new(Static(KeyPattern::Window(b.a.window))),
-    &[timed("swa")],
+    &[timed("swa", true)],
 );
 
 pub(super) const PPA: MethodSpec = MethodSpec {
@@ -80,7 +83,7 @@ pub(super) const PPA: MethodSpec = MethodSpec {
                 window: b.a.window,
             }))
         },
-        &[timed("ppa")],
+        &[timed("ppa", true)],
     )
 };
 
@@ -88,5 +91,5 @@ pub(super) const STATIC_HYBRID: MethodSpec = fixed(
     Method::StaticHybrid,
     "StaticHybrid",
     |b| Box::new(Static(hybrid_pattern(b.a, b.layer))),
-    &[timed("static_hybrid")],
+    &[timed("static_hybrid", true)],
 );

@@ -171,5 +171,7 @@ pub(super) const L2A: MethodSpec = MethodSpec {
         },
         calibrate_router: false,
         peer: Some("l2a"),
+        reads_window: true,
+        reads_usage: true,
     }],
 };

@@ -229,5 +229,7 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
         setup: |_, _| {},
         calibrate_router: true,
         peer: Some("swiattn"),
+        reads_window: true,
+        reads_usage: true,
     }],
 };
