@@ -110,6 +110,20 @@ fn leftovers_and_zero_jobs_block_nothing() {
 }
 
 /// The final weights of a run and the file they are in.
+/// A tiny run of 4 steps on a synthetic corpus in a scratch directory `name`, stopped after
+/// step 2 with its checkpoint: (the directory, the run, its settings).
+fn stopped_after_two_steps(name: &str) -> (PathBuf, PathBuf, Vec<String>) {
+    let dir = scratch(name);
+    let data = synth(&dir, 6000);
+    let mut sets = tiny(4);
+    sets.push(data);
+    let run = dir.join("run");
+    assert!(train(&run, &sets, &["--stop-at-step", "2"])
+        .status
+        .success());
+    (dir, run, sets)
+}
+
 fn final_weights(run: &Path) -> (PathBuf, Vec<(String, tch::Tensor)>) {
     let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
     let file = run
@@ -143,14 +157,7 @@ fn with_edited(
 #[test]
 fn weights_of_another_type_or_not_finite_are_refused_by_name() {
     use tch::Kind;
-    let dir = scratch("weights");
-    let data = synth(&dir, 6000);
-    let mut sets = tiny(4);
-    sets.push(data);
-    let run = dir.join("run");
-    assert!(train(&run, &sets, &["--stop-at-step", "2"])
-        .status
-        .success());
+    let (dir, run, sets) = stopped_after_two_steps("weights");
     let (ckpt, tensors) = final_weights(&run);
     let name = "model.norm.weight";
     let eval_with = |file: &Path| {
@@ -234,14 +241,7 @@ fn a_diverged_run_says_which_checkpoint_it_keeps() {
 /// seed) is refused, naming the directory; with the data set it started on it resumes.
 #[test]
 fn resume_refuses_a_replaced_data_set() {
-    let dir = scratch("replaced");
-    let data = synth(&dir, 6000);
-    let mut sets = tiny(4);
-    sets.push(data);
-    let run = dir.join("run");
-    assert!(train(&run, &sets, &["--stop-at-step", "2"])
-        .status
-        .success());
+    let (dir, run, _) = stopped_after_two_steps("replaced");
     let resume = || {
         bin()
             .args(["train", "-q", "--resume", "--out"])

@@ -17,7 +17,7 @@ use crate::config::{AttnImpl, Checkpointing, Config, Dtype, Method, ModelConfig}
 use crate::model::attention::{all_methods, BenchKnobs, BenchVariant, ForwardCtx};
 use crate::model::kernels;
 use crate::model::step::forward_backward;
-use crate::run::memory;
+use crate::run::memory::{self, GIB};
 use crate::run::train::AdamW;
 use crate::run::Built;
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
@@ -31,8 +31,6 @@ use tch::{Device, Kind, Tensor};
 /// The dense bf16 peak the utilisation divides by: an H100 SXM's (and an H200's), 989.4
 /// TFLOP/s without sparsity.
 pub(crate) const PEAK_FLOPS: f64 = 989.4e12;
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 pub(crate) struct TrainBench {
     pub(crate) lengths: Vec<i64>,
@@ -591,7 +589,7 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
         std::fs::create_dir_all(b.out.join("profiles"))?;
     }
     let csv_path = b.out.join("train_bench.csv");
-    let mut rows = earlier_rows(&csv_path)?;
+    let rows = earlier_rows(&csv_path)?;
     let mut fresh: Vec<TrainRow> = Vec::new();
     // The variants the peers implement (`BenchVariant::peer`).
     let peer_methods: Vec<&str> = b.methods.iter().filter_map(|m| m.variant.peer).collect();

@@ -26,7 +26,7 @@ use anyhow::{bail, Result};
 use tch::Device;
 use tch::{Kind, Tensor};
 
-const GIB: f64 = (1u64 << 30) as f64;
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 /// Parameters of the model a config describes, a method's additions included (L2A's global
 /// module, SwiAttn's second output projection; routers are negligible).

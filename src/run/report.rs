@@ -301,6 +301,41 @@ pub(crate) fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) ->
     })
 }
 
+/// The columns of a head's row in `head_usage.csv` (and in AHA Table 3, after its cell's
+/// settings): its place, its usage and the distribution of its gaps (`GapStats`).
+pub(crate) const HEAD_USAGE_COLUMNS: [&str; 10] = [
+    "layer",
+    "head",
+    "mu_f",
+    "gaps",
+    "mean_gap",
+    "gap_median",
+    "gap_p90",
+    "gap_max",
+    "gap_max_censored",
+    "censored_share",
+];
+
+impl GateReport {
+    /// Head `h` of layer `l` as a row of `HEAD_USAGE_COLUMNS` (None: a statistic a head
+    /// without enough gaps does not have).
+    pub(crate) fn head_row(&self, l: usize, h: usize) -> [Option<f64>; 10] {
+        let gap = &self.gaps[l][h];
+        [
+            Some(l as f64),
+            Some(h as f64),
+            Some(self.per_head[l][h]),
+            Some(gap.gaps as f64),
+            gap.mean,
+            gap.median.map(f64::from),
+            gap.p90.map(f64::from),
+            gap.max.map(f64::from),
+            gap.max_censored.map(f64::from),
+            Some(gap.censored_share),
+        ]
+    }
+}
+
 /// `layer_head_usage.csv` (the layer x head matrix of mu_f), `head_usage.csv` (one row per
 /// head with its gap distribution) and `head_ranking.csv` (heads by mu_f, highest first: the
 /// input of the static_heads method).
@@ -319,40 +354,21 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
         })
         .collect();
     write_csv(&dir.join("layer_head_usage.csv"), &header, &matrix)?;
-    let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let opt = |v: Option<String>| v.unwrap_or_default();
     let mut rows: Vec<Vec<String>> = Vec::new();
     for (l, r) in g.per_head.iter().enumerate() {
-        for (h, &mu) in r.iter().enumerate() {
-            let gap = &g.gaps[l][h];
-            rows.push(vec![
-                l.to_string(),
-                h.to_string(),
-                mu.to_string(),
-                gap.gaps.to_string(),
-                opt(gap.mean.map(|v| v.to_string())),
-                opt(gap.median.map(|v| v.to_string())),
-                opt(gap.p90.map(|v| v.to_string())),
-                opt(gap.max.map(|v| v.to_string())),
-                opt(gap.max_censored.map(|v| v.to_string())),
-                gap.censored_share.to_string(),
-            ]);
+        for h in 0..r.len() {
+            let row = g.head_row(l, h);
+            rows.push(
+                row.iter()
+                    .map(|v| v.map_or(String::new(), |v| v.to_string()))
+                    .collect(),
+            );
         }
     }
+    let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     write_csv(
         &dir.join("head_usage.csv"),
-        &strs(&[
-            "layer",
-            "head",
-            "mu_f",
-            "gaps",
-            "mean_gap",
-            "gap_median",
-            "gap_p90",
-            "gap_max",
-            "gap_max_censored",
-            "censored_share",
-        ]),
+        &strs(&HEAD_USAGE_COLUMNS),
         &rows,
     )?;
     let mut ranked: Vec<(usize, usize, f64)> = g

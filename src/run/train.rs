@@ -16,7 +16,7 @@ use crate::model::kernels::{AdamWStep, Kernels};
 use crate::model::step::forward_backward;
 use crate::run::eval;
 use crate::run::memory;
-use crate::run::memory::MemoryPlan;
+use crate::run::memory::{MemoryPlan, GIB};
 use crate::run::report;
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
@@ -29,8 +29,6 @@ use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-const GIB: f64 = (1u64 << 30) as f64;
 use tch::{Device, Kind, Tensor};
 
 /// Learning rate after `step` completed steps: linear warm-up to `lr`, then cosine decay to
@@ -516,10 +514,9 @@ struct Trainer<'a> {
     ctx: ForwardCtx,
     /// How each micro-step keeps its activations and computes its loss.
     plan: MemoryPlan,
-    /// The library that reads the GPU's memory and the device's index, on a GPU.
+    /// The library that reads the GPU's memory and the device's index, on a GPU, where the
+    /// plan's peak is predicted from the model measured there (`memory::plan_on_device`).
     gpu: Option<(&'static Kernels, usize)>,
-    /// Predicted peak bytes on the GPU (`memory::plan_on_device`).
-    planned: Option<f64>,
     /// Probability per step of a forced global step (`MethodSpec::force_global`).
     p_force: f64,
     /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
@@ -569,17 +566,15 @@ impl<'a> Trainer<'a> {
             Device::Cuda(i) => kernels::cuda().map(|k| (k, i)),
             Device::Cpu | Device::Mps | Device::Vulkan => None,
         };
-        let (plan, planned) = match gpu {
+        let plan = match gpu {
             Some((k, i)) => {
                 let trained: Vec<Tensor> = trainable.values().map(|p| p.shallow_clone()).collect();
-                let plan = memory::plan_on_device(cfg, &built.model, &trained, k, i)?;
-                let peak = plan.peak;
-                (plan, Some(peak))
+                memory::plan_on_device(cfg, &built.model, &trained, k, i)?
             }
-            None => (prepared.plan.clone(), None),
+            None => prepared.plan.clone(),
         };
         if !args.quiet {
-            eprintln!("{}", plan.describe(cfg, planned));
+            eprintln!("{}", plan.describe(cfg, gpu.map(|_| plan.peak)));
         }
         let mut opt = AdamW::new(&trainable, built.model.kernels);
         let mut state = TrainState {
@@ -673,7 +668,6 @@ impl<'a> Trainer<'a> {
             ctx,
             plan,
             gpu,
-            planned,
             p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
             routers,
             log_path,
@@ -837,8 +831,8 @@ impl<'a> Trainer<'a> {
                     fmt_opt(s.reg_sum),
                     fmt_opt(s.mu_sum),
                     peak.map_or(String::new(), |p| format!("{:.3}", p / GIB)),
-                    self.planned
-                        .map_or(String::new(), |p| format!("{:.3}", p / GIB)),
+                    self.gpu
+                        .map_or(String::new(), |_| format!("{:.3}", self.plan.peak / GIB)),
                 ],
             )?;
             self.window_start = Instant::now();

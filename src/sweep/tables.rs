@@ -24,7 +24,7 @@ use super::pareto;
 use super::rows::{name_of, rows, Row};
 use crate::config::{Method, Router};
 use crate::run::prune::PruneReport;
-use crate::run::report::GateReport;
+use crate::run::report::{GateReport, HEAD_USAGE_COLUMNS};
 use crate::util::atomic;
 use anyhow::Result;
 use polars::prelude::*;
@@ -454,21 +454,10 @@ fn write_or_remove(path: &Path, df: Option<DataFrame>, written: &mut Vec<PathBuf
 fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
-    let names = [
-        "window",
-        "lambda",
-        "eval_seq_len",
-        "layer",
-        "head",
-        "mu_f",
-        "gaps",
-        "mean_gap",
-        "gap_median",
-        "gap_p90",
-        "gap_max",
-        "gap_max_censored",
-        "censored_share",
-    ];
+    let names: Vec<&str> = ["window", "lambda", "eval_seq_len"]
+        .into_iter()
+        .chain(HEAD_USAGE_COLUMNS)
+        .collect();
     for r in rows
         .iter()
         .filter(|r| r.method == Method::Aha && r.kind != StageKind::Prune)
@@ -481,24 +470,14 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
             .flat_map(|(l, row)| row.iter().enumerate().map(move |(h, &mu)| (mu, l, h)))
             .collect();
         heads.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        for (mu, l, h) in heads {
-            let gap = &g.gaps[l][h];
+        for (_, l, h) in heads {
             cells.push(r.cell.clone());
-            let values = [
+            let settings = [
                 Some(r.window),
                 Some(r.lambda),
                 Some(r.report.seq_len as f64),
-                Some(l as f64),
-                Some(h as f64),
-                Some(mu),
-                Some(gap.gaps as f64),
-                gap.mean,
-                gap.median.map(f64::from),
-                gap.p90.map(f64::from),
-                gap.max.map(f64::from),
-                gap.max_censored.map(f64::from),
-                Some(gap.censored_share),
             ];
+            let values = settings.into_iter().chain(g.head_row(l, h));
             for (n, v) in names.iter().zip(values) {
                 cols.entry(n).or_default().push(v);
             }
