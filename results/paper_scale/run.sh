@@ -29,7 +29,10 @@ attnsweep bench train --out "$O/profile_run" --profile --model olmo2-1b --length
     --methods full,aha --window 256 --full-usage 0.067 --steps 2 --warmup 2 --peers compile
 attnsweep bench train --out "$O/profile_run" --profile --model smollm2-135m --lengths 2048 --tokens 32768 \
     --methods full --steps 2 --warmup 2 --peers compile
+mkdir -p "$O/profiles" && cp "$O/profile_run/profiles/"kernel_*.csv "$O/profiles/"
 
-# PPA's mask as one bit test (ppa_mask/): the kernels alone, before and after the change.
+# PPA's mask as one bit test (ppa_mask/): the kernels alone. attention_bench.csv is this
+# command at ec373c2; run_output.txt also holds it at 0a1ef9e (before the change), run between
+# two runs after it on the same machine.
 attnsweep bench attention --lengths 16384 --head-dims 128 --windows 256,16384 --sparsities 0.9 \
     --routed-usages 0.1 --ppa-powers 0.5,0.75,0.875 --ppa-window 64 --out "$O/ppa_mask"
