@@ -6,9 +6,13 @@ PYTHON        ?= python3
 VENV          := .venv
 TORCH_VERSION := 2.11.0
 STAMP         := $(VENV)/.torch-$(TORCH_VERSION)
-# The conversion tests build tiny models with transformers to compare logits against.
+# The conversion tests build tiny models with transformers, and tiny GGUF files with
+# llama.cpp's gguf package, to compare logits against (transformers reads GGUF through
+# accelerate).
 TRANSFORMERS  := 4.57.6
-TEST_STAMP    := $(VENV)/.transformers-$(TRANSFORMERS)
+GGUF          := 0.19.0
+ACCELERATE    := 1.15.0
+TEST_STAMP    := $(VENV)/.transformers-$(TRANSFORMERS)-gguf-$(GGUF)-accelerate-$(ACCELERATE)
 BIN           := target/release/attnsweep
 
 # torch-sys finds libtorch through the project's Python environment; build.rs then bakes its
@@ -27,7 +31,8 @@ $(STAMP):
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install --disable-pip-version-check --quiet transformers==$(TRANSFORMERS)
+	$(VENV)/bin/python -m pip install --disable-pip-version-check --quiet transformers==$(TRANSFORMERS) \
+		gguf==$(GGUF) accelerate==$(ACCELERATE)
 	touch $@
 
 build: setup

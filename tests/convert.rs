@@ -1,6 +1,8 @@
 //! Conversion parity: tiny random models of each family built with Hugging Face
-//! `transformers` (tests/hf_fixtures.py, no download), converted, and run here: next-token
-//! logits must match transformers' within 1e-4 relative error in fp32 on the CPU.
+//! `transformers` (tests/hf_fixtures.py, no download), and tiny GGUF files of each tensor type
+//! written with llama.cpp's `gguf` package (tests/gguf_fixtures.py), converted, and run here:
+//! next-token logits must match what transformers makes of the same files within 1e-4
+//! relative error in fp32 on the CPU.
 
 mod common;
 use common::bin;
@@ -13,22 +15,37 @@ use std::process::Command;
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
-/// The fixtures, generated once per test process.
+/// The Hugging Face fixtures, generated once per test process.
 fn fixtures() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("attnsweep-hf-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf_fixtures.py");
-        let o = Command::new(&py).arg(&script).arg(&dir).output().expect("python3 runs");
-        assert!(
-            o.status.success(),
-            "tests/hf_fixtures.py failed (make test installs transformers into the project environment):\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        dir
-    })
+    DIR.get_or_init(|| generate("hf_fixtures.py", "hf"))
+}
+
+/// The GGUF fixtures, generated once per test process.
+fn gguf_fixtures() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| generate("gguf_fixtures.py", "gguf"))
+}
+
+/// Runs a fixture script of tests/ into a fresh directory.
+fn generate(script: &str, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("attnsweep-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(script);
+    let o = Command::new(&py)
+        .arg(&path)
+        .arg(&dir)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        o.status.success(),
+        "tests/{script} failed (make test installs transformers, gguf and accelerate into the project environment):\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
 }
 
 fn convert(args: &[&str]) -> std::process::Output {
@@ -440,4 +457,170 @@ fn bad_sources_fail_clearly_and_write_nothing() {
     assert!(left.is_empty(), "partial output: {left:?}");
     let o = bin().args(args).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Every GGUF tensor type read gives transformers' logits (its own GGUF loader, fp32), Llama's
+/// Q and K rows restored, tied and untied heads, Qwen2's biases.
+#[test]
+fn every_gguf_tensor_type_matches_transformers_logits() {
+    let fx = gguf_fixtures();
+    for name in [
+        "f32",
+        "f16",
+        "bf16",
+        "q8_0",
+        "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
+        "q4_k",
+        "q5_k",
+        "q6_k",
+        "qwen2_f16",
+    ] {
+        let out = scratch(&format!("gguf-{name}"));
+        let src = fx.join(format!("{name}.gguf"));
+        let o = convert(&[
+            "--from",
+            src.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let (got, want) = logits(&out, &fx.join(format!("{name}.expected.safetensors")));
+        let e = rel_err(&got, &want);
+        assert!(
+            e < 1e-4,
+            "{name}: logits differ from transformers by {e:.2e} (relative)"
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// The tokenizer written from a GGUF file's metadata gives transformers' ids without the BOS
+/// transformers prepends (the file says add_bos_token = false); SmolLM2's pre-tokenizer
+/// ("smollm") splits digits one by one, as llama.cpp does and transformers does not; the
+/// chat template and special tokens travel along.
+#[test]
+fn a_gguf_tokenizer_follows_the_file() {
+    let fx = gguf_fixtures();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fx.join("tokens.json")).unwrap()).unwrap();
+    let bos = expected["bos_token_id"].as_u64().unwrap() as u32;
+    let tokenizer_of = |name: &str| {
+        let out = scratch(&format!("gguf-tok-{name}"));
+        let src = fx.join(format!("{name}.gguf"));
+        let o = convert(&[
+            "--from",
+            src.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap(),
+            out,
+        )
+    };
+    let ids =
+        |t: &tokenizers::Tokenizer, text: &str| t.encode(text, true).unwrap().get_ids().to_vec();
+    let (gpt2, out) = tokenizer_of("f32");
+    for (text, want) in expected["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(expected["ids"].as_array().unwrap())
+    {
+        let want: Vec<u32> = want
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(want[0], bos, "transformers prepends BOS");
+        assert_eq!(
+            ids(&gpt2, text.as_str().unwrap()),
+            want[1..].to_vec(),
+            "{text}"
+        );
+    }
+    let tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(tc["add_bos_token"], false);
+    assert_eq!(tc["eos_token"], "<|im_end|>");
+    assert!(tc["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
+
+    let (smollm, _) = tokenizer_of("q8_0");
+    let no_digits = expected["texts"][0].as_str().unwrap();
+    assert_eq!(ids(&smollm, no_digits), ids(&gpt2, no_digits));
+    let twelve = gpt2.token_to_id("12").unwrap();
+    assert!(ids(&gpt2, "12 cats").contains(&twelve));
+    assert!(
+        !ids(&smollm, "12 cats").contains(&twelve),
+        "digits split one by one"
+    );
+    assert_eq!(
+        smollm
+            .decode(&ids(&smollm, "in 2024, 12 cats"), false)
+            .unwrap(),
+        "in 2024, 12 cats"
+    );
+}
+
+/// A GGUF file of an architecture not read, or cut short, is refused by name; nothing written.
+#[test]
+fn a_gguf_file_not_read_is_refused_by_name() {
+    let fx = gguf_fixtures();
+    let work = scratch("gguf-bad");
+    std::fs::create_dir_all(&work).unwrap();
+    let bytes = std::fs::read(fx.join("f16.gguf")).unwrap();
+    let refuse = |name: &str, bytes: &[u8], needle: &str| {
+        let src = work.join(name);
+        std::fs::write(&src, bytes).unwrap();
+        let out = work.join(format!("{name}-out"));
+        let o = convert(&[
+            "--from",
+            src.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{name}: {err}");
+        assert!(
+            !out.join("model.safetensors").exists(),
+            "{name}: nothing written"
+        );
+    };
+    // general.architecture's value, "llama", follows its key, type (u32) and length (u64).
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 12;
+    let mut other = bytes.clone();
+    other[at..at + 5].copy_from_slice(b"mamba");
+    refuse(
+        "arch.gguf",
+        &other,
+        "general.architecture = \"mamba\" is not supported",
+    );
+    refuse("cut.gguf", &bytes[..bytes.len() - 100], "truncated");
+    let mut config = vec![];
+    config.extend_from_slice(b"{}");
+    std::fs::write(work.join("config.json"), &config).unwrap();
+    let src = fx.join("f16.gguf");
+    let o = convert(&[
+        "--from",
+        src.to_str().unwrap(),
+        "--config",
+        work.join("config.json").to_str().unwrap(),
+        "--out",
+        work.join("with-config").to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("leave out --config"));
 }

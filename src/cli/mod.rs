@@ -69,7 +69,9 @@ enum Command {
     #[command(subcommand)]
     Bench(BenchCmd),
     /// Convert a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, OLMo-2; safetensors,
-    /// sharded or not) or a PyTorch state dict into an attnsweep checkpoint plus config.toml;
+    /// sharded or not), a llama.cpp GGUF file (llama, qwen2, qwen3; F32, F16, BF16, Q4_0, Q4_1,
+    /// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; its tokenizer written as tokenizer.json) or a PyTorch
+    /// state dict into an attnsweep checkpoint plus config.toml;
     /// `train --config <out>/config.toml --init-from <out>` then continues it with any method.
     Convert(ConvertCmd),
     /// Write a trained full-attention or sliding-window model in the Hugging Face layout.
@@ -280,7 +282,8 @@ struct BenchAttentionCmd {
 
 #[derive(Args)]
 struct ConvertCmd {
-    /// A Hugging Face model directory (config.json and weights), or a weight file (with --config).
+    /// A Hugging Face model directory (config.json and weights), a GGUF file, or a weight file
+    /// (with --config).
     #[arg(long)]
     from: PathBuf,
     /// config.json describing a bare weight file.

@@ -1,5 +1,5 @@
-//! Checkpoints in and out: Hugging Face model directories (Llama, Mistral, Qwen2, Qwen3, OLMo-2)
-//! and plain PyTorch state dicts become attnsweep checkpoints; trained full-attention or
+//! Checkpoints in and out: Hugging Face model directories (Llama, Mistral, Qwen2, Qwen3, OLMo-2),
+//! llama.cpp GGUF files (`run::gguf`) and plain PyTorch state dicts become attnsweep checkpoints; trained full-attention or
 //! sliding-window models go back to the Hugging Face layout.
 //!
 //! Parameter names are the same on both sides (the model keeps Hugging Face's), so converting
@@ -8,6 +8,7 @@
 //! tensor at a time, so converting needs little more memory than the largest tensor.
 
 use crate::config::{Config, Method, ModelConfig, NormPlacement, QkNorm, RopeScaling};
+use crate::io::gguf;
 use crate::io::pickle;
 use crate::io::pickle::Format;
 use crate::model::manifest;
@@ -315,16 +316,52 @@ pub fn convert(
         "{} already holds a model; choose another --out",
         out.display()
     );
-    let (family, cfg) = read_hf_config(src, config)?;
+    // A GGUF file carries its config and tokenizer; it becomes what a Hugging Face directory
+    // holds, and is converted as one.
+    let from_gguf = if src.is_file() && gguf::is_gguf(src) {
+        ensure!(
+            config.is_none(),
+            "{} is a GGUF file, which carries its own config: leave out --config",
+            src.display()
+        );
+        Some(super::gguf::read(src).with_context(|| format!("converting {}", src.display()))?)
+    } else {
+        None
+    };
+    let (family, cfg) = match &from_gguf {
+        Some(g) => hf_config(&g.config, src)?,
+        None => read_hf_config(src, config)?,
+    };
     let scratch = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
     std::fs::create_dir_all(&scratch)?;
     // What this conversion wrote into `out`, removed if it fails before the end: a later
     // attempt would otherwise find weights without a config, and refuse the directory.
     let mut written: Vec<PathBuf> = Vec::new();
-    let files = weight_files(src, allow_pickle, &scratch, &manifest_names(&cfg));
+    let (files, tokenizer) = match from_gguf {
+        Some(g) => {
+            let file = scratch.join("from_gguf.safetensors");
+            let files = Tensor::write_safetensors(&g.tensors, &file)
+                .map(|_| vec![file])
+                .with_context(|| format!("rewriting the tensors of {}", src.display()));
+            (files, g.tokenizer)
+        }
+        None => (
+            weight_files(src, allow_pickle, &scratch, &manifest_names(&cfg)),
+            None,
+        ),
+    };
     let result = files.and_then(|files| {
         let tensors = write_weights(src, &files, out, &cfg, dtype, &mut written)?;
-        copy_tokenizer(src, out, &mut written)?;
+        match tokenizer {
+            Some((json, config)) => {
+                for (name, v) in [("tokenizer.json", json), ("tokenizer_config.json", config)] {
+                    let text = serde_json::to_string_pretty(&v)?;
+                    atomic::write_bytes(&out.join(name), text.as_bytes())?;
+                    written.push(out.join(name));
+                }
+            }
+            None => copy_tokenizer(src, out, &mut written)?,
+        }
         let config_path = out.join("config.toml");
         atomic::write_bytes(&config_path, cfg.to_toml().as_bytes())?;
         Ok(ConvertReport {
@@ -359,8 +396,13 @@ fn read_hf_config(src: &Path, config: Option<&Path>) -> Result<(Family, Config)>
             .with_context(|| format!("cannot read {}", cfg_path.display()))?,
     )
     .with_context(|| format!("{} is not valid JSON", cfg_path.display()))?;
+    hf_config(&hf, &cfg_path)
+}
+
+/// The validated config a Hugging Face `config.json` (read from `origin`) describes.
+fn hf_config(hf: &Value, origin: &Path) -> Result<(Family, Config)> {
     let (family, model, window) =
-        model_from_hf(&hf).with_context(|| format!("{}", cfg_path.display()))?;
+        model_from_hf(hf).with_context(|| format!("{}", origin.display()))?;
     let mut cfg = Config {
         model,
         ..Default::default()
@@ -370,7 +412,7 @@ fn read_hf_config(src: &Path, config: Option<&Path>) -> Result<(Family, Config)>
         cfg.attention.window = w;
     }
     cfg.validate()
-        .with_context(|| format!("{} gives an invalid model", cfg_path.display()))?;
+        .with_context(|| format!("{} gives an invalid model", origin.display()))?;
     Ok((family, cfg))
 }
 

@@ -4,6 +4,7 @@
 
 pub mod convert;
 pub(crate) mod eval;
+pub(crate) mod gguf;
 pub(crate) mod memory;
 pub(crate) mod presets;
 pub(crate) mod prune;
