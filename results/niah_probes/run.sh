@@ -19,7 +19,7 @@ for m in $METHODS; do
   $B train $C --set train.steps=$STEPS --set train.warmup_steps=200 --set attention.method=$m --out $W/$m &
 done
 wait
-E="--tasks niah_single,niah_multikey,niah_multivalue,passkey,mqar,variable_tracking
+E="--tasks niah_single,niah_multikey,niah_multivalue_short,passkey,mqar,variable_tracking
    --set eval.lengths=[192,256] --set eval.digits=4 --set eval.needles=2 --set eval.samples=20 -q"
 for m in $METHODS; do
   $B eval --run $W/$m $E --out $OUT/$m

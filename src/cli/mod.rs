@@ -399,9 +399,13 @@ struct EvalCmd {
     /// Split to evaluate.
     #[arg(long, default_value = "val", value_parser = ["val", "train"])]
     split: String,
-    /// Long-context probes to run after the loss (sets eval.tasks): niah_single,
-    /// niah_multikey, niah_multivalue, passkey, mqar, variable_tracking. Lengths, depths,
-    /// samples and haystack come from eval.lengths, eval.depths, eval.samples, eval.haystack.
+    /// Long-context probes to run after the loss (sets eval.tasks): RULER's niah_single_1,
+    /// niah_single_2, niah_single_3, niah_multikey_1, niah_multikey_2, niah_multikey_3,
+    /// niah_multivalue, niah_multiquery, vt, cwe, fwe (the essay tasks need eval.haystack =
+    /// "text"; eval.chat = true wraps them in the model's chat template), and the short probes
+    /// niah_single, niah_multikey, niah_multivalue_short, passkey, mqar, variable_tracking.
+    /// Lengths, depths, samples and haystack come from eval.lengths, eval.depths, eval.samples,
+    /// eval.haystack.
     #[arg(long, value_delimiter = ',')]
     tasks: Vec<String>,
     /// Multiple-choice JSONL files (lines {"context", "choices", "gold"}), scored by

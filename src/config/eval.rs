@@ -18,7 +18,10 @@ pub struct EvalConfig {
     /// full-attention calls run longer before the sequence end cuts them off.
     pub seq_len: usize,
     /// Long-context probes run after the loss evaluation, scored by greedy generation:
-    /// niah_single, niah_multikey, niah_multivalue, passkey, mqar, variable_tracking.
+    /// RULER's (niah_single_1-3, niah_multikey_1-3, niah_multivalue, niah_multiquery, vt, cwe,
+    /// fwe; scored with RULER's string_match_all, the effective length in `ruler.csv`) and this
+    /// project's short probes (niah_single, niah_multikey, niah_multivalue_short, passkey, mqar,
+    /// variable_tracking).
     pub tasks: Vec<String>,
     /// Prompt lengths of the probes in tokens (empty: data.seq_len).
     pub lengths: Vec<usize>,
@@ -38,6 +41,10 @@ pub struct EvalConfig {
     pub needles: Option<usize>,
     /// Keys asked at once in MQAR. Unset: the data set's probe documents', else 4.
     pub queries: Option<usize>,
+    /// Wrap RULER's prompts in the model's chat template (from the `tokenizer_config.json`
+    /// beside the data set's tokenizer), as RULER does for chat models; the answer prefix
+    /// follows the template's generation prompt.
+    pub chat: bool,
     /// Multiple-choice task files: JSONL lines with context, choices and gold (the index of
     /// the right choice), in the lm-evaluation-harness shape.
     pub mc: Vec<PathBuf>,
@@ -79,6 +86,7 @@ impl Default for EvalConfig {
             mc: Vec::new(),
             max_length: 0,
             timing: false,
+            chat: false,
         }
     }
 }
@@ -92,6 +100,7 @@ impl EvalConfig {
             digits: self.digits.unwrap_or(d.digits),
             needles: self.needles.unwrap_or(d.needles),
             queries: self.queries.unwrap_or(d.queries),
+            chat: None,
         }
     }
 }

@@ -6,7 +6,9 @@
 
 pub(crate) mod corpus;
 pub(crate) mod meta;
+pub(crate) mod needles;
 pub(crate) mod probes;
+pub(crate) mod ruler;
 pub(crate) mod shards;
 pub(crate) mod synth;
 pub(crate) mod tokenizer;

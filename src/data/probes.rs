@@ -1,6 +1,8 @@
-//! Long-context probes generated from a seed, in RULER's style: needle in a haystack (one
-//! needle, several keys, several values for one key), passkey retrieval, multi-query
-//! associative recall (Zoology's MQAR, written as text) and variable tracking.
+//! Long-context probes generated from a seed: RULER's task family under RULER's names
+//! (`data::ruler`), and this project's short probes in RULER's style, small enough for a model
+//! trained from scratch to learn their format: needle in a haystack (one needle, several keys,
+//! several values for one key), passkey retrieval, multi-query associative recall (Zoology's
+//! MQAR, written as text) and variable tracking.
 //!
 //! A probe is text pieces and answers; the evaluated model's tokenizer renders them, so any
 //! tokenizer works and nothing is downloaded. The prompt is filled with haystack tokens up to
@@ -10,7 +12,13 @@
 //! of document), so small models can learn the format.
 
 use super::meta::{prepare_out_dir, read_meta, Meta, ProbeDocs};
+pub(crate) use super::needles::Haystack;
+use super::needles::{
+    distinct, haystack_tokens, key, number, place, variable, Placement, NOISE, WORDS,
+};
+use super::ruler::{self, Ruler, RULER};
 use super::shards::{ShardWriter, Split, Width, TOKENS_MAGIC};
+use super::tokenizer::ChatWrap;
 use super::tokenizer::{finish_text_dataset, tokenizer_of, TextTokenizer};
 use crate::util::flags::finite_flag;
 use crate::util::rng::Rng;
@@ -26,8 +34,10 @@ pub(crate) enum Task {
     Passkey,
     Mqar,
     VariableTracking,
+    Ruler(Ruler),
 }
 
+/// The short probes (RULER's tasks are `ruler::RULER`).
 pub(crate) const TASKS: [Task; 6] = [
     Task::NiahSingle,
     Task::NiahMultikey,
@@ -42,19 +52,35 @@ impl Task {
         match self {
             Task::NiahSingle => "niah_single",
             Task::NiahMultikey => "niah_multikey",
-            Task::NiahMultivalue => "niah_multivalue",
+            Task::NiahMultivalue => "niah_multivalue_short",
             Task::Passkey => "passkey",
             Task::Mqar => "mqar",
             Task::VariableTracking => "variable_tracking",
+            Task::Ruler(r) => r.name(),
+        }
+    }
+
+    /// The task's part of a probe's seed: the short probes' as they always were (their
+    /// order), RULER's after them.
+    fn seed_key(self) -> u64 {
+        match self {
+            Task::NiahSingle => 0,
+            Task::NiahMultikey => 1,
+            Task::NiahMultivalue => 2,
+            Task::Passkey => 3,
+            Task::Mqar => 4,
+            Task::VariableTracking => 5,
+            Task::Ruler(r) => 100 + r as u64,
         }
     }
 
     pub(crate) fn parse(name: &str) -> Result<Task> {
-        match TASKS.iter().find(|t| t.name() == name) {
-            Some(t) => Ok(*t),
+        let all = TASKS.into_iter().chain(RULER.map(Task::Ruler));
+        match all.clone().find(|t| t.name() == name) {
+            Some(t) => Ok(t),
             None => bail!(
                 "unknown probe task {name:?}; known: {}",
-                TASKS.map(|t| t.name()).join(", ")
+                all.map(|t| t.name()).collect::<Vec<_>>().join(", ")
             ),
         }
     }
@@ -62,29 +88,13 @@ impl Task {
     /// Whether the task places its needle at a chosen depth (MQAR fills the whole context
     /// with pairs instead).
     pub(crate) fn has_depth(self) -> bool {
-        self != Task::Mqar
+        match self {
+            Task::Mqar => false,
+            Task::Ruler(r) => r.has_depth(),
+            _ => true,
+        }
     }
 }
-
-/// RULER's noise haystack: these sentences, repeated.
-const NOISE: [&str; 5] = [
-    " The grass is green.",
-    " The sky is blue.",
-    " The sun is yellow.",
-    " Here we go.",
-    " There and back again.",
-];
-
-/// Words keys are made of (two joined by a hyphen: 4096 keys).
-const WORDS: [&str; 64] = [
-    "amber", "basil", "cedar", "delta", "ember", "fable", "grove", "haven", "ivory", "jolly",
-    "karma", "lemon", "maple", "noble", "ocean", "pearl", "quill", "raven", "sable", "tulip",
-    "umber", "vivid", "willow", "xenon", "yacht", "zephyr", "acorn", "bloom", "coral", "dune",
-    "eagle", "frost", "glade", "heron", "inlet", "jade", "kite", "lotus", "mirth", "north",
-    "olive", "plume", "quartz", "ridge", "stone", "thorn", "unity", "vapor", "wheat", "yarrow",
-    "zinc", "arbor", "brook", "cloud", "dawn", "elm", "flint", "gale", "hazel", "iris", "juniper",
-    "knoll", "lark", "moss",
-];
 
 /// Everything a probe's text depends on besides the task and its position in the grid.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,6 +107,8 @@ pub(crate) struct ProbeSpec {
     pub(crate) needles: usize,
     /// Keys asked at once in MQAR.
     pub(crate) queries: usize,
+    /// The chat template's turn around RULER's prompts (None: the bare prompt).
+    pub(crate) chat: Option<ChatWrap>,
 }
 
 impl Default for ProbeSpec {
@@ -106,6 +118,7 @@ impl Default for ProbeSpec {
             digits: 7,
             needles: 4,
             queries: 4,
+            chat: None,
         }
     }
 }
@@ -129,13 +142,6 @@ impl ProbeSpec {
         );
         Ok(())
     }
-}
-
-/// Where haystack tokens come from.
-pub(crate) enum Haystack {
-    Noise,
-    /// A token stream (a prepared corpus split) to cut windows from.
-    Text(Vec<u32>),
 }
 
 /// One rendered probe.
@@ -173,37 +179,6 @@ struct Draft {
     answers: Vec<String>,
     /// Answers joined as the target writes them.
     target: String,
-}
-
-fn number(rng: &mut Rng, digits: usize) -> String {
-    let lo = 10u64.pow(digits as u32 - 1);
-    let hi = 10u64.pow(digits as u32);
-    let lo = if digits == 1 { 0 } else { lo };
-    (lo + rng.below(hi - lo)).to_string()
-}
-
-/// `n` distinct values of `draw`.
-fn distinct(rng: &mut Rng, n: usize, draw: impl Fn(&mut Rng) -> String) -> Vec<String> {
-    let mut out: Vec<String> = Vec::with_capacity(n);
-    while out.len() < n {
-        let v = draw(rng);
-        if !out.contains(&v) {
-            out.push(v);
-        }
-    }
-    out
-}
-
-fn key(rng: &mut Rng) -> String {
-    let a = WORDS[rng.below(WORDS.len() as u64) as usize];
-    let b = WORDS[rng.below(WORDS.len() as u64) as usize];
-    format!("{a}-{b}")
-}
-
-fn variable(rng: &mut Rng) -> String {
-    (0..5)
-        .map(|_| (b'A' + rng.below(26) as u8) as char)
-        .collect()
 }
 
 fn magic(key: &str, value: &str) -> String {
@@ -269,7 +244,7 @@ fn draft(task: Task, spec: &ProbeSpec, rng: &mut Rng) -> Draft {
                 answers: names,
             }
         }
-        Task::Mqar => unreachable!("MQAR is drafted by mqar()"),
+        Task::Mqar | Task::Ruler(_) => unreachable!("MQAR and RULER's tasks are drafted apart"),
     }
 }
 
@@ -289,10 +264,22 @@ pub(crate) fn generate(
         "needle depth {depth} must be in 0 ..= 1"
     );
     let mut rng = Rng::new(
-        [task as u64, length as u64, depth.to_bits(), sample]
+        [task.seed_key(), length as u64, depth.to_bits(), sample]
             .iter()
             .fold(spec.seed, |acc, k| Rng::new(acc ^ k).next_u64()),
     );
+    if let Task::Ruler(r) = task {
+        let chat = spec.chat.as_ref();
+        let p = ruler::generate(r, spec.digits, chat, haystack, tok, length, depth, &mut rng)?;
+        return Ok(Probe {
+            task,
+            prompt: p.prompt,
+            target: format!(" {}", p.answers.join(", ")),
+            answers: p.answers,
+            needle_at: p.needle_at,
+            depth: p.depth,
+        });
+    }
     let enc = |s: &str| tok.encode(s);
     if task == Task::Mqar {
         return mqar(spec, &mut rng, tok, length);
@@ -307,81 +294,18 @@ pub(crate) fn generate(
         task.name()
     );
     let budget = length - fixed;
-    // The haystack, and the token offsets at which a needle may go (sentence starts for the
-    // noise haystack, any token for text).
-    let (hay, starts): (Vec<u32>, Vec<usize>) = match haystack {
-        Haystack::Noise => {
-            let sentences: Vec<Vec<u32>> = NOISE.iter().map(|s| enc(s)).collect::<Result<_>>()?;
-            let (mut hay, mut starts) = (Vec::with_capacity(budget), Vec::new());
-            for s in sentences.iter().cycle() {
-                if hay.len() >= budget {
-                    break;
-                }
-                starts.push(hay.len());
-                hay.extend(s);
-            }
-            hay.truncate(budget);
-            starts.push(budget);
-            (hay, starts)
-        }
-        Haystack::Text(stream) => {
-            ensure!(
-                stream.len() >= budget,
-                "the text haystack holds {} tokens, fewer than the {budget} a probe of length {length} needs",
-                stream.len()
-            );
-            let at = rng.below((stream.len() - budget + 1) as u64) as usize;
-            (stream[at..at + budget].to_vec(), (0..=budget).collect())
-        }
-    };
-    let nearest = |x: f64| {
-        *starts
-            .iter()
-            .min_by(|a, b| (**a as f64 - x).abs().total_cmp(&(**b as f64 - x).abs()))
-            .expect("at least one insertion point")
-    };
-    let at_depth = nearest(depth * budget as f64);
-    let achieved = at_depth as f64 / budget as f64;
-    let mut offsets: Vec<usize> = (0..needles.len())
-        .map(|i| {
-            if i == d.placed {
-                at_depth
-            } else if d.chain && i > d.placed {
-                // Later links of a chain go after the placed one.
-                let later: Vec<usize> = starts.iter().copied().filter(|&s| s >= at_depth).collect();
-                later[rng.below(later.len() as u64) as usize]
-            } else {
-                starts[rng.below(starts.len() as u64) as usize]
-            }
-        })
-        .collect();
-    if d.chain {
-        offsets[d.placed..].sort_unstable();
-    }
-    // Insert in haystack order; needles at one offset keep their index order.
-    let mut order: Vec<usize> = (0..needles.len()).collect();
-    order.sort_by_key(|&i| (offsets[i], i));
-    let mut prompt = Vec::with_capacity(length);
-    let (mut from, mut needle_at) = (0, 0);
-    let mut answers_in_order = Vec::new();
-    for &i in &order {
-        prompt.extend(&hay[from..offsets[i]]);
-        from = offsets[i];
-        if i == d.placed {
-            needle_at = prompt.len();
-        }
-        answers_in_order.push(i);
-        prompt.extend(&needles[i]);
-    }
-    prompt.extend(&hay[from..]);
+    let (hay, starts) = haystack_tokens(haystack, budget, tok, &mut rng)?;
+    let Placement {
+        tokens: mut prompt,
+        needle_at,
+        depth: achieved,
+        order,
+    } = place(&hay, &starts, &needles, d.placed, d.chain, depth, &mut rng);
     prompt.extend(&question);
     debug_assert_eq!(prompt.len(), length);
     // Multi-value answers are asked in the order the values appear.
     let (target, answers) = if task == Task::NiahMultivalue {
-        let vals: Vec<String> = answers_in_order
-            .iter()
-            .map(|&i| d.answers[i].clone())
-            .collect();
+        let vals: Vec<String> = order.iter().map(|&i| d.answers[i].clone()).collect();
         (format!(" {}", vals.join(", ")), vals)
     } else {
         (d.target, d.answers)
@@ -477,7 +401,13 @@ impl Probe {
     /// Scores generated text: `(exact_match, recall)`. The prediction is the text before the
     /// first stop character; exact match compares it (trimmed) with the target, recall is
     /// the fraction of answers found in it (RULER's string match).
+    /// RULER's tasks score the whole generation with RULER's `string_match_all` (the recall;
+    /// exact match when every answer is found).
     pub(crate) fn score(&self, generated: &str) -> (f64, f64) {
+        if let Task::Ruler(_) = self.task {
+            let s = ruler::string_match_all(&self.answers, generated);
+            return ((s == 1.0) as u8 as f64, s);
+        }
         let pred = generated.split(&STOP[..]).next().unwrap_or("").trim();
         let exact = (pred == self.target.trim()) as u8 as f64;
         let found = self
@@ -577,6 +507,7 @@ impl ProbesArgs {
             digits: self.digits,
             needles: self.needles,
             queries: self.queries,
+            chat: None,
         }
     }
 
@@ -835,6 +766,7 @@ mod tests {
                 }
                 names
             }
+            Task::Ruler(_) => unreachable!("RULER's tasks have their own tests"),
         };
         format!(" {}", answers.join(", "))
     }

@@ -3,7 +3,7 @@
 
 use super::meta::{write_meta, CorpusRecord, Meta, ProbeDocs, META_FORMAT};
 use crate::util::atomic;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// Byte-level tokenizer: token = byte value, 256 = end of document.
@@ -16,6 +16,14 @@ pub(crate) enum TextTokenizer {
         tokenizer: Box<tokenizers::Tokenizer>,
         path: PathBuf,
     },
+}
+
+/// A chat template rendered around one user message: the text before the message, and after
+/// it up to where the assistant's answer begins.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ChatWrap {
+    pub(crate) head: String,
+    pub(crate) tail: String,
 }
 
 /// The tokenizer a data set was prepared with.
@@ -41,6 +49,55 @@ impl TextTokenizer {
         Ok(TextTokenizer::Hf {
             tokenizer: Box::new(tokenizer),
             path: path.to_path_buf(),
+        })
+    }
+
+    /// The chat template of the `tokenizer_config.json` beside the `tokenizer.json`, rendered
+    /// around one user message with the generation prompt, as transformers'
+    /// `apply_chat_template(..., add_generation_prompt=True)` renders it (Jinja, through
+    /// minijinja): the text before the message and the text after it.
+    pub(crate) fn chat_wrap(&self) -> Result<ChatWrap> {
+        let TextTokenizer::Hf { path, .. } = self else {
+            bail!("a byte-level tokenizer has no chat template: set eval.chat = false");
+        };
+        let cfg_path = path.with_file_name("tokenizer_config.json");
+        let cfg: serde_json::Value = std::fs::read_to_string(&cfg_path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .with_context(|| format!("eval.chat = true needs the chat template of {}, which is missing or unreadable (convert writes it beside tokenizer.json; data prepare copies it)", cfg_path.display()))?;
+        let template = cfg["chat_template"].as_str().with_context(|| {
+            format!(
+                "{} has no chat_template: set eval.chat = false",
+                cfg_path.display()
+            )
+        })?;
+        const MARK: &str = "\u{1}MESSAGE\u{1}";
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", template).with_context(|| {
+            format!(
+                "the chat template of {} is not valid Jinja",
+                cfg_path.display()
+            )
+        })?;
+        let text = |k: &str| cfg[k].as_str().unwrap_or("").to_string();
+        let rendered = env
+            .get_template("chat")?
+            .render(minijinja::context! {
+                messages => vec![minijinja::context! { role => "user", content => MARK }],
+                add_generation_prompt => true,
+                bos_token => text("bos_token"),
+                eos_token => text("eos_token"),
+            })
+            .with_context(|| format!("rendering the chat template of {}", cfg_path.display()))?;
+        let (head, tail) = rendered.split_once(MARK).with_context(|| {
+            format!(
+                "the chat template of {} does not show the user's message",
+                cfg_path.display()
+            )
+        })?;
+        Ok(ChatWrap {
+            head: head.to_string(),
+            tail: tail.to_string(),
         })
     }
 
@@ -127,8 +184,12 @@ pub(crate) fn finish_text_dataset(
     let tokenizer = match tok {
         TextTokenizer::Bytes => "byte".to_string(),
         TextTokenizer::Hf { path, .. } => {
-            // The data set keeps its tokenizer, so it describes itself.
+            // The data set keeps its tokenizer (and its chat template), so it describes itself.
             atomic::write_bytes(&out.join("tokenizer.json"), &std::fs::read(path)?)?;
+            let config = path.with_file_name("tokenizer_config.json");
+            if config.is_file() {
+                atomic::write_bytes(&out.join("tokenizer_config.json"), &std::fs::read(config)?)?;
+            }
             "tokenizer.json".to_string()
         }
     };

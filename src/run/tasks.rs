@@ -7,6 +7,7 @@
 
 use crate::config::{Config, HaystackKind};
 use crate::data::probes::{self, Haystack, Probe, Task};
+use crate::data::ruler;
 use crate::data::{self, Split, TextTokenizer};
 use crate::model::attention::ForwardCtx;
 use crate::model::{ForwardOutput, Llama};
@@ -240,7 +241,10 @@ pub(crate) fn run_probes(
     device: Device,
 ) -> Result<ProbeRun> {
     let e = &cfg.eval;
-    let spec = e.probe_spec();
+    let mut spec = e.probe_spec();
+    if e.chat {
+        spec.chat = Some(tok.chat_wrap()?);
+    }
     let lengths = if e.lengths.is_empty() {
         vec![cfg.data.seq_len]
     } else {
@@ -275,8 +279,12 @@ pub(crate) fn run_probes(
                         )
                     })
                     .collect::<Result<_>>()?;
-                // Room for the longest target, its stop character and a little more.
-                let mut max_new = 0;
+                // Room for the longest target, its stop character and a little more; RULER's
+                // tasks get RULER's budget.
+                let mut max_new = match task {
+                    Task::Ruler(r) => r.tokens_to_generate(),
+                    _ => 0,
+                };
                 for p in &probes {
                     max_new = max_new.max(enc(&format!("{}.", p.target))?.len() + 2);
                 }
@@ -815,6 +823,17 @@ impl Scores {
                 }),
             );
         }
+        let ruler_scores: Vec<(usize, f64)> = ruler_by_length(&cells);
+        if !ruler_scores.is_empty() {
+            let effective = ruler::effective_length(&ruler_scores, ruler::EFFECTIVE_THRESHOLD);
+            let r = self.results.entry("ruler".into()).or_default();
+            for (length, score) in &ruler_scores {
+                r.insert(format!("score_{length}"), *score);
+            }
+            r.insert("effective_length".into(), effective.unwrap_or(0) as f64);
+            r.insert("threshold".into(), ruler::EFFECTIVE_THRESHOLD);
+            write_ruler(&dir.join("ruler.csv"), &ruler_scores, effective)?;
+        }
         write_niah(&dir.join("niah.csv"), &cells)?;
         write_samples(&dir.join("probe_samples.jsonl"), &cells)?;
         write_efficiency(&dir.join("efficiency.csv"), &costs, cfg, device)?;
@@ -928,6 +947,45 @@ impl Scores {
             serde_json::to_string_pretty(&json)?.as_bytes(),
         )
     }
+}
+
+/// Per length, RULER's score: the mean over RULER's tasks of each task's mean
+/// `string_match_all` (over its depths and samples), as RULER averages its 13 tasks.
+fn ruler_by_length(cells: &[ProbeCell]) -> Vec<(usize, f64)> {
+    let mut by: BTreeMap<usize, BTreeMap<Task, Vec<f64>>> = BTreeMap::new();
+    for c in cells.iter().filter(|c| matches!(c.task, Task::Ruler(_))) {
+        by.entry(c.length)
+            .or_default()
+            .entry(c.task)
+            .or_default()
+            .extend(&c.recall);
+    }
+    by.into_iter()
+        .map(|(l, tasks)| {
+            let means: Vec<f64> = tasks.values().map(|v| mean(v)).collect();
+            (l, mean(&means))
+        })
+        .collect()
+}
+
+/// `ruler.csv`: RULER's score per length and whether it is above the effective-length
+/// threshold; the last row names the effective length.
+fn write_ruler(path: &Path, scores: &[(usize, f64)], effective: Option<usize>) -> Result<()> {
+    atomic::write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(["length", "score", "threshold", "above", "effective_length"])?;
+        for (l, s) in scores {
+            w.write_record([
+                l.to_string(),
+                format!("{s:.4}"),
+                ruler::EFFECTIVE_THRESHOLD.to_string(),
+                (*s > ruler::EFFECTIVE_THRESHOLD).to_string(),
+                effective.map_or("none".into(), |e| e.to_string()),
+            ])?;
+        }
+        w.flush()?;
+        Ok(())
+    })
 }
 
 /// `probe_samples.jsonl`: every probe's target and generation (the harness's logged samples).
