@@ -459,6 +459,24 @@ fn bad_sources_fail_clearly_and_write_nothing() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// The GGUF fixture `name` converted into a fresh directory (`tag` keeps tests apart).
+fn convert_gguf(name: &str, tag: &str) -> PathBuf {
+    let out = scratch(&format!("gguf-{tag}-{name}"));
+    let src = gguf_fixtures().join(format!("{name}.gguf"));
+    let o = convert(&[
+        "--from",
+        src.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        o.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
 /// Every GGUF tensor type read gives transformers' logits (its own GGUF loader, fp32), Llama's
 /// Q and K rows restored, tied and untied heads, Qwen2's biases.
 #[test]
@@ -478,19 +496,7 @@ fn every_gguf_tensor_type_matches_transformers_logits() {
         "q6_k",
         "qwen2_f16",
     ] {
-        let out = scratch(&format!("gguf-{name}"));
-        let src = fx.join(format!("{name}.gguf"));
-        let o = convert(&[
-            "--from",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        assert!(
-            o.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        let out = convert_gguf(name, "logits");
         let (got, want) = logits(&out, &fx.join(format!("{name}.expected.safetensors")));
         let e = rel_err(&got, &want);
         assert!(
@@ -512,15 +518,7 @@ fn a_gguf_tokenizer_follows_the_file() {
         serde_json::from_str(&std::fs::read_to_string(fx.join("tokens.json")).unwrap()).unwrap();
     let bos = expected["bos_token_id"].as_u64().unwrap() as u32;
     let tokenizer_of = |name: &str| {
-        let out = scratch(&format!("gguf-tok-{name}"));
-        let src = fx.join(format!("{name}.gguf"));
-        let o = convert(&[
-            "--from",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = convert_gguf(name, "tokenizer");
         (
             tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap(),
             out,

@@ -208,7 +208,8 @@ pub(crate) fn generate(
     };
     let before = enc(&format!("{head}{}", frame.before))?;
     let after = enc(&format!("{}{tail}{}", frame.question, frame.prefix))?;
-    let fixed = before.len() + after.len() + body.fixed(tok)?;
+    let needles = body.needle_tokens(tok)?;
+    let fixed = before.len() + after.len() + needles.iter().map(Vec::len).sum::<usize>();
     ensure!(
         fixed < length,
         "length {length} is too short for {}: its instruction, needles and question take {fixed} tokens",
@@ -216,7 +217,7 @@ pub(crate) fn generate(
     );
     let budget = length - fixed;
     let (context, needle_at, achieved) =
-        body.render(digits, haystack, tok, budget, depth, rng, task)?;
+        body.render(&needles, digits, haystack, tok, budget, depth, rng, task)?;
     let mut prompt = before;
     let needle_at = needle_at + prompt.len();
     prompt.extend(context);
@@ -246,23 +247,20 @@ enum Body {
 }
 
 impl Body {
-    fn fixed(&self, tok: &TextTokenizer) -> Result<usize> {
-        Ok(match self {
-            Body::Needles { needles, .. } => {
-                let mut n = 0;
-                for s in needles {
-                    n += tok.encode(s)?.len();
-                }
-                n
-            }
-            Body::List(_) => 0,
-        })
+    /// The needles' tokens (none for a list).
+    fn needle_tokens(&self, tok: &TextTokenizer) -> Result<Vec<Vec<u32>>> {
+        match self {
+            Body::Needles { needles, .. } => needles.iter().map(|n| tok.encode(n)).collect(),
+            Body::List(_) => Ok(vec![]),
+        }
     }
 
     /// The context's tokens (exactly `budget`), where the asked needle starts in them, and
     /// the depth it landed at.
+    #[allow(clippy::too_many_arguments)]
     fn render(
         &self,
+        needles: &[Vec<u32>],
         digits: usize,
         haystack: &Haystack,
         tok: &TextTokenizer,
@@ -275,13 +273,11 @@ impl Body {
         match self {
             Body::Needles {
                 hay,
-                needles,
                 placed,
                 chain,
                 distractor,
+                ..
             } => {
-                let needles: Vec<Vec<u32>> =
-                    needles.iter().map(|n| enc(n)).collect::<Result<_>>()?;
                 let (hay, starts) = match (hay, haystack) {
                     (Hay::Noise, _) => haystack_tokens(&Haystack::Noise, budget, tok, rng)?,
                     (Hay::Essay, Haystack::Text(_)) => haystack_tokens(haystack, budget, tok, rng)?,
@@ -313,7 +309,7 @@ impl Body {
                     needle_at,
                     depth,
                     ..
-                } = place(&hay, &starts, &needles, *placed, *chain, depth, rng);
+                } = place(&hay, &starts, needles, *placed, *chain, depth, rng);
                 Ok((tokens, needle_at, depth))
             }
             Body::List(items) => {
@@ -399,13 +395,6 @@ fn niah(n: &Niah, digits: usize, rng: &mut Rng) -> (Frame, Vec<String>, Body) {
     )
 }
 
-/// Fisher-Yates.
-fn shuffle<T>(v: &mut [T], rng: &mut Rng) {
-    for i in (1..v.len()).rev() {
-        v.swap(i, rng.below(i as u64 + 1) as usize);
-    }
-}
-
 /// vt, cwe and fwe, their lists long enough for `length` tokens.
 fn other(task: Ruler, length: usize, rng: &mut Rng) -> (Frame, Vec<String>, Body) {
     match task {
@@ -454,7 +443,7 @@ fn other(task: Ruler, length: usize, rng: &mut Rng) -> (Frame, Vec<String>, Body
             for w in rare {
                 words.extend(std::iter::repeat_n(w.as_str(), 3.min(repeats - 1)));
             }
-            shuffle(&mut words, rng);
+            rng.shuffle(&mut words);
             let items = words
                 .iter()
                 .enumerate()
@@ -473,17 +462,8 @@ fn other(task: Ruler, length: usize, rng: &mut Rng) -> (Frame, Vec<String>, Body
                 (0..3).map(|_| (b'a' + r.below(26) as u8) as char).collect()
             });
             let weights: Vec<f64> = (1..=vocab.len()).map(|r| 1.0 / (r * r) as f64).collect();
-            let total: f64 = weights.iter().sum();
             let items: Vec<String> = (0..length)
-                .map(|_| {
-                    let mut u = rng.uniform() * total;
-                    let mut i = 0;
-                    while i + 1 < weights.len() && u >= weights[i] {
-                        u -= weights[i];
-                        i += 1;
-                    }
-                    format!(" {}", vocab[i])
-                })
+                .map(|_| format!(" {}", vocab[rng.weighted(&weights)]))
                 .collect();
             let frame = Frame {
                 before: "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words.".into(),

@@ -209,3 +209,36 @@ pub(crate) fn finish_text_dataset(
     };
     write_meta(out, &meta)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2's chat template, rendered around a user message as transformers renders it
+    /// (its system prompt first, since the conversation has none); a tokenizer without a
+    /// template is refused by name.
+    #[test]
+    fn the_chat_template_wraps_a_user_message() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tokenizer = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "<unk>": 1}, "unk_token": "<unk>"}}"#;
+        std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
+        let template = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let tok = TextTokenizer::hf(&dir.join("tokenizer.json")).unwrap();
+        let wrap = tok.chat_wrap().unwrap();
+        assert_eq!(
+            wrap.head,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"
+        );
+        assert_eq!(wrap.tail, "<|im_end|>\n<|im_start|>assistant\n");
+        std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+        let e = format!("{:#}", tok.chat_wrap().unwrap_err());
+        assert!(e.contains("has no chat_template"), "{e}");
+        assert!(TextTokenizer::Bytes.chat_wrap().is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

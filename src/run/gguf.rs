@@ -220,19 +220,20 @@ fn config(g: &Gguf, arch: &str) -> Result<(Value, usize, usize)> {
     Ok((Value::Object(c), heads, kv_heads))
 }
 
-/// The regular expressions of the pre-tokenizers read, by `tokenizer.ggml.pre`, as
-/// llama.cpp's `llama-vocab.cpp` applies them. None is GPT-2's own, which the byte-level
-/// step applies itself.
-fn pre_split(pre: &str) -> Result<Vec<&'static str>> {
-    // Llama 3's and Qwen2's word pattern; they differ in how digits group.
+/// The pre-tokenizers read, by `tokenizer.ggml.pre`, as llama.cpp's `llama-vocab.cpp`
+/// applies them: the patterns split by before the byte-level step, and whether that step
+/// still applies GPT-2's own pattern after them.
+fn pre_split(pre: &str) -> Result<(Vec<&'static str>, bool)> {
+    // Llama 3's and Qwen2's word pattern, which replace GPT-2's; they differ in how digits
+    // group.
     const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     Ok(match pre {
-        "default" | "gpt2" => vec![],
+        "default" | "gpt2" => (vec![], true),
         // Every digit alone, then GPT-2's pattern.
-        "smollm" => vec![r"\p{N}"],
-        "llama-bpe" | "llama3" => vec![LLAMA3],
-        "qwen2" => vec![QWEN2],
+        "smollm" => (vec![r"\p{N}"], true),
+        "llama-bpe" | "llama3" => (vec![LLAMA3], false),
+        "qwen2" => (vec![QWEN2], false),
         other => bail!(
             "tokenizer.ggml.pre = {other:?} is not supported; supported: default, gpt2, smollm, llama-bpe, qwen2"
         ),
@@ -304,9 +305,9 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
         .get("tokenizer.ggml.pre")
         .and_then(G::as_str)
         .unwrap_or("default");
-    let splits = pre_split(pre)?;
+    let (splits, gpt2_pattern) = pre_split(pre)?;
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
-                            "trim_offsets": true, "use_regex": splits.is_empty() || pre == "smollm"});
+                            "trim_offsets": true, "use_regex": gpt2_pattern});
     let mut pre_tokenizers: Vec<Value> = splits
         .iter()
         .map(|r| {

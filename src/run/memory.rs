@@ -552,6 +552,25 @@ mod tests {
     use crate::config::Method;
     use crate::run::Built;
 
+    /// A default config with the model's vocabulary, widths, layers and heads set.
+    fn shaped(
+        vocab: usize,
+        hidden: usize,
+        inter: usize,
+        layers: usize,
+        heads: usize,
+        kv: usize,
+    ) -> Config {
+        let mut c = Config::default();
+        c.model.vocab_size = vocab;
+        c.model.hidden_size = hidden;
+        c.model.intermediate_size = inter;
+        c.model.num_hidden_layers = layers;
+        c.model.num_attention_heads = heads;
+        c.model.num_key_value_heads = kv;
+        c
+    }
+
     /// The count from the config is the constructed model's, for every method that adds
     /// parameters, tied and untied.
     #[test]
@@ -613,13 +632,7 @@ mod tests {
     /// block; a fixed choice is checked as it is; nothing fitting is refused with the advice.
     #[test]
     fn auto_checkpointing_takes_the_cheapest_choice_that_fits() {
-        let mut c = Config::default();
-        c.model.vocab_size = 257;
-        c.model.hidden_size = 64;
-        c.model.intermediate_size = 16384;
-        c.model.num_hidden_layers = 64;
-        c.model.num_attention_heads = 4;
-        c.model.num_key_value_heads = 4;
+        let mut c = shaped(257, 64, 16384, 64, 4, 4);
         c.data.seq_len = 4096;
         c.train.batch_size = 16;
         let need = |ckpt| training_parts(&c, ckpt).iter().map(|p| p.1).sum::<f64>();
@@ -731,13 +744,7 @@ mod tests {
                 (Method::Swa, Checkpointing::None, 2048),
                 (Method::Aha, Checkpointing::Full, 0),
             ] {
-                let mut c = Config::default();
-                c.model.vocab_size = 32_000;
-                c.model.hidden_size = 1024;
-                c.model.intermediate_size = 4096;
-                c.model.num_hidden_layers = 8;
-                c.model.num_attention_heads = 8;
-                c.model.num_key_value_heads = 4;
+                let mut c = shaped(32_000, 1024, 4096, 8, 8, 4);
                 c.attention.method = method;
                 c.attention.window = 256;
                 c.attention.attn_impl = AttnImpl::Cuda;
@@ -792,13 +799,7 @@ mod tests {
     /// and killed by the operating system).
     #[test]
     fn activations_are_counted() {
-        let mut c = Config::default();
-        c.model.vocab_size = 257;
-        c.model.hidden_size = 1024;
-        c.model.intermediate_size = 4096;
-        c.model.num_hidden_layers = 8;
-        c.model.num_attention_heads = 8;
-        c.model.num_key_value_heads = 8;
+        let mut c = shaped(257, 1024, 4096, 8, 8, 8);
         c.data.seq_len = 1024;
         c.train.batch_size = 512;
         c.attention.method = crate::config::Method::Swa;

@@ -43,6 +43,13 @@ impl Rng {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
 
+    /// `v` in a uniformly random order (Fisher-Yates).
+    pub(crate) fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i as u64 + 1) as usize);
+        }
+    }
+
     /// Index drawn with probability proportional to `weights`.
     pub(crate) fn weighted(&mut self, weights: &[f64]) -> usize {
         let total: f64 = weights.iter().sum();

@@ -61,10 +61,7 @@ fn random_list(b: i64, h: i64, len: i64, counts: &[i64], device: Device) -> (Ten
     for bh in 0..(b * h) as usize {
         let n = counts[bh % counts.len()];
         let mut chosen: Vec<i64> = (0..len).collect();
-        for i in 0..len as usize {
-            let j = i + rng.below((len as usize - i) as u64) as usize;
-            chosen.swap(i, j);
-        }
+        rng.shuffle(&mut chosen);
         let mut c: Vec<i32> = chosen[..n as usize].iter().map(|&x| x as i32).collect();
         c.sort();
         c.resize(lq as usize, 0);
