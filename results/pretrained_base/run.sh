@@ -1,17 +1,14 @@
 #!/bin/bash
-# The commands behind results/pretrained_base (one H100 80GB HBM3, bf16): the base from
+# The commands behind results/pretrained_base (one H200, bf16): the base from
 # `make pretrained` (SmolLM2-135M-Instruct, GGUF Q4_1 converted to fp32), the installed torch
-# 2.11.0's Python sources as its corpus, then the validation loss and RULER's tasks, one
-# length an evaluation.
+# 2.11.0's Python sources as its corpus, then the validation loss and RULER's tasks.
 set -eu
 B=target/release/attnsweep
 BASE=pretrained/smollm2-135m-instruct
 make pretrained
 $B data prepare --python-package torch --glob '*.py' --tokenizer $BASE/tokenizer.json --out data/torchsrc
 TASKS=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe
-for L in 1024 2048 4096 8192 16384; do
-  $B eval --run $BASE --out results/pretrained_base/probes_$L --tasks $TASKS --set data.dir=data/torchsrc \
-    --set eval.lengths=[$L] --set eval.samples=5 --set eval.depths=[0.25,0.75] --set eval.haystack=text \
-    --set eval.chat=true --set eval.batch_size=8 --set eval.seq_len=2048 --set eval.max_batches=25 \
-    --set train.dtype=bf16 > results/pretrained_base/probes_$L.log
-done
+$B eval --run $BASE --out results/pretrained_base/probes --tasks $TASKS --set data.dir=data/torchsrc \
+    --set eval.lengths=[1024,2048,4096,8192,16384] --set eval.samples=5 --set eval.depths=[0.25,0.75] \
+    --set eval.haystack=text --set eval.chat=true --set eval.batch_size=8 --set eval.seq_len=2048 \
+    --set eval.max_batches=25 --set train.dtype=bf16 > results/pretrained_base/probes.log
