@@ -1805,6 +1805,58 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
     }
 }
 
+/// A grid with `seeds = 2` trains each cell twice, continued cells from the base of their own
+/// seed, and `plot` summarises each setting over its seeds (`replicates.csv`) and compares the
+/// settings of a stage (`replicate_differences.csv`).
+#[test]
+fn seeds_replicate_cells_and_plot_summarises_them() {
+    let d = scratch("seeds");
+    let src = d.join("corpus");
+    std::fs::create_dir_all(&src).unwrap();
+    let text = (0..60)
+        .map(|i| format!("def f{i}(x):\n    return x * {i}\n"))
+        .collect::<String>();
+    std::fs::write(src.join("a.txt"), text).unwrap();
+    let grid = d.join("grid.toml");
+    std::fs::write(
+        &grid,
+        format!(
+            "name = \"seeds\"\nseeds = 2\n[corpus]\ninput = [\"{src}\"]\nval_fraction = 0.2\n{base}\n\
+             [[stage]]\nname = \"base\"\n\
+             [[stage]]\nname = \"swa\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"swa\" }}\n\
+             axes = {{ \"attention.window\" = [4, 8] }}\n",
+            src = src.display(),
+            base = tiny_base(&d.join("data"))
+        ),
+    )
+    .unwrap();
+    let out = d.join("sweep");
+    ok(&[
+        "sweep",
+        "--grid",
+        grid.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    let summary = log_rows(&out.join("replicates.csv"));
+    let loss: Vec<&Vec<String>> = summary.iter().filter(|r| r[1] == "loss").collect();
+    assert_eq!(loss.len(), 3, "base and two windows: {summary:?}");
+    for r in &loss {
+        assert_eq!(r[4], "2", "{r:?}");
+        let (low, mean, high): (f64, f64, f64) = (
+            r[7].parse().unwrap(),
+            r[5].parse().unwrap(),
+            r[8].parse().unwrap(),
+        );
+        assert!(low <= mean && mean <= high, "{r:?}");
+    }
+    let diffs = log_rows(&out.join("replicate_differences.csv"));
+    assert!(diffs.iter().any(|r| r[0] == "swa"
+        && r[1] == "loss"
+        && ["within noise", "differs"].contains(&r[7].as_str())));
+}
+
 /// A grid's [probes] mixes probe documents into its [corpus]: the corpus is prepared at
 /// probes.mix_with, the mixed data set at base.data.dir, and the base trains on it; without
 /// mix_with the grid is refused before anything is written.

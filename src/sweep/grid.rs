@@ -30,6 +30,12 @@ pub struct Grid {
     pub(crate) probes: Option<ProbesArgs>,
     #[serde(default)]
     pub(crate) base: toml::Table,
+    /// Replicates: every train cell runs with this many seeds (`train.seed` = the base's
+    /// seed, then the next ones), and the cells that start from, evaluate or prune it follow
+    /// their own seed's. `attnsweep plot` gives each setting's mean, spread and 95 % interval
+    /// over them (`replicates.csv`, `replicate_differences.csv`).
+    #[serde(default = "one")]
+    pub(crate) seeds: usize,
     #[serde(rename = "stage")]
     pub(crate) stages: Vec<Stage>,
 }
@@ -76,6 +82,10 @@ pub(crate) struct Stage {
     /// cell's evaluation measured, so random gates open as often as its learned ones.
     #[serde(default)]
     pub(crate) match_usage: bool,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn default_kind() -> StageKind {
@@ -130,9 +140,12 @@ fn value_str(v: &toml::Value) -> String {
     }
 }
 
+/// The key replicates vary.
+pub(crate) const SEED_KEY: &str = "train.seed";
+
 /// The assignments of one stage: the cartesian product of its axes (zipped keys advancing
-/// together as one axis), minus exclusions, plus inclusions.
-fn assignments(stage: &Stage) -> Result<Vec<BTreeMap<String, toml::Value>>> {
+/// together as one axis), minus exclusions, plus inclusions; each once per seed of `seeds`.
+fn assignments(stage: &Stage, seeds: &[i64]) -> Result<Vec<BTreeMap<String, toml::Value>>> {
     let list = |k: &str, v: &toml::Value| -> Result<Vec<toml::Value>> {
         match v {
             toml::Value::Array(a) if !a.is_empty() => Ok(a.clone()),
@@ -193,6 +206,27 @@ fn assignments(stage: &Stage) -> Result<Vec<BTreeMap<String, toml::Value>>> {
     for inc in &stage.include {
         product.push(inc.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
     }
+    if seeds.len() > 1 {
+        let varied = stage.set.contains_key(SEED_KEY)
+            || stage.axes.contains_key(SEED_KEY)
+            || stage.zip.contains_key(SEED_KEY)
+            || stage.include.iter().any(|i| i.contains_key(SEED_KEY));
+        ensure!(
+            !varied,
+            "stage {}: the grid's `seeds` replicates every train cell over {SEED_KEY}; do not also set it in the stage",
+            stage.name
+        );
+        product = product
+            .into_iter()
+            .flat_map(|a| {
+                seeds.iter().map(move |&s| {
+                    let mut a = a.clone();
+                    a.insert(SEED_KEY.into(), toml::Value::Integer(s));
+                    a
+                })
+            })
+            .collect();
+    }
     Ok(product)
 }
 
@@ -246,6 +280,12 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
     // Each id's hash with the whole fingerprint behind it: a shared id must mean the same
     // computation, not a collision of the 32-bit hashes.
     let mut fingerprints: BTreeMap<String, String> = BTreeMap::new();
+    let seeds: Vec<i64> = if grid.seeds > 1 {
+        let first = resolve(&grid.base, &BTreeMap::new(), "base")?.train.seed as i64;
+        (0..grid.seeds as i64).map(|i| first + i).collect()
+    } else {
+        vec![]
+    };
     for (si, stage) in grid.stages.iter().enumerate() {
         let what = format!("stage {:?}", stage.name);
         ensure!(
@@ -258,7 +298,7 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             check_prune(stage, of, &cells, &what)?;
         }
         let first = cells.len();
-        for plan in plans(stage, source.as_deref(), &cells, &what)? {
+        for plan in plans(stage, &seeds, source.as_deref(), &cells, &what)? {
             let cell = new_cell(
                 grid,
                 stage,
@@ -284,6 +324,12 @@ fn check_grid(grid: &Grid) -> Result<()> {
         !grid.stages.is_empty(),
         "grid {} has no [[stage]]",
         grid.name
+    );
+    ensure!(
+        (1..=100).contains(&grid.seeds),
+        "grid {}: seeds = {} (replicates per train cell) must be in 1 ..= 100",
+        grid.name,
+        grid.seeds
     );
     ensure!(
         !grid.name.is_empty()
@@ -460,10 +506,18 @@ impl Plan {
 
 /// The cells a stage plans: its assignments, each from the matching cell of the stage it
 /// continues (train), or on every cell of the stage it acts on (eval, prune).
-fn plans(stage: &Stage, source: Option<&str>, cells: &[Cell], what: &str) -> Result<Vec<Plan>> {
+fn plans(
+    stage: &Stage,
+    seeds: &[i64],
+    source: Option<&str>,
+    cells: &[Cell],
+    what: &str,
+) -> Result<Vec<Plan>> {
     let stage_assignments = match stage.kind {
         StageKind::Prune => vec![BTreeMap::new()],
-        _ => assignments(stage)?,
+        // Eval cells take their seed from the cell they evaluate.
+        StageKind::Eval => assignments(stage, &[])?,
+        StageKind::Train => assignments(stage, seeds)?,
     };
     let mut plans: Vec<Plan> = Vec::new();
     match (source, stage.kind) {
@@ -694,6 +748,42 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
             cells.iter().map(|c| c.index).collect::<Vec<_>>(),
             (0..cells.len()).collect::<Vec<_>>()
         );
+    }
+
+    /// `seeds = 3`: every train cell three times, over the base's seed and the next two; a
+    /// continued cell starts from the base cell of its own seed, an eval cell evaluates each;
+    /// a stage that sets the seed itself is refused.
+    #[test]
+    fn seeds_replicate_every_train_cell_along_its_chain() {
+        let text = |extra: &str| {
+            format!(
+                "seeds = 3\n{BASE}seed = 5\n[[stage]]\nname = \"base\"\n[[stage]]\nname = \"aha\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"aha\" }}\naxes = {{ \"attention.window\" = [4, 8] }}{extra}\n[[stage]]\nname = \"ev\"\nkind = \"eval\"\nof = \"aha\"\n"
+            )
+        };
+        let cells = expand(&grid(&text(""))).unwrap();
+        let of = |stage: &str| {
+            cells
+                .iter()
+                .filter(|c| c.stage == stage)
+                .collect::<Vec<_>>()
+        };
+        let seeds = |cs: &[&Cell]| cs.iter().map(|c| c.config.train.seed).collect::<Vec<_>>();
+        assert_eq!(seeds(&of("base")), [5, 6, 7]);
+        assert_eq!(of("aha").len(), 6);
+        assert_eq!(of("ev").len(), 6);
+        for c in of("aha").iter().chain(&of("ev")) {
+            let dep = cells
+                .iter()
+                .find(|d| Some(&d.id) == c.depends_on.as_ref())
+                .unwrap();
+            assert_eq!(dep.config.train.seed, c.config.train.seed, "{}", c.label);
+        }
+        assert!(of("aha")[0].label.contains("train.seed=5"));
+        let e = format!(
+            "{:#}",
+            expand(&grid(&text("\nzip = { \"train.seed\" = [1] }"))).unwrap_err()
+        );
+        assert!(e.contains("do not also set it"), "{e}");
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
+//! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
+//! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
 //!
 //! Quality is validation loss and perplexity; retain % is the full-attention model's
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
@@ -21,6 +23,7 @@
 
 use super::grid::StageKind;
 use super::pareto;
+use super::replicates;
 use super::rows::{name_of, rows, Row};
 use crate::config::{Method, Router};
 use crate::run::prune::PruneReport;
@@ -411,6 +414,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         write_csv(df, &out.join(name))?;
         written.push(out.join(name));
     }
+    written.extend(write_replicates(&tidy, out)?);
     let baselines: Vec<&str> = rows.iter().map(baseline).collect();
     let mut with_baseline = summary.clone();
     with_baseline.with_column(Column::new("baseline".into(), baselines))?;
@@ -432,6 +436,35 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("aha_gaps.csv"), gap_table(&rows)?, &mut written)?;
     Ok(written)
+}
+
+/// `replicates.csv` and `replicate_differences.csv` from the tidy table's values.
+fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
+    let text = |c: &str| -> Result<Vec<&str>> {
+        Ok(tidy
+            .column(c)?
+            .str()?
+            .into_iter()
+            .map(|v| v.unwrap_or(""))
+            .collect())
+    };
+    let (stage, method, label, metric) = (
+        text("stage")?,
+        text("method")?,
+        text("label")?,
+        text("metric")?,
+    );
+    let value: Vec<f64> = tidy.column("value")?.f64()?.into_no_null_iter().collect();
+    let measured: Vec<replicates::Measured> = (0..tidy.height())
+        .map(|i| replicates::Measured {
+            stage: stage[i],
+            method: method[i],
+            label: label[i],
+            metric: metric[i],
+            value: value[i],
+        })
+        .collect();
+    replicates::write(&measured, out)
 }
 
 /// Writes `df` at `path`, or removes a `path` left by an earlier run when there is none.

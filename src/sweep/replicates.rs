@@ -1,0 +1,217 @@
+//! Replicates (a grid's `seeds`): the cells of one setting that differ only in `train.seed`,
+//! summarised per metric (`replicates.csv`: n, mean, standard deviation, 95 % interval), and
+//! every two settings of a stage compared per metric (`replicate_differences.csv`: the
+//! difference of their means with its 95 % Welch interval, and whether that interval holds 0,
+//! "within noise").
+
+use super::grid::SEED_KEY;
+use crate::util::atomic;
+use crate::util::stats::{summarize, welch_difference, Summary};
+use anyhow::Result;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// One measured value of one cell: its stage, method, label, metric and value (`tidy.csv`'s
+/// columns).
+pub(crate) struct Measured<'a> {
+    pub(crate) stage: &'a str,
+    pub(crate) method: &'a str,
+    pub(crate) label: &'a str,
+    pub(crate) metric: &'a str,
+    pub(crate) value: f64,
+}
+
+/// A cell's label without its seed: the setting its replicates share.
+fn setting(label: &str) -> String {
+    let seed = format!("{SEED_KEY}=");
+    label
+        .split(' ')
+        .filter(|kv| !kv.starts_with(&seed))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+type Key = (String, String, String, String);
+
+/// The values of each (stage, metric, setting, method), in the order the cells came.
+fn groups(values: &[Measured]) -> BTreeMap<Key, Vec<f64>> {
+    let mut g: BTreeMap<Key, Vec<f64>> = BTreeMap::new();
+    for m in values {
+        g.entry((
+            m.stage.into(),
+            m.metric.into(),
+            setting(m.label),
+            m.method.into(),
+        ))
+        .or_default()
+        .push(m.value);
+    }
+    g
+}
+
+fn num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x}")
+    } else {
+        String::new()
+    }
+}
+
+/// Writes both tables into `out` when some setting has more than one replicate, else removes
+/// tables an earlier run left; returns the files written.
+pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let groups = groups(values);
+    let (summary_path, diff_path) = (
+        out.join("replicates.csv"),
+        out.join("replicate_differences.csv"),
+    );
+    if groups.values().all(|v| v.len() < 2) {
+        for p in [&summary_path, &diff_path] {
+            if p.exists() {
+                std::fs::remove_file(p)?;
+            }
+        }
+        return Ok(vec![]);
+    }
+    let summaries: BTreeMap<&Key, Summary> =
+        groups.iter().map(|(k, v)| (k, summarize(v))).collect();
+    atomic::write_with(&summary_path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record([
+            "stage",
+            "metric",
+            "setting",
+            "method",
+            "n",
+            "mean",
+            "sd",
+            "ci95_low",
+            "ci95_high",
+        ])?;
+        for ((stage, metric, setting, method), s) in &summaries {
+            w.write_record([
+                stage.as_str(),
+                metric,
+                setting,
+                method,
+                &s.n.to_string(),
+                &num(s.mean),
+                &num(s.sd),
+                &num(s.mean - s.half_width),
+                &num(s.mean + s.half_width),
+            ])?;
+        }
+        w.flush()?;
+        Ok(())
+    })?;
+    atomic::write_with(&diff_path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record([
+            "stage",
+            "metric",
+            "setting_a",
+            "setting_b",
+            "difference",
+            "ci95_low",
+            "ci95_high",
+            "verdict",
+        ])?;
+        let all: Vec<(&&Key, &Summary)> = summaries.iter().collect();
+        for (i, (ka, a)) in all.iter().enumerate() {
+            for (kb, b) in &all[i + 1..] {
+                if (&ka.0, &ka.1) != (&kb.0, &kb.1) {
+                    continue;
+                }
+                let (d, h) = welch_difference(a, b);
+                let verdict = if h.is_nan() {
+                    "one replicate"
+                } else if d.abs() <= h {
+                    "within noise"
+                } else {
+                    "differs"
+                };
+                w.write_record([
+                    ka.0.as_str(),
+                    &ka.1,
+                    &format!("{} ({})", ka.2, ka.3),
+                    &format!("{} ({})", kb.2, kb.3),
+                    &num(d),
+                    &num(d - h),
+                    &num(d + h),
+                    verdict,
+                ])?;
+            }
+        }
+        w.flush()?;
+        Ok(())
+    })?;
+    Ok(vec![summary_path, diff_path])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two settings of three seeds each: the summary has n 3 and Student's interval, the
+    /// difference is within noise when the intervals of the difference holds 0 and differs
+    /// when it does not; one seed writes nothing (and removes a stale table).
+    #[test]
+    fn replicates_are_summarised_and_compared() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-repl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = |label: &'static str, metric: &'static str, value| Measured {
+            stage: "aha",
+            method: "aha",
+            label,
+            metric,
+            value,
+        };
+        let values = vec![
+            m("attention.window=8 train.seed=1", "loss", 1.0),
+            m("attention.window=8 train.seed=2", "loss", 1.1),
+            m("attention.window=8 train.seed=3", "loss", 1.2),
+            m("attention.window=16 train.seed=1", "loss", 1.05),
+            m("attention.window=16 train.seed=2", "loss", 1.15),
+            m("attention.window=16 train.seed=3", "loss", 1.25),
+            m("attention.window=8 train.seed=1", "mu_f", 0.10),
+            m("attention.window=8 train.seed=2", "mu_f", 0.11),
+            m("attention.window=8 train.seed=3", "mu_f", 0.12),
+            m("attention.window=16 train.seed=1", "mu_f", 0.50),
+            m("attention.window=16 train.seed=2", "mu_f", 0.51),
+            m("attention.window=16 train.seed=3", "mu_f", 0.52),
+        ];
+        assert_eq!(write(&values, &dir).unwrap().len(), 2);
+        let summary = std::fs::read_to_string(dir.join("replicates.csv")).unwrap();
+        let row = summary
+            .lines()
+            .find(|l| l.starts_with("aha,loss,attention.window=8,"))
+            .unwrap();
+        let f: Vec<&str> = row.split(',').collect();
+        assert_eq!(f[4], "3");
+        let (mean, low): (f64, f64) = (f[5].parse().unwrap(), f[7].parse().unwrap());
+        assert!(
+            (mean - 1.1).abs() < 1e-12 && (mean - low - 4.303 * 0.1 / 3f64.sqrt()).abs() < 1e-9
+        );
+        let diffs = std::fs::read_to_string(dir.join("replicate_differences.csv")).unwrap();
+        let verdict = |metric: &str| {
+            diffs
+                .lines()
+                .find(|l| l.starts_with(&format!("aha,{metric},")))
+                .unwrap()
+                .rsplit(',')
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(verdict("loss"), "within noise");
+        assert_eq!(verdict("mu_f"), "differs");
+        assert_eq!(diffs.lines().count(), 3, "one pair per metric");
+        let single: Vec<Measured> = values
+            .into_iter()
+            .filter(|v| v.label.ends_with("=1"))
+            .collect();
+        assert!(write(&single, &dir).unwrap().is_empty());
+        assert!(!dir.join("replicates.csv").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
