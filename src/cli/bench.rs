@@ -713,6 +713,7 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
                         points: pts,
                         line: true,
                         labels: vec![],
+                        errors: vec![],
                         look: Look::ByPlace,
                     });
                 }

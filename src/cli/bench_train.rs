@@ -816,6 +816,7 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                     points,
                     line: true,
                     labels: vec![],
+                    errors: vec![],
                     look: look(imp, method, case),
                 })
             })

@@ -36,6 +36,9 @@ pub(crate) struct Series {
     pub(crate) line: bool,
     /// Text drawn beside each point (same length as `points`), e.g. tau values.
     pub(crate) labels: Vec<String>,
+    /// Half the 95 % interval of each point that is a mean of replicates, drawn as an error
+    /// bar (same length as `points`, NaN where a point is one measurement; empty: none).
+    pub(crate) errors: Vec<f64>,
     pub(crate) look: Look,
 }
 
@@ -336,7 +339,18 @@ fn draw_lines<DB: DrawingBackend>(
     x_axis: XAxis,
 ) -> Result<()> {
     let text = |size: u32| (FAMILY, size).into_font();
-    let (y0, y1) = bounds(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+    // The y range holds every error bar too.
+    let (y0, y1) = bounds(series.iter().flat_map(|s| {
+        s.points.iter().enumerate().flat_map(|(i, p)| {
+            let e = s
+                .errors
+                .get(i)
+                .copied()
+                .filter(|e| e.is_finite())
+                .unwrap_or(0.0);
+            [p.1 - e, p.1 + e]
+        })
+    }));
     let swept = match x_axis {
         XAxis::Linear => None,
         XAxis::LinearSwept | XAxis::LogSwept => swept_values(series),
@@ -401,6 +415,17 @@ fn draw_lines<DB: DrawingBackend>(
                             .map_err(err)?;
                     }
                     (false, _) => {}
+                }
+                // Error bars (95 % intervals of replicated means), under the markers.
+                for (&(px, py), &e) in s.points.iter().zip(&s.errors) {
+                    if e.is_finite() {
+                        chart
+                            .draw_series(std::iter::once(PathElement::new(
+                                vec![(px, py - e), (px, py + e)],
+                                c.stroke_width(2),
+                            )))
+                            .map_err(err)?;
+                    }
                 }
                 // One draw per marker: the shapes differ in type.
                 for &p in &s.points {
@@ -681,6 +706,7 @@ pub(super) fn series(name: String, mut points: Vec<(f64, f64)>, line: bool) -> S
         points,
         line,
         labels: vec![],
+        errors: vec![],
         look: Look::ByPlace,
     }
 }

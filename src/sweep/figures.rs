@@ -22,33 +22,57 @@ use super::figure::{
 };
 use super::grid::StageKind;
 use super::pareto::{self, accuracy, Cost};
+use super::replicates;
 use super::rows::{log_columns, name_of, rows, Row};
 use super::tables;
 use crate::config::{Method, Router};
 use crate::model::attention::{spec, Gates};
 use crate::util::atomic;
+use crate::util::stats::summarize;
 use anyhow::{anyhow, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Groups rows by a key into named series of (x, y).
+/// Groups rows by a key into named series of (x, y). Rows of one series at one x that are
+/// replicates of one setting (they differ only in their seed) become one point, their mean,
+/// with its 95 % interval as an error bar.
 fn grouped(
     rows: &[&Row],
     key: impl Fn(&Row) -> String,
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
 ) -> Vec<Series> {
-    let mut groups: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    // Per series, per x (by its bits), per setting: the ys.
+    type AtX = BTreeMap<u64, BTreeMap<String, Vec<f64>>>;
+    let mut groups: BTreeMap<String, AtX> = BTreeMap::new();
     for r in rows {
-        if let Some(p) = xy(r) {
-            groups.entry(key(r)).or_default().push(p);
+        if let Some((x, y)) = xy(r) {
+            groups
+                .entry(key(r))
+                .or_default()
+                .entry(x.to_bits())
+                .or_default()
+                .entry(replicates::setting(&r.label))
+                .or_default()
+                .push(y);
         }
     }
-    sorted(
-        groups
-            .into_iter()
-            .map(|(k, v)| series(k, v, true))
-            .collect(),
-    )
+    let series_of = |name: String, at_x: AtX| {
+        let mut points: Vec<(f64, f64, f64)> = Vec::new();
+        for (x, settings) in at_x {
+            for ys in settings.into_values() {
+                let s = summarize(&ys);
+                points.push((f64::from_bits(x), s.mean, s.half_width));
+            }
+        }
+        // Sorted by x here, so `series`' own (stable) sort keeps the errors in step.
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut s = series(name, points.iter().map(|p| (p.0, p.1)).collect(), true);
+        if points.iter().any(|p| p.2.is_finite()) {
+            s.errors = points.iter().map(|p| p.2).collect();
+        }
+        s
+    };
+    sorted(groups.into_iter().map(|(k, v)| series_of(k, v)).collect())
 }
 
 /// A cell's name in a legend: its stage and the settings its stage sweeps, without the
@@ -367,6 +391,7 @@ fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
                     points: vec![],
                     line: true,
                     labels: vec![],
+                    errors: vec![],
                     look: Look::ByPlace,
                 });
             s.points.push((r.pairs_vs_full(), r.loss()));
@@ -680,6 +705,7 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                         points: vec![],
                         line: false,
                         labels: vec![],
+                        errors: vec![],
                         look: Look::ByPlace,
                     });
                 s.points.push(*p);
@@ -747,6 +773,44 @@ mod tests {
     use crate::sweep::figure::cell_label;
     use crate::sweep::figure::tests::render;
     use crate::sweep::fixture;
+
+    /// Replicates of one setting at one x become their mean with Student's 95 % interval as
+    /// an error bar; another setting at the same x stays its own point, without one; the
+    /// chart with error bars renders.
+    #[test]
+    fn replicates_become_a_mean_with_an_error_bar() {
+        let dir = fixture::sweep_dir("replicate-points");
+        let all = rows(&dir).unwrap();
+        let with = |label: &str, loss: f64| {
+            let mut r = all[0].clone();
+            r.label = label.into();
+            r.report.loss = loss;
+            r
+        };
+        let (a, b, c) = (
+            with("attention.window=8 train.seed=1", 1.0),
+            with("attention.window=8 train.seed=2", 1.2),
+            with("attention.window=4", 3.0),
+        );
+        let s = grouped(&[&a, &b, &c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        assert_eq!(s.len(), 1);
+        let (points, errors) = (&s[0].points, &s[0].errors);
+        assert_eq!(points.len(), 2);
+        let mean = points
+            .iter()
+            .position(|p| (p.1 - 1.1).abs() < 1e-12)
+            .unwrap();
+        assert!(
+            (errors[mean] - 12.706 * (0.02f64).sqrt() / 2f64.sqrt()).abs() < 1e-9,
+            "{errors:?}"
+        );
+        assert!(errors[1 - mean].is_nan());
+        let single = grouped(&[&c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        assert!(single[0].errors.is_empty());
+        let again = grouped(&[&a, &b, &c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        let fig = usage_and_loss("t", "x", s, again);
+        assert!(render(&fig).0 > 0);
+    }
 
     #[test]
     fn every_figure_of_a_fixture_sweep_renders() {

@@ -22,7 +22,7 @@ pub(crate) struct Measured<'a> {
 }
 
 /// A cell's label without its seed: the setting its replicates share.
-fn setting(label: &str) -> String {
+pub(crate) fn setting(label: &str) -> String {
     let seed = format!("{SEED_KEY}=");
     label
         .split(' ')
