@@ -328,18 +328,6 @@ fn pairs(r: &Row, heads: i64) -> f64 {
     per_seq * heads as f64
 }
 
-/// A CSV of `header` and `records`, written whole or not at all (`atomic`).
-pub(super) fn write_csv(path: &Path, header: &[&str], records: Vec<Vec<String>>) -> Result<()> {
-    atomic::write_with(path, |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        w.write_record(header)?;
-        for r in records {
-            w.write_record(r)?;
-        }
-        Ok(w.flush()?)
-    })
-}
-
 /// Least-squares slope of ln y against ln x: e in y ~ x^e.
 fn log_slope(points: &[(f64, f64)]) -> f64 {
     let n = points.len() as f64;
@@ -440,7 +428,7 @@ fn write_scaling(rows: &[Scaling], path: &Path) -> Result<()> {
         "fwdbwd_exponent",
         "pairs_exponent",
     ];
-    let records = rows
+    let records: Vec<Vec<String>> = rows
         .iter()
         .map(|s| {
             let lengths: Vec<String> = s.lengths.iter().map(|l| l.to_string()).collect();
@@ -457,7 +445,7 @@ fn write_scaling(rows: &[Scaling], path: &Path) -> Result<()> {
             ]
         })
         .collect();
-    write_csv(path, &header, records)
+    atomic::write_csv(path, &header, &records)
 }
 
 pub(crate) fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
@@ -596,7 +584,7 @@ fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Res
             ]
         })
     };
-    let records = rows
+    let records: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
             let tflops = 4.0 * pairs(r, b.heads) * r.dim as f64 / (r.fwd_ms * 1e-3) / 1e12;
@@ -619,7 +607,7 @@ fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Res
             rec
         })
         .collect();
-    write_csv(
+    atomic::write_csv(
         &csv_path,
         &[
             "impl",
@@ -639,7 +627,7 @@ fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Res
             "fwd_vs_flash_causal",
             "bwd_vs_flash_causal",
         ],
-        records,
+        &records,
     )
 }
 

@@ -10,7 +10,7 @@
 //! replaces its row, the others stay), and `train_bench_<model>.png/svg` plots them all:
 //! tokens/s and peak memory against the length, a line per (implementation, method).
 
-use super::bench::{check_lengths, joined, run_peer, write_csv};
+use super::bench::{check_lengths, joined, run_peer};
 use super::panics::last_panic;
 use super::profile;
 use crate::config::{AttnImpl, Checkpointing, Config, Dtype, Method, ModelConfig};
@@ -21,6 +21,7 @@ use crate::run::memory::{self, GIB};
 use crate::run::train::AdamW;
 use crate::run::Built;
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
+use crate::util::atomic;
 use crate::util::stats::median;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
@@ -703,8 +704,8 @@ fn write_outputs(
             }
         }
     }
-    let records = rows.iter().map(|r| r.record(rows, &models)).collect();
-    write_csv(&csv_path, &HEADER, records)?;
+    let records: Vec<Vec<String>> = rows.iter().map(|r| r.record(rows, &models)).collect();
+    atomic::write_csv(&csv_path, &HEADER, &records)?;
     let mut names: Vec<&String> = rows.iter().map(|r| &r.model).collect();
     names.sort();
     names.dedup();
@@ -895,8 +896,8 @@ mod tests {
         let path = dir.join("train_bench.csv");
         let mut models = BTreeMap::new();
         models.insert(b.model_name.clone(), b.model.clone());
-        let records = rows.iter().map(|r| r.record(&rows, &models)).collect();
-        write_csv(&path, &HEADER, records).unwrap();
+        let records: Vec<Vec<String>> = rows.iter().map(|r| r.record(&rows, &models)).collect();
+        atomic::write_csv(&path, &HEADER, &records).unwrap();
         // Read back as written, the utilisation the CSV adds among it.
         let back: Vec<TrainRow> = earlier_rows(&path)
             .unwrap()

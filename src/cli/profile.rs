@@ -2,7 +2,7 @@
 //! `Kernels::profile_stop`, the peer's from `torch.profiler`) summed by name and by kind, so
 //! both implementations are read by the same rule.
 
-use super::bench::write_csv;
+use crate::util::atomic;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -172,9 +172,13 @@ pub(super) fn summarise(dir: &Path) -> Result<Vec<PathBuf>> {
             ]);
         }
     }
-    write_csv(&by_name, &["trace", "kind", "kernel", "calls", "ms"], names)?;
+    atomic::write_csv(
+        &by_name,
+        &["trace", "kind", "kernel", "calls", "ms"],
+        &names,
+    )?;
     let by_kind = dir.join("kernel_kinds.csv");
-    write_csv(&by_kind, &["trace", "kind", "calls", "ms", "share"], kinds)?;
+    atomic::write_csv(&by_kind, &["trace", "kind", "calls", "ms", "share"], &kinds)?;
     Ok(vec![by_name, by_kind])
 }
 

@@ -289,18 +289,6 @@ pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Res
     atomic::write_bytes(&dir.join("config.toml"), cfg.to_toml().as_bytes())
 }
 
-pub(crate) fn write_csv(path: &Path, header: &[String], rows: &[Vec<String>]) -> Result<()> {
-    atomic::write_with(path, |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        w.write_record(header)?;
-        for r in rows {
-            w.write_record(r)?;
-        }
-        w.flush()?;
-        Ok(())
-    })
-}
-
 /// The columns of a head's row in `head_usage.csv` (and in AHA Table 3, after its cell's
 /// settings): its place, its usage and the distribution of its gaps (`GapStats`).
 pub(crate) const HEAD_USAGE_COLUMNS: [&str; 10] = [
@@ -353,7 +341,7 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
                 .collect()
         })
         .collect();
-    write_csv(&dir.join("layer_head_usage.csv"), &header, &matrix)?;
+    atomic::write_csv(&dir.join("layer_head_usage.csv"), &header, &matrix)?;
     let mut rows: Vec<Vec<String>> = Vec::new();
     for (l, r) in g.per_head.iter().enumerate() {
         for h in 0..r.len() {
@@ -366,7 +354,7 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
         }
     }
     let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    write_csv(
+    atomic::write_csv(
         &dir.join("head_usage.csv"),
         &strs(&HEAD_USAGE_COLUMNS),
         &rows,
@@ -390,7 +378,7 @@ fn write_gate_files(dir: &Path, g: &GateReport) -> Result<()> {
             ]
         })
         .collect();
-    write_csv(
+    atomic::write_csv(
         &dir.join("head_ranking.csv"),
         &strs(&HEAD_RANKING_COLUMNS),
         &rows,

@@ -13,7 +13,6 @@ use crate::model::attention::ForwardCtx;
 use crate::model::{ForwardOutput, Llama};
 use crate::run::eval;
 use crate::run::memory;
-use crate::run::report;
 use crate::util::atomic;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
@@ -968,24 +967,23 @@ fn ruler_by_length(cells: &[ProbeCell]) -> Vec<(usize, f64)> {
         .collect()
 }
 
-/// `ruler.csv`: RULER's score per length and whether it is above the effective-length
-/// threshold; the last row names the effective length.
+/// `ruler.csv`: RULER's score per length, whether it is above the effective-length
+/// threshold, and (on every row) the effective length.
 fn write_ruler(path: &Path, scores: &[(usize, f64)], effective: Option<usize>) -> Result<()> {
-    atomic::write_with(path, |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        w.write_record(["length", "score", "threshold", "above", "effective_length"])?;
-        for (l, s) in scores {
-            w.write_record([
+    let rows: Vec<Vec<String>> = scores
+        .iter()
+        .map(|(l, s)| {
+            vec![
                 l.to_string(),
                 format!("{s:.4}"),
                 ruler::EFFECTIVE_THRESHOLD.to_string(),
                 (*s > ruler::EFFECTIVE_THRESHOLD).to_string(),
                 effective.map_or("none".into(), |e| e.to_string()),
-            ])?;
-        }
-        w.flush()?;
-        Ok(())
-    })
+            ]
+        })
+        .collect();
+    let header = ["length", "score", "threshold", "above", "effective_length"];
+    atomic::write_csv(path, &header, &rows)
 }
 
 /// `probe_samples.jsonl`: every probe's target and generation (the harness's logged samples).
@@ -1020,8 +1018,7 @@ fn write_probe_head_usage(path: &Path, by_task: &BTreeMap<Task, HeadGates>) -> R
             }
         }
     }
-    let header = ["task", "layer", "head", "mu_f"].map(String::from);
-    report::write_csv(path, &header, &rows)
+    atomic::write_csv(path, &["task", "layer", "head", "mu_f"], &rows)
 }
 
 /// `niah.csv`: per (depth, length), RULER's accuracy (recall of the answers) and the mean

@@ -75,76 +75,73 @@ pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::Pa
     }
     let summaries: BTreeMap<&Key, Summary> =
         groups.iter().map(|(k, v)| (k, summarize(v))).collect();
-    atomic::write_with(&summary_path, |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        w.write_record([
-            "stage",
-            "metric",
-            "setting",
-            "method",
-            "n",
-            "mean",
-            "sd",
-            "ci95_low",
-            "ci95_high",
-        ])?;
-        for ((stage, metric, setting, method), s) in &summaries {
-            w.write_record([
-                stage.as_str(),
-                metric,
-                setting,
-                method,
-                &s.n.to_string(),
-                &num(s.mean),
-                &num(s.sd),
-                &num(s.mean - s.half_width),
-                &num(s.mean + s.half_width),
-            ])?;
+    let rows: Vec<Vec<String>> = summaries
+        .iter()
+        .map(|((stage, metric, setting, method), s)| {
+            vec![
+                stage.clone(),
+                metric.clone(),
+                setting.clone(),
+                method.clone(),
+                s.n.to_string(),
+                num(s.mean),
+                num(s.sd),
+                num(s.mean - s.half_width),
+                num(s.mean + s.half_width),
+            ]
+        })
+        .collect();
+    let header = [
+        "stage",
+        "metric",
+        "setting",
+        "method",
+        "n",
+        "mean",
+        "sd",
+        "ci95_low",
+        "ci95_high",
+    ];
+    atomic::write_csv(&summary_path, &header, &rows)?;
+    let all: Vec<(&&Key, &Summary)> = summaries.iter().collect();
+    let mut diffs: Vec<Vec<String>> = Vec::new();
+    for (i, (ka, a)) in all.iter().enumerate() {
+        // Settings of one stage and metric only.
+        for (kb, b) in all[i + 1..]
+            .iter()
+            .filter(|(kb, _)| (&ka.0, &ka.1) == (&kb.0, &kb.1))
+        {
+            let (d, h) = welch_difference(a, b);
+            let verdict = if h.is_nan() {
+                "one replicate"
+            } else if d.abs() <= h {
+                "within noise"
+            } else {
+                "differs"
+            };
+            diffs.push(vec![
+                ka.0.clone(),
+                ka.1.clone(),
+                format!("{} ({})", ka.2, ka.3),
+                format!("{} ({})", kb.2, kb.3),
+                num(d),
+                num(d - h),
+                num(d + h),
+                verdict.into(),
+            ]);
         }
-        w.flush()?;
-        Ok(())
-    })?;
-    atomic::write_with(&diff_path, |tmp| {
-        let mut w = csv::Writer::from_path(tmp)?;
-        w.write_record([
-            "stage",
-            "metric",
-            "setting_a",
-            "setting_b",
-            "difference",
-            "ci95_low",
-            "ci95_high",
-            "verdict",
-        ])?;
-        let all: Vec<(&&Key, &Summary)> = summaries.iter().collect();
-        for (i, (ka, a)) in all.iter().enumerate() {
-            for (kb, b) in &all[i + 1..] {
-                if (&ka.0, &ka.1) != (&kb.0, &kb.1) {
-                    continue;
-                }
-                let (d, h) = welch_difference(a, b);
-                let verdict = if h.is_nan() {
-                    "one replicate"
-                } else if d.abs() <= h {
-                    "within noise"
-                } else {
-                    "differs"
-                };
-                w.write_record([
-                    ka.0.as_str(),
-                    &ka.1,
-                    &format!("{} ({})", ka.2, ka.3),
-                    &format!("{} ({})", kb.2, kb.3),
-                    &num(d),
-                    &num(d - h),
-                    &num(d + h),
-                    verdict,
-                ])?;
-            }
-        }
-        w.flush()?;
-        Ok(())
-    })?;
+    }
+    let header = [
+        "stage",
+        "metric",
+        "setting_a",
+        "setting_b",
+        "difference",
+        "ci95_low",
+        "ci95_high",
+        "verdict",
+    ];
+    atomic::write_csv(&diff_path, &header, &diffs)?;
     Ok(vec![summary_path, diff_path])
 }
 

@@ -36,6 +36,22 @@ where
     result.with_context(|| format!("writing {}", path.display()))
 }
 
+/// A CSV of `header` and `rows`, written whole or not at all.
+pub(crate) fn write_csv<H: AsRef<[u8]>>(
+    path: &Path,
+    header: &[H],
+    rows: &[Vec<String>],
+) -> Result<()> {
+    write_with(path, |tmp| {
+        let mut w = csv::Writer::from_path(tmp)?;
+        w.write_record(header)?;
+        for r in rows {
+            w.write_record(r)?;
+        }
+        Ok(w.flush()?)
+    })
+}
+
 pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
     write_with(path, |tmp| Ok(std::fs::write(tmp, bytes)?))
 }
