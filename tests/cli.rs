@@ -1910,3 +1910,106 @@ set = {{ "attention.method" = "full" }}
     assert!((8_000..12_000).contains(&m), "{m} mixed train tokens");
     assert_eq!(status(&cell_dirs(&out, "base")[0])["state"], "done");
 }
+
+/// A grid over a pretrained model on a corpus held out per source: its train stage continues
+/// from the pretrained weights (with the routers at their own rate), its eval stage without `of`
+/// evaluates the pretrained model as the stage sets it, and every evaluation reports each
+/// source's loss.
+#[test]
+fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
+    let d = scratch("pretrained_grid");
+    let src = d.join("src");
+    for (dir, word) in [
+        ("code", "def f(x): return x\n"),
+        ("prose", "the cat sat on the mat. "),
+    ] {
+        std::fs::create_dir_all(src.join(dir)).unwrap();
+        std::fs::write(src.join(dir).join("a.txt"), word.repeat(120)).unwrap();
+    }
+    let sources = d.join("sources.toml");
+    std::fs::write(
+        &sources,
+        "root = \"src\"\n[[source]]\nname = \"code\"\ninput = [\"code\"]\n\
+         [[source]]\nname = \"prose\"\ninput = [\"prose\"]\n",
+    )
+    .unwrap();
+    let data = d.join("data");
+    ok(&[
+        "data",
+        "prepare",
+        "--sources",
+        sources.to_str().unwrap(),
+        "--val-fraction",
+        "0.3",
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    let data_set = format!("data.dir={}", data.display());
+    train(&d, &data_set, "pre", &[]);
+    let pre = d.join("pre");
+    let grid = d.join("grid.toml");
+    std::fs::write(
+        &grid,
+        format!(
+            "name = \"pre\"\npretrained = \"{pre}\"\n{base}\n\
+             [[stage]]\nname = \"aha\"\nset = {{ \"attention.method\" = \"aha\", \"train.router_lr_mult\" = 30.0 }}\n\
+             [[stage]]\nname = \"zs\"\nkind = \"eval\"\nset = {{ \"attention.method\" = \"swa\", \"attention.window\" = 4 }}\n",
+            pre = pre.display(),
+            base = tiny_base(&data)
+        ),
+    )
+    .unwrap();
+    let out = d.join("sweep");
+    ok(&[
+        "sweep",
+        "--grid",
+        grid.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let aha = &cell_dirs(&out, "aha")[0];
+    assert_eq!(
+        std::fs::read_to_string(aha.join("init_from.txt")).unwrap(),
+        pre.to_str().unwrap()
+    );
+    let zs = &cell_dirs(&out, "zs")[0];
+    for cell in [aha, zs] {
+        let report = json(&cell.join("eval/eval.json"));
+        let by: Vec<&str> = report["report"]["by_source"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["source"].as_str().unwrap())
+            .collect();
+        assert_eq!(by, ["code", "prose"], "{}", cell.display());
+        let csv = std::fs::read_to_string(cell.join("eval/eval.csv")).unwrap();
+        assert!(csv.contains("loss_prose,"), "{csv}");
+    }
+    // The eval cell evaluated the pretrained weights through a window.
+    let zs_cfg = json(&zs.join("eval/eval.json"));
+    assert_eq!(zs_cfg["config"]["attention"]["method"], "swa");
+    // The summary gives each source's loss a column.
+    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    let summary = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    let header = summary.lines().next().unwrap();
+    assert!(header.contains("loss_code,loss_prose"), "{header}");
+    // A grid's eval stage needs `of` unless the grid names a pretrained model.
+    let bare = d.join("bare.toml");
+    std::fs::write(
+        &bare,
+        format!(
+            "name = \"bare\"\n{base}\n[[stage]]\nname = \"zs\"\nkind = \"eval\"\n",
+            base = tiny_base(&data)
+        ),
+    )
+    .unwrap();
+    let err = fails(&[
+        "sweep",
+        "--grid",
+        bare.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--dry-run",
+    ]);
+    assert!(err.contains("needs `of`"), "{err}");
+}

@@ -851,6 +851,12 @@ fn run_eval(c: EvalCmd) -> Result<()> {
                 b.bucket, b.tokens, b.loss
             );
         }
+        for src in &report.by_source {
+            println!(
+                "  {:>16}  {:>8} tokens  loss {:.4}",
+                src.source, src.tokens, src.loss
+            );
+        }
     }
     if with_tasks {
         let opts = RunOptions {

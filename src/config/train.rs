@@ -80,6 +80,12 @@ pub struct TrainConfig {
     /// before the global module, started as a copy of attention reading other inputs, has
     /// become useful.
     pub router_hold_steps: usize,
+    /// The routers' learning rate over `lr` (parameters named `*.router.*`, at every step of
+    /// the schedule). 1 (the default) is the papers' single rate. Routers are new parameters
+    /// that a continuation of a few hundred steps at a fine-tuning rate (AHA's 3e-5) barely
+    /// moves: under Adam each step moves a weight by about the rate, so this many times more
+    /// steps' worth of movement is what the multiplier buys.
+    pub router_lr_mult: f64,
     /// Activation checkpointing by block: "none", "full", "selective" or "auto" (the memory
     /// plan, `run/memory.rs`, picks the first that fits the device).
     pub activation_checkpointing: Checkpointing,
@@ -112,6 +118,7 @@ impl Default for TrainConfig {
             eval_every: 0,
             freeze_mlp: false,
             router_hold_steps: 0,
+            router_lr_mult: 1.0,
             activation_checkpointing: Checkpointing::Auto,
             loss_chunk_tokens: 0,
         }
@@ -138,6 +145,7 @@ impl TrainConfig {
         check("train.beta2", t.beta2, 0.0, 0.999_999_999)?;
         check_open_f("train.adam_eps", t.adam_eps, 0.0, 1.0)?;
         check("train.grad_clip", t.grad_clip, 0.0, 1e6)?;
+        check_open_f("train.router_lr_mult", t.router_lr_mult, 0.0, 1e6)?;
         parse_device(&t.device).map(|_| ())?;
         check("train.log_every", t.log_every, 1, 1 << 40)?;
         check("train.ckpt_every", t.ckpt_every, 1, 1 << 40)?;

@@ -8,13 +8,19 @@
 //! `val_fraction` of the token stream is the validation split (the last documents in that
 //! order, the last one possibly cut), as nanoGPT's `data[int(n*0.9):]`.
 //!
+//! A sources file (`--sources`, TOML) names pinned archives (`[[package]]`: file, url,
+//! sha256, checked before anything is read) and the corpus's parts (`[[source]]`: name,
+//! input, glob). Each part is held out on its own: its last `val_fraction` becomes its own
+//! validation shards (`val-<name>_000.bin`), so evaluation reports a loss per part and no
+//! part's validation text is ever trained on.
+//!
 //! Memory stays bounded by batches of documents (tokenised at once, in order, with rayon)
 //! and one file's text (a text file, a decompressed Parquet file); a corpus of any size
 //! streams through. A file that is binary (holds a NUL byte) or not UTF-8 is skipped with
 //! its reason, as is a JSON Lines record that is not JSON or has no text in the field.
 
-use super::meta::{prepare_out_dir, CorpusRecord, Meta};
-use super::shards::{write_shard_from, Shard, ShardWriter, Width, TOKENS_MAGIC};
+use super::meta::{prepare_out_dir, CorpusRecord, Meta, Package, SourceRecord};
+use super::shards::{Shard, ShardWriter, Width, TOKENS_MAGIC};
 use super::tokenizer::{finish_text_dataset, TextTokenizer};
 use crate::util::flags::finite_flag;
 use crate::util::progress::{Progress, DEFAULT_STATUS_EVERY};
@@ -59,6 +65,10 @@ pub(crate) struct PrepareSpec {
     /// A Hugging Face tokenizer.json (e.g. from a converted model); byte-level when omitted.
     #[arg(long)]
     pub(crate) tokenizer: Option<PathBuf>,
+    /// A sources file (TOML): pinned archives and the corpus's parts, each with its own
+    /// held-out split (see corpora/ for one); replaces --input, --python-package and --glob.
+    #[arg(long)]
+    pub(crate) sources: Option<PathBuf>,
 }
 
 impl Default for PrepareSpec {
@@ -71,6 +81,7 @@ impl Default for PrepareSpec {
             val_fraction: 0.05,
             shard_tokens: 100_000_000,
             tokenizer: None,
+            sources: None,
         }
     }
 }
@@ -85,15 +96,128 @@ impl PrepareSpec {
         );
         ensure!(self.shard_tokens >= 1, "shard tokens must be at least 1");
         ensure!(!self.text_field.is_empty(), "the text field is empty");
-        ensure!(
-            !self.input.is_empty() || self.python_package.is_some(),
-            "no input given: name files or directories (--input, `input`), or a Python package (--python-package, `python_package`)"
-        );
+        match &self.sources {
+            Some(file) => ensure!(
+                self.input.is_empty() && self.python_package.is_none() && self.glob.is_empty(),
+                "the sources file {} names the inputs and their globs: drop --input, \
+                 --python-package and --glob (`input`, `python_package`, `glob`)",
+                file.display()
+            ),
+            None => ensure!(
+                !self.input.is_empty() || self.python_package.is_some(),
+                "no input given: name files or directories (--input, `input`), a Python \
+                 package (--python-package, `python_package`) or a sources file (--sources, \
+                 `sources`)"
+            ),
+        }
         for g in &self.glob {
             glob::Pattern::new(g).with_context(|| format!("glob {g:?} is not a pattern"))?;
         }
         Ok(())
     }
+}
+
+/// A sources file: where its archives are unpacked, the archives, and the corpus's parts.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourcesFile {
+    /// Directory holding the archives and, unpacked, the sources' inputs; relative to the
+    /// sources file.
+    root: PathBuf,
+    #[serde(default)]
+    package: Vec<Package>,
+    source: Vec<SourceSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourceSpec {
+    name: String,
+    /// Files and directories below `root`.
+    input: Vec<PathBuf>,
+    #[serde(default)]
+    glob: Vec<String>,
+}
+
+/// One part of a corpus, held out on its own. `name` is None for a corpus given by flags,
+/// which is one part whose validation shards keep the plain `val_` names.
+struct Part {
+    name: Option<String>,
+    inputs: Vec<PathBuf>,
+    glob: Vec<String>,
+}
+
+/// The parts and packages of the sources file `path`, each archive checked against its
+/// SHA-256 (a missing or changed archive is refused: the corpus would not be the pinned one).
+fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the sources file {}", path.display()))?;
+    let file: SourcesFile =
+        toml::from_str(&text).with_context(|| format!("sources file {}", path.display()))?;
+    let root = path.parent().unwrap_or(Path::new(".")).join(&file.root);
+    ensure!(
+        !file.source.is_empty(),
+        "sources file {} names no [[source]]",
+        path.display()
+    );
+    for p in &file.package {
+        let archive = root.join(&p.file);
+        let mut f = std::fs::File::open(&archive).with_context(|| {
+            format!(
+                "package {} of {} is not at {} (fetch it from {}; `make corpus` does)",
+                p.file,
+                path.display(),
+                archive.display(),
+                p.url
+            )
+        })?;
+        let mut hash = Sha256::new();
+        std::io::copy(&mut f, &mut hash)
+            .with_context(|| format!("cannot read {}", archive.display()))?;
+        let got = format!("{:x}", hash.finalize());
+        ensure!(
+            got == p.sha256.to_ascii_lowercase(),
+            "{} has sha256 {got}, not the pinned {}: it is not the archive this corpus is \
+             made of; remove it and fetch it again from {}",
+            archive.display(),
+            p.sha256,
+            p.url
+        );
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let parts = file
+        .source
+        .into_iter()
+        .map(|s| {
+            ensure!(
+                !s.name.is_empty()
+                    && s.name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                "source name {:?} in {}: use letters, digits, - and _ (it names files)",
+                s.name,
+                path.display()
+            );
+            ensure!(
+                seen.insert(s.name.clone()),
+                "source {:?} is named twice in {}",
+                s.name,
+                path.display()
+            );
+            ensure!(
+                !s.input.is_empty(),
+                "source {:?} in {} has no input",
+                s.name,
+                path.display()
+            );
+            Ok(Part {
+                name: Some(s.name),
+                inputs: s.input.iter().map(|i| root.join(i)).collect(),
+                glob: s.glob,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((parts, file.package))
 }
 
 /// A file's format, from its name.
@@ -536,25 +660,48 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
         Some(p) => TextTokenizer::hf(p)?,
         None => TextTokenizer::Bytes,
     };
-    let mut inputs = spec.input.clone();
-    let package = match &spec.python_package {
-        Some(name) => {
-            let (dir, version) = python_package(name)?;
-            inputs.push(dir);
-            Some(format!("{name} {version}"))
+    let (parts, packages, package) = match &spec.sources {
+        Some(file) => {
+            let (parts, packages) = read_sources(file)?;
+            (parts, packages, None)
         }
-        None => None,
+        None => {
+            let mut inputs = spec.input.clone();
+            let package = match &spec.python_package {
+                Some(name) => {
+                    let (dir, version) = python_package(name)?;
+                    inputs.push(dir);
+                    Some(format!("{name} {version}"))
+                }
+                None => None,
+            };
+            let part = Part {
+                name: None,
+                inputs,
+                glob: spec.glob.clone(),
+            };
+            (vec![part], Vec::new(), package)
+        }
     };
-    let files = list_files(&inputs, &spec.glob)?;
-    ensure!(
-        !files.is_empty(),
-        "the inputs hold no file{}",
-        if spec.glob.is_empty() {
-            String::new()
-        } else {
-            format!(" matching {}", spec.glob.join(", "))
-        }
-    );
+    let mut part_files = Vec::new();
+    for part in &parts {
+        let files = list_files(&part.inputs, &part.glob)?;
+        ensure!(
+            !files.is_empty(),
+            "{} hold no file{}",
+            match &part.name {
+                Some(n) => format!("the inputs of source {n:?}"),
+                None => "the inputs".into(),
+            },
+            if part.glob.is_empty() {
+                String::new()
+            } else {
+                format!(" matching {}", part.glob.join(", "))
+            }
+        );
+        part_files.push(files);
+    }
+    let files: Vec<&PathBuf> = part_files.iter().flatten().collect();
     prepare_out_dir(out)?;
 
     let start = Instant::now();
@@ -574,24 +721,48 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
     let mut batch_bytes = 0usize;
     let (mut skipped_files, mut skipped) = (Vec::new(), Skipped::default());
     let mut files_read = 0u64;
-    for file in &files {
-        let mut emit = |text: String| -> Result<()> {
-            batch_bytes += text.len();
-            batch.push(text);
-            if batch_bytes >= BATCH_BYTES {
-                stream.push_batch(std::mem::take(&mut batch))?;
-                batch_bytes = 0;
-                let done = read_bytes.load(Ordering::Relaxed);
-                progress.update(done >> 20, &stream.rate(start));
+    let mut ends = Vec::new();
+    for (part, part_files) in parts.iter().zip(&part_files) {
+        let before = (files_read, stream.documents, stream.text_bytes);
+        for file in part_files {
+            let mut emit = |text: String| -> Result<()> {
+                batch_bytes += text.len();
+                batch.push(text);
+                if batch_bytes >= BATCH_BYTES {
+                    stream.push_batch(std::mem::take(&mut batch))?;
+                    batch_bytes = 0;
+                    let done = read_bytes.load(Ordering::Relaxed);
+                    progress.update(done >> 20, &stream.rate(start));
+                }
+                Ok(())
+            };
+            match read_file(file, &spec.text_field, &read_bytes, &mut skipped, &mut emit)? {
+                Ok(()) => files_read += 1,
+                Err(reason) => skipped_files.push((file.clone(), reason)),
             }
-            Ok(())
-        };
-        match read_file(file, &spec.text_field, &read_bytes, &mut skipped, &mut emit)? {
-            Ok(()) => files_read += 1,
-            Err(reason) => skipped_files.push((file.clone(), reason)),
         }
+        // A part ends on a document boundary: its held-out share is its own last documents.
+        stream.push_batch(std::mem::take(&mut batch))?;
+        batch_bytes = 0;
+        ends.push(PartEnd {
+            record: part.name.as_ref().map(|name| SourceRecord {
+                name: name.clone(),
+                input: part
+                    .inputs
+                    .iter()
+                    .map(|i| i.display().to_string())
+                    .collect(),
+                glob: part.glob.clone(),
+                files: files_read - before.0,
+                documents: stream.documents - before.1,
+                text_bytes: stream.text_bytes - before.2,
+                train_tokens: 0,
+                val_tokens: 0,
+                val: Vec::new(),
+            }),
+            token: stream.tokens,
+        });
     }
-    stream.push_batch(batch)?;
     progress.update(total_bytes.div_ceil(1 << 20), &stream.rate(start));
     progress.finish();
     ensure!(
@@ -609,8 +780,10 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
         skipped_files: skipped_files.len() as u64,
         skipped_records: skipped.count,
         tokens_sha256: String::new(),
+        packages,
+        sources: Vec::new(),
     };
-    let (meta, record) = stream.finish(spec.val_fraction, record)?;
+    let (meta, record) = stream.finish(spec.val_fraction, record, ends)?;
     Ok(Summary {
         meta,
         record,
@@ -621,7 +794,17 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
     })
 }
 
-/// The token stream of a corpus, written as it comes into `train` shards and split at the
+/// Where a part of the corpus ends in the token stream, with its record (None for the one
+/// part of a corpus given by flags).
+struct PartEnd {
+    record: Option<SourceRecord>,
+    token: u64,
+}
+
+/// Shards of the whole token stream as it is read, before it is split.
+const STREAM_PREFIX: &str = "stream";
+
+/// The token stream of a corpus, written as it comes into `stream` shards and split at the
 /// end.
 struct TokenStream<'a> {
     out: PathBuf,
@@ -641,7 +824,7 @@ impl<'a> TokenStream<'a> {
         TokenStream {
             out: out.to_path_buf(),
             tok,
-            writer: ShardWriter::new(out, "train", TOKENS_MAGIC, width, shard_tokens),
+            writer: ShardWriter::new(out, STREAM_PREFIX, TOKENS_MAGIC, width, shard_tokens),
             shard_tokens,
             width,
             hash: Sha256::new(),
@@ -686,53 +869,76 @@ impl<'a> TokenStream<'a> {
         )
     }
 
-    /// Moves the last `val_fraction` of the tokens to the `val` shards and writes `meta.json`.
-    fn finish(self, val_fraction: f64, mut record: CorpusRecord) -> Result<(Meta, CorpusRecord)> {
-        let total = self.tokens;
-        let n_val = ((total as f64 * val_fraction).ceil() as u64).max(1);
-        ensure!(
-            total > n_val,
-            "the corpus holds only {total} tokens: too few to split into train and val"
-        );
+    /// Splits each part: its last `val_fraction` of tokens (at least one) into its `val`
+    /// shards, the rest, parts in order, into the `train` shards; then removes the stream's
+    /// shards and writes `meta.json`.
+    fn finish(
+        self,
+        val_fraction: f64,
+        mut record: CorpusRecord,
+        ends: Vec<PartEnd>,
+    ) -> Result<(Meta, CorpusRecord)> {
         let (names, _) = self.writer.finish()?;
-        let n_train = total - n_val;
-        // The train shards cover tokens [k * shard_tokens, ...): the one holding the split
-        // keeps its head; its tail and every later shard become val.
-        let keep = (n_train as usize).div_ceil(self.shard_tokens);
-        let mut val = ShardWriter::new(
-            &self.out,
-            "val",
-            TOKENS_MAGIC,
-            self.width,
-            self.shard_tokens,
-        );
-        for (k, name) in names.iter().enumerate().skip(keep - 1) {
-            let path = self.out.join(name);
-            let shard = Shard::open(&path, TOKENS_MAGIC)?;
-            let from = (n_train as usize)
-                .saturating_sub(k * self.shard_tokens)
-                .min(shard.len());
-            for i in from..shard.len() {
-                val.push(shard.get(i))?;
+        let stream = names
+            .iter()
+            .map(|n| Shard::open(&self.out.join(n), TOKENS_MAGIC))
+            .collect::<Result<Vec<_>>>()?;
+        let k = self.shard_tokens as u64;
+        let at = |i: u64| stream[(i / k) as usize].get((i % k) as usize);
+        let new_writer = |prefix: &str| {
+            ShardWriter::new(
+                &self.out,
+                prefix,
+                TOKENS_MAGIC,
+                self.width,
+                self.shard_tokens,
+            )
+        };
+        let mut train = new_writer("train");
+        let (mut val_names, mut val_tokens, mut start) = (Vec::new(), 0u64, 0u64);
+        for end in ends {
+            let n = end.token - start;
+            let n_val = ((n as f64 * val_fraction).ceil() as u64).max(1);
+            let what = match &end.record {
+                Some(r) => format!("source {:?}", r.name),
+                None => "the corpus".into(),
+            };
+            ensure!(
+                n > n_val,
+                "{what} holds only {n} tokens: too few to split into train and val"
+            );
+            let cut = end.token - n_val;
+            for i in start..cut {
+                train.push(at(i))?;
             }
-            if from == 0 {
-                drop(shard);
-                std::fs::remove_file(&path)
-                    .with_context(|| format!("cannot remove {}", path.display()))?;
-            } else if from < shard.len() {
-                // The shard holding the split keeps its head (rewritten whole: shards are
-                // never modified in place).
-                let head = (0..from).map(|i| shard.get(i));
-                write_shard_from(&path, TOKENS_MAGIC, self.width, from, head)?;
+            let mut val = new_writer(&match &end.record {
+                Some(r) => format!("val-{}", r.name),
+                None => "val".into(),
+            });
+            for i in cut..end.token {
+                val.push(at(i))?;
             }
+            let (names, tokens) = val.finish()?;
+            if let Some(mut r) = end.record {
+                (r.train_tokens, r.val_tokens, r.val) = (n - n_val, n_val, names.clone());
+                record.sources.push(r);
+            }
+            val_names.extend(names);
+            val_tokens += tokens;
+            start = end.token;
         }
-        let train_names: Vec<String> = names.into_iter().take(keep).collect();
-        let (val_names, val_tokens) = val.finish()?;
+        let (train_names, train_tokens) = train.finish()?;
+        drop(stream);
+        for n in &names {
+            let path = self.out.join(n);
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?;
+        }
         record.tokens_sha256 = format!("{:x}", self.hash.finalize());
         let meta = finish_text_dataset(
             &self.out,
             self.tok,
-            (train_names, n_train),
+            (train_names, train_tokens),
             (val_names, val_tokens),
             None,
             Some(record.clone()),
@@ -928,6 +1134,115 @@ mod tests {
             !d.join("y").exists(),
             "nothing written for a failed listing"
         );
+    }
+
+    #[test]
+    fn sources_are_held_out_each_on_its_own() {
+        let d = tmp("sources");
+        write(&d.join("src/a/1.txt"), b"one two");
+        write(&d.join("src/a/2.txt"), b"three");
+        write(&d.join("src/a/skip.md"), b"not matched");
+        write(&d.join("src/b/1.txt"), b"four five six seven");
+        write(&d.join("src/pkg.tar.gz"), b"pinned bytes");
+        let sha = format!("{:x}", Sha256::digest(b"pinned bytes"));
+        let sources = |sha: &str| {
+            format!(
+                "root = \"src\"\n[[package]]\nfile = \"pkg.tar.gz\"\nurl = \"https://example.org/pkg.tar.gz\"\nsha256 = \"{sha}\"\n\
+                 [[source]]\nname = \"a\"\ninput = [\"a\"]\nglob = [\"*.txt\"]\n\
+                 [[source]]\nname = \"b-docs\"\ninput = [\"b\"]\n"
+            )
+        };
+        write(&d.join("corpus.toml"), sources(&sha).as_bytes());
+        let spec = PrepareSpec {
+            sources: Some(d.join("corpus.toml")),
+            val_fraction: 0.25,
+            shard_tokens: 5,
+            ..Default::default()
+        };
+        let out = d.join("ds");
+        let s = prepare(&spec, &out, true).unwrap();
+        let stream = |docs: &[&str]| -> Vec<u32> {
+            docs.iter()
+                .flat_map(|doc| doc.bytes().map(u32::from).chain([data::BYTE_EOT]))
+                .collect()
+        };
+        let (a, b) = (
+            stream(&["one two", "three"]),
+            stream(&["four five six seven"]),
+        );
+        // Each part's last quarter (rounded up) is its own validation split.
+        let (na, nb) = (
+            (a.len() as f64 * 0.25).ceil() as usize,
+            (b.len() as f64 * 0.25).ceil() as usize,
+        );
+        let train = data::Split::open(&out, &s.meta, "train")
+            .unwrap()
+            .all_tokens();
+        let want_train: Vec<u32> = [&a[..a.len() - na], &b[..b.len() - nb]].concat();
+        assert_eq!(train, want_train);
+        let names: Vec<&str> = s.record.sources.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["a", "b-docs"]);
+        for (r, part) in s.record.sources.iter().zip([&a, &b]) {
+            let meta_of = Meta {
+                val: r.val.clone(),
+                val_tokens: r.val_tokens,
+                corpus: None,
+                ..s.meta.clone()
+            };
+            let held = data::Split::open(&out, &meta_of, "val")
+                .unwrap()
+                .all_tokens();
+            assert_eq!(held, part[part.len() - r.val_tokens as usize..]);
+            assert_eq!(r.train_tokens + r.val_tokens, part.len() as u64);
+            assert!(r
+                .val
+                .iter()
+                .all(|n| n.starts_with(&format!("val-{}_", r.name))));
+        }
+        assert_eq!(
+            (s.record.sources[0].files, s.record.sources[0].documents),
+            (2, 2)
+        );
+        assert_eq!(s.record.packages[0].sha256, sha);
+        // The content hash is the stream's, in reading order.
+        let mut h = Sha256::new();
+        for t in a.iter().chain(&b) {
+            h.update(t.to_le_bytes());
+        }
+        assert_eq!(s.record.tokens_sha256, format!("{:x}", h.finalize()));
+        // No shard of the unsplit stream is left behind.
+        let left: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(STREAM_PREFIX))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        // Evaluation's windows are shared between the parts, each part's own.
+        let val = data::Split::open(&out, &s.meta, "val").unwrap();
+        assert_eq!(val.part_names(), ["a", "b-docs"]);
+        let parts: Vec<usize> = val
+            .sequential(1, 2, 2, tch::Device::Cpu)
+            .iter()
+            .map(|(p, _)| *p)
+            .collect();
+        assert_eq!(parts, [0, 1]);
+
+        // A changed archive, flags beside the file, and a name that cannot name a file are refused.
+        write(&d.join("corpus.toml"), sources(&"0".repeat(64)).as_bytes());
+        let err = format!("{:#}", prepare(&spec, &d.join("x"), true).err().unwrap());
+        assert!(err.contains("not the pinned"), "{err}");
+        let both = PrepareSpec {
+            input: vec![d.join("src")],
+            ..spec.clone()
+        };
+        let err = format!("{:#}", prepare(&both, &d.join("y"), true).err().unwrap());
+        assert!(err.contains("drop --input"), "{err}");
+        write(
+            &d.join("corpus.toml"),
+            b"root = \"src\"\n[[source]]\nname = \"a/b\"\ninput = [\"a\"]\n",
+        );
+        let err = format!("{:#}", prepare(&spec, &d.join("z"), true).err().unwrap());
+        assert!(err.contains("use letters, digits"), "{err}");
     }
 
     #[test]

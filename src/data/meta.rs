@@ -55,8 +55,44 @@ pub(crate) struct CorpusRecord {
     pub(crate) text_bytes: u64,
     pub(crate) skipped_files: u64,
     pub(crate) skipped_records: u64,
-    /// SHA-256 of the token stream (train then val, each token a little-endian u32).
+    /// SHA-256 of the token stream in reading order (each token a little-endian u32): the
+    /// corpus's content hash.
     pub(crate) tokens_sha256: String,
+    /// The pinned archives a sources file (`data prepare --sources`) names, each checked
+    /// against its SHA-256 before anything was read.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) packages: Vec<Package>,
+    /// A sources file's parts, in reading order, each with its own held-out split; empty when
+    /// the whole corpus is one part (its val split the stream's last share).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) sources: Vec<SourceRecord>,
+}
+
+/// An archive a corpus is read from: where it is published and what it must hash to.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Package {
+    /// Its file name below the sources file's `root`.
+    pub(crate) file: String,
+    pub(crate) url: String,
+    pub(crate) sha256: String,
+}
+
+/// One part of a corpus, held out on its own: the last `val_fraction` of its tokens are its
+/// validation shards (`val`), so every part is evaluated on text the training never saw.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SourceRecord {
+    pub(crate) name: String,
+    pub(crate) input: Vec<String>,
+    pub(crate) glob: Vec<String>,
+    pub(crate) files: u64,
+    pub(crate) documents: u64,
+    pub(crate) text_bytes: u64,
+    pub(crate) train_tokens: u64,
+    pub(crate) val_tokens: u64,
+    /// Its validation shards, a consecutive run of the data set's `val` list.
+    pub(crate) val: Vec<String>,
 }
 
 /// What a data set's probe documents were written with, beyond their seed: evaluation's

@@ -231,10 +231,13 @@ pub(super) fn deps_name(name: &str) -> String {
 // ---------------------------------------------------------------------------------------
 // Loading.
 
-/// The shards of one split, with their dependency shards when the data set has them.
+/// The shards of one split, with their dependency shards when the data set has them, and
+/// its parts: the validation split of a corpus prepared from a sources file has one per
+/// source (its name and how many of the shards, in order, are its), any other split one.
 pub(crate) struct Split {
     shards: Vec<Shard>,
     deps: Option<Vec<Shard>>,
+    parts: Vec<(String, usize)>,
 }
 
 /// One batch: inputs and targets `[B, L]` (int64), and, for the synthetic corpus, the
@@ -318,7 +321,35 @@ impl Split {
         } else {
             None
         };
-        Ok(Split { shards, deps })
+        let sources = match (split, &meta.corpus) {
+            ("val", Some(c)) => c.sources.as_slice(),
+            _ => &[],
+        };
+        let parts: Vec<(String, usize)> = match sources.is_empty() {
+            true => vec![(split.to_string(), shards.len())],
+            false => sources
+                .iter()
+                .map(|s| (s.name.clone(), s.val.len()))
+                .collect(),
+        };
+        let listed: Vec<&String> = sources.iter().flat_map(|s| &s.val).collect();
+        ensure!(
+            sources.is_empty() || listed == names.iter().collect::<Vec<_>>(),
+            "data set {}: meta.json's sources list other validation shards than its val list; \
+             prepare the data set again",
+            dir.display()
+        );
+        Ok(Split {
+            shards,
+            deps,
+            parts,
+        })
+    }
+
+    /// The names of the split's parts, in order (one: the split's own name, unless it is a
+    /// validation split held out per source).
+    pub(crate) fn part_names(&self) -> Vec<&str> {
+        self.parts.iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// Tokens of the split's largest shard: a sequence never crosses shards, so the longest
@@ -388,27 +419,36 @@ impl Split {
         Ok(self.rows_to_batch(&rows, seq_len, device))
     }
 
-    /// Consecutive non-overlapping windows in order, grouped into batches; at most
-    /// `max_batches` batches (0 = all).
+    /// Consecutive non-overlapping windows in order, grouped into batches, each with the index
+    /// of its part (a batch never mixes parts); at most `max_batches` batches (0 = all), shared
+    /// evenly between the parts, each part's first, so every part is evaluated.
     pub(crate) fn sequential(
         &self,
         batch: usize,
         seq_len: usize,
         max_batches: usize,
         device: tch::Device,
-    ) -> Vec<Batch> {
-        let rows: Vec<(usize, usize)> = self
-            .shards
-            .iter()
-            .enumerate()
-            .flat_map(|(s, sh)| {
-                (0..sh.len().saturating_sub(1) / seq_len).map(move |i| (s, i * seq_len))
-            })
-            .collect();
-        let mut out: Vec<Batch> = rows
-            .chunks(batch)
-            .map(|c| self.rows_to_batch(c, seq_len, device))
-            .collect();
+    ) -> Vec<(usize, Batch)> {
+        let per_part = match max_batches {
+            0 => usize::MAX,
+            m => m.div_ceil(self.parts.len()),
+        };
+        let mut out = Vec::new();
+        let mut first = 0;
+        for (p, &(_, n)) in self.parts.iter().enumerate() {
+            let rows: Vec<(usize, usize)> = (first..first + n)
+                .flat_map(|s| {
+                    let len = self.shards[s].len();
+                    (0..len.saturating_sub(1) / seq_len).map(move |i| (s, i * seq_len))
+                })
+                .collect();
+            out.extend(
+                rows.chunks(batch)
+                    .take(per_part)
+                    .map(|c| (p, self.rows_to_batch(c, seq_len, device))),
+            );
+            first += n;
+        }
         if max_batches > 0 {
             out.truncate(max_batches);
         }
@@ -512,7 +552,11 @@ mod tests {
         assert_eq!(draw(3), draw(3));
         assert_ne!(draw(3), draw(4));
         let val = Split::open(&d.join("ds"), &meta, "val").unwrap();
-        let batches = val.sequential(4, 100, 0, tch::Device::Cpu);
+        let batches: Vec<Batch> = val
+            .sequential(4, 100, 0, tch::Device::Cpu)
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
         assert_eq!(batches.iter().map(|b| b.x.size()[0]).sum::<i64>(), 5);
         assert!(batches[0]
             .x

@@ -7,7 +7,8 @@
 //! `report.rs`.
 
 use super::report::{
-    AttentionWork, Bucket, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall, Timing,
+    AttentionWork, Bucket, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
+    SourceLoss, Timing,
 };
 use crate::config::Config;
 use crate::data::{Split, DEP_NONE};
@@ -306,6 +307,8 @@ pub(crate) fn evaluate(
         split.largest_shard()
     );
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
+    // Per part of the split: summed loss and tokens.
+    let mut by_part = vec![(0f64, 0u64); split.part_names().len()];
     // Per bucket: summed loss, tokens, tokens predicted exactly.
     let mut buckets: BTreeMap<(u32, String), (f64, u64, u64)> = Default::default();
     let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
@@ -321,12 +324,15 @@ pub(crate) fn evaluate(
     let seed = eval_gate_seed(cfg);
     let mut ctx = ForwardCtx::default();
     tch::no_grad(|| {
-        for (i, b) in batches.iter().enumerate() {
+        for (i, (part, b)) in batches.iter().enumerate() {
             ctx.gate_seed = Rng::derive(seed, &[i as u64]);
             let out = model.forward(&b.x, &ctx);
             let nll = token_nll(&out.logits, &b.y).to_kind(Kind::Double);
-            sum += nll.sum(Kind::Double).double_value(&[]);
+            let batch_sum = nll.sum(Kind::Double).double_value(&[]);
+            sum += batch_sum;
             count += nll.numel() as u64;
+            by_part[*part].0 += batch_sum;
+            by_part[*part].1 += nll.numel() as u64;
             counts +=
                 b.y.flatten(0, 1)
                     .bincount(None::<Tensor>, cfg.model.vocab_size as i64);
@@ -408,6 +414,20 @@ pub(crate) fn evaluate(
             .collect(),
         gates: gates.map(GateAccum::finish),
         timing: None,
+        by_source: match by_part.len() {
+            1 => Vec::new(),
+            _ => split
+                .part_names()
+                .into_iter()
+                .zip(by_part)
+                .filter(|(_, (_, n))| *n > 0)
+                .map(|(name, (s, n))| SourceLoss {
+                    source: name.to_string(),
+                    tokens: n,
+                    loss: s / n as f64,
+                })
+                .collect(),
+        },
     })
 }
 
@@ -425,7 +445,8 @@ pub(crate) fn timing_of(
     let batch = split
         .sequential(cfg.eval.batch_size, cfg.eval_seq_len(), 1, device)
         .into_iter()
-        .next()?;
+        .next()?
+        .1;
     let seed = Rng::derive(eval_gate_seed(cfg), &[u64::MAX]);
     Some(time_inference(model, &batch.x, seed))
 }
@@ -556,7 +577,7 @@ mod tests {
         c.attention.pruned_layers = vec![0];
         let b = Built::new(&c, Device::Cpu).unwrap();
         let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
-        let batch = &split.sequential(1, 16, 1, Device::Cpu)[0];
+        let batch = &split.sequential(1, 16, 1, Device::Cpu)[0].1;
         let (_, step) = step::forward_loss(&b.model, &batch.x, &batch.y, &ForwardCtx::default());
         let mu = report.gates.unwrap().mu_f;
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.

@@ -72,6 +72,18 @@ pub(crate) struct EvalReport {
     /// Measured inference time (`eval.timing`); None when not asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) timing: Option<Timing>,
+    /// The loss of each source of a corpus held out per source (`data prepare --sources`),
+    /// over its share of the evaluated batches; empty for a split of one part.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) by_source: Vec<SourceLoss>,
+}
+
+/// The validation loss of one source of a corpus.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub(crate) struct SourceLoss {
+    pub(crate) source: String,
+    pub(crate) tokens: u64,
+    pub(crate) loss: f64,
 }
 
 /// What one batch of the evaluated split costs in time on the evaluating device. Each figure
@@ -193,8 +205,9 @@ pub(crate) fn read_report(dir: &Path) -> Result<Option<EvalFile>> {
     })
 }
 
-/// Writes `eval.json` (report plus the resolved config), `eval.csv` (one metric per row) and,
-/// when there are buckets, `eval_buckets.csv`; also the resolved `config.toml`.
+/// Writes `eval.json` (report plus the resolved config), `eval.csv` (one metric per row, a
+/// corpus's sources' losses as `loss_<source>`) and, when there are buckets,
+/// `eval_buckets.csv`; also the resolved `config.toml`.
 pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Result<()> {
     atomic::ensure_writable_dir(dir)?;
     let file = EvalFile {
@@ -227,6 +240,9 @@ pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Res
     .collect();
     if let Some(step) = report.checkpoint_step {
         rows.push(("checkpoint_step".into(), step as f64));
+    }
+    for src in &report.by_source {
+        rows.push((format!("loss_{}", src.source), src.loss));
     }
     if let Some(t) = &report.timing {
         rows.extend(

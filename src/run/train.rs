@@ -43,6 +43,11 @@ pub(crate) fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
     min + 0.5 * (cfg.lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
+/// Whether parameter `name` is a router's (`train.router_lr_mult` scales its rate).
+pub(crate) fn is_router(name: &str) -> bool {
+    name.contains(".router.")
+}
+
 /// AdamW (Loshchilov & Hutter) with PyTorch's defaults for bias correction; weight decay
 /// only on matrices, as nanoGPT does, since decaying gains and biases hurts small models.
 ///
@@ -78,17 +83,27 @@ impl AdamW {
         }
     }
 
-    /// Parameters with a gradient, with their gradients and moments, for the fused step.
+    /// Parameters with a gradient, with their names, gradients and moments, for the fused
+    /// step.
     #[allow(clippy::type_complexity)]
-    fn with_grads(&self) -> (Vec<Tensor>, Vec<Tensor>, Vec<Tensor>, Vec<Tensor>) {
-        let mut out = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, (_, p)) in self.params.iter().enumerate() {
+    fn with_grads(
+        &self,
+    ) -> (
+        Vec<String>,
+        Vec<Tensor>,
+        Vec<Tensor>,
+        Vec<Tensor>,
+        Vec<Tensor>,
+    ) {
+        let mut out = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, (n, p)) in self.params.iter().enumerate() {
             let g = p.grad();
             if g.defined() {
-                out.0.push(p.shallow_clone());
-                out.1.push(g);
-                out.2.push(self.exp_avg[i].shallow_clone());
-                out.3.push(self.exp_avg_sq[i].shallow_clone());
+                out.0.push(n.clone());
+                out.1.push(p.shallow_clone());
+                out.2.push(g);
+                out.3.push(self.exp_avg[i].shallow_clone());
+                out.4.push(self.exp_avg_sq[i].shallow_clone());
             }
         }
         out
@@ -107,7 +122,7 @@ impl AdamW {
     /// it is exceeded (0 disables clipping).
     pub(crate) fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
         if let Some(k) = self.kernels {
-            let (_, grads, _, _) = self.with_grads();
+            let (_, _, grads, _, _) = self.with_grads();
             let total = k
                 .grad_norm(&grads)
                 .expect("gradient norm kernel on validated tensors");
@@ -143,28 +158,49 @@ impl AdamW {
         })
     }
 
+    /// One step at rate `lr`, the routers' at `lr * t.router_lr_mult`.
     pub(crate) fn update(&mut self, lr: f64, t: &TrainConfig) {
         self.step += 1;
         let bc1 = 1.0 - t.beta1.powi(self.step as i32);
         let bc2 = 1.0 - t.beta2.powi(self.step as i32);
+        let rate = |name: &str| match is_router(name) {
+            true => lr * t.router_lr_mult,
+            false => lr,
+        };
         if let Some(k) = self.kernels {
-            let (p, g, m, v) = self.with_grads();
-            let h = AdamWStep {
-                lr,
-                beta1: t.beta1,
-                beta2: t.beta2,
-                eps: t.adam_eps,
-                weight_decay: t.weight_decay,
-                bc1,
-                bc2,
-                clip: std::mem::replace(&mut self.clip, 1.0),
-            };
-            k.adamw(&p, &g, &m, &v, &h)
-                .expect("adamw kernel on validated tensors");
+            let (names, p, g, m, v) = self.with_grads();
+            let clip = std::mem::replace(&mut self.clip, 1.0);
+            // One fused launch per rate: the routers' and everything else's.
+            for router in [false, true] {
+                let pick = |xs: &Vec<Tensor>| -> Vec<Tensor> {
+                    xs.iter()
+                        .zip(&names)
+                        .filter(|(_, n)| is_router(n) == router)
+                        .map(|(x, _)| x.shallow_clone())
+                        .collect()
+                };
+                let group = pick(&p);
+                if group.is_empty() {
+                    continue;
+                }
+                let h = AdamWStep {
+                    lr: if router { lr * t.router_lr_mult } else { lr },
+                    beta1: t.beta1,
+                    beta2: t.beta2,
+                    eps: t.adam_eps,
+                    weight_decay: t.weight_decay,
+                    bc1,
+                    bc2,
+                    clip,
+                };
+                k.adamw(&group, &pick(&g), &pick(&m), &pick(&v), &h)
+                    .expect("adamw kernel on validated tensors");
+            }
             return;
         }
         tch::no_grad(|| {
-            for (i, (_, p)) in self.params.iter().enumerate() {
+            for (i, (name, p)) in self.params.iter().enumerate() {
+                let lr = rate(name);
                 let g = p.grad();
                 if !g.defined() {
                     continue;
@@ -622,7 +658,7 @@ impl<'a> Trainer<'a> {
         };
         let routers: Vec<Tensor> = trainable
             .iter()
-            .filter(|(n, _)| t.router_hold_steps > 0 && n.contains(".router."))
+            .filter(|(n, _)| t.router_hold_steps > 0 && is_router(n))
             .map(|(_, p)| p.shallow_clone())
             .collect();
         if !args.quiet {
@@ -1021,11 +1057,16 @@ mod tests {
     }
 
     /// The fused optimizer step of a kernel library (norm, clipping, AdamW) against the
-    /// per-tensor form, over tensors that span several chunks, a vector (no decay) and a
-    /// parameter without gradient, for three clipped steps.
+    /// per-tensor form, over tensors that span several chunks, a vector (no decay), a router
+    /// at its own rate and a parameter without gradient, for three clipped steps.
     fn fused_step_matches_per_tensor(kern: &'static Kernels, device: Device) {
         tch::manual_seed(5);
         let shapes: [&[i64]; 4] = [&[300, 257], &[70001], &[3, 4], &[5]];
+        // p2 is a router's.
+        let name = |i: usize| match i {
+            2 => "layers.0.router.p2".to_string(),
+            _ => format!("p{i}"),
+        };
         // One draw for both paths, and the gradients' multipliers below drawn once a step: the
         // generator is global, and tests running beside this one draw from it too.
         let a: BTreeMap<String, Tensor> = shapes
@@ -1033,7 +1074,7 @@ mod tests {
             .enumerate()
             .map(|(i, s)| {
                 let t = Tensor::randn(*s, (Kind::Float, device)).set_requires_grad(true);
-                (format!("p{i}"), t)
+                (name(i), t)
             })
             .collect();
         let b: BTreeMap<String, Tensor> = a
@@ -1044,15 +1085,16 @@ mod tests {
         let mut ob = AdamW::new(&b, Some(kern));
         let t = TrainConfig {
             weight_decay: 0.1,
+            router_lr_mult: 30.0,
             ..Default::default()
         };
         for _ in 0..3 {
-            let noise: Vec<Tensor> = (0..3).map(|i| a[&format!("p{i}")].randn_like()).collect();
+            let noise: Vec<Tensor> = (0..3).map(|i| a[&name(i)].randn_like()).collect();
             for (params, opt) in [(&a, &mut oa), (&b, &mut ob)] {
                 opt.zero_grad();
                 // p3 gets no gradient.
                 let loss = (0..3)
-                    .map(|i| (&params[&format!("p{i}")] * &noise[i]).sum(Kind::Float))
+                    .map(|i| (&params[&name(i)] * &noise[i]).sum(Kind::Float))
                     .fold(Tensor::zeros([], (Kind::Float, device)), |x, y| x + y);
                 loss.backward();
                 let norm = opt.clip_grad_norm(100.0);
@@ -1090,37 +1132,47 @@ mod tests {
 
     #[test]
     fn adamw_matches_hand_computation() {
-        let w = Tensor::from_slice(&[1.0f64, -2.0])
-            .view([1, 2])
-            .set_requires_grad(true);
-        let params: BTreeMap<String, Tensor> = [("w".to_string(), w.shallow_clone())].into();
+        let init = || {
+            Tensor::from_slice(&[1.0f64, -2.0])
+                .view([1, 2])
+                .set_requires_grad(true)
+        };
+        let (w, r) = (init(), init());
+        let params: BTreeMap<String, Tensor> = [
+            ("w".to_string(), w.shallow_clone()),
+            ("layers.0.router.weight".to_string(), r.shallow_clone()),
+        ]
+        .into();
         let mut opt = AdamW::new(&params, None);
         let t = TrainConfig {
             beta1: 0.9,
             beta2: 0.99,
             adam_eps: 1e-8,
             weight_decay: 0.5,
+            router_lr_mult: 3.0,
             ..Default::default()
         };
         let g = [0.5f64, -1.0];
         for step in 1..=2 {
             opt.zero_grad();
-            (&w * Tensor::from_slice(&g).view([1, 2]))
-                .sum(Kind::Double)
-                .backward();
+            let gt = Tensor::from_slice(&g).view([1, 2]);
+            ((&w * &gt).sum(Kind::Double) + (&r * &gt).sum(Kind::Double)).backward();
             opt.update(0.1, &t);
             assert_eq!(opt.step, step);
         }
         // Constant gradient: m_hat = g and v_hat = g^2 after bias correction, so each step
-        // moves by lr * sign(g) (up to eps) after decaying by (1 - lr * wd).
-        let mut want = [1.0f64, -2.0];
-        for _ in 0..2 {
-            for (x, gi) in want.iter_mut().zip(g) {
-                *x = *x * (1.0 - 0.1 * 0.5) - 0.1 * gi / (gi.abs() + 1e-8);
+        // moves by lr * sign(g) (up to eps) after decaying by (1 - lr * wd); the router at
+        // three times the rate.
+        for (p, lr) in [(&w, 0.1), (&r, 0.3)] {
+            let mut want = [1.0f64, -2.0];
+            for _ in 0..2 {
+                for (x, gi) in want.iter_mut().zip(g) {
+                    *x = *x * (1.0 - lr * 0.5) - lr * gi / (gi.abs() + 1e-8);
+                }
             }
-        }
-        for (i, wv) in want.iter().enumerate() {
-            assert!((w.double_value(&[0, i as i64]) - wv).abs() < 1e-9);
+            for (i, wv) in want.iter().enumerate() {
+                assert!((p.double_value(&[0, i as i64]) - wv).abs() < 1e-9);
+            }
         }
     }
 

@@ -370,6 +370,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
                 decode_tokens_per_s: 100.0 / s.density,
                 decode_cache_bytes: 1000.0,
             }),
+            by_source: Vec::new(),
         };
         let file = EvalFile {
             report,
@@ -425,6 +426,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
             depends_on: s.dep.map(String::from),
             reads: None,
             match_usage: false,
+            pretrained: None,
             threshold: s.threshold,
             config,
         });

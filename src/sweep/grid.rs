@@ -28,6 +28,11 @@ pub struct Grid {
     /// `[corpus]` or `[synth]` data set, which is then prepared at `probes.mix_with`.
     #[serde(default)]
     pub(crate) probes: Option<ProbesArgs>,
+    /// A converted model's run directory (e.g. `make pretrained`'s): train stages without
+    /// `init_from` continue from its weights, and eval stages without `of` evaluate it. The
+    /// grid's `[base.model]` must describe its architecture (copy its config.toml's [model]).
+    #[serde(default)]
+    pub(crate) pretrained: Option<std::path::PathBuf>,
     #[serde(default)]
     pub(crate) base: toml::Table,
     /// Replicates: every train cell runs with this many seeds (`train.seed` = the base's
@@ -115,6 +120,10 @@ pub struct Cell {
     /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
     #[serde(default)]
     pub(crate) match_usage: bool,
+    /// The grid's pretrained model, for a cell that starts from it (train) or evaluates it
+    /// (eval) rather than a cell of the grid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) pretrained: Option<std::path::PathBuf>,
     pub(crate) threshold: Option<f64>,
     /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
     pub(crate) config: Config,
@@ -428,7 +437,14 @@ fn stage_sources(grid: &Grid, si: usize, what: &str) -> Result<(Option<String>, 
             }
             let of = earlier(&stage.of, "of")?;
             let Some(of) = of else {
-                bail!("{what}: a {:?} stage needs `of`", stage.kind)
+                // Without `of`, an eval stage evaluates the grid's pretrained model.
+                ensure!(
+                    stage.kind == StageKind::Eval && grid.pretrained.is_some(),
+                    "{what}: a {:?} stage needs `of` (an eval stage may leave it out only when \
+                     the grid names a `pretrained` model, which it then evaluates)",
+                    stage.kind
+                );
+                return Ok((None, None));
             };
             // Evaluation needs a model: a trained or a pruned one; pruning a trained one.
             let allowed = match stage.kind {
@@ -607,11 +623,19 @@ fn new_cell(
                  attention.router = \"bernoulli\""
         );
     }
+    // A cell of no other cell's starts from (train) or evaluates (eval) the pretrained model.
+    let pretrained = match dep {
+        None => grid.pretrained.clone(),
+        Some(_) => None,
+    };
     let fingerprint = format!(
-        "{:?}\n{}\n{}\n{:?}{}{}",
+        "{:?}\n{}\n{}{}\n{:?}{}{}",
         stage.kind,
         config.canonical().non_default_toml(),
         dep.as_ref().map_or("", |d| d.id.as_str()),
+        pretrained
+            .as_ref()
+            .map_or(String::new(), |p| format!("pretrained {}", p.display())),
         threshold.map(|t| t.to_bits()),
         read.as_ref()
             .map_or(String::new(), |r| format!("\nreads {r}")),
@@ -657,6 +681,7 @@ fn new_cell(
         depends_on: dep.map(|d| d.id),
         reads: read,
         match_usage: stage.match_usage,
+        pretrained,
         threshold,
         config,
     })

@@ -145,6 +145,14 @@ pub(crate) struct Outcome {
 /// no data set is there yet; with `[probes]`, that corpus goes to `probes.mix_with` (kept
 /// when one is there) and the probes mixed into it to `base.data.dir`.
 fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<()> {
+    if let Some(p) = &grid.pretrained {
+        ensure!(
+            p.join("config.toml").is_file(),
+            "the grid's pretrained model {} is not there (no config.toml): convert it first \
+             (`make pretrained` makes pretrained/smollm2-135m-instruct)",
+            p.display()
+        );
+    }
     if grid.synth.is_none() && grid.corpus.is_none() && grid.probes.is_none() {
         return Ok(());
     }
@@ -488,10 +496,29 @@ fn cell_command(
                 cmd.arg("--resume");
             } else {
                 cmd.arg("--config").arg(dir.join("cell.toml"));
-                if let Some(d) = &dep_dir {
+                if let Some(d) = dep_dir.as_ref().or(cell.pretrained.as_ref()) {
                     cmd.arg("--init-from").arg(d);
                 }
             }
+        }
+        // The pretrained model evaluated as the cell's config describes it: a run directory
+        // of that config (`model/`) over the pretrained weights.
+        StageKind::Eval if dep_dir.is_none() => {
+            let weights = cell
+                .pretrained
+                .as_ref()
+                .expect("eval cells without a dependency evaluate the pretrained model");
+            std::fs::create_dir_all(dir.join("model"))?;
+            atomic::write_bytes(
+                &dir.join("model/config.toml"),
+                cell.config.to_toml().as_bytes(),
+            )?;
+            cmd.args(["eval", "-q", "--run"])
+                .arg(dir.join("model"))
+                .arg("--ckpt")
+                .arg(weights)
+                .arg("--out")
+                .arg(dir.join("eval"));
         }
         StageKind::Eval => {
             let d = dep_dir.as_ref().expect("eval cells depend on a cell");

@@ -118,7 +118,33 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "kv_cache_bytes_before" => prune(|p| p.kv_cache_bytes_before),
         "loss_before" => prune(|p| p.loss_before),
     )?
+    .hstack(&source_columns(rows))?
     .hstack(&task_columns(rows))?)
+}
+
+/// One column per corpus source any row was evaluated on (`loss_<source>`: the validation
+/// loss of a corpus held out per source).
+fn source_columns(rows: &[Row]) -> Vec<Column> {
+    let names: std::collections::BTreeSet<&String> = rows
+        .iter()
+        .flat_map(|r| r.report.by_source.iter().map(|s| &s.source))
+        .collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let v: Vec<Option<f64>> = rows
+                .iter()
+                .map(|r| {
+                    r.report
+                        .by_source
+                        .iter()
+                        .find(|s| &s.source == n)
+                        .map(|s| s.loss)
+                })
+                .collect();
+            Column::new(format!("loss_{n}").into(), v)
+        })
+        .collect()
 }
 
 /// One column per task metric any row has.
