@@ -181,8 +181,9 @@ pub(super) fn cell_label(v: f64, ticks: &[String]) -> String {
 }
 
 /// Line and marker colours: Okabe and Ito's colour-blind-safe palette without its yellow,
-/// which is hard to see on white.
-const PALETTE: [RGBColor; 7] = [
+/// which is hard to see on white, then Paul Tol's indigo and wine, so that a chart of up to
+/// nine series (a Pareto chart's front and eight methods) gives each its own colour.
+const PALETTE: [RGBColor; 9] = [
     RGBColor(0, 114, 178),
     RGBColor(213, 94, 0),
     RGBColor(0, 158, 115),
@@ -190,10 +191,42 @@ const PALETTE: [RGBColor; 7] = [
     RGBColor(86, 180, 233),
     RGBColor(230, 159, 0),
     RGBColor(0, 0, 0),
+    RGBColor(51, 34, 136),
+    RGBColor(136, 34, 85),
 ];
 
-/// Width of the legend panel beside a chart: room for the 30 characters a label keeps.
+/// Markers drawn along one line at most.
+const MARKERS_PER_LINE: usize = 24;
+
+/// Width of the legend panel beside a chart, at least: room for 30 characters. A legend of
+/// longer names is as wide as its longest (`legend_width`): names are never cut, since two
+/// series cut to one string could not be told apart.
 const LEGEND_W: u32 = 300;
+
+/// Pixels of the legend of `series`: the marker's column and the longest name at the
+/// legend's font (about 8 pixels a character).
+fn legend_width<'a>(series: impl IntoIterator<Item = &'a Series>) -> u32 {
+    let longest = series
+        .into_iter()
+        .map(|s| s.name.chars().count())
+        .max()
+        .unwrap_or(0);
+    LEGEND_W.max(56 + 8 * longest as u32)
+}
+
+/// The series a figure of panels lists in its one legend: the first panel's, then those of
+/// later panels not named yet (a reference line drawn in one panel only).
+fn panels_legend(panels: &[Panel]) -> Vec<&Series> {
+    let mut out: Vec<&Series> = Vec::new();
+    for p in panels {
+        for s in &p.series {
+            if !out.iter().any(|o| o.name == s.name) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
 
 /// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
 /// windows, powers, lambdas) rather than at round numbers.
@@ -385,6 +418,9 @@ fn draw_lines<DB: DrawingBackend>(
     macro_rules! body {
         ($xr:expr) => {{
             let mut chart = builder.build_cartesian_2d($xr, y0..y1).map_err(err)?;
+            // Pixel boxes (left, baseline, width) of the point labels drawn so far: a label that
+            // would overlap one is left out (the tables have every cell's settings).
+            let mut placed: Vec<(i32, i32, i32)> = Vec::new();
             chart
                 .configure_mesh()
                 .x_desc(x)
@@ -427,21 +463,34 @@ fn draw_lines<DB: DrawingBackend>(
                             .map_err(err)?;
                     }
                 }
-                // One draw per marker: the shapes differ in type.
-                for &p in &s.points {
+                // One draw per marker: the shapes differ in type. A line of many points (heads
+                // by rank) shows every `stride`-th, so the markers name the line, not hide it.
+                let stride = match s.line {
+                    true => s.points.len().div_ceil(MARKERS_PER_LINE).max(1),
+                    false => 1,
+                };
+                for &p in s.points.iter().step_by(stride) {
                     chart
                         .plotting_area()
                         .draw(&marker(i, s.look, p))
                         .map_err(err)?;
                 }
-                chart
-                    .draw_series(
-                        s.points
-                            .iter()
-                            .zip(&s.labels)
-                            .map(|(&p, l)| Text::new(l.clone(), p, text(13))),
-                    )
-                    .map_err(err)?;
+                for (&p, l) in s.points.iter().zip(&s.labels) {
+                    if l.is_empty() {
+                        continue;
+                    }
+                    let (px, py) = chart.backend_coord(&p);
+                    let w = 7 * l.chars().count() as i32;
+                    let overlaps = placed
+                        .iter()
+                        .any(|&(x, y, pw)| (py - y).abs() < 15 && px < x + pw && x < px + w);
+                    if !overlaps {
+                        placed.push((px, py, w));
+                        chart
+                            .draw_series(std::iter::once(Text::new(l.clone(), p, text(13))))
+                            .map_err(err)?;
+                    }
+                }
             }
         }};
     }
@@ -477,6 +526,13 @@ fn draw_lines<DB: DrawingBackend>(
 /// The legend of `series` in its own panel (beside the data, never over it), in the series'
 /// order, each with its line and marker.
 fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Series]) -> Result<()> {
+    draw_legend_of(area, &series.iter().collect::<Vec<_>>())
+}
+
+fn draw_legend_of<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    series: &[&Series],
+) -> Result<()> {
     let text = (FAMILY, 14).into_font();
     let (_, h) = area.dim_in_pixel();
     let row = 22i32;
@@ -497,8 +553,7 @@ fn draw_legend<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, series: &[Seri
         }
         area.draw(&marker::<DB, (i32, i32)>(i, s.look, (20, y)))
             .map_err(err)?;
-        let name: String = s.name.chars().take(30).collect();
-        area.draw(&Text::new(name, (44, y - 8), text.clone()))
+        area.draw(&Text::new(s.name.clone(), (44, y - 8), text.clone()))
             .map_err(err)?;
     }
     if series.len() > fits {
@@ -543,7 +598,8 @@ impl Figure {
             } => {
                 if has_legend(series) {
                     let (w, _) = root.dim_in_pixel();
-                    let (chart, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                    let (chart, legend) =
+                        root.split_horizontally(w.saturating_sub(legend_width(series)));
                     draw_lines(&chart, title, x, y, series, *x_axis)?;
                     draw_legend(&legend, series)?;
                 } else {
@@ -551,18 +607,18 @@ impl Figure {
                 }
             }
             Figure::Panels { title, panels } => {
-                // Side by side over the same series, so one legend (the first panel's) serves.
+                // Side by side over the same series, so one legend serves.
+                let listed = panels_legend(panels);
                 let (w, _) = root.dim_in_pixel();
-                let (body, legend) = root.split_horizontally(w.saturating_sub(LEGEND_W));
+                let width = Self::panels_legend_width(panels);
+                let (body, legend) = root.split_horizontally(w.saturating_sub(width));
                 let body = body.titled(title, text(22)).map_err(err)?;
                 let areas = body.split_evenly((1, panels.len().max(1)));
                 for (area, p) in areas.iter().zip(panels) {
                     draw_lines(area, &p.title, &p.x, &p.y, &p.series, p.x_axis)?;
                 }
-                if let Some(first) = panels.first() {
-                    if has_legend(&first.series) {
-                        draw_legend(&legend, &first.series)?;
-                    }
+                if listed.len() > 1 || listed.iter().any(|s| !s.name.is_empty()) {
+                    draw_legend_of(&legend, &listed)?;
                 }
             }
             Figure::Heatmap {
@@ -676,12 +732,20 @@ impl Figure {
         Ok(())
     }
 
-    /// Pixels of the figure: panels side by side widen it.
+    /// Pixels of the figure: panels side by side and long legend names widen it.
     pub(crate) fn size(&self) -> (u32, u32) {
         match self {
-            Figure::Panels { panels, .. } => (LEGEND_W + 560 * panels.len() as u32, SIZE.1),
+            Figure::Panels { panels, .. } => (
+                Self::panels_legend_width(panels) + 560 * panels.len() as u32,
+                SIZE.1,
+            ),
+            Figure::Lines { series, .. } => (SIZE.0 - LEGEND_W + legend_width(series), SIZE.1),
             _ => SIZE,
         }
+    }
+
+    fn panels_legend_width(panels: &[Panel]) -> u32 {
+        legend_width(panels_legend(panels))
     }
 
     /// Writes `<stem>.png` and `<stem>.svg`.

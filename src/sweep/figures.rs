@@ -33,14 +33,31 @@ use anyhow::{anyhow, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Groups rows by a key into named series of (x, y). Rows of one series at one x that are
+/// Groups rows by a key into named series of (x, y). A cell's other varied settings (those of
+/// its label but the x axis's setting `x_key`, its seed and what the key already names) are
+/// added to its series' name, so a line joins only cells that differ in x (a control at one
+/// window is its own point, not a jump in the line). Rows of one series at one x that are
 /// replicates of one setting (they differ only in their seed) become one point, their mean,
 /// with its 95 % interval as an error bar.
 fn grouped(
     rows: &[&Row],
+    x_key: &str,
     key: impl Fn(&Row) -> String,
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
 ) -> Vec<Series> {
+    let key = |r: &Row| {
+        let mut name = key(r);
+        for kv in replicates::setting(&r.label).split_whitespace() {
+            let Some((k, v)) = kv.split_once('=') else {
+                continue;
+            };
+            let short = k.rsplit('.').next().unwrap_or(k);
+            if k != x_key && !name.contains(&format!("{short}=")) {
+                name = format!("{name} {short}={v}").trim().to_string();
+            }
+        }
+        name
+    };
     // Per series, per x (by its bits), per setting: the ys.
     type AtX = BTreeMap<u64, BTreeMap<String, Vec<f64>>>;
     let mut groups: BTreeMap<String, AtX> = BTreeMap::new();
@@ -78,8 +95,12 @@ fn grouped(
 /// A cell's name in a legend: its stage and the settings its stage sweeps, without the
 /// sections' prefixes (`aha window=16`).
 fn legend_name(r: &Row) -> String {
-    let settings = r
-        .label
+    legend_of(&r.stage, &r.label)
+}
+
+/// The legend name of a cell of `stage` labelled `label` (see `legend_name`).
+fn legend_of(stage: &str, label: &str) -> String {
+    let settings = label
         .split_whitespace()
         .map(|kv| match kv.split_once('=') {
             Some((key, v)) => format!("{}={v}", key.rsplit('.').next().unwrap_or(key)),
@@ -87,7 +108,40 @@ fn legend_name(r: &Row) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ");
-    format!("{} {settings}", r.stage).trim().to_string()
+    format!("{stage} {settings}").trim().to_string()
+}
+
+/// Whether `r` is the first cell of its setting among `rows` (its stage and settings but the
+/// seed): a figure of one cell is drawn for the first replicate only, the others being the same
+/// setting again (the tables and the figures over settings have them all).
+fn first_replicate<'a>(r: &Row, mut rows: impl Iterator<Item = &'a Row>) -> bool {
+    let setting = replicates::setting(&r.label);
+    rows.find(|o| o.stage == r.stage && replicates::setting(&o.label) == setting)
+        .is_none_or(|o| o.cell == r.cell)
+}
+
+/// One line per name of `curves` (a setting's replicates share one): at each x, the mean of
+/// the replicates' values there, so seeds read as one line, not a knot of them.
+fn replicate_means(curves: Vec<(String, Vec<(f64, f64)>)>) -> Vec<Series> {
+    let mut by_name: BTreeMap<String, BTreeMap<u64, Vec<f64>>> = BTreeMap::new();
+    for (name, points) in curves {
+        let at = by_name.entry(name).or_default();
+        for (x, y) in points {
+            at.entry(x.to_bits()).or_default().push(y);
+        }
+    }
+    sorted(
+        by_name
+            .into_iter()
+            .map(|(name, at)| {
+                let points = at
+                    .into_iter()
+                    .map(|(x, ys)| (f64::from_bits(x), ys.iter().sum::<f64>() / ys.len() as f64))
+                    .collect();
+                series(name, points, true)
+            })
+            .collect(),
+    )
 }
 
 /// Usage (mu_f) and validation loss against the same swept value, side by side.
@@ -292,6 +346,46 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     Ok(figs)
 }
 
+const WINDOW: &str = "attention.window";
+const LAMBDA: &str = "attention.lambda";
+
+/// Full attention trained as long as `routed` (the same budget of tokens): the mean of its
+/// replicates' validation loss, the reference of a quality panel; None when there is none.
+fn full_reference(train: &[&Row], routed: &[&Row]) -> Option<f64> {
+    let budget = routed.first()?.budget_tokens;
+    let losses: Vec<f64> = train
+        .iter()
+        .filter(|r| r.method == Method::Full && r.budget_tokens == budget)
+        .map(|r| r.loss())
+        .collect();
+    (!losses.is_empty()).then(|| summarize(&losses).mean)
+}
+
+/// `series` with a dashed horizontal line at `reference` across their x range, named as
+/// full attention trained as long.
+fn with_reference(mut lines: Vec<Series>, reference: Option<f64>) -> Vec<Series> {
+    let xs = lines.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+    let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    if let (Some(y), true) = (reference, lo < hi) {
+        let mut line = series(
+            "full attention, trained as long".into(),
+            vec![(lo, y), (hi, y)],
+            true,
+        );
+        // Black (the palette's last), dashed: a reference, not a method.
+        line.look = Look::Chosen {
+            colour: 6,
+            shape: 0,
+            hollow: true,
+            dashed: true,
+        };
+        lines.push(line);
+    }
+    lines
+}
+
 /// AHA Tables 1/2: every learned router's usage and loss against the window, where windows vary.
 fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let routed_by_window: Vec<&Row> = train
@@ -312,8 +406,15 @@ fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
             usage_and_loss(
                 "Full-attention usage and quality against window",
                 "window w (tokens)",
-                grouped(&routed_by_window, key, |r| r.mu_f().map(|m| (r.window, m))),
-                grouped(&routed_by_window, key, |r| Some((r.window, r.loss()))),
+                grouped(&routed_by_window, WINDOW, key, |r| {
+                    r.mu_f().map(|m| (r.window, m))
+                }),
+                with_reference(
+                    grouped(&routed_by_window, WINDOW, key, |r| {
+                        Some((r.window, r.loss()))
+                    }),
+                    full_reference(train, &routed_by_window),
+                ),
             ),
         ));
     }
@@ -321,34 +422,45 @@ fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
 
 /// AHA Figs. 3/4: each learned AHA cell's layer x head usage, and every head sorted.
 fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
-    let mut sorted_usage = Vec::new();
+    // Per trained setting (stage and settings but the seed): each replicate's heads sorted.
+    let mut sorted_by_setting: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
     for r in aha {
         let Some(g) = r.gates() else { continue };
         let m = g.per_head.clone();
         if m.is_empty() {
             continue;
         }
-        let mut all_heads: Vec<f64> = m.iter().flatten().copied().collect();
-        all_heads.sort_by(|a, b| b.total_cmp(a));
-        sorted_usage.push(series(
-            r.label.clone(),
-            all_heads
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (i as f64 + 1.0, *v))
-                .collect(),
-            true,
-        ));
-        figs.push((
-            format!("head_usage_{}", r.cell),
-            usage_map(format!("Head usage mu_f: {}", r.label), m),
-        ));
+        if r.kind == StageKind::Train {
+            let mut all_heads: Vec<f64> = m.iter().flatten().copied().collect();
+            all_heads.sort_by(|a, b| b.total_cmp(a));
+            sorted_by_setting
+                .entry(legend_of(&r.stage, &replicates::setting(&r.label)))
+                .or_default()
+                .push(all_heads);
+        }
+        if first_replicate(r, aha.iter().copied()) {
+            figs.push((
+                format!("head_usage_{}", r.cell),
+                usage_map(format!("Head usage mu_f: {}", r.label), m),
+            ));
+        }
     }
+    // A setting's curve is the mean over its replicates of the usage at each rank.
+    let sorted_usage: Vec<Series> = sorted_by_setting
+        .into_iter()
+        .map(|(name, curves)| {
+            let heads = curves.iter().map(Vec::len).min().unwrap_or(0);
+            let mean = |i: usize| curves.iter().map(|c| c[i]).sum::<f64>() / curves.len() as f64;
+            let points = (0..heads).map(|i| (i as f64 + 1.0, mean(i))).collect();
+            series(name, points, true)
+        })
+        .collect();
+    let sorted_usage = sorted(sorted_usage);
     if !sorted_usage.is_empty() {
         figs.push((
             "head_usage_sorted".into(),
             Figure::Lines {
-                title: "Heads sorted by full-attention usage".into(),
+                title: "Heads sorted by full-attention usage (mean over seeds)".into(),
                 x: "head rank".into(),
                 y: "mu_f".into(),
                 series: sorted_usage,
@@ -358,18 +470,28 @@ fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
     }
 }
 
-/// AHA Table 4: usage and loss against lambda, where lambdas vary.
+/// AHA Table 4: usage and loss against lambda, at the windows where lambdas vary.
 fn lambda_ablation(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
-    let lambdas: std::collections::BTreeSet<u64> = aha.iter().map(|r| r.lambda.to_bits()).collect();
-    if lambdas.len() > 1 {
-        let key = |r: &Row| format!("w={}", r.window);
+    let lambdas_at = |w: f64| -> std::collections::BTreeSet<u64> {
+        aha.iter()
+            .filter(|r| r.window == w)
+            .map(|r| r.lambda.to_bits())
+            .collect()
+    };
+    let aha: Vec<&Row> = aha
+        .iter()
+        .copied()
+        .filter(|r| lambdas_at(r.window).len() > 1)
+        .collect();
+    if !aha.is_empty() {
+        let key = |r: &Row| format!("window={}", r.window);
         figs.push((
             "lambda_ablation".into(),
             usage_and_loss(
                 "Full-attention usage and quality against lambda",
                 "lambda",
-                grouped(&aha, key, |r| r.mu_f().map(|m| (r.lambda, m))),
-                grouped(&aha, key, |r| Some((r.lambda, r.loss()))),
+                grouped(&aha, LAMBDA, key, |r| r.mu_f().map(|m| (r.lambda, m))),
+                grouped(&aha, LAMBDA, key, |r| Some((r.lambda, r.loss()))),
             ),
         ));
     }
@@ -446,7 +568,7 @@ fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
 
 /// Validation loss during training (PPA Fig. 2), continuations on their own axes too.
 fn loss_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>) {
-    let curves: Vec<(bool, Series)> = train
+    let curves: Vec<(bool, String, Vec<(f64, f64)>)> = train
         .iter()
         .filter_map(|r| {
             let log = log_columns(
@@ -456,9 +578,17 @@ fn loss_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>) {
             // At the tokens behind the model, so a continuation starts where its source ended.
             let at = |step: f64| (r.start_tokens + step * r.tokens_per_step) / 1e6;
             let pts: Vec<(f64, f64)> = log.iter().map(|x| (at(x[0]), x[1])).collect();
-            (pts.len() > 1).then(|| (r.start_tokens > 0.0, series(legend_name(r), pts, true)))
+            let name = legend_of(&r.stage, &replicates::setting(&r.label));
+            (pts.len() > 1).then_some((r.start_tokens > 0.0, name, pts))
         })
         .collect();
+    let continued_names: std::collections::BTreeSet<String> =
+        curves.iter().filter(|c| c.0).map(|c| c.1.clone()).collect();
+    let curves: Vec<(bool, Series)> =
+        replicate_means(curves.into_iter().map(|c| (c.1, c.2)).collect())
+            .into_iter()
+            .map(|s| (continued_names.contains(&s.name), s))
+            .collect();
     if !curves.is_empty() {
         let x = "training tokens (millions, with those of the cell continued from)";
         let title = "Validation loss during training";
@@ -524,14 +654,11 @@ fn router_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>)
             title: y.into(),
             x: "training step".into(),
             y: y.into(),
-            series: sorted(
+            series: replicate_means(
                 logs.iter()
                     .map(|(r, pts)| {
-                        series(
-                            legend_name(r),
-                            pts.iter().map(|p| (p[0], p[col])).collect(),
-                            true,
-                        )
+                        let name = legend_of(&r.stage, &replicates::setting(&r.label));
+                        (name, pts.iter().map(|p| (p[0], p[col])).collect())
                     })
                     .collect(),
             ),
@@ -593,7 +720,8 @@ fn ppa_s_curve(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
         let by_window = |f: fn(&Row) -> Option<f64>| {
             grouped(
                 &ppa,
-                |r| format!("w={}", r.window),
+                "attention.ppa_power",
+                |r| format!("window={}", r.window),
                 move |r| Some((r.ppa_power, f(r)?)),
             )
         };
@@ -635,7 +763,7 @@ fn ppa_s_curve(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
 /// The figures of each cell's own evaluation files: probe usage maps (AHA Fig. 3 per task)
 /// and NIAH by length and depth (SwiAttn Figs. 3 and 6).
 fn cell_files(sweep: &Path, all: &[Row], figs: &mut Vec<(String, Figure)>) -> Result<()> {
-    for r in all {
+    for r in all.iter().filter(|r| first_replicate(r, all.iter())) {
         let p = sweep.join(&r.cell).join("eval/probe_head_usage.csv");
         if p.is_file() {
             for (task, f) in probe_usage_maps(&p, &format!("{} {}", name_of(r.method), r.label))? {
@@ -792,7 +920,12 @@ mod tests {
             with("attention.window=8 train.seed=2", 1.2),
             with("attention.window=4", 3.0),
         );
-        let s = grouped(&[&a, &b, &c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        let s = grouped(
+            &[&a, &b, &c],
+            WINDOW,
+            |_| "s".into(),
+            |r| Some((8.0, r.loss())),
+        );
         assert_eq!(s.len(), 1);
         let (points, errors) = (&s[0].points, &s[0].errors);
         assert_eq!(points.len(), 2);
@@ -805,11 +938,50 @@ mod tests {
             "{errors:?}"
         );
         assert!(errors[1 - mean].is_nan());
-        let single = grouped(&[&c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        let single = grouped(&[&c], WINDOW, |_| "s".into(), |r| Some((8.0, r.loss())));
         assert!(single[0].errors.is_empty());
-        let again = grouped(&[&a, &b, &c], |_| "s".into(), |r| Some((8.0, r.loss())));
+        let again = grouped(
+            &[&a, &b, &c],
+            WINDOW,
+            |_| "s".into(),
+            |r| Some((8.0, r.loss())),
+        );
         let fig = usage_and_loss("t", "x", s, again);
         assert!(render(&fig).0 > 0);
+    }
+
+    #[test]
+    fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
+        let dir = fixture::sweep_dir("control-series");
+        let all = rows(&dir).unwrap();
+        let with = |label: &str, window: f64, loss: f64| {
+            let mut r = all[0].clone();
+            r.label = label.into();
+            r.window = window;
+            r.report.loss = loss;
+            r
+        };
+        let cells = [
+            with("attention.window=8 train.seed=1", 8.0, 1.0),
+            with("attention.window=16 train.seed=1", 16.0, 0.9),
+            with("train.router_init_bias=1.0 train.seed=1", 8.0, 2.0),
+        ];
+        let refs: Vec<&Row> = cells.iter().collect();
+        let s = grouped(
+            &refs,
+            WINDOW,
+            |_| "aha".into(),
+            |r| Some((r.window, r.loss())),
+        );
+        let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["aha", "aha router_init_bias=1.0"]);
+        assert_eq!(s[0].points, [(8.0, 1.0), (16.0, 0.9)]);
+        // A reference line spans the x range; the legend widens to the longest name.
+        let lines = with_reference(s, Some(0.5));
+        assert_eq!(lines[2].points, [(8.0, 0.5), (16.0, 0.5)]);
+        let fig = usage_and_loss("t", "x", vec![], lines);
+        let long = "full attention, trained as long".chars().count() as u32;
+        assert!(fig.size().0 >= 560 * 2 + 8 * long);
     }
 
     #[test]
