@@ -12,3 +12,9 @@ $B eval --run $BASE --out results/pretrained_base/probes --tasks $TASKS --set da
     --set eval.lengths=[1024,2048,4096,8192,16384] --set eval.samples=5 --set eval.depths=[0.25,0.75] \
     --set eval.haystack=text --set eval.chat=true --set eval.batch_size=8 --set eval.seq_len=2048 \
     --set eval.max_batches=25 --set train.dtype=bf16 > results/pretrained_base/probes.log
+# The project's corpus (corpora/python.toml, `make corpus`) and the base's loss on every
+# validation window of each of its sources.
+make corpus
+$B eval --run $BASE --out results/pretrained_base/corpus --set data.dir=data/python-smollm2 \
+    --set eval.max_batches=0 --set eval.batch_size=16 --set eval.seq_len=2048 --set train.dtype=bf16 \
+    > results/pretrained_base/corpus.log
