@@ -547,6 +547,7 @@ fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     for r in all
         .iter()
         .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train)
+        .filter(|r| first_replicate(r, all.iter()))
     {
         let Some(g) = r.gates() else { continue };
         let per_layer = &g.per_layer;
