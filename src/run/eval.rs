@@ -11,7 +11,8 @@ use super::report::{
     SourceLoss, Timing,
 };
 use crate::config::Config;
-use crate::data::{Split, DEP_NONE};
+use crate::data::shards::Batch;
+use crate::data::{synth, Split, DEP_NONE};
 use crate::model;
 use crate::model::attention::ForwardCtx;
 use crate::model::nn::token_nll;
@@ -170,7 +171,15 @@ struct GateAccum {
     on: Vec<f64>,
     tokens: u64,
     gaps: Vec<GapCounts>,
-    need: Option<(u64, u64, Vec<PrecisionRecall>, PrecisionRecall)>,
+    /// Positions, those needing the full path, per layer and pooled gate counts, and the
+    /// ASK rule's counts (`NeedReport`).
+    need: Option<(
+        u64,
+        u64,
+        Vec<PrecisionRecall>,
+        PrecisionRecall,
+        PrecisionRecall,
+    )>,
 }
 
 impl GateAccum {
@@ -188,13 +197,21 @@ impl GateAccum {
                     0,
                     vec![PrecisionRecall::default(); layers],
                     PrecisionRecall::default(),
+                    PrecisionRecall::default(),
                 )
             }),
         }
     }
 
-    /// `gates[l]`: `[B, T, H]` hard gates of layer l; `deps`: `[B * T]` dependency distances.
-    fn add(&mut self, gates: &[Vec<f32>], batch: usize, len: usize, deps: Option<&[u32]>) {
+    /// `gates[l]`: `[B, T, H]` hard gates of layer l; `deps`: `[B * T]` dependency distances
+    /// and `inputs` the `[B * T]` input tokens, where the data set records dependencies.
+    fn add(
+        &mut self,
+        gates: &[Vec<f32>],
+        batch: usize,
+        len: usize,
+        deps: Option<(&[u32], &[i64])>,
+    ) {
         let h = self.heads;
         self.tokens += (batch * len) as u64;
         let at = |l: usize, b: usize, t: usize, hd: usize| gates[l][(b * len + t) * h + hd] > 0.5;
@@ -210,7 +227,8 @@ impl GateAccum {
                 }
             }
         }
-        if let (Some((positions, needing, per_layer, all)), Some(deps)) = (self.need.as_mut(), deps)
+        if let (Some((positions, needing, per_layer, all, rule)), Some((deps, inputs))) =
+            (self.need.as_mut(), deps)
         {
             for b in 0..batch {
                 for t in 0..len {
@@ -221,6 +239,8 @@ impl GateAccum {
                     let need = d >= self.window;
                     *positions += 1;
                     *needing += need as u64;
+                    let after_ask = t > 0 && inputs[b * len + t - 1] == synth::ASK as i64;
+                    rule.add(after_ask, need);
                     for (l, pr) in per_layer.iter_mut().enumerate() {
                         for hd in 0..h {
                             pr.add(at(l, b, t, hd), need);
@@ -253,15 +273,24 @@ impl GateAccum {
             per_head,
             need: self
                 .need
-                .map(|(positions, needing, per_layer, all)| NeedReport {
+                .map(|(positions, needing, per_layer, all, rule)| NeedReport {
                     window: self.window,
                     positions,
                     needing,
                     per_layer: per_layer.into_iter().map(PrecisionRecall::finish).collect(),
                     all_gates: all.finish(),
+                    ask_rule: rule.finish(),
                 }),
         }
     }
+}
+
+/// A batch's dependency distances and its input tokens, both `[B * T]`, where the data set
+/// records dependencies (the synthetic corpus).
+fn deps_and_inputs(b: &Batch) -> Option<(Vec<u32>, Vec<i64>)> {
+    let deps = b.deps.clone()?;
+    let inputs = Vec::<i64>::try_from(b.x.flatten(0, 1)).expect("inputs to vec");
+    Some((deps, inputs))
 }
 
 /// Which bucket the prediction at in-sequence position `t` with dependency `dep` falls in.
@@ -356,7 +385,14 @@ pub(crate) fn evaluate(
                     .get_or_insert_with(|| {
                         GateAccum::new(layers, heads, cfg.attention.window, b.deps.is_some())
                     })
-                    .add(&per_layer, batch, seq_len, b.deps.as_deref());
+                    .add(
+                        &per_layer,
+                        batch,
+                        seq_len,
+                        deps_and_inputs(b)
+                            .as_ref()
+                            .map(|(d, x)| (d.as_slice(), x.as_slice())),
+                    );
             }
             if let Some(deps) = &b.deps {
                 let v = Vec::<f64>::try_from(nll.flatten(0, 1)).expect("nll to vec");
@@ -466,6 +502,28 @@ mod tests {
     /// (gap 7; censored at 1), and 3 (censored at 6). At 2, 5 observations are at risk (the
     /// spell censored at 1 has left) and 2 end: S = 0.6; at 7, 1 is at risk and it ends: S = 0.
     /// So the median and p90 are 7, while the mean of the complete gaps is 11/3.
+    /// The ASK rule by hand: inputs 5 ASK 7 9 ASK 8 3 4 with dependencies none, 1, 2, 1, none,
+    /// 1, 3, 1 at window 2. The rule opens after each ASK (positions 2 and 5); position 2 needs
+    /// the full path (2 >= 2), 5 does not (1), and 6 needs it but follows no ASK: precision
+    /// and recall 1/2. Chance is 2 needing of 6 counted positions.
+    #[test]
+    fn the_ask_rule_is_scored_against_need() {
+        let mut acc = GateAccum::new(1, 1, 2, true);
+        let n = DEP_NONE;
+        let deps = [n, 1, 2, 1, n, 1, 3, 1];
+        let ask = synth::ASK as i64;
+        let inputs = [5, ask, 7, 9, ask, 8, 3, 4];
+        acc.add(&[vec![0.0; 8]], 1, 8, Some((&deps, &inputs)));
+        let need = acc.finish().need.unwrap();
+        assert_eq!((need.positions, need.needing), (6, 2));
+        let r = need.ask_rule;
+        assert_eq!((r.true_pos, r.false_pos, r.false_neg), (1, 1, 1));
+        assert_eq!((r.precision, r.recall), (Some(0.5), Some(0.5)));
+        // Gates never open: no precision, recall 0.
+        assert_eq!(need.all_gates.precision, None);
+        assert_eq!(need.all_gates.recall, Some(0.0));
+    }
+
     #[test]
     fn gap_quantiles_count_censored_spells() {
         let mut g = GapCounts::default();

@@ -167,6 +167,12 @@ pub(crate) struct NeedReport {
     pub(crate) per_layer: Vec<PrecisionRecall>,
     /// Every (layer, position, head) gate is one decision.
     pub(crate) all_gates: PrecisionRecall,
+    /// The trivial rule a router could learn from one token back: open at the key that follows
+    /// an ASK marker (the only token whose prediction reaches a distant definition), at every
+    /// head; each position is one decision. The honest baseline of `all_gates`, beside chance
+    /// (`needing / positions`, gates opened at random).
+    #[serde(default)]
+    pub(crate) ask_rule: PrecisionRecall,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -273,6 +279,8 @@ pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Res
             for (name, v) in [
                 ("gate_precision", n.all_gates.precision),
                 ("gate_recall", n.all_gates.recall),
+                ("ask_rule_precision", n.ask_rule.precision),
+                ("ask_rule_recall", n.ask_rule.recall),
             ] {
                 if let Some(v) = v {
                     rows.push((name.into(), v));

@@ -318,6 +318,11 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
                     recall: Some(0.8),
                     ..Default::default()
                 },
+                ask_rule: PrecisionRecall {
+                    precision: Some(0.33),
+                    recall: Some(0.9),
+                    ..Default::default()
+                },
             }),
         });
         let pairs = s.density * 1e6;

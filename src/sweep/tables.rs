@@ -111,6 +111,11 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "censored_heads" => gates(|g| Some(g.censored_heads as f64)),
         "gate_precision" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.precision)),
         "gate_recall" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.recall)),
+        // The honest baselines of the two above: chance (gates opened at random) and the
+        // rule "open at the key after ASK" (`NeedReport::ask_rule`).
+        "chance_precision" => gates(|g| g.need.as_ref().map(|n| n.needing as f64 / n.positions.max(1) as f64)),
+        "ask_rule_precision" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.precision)),
+        "ask_rule_recall" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.recall)),
         "far_loss" => o(|r| r.far().map(|f| f.0)),
         "far_accuracy" => o(|r| r.far().and_then(|f| f.1)),
         "threshold" => prune(|p| p.threshold),
@@ -246,6 +251,9 @@ fn aha_tables() -> [TableSpec; 3] {
                 "pairs_vs_full",
                 "gate_precision",
                 "gate_recall",
+                "chance_precision",
+                "ask_rule_precision",
+                "ask_rule_recall",
                 "cell",
             ],
             sort: &["lambda", "window"],
