@@ -59,6 +59,17 @@ fn train(dir: &Path, data: &str, out: &str, extra: &[&str]) -> Output {
     ok(&args)
 }
 
+/// `attnsweep sweep --grid <grid> --out <out>`, which must succeed.
+fn sweep(grid: &Path, out: &Path) -> Output {
+    ok(&[
+        "sweep",
+        "--grid",
+        grid.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+}
+
 fn log_rows(path: &Path) -> Vec<Vec<String>> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -1750,13 +1761,7 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
     )
     .unwrap();
     let out = d.join("sweep");
-    ok(&[
-        "sweep",
-        "--grid",
-        grid.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    sweep(&grid, &out);
     let corpus = &json(&data.join("meta.json"))["corpus"];
     assert_eq!(corpus["files"], 4, "{corpus}");
     assert_eq!(corpus["documents"], 7, "{corpus}");
@@ -1831,13 +1836,7 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
     )
     .unwrap();
     let out = d.join("sweep");
-    ok(&[
-        "sweep",
-        "--grid",
-        grid.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    sweep(&grid, &out);
     ok(&["plot", "--sweep", out.to_str().unwrap()]);
     let summary = log_rows(&out.join("replicates.csv"));
     let loss: Vec<&Vec<String>> = summary.iter().filter(|r| r[1] == "loss").collect();
@@ -1960,13 +1959,7 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     )
     .unwrap();
     let out = d.join("sweep");
-    ok(&[
-        "sweep",
-        "--grid",
-        grid.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    sweep(&grid, &out);
     let aha = &cell_dirs(&out, "aha")[0];
     assert_eq!(
         std::fs::read_to_string(aha.join("init_from.txt")).unwrap(),
