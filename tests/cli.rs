@@ -1959,12 +1959,32 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     )
     .unwrap();
     let out = d.join("sweep");
-    sweep(&grid, &out);
+    ok(&[
+        "sweep",
+        "--grid",
+        grid.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--drop-optimizer",
+    ]);
     let aha = &cell_dirs(&out, "aha")[0];
     assert_eq!(
         std::fs::read_to_string(aha.join("init_from.txt")).unwrap(),
         pre.to_str().unwrap()
     );
+    // --drop-optimizer: the finished cell keeps its weights, not its optimizer state, and a
+    // resume says why it cannot go on.
+    let ckpts: Vec<PathBuf> = std::fs::read_dir(aha.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert!(!ckpts.is_empty());
+    for c in &ckpts {
+        assert!(c.join("model.safetensors").is_file() && !c.join("optim.safetensors").exists());
+    }
+    let err = fails(&["train", "--out", aha.to_str().unwrap(), "--resume"]);
+    assert!(err.contains("holds no optimizer state"), "{err}");
     let zs = &cell_dirs(&out, "zs")[0];
     for cell in [aha, zs] {
         let report = json(&cell.join("eval/eval.json"));

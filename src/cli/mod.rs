@@ -104,6 +104,11 @@ struct SweepCmd {
     /// Run cells that failed before again.
     #[arg(long)]
     retry_failed: bool,
+    /// Remove a train cell's optimizer state once the cell has finished. Its weights stay, for
+    /// evaluation and --init-from. A finished cell is never resumed, and its optimizer state
+    /// is twice the size of its weights: over a grid of many cells it fills a disk.
+    #[arg(long)]
+    drop_optimizer: bool,
     /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
     /// and submit.sh under <out>/slurm.
     #[arg(long, value_parser = ["slurm"])]
@@ -743,6 +748,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         devices: c.devices,
         cell: c.cell,
         retry_failed: c.retry_failed,
+        drop_optimizer: c.drop_optimizer,
         quiet: c.quiet,
         status_every: c.status_every,
     };

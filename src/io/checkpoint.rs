@@ -59,6 +59,26 @@ pub(crate) fn latest(run: &Path) -> Result<Option<PathBuf>> {
     }
 }
 
+/// The optimizer state's file in a checkpoint directory.
+pub(crate) const OPTIMIZER_FILE: &str = "optim.safetensors";
+
+/// Removes the optimizer state of every checkpoint of `run` (its weights and state stay), for
+/// a finished run that will not be resumed (`sweep --drop-optimizer`).
+pub(crate) fn drop_optimizer_state(run: &Path) -> Result<()> {
+    let root = checkpoints_dir(run);
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(());
+    };
+    for entry in entries {
+        let path = entry?.path().join(OPTIMIZER_FILE);
+        if path.is_file() {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Writes a checkpoint for `state.step` and keeps the newest `keep` of them.
 pub(crate) fn save(
     run: &Path,
@@ -78,9 +98,9 @@ pub(crate) fn save(
         Tensor::write_safetensors(model, tmp.join("model.safetensors"))?;
         fault::point("checkpoint_files");
         fault::write_error()?;
-        Tensor::write_safetensors(optim, tmp.join("optim.safetensors"))?;
+        Tensor::write_safetensors(optim, tmp.join(OPTIMIZER_FILE))?;
         std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(state)?)?;
-        for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+        for f in ["model.safetensors", OPTIMIZER_FILE, "state.json"] {
             std::fs::File::open(tmp.join(f))?.sync_all()?;
         }
         if final_dir.exists() {
@@ -368,7 +388,7 @@ mod tests {
         // it: the resumed run goes on from step 200 and saves step 300.
         let s400 = checkpoints_dir(&run).join("step_00000400");
         std::fs::create_dir_all(&s400).unwrap();
-        for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+        for f in ["model.safetensors", OPTIMIZER_FILE, "state.json"] {
             std::fs::copy(s200.join(f), s400.join(f)).unwrap();
         }
         let s300 = save_step(&run, 300, 1);

@@ -640,7 +640,16 @@ impl<'a> Trainer<'a> {
                 true,
                 Precision::Exact,
             )?;
-            opt.load_state(&ckpt.join("optim.safetensors"), state.step)?;
+            let optim = ckpt.join(checkpoint::OPTIMIZER_FILE);
+            ensure!(
+                optim.is_file(),
+                "{} holds no optimizer state (a sweep run with --drop-optimizer removes it once \
+                 the cell has finished), so the run cannot be resumed; continue from its weights \
+                 in a new run with --init-from {}",
+                ckpt.display(),
+                out.display()
+            );
+            opt.load_state(&optim, state.step)?;
         } else if let Some(src) = &prepared.init_from {
             init_from(&built, &params, src, args.quiet)?;
         }

@@ -4,6 +4,7 @@
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
 use crate::data::{self, corpus};
+use crate::io::checkpoint;
 use crate::run::report;
 use crate::util::atomic;
 use crate::util::fault;
@@ -66,6 +67,8 @@ pub(crate) struct SweepArgs {
     pub(crate) devices: Vec<usize>,
     pub(crate) cell: Option<usize>,
     pub(crate) retry_failed: bool,
+    /// Remove each finished train cell's optimizer state (`sweep --drop-optimizer`).
+    pub(crate) drop_optimizer: bool,
     pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
     pub(crate) status_every: u64,
@@ -436,6 +439,9 @@ fn run_cell(
                 error: None,
             },
         )?;
+        if args.drop_optimizer && cell.kind == StageKind::Train {
+            checkpoint::drop_optimizer_state(&dir)?;
+        }
         Ok(CellRun::Done)
     } else {
         let text = std::fs::read_to_string(dir.join("log.txt")).unwrap_or_default();
