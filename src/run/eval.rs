@@ -285,12 +285,11 @@ impl GateAccum {
     }
 }
 
-/// A batch's dependency distances and its input tokens, both `[B * T]`, where the data set
-/// records dependencies (the synthetic corpus).
-fn deps_and_inputs(b: &Batch) -> Option<(Vec<u32>, Vec<i64>)> {
-    let deps = b.deps.clone()?;
-    let inputs = Vec::<i64>::try_from(b.x.flatten(0, 1)).expect("inputs to vec");
-    Some((deps, inputs))
+/// A batch's input tokens `[B * T]` where the data set records dependencies (the synthetic
+/// corpus), which the ASK rule reads beside them.
+fn inputs_with_deps(b: &Batch) -> Option<Vec<i64>> {
+    b.deps.as_ref()?;
+    Some(Vec::<i64>::try_from(b.x.flatten(0, 1)).expect("inputs to vec"))
 }
 
 /// Which bucket the prediction at in-sequence position `t` with dependency `dep` falls in.
@@ -389,9 +388,7 @@ pub(crate) fn evaluate(
                         &per_layer,
                         batch,
                         seq_len,
-                        deps_and_inputs(b)
-                            .as_ref()
-                            .map(|(d, x)| (d.as_slice(), x.as_slice())),
+                        b.deps.as_deref().zip(inputs_with_deps(b).as_deref()),
                     );
             }
             if let Some(deps) = &b.deps {

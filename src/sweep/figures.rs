@@ -422,8 +422,9 @@ fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
 
 /// AHA Figs. 3/4: each learned AHA cell's layer x head usage, and every head sorted.
 fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
-    // Per trained setting (stage and settings but the seed): each replicate's heads sorted.
-    let mut sorted_by_setting: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
+    // Per trained cell: its heads sorted by usage, named by its setting (stage and settings
+    // but the seed), so a setting's curve is its replicates' mean at each rank.
+    let mut sorted_curves: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for r in aha {
         let Some(g) = r.gates() else { continue };
         let m = g.per_head.clone();
@@ -433,10 +434,12 @@ fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
         if r.kind == StageKind::Train {
             let mut all_heads: Vec<f64> = m.iter().flatten().copied().collect();
             all_heads.sort_by(|a, b| b.total_cmp(a));
-            sorted_by_setting
-                .entry(legend_of(&r.stage, &replicates::setting(&r.label)))
-                .or_default()
-                .push(all_heads);
+            let by_rank = all_heads
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| (i as f64 + 1.0, v))
+                .collect();
+            sorted_curves.push((legend_of(&r.stage, &replicates::setting(&r.label)), by_rank));
         }
         if first_replicate(r, aha.iter().copied()) {
             figs.push((
@@ -445,17 +448,7 @@ fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
             ));
         }
     }
-    // A setting's curve is the mean over its replicates of the usage at each rank.
-    let sorted_usage: Vec<Series> = sorted_by_setting
-        .into_iter()
-        .map(|(name, curves)| {
-            let heads = curves.iter().map(Vec::len).min().unwrap_or(0);
-            let mean = |i: usize| curves.iter().map(|c| c[i]).sum::<f64>() / curves.len() as f64;
-            let points = (0..heads).map(|i| (i as f64 + 1.0, mean(i))).collect();
-            series(name, points, true)
-        })
-        .collect();
-    let sorted_usage = sorted(sorted_usage);
+    let sorted_usage = replicate_means(sorted_curves);
     if !sorted_usage.is_empty() {
         figs.push((
             "head_usage_sorted".into(),

@@ -130,39 +130,32 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
 /// One column per corpus source any row was evaluated on (`loss_<source>`: the validation
 /// loss of a corpus held out per source).
 fn source_columns(rows: &[Row]) -> Vec<Column> {
-    let names: std::collections::BTreeSet<&String> = rows
-        .iter()
-        .flat_map(|r| r.report.by_source.iter().map(|s| &s.source))
-        .collect();
+    named_columns(rows, |r| {
+        r.report
+            .by_source
+            .iter()
+            .map(|s| (format!("loss_{}", s.source), s.loss))
+            .collect()
+    })
+}
+
+/// One column per name that `values` gives any row, empty where a row has no such value.
+fn named_columns(rows: &[Row], values: impl Fn(&Row) -> BTreeMap<String, f64>) -> Vec<Column> {
+    let per_row: Vec<BTreeMap<String, f64>> = rows.iter().map(values).collect();
+    let names: std::collections::BTreeSet<&String> =
+        per_row.iter().flat_map(|m| m.keys()).collect();
     names
         .into_iter()
         .map(|n| {
-            let v: Vec<Option<f64>> = rows
-                .iter()
-                .map(|r| {
-                    r.report
-                        .by_source
-                        .iter()
-                        .find(|s| &s.source == n)
-                        .map(|s| s.loss)
-                })
-                .collect();
-            Column::new(format!("loss_{n}").into(), v)
+            let v: Vec<Option<f64>> = per_row.iter().map(|m| m.get(n).copied()).collect();
+            Column::new(n.as_str().into(), v)
         })
         .collect()
 }
 
 /// One column per task metric any row has.
 fn task_columns(rows: &[Row]) -> Vec<Column> {
-    let names: std::collections::BTreeSet<&String> =
-        rows.iter().flat_map(|r| r.tasks.keys()).collect();
-    names
-        .into_iter()
-        .map(|n| {
-            let v: Vec<Option<f64>> = rows.iter().map(|r| r.tasks.get(n).copied()).collect();
-            Column::new(n.as_str().into(), v)
-        })
-        .collect()
+    named_columns(rows, |r| r.tasks.clone())
 }
 
 /// Every numeric metric of every cell as (cell, stage, method, label, metric, value).
