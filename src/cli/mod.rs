@@ -863,6 +863,14 @@ fn run_eval(c: EvalCmd) -> Result<()> {
                 src.source, src.tokens, src.loss
             );
         }
+        for p in &report.by_position {
+            println!(
+                "  {:>16}  {:>8} tokens  loss {:.4}",
+                format!("positions {}-{}", p.from, p.to - 1),
+                p.tokens,
+                p.loss
+            );
+        }
     }
     if with_tasks {
         let opts = RunOptions {

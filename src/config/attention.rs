@@ -306,6 +306,13 @@ impl AttentionConfig {
                 train.router_hold_steps
             );
         }
+        let penalised = matches!(a.method, Method::Aha | Method::L2a) && a.router == Router::Learned;
+        if train.lambda_ramp && !penalised {
+            bail!(
+                "train.lambda_ramp schedules the penalty of a learned router (methods \"aha\" and \
+                 \"l2a\"), which this run has none of; set it to false"
+            );
+        }
         check(
             "attention.swiattn_gamma_base",
             a.swiattn_gamma_base,

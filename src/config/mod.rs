@@ -376,6 +376,8 @@ mod tests {
             &["train.router_hold_steps=5"],
         );
         assert!(e.contains("learned router only"), "{e}");
+        let e = err_of("", &["train.lambda_ramp=true"]);
+        assert!(e.contains("train.lambda_ramp") && e.contains("set it to false"), "{e}");
     }
 
     /// A number too large for any setting is out of range, not "a string"; a setting that

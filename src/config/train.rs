@@ -80,6 +80,10 @@ pub struct TrainConfig {
     /// before the global module, started as a copy of attention reading other inputs, has
     /// become useful.
     pub router_hold_steps: usize,
+    /// The routers' penalty (`attention.lambda`) is off during warmup and then grows
+    /// linearly to its full weight at the last step, as the L2A authors' code schedules it
+    /// (the paper states no schedule). false (the default): the full weight from the start.
+    pub lambda_ramp: bool,
     /// The routers' learning rate over `lr` (parameters named `*.router.*`, at every step of
     /// the schedule). 1 (the default) is the papers' single rate. Routers are new parameters
     /// that a continuation of a few hundred steps at a fine-tuning rate (AHA's 3e-5) barely
@@ -118,6 +122,7 @@ impl Default for TrainConfig {
             eval_every: 0,
             freeze_mlp: false,
             router_hold_steps: 0,
+            lambda_ramp: false,
             router_lr_mult: 1.0,
             activation_checkpointing: Checkpointing::Auto,
             loss_chunk_tokens: 0,

@@ -8,7 +8,7 @@
 
 use super::report::{
     AttentionWork, Bucket, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
-    SourceLoss, Timing,
+    position_buckets, PositionLoss, SourceLoss, Timing,
 };
 use crate::config::Config;
 use crate::data::shards::Batch;
@@ -337,6 +337,9 @@ pub(crate) fn evaluate(
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
     // Per part of the split: summed loss and tokens.
     let mut by_part = vec![(0f64, 0u64); split.part_names().len()];
+    // Per position in the sequence: summed loss (every sequence has every position).
+    let mut by_pos = vec![0f64; seq_len];
+    let mut sequences = 0u64;
     // Per bucket: summed loss, tokens, tokens predicted exactly.
     let mut buckets: BTreeMap<(u32, String), (f64, u64, u64)> = Default::default();
     let mut counts = Tensor::zeros([cfg.model.vocab_size as i64], (Kind::Int64, device));
@@ -361,6 +364,10 @@ pub(crate) fn evaluate(
             count += nll.numel() as u64;
             by_part[*part].0 += batch_sum;
             by_part[*part].1 += nll.numel() as u64;
+            let pos = Vec::<f64>::try_from(nll.sum_dim_intlist(0, false, Kind::Double))
+                .expect("loss by position to vec");
+            by_pos.iter_mut().zip(pos).for_each(|(a, v)| *a += v);
+            sequences += nll.size()[0] as u64;
             counts +=
                 b.y.flatten(0, 1)
                     .bincount(None::<Tensor>, cfg.model.vocab_size as i64);
@@ -461,6 +468,15 @@ pub(crate) fn evaluate(
                 })
                 .collect(),
         },
+        by_position: position_buckets(seq_len)
+            .into_iter()
+            .map(|(from, to)| PositionLoss {
+                from,
+                to,
+                tokens: sequences * (to - from) as u64,
+                loss: by_pos[from..to].iter().sum::<f64>() / (sequences * (to - from) as u64) as f64,
+            })
+            .collect(),
     })
 }
 
@@ -622,6 +638,40 @@ mod tests {
         };
         assert!((loss(1) - loss(2)).abs() > 1e-7);
         assert_eq!(loss(2), loss(2), "evaluation repeats");
+    }
+
+    /// The loss by position is the mean, over the evaluated sequences, of the per-token loss
+    /// computed by hand at each position, bucketed 0..1024, 1024..2048, 2048..2500; its
+    /// token-weighted mean is the overall loss.
+    #[test]
+    fn loss_by_position_buckets_the_per_token_loss() {
+        assert_eq!(position_buckets(1024), vec![]);
+        assert_eq!(
+            position_buckets(5000),
+            vec![(0, 1024), (1024, 2048), (2048, 4096), (4096, 5000)]
+        );
+        let (mut c, split) = repeated_rows("eval-by-position", 2500, 2, Method::Full);
+        c.eval.max_batches = 2;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let report = evaluate(&b.model, &split, &c, "val", Device::Cpu, false).unwrap();
+        let mut by_hand = vec![0f64; 2500];
+        for (_, batch) in split.sequential(1, 2500, 2, Device::Cpu) {
+            let logits = b.model.forward(&batch.x, &ForwardCtx::default()).logits;
+            let lp = logits.to_kind(Kind::Double).log_softmax(-1, Kind::Double);
+            let nll = -lp.gather(-1, &batch.y.unsqueeze(-1), false).squeeze_dim(-1);
+            for (t, v) in Vec::<f64>::try_from(nll.flatten(0, 1)).unwrap().iter().enumerate() {
+                by_hand[t] += v / 2.0;
+            }
+        }
+        let spans: Vec<_> = report.by_position.iter().map(|p| (p.from, p.to, p.tokens)).collect();
+        assert_eq!(spans, vec![(0, 1024, 2048), (1024, 2048, 2048), (2048, 2500, 904)]);
+        for p in &report.by_position {
+            let want = by_hand[p.from..p.to].iter().sum::<f64>() / (p.to - p.from) as f64;
+            assert!((p.loss - want).abs() < 1e-4, "{}..{}: {} vs {want}", p.from, p.to, p.loss);
+        }
+        let mean = report.by_position.iter().map(|p| p.loss * p.tokens as f64).sum::<f64>()
+            / report.tokens as f64;
+        assert!((mean - report.loss).abs() < 1e-9);
     }
 
     /// mu_f counts a pruned L2A layer as all window in training's log and in evaluation

@@ -76,6 +76,41 @@ pub(crate) struct EvalReport {
     /// over its share of the evaluated batches; empty for a split of one part.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) by_source: Vec<SourceLoss>,
+    /// The loss by position in the sequence, in buckets that double in length after the
+    /// first 1,024 positions (`position_buckets`); empty for sequences of 1,024 or fewer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) by_position: Vec<PositionLoss>,
+}
+
+/// The validation loss of the predictions at positions `from..to` of each sequence.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub(crate) struct PositionLoss {
+    pub(crate) from: usize,
+    pub(crate) to: usize,
+    pub(crate) tokens: u64,
+    pub(crate) loss: f64,
+}
+
+/// The column of positions `from..to` in tables: `loss_pos_<from>_<to - 1>`.
+pub(crate) fn position_column(from: usize, to: usize) -> String {
+    format!("loss_pos_{from}_{}", to - 1)
+}
+
+/// Position buckets of a sequence of `seq_len` tokens: `0..1024`, then each twice as long as
+/// the one before, the last cut at `seq_len`; none for 1,024 tokens or fewer. A context
+/// extension is read off them: the buckets past the native length show whether the model
+/// uses what it now sees.
+pub(crate) fn position_buckets(seq_len: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    if seq_len <= 1024 {
+        return out;
+    }
+    let (mut from, mut to) = (0, 1024);
+    while from < seq_len {
+        out.push((from, to.min(seq_len)));
+        (from, to) = (to, to * 2);
+    }
+    out
 }
 
 /// The validation loss of one source of a corpus.
@@ -249,6 +284,9 @@ pub(crate) fn write_report(dir: &Path, report: &EvalReport, cfg: &Config) -> Res
     }
     for src in &report.by_source {
         rows.push((format!("loss_{}", src.source), src.loss));
+    }
+    for p in &report.by_position {
+        rows.push((position_column(p.from, p.to), p.loss));
     }
     if let Some(t) = &report.timing {
         rows.extend(

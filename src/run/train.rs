@@ -43,6 +43,20 @@ pub(crate) fn learning_rate(cfg: &TrainConfig, step: usize) -> f64 {
     min + 0.5 * (cfg.lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
+/// The share of `attention.lambda` the routers' penalty carries at `step` (0-based): all of it,
+/// or under `train.lambda_ramp` none during warmup, then `k / (steps - warmup)` at the k-th step
+/// after it, so the last step carries all of it.
+pub(crate) fn penalty_scale(cfg: &TrainConfig, step: usize) -> f64 {
+    if !cfg.lambda_ramp {
+        return 1.0;
+    }
+    if step < cfg.warmup_steps {
+        return 0.0;
+    }
+    let span = (cfg.steps - cfg.warmup_steps).max(1) as f64;
+    ((step + 1 - cfg.warmup_steps) as f64 / span).min(1.0)
+}
+
 /// Whether parameter `name` is a router's (`train.router_lr_mult` scales its rate).
 pub(crate) fn is_router(name: &str) -> bool {
     name.contains(".router.")
@@ -761,6 +775,7 @@ impl<'a> Trainer<'a> {
         // A forced global step (L2A's anti-collapse draw): once per optimizer step, from the
         // gate generator.
         self.ctx.force_global = self.p_force > 0.0 && self.gate_rng.uniform() < self.p_force;
+        self.ctx.penalty_scale = Some(penalty_scale(t, self.state.step));
         // While held, every gate is open and the router gets no gradient (so AdamW leaves it
         // and its moments untouched).
         let held = self.state.step < t.router_hold_steps;
@@ -997,6 +1012,22 @@ mod tests {
     use tch::Device;
 
     /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the
+    /// The ramp: nothing during warmup, then 1/(steps - warmup) more each step, all of it at
+    /// the last step; without the ramp always all of it.
+    #[test]
+    fn the_penalty_ramps_after_warmup() {
+        let mut t = TrainConfig {
+            steps: 10,
+            warmup_steps: 2,
+            ..TrainConfig::default()
+        };
+        assert!((0..10).all(|s| penalty_scale(&t, s) == 1.0));
+        t.lambda_ramp = true;
+        let got: Vec<f64> = (0..10).map(|s| penalty_scale(&t, s)).collect();
+        let want = [0.0, 0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0];
+        assert_eq!(got, want);
+    }
+
     /// embedding and the head.
     #[test]
     fn freeze_mlp_trains_attention_routers_and_norms_only() {

@@ -376,6 +376,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
                 decode_cache_bytes: 1000.0,
             }),
             by_source: Vec::new(),
+            by_position: Vec::new(),
         };
         let file = EvalFile {
             report,

@@ -87,6 +87,10 @@ pub(crate) struct Stage {
     /// cell's evaluation measured, so random gates open as often as its learned ones.
     #[serde(default)]
     pub(crate) match_usage: bool,
+    /// train: replicate over the first N of the grid's `seeds` only (a control that no
+    /// verdict's difference rests on); the grid's count when absent.
+    #[serde(default)]
+    pub(crate) seeds: Option<usize>,
 }
 
 fn one() -> usize {
@@ -215,7 +219,7 @@ fn assignments(stage: &Stage, seeds: &[i64]) -> Result<Vec<BTreeMap<String, toml
     for inc in &stage.include {
         product.push(inc.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
     }
-    if seeds.len() > 1 {
+    if !seeds.is_empty() {
         let varied = stage.set.contains_key(SEED_KEY)
             || stage.axes.contains_key(SEED_KEY)
             || stage.zip.contains_key(SEED_KEY)
@@ -306,8 +310,20 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             let of = source.as_deref().expect("prune stages have `of`");
             check_prune(stage, of, &cells, &what)?;
         }
+        let seeds = match stage.seeds {
+            None => &seeds[..],
+            Some(n) => {
+                ensure!(
+                    stage.kind == StageKind::Train && (1..=grid.seeds).contains(&n),
+                    "{what}: seeds = {n} must be a train stage's and within the grid's seeds = {} \
+                     (its cells replicate over the first {n} of them)",
+                    grid.seeds
+                );
+                &seeds[..n.min(seeds.len())]
+            }
+        };
         let first = cells.len();
-        for plan in plans(stage, &seeds, source.as_deref(), &cells, &what)? {
+        for plan in plans(stage, seeds, source.as_deref(), &cells, &what)? {
             let cell = new_cell(
                 grid,
                 stage,
@@ -809,6 +825,17 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
             expand(&grid(&text("\nzip = { \"train.seed\" = [1] }"))).unwrap_err()
         );
         assert!(e.contains("do not also set it"), "{e}");
+        // A control stage replicates over the first of the seeds only, and what continues
+        // from it finds its seed's cell.
+        let cells = expand(&grid(&text("\nseeds = 1"))).unwrap();
+        let aha: Vec<_> = cells.iter().filter(|c| c.stage == "aha").collect();
+        assert_eq!(aha.len(), 2);
+        assert!(aha.iter().all(|c| c.config.train.seed == 5 && c.label.contains("train.seed=5")));
+        assert_eq!(cells.iter().filter(|c| c.stage == "ev").count(), 2);
+        for bad in ["\nseeds = 4", "\nseeds = 0"] {
+            let e = format!("{:#}", expand(&grid(&text(bad))).unwrap_err());
+            assert!(e.contains("within the grid's seeds = 3"), "{e}");
+        }
     }
 
     #[test]

@@ -124,6 +124,7 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
         "loss_before" => prune(|p| p.loss_before),
     )?
     .hstack(&source_columns(rows))?
+    .hstack(&position_columns(rows))?
     .hstack(&task_columns(rows))?)
 }
 
@@ -137,6 +138,28 @@ fn source_columns(rows: &[Row]) -> Vec<Column> {
             .map(|s| (format!("loss_{}", s.source), s.loss))
             .collect()
     })
+}
+
+/// One column per position bucket any row was evaluated with (`loss_pos_<from>_<to>`), in
+/// the order of the positions.
+fn position_columns(rows: &[Row]) -> Vec<Column> {
+    let spans: std::collections::BTreeSet<(usize, usize)> = rows
+        .iter()
+        .flat_map(|r| r.report.by_position.iter().map(|p| (p.from, p.to)))
+        .collect();
+    spans
+        .into_iter()
+        .map(|(from, to)| {
+            let v: Vec<Option<f64>> = rows
+                .iter()
+                .map(|r| {
+                    let p = r.report.by_position.iter().find(|p| (p.from, p.to) == (from, to));
+                    p.map(|p| p.loss)
+                })
+                .collect();
+            Column::new(crate::run::report::position_column(from, to).into(), v)
+        })
+        .collect()
 }
 
 /// One column per name that `values` gives any row, empty where a row has no such value.

@@ -10,6 +10,9 @@ pub struct ForwardCtx {
     /// L2A: run global attention for every token this step (p_force).
     pub(crate) force_global: bool,
     pub(crate) gate_override: Option<GateOverride>,
+    /// The share of each router penalty's `attention.lambda` this step (`train.lambda_ramp`);
+    /// None carries all of it.
+    pub(crate) penalty_scale: Option<f64>,
     /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
     /// head), so a token's gate does not depend on how the sequence is cut into chunks.
     pub(crate) gate_seed: u64,
@@ -20,6 +23,13 @@ pub struct ForwardCtx {
     /// and after it, and its seconds added here: the attention layers' share of a forward.
     /// The synchronisation slows the forward, so a forward's own time is taken without it.
     pub(crate) attention_seconds: std::cell::Cell<Option<f64>>,
+}
+
+impl ForwardCtx {
+    /// The share of `attention.lambda` the routers' penalty carries in this forward.
+    pub(crate) fn penalty_scale(&self) -> f64 {
+        self.penalty_scale.unwrap_or(1.0)
+    }
 }
 
 /// Replaces the gates a layer would compute, for analysis and tests.

@@ -120,10 +120,10 @@ impl GateSource {
         }
     }
 
-    /// A learned router's penalty weight (AHA's L1, L2A's squared penalty).
-    pub(super) fn lambda(&self) -> Option<f64> {
+    /// A learned router's penalty weight (AHA's L1, L2A's squared penalty) in this forward.
+    pub(super) fn lambda(&self, ctx: &ForwardCtx) -> Option<f64> {
         match self {
-            GateSource::Learned { lambda, .. } => Some(*lambda),
+            GateSource::Learned { lambda, .. } => Some(*lambda * ctx.penalty_scale()),
             _ => None,
         }
     }

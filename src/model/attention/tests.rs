@@ -463,6 +463,18 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
         .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
         .double_value(&[]);
     assert!((got - want).abs() < 1e-6, "L2A reg {got} vs {want}");
+    // Under train.lambda_ramp the step's share scales the penalty and nothing else.
+    let ramped = ForwardCtx {
+        penalty_scale: Some(0.25),
+        ..ForwardCtx::default()
+    };
+    let out = b.model.layers[0].self_attn.forward(&x, &rope, &masks, &ramped);
+    let got = out
+        .reg
+        .unwrap()
+        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
+        .double_value(&[]);
+    assert!((got - 0.25 * want).abs() < 1e-6, "ramped L2A reg {got} vs {}", 0.25 * want);
 }
 
 #[test]

@@ -104,7 +104,7 @@ impl PerHead {
         {
             let input = router_input(norm, x);
             return self.per_head_fused(
-                layer, kern, &input, q, k, v, router, *tau, *lambda, start, ctx,
+                layer, kern, &input, q, k, v, router, *tau, *lambda * ctx.penalty_scale(), start, ctx,
             );
         }
         let g = gates.gates(layer.layer, x, [b, l, h], start, ctx);
@@ -133,7 +133,7 @@ impl PerHead {
         AttnOutput {
             y: layer.proj.out(&y, layer.kernels),
             pairs: routed_pairs(&g.hard, layer.window, start),
-            reg: gates.lambda().map(|lambda| {
+            reg: gates.lambda(ctx).map(|lambda| {
                 Regulariser::Term(g.scores.as_ref().expect("scored").mean(Kind::Float) * lambda)
             }),
             gates: Some(g.hard),

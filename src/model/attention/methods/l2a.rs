@@ -127,7 +127,7 @@ impl Global {
         AttnOutput {
             y,
             pairs: global_pairs + local_pairs,
-            reg: gates.lambda().map(|lambda| {
+            reg: gates.lambda(ctx).map(|lambda| {
                 Regulariser::Term(
                     g.scores
                         .as_ref()
