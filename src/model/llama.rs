@@ -314,12 +314,14 @@ impl Llama {
     ) -> (Tensor, AttnOutput) {
         let layer = &self.layers[i];
         let device = h.device();
+        // Pre-norm: the layer reads the normalised stream and is handed the stream itself.
+        let residual = layer.input_layernorm.is_some().then_some(h);
         let attend = |x: &Tensor| match ctx.attention_seconds.get() {
-            None => layer.self_attn.forward(x, rope, keys, ctx),
+            None => layer.self_attn.forward(x, residual, rope, keys, ctx),
             Some(spent) => {
                 sync(device);
                 let start = std::time::Instant::now();
-                let out = layer.self_attn.forward(x, rope, keys, ctx);
+                let out = layer.self_attn.forward(x, residual, rope, keys, ctx);
                 sync(device);
                 ctx.attention_seconds
                     .set(Some(spent + start.elapsed().as_secs_f64()));

@@ -171,6 +171,9 @@ pub(crate) fn projection_params(m: &ModelConfig) -> f64 {
 #[derive(Clone, Copy)]
 pub(super) struct Chunk<'a, 'k> {
     pub(crate) x: &'a Tensor,
+    /// The residual stream the block adds this layer's output to: `x` before the block's
+    /// input norm in a pre-norm model, `x` itself in a post-norm one.
+    pub(crate) residual: &'a Tensor,
     pub(crate) q: &'a Tensor,
     pub(crate) k: &'a Tensor,
     pub(crate) v: &'a Tensor,
@@ -188,8 +191,8 @@ pub(super) trait Route {
     /// the base attention takes `per_position` bytes and a value `elt`.
     fn kv_cache_bytes(&self, layer: &Base, len: usize, per_position: f64, elt: usize) -> f64;
 
-    /// Parameters the method adds that start as copies of the base attention's, as `(new,
-    /// base)` names below the layer's `self_attn.`.
+    /// Parameters the method adds that start as copies of base parameters, as `(new, base)`
+    /// names below the layer's `model.layers.N.`.
     fn derived_params(&self) -> Vec<(String, String)> {
         Vec::new()
     }

@@ -15,7 +15,6 @@ use tch::{nn, Tensor};
 pub(crate) struct SelfAttention {
     base: Base,
     route: Box<dyn Route>,
-    prefix: String,
 }
 
 impl SelfAttention {
@@ -49,14 +48,13 @@ impl SelfAttention {
                 kernels,
             },
             route,
-            prefix: format!("model.layers.{layer}.self_attn"),
         }
     }
 
     /// Parameters a method adds that start as copies of base parameters, `(new, base)`:
     /// L2A's global module and SwiAttn's window-branch output projection.
     pub(crate) fn derived_params(&self) -> Vec<(String, String)> {
-        let p = &self.prefix;
+        let p = format!("model.layers.{}", self.base.layer);
         self.route
             .derived_params()
             .into_iter()
@@ -72,10 +70,13 @@ impl SelfAttention {
     }
 
     /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
-    /// `keys.start() ..`; `rope` covers those positions. The method's file computes the rest.
+    /// `keys.start() ..`; `residual` the stream the block adds the output to, where that is
+    /// not `x` (a pre-norm model's input before its norm); `rope` covers those positions.
+    /// The method's file computes the rest.
     pub(crate) fn forward(
         &self,
         x: &Tensor,
+        residual: Option<&Tensor>,
         rope: &Rope,
         keys: &Keys,
         ctx: &ForwardCtx,
@@ -86,6 +87,7 @@ impl SelfAttention {
         let (k, v) = keys.extend(0, k, v);
         let chunk = Chunk {
             x,
+            residual: residual.unwrap_or(x),
             q: &q,
             k: &k,
             v: &v,

@@ -378,6 +378,14 @@ fn l2a_zero_router_starts_all_global_and_global_module_copies_base() {
         assert!(p[&format!("model.layers.1.self_attn.global_attn.{n}")]
             .equal(&p[&format!("model.layers.1.self_attn.{n}")]));
     }
+    // Its norm starts as the block's input norm (here after the base's gain changed).
+    tch::no_grad(|| {
+        let g = &p["model.layers.1.input_layernorm.weight"];
+        g.shallow_clone().copy_(&g.rand_like());
+    });
+    b.copy_derived(|_| true);
+    assert!(p["model.layers.1.self_attn.global_attn.norm.weight"]
+        .equal(&p["model.layers.1.input_layernorm.weight"]));
     assert!(
         p["model.layers.0.self_attn.router.weight"]
             .abs()
@@ -416,7 +424,7 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     let b = Built::new(&cfg, Device::Cpu).unwrap();
     randomise_routers(&b, 0.5);
     let layer = &b.model.layers[0].self_attn;
-    let out = layer.forward(&x, &rope, &masks, &ForwardCtx::default());
+    let out = layer.forward(&x, None, &rope, &masks, &ForwardCtx::default());
     let p = b.params();
     let (w, bias) = (
         vec64(&p["model.layers.0.self_attn.router.weight"]),
@@ -437,23 +445,36 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
         .double_value(&[]);
     assert!((got - want).abs() < 1e-6, "AHA reg {got} vs {want}");
 
-    // L2A: lambda * mean over tokens of d_hat^2, d_hat = sigmoid(W s), s the window output.
+    // L2A: lambda * mean over tokens of d_hat^2, d_hat = sigmoid(W u), u = RMSNorm_g(x + s)
+    // with s the window output (x is the stream here: no residual handed over).
     let cfg = routed_cfg(Method::L2a, |c| c.attention.lambda = 0.5);
     let b = Built::new(&cfg, Device::Cpu).unwrap();
     randomise_routers(&b, 0.5);
+    tch::no_grad(|| {
+        let gain = &b.params()["model.layers.0.self_attn.global_attn.norm.weight"];
+        gain.shallow_clone().copy_(&(gain.rand_like() + 0.5));
+    });
     let out = b.model.layers[0]
         .self_attn
-        .forward(&x, &rope, &masks, &ForwardCtx::default());
+        .forward(&x, None, &rope, &masks, &ForwardCtx::default());
     let swa = static_twin(&b, &cfg, Method::Swa);
     let s = vec64(
         &swa.model.layers[0]
             .self_attn
-            .forward(&x, &rope, &masks, &ForwardCtx::default())
+            .forward(&x, None, &rope, &masks, &ForwardCtx::default())
             .y,
     );
     let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
+    let gain = vec64(&b.params()["model.layers.0.self_attn.global_attn.norm.weight"]);
+    let xs = vec64(&x);
+    let eps = cfg.model.rms_norm_eps;
     let want: f64 = (0..5)
-        .map(|t| sigmoid_dot(&s[t * 16..t * 16 + 16], &w, 0.0).powi(2))
+        .map(|t| {
+            let h: Vec<f64> = (0..16).map(|c| xs[t * 16 + c] + s[t * 16 + c]).collect();
+            let rms = (h.iter().map(|v| v * v).sum::<f64>() / 16.0 + eps).sqrt();
+            let u: Vec<f64> = h.iter().zip(&gain).map(|(v, g)| v / rms * g).collect();
+            sigmoid_dot(&u, &w, 0.0).powi(2)
+        })
         .sum::<f64>()
         * 0.5
         / 5.0;
@@ -463,12 +484,21 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
         .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
         .double_value(&[]);
     assert!((got - want).abs() < 1e-6, "L2A reg {got} vs {want}");
+    // The router reads the stream the block hands over, not the layer's normalised input.
+    let other = b.model.layers[0]
+        .self_attn
+        .forward(&x, Some(&(&x * 3.0 + 1.0)), &rope, &masks, &ForwardCtx::default())
+        .reg
+        .unwrap()
+        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
+        .double_value(&[]);
+    assert!((other - want).abs() > 1e-4, "the residual is read: {other} vs {want}");
     // Under train.lambda_ramp the step's share scales the penalty and nothing else.
     let ramped = ForwardCtx {
         penalty_scale: Some(0.25),
         ..ForwardCtx::default()
     };
-    let out = b.model.layers[0].self_attn.forward(&x, &rope, &masks, &ramped);
+    let out = b.model.layers[0].self_attn.forward(&x, None, &rope, &masks, &ramped);
     let got = out
         .reg
         .unwrap()
@@ -548,7 +578,7 @@ fn layer_disagreement_is_the_branches_difference(cfg: &Config, scale: f64) {
     let masks = Keys::Chunk(&masks);
     let out = b.model.layers[0]
         .self_attn
-        .forward(&x, &rope, &masks, &ForwardCtx::default());
+        .forward(&x, None, &rope, &masks, &ForwardCtx::default());
     let Some(reg) = out.reg else {
         panic!("SwiAttn has a regulariser")
     };
@@ -558,7 +588,7 @@ fn layer_disagreement_is_the_branches_difference(cfg: &Config, scale: f64) {
     let y = |m: Method| {
         static_twin(&b, cfg, m).model.layers[0]
             .self_attn
-            .forward(&x, &rope, &masks, &ForwardCtx::default())
+            .forward(&x, None, &rope, &masks, &ForwardCtx::default())
             .y
     };
     let d = (y(Method::Full) - y(Method::Swa))
@@ -804,7 +834,7 @@ fn post_norm_routers_read_a_normalised_hidden_state() {
         let scores = |x: &Tensor| {
             b.model.layers[0]
                 .self_attn
-                .forward(x, &rope, &Keys::Chunk(&masks), &ForwardCtx::default())
+                .forward(x, None, &rope, &Keys::Chunk(&masks), &ForwardCtx::default())
                 .scores
                 .unwrap()
         };

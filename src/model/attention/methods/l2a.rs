@@ -1,13 +1,17 @@
-//! L2A, Learning to Attend: every layer first attends its window, `s_t = LocalAttn(x_t)`; a
-//! router `d_hat_t = sigmoid(W s_t)` (W zero at the start, so every token is global) decides
-//! per token whether a second, global attention module (its own Q, K, V, O, starting as
-//! copies of the base attention) reads the local outputs `s` of every earlier token:
-//! `o_t = s_t + d_t * a_t` with the straight-through `d`. The loss adds
+//! L2A, Learning to Attend: every layer first attends its window, `s_t = LocalAttn(x_t)`,
+//! which the block adds to its stream `h_t`. On that post-window stream, normalised by the
+//! layer's own RMSNorm (`u_t = RMSNorm_g(h_t + s_t)`, its gain copied from the block's input
+//! norm), a router `d_hat_t = sigmoid(W u_t)` (W zero at the start, so every token is global)
+//! decides per token whether a second, global attention module (its own Q, K, V, O, starting
+//! as copies of the base attention) attends the `u` of every earlier token: the layer adds
+//! `s_t + d_t * a_t` to the stream, with the straight-through `d`. This is the authors' code
+//! (`h + s` is the paper's `s_t`, the stream after the window): a pretrained layer's
+//! projections read normalised hidden states, not a bare attention output. The loss adds
 //! `lambda * mean(d_hat^2)`. With probability `p_force` a training step runs the global module
 //! for every token, so the router gets a gradient on tokens it masked. Pruned layers keep only
 //! the window (`attention.pruned_layers`, `attnsweep prune`).
 
-use crate::config::{AttentionConfig, Method, Router};
+use crate::config::{AttentionConfig, Method, NormPlacement, Router};
 use crate::model::attention::base::{
     no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant,
     Build, Chunk, Exec, Gates, MethodSpec, Projections, Regulariser, Route,
@@ -16,23 +20,32 @@ use crate::model::attention::ctx::ForwardCtx;
 use crate::model::attention::gates::GateSource;
 use crate::model::attention::patterns::KeyPattern;
 use crate::model::attention::shared::{full_rows, Static};
+use crate::model::nn::RmsNorm;
 use tch::{Kind, Tensor};
 
 /// L2A's layer: the window, and the global module for routed tokens.
 struct Global {
     gates: GateSource,
+    /// `RMSNorm_g`: what the router and the global module read is the stream after the window.
+    norm: RmsNorm,
     global: Projections,
+    /// A pre-norm block's input norm exists to copy the gain from.
+    pre_norm: bool,
 }
 
-/// The router is `W s` with no bias, zero at the start (d_hat = 0.5: every token global); a
+/// The router is `W u` with no bias, zero at the start (d_hat = 0.5: every token global); a
 /// pruned layer keeps only its window.
 fn build(b: &Build) -> Box<dyn Route> {
     if b.a.pruned_layers.contains(&b.layer) {
         return Box::new(Static(KeyPattern::Window(b.a.window)));
     }
+    let p = b.p / "global_attn";
     Box::new(Global {
         gates: b.gates(1, None, true, false),
-        global: Projections::new(&(b.p / "global_attn"), b.m, b.kernels),
+        norm: RmsNorm::new(&p / "norm", b.m.hidden_size as i64, b.m.rms_norm_eps)
+            .with_kernels(b.kernels),
+        global: Projections::new(&p, b.m, b.kernels),
+        pre_norm: b.m.norm_placement == NormPlacement::Pre,
     })
 }
 
@@ -47,7 +60,8 @@ impl Route for Global {
             + len as f64 * self.global.kv_bytes_per_position(elt)
     }
 
-    /// The global module starts as a copy of the base attention.
+    /// The global module starts as a copy of the base attention, its norm as a copy of the
+    /// block's input norm (a post-norm block has none: the norm starts at gain 1).
     fn derived_params(&self) -> Vec<(String, String)> {
         let mut names: Vec<&str> = vec![
             "q_proj.weight",
@@ -61,10 +75,22 @@ impl Route for Global {
         if self.global.q_proj.bias.is_some() {
             names.extend(["q_proj.bias", "k_proj.bias", "v_proj.bias"]);
         }
-        names
+        let mut derived: Vec<(String, String)> = names
             .into_iter()
-            .map(|n| (format!("global_attn.{n}"), n.to_string()))
-            .collect()
+            .map(|n| {
+                (
+                    format!("self_attn.global_attn.{n}"),
+                    format!("self_attn.{n}"),
+                )
+            })
+            .collect();
+        if self.pre_norm {
+            derived.push((
+                "self_attn.global_attn.norm.weight".into(),
+                "input_layernorm.weight".into(),
+            ));
+        }
+        derived
     }
 
     /// The local module's; the global module's keys (slot 1) are all kept.
@@ -79,6 +105,7 @@ impl Global {
         let (gates, global) = (&self.gates, &self.global);
         let Chunk {
             x,
+            residual,
             q,
             k,
             v,
@@ -92,9 +119,10 @@ impl Global {
         let s = layer
             .proj
             .out(&layer.attend_all(q, k, v, window, keys, 0), layer.kernels);
-        let g = gates.gates(layer.layer, &s, [b, l, 1], start, ctx);
-        let (qg, kg, vg) = global.qkv(&s, rope, layer.kernels);
-        // Every token's s is a key of the global module, routed or not.
+        let u = self.norm.forward(&(residual + &s));
+        let g = gates.gates(layer.layer, &u, [b, l, 1], start, ctx);
+        let (qg, kg, vg) = global.qkv(&u, rope, layer.kernels);
+        // Every token's u is a key of the global module, routed or not.
         let (kg, vg) = keys.extend(1, kg, vg);
         // Global attention runs only for routed tokens (all of them when forced), so an
         // unrouted token's a_t is zero and sends the router no language-model gradient.
@@ -150,8 +178,8 @@ pub(super) const L2A: MethodSpec = MethodSpec {
     windowed: true,
     dense_mask: true,
     build,
-    // The global module: a second set of the base projections.
-    extra_params: |m, _| projection_params(m),
+    // The global module: a second set of the base projections, and its input norm.
+    extra_params: |m, _| projection_params(m) + m.hidden_size as f64,
     fixed_heads: no_fixed_heads,
     // The anti-collapse draw: a learned router's training step runs the global module for
     // every token with probability p_force.

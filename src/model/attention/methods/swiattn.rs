@@ -64,7 +64,10 @@ impl Route for Switch {
     /// The window branch's own output projection starts as a copy of the base one.
     fn derived_params(&self) -> Vec<(String, String)> {
         match self.swa_o_proj {
-            Some(_) => vec![("swa_o_proj.weight".into(), "o_proj.weight".into())],
+            Some(_) => vec![(
+                "self_attn.swa_o_proj.weight".into(),
+                "self_attn.o_proj.weight".into(),
+            )],
             None => Vec::new(),
         }
     }
