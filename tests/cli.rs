@@ -1686,6 +1686,34 @@ fn every_committed_grid_dry_runs() {
     }
 }
 
+/// A reader that stops reading (`attnsweep ... | head`) ends the command quietly, as a Unix
+/// tool ends on SIGPIPE, with no report of an internal error.
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    let grid = Path::new(env!("CARGO_MANIFEST_DIR")).join("sweeps/gpu/l2a_pretrained.toml");
+    let out = scratch("closed-pipe").join("out");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = bin()
+        .args([
+            "sweep",
+            "--grid",
+            grid.to_str().unwrap(),
+            "--dry-run",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(141), "{err}");
+    assert!(
+        !err.contains("internal error") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
 /// The reproduction path on the CPU in miniature: a directory of plain text, gzip JSON Lines,
 /// Parquet, xz text and one binary file becomes a corpus through a grid's [corpus]; the grid
 /// trains a base, evaluates it windowed and continues it windowed; the tables and figures follow.

@@ -15,6 +15,11 @@ pub(super) fn keep_first() {
             .cloned()
             .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_default();
+        // A reader that stopped reading (`attnsweep ... | head`): the command ends as a
+        // Unix tool ends on SIGPIPE, quietly, instead of reporting a failure of its own.
+        if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
         let at = info
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))

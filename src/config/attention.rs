@@ -306,7 +306,8 @@ impl AttentionConfig {
                 train.router_hold_steps
             );
         }
-        let penalised = matches!(a.method, Method::Aha | Method::L2a) && a.router == Router::Learned;
+        let penalised =
+            matches!(a.method, Method::Aha | Method::L2a) && a.router == Router::Learned;
         if train.lambda_ramp && !penalised {
             bail!(
                 "train.lambda_ramp schedules the penalty of a learned router (methods \"aha\" and \

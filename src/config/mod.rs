@@ -377,7 +377,10 @@ mod tests {
         );
         assert!(e.contains("learned router only"), "{e}");
         let e = err_of("", &["train.lambda_ramp=true"]);
-        assert!(e.contains("train.lambda_ramp") && e.contains("set it to false"), "{e}");
+        assert!(
+            e.contains("train.lambda_ramp") && e.contains("set it to false"),
+            "{e}"
+        );
     }
 
     /// A number too large for any setting is out of range, not "a string"; a setting that

@@ -7,8 +7,8 @@
 //! `report.rs`.
 
 use super::report::{
-    AttentionWork, Bucket, EvalReport, GapStats, GateReport, NeedReport, PrecisionRecall,
-    position_buckets, PositionLoss, SourceLoss, Timing,
+    position_buckets, AttentionWork, Bucket, EvalReport, GapStats, GateReport, NeedReport,
+    PositionLoss, PrecisionRecall, SourceLoss, Timing,
 };
 use crate::config::Config;
 use crate::data::shards::Batch;
@@ -474,7 +474,8 @@ pub(crate) fn evaluate(
                 from,
                 to,
                 tokens: sequences * (to - from) as u64,
-                loss: by_pos[from..to].iter().sum::<f64>() / (sequences * (to - from) as u64) as f64,
+                loss: by_pos[from..to].iter().sum::<f64>()
+                    / (sequences * (to - from) as u64) as f64,
             })
             .collect(),
     })
@@ -659,17 +660,38 @@ mod tests {
             let logits = b.model.forward(&batch.x, &ForwardCtx::default()).logits;
             let lp = logits.to_kind(Kind::Double).log_softmax(-1, Kind::Double);
             let nll = -lp.gather(-1, &batch.y.unsqueeze(-1), false).squeeze_dim(-1);
-            for (t, v) in Vec::<f64>::try_from(nll.flatten(0, 1)).unwrap().iter().enumerate() {
+            for (t, v) in Vec::<f64>::try_from(nll.flatten(0, 1))
+                .unwrap()
+                .iter()
+                .enumerate()
+            {
                 by_hand[t] += v / 2.0;
             }
         }
-        let spans: Vec<_> = report.by_position.iter().map(|p| (p.from, p.to, p.tokens)).collect();
-        assert_eq!(spans, vec![(0, 1024, 2048), (1024, 2048, 2048), (2048, 2500, 904)]);
+        let spans: Vec<_> = report
+            .by_position
+            .iter()
+            .map(|p| (p.from, p.to, p.tokens))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![(0, 1024, 2048), (1024, 2048, 2048), (2048, 2500, 904)]
+        );
         for p in &report.by_position {
             let want = by_hand[p.from..p.to].iter().sum::<f64>() / (p.to - p.from) as f64;
-            assert!((p.loss - want).abs() < 1e-4, "{}..{}: {} vs {want}", p.from, p.to, p.loss);
+            assert!(
+                (p.loss - want).abs() < 1e-4,
+                "{}..{}: {} vs {want}",
+                p.from,
+                p.to,
+                p.loss
+            );
         }
-        let mean = report.by_position.iter().map(|p| p.loss * p.tokens as f64).sum::<f64>()
+        let mean = report
+            .by_position
+            .iter()
+            .map(|p| p.loss * p.tokens as f64)
+            .sum::<f64>()
             / report.tokens as f64;
         assert!((mean - report.loss).abs() < 1e-9);
     }

@@ -340,7 +340,7 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     loss_curves(sweep, &train, &mut figs);
     router_curves(sweep, &train, &mut figs);
     bucket_loss(&all, &mut figs);
-    ppa_s_curve(&train, &mut figs);
+    ppa_s_curve(&all, &train, &mut figs);
     cell_files(sweep, &all, &mut figs)?;
     figs.extend(pareto_figures(&all));
     Ok(figs)
@@ -363,20 +363,21 @@ fn full_reference(train: &[&Row], routed: &[&Row]) -> Option<f64> {
 
 /// `series` with a dashed horizontal line at `reference` across their x range, named as
 /// full attention trained as long.
-fn with_reference(mut lines: Vec<Series>, reference: Option<f64>) -> Vec<Series> {
+fn with_reference(lines: Vec<Series>, reference: Option<f64>) -> Vec<Series> {
+    with_line(lines, "full attention, trained as long", reference, 6)
+}
+
+/// `series` with a dashed horizontal line named `name` at `y` across their x range, in the
+/// palette's colour `colour` (6 is black) with hollow markers: a reference, not a method.
+fn with_line(mut lines: Vec<Series>, name: &str, y: Option<f64>, colour: usize) -> Vec<Series> {
     let xs = lines.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
         (a.min(x), b.max(x))
     });
-    if let (Some(y), true) = (reference, lo < hi) {
-        let mut line = series(
-            "full attention, trained as long".into(),
-            vec![(lo, y), (hi, y)],
-            true,
-        );
-        // Black (the palette's last), dashed: a reference, not a method.
+    if let (Some(y), true) = (y, lo < hi) {
+        let mut line = series(name.into(), vec![(lo, y), (hi, y)], true);
         line.look = Look::Chosen {
-            colour: 6,
+            colour,
             shape: 0,
             hollow: true,
             dashed: true,
@@ -703,55 +704,111 @@ fn bucket_loss(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     }
 }
 
-/// PPA Fig. 3 and Table 1: final loss against p, and the far-recall accuracy beside it.
-fn ppa_s_curve(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
+/// The mean exact-match accuracy over the probe tasks a cell was evaluated on; None without
+/// probes.
+fn probe_accuracy(r: &Row) -> Option<f64> {
+    let acc: Vec<f64> = r
+        .tasks
+        .iter()
+        .filter(|(k, _)| k.ends_with(".exact_match"))
+        .map(|(_, v)| *v)
+        .collect();
+    (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64)
+}
+
+/// PPA Fig. 3 and Table 1: final loss against p, beside the probes' accuracy (with chance
+/// and full attention as reference lines) and, on the synthetic corpus, the recall of
+/// dependencies at least w back.
+fn ppa_s_curve(all: &[Row], train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     let ppa: Vec<&Row> = train
         .iter()
         .copied()
         .filter(|r| r.method == Method::Ppa)
         .collect();
-    if !ppa.is_empty() {
-        let by_window = |f: fn(&Row) -> Option<f64>| {
-            grouped(
-                &ppa,
-                "attention.ppa_power",
-                |r| format!("window={}", r.window),
-                move |r| Some((r.ppa_power, f(r)?)),
-            )
+    if ppa.is_empty() {
+        return;
+    }
+    let by_window = |rows: &[&Row], f: &dyn Fn(&Row) -> Option<f64>| {
+        grouped(
+            rows,
+            "attention.ppa_power",
+            |r| format!("window={}", r.window),
+            |r| Some((r.ppa_power, f(r)?)),
+        )
+    };
+    let panel = |title: &str, y: &str, series| Panel {
+        title: title.into(),
+        x: "power p".into(),
+        y: y.into(),
+        series,
+        x_axis: XAxis::LinearSwept,
+    };
+    let mut panels = vec![panel(
+        "validation loss",
+        "loss",
+        with_reference(
+            by_window(&ppa, &|r| Some(r.loss())),
+            full_reference(train, &ppa),
+        ),
+    )];
+    let probed: Vec<&Row> = all
+        .iter()
+        .filter(|r| r.method == Method::Ppa && probe_accuracy(r).is_some())
+        .collect();
+    if !probed.is_empty() {
+        // Full attention's probes: those of full attention trained as long where the sweep
+        // has it (not the untrained base), else PPA's own p = 1 (the same pattern).
+        let budget = ppa[0].budget_tokens;
+        let full: Vec<f64> = match all
+            .iter()
+            .filter(|r| r.method == Method::Full && r.budget_tokens == budget)
+            .filter_map(probe_accuracy)
+            .collect::<Vec<_>>()
+        {
+            v if !v.is_empty() => v,
+            _ => probed
+                .iter()
+                .filter(|r| r.ppa_power == 1.0)
+                .filter_map(|r| probe_accuracy(r))
+                .collect(),
         };
-        let loss = by_window(|r| Some(r.loss()));
-        let accuracy = by_window(|r| r.far()?.1);
-        let fig = if accuracy.iter().all(|s| s.points.is_empty()) {
+        let full = (!full.is_empty()).then(|| summarize(&full).mean);
+        let lines = with_line(
+            by_window(&probed, &probe_accuracy),
+            "full attention, trained as long",
+            full,
+            6,
+        );
+        // A needle of digits is not guessed: chance is 0.
+        let lines = with_line(lines, "chance", Some(0.0), 8);
+        panels.push(panel("probes (RULER NIAH)", "exact-match accuracy", lines));
+    }
+    let far = by_window(&ppa, &|r| r.far()?.1);
+    if far.iter().any(|s| !s.points.is_empty()) {
+        // The synthetic corpus's long-range task (PPA Table 1's accuracy).
+        panels.push(panel(
+            "recall of dependencies >= w back",
+            "exact-match accuracy",
+            far,
+        ));
+    }
+    let fig = match panels.len() {
+        1 => {
+            let p = panels.remove(0);
             Figure::Lines {
                 title: "PPA: final validation loss against p".into(),
-                x: "power p".into(),
+                x: p.x,
                 y: "validation loss".into(),
-                series: loss,
-                x_axis: XAxis::LinearSwept,
+                series: p.series,
+                x_axis: p.x_axis,
             }
-        } else {
-            // The synthetic corpus's long-range task beside the loss (PPA Table 1's accuracy).
-            let panel = |title: &str, y: &str, series| Panel {
-                title: title.into(),
-                x: "power p".into(),
-                y: y.into(),
-                series,
-                x_axis: XAxis::LinearSwept,
-            };
-            Figure::Panels {
-                title: "PPA against p".into(),
-                panels: vec![
-                    panel("validation loss", "loss", loss),
-                    panel(
-                        "recall of dependencies >= w back",
-                        "exact-match accuracy",
-                        accuracy,
-                    ),
-                ],
-            }
-        };
-        figs.push(("ppa_s_curve".into(), fig));
-    }
+        }
+        _ => Figure::Panels {
+            title: "PPA against p".into(),
+            panels,
+        },
+    };
+    figs.push(("ppa_s_curve".into(), fig));
 }
 
 /// The figures of each cell's own evaluation files: probe usage maps (AHA Fig. 3 per task)
@@ -785,6 +842,18 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
     let rows = pareto::comparable(all);
     let reach = pareto::reach(&rows);
     let accuracy_name = rows.iter().find_map(|r| accuracy(r, reach).map(|a| a.1));
+    // Each method family keeps one look in every panel and figure, whichever families a
+    // panel lacks (not every cell was probed); the front's line takes the first.
+    let families: std::collections::BTreeSet<String> = rows.iter().map(pareto::family).collect();
+    let look_of = |name: &str| {
+        let i = 1 + families.iter().position(|f| f == name).unwrap_or(0);
+        Look::Chosen {
+            colour: i % 9,
+            shape: i % 5,
+            hollow: i % 2 == 1,
+            dashed: false,
+        }
+    };
     let mut figs = Vec::new();
     for cost in Cost::ALL {
         let mut panels = Vec::new();
@@ -828,7 +897,7 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                         line: false,
                         labels: vec![],
                         errors: vec![],
-                        look: Look::ByPlace,
+                        look: look_of(name),
                     });
                 s.points.push(*p);
                 // Settings beside the front's points only: the cells off it crowd together,

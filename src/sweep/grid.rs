@@ -830,7 +830,9 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
         let cells = expand(&grid(&text("\nseeds = 1"))).unwrap();
         let aha: Vec<_> = cells.iter().filter(|c| c.stage == "aha").collect();
         assert_eq!(aha.len(), 2);
-        assert!(aha.iter().all(|c| c.config.train.seed == 5 && c.label.contains("train.seed=5")));
+        assert!(aha
+            .iter()
+            .all(|c| c.config.train.seed == 5 && c.label.contains("train.seed=5")));
         assert_eq!(cells.iter().filter(|c| c.stage == "ev").count(), 2);
         for bad in ["\nseeds = 4", "\nseeds = 0"] {
             let e = format!("{:#}", expand(&grid(&text(bad))).unwrap_err());

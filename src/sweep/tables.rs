@@ -153,7 +153,11 @@ fn position_columns(rows: &[Row]) -> Vec<Column> {
             let v: Vec<Option<f64>> = rows
                 .iter()
                 .map(|r| {
-                    let p = r.report.by_position.iter().find(|p| (p.from, p.to) == (from, to));
+                    let p = r
+                        .report
+                        .by_position
+                        .iter()
+                        .find(|p| (p.from, p.to) == (from, to));
                     p.map(|p| p.loss)
                 })
                 .collect();

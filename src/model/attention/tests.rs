@@ -487,24 +487,39 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     // The router reads the stream the block hands over, not the layer's normalised input.
     let other = b.model.layers[0]
         .self_attn
-        .forward(&x, Some(&(&x * 3.0 + 1.0)), &rope, &masks, &ForwardCtx::default())
+        .forward(
+            &x,
+            Some(&(&x * 3.0 + 1.0)),
+            &rope,
+            &masks,
+            &ForwardCtx::default(),
+        )
         .reg
         .unwrap()
         .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
         .double_value(&[]);
-    assert!((other - want).abs() > 1e-4, "the residual is read: {other} vs {want}");
+    assert!(
+        (other - want).abs() > 1e-4,
+        "the residual is read: {other} vs {want}"
+    );
     // Under train.lambda_ramp the step's share scales the penalty and nothing else.
     let ramped = ForwardCtx {
         penalty_scale: Some(0.25),
         ..ForwardCtx::default()
     };
-    let out = b.model.layers[0].self_attn.forward(&x, None, &rope, &masks, &ramped);
+    let out = b.model.layers[0]
+        .self_attn
+        .forward(&x, None, &rope, &masks, &ramped);
     let got = out
         .reg
         .unwrap()
         .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
         .double_value(&[]);
-    assert!((got - 0.25 * want).abs() < 1e-6, "ramped L2A reg {got} vs {}", 0.25 * want);
+    assert!(
+        (got - 0.25 * want).abs() < 1e-6,
+        "ramped L2A reg {got} vs {}",
+        0.25 * want
+    );
 }
 
 #[test]

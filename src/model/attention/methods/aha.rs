@@ -104,7 +104,17 @@ impl PerHead {
         {
             let input = router_input(norm, x);
             return self.per_head_fused(
-                layer, kern, &input, q, k, v, router, *tau, *lambda * ctx.penalty_scale(), start, ctx,
+                layer,
+                kern,
+                &input,
+                q,
+                k,
+                v,
+                router,
+                *tau,
+                *lambda * ctx.penalty_scale(),
+                start,
+                ctx,
             );
         }
         let g = gates.gates(layer.layer, x, [b, l, h], start, ctx);
