@@ -491,49 +491,92 @@ fn lambda_ablation(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
     }
 }
 
-/// L2A Fig. 13: quality against attention work as the test-time threshold varies.
+/// L2A Fig. 13: each learned L2A setting's loss against attention work as the test-time
+/// threshold moves, the trained cells' own evaluation (the trained tau) among the points; at
+/// the length the cells trained at (their evaluations at other lengths are other work), each
+/// point the mean over the setting's replicates.
 fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
+    let learned = |r: &&Row| r.method == Method::L2a && r.router == Router::Learned;
+    let trained: Vec<&Row> = all
+        .iter()
+        .filter(learned)
+        .filter(|r| r.kind == StageKind::Train)
+        .collect();
+    let Some(len) = trained.first().map(|r| r.report.seq_len) else {
+        return;
+    };
     let tau: Vec<&Row> = all
         .iter()
-        .filter(|r| r.method == Method::L2a && r.kind == StageKind::Eval && r.mu_f().is_some())
+        .filter(learned)
+        .filter(|r| r.kind != StageKind::Prune && r.report.seq_len == len && r.mu_f().is_some())
         .collect();
-    if !tau.is_empty() {
-        let mut groups: BTreeMap<String, Series> = BTreeMap::new();
-        for r in &tau {
-            let s = groups
-                .entry(format!("w={}", r.window))
-                .or_insert_with(|| Series {
-                    name: format!("L2A w={}", r.window),
-                    points: vec![],
-                    line: true,
-                    labels: vec![],
-                    errors: vec![],
-                    look: Look::ByPlace,
-                });
-            s.points.push((r.pairs_vs_full(), r.loss()));
-            s.labels.push(format!("tau={}", r.tau));
-        }
-        let series: Vec<Series> = groups
-            .into_values()
-            .map(|mut s| {
-                let mut idx: Vec<usize> = (0..s.points.len()).collect();
-                idx.sort_by(|&a, &b| s.points[a].0.total_cmp(&s.points[b].0));
-                s.points = idx.iter().map(|&i| s.points[i]).collect();
-                s.labels = idx.iter().map(|&i| s.labels[i].clone()).collect();
-                s
-            })
-            .collect();
-        figs.push((
-            "threshold_sweep".into(),
-            Figure::Lines {
-                title: "Test-time threshold: quality against attention work".into(),
-                x: "attended pairs / full causal".into(),
-                y: "validation loss".into(),
-                series,
-                x_axis: XAxis::Linear,
-            },
-        ));
+    if tau.iter().all(|r| r.kind == StageKind::Train) {
+        return;
     }
+    // A trained cell's setting: its window and settings but the seed; an evaluation belongs
+    // to the setting of the cell it evaluates.
+    let setting_of: BTreeMap<&str, String> = trained
+        .iter()
+        .map(|r| {
+            let setting = replicates::setting(&r.label);
+            let others = setting
+                .split_whitespace()
+                .filter(|kv| !kv.starts_with("attention.window="))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let name = format!("L2A w={} {}", r.window, legend_of("", &others));
+            (r.cell.as_str(), name.trim().to_string())
+        })
+        .collect();
+    // Per setting, per tau: the replicates' (pairs, loss).
+    type Points = BTreeMap<u64, (Vec<f64>, Vec<f64>)>;
+    let mut groups: BTreeMap<String, Points> = BTreeMap::new();
+    for r in &tau {
+        let owner = match r.kind {
+            StageKind::Train => &r.cell,
+            _ => &r.source,
+        };
+        let Some(name) = setting_of.get(owner.as_str()) else {
+            continue;
+        };
+        let e = groups
+            .entry(name.clone())
+            .or_default()
+            .entry(r.tau.to_bits())
+            .or_default();
+        e.0.push(r.pairs_vs_full());
+        e.1.push(r.loss());
+    }
+    let series: Vec<Series> = groups
+        .into_iter()
+        .map(|(name, at)| {
+            let (mut points, mut labels, mut errors) = (vec![], vec![], vec![]);
+            for (t, (pairs, losses)) in at {
+                let loss = summarize(&losses);
+                points.push((summarize(&pairs).mean, loss.mean));
+                errors.push(loss.half_width);
+                labels.push(format!("tau={}", f64::from_bits(t)));
+            }
+            Series {
+                name,
+                points,
+                line: true,
+                labels,
+                errors,
+                look: Look::ByPlace,
+            }
+        })
+        .collect();
+    figs.push((
+        "threshold_sweep".into(),
+        Figure::Lines {
+            title: format!("Test-time threshold at {len} tokens: quality against attention work"),
+            x: "attended pairs / full causal".into(),
+            y: "validation loss".into(),
+            series: sorted(series),
+            x_axis: XAxis::Linear,
+        },
+    ));
 }
 
 /// L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer of each trained per-token router.
@@ -1076,6 +1119,14 @@ mod tests {
         }
         let written = write_all(&dir, &dir).unwrap();
         assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
+        // L2A Fig. 13 has the trained threshold among the test-time ones, in order of tau.
+        let Some((_, Figure::Lines { series, .. })) =
+            figs.iter().find(|(s, _)| s == "threshold_sweep")
+        else {
+            panic!("threshold_sweep is one chart");
+        };
+        assert_eq!(series.len(), 1);
+        assert_eq!(series[0].labels, ["tau=0.3", "tau=0.5", "tau=0.7"]);
     }
 
     #[test]
