@@ -89,16 +89,38 @@ impl Keys<'_> {
                     .expect("extended before attending")
                     .pos;
                 let n = q.size()[2];
+                let gqa = q.size()[1] != k.size()[1];
+                let sdpa = |mask: Option<&Tensor>, causal: bool| {
+                    Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
+                };
+                // Where every earlier key is seen, no mask is built: a prefill into an empty
+                // cache is the causal square (the fused kernels take it), and one decoded
+                // query sees every cached key. A dense mask of a 32K prefill alone is 1 GiB.
+                if matches!(pattern, KeyPattern::Full) || pattern.is_full_at((start + n) as usize) {
+                    if kpos.size()[0] == n {
+                        return sdpa(None, true);
+                    }
+                    if n == 1 {
+                        return sdpa(None, false);
+                    }
+                }
                 let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
                 let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
-                let table = Tensor::from_slice(&pattern.distance_table((start + n) as usize))
-                    .to_device(q.device());
-                let mask = table
-                    .index_select(0, &dist.clamp_min(0).flatten(0, 1))
-                    .view([n, kpos.size()[0]])
-                    .logical_and(&dist.ge(0));
-                let gqa = q.size()[1] != k.size()[1];
-                Tensor::scaled_dot_product_attention(q, k, v, Some(&mask), 0.0, false, None, gqa)
+                let seen = match pattern {
+                    KeyPattern::Full => dist.ge(0),
+                    // On the device: no table of every distance copied from the host a step.
+                    KeyPattern::Window(w) => dist.ge(0).logical_and(&dist.lt(w as i64)),
+                    KeyPattern::Ppa { .. } => {
+                        let table =
+                            Tensor::from_slice(&pattern.distance_table((start + n) as usize))
+                                .to_device(q.device());
+                        table
+                            .index_select(0, &dist.clamp_min(0).flatten(0, 1))
+                            .view([n, kpos.size()[0]])
+                            .logical_and(&dist.ge(0))
+                    }
+                };
+                sdpa(Some(&seen), false)
             }
         }
     }
