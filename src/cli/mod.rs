@@ -101,6 +101,11 @@ struct SweepCmd {
     /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
     #[arg(long)]
     cell: Option<usize>,
+    /// Run only the first N of the grid's seeds: the same cells, by id, as the grid's own, so
+    /// the first replicate of every cell can finish before the others (a later run without
+    /// --seeds adds them).
+    #[arg(long, value_name = "N")]
+    seeds: Option<usize>,
     /// Run cells that failed before again.
     #[arg(long)]
     retry_failed: bool,
@@ -705,7 +710,10 @@ fn run_prune(c: PruneCmd) -> Result<()> {
 
 fn run_sweep(c: SweepCmd) -> Result<()> {
     anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
-    let grid = sweep::read_grid(&c.grid)?;
+    let mut grid = sweep::read_grid(&c.grid)?;
+    if let Some(n) = c.seeds {
+        grid.keep_first_seeds(n)?;
+    }
     let cells = sweep::expand(&grid)?;
     let out = c
         .out

@@ -133,6 +133,26 @@ pub struct Cell {
     pub(crate) config: Config,
 }
 
+impl Grid {
+    /// Keeps only the first `n` of the grid's seeds (a stage's own count too, where larger):
+    /// the cells of those seeds are the grid's own cells, by id, so a run of the first seed
+    /// of everything can come before the rest (`sweep --seeds`).
+    pub fn keep_first_seeds(&mut self, n: usize) -> Result<()> {
+        ensure!(
+            (1..=self.seeds).contains(&n),
+            "--seeds {n}: the grid {} replicates over {} seed(s); give 1 ..= {}",
+            self.name,
+            self.seeds,
+            self.seeds
+        );
+        self.seeds = n;
+        for stage in &mut self.stages {
+            stage.seeds = stage.seeds.map(|k| k.min(n));
+        }
+        Ok(())
+    }
+}
+
 pub fn read_grid(path: &Path) -> Result<Grid> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read grid {}", path.display()))?;
@@ -834,6 +854,25 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
             .iter()
             .all(|c| c.config.train.seed == 5 && c.label.contains("train.seed=5")));
         assert_eq!(cells.iter().filter(|c| c.stage == "ev").count(), 2);
+        // The first seed alone plans the same cells as the whole grid's first seed.
+        let whole = expand(&grid(&text(""))).unwrap();
+        let mut first = grid(&text("\nseeds = 2"));
+        first.keep_first_seeds(1).unwrap();
+        let first = expand(&first).unwrap();
+        assert_eq!(
+            first.len(),
+            5,
+            "the base, two windows and their evaluations"
+        );
+        for c in &first {
+            let same = whole
+                .iter()
+                .find(|w| w.id == c.id)
+                .expect("a cell of the whole grid");
+            assert_eq!(same.config.train.seed, 5, "{}", c.label);
+        }
+        let e = format!("{:#}", grid(&text("")).keep_first_seeds(4).unwrap_err());
+        assert!(e.contains("--seeds 4") && e.contains("1 ..= 3"), "{e}");
         for bad in ["\nseeds = 4", "\nseeds = 0"] {
             let e = format!("{:#}", expand(&grid(&text(bad))).unwrap_err());
             assert!(e.contains("within the grid's seeds = 3"), "{e}");
