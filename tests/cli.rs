@@ -1712,6 +1712,7 @@ fn a_closed_pipe_ends_a_command_quietly() {
         !err.contains("internal error") && !err.contains("panicked"),
         "{err}"
     );
+    assert!(err.contains("standard output was closed"), "{err}");
 }
 
 /// The reproduction path on the CPU in miniature: a directory of plain text, gzip JSON Lines,

@@ -102,8 +102,9 @@ struct SweepCmd {
     #[arg(long)]
     cell: Option<usize>,
     /// Run only the first N of the grid's seeds: the same cells, by id, as the grid's own, so
-    /// the first replicate of every cell can finish before the others (a later run without
-    /// --seeds adds them).
+    /// the first replicate of every cell can finish before the others. The sweep directory's
+    /// cells.json and tables then list those cells only, until a run without --seeds adds
+    /// the rest.
     #[arg(long, value_name = "N")]
     seeds: Option<usize>,
     /// Run cells that failed before again.
@@ -712,6 +713,11 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
     anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
     let mut grid = sweep::read_grid(&c.grid)?;
     if let Some(n) = c.seeds {
+        anyhow::ensure!(
+            c.emit.is_none() && c.cell.is_none(),
+            "--seeds runs a first part of the grid here; with --emit or --cell, whose indexes \
+             are the whole grid's, leave it out"
+        );
         grid.keep_first_seeds(n)?;
     }
     let cells = sweep::expand(&grid)?;

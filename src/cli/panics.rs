@@ -18,6 +18,7 @@ pub(super) fn keep_first() {
         // A reader that stopped reading (`attnsweep ... | head`): the command ends as a
         // Unix tool ends on SIGPIPE, quietly, instead of reporting a failure of its own.
         if msg.contains("failed printing to stdout") && msg.contains("Broken pipe") {
+            eprintln!("attnsweep: standard output was closed by its reader; stopping here");
             std::process::exit(141);
         }
         let at = info

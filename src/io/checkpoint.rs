@@ -326,11 +326,23 @@ pub fn load_into(
         .cloned()
         .collect();
     if strict && (!report.initialised.is_empty() || !report.unused.is_empty()) {
+        // L2A's global module gained its input norm: a checkpoint from before lacks only that.
+        let l2a_before_norm = report
+            .initialised
+            .iter()
+            .all(|n| n.ends_with("global_attn.norm.weight"));
         bail!(
-            "{} does not match the model: missing {:?}, unexpected {:?}",
+            "{} does not match the model: missing {:?}, unexpected {:?}{}",
             path.display(),
             report.initialised,
-            report.unused
+            report.unused,
+            match l2a_before_norm && report.unused.is_empty() {
+                true =>
+                    "; it is an L2A model from before the global module read its own norm of \
+                         the stream after the window (RMSNorm_g(h + s)): train it again, or start \
+                         a new run from it with --init-from",
+                false => "",
+            }
         );
     }
     tch::no_grad(|| {

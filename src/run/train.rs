@@ -1011,7 +1011,6 @@ mod tests {
     use crate::model::kernels::tests;
     use tch::Device;
 
-    /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the
     /// The ramp: nothing during warmup, then 1/(steps - warmup) more each step, all of it at
     /// the last step; without the ramp always all of it.
     #[test]
@@ -1028,6 +1027,7 @@ mod tests {
         assert_eq!(got, want);
     }
 
+    /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the
     /// embedding and the head.
     #[test]
     fn freeze_mlp_trains_attention_routers_and_norms_only() {

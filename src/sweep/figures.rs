@@ -502,13 +502,31 @@ fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
         .filter(learned)
         .filter(|r| r.kind == StageKind::Train)
         .collect();
-    let Some(len) = trained.first().map(|r| r.report.seq_len) else {
-        return;
+    let lengths: std::collections::BTreeSet<usize> =
+        trained.iter().map(|r| r.report.seq_len).collect();
+    let at = match (lengths.len(), lengths.first()) {
+        (0, _) => return,
+        (1, Some(len)) => format!("at {len} tokens"),
+        _ => "at each cell's trained length".to_string(),
     };
+    // The trained cells' own evaluations and those at another threshold (a probe stage at
+    // the trained tau would count the trained point twice), at the length each trained cell
+    // was evaluated at.
+    let trained_at: BTreeMap<&str, (usize, f64)> = trained
+        .iter()
+        .map(|r| (r.cell.as_str(), (r.report.seq_len, r.tau)))
+        .collect();
     let tau: Vec<&Row> = all
         .iter()
         .filter(learned)
-        .filter(|r| r.kind != StageKind::Prune && r.report.seq_len == len && r.mu_f().is_some())
+        .filter(|r| match r.kind {
+            StageKind::Train => true,
+            StageKind::Eval => trained_at
+                .get(r.source.as_str())
+                .is_some_and(|&(len, tau)| len == r.report.seq_len && tau != r.tau),
+            StageKind::Prune => false,
+        })
+        .filter(|r| r.mu_f().is_some())
         .collect();
     if tau.iter().all(|r| r.kind == StageKind::Train) {
         return;
@@ -570,7 +588,7 @@ fn threshold_sweep(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     figs.push((
         "threshold_sweep".into(),
         Figure::Lines {
-            title: format!("Test-time threshold at {len} tokens: quality against attention work"),
+            title: format!("Test-time threshold {at}: quality against attention work"),
             x: "attended pairs / full causal".into(),
             y: "validation loss".into(),
             series: sorted(series),
@@ -888,12 +906,14 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
     // Each method family keeps one look in every panel and figure, whichever families a
     // panel lacks (not every cell was probed); the front's line takes the first.
     let families: std::collections::BTreeSet<String> = rows.iter().map(pareto::family).collect();
+    // The palette but the front's colour (0) and the references' black (6).
+    const FAMILY_COLOURS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
     let look_of = |name: &str| {
-        let i = 1 + families.iter().position(|f| f == name).unwrap_or(0);
+        let i = families.iter().position(|f| f == name).unwrap_or(0);
         Look::Chosen {
-            colour: i % 9,
-            shape: i % 5,
-            hollow: i % 2 == 1,
+            colour: FAMILY_COLOURS[i % FAMILY_COLOURS.len()],
+            shape: (i + 1) % 5,
+            hollow: i % 2 == 0,
             dashed: false,
         }
     };

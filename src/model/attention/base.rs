@@ -221,8 +221,8 @@ impl Build<'_> {
     /// The source of `outputs` gates a token: context-free draws under `attention.router =
     /// "bernoulli"`, else a learned router (`self_attn.router`) whose weight starts at zero,
     /// with a bias starting at `bias` if any, opening where `s > tau` (`s >= tau` when
-    /// `inclusive`). `reads_hidden`: it reads the layer's hidden state (AHA, SwiAttn), not a
-    /// module's output (L2A), and so gets an RMSNorm of its own in a post-norm model.
+    /// `inclusive`). `reads_hidden`: it reads the layer's hidden state (AHA, SwiAttn), and so gets
+    /// an RMSNorm of its own in a post-norm model; L2A's reads what its own norm gives it.
     pub(super) fn gates(
         &self,
         outputs: i64,

@@ -96,7 +96,7 @@ impl Keys<'_> {
                 // Where every earlier key is seen, no mask is built: a prefill into an empty
                 // cache is the causal square (the fused kernels take it), and one decoded
                 // query sees every cached key. A dense mask of a 32K prefill alone is 1 GiB.
-                if matches!(pattern, KeyPattern::Full) || pattern.is_full_at((start + n) as usize) {
+                if pattern.is_full_at((start + n) as usize) {
                     if kpos.size()[0] == n {
                         return sdpa(None, true);
                     }

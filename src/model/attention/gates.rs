@@ -31,7 +31,8 @@ pub(super) enum GateSource {
         /// AHA's and SwiAttn's routers read the normalised hidden state. A post-norm model
         /// (OLMo-2) hands its attention the raw residual stream, so there the router has an
         /// RMSNorm of its own (`router_norm`, initialised to ones); None where the layer's
-        /// input is already normalised, and for L2A, whose router reads the local output.
+        /// input is already normalised, and for L2A, whose router reads its own norm of the stream
+        /// after the window (`global_attn.norm`).
         norm: Option<RmsNorm>,
         tau: f64,
         inclusive: bool,

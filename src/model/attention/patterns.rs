@@ -86,7 +86,13 @@ impl KeyPattern {
 
     /// Whether the dense causal kernel can stand in for the mask at this length.
     pub(crate) fn is_full_at(&self, len: usize) -> bool {
-        self.distance_table(len).iter().all(|&s| s)
+        match *self {
+            KeyPattern::Full => true,
+            KeyPattern::Window(w) => len <= w,
+            KeyPattern::Ppa { window, .. } => {
+                len <= window || self.distance_table(len).iter().all(|&s| s)
+            }
+        }
     }
 }
 

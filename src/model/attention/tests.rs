@@ -831,7 +831,8 @@ fn bernoulli_and_static_head_gates() {
 
 /// A post-norm model (OLMo-2) hands attention the raw residual stream; AHA's and
 /// SwiAttn's routers read it through their own RMSNorm, so scaling the stream leaves
-/// their scores as they are. L2A's router reads the local output and has no norm.
+/// their scores as they are. L2A's router reads the global module's own norm of the stream
+/// after the window, so it has no `router_norm`.
 #[test]
 fn post_norm_routers_read_a_normalised_hidden_state() {
     for method in [Method::Aha, Method::Swiattn, Method::L2a] {
@@ -1157,6 +1158,15 @@ fn cached_decoding_matches_the_whole_sequence_forward() {
             routed_cfg(Method::L2a, |c| c.attention.pruned_layers = vec![1]),
         ),
         ("swiattn", routed_cfg(Method::Swiattn, |_| {})),
+        // Patterns that see every earlier key at this length: no mask is built.
+        (
+            "swa_wider_than_the_sequence",
+            routed_cfg(Method::Swa, |c| c.attention.window = 16),
+        ),
+        (
+            "ppa_1",
+            routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 1.0),
+        ),
         (
             "aha_bernoulli",
             routed_cfg(Method::Aha, |c| {
