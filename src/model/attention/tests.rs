@@ -522,6 +522,53 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     );
 }
 
+/// In a model, a block hands L2A the stream itself beside its normalised input: the router
+/// scores `sigmoid(W RMSNorm_g(h + s))` with `h` the block's input, not its input norm's
+/// output (the two differ here by the norm's gain of 3).
+#[test]
+fn a_block_hands_l2a_its_stream() {
+    let cfg = routed_cfg(Method::L2a, |_| {});
+    let b = Built::new(&cfg, Device::Cpu).unwrap();
+    randomise_routers(&b, 0.5);
+    tch::no_grad(|| {
+        let g = &b.params()["model.layers.0.input_layernorm.weight"];
+        g.shallow_clone().fill_(3.0);
+    });
+    let h = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
+    let (masks, rope) = b.model.sequence(5, Device::Cpu);
+    let keys = Keys::Chunk(&masks);
+    let (_, attn) = b.model.block(0, &h, &rope, &keys, &ForwardCtx::default());
+    let got = vec64(attn.scores.as_ref().unwrap());
+    // By hand: x = RMSNorm(h) * 3, s the window attention of x, u = RMSNorm_g(h + s).
+    let eps = cfg.model.rms_norm_eps;
+    let rms_norm = |v: &[f64], gain: f64| -> Vec<f64> {
+        let rms = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + eps).sqrt();
+        v.iter().map(|a| a / rms * gain).collect()
+    };
+    let hs = vec64(&h);
+    let x: Vec<f64> = (0..5)
+        .flat_map(|t| rms_norm(&hs[t * 16..t * 16 + 16], 3.0))
+        .collect();
+    let x = Tensor::from_slice(&x).view([1, 5, 16]).to_kind(Kind::Float);
+    let swa = static_twin(&b, &cfg, Method::Swa);
+    let s = vec64(
+        &swa.model.layers[0]
+            .self_attn
+            .forward(&x, None, &rope, &keys, &ForwardCtx::default())
+            .y,
+    );
+    let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
+    for t in 0..5 {
+        let stream: Vec<f64> = (0..16).map(|c| hs[t * 16 + c] + s[t * 16 + c]).collect();
+        let want = sigmoid_dot(&rms_norm(&stream, 1.0), &w, 0.0);
+        assert!(
+            (got[t] - want).abs() < 1e-5,
+            "token {t}: {} vs {want}",
+            got[t]
+        );
+    }
+}
+
 #[test]
 fn swiattn_adaptive_regulariser_matches_hand_computation() {
     let logits = [0.3f64, -1.2, 2.0];
