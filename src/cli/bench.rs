@@ -608,7 +608,7 @@ fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Res
         })
         .collect();
     atomic::write_csv(
-        &csv_path,
+        csv_path,
         &[
             "impl",
             "case",

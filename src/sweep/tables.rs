@@ -578,8 +578,6 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     Ok(Some(DataFrame::new_infer_height(columns)?))
 }
 
-/// A sweep directory made by hand: one cell per kind of row the tables and figures read.
-
 #[cfg(test)]
 mod tests {
     use super::*;
