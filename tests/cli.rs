@@ -1678,6 +1678,11 @@ fn every_committed_grid_dry_runs() {
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(text.contains(" cells in "), "{}: {text}", g.display());
         assert!(
+            text.contains("M training tokens in all"),
+            "{}: {text}",
+            g.display()
+        );
+        assert!(
             !out.exists(),
             "{}: a dry run wrote {}",
             g.display(),

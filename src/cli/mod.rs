@@ -741,6 +741,24 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
                 cell.index, cell.id, state, cell.stage, cell.label
             );
         }
+        // What the grid costs to run, in the units a device budget is planned in.
+        let trains: Vec<_> = cells
+            .iter()
+            .filter(|c| c.kind == sweep::StageKind::Train)
+            .collect();
+        let tokens: usize = trains
+            .iter()
+            .map(|c| {
+                let t = &c.config.train;
+                t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len
+            })
+            .sum();
+        println!(
+            "{} train cells, {:.1}M training tokens in all; {} eval and prune cells",
+            trains.len(),
+            tokens as f64 / 1e6,
+            cells.len() - trains.len()
+        );
         let problems = sweep::problems(&grid, &cells);
         anyhow::ensure!(
             problems.is_empty(),
