@@ -59,15 +59,17 @@ fn train(dir: &Path, data: &str, out: &str, extra: &[&str]) -> Output {
     ok(&args)
 }
 
-/// `attnsweep sweep --grid <grid> --out <out>`, which must succeed.
-fn sweep(grid: &Path, out: &Path) -> Output {
-    ok(&[
+/// `attnsweep sweep --grid <grid> --out <out> <extra>`, which must succeed.
+fn sweep(grid: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
         "sweep",
         "--grid",
         grid.to_str().unwrap(),
         "--out",
         out.to_str().unwrap(),
-    ])
+    ];
+    args.extend(extra);
+    ok(&args)
 }
 
 fn log_rows(path: &Path) -> Vec<Vec<String>> {
@@ -1795,7 +1797,7 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
     )
     .unwrap();
     let out = d.join("sweep");
-    sweep(&grid, &out);
+    sweep(&grid, &out, &[]);
     let corpus = &json(&data.join("meta.json"))["corpus"];
     assert_eq!(corpus["files"], 4, "{corpus}");
     assert_eq!(corpus["documents"], 7, "{corpus}");
@@ -1870,7 +1872,7 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
     )
     .unwrap();
     let out = d.join("sweep");
-    sweep(&grid, &out);
+    sweep(&grid, &out, &[]);
     ok(&["plot", "--sweep", out.to_str().unwrap()]);
     let summary = log_rows(&out.join("replicates.csv"));
     let loss: Vec<&Vec<String>> = summary.iter().filter(|r| r[1] == "loss").collect();
@@ -1993,14 +1995,7 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     )
     .unwrap();
     let out = d.join("sweep");
-    ok(&[
-        "sweep",
-        "--grid",
-        grid.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--drop-optimizer",
-    ]);
+    sweep(&grid, &out, &["--drop-optimizer"]);
     let aha = &cell_dirs(&out, "aha")[0];
     assert_eq!(
         std::fs::read_to_string(aha.join("init_from.txt")).unwrap(),

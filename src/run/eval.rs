@@ -337,8 +337,9 @@ pub(crate) fn evaluate(
     let (mut sum, mut count, mut pairs, mut full_pairs) = (0f64, 0u64, 0f64, 0f64);
     // Per part of the split: summed loss and tokens.
     let mut by_part = vec![(0f64, 0u64); split.part_names().len()];
-    // Per position in the sequence: summed loss (every sequence has every position).
-    let mut by_pos = vec![0f64; seq_len];
+    // Per position in the sequence: summed loss (every sequence has every position), kept on
+    // the device and read once.
+    let mut by_pos = Tensor::zeros([seq_len as i64], (Kind::Double, device));
     let mut sequences = 0u64;
     // Per bucket: summed loss, tokens, tokens predicted exactly.
     let mut buckets: BTreeMap<(u32, String), (f64, u64, u64)> = Default::default();
@@ -364,9 +365,7 @@ pub(crate) fn evaluate(
             count += nll.numel() as u64;
             by_part[*part].0 += batch_sum;
             by_part[*part].1 += nll.numel() as u64;
-            let pos = Vec::<f64>::try_from(nll.sum_dim_intlist(0, false, Kind::Double))
-                .expect("loss by position to vec");
-            by_pos.iter_mut().zip(pos).for_each(|(a, v)| *a += v);
+            by_pos += nll.sum_dim_intlist(0, false, Kind::Double);
             sequences += nll.size()[0] as u64;
             counts +=
                 b.y.flatten(0, 1)
@@ -468,16 +467,19 @@ pub(crate) fn evaluate(
                 })
                 .collect(),
         },
-        by_position: position_buckets(seq_len)
-            .into_iter()
-            .map(|(from, to)| PositionLoss {
-                from,
-                to,
-                tokens: sequences * (to - from) as u64,
-                loss: by_pos[from..to].iter().sum::<f64>()
-                    / (sequences * (to - from) as u64) as f64,
-            })
-            .collect(),
+        by_position: {
+            let by_pos = Vec::<f64>::try_from(by_pos).expect("loss by position to vec");
+            position_buckets(seq_len)
+                .into_iter()
+                .map(|(from, to)| PositionLoss {
+                    from,
+                    to,
+                    tokens: sequences * (to - from) as u64,
+                    loss: by_pos[from..to].iter().sum::<f64>()
+                        / (sequences * (to - from) as u64) as f64,
+                })
+                .collect()
+        },
     })
 }
 
@@ -511,11 +513,6 @@ mod tests {
     use crate::run::Built;
     use crate::util;
 
-    /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
-    /// spell after 4 censored at 5), none (no spell observed from its start: left out), 1, 8
-    /// (gap 7; censored at 1), and 3 (censored at 6). At 2, 5 observations are at risk (the
-    /// spell censored at 1 has left) and 2 end: S = 0.6; at 7, 1 is at risk and it ends: S = 0.
-    /// So the median and p90 are 7, while the mean of the complete gaps is 11/3.
     /// The ASK rule by hand: inputs 5 ASK 7 9 ASK 8 3 4 with dependencies none, 1, 2, 1, none,
     /// 1, 3, 1 at window 2. The rule opens after each ASK (positions 2 and 5); position 2 needs
     /// the full path (2 >= 2), 5 does not (1), and 6 needs it but follows no ASK: precision
@@ -538,6 +535,11 @@ mod tests {
         assert_eq!(need.all_gates.recall, Some(0.0));
     }
 
+    /// Kaplan-Meier by hand. Four sequences of 10 positions: calls at 0, 2, 4 (gaps 2, 2; the
+    /// spell after 4 censored at 5), none (no spell observed from its start: left out), 1, 8
+    /// (gap 7; censored at 1), and 3 (censored at 6). At 2, 5 observations are at risk (the
+    /// spell censored at 1 has left) and 2 end: S = 0.6; at 7, 1 is at risk and it ends: S = 0.
+    /// So the median and p90 are 7, while the mean of the complete gaps is 11/3.
     #[test]
     fn gap_quantiles_count_censored_spells() {
         let mut g = GapCounts::default();

@@ -111,6 +111,12 @@ fn legend_of(stage: &str, label: &str) -> String {
     format!("{stage} {settings}").trim().to_string()
 }
 
+/// The legend name of `r`'s setting: its stage and settings but the seed, which its
+/// replicates share (their curves are averaged under it).
+fn setting_legend(r: &Row) -> String {
+    legend_of(&r.stage, &replicates::setting(&r.label))
+}
+
 /// Whether `r` is the first cell of its setting among `rows` (its stage and settings but the
 /// seed): a figure of one cell is drawn for the first replicate only, the others being the same
 /// setting again (the tables and the figures over settings have them all).
@@ -349,16 +355,21 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
 const WINDOW: &str = "attention.window";
 const LAMBDA: &str = "attention.lambda";
 
-/// Full attention trained as long as `routed` (the same budget of tokens): the mean of its
-/// replicates' validation loss, the reference of a quality panel; None when there is none.
-fn full_reference(train: &[&Row], routed: &[&Row]) -> Option<f64> {
+/// Full attention trained as long as `routed` (the same budget of tokens): the mean of
+/// `metric` over its rows among `rows` (its replicates, and evaluations of them), the
+/// reference of a quality panel; None when there is none.
+fn full_reference<'a>(
+    rows: impl IntoIterator<Item = &'a Row>,
+    routed: &[&Row],
+    metric: impl Fn(&Row) -> Option<f64>,
+) -> Option<f64> {
     let budget = routed.first()?.budget_tokens;
-    let losses: Vec<f64> = train
-        .iter()
+    let values: Vec<f64> = rows
+        .into_iter()
         .filter(|r| r.method == Method::Full && r.budget_tokens == budget)
-        .map(|r| r.loss())
+        .filter_map(metric)
         .collect();
-    (!losses.is_empty()).then(|| summarize(&losses).mean)
+    (!values.is_empty()).then(|| summarize(&values).mean)
 }
 
 /// `series` with a dashed horizontal line at `reference` across their x range, named as
@@ -414,7 +425,7 @@ fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
                     grouped(&routed_by_window, WINDOW, key, |r| {
                         Some((r.window, r.loss()))
                     }),
-                    full_reference(train, &routed_by_window),
+                    full_reference(train.iter().copied(), &routed_by_window, |r| Some(r.loss())),
                 ),
             ),
         ));
@@ -440,7 +451,7 @@ fn head_usage(aha: &[&Row], figs: &mut Vec<(String, Figure)>) {
                 .enumerate()
                 .map(|(i, v)| (i as f64 + 1.0, v))
                 .collect();
-            sorted_curves.push((legend_of(&r.stage, &replicates::setting(&r.label)), by_rank));
+            sorted_curves.push((setting_legend(r), by_rank));
         }
         if first_replicate(r, aha.iter().copied()) {
             figs.push((
@@ -634,7 +645,7 @@ fn loss_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>) {
             // At the tokens behind the model, so a continuation starts where its source ended.
             let at = |step: f64| (r.start_tokens + step * r.tokens_per_step) / 1e6;
             let pts: Vec<(f64, f64)> = log.iter().map(|x| (at(x[0]), x[1])).collect();
-            let name = legend_of(&r.stage, &replicates::setting(&r.label));
+            let name = setting_legend(r);
             (pts.len() > 1).then_some((r.start_tokens > 0.0, name, pts))
         })
         .collect();
@@ -713,8 +724,10 @@ fn router_curves(sweep: &Path, train: &[&Row], figs: &mut Vec<(String, Figure)>)
             series: replicate_means(
                 logs.iter()
                     .map(|(r, pts)| {
-                        let name = legend_of(&r.stage, &replicates::setting(&r.label));
-                        (name, pts.iter().map(|p| (p[0], p[col])).collect())
+                        (
+                            setting_legend(r),
+                            pts.iter().map(|p| (p[0], p[col])).collect(),
+                        )
                     })
                     .collect(),
             ),
@@ -765,18 +778,6 @@ fn bucket_loss(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     }
 }
 
-/// The mean exact-match accuracy over the probe tasks a cell was evaluated on; None without
-/// probes.
-fn probe_accuracy(r: &Row) -> Option<f64> {
-    let acc: Vec<f64> = r
-        .tasks
-        .iter()
-        .filter(|(k, _)| k.ends_with(".exact_match"))
-        .map(|(_, v)| *v)
-        .collect();
-    (!acc.is_empty()).then(|| acc.iter().sum::<f64>() / acc.len() as f64)
-}
-
 /// PPA Fig. 3 and Table 1: final loss against p, beside the probes' accuracy (with chance
 /// and full attention as reference lines) and, on the synthetic corpus, the recall of
 /// dependencies at least w back.
@@ -809,33 +810,26 @@ fn ppa_s_curve(all: &[Row], train: &[&Row], figs: &mut Vec<(String, Figure)>) {
         "loss",
         with_reference(
             by_window(&ppa, &|r| Some(r.loss())),
-            full_reference(train, &ppa),
+            full_reference(train.iter().copied(), &ppa, |r| Some(r.loss())),
         ),
     )];
     let probed: Vec<&Row> = all
         .iter()
-        .filter(|r| r.method == Method::Ppa && probe_accuracy(r).is_some())
+        .filter(|r| r.method == Method::Ppa && pareto::probe_exact_match(r).is_some())
         .collect();
     if !probed.is_empty() {
         // Full attention's probes: those of full attention trained as long where the sweep
         // has it (not the untrained base), else PPA's own p = 1 (the same pattern).
-        let budget = ppa[0].budget_tokens;
-        let full: Vec<f64> = match all
-            .iter()
-            .filter(|r| r.method == Method::Full && r.budget_tokens == budget)
-            .filter_map(probe_accuracy)
-            .collect::<Vec<_>>()
-        {
-            v if !v.is_empty() => v,
-            _ => probed
+        let full = full_reference(all, &ppa, pareto::probe_exact_match).or_else(|| {
+            let at_1: Vec<f64> = probed
                 .iter()
                 .filter(|r| r.ppa_power == 1.0)
-                .filter_map(|r| probe_accuracy(r))
-                .collect(),
-        };
-        let full = (!full.is_empty()).then(|| summarize(&full).mean);
+                .filter_map(|r| pareto::probe_exact_match(r))
+                .collect();
+            (!at_1.is_empty()).then(|| summarize(&at_1).mean)
+        });
         let lines = with_line(
-            by_window(&probed, &probe_accuracy),
+            by_window(&probed, &pareto::probe_exact_match),
             "full attention, trained as long",
             full,
             6,

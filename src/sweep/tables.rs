@@ -131,58 +131,55 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
 /// One column per corpus source any row was evaluated on (`loss_<source>`: the validation
 /// loss of a corpus held out per source).
 fn source_columns(rows: &[Row]) -> Vec<Column> {
-    named_columns(rows, |r| {
-        r.report
-            .by_source
-            .iter()
-            .map(|s| (format!("loss_{}", s.source), s.loss))
-            .collect()
-    })
+    keyed_columns(
+        rows,
+        |r| {
+            r.report
+                .by_source
+                .iter()
+                .map(|s| (s.source.clone(), s.loss))
+                .collect()
+        },
+        |source| format!("loss_{source}"),
+    )
 }
 
 /// One column per position bucket any row was evaluated with (`loss_pos_<from>_<to>`), in
 /// the order of the positions.
 fn position_columns(rows: &[Row]) -> Vec<Column> {
-    let spans: std::collections::BTreeSet<(usize, usize)> = rows
-        .iter()
-        .flat_map(|r| r.report.by_position.iter().map(|p| (p.from, p.to)))
-        .collect();
-    spans
-        .into_iter()
-        .map(|(from, to)| {
-            let v: Vec<Option<f64>> = rows
+    keyed_columns(
+        rows,
+        |r| {
+            r.report
+                .by_position
                 .iter()
-                .map(|r| {
-                    let p = r
-                        .report
-                        .by_position
-                        .iter()
-                        .find(|p| (p.from, p.to) == (from, to));
-                    p.map(|p| p.loss)
-                })
-                .collect();
-            Column::new(crate::run::report::position_column(from, to).into(), v)
-        })
-        .collect()
+                .map(|p| ((p.from, p.to), p.loss))
+                .collect()
+        },
+        |&(from, to)| crate::run::report::position_column(from, to),
+    )
 }
 
-/// One column per name that `values` gives any row, empty where a row has no such value.
-fn named_columns(rows: &[Row], values: impl Fn(&Row) -> BTreeMap<String, f64>) -> Vec<Column> {
-    let per_row: Vec<BTreeMap<String, f64>> = rows.iter().map(values).collect();
-    let names: std::collections::BTreeSet<&String> =
-        per_row.iter().flat_map(|m| m.keys()).collect();
-    names
-        .into_iter()
-        .map(|n| {
-            let v: Vec<Option<f64>> = per_row.iter().map(|m| m.get(n).copied()).collect();
-            Column::new(n.as_str().into(), v)
+/// One column per key that `values` gives any row, in the keys' order and named by `name`,
+/// empty where a row has no such value.
+fn keyed_columns<K: Ord + Clone>(
+    rows: &[Row],
+    values: impl Fn(&Row) -> BTreeMap<K, f64>,
+    name: impl Fn(&K) -> String,
+) -> Vec<Column> {
+    let per_row: Vec<BTreeMap<K, f64>> = rows.iter().map(values).collect();
+    let keys: std::collections::BTreeSet<&K> = per_row.iter().flat_map(|m| m.keys()).collect();
+    keys.into_iter()
+        .map(|k| {
+            let v: Vec<Option<f64>> = per_row.iter().map(|m| m.get(k).copied()).collect();
+            Column::new(name(k).into(), v)
         })
         .collect()
 }
 
 /// One column per task metric any row has.
 fn task_columns(rows: &[Row]) -> Vec<Column> {
-    named_columns(rows, |r| r.tasks.clone())
+    keyed_columns(rows, |r| r.tasks.clone(), String::clone)
 }
 
 /// Every numeric metric of every cell as (cell, stage, method, label, metric, value).

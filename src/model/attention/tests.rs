@@ -399,6 +399,20 @@ fn l2a_zero_router_starts_all_global_and_global_module_copies_base() {
     );
 }
 
+/// A layer's regulariser term, its language-model losses zero (5 tokens).
+fn reg_term(out: AttnOutput) -> f64 {
+    out.reg
+        .expect("a penalised layer")
+        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
+        .double_value(&[])
+}
+
+/// `RMSNorm(v) * gain` in f64.
+fn rms_norm64(v: &[f64], gain: &[f64], eps: f64) -> Vec<f64> {
+    let rms = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + eps).sqrt();
+    v.iter().zip(gain).map(|(a, g)| a / rms * g).collect()
+}
+
 /// `sigmoid(sum_c x_c w_c + b)` in f64.
 fn sigmoid_dot(x: &[f64], w: &[f64], b: f64) -> f64 {
     1.0 / (1.0 + (-(x.iter().zip(w).map(|(a, c)| a * c).sum::<f64>() + b)).exp())
@@ -438,11 +452,7 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
         }
     }
     want *= 0.25 / 20.0;
-    let got = out
-        .reg
-        .unwrap()
-        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
-        .double_value(&[]);
+    let got = reg_term(out);
     assert!((got - want).abs() < 1e-6, "AHA reg {got} vs {want}");
 
     // L2A: lambda * mean over tokens of d_hat^2, d_hat = sigmoid(W u), u = RMSNorm_g(x + s)
@@ -471,33 +481,21 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     let want: f64 = (0..5)
         .map(|t| {
             let h: Vec<f64> = (0..16).map(|c| xs[t * 16 + c] + s[t * 16 + c]).collect();
-            let rms = (h.iter().map(|v| v * v).sum::<f64>() / 16.0 + eps).sqrt();
-            let u: Vec<f64> = h.iter().zip(&gain).map(|(v, g)| v / rms * g).collect();
-            sigmoid_dot(&u, &w, 0.0).powi(2)
+            sigmoid_dot(&rms_norm64(&h, &gain, eps), &w, 0.0).powi(2)
         })
         .sum::<f64>()
         * 0.5
         / 5.0;
-    let got = out
-        .reg
-        .unwrap()
-        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
-        .double_value(&[]);
+    let got = reg_term(out);
     assert!((got - want).abs() < 1e-6, "L2A reg {got} vs {want}");
     // The router reads the stream the block hands over, not the layer's normalised input.
-    let other = b.model.layers[0]
-        .self_attn
-        .forward(
-            &x,
-            Some(&(&x * 3.0 + 1.0)),
-            &rope,
-            &masks,
-            &ForwardCtx::default(),
-        )
-        .reg
-        .unwrap()
-        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
-        .double_value(&[]);
+    let other = reg_term(b.model.layers[0].self_attn.forward(
+        &x,
+        Some(&(&x * 3.0 + 1.0)),
+        &rope,
+        &masks,
+        &ForwardCtx::default(),
+    ));
     assert!(
         (other - want).abs() > 1e-4,
         "the residual is read: {other} vs {want}"
@@ -510,11 +508,7 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     let out = b.model.layers[0]
         .self_attn
         .forward(&x, None, &rope, &masks, &ramped);
-    let got = out
-        .reg
-        .unwrap()
-        .term(&Tensor::zeros([1, 5], (Kind::Float, Device::Cpu)))
-        .double_value(&[]);
+    let got = reg_term(out);
     assert!(
         (got - 0.25 * want).abs() < 1e-6,
         "ramped L2A reg {got} vs {}",
@@ -541,13 +535,9 @@ fn a_block_hands_l2a_its_stream() {
     let got = vec64(attn.scores.as_ref().unwrap());
     // By hand: x = RMSNorm(h) * 3, s the window attention of x, u = RMSNorm_g(h + s).
     let eps = cfg.model.rms_norm_eps;
-    let rms_norm = |v: &[f64], gain: f64| -> Vec<f64> {
-        let rms = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + eps).sqrt();
-        v.iter().map(|a| a / rms * gain).collect()
-    };
     let hs = vec64(&h);
     let x: Vec<f64> = (0..5)
-        .flat_map(|t| rms_norm(&hs[t * 16..t * 16 + 16], 3.0))
+        .flat_map(|t| rms_norm64(&hs[t * 16..t * 16 + 16], &[3.0; 16], eps))
         .collect();
     let x = Tensor::from_slice(&x).view([1, 5, 16]).to_kind(Kind::Float);
     let swa = static_twin(&b, &cfg, Method::Swa);
@@ -560,7 +550,7 @@ fn a_block_hands_l2a_its_stream() {
     let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
     for t in 0..5 {
         let stream: Vec<f64> = (0..16).map(|c| hs[t * 16 + c] + s[t * 16 + c]).collect();
-        let want = sigmoid_dot(&rms_norm(&stream, 1.0), &w, 0.0);
+        let want = sigmoid_dot(&rms_norm64(&stream, &[1.0; 16], eps), &w, 0.0);
         assert!(
             (got[t] - want).abs() < 1e-5,
             "token {t}: {} vs {want}",

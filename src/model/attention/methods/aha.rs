@@ -97,7 +97,7 @@ impl PerHead {
                 norm,
                 tau,
                 inclusive: false,
-                lambda,
+                ..
             },
             None,
         ) = (layer.exec(keys), gates, &ctx.gate_override)
@@ -112,7 +112,7 @@ impl PerHead {
                 v,
                 router,
                 *tau,
-                *lambda * ctx.penalty_scale(),
+                gates.lambda(ctx).expect("a learned router has a penalty"),
                 start,
                 ctx,
             );
