@@ -1848,7 +1848,10 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
 
 /// A grid with `seeds = 2` trains each cell twice, continued cells from the base of their own
 /// seed, and `plot` summarises each setting over its seeds (`replicates.csv`) and compares the
-/// settings of a stage (`replicate_differences.csv`).
+/// settings of a stage (`replicate_differences.csv`). An exclusive eval stage of the first seed
+/// times each window alone (`timing.csv`, `prefill_time`). Kept without weights, as a results
+/// folder is, the sweep refuses to evaluate them again until `--retrain` trains again the
+/// cells the evaluations need, and those only, setting their earlier files aside.
 #[test]
 fn seeds_replicate_cells_and_plot_summarises_them() {
     let d = scratch("seeds");
@@ -1865,17 +1868,61 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
             "name = \"seeds\"\nseeds = 2\n[corpus]\ninput = [\"{src}\"]\nval_fraction = 0.2\n{base}\n\
              [[stage]]\nname = \"base\"\n\
              [[stage]]\nname = \"swa\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"swa\" }}\n\
-             axes = {{ \"attention.window\" = [4, 8] }}\n",
+             axes = {{ \"attention.window\" = [4, 8] }}\n\
+             [[stage]]\nname = \"timed\"\nkind = \"eval\"\nof = \"swa\"\nseeds = 1\nexclusive = true\n\
+             set = {{ \"eval.timing\" = true }}\n",
             src = src.display(),
             base = tiny_base(&d.join("data"))
         ),
     )
     .unwrap();
     let out = d.join("sweep");
-    sweep(&grid, &out, &[]);
+    sweep(&grid, &out, &["--jobs", "2"]);
     ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    let timing = log_rows(&out.join("timing.csv"));
+    assert_eq!(timing.len(), 2, "one row per window: {timing:?}");
+    assert!(out.join("figures/prefill_time.png").is_file());
+    // Kept without weights: the timed cells cannot run again until --retrain.
+    let seed_of = |dir: &Path| json(&dir.join("cell.json"))["config"]["train"]["seed"].as_u64();
+    let first_seed = seed_of(&cell_dirs(&out, "base")[0]).min(seed_of(&cell_dirs(&out, "base")[1]));
+    for stage in ["base", "swa"] {
+        for c in cell_dirs(&out, stage) {
+            let latest = std::fs::read_to_string(c.join("checkpoints/latest")).unwrap();
+            std::fs::remove_file(
+                c.join("checkpoints")
+                    .join(latest.trim())
+                    .join("model.safetensors"),
+            )
+            .unwrap();
+        }
+    }
+    for c in cell_dirs(&out, "timed") {
+        std::fs::remove_dir_all(c).unwrap();
+    }
+    let (gs, os) = (grid.to_str().unwrap(), out.to_str().unwrap());
+    fails(&["sweep", "--grid", gs, "--out", os]);
+    for c in cell_dirs(&out, "timed") {
+        let error = status(&c)["error"].to_string();
+        assert!(error.contains("--retrain"), "{error}");
+    }
+    sweep(&grid, &out, &["--retrain", "--retry-failed"]);
+    for c in cell_dirs(&out, "timed") {
+        assert_eq!(status(&c)["state"], "done");
+    }
+    // The first seed's windows and the base they continue from trained again, the second
+    // seed's not; what was there moved aside.
+    for stage in ["base", "swa"] {
+        for c in cell_dirs(&out, stage) {
+            let again = c.join("before_retrain/train_log.csv").is_file();
+            assert_eq!(again, seed_of(&c) == first_seed, "{}", c.display());
+            assert_eq!(status(&c)["state"], "done");
+        }
+    }
     let summary = log_rows(&out.join("replicates.csv"));
-    let loss: Vec<&Vec<String>> = summary.iter().filter(|r| r[1] == "loss").collect();
+    let loss: Vec<&Vec<String>> = summary
+        .iter()
+        .filter(|r| r[1] == "loss" && r[0] != "timed")
+        .collect();
     assert_eq!(loss.len(), 3, "base and two windows: {summary:?}");
     for r in &loss {
         assert_eq!(r[4], "2", "{r:?}");

@@ -115,6 +115,11 @@ struct SweepCmd {
     /// is twice the size of its weights: over a grid of many cells it fills a disk.
     #[arg(long)]
     drop_optimizer: bool,
+    /// Train again each finished train cell whose weights are gone (a results folder kept
+    /// without them) when a cell of this run still to run evaluates or prunes it. Its earlier
+    /// files move to before_retrain/ in its folder.
+    #[arg(long)]
+    retrain: bool,
     /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
     /// and submit.sh under <out>/slurm.
     #[arg(long, value_parser = ["slurm"])]
@@ -781,6 +786,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         cell: c.cell,
         retry_failed: c.retry_failed,
         drop_optimizer: c.drop_optimizer,
+        retrain: c.retrain,
         quiet: c.quiet,
         status_every: c.status_every,
     };

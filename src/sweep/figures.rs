@@ -15,7 +15,8 @@
 //! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, and on the synthetic corpus the accuracy on dependencies at least w back |
 //! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
-//! | `pareto`, `pareto_time`, `pareto_memory` | every method of one budget: loss against attention work, measured training time and decode memory, each with its Pareto front |
+//! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |
+//! | `prefill_time` | L2A Figs. 14-15: forward, prefill and decoding time against length, cells timed alone |
 
 use super::figure::{
     exact_step, min_gap, series, sorted, tick_format, Figure, Look, Panel, Series, XAxis,
@@ -27,10 +28,11 @@ use super::rows::{log_columns, name_of, rows, Row};
 use super::tables;
 use crate::config::{Method, Router};
 use crate::model::attention::{spec, Gates};
+use crate::run::report::Timing;
 use crate::util::atomic;
 use crate::util::stats::summarize;
 use anyhow::{anyhow, Result};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Groups rows by a key into named series of (x, y). A cell's other varied settings (those of
@@ -347,6 +349,7 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     router_curves(sweep, &train, &mut figs);
     bucket_loss(&all, &mut figs);
     ppa_s_curve(&all, &train, &mut figs);
+    prefill_time(&all, &mut figs);
     cell_files(sweep, &all, &mut figs)?;
     figs.extend(pareto_figures(&all));
     Ok(figs)
@@ -776,6 +779,61 @@ fn bucket_loss(all: &[Row], figs: &mut Vec<(String, Figure)>) {
             },
         ));
     }
+}
+
+/// L2A Figs. 14-15: forward and prefill time and decoding speed against length, one line per
+/// setting, from the cells that ran alone on the GPU (`timing.csv`).
+fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
+    let timed = tables::timed_alone(all);
+    if timed.is_empty() {
+        return;
+    }
+    let settings: BTreeSet<String> = timed.iter().map(|(r, _)| setting_legend(r)).collect();
+    let lines = |f: fn(&Timing) -> f64| -> Vec<Series> {
+        sorted(
+            settings
+                .iter()
+                .map(|name| {
+                    let points = timed
+                        .iter()
+                        .filter(|(r, _)| setting_legend(r) == *name)
+                        .map(|(_, t)| (t.seq_len as f64, f(t)))
+                        .collect();
+                    series(name.clone(), points, true)
+                })
+                .collect(),
+        )
+    };
+    let x_axis = XAxis::LogSwept;
+    figs.push((
+        "prefill_time".into(),
+        Figure::Panels {
+            title: "Inference time against length, each model alone on the GPU".into(),
+            panels: vec![
+                Panel {
+                    title: "one forward, no cache (the fused kernels)".into(),
+                    x: "context length (tokens), log scale".into(),
+                    y: "forward time (ms)".into(),
+                    series: lines(|t| t.forward_ms),
+                    x_axis,
+                },
+                Panel {
+                    title: "prefill into the key-value cache".into(),
+                    x: "context length (tokens), log scale".into(),
+                    y: "prefill time (ms)".into(),
+                    series: lines(|t| t.prefill_ms),
+                    x_axis,
+                },
+                Panel {
+                    title: "greedy decoding over the cache".into(),
+                    x: "context length (tokens), log scale".into(),
+                    y: "decoded tokens/s".into(),
+                    series: lines(|t| t.decode_tokens_per_s),
+                    x_axis,
+                },
+            ],
+        },
+    ));
 }
 
 /// PPA Fig. 3 and Table 1: final loss against p, beside the probes' accuracy (with chance

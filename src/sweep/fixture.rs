@@ -432,6 +432,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
             depends_on: s.dep.map(String::from),
             reads: None,
             match_usage: false,
+            exclusive: false,
             pretrained: None,
             threshold: s.threshold,
             config,

@@ -88,9 +88,14 @@ pub(crate) struct Stage {
     #[serde(default)]
     pub(crate) match_usage: bool,
     /// train: replicate over the first N of the grid's `seeds` only (a control that no
-    /// verdict's difference rests on); the grid's count when absent.
+    /// verdict's difference rests on); eval and prune: act on the cells of those seeds only
+    /// (a timing needs one model of each setting); the grid's count when absent.
     #[serde(default)]
     pub(crate) seeds: Option<usize>,
+    /// Run the stage's cells one at a time, with no other cell of the sweep beside them,
+    /// whatever `--jobs` says: what they time is then the GPU's alone.
+    #[serde(default)]
+    pub(crate) exclusive: bool,
 }
 
 fn one() -> usize {
@@ -124,6 +129,10 @@ pub struct Cell {
     /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
     #[serde(default)]
     pub(crate) match_usage: bool,
+    /// It ran with no other cell beside it (a stage's `exclusive`): its timings are the GPU's
+    /// alone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) exclusive: bool,
     /// The grid's pretrained model, for a cell that starts from it (train) or evaluates it
     /// (eval) rather than a cell of the grid.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -334,9 +343,10 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
             None => &seeds[..],
             Some(n) => {
                 ensure!(
-                    stage.kind == StageKind::Train && (1..=grid.seeds).contains(&n),
-                    "{what}: seeds = {n} must be a train stage's and within the grid's seeds = {} \
-                     (its cells replicate over the first {n} of them)",
+                    (1..=grid.seeds).contains(&n),
+                    "{what}: seeds = {n} must be within the grid's seeds = {} (a train stage's \
+                     cells replicate over the first {n} of them, an eval or prune stage's act on \
+                     those seeds' cells)",
                     grid.seeds
                 );
                 &seeds[..n.min(seeds.len())]
@@ -589,9 +599,12 @@ fn plans(
         // Eval and prune cells act on every cell of their source stage.
         (Some(src), _) => {
             let mut seen = std::collections::BTreeSet::new();
+            // `seeds` is the grid's (all of them) or the stage's first few; none when the
+            // grid does not replicate.
             let deps: Vec<&Cell> = cells
                 .iter()
                 .filter(|c| c.stage == src && seen.insert(c.id.clone()))
+                .filter(|c| seeds.is_empty() || seeds.contains(&(c.config.train.seed as i64)))
                 .collect();
             for d in deps {
                 if stage.kind == StageKind::Prune {
@@ -717,6 +730,7 @@ fn new_cell(
         depends_on: dep.map(|d| d.id),
         reads: read,
         match_usage: stage.match_usage,
+        exclusive: stage.exclusive,
         pretrained,
         threshold,
         config,
@@ -877,6 +891,43 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
             let e = format!("{:#}", expand(&grid(&text(bad))).unwrap_err());
             assert!(e.contains("within the grid's seeds = 3"), "{e}");
         }
+    }
+
+    /// An eval stage's `seeds = 1` evaluates the first seed's cells only, the same cells the
+    /// stage without it plans for that seed; `exclusive` reaches its cells and no others.
+    #[test]
+    fn an_eval_stage_can_take_the_first_seed_alone() {
+        let text = |extra: &str| {
+            grid(&format!(
+                "seeds = 3\n{BASE}seed = 5\n[[stage]]\nname = \"swa\"\nset = {{ \"attention.method\" = \"swa\" }}\naxes = {{ \"attention.window\" = [4, 8] }}\n[[stage]]\nname = \"timed\"\nkind = \"eval\"\nof = \"swa\"\nexclusive = true{extra}\n"
+            ))
+        };
+        let all = expand(&text("")).unwrap();
+        let first = expand(&text("\nseeds = 1")).unwrap();
+        let timed = |cells: &[Cell]| -> Vec<Cell> {
+            cells
+                .iter()
+                .filter(|c| c.stage == "timed")
+                .cloned()
+                .collect()
+        };
+        assert_eq!(timed(&all).len(), 6);
+        let one = timed(&first);
+        assert_eq!(one.len(), 2, "one per window");
+        for c in &one {
+            assert_eq!(c.config.train.seed, 5, "{}", c.label);
+            assert!(c.exclusive);
+            assert!(
+                timed(&all).iter().any(|a| a.id == c.id),
+                "the same cell as the whole stage's"
+            );
+        }
+        assert!(first
+            .iter()
+            .filter(|c| c.stage == "swa")
+            .all(|c| !c.exclusive));
+        let e = format!("{:#}", expand(&text("\nseeds = 4")).unwrap_err());
+        assert!(e.contains("within the grid's seeds = 3"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The comparison no single paper makes: every method continued from one base for one token
-//! budget, read on three costs at once (attention work counted, training time measured,
-//! decode memory), each with the Pareto fronts of validation loss and of long-context
+//! budget, read on four costs at once (attention work counted, training time measured,
+//! decode memory, prefill time measured with the model alone on the GPU), each with the Pareto fronts of validation loss and of long-context
 //! accuracy against it. `pareto.csv` and the `pareto*` figures are drawn from the same rows
 //! and fronts defined here.
 
@@ -23,16 +23,26 @@ pub(crate) enum Cost {
     TrainTime,
     /// Key-value cache bytes one sequence of the evaluated length holds when decoding.
     DecodeMemory,
+    /// Milliseconds to prefill one sequence of the evaluated length into the key-value
+    /// cache, timed by an evaluation with nothing else on the GPU (an `exclusive` stage's).
+    Prefill,
 }
 
 impl Cost {
-    pub(crate) const ALL: [Cost; 3] = [Cost::Work, Cost::TrainTime, Cost::DecodeMemory];
+    pub(crate) const ALL: [Cost; 4] = [
+        Cost::Work,
+        Cost::TrainTime,
+        Cost::DecodeMemory,
+        Cost::Prefill,
+    ];
 
     pub(crate) fn of(self, r: &Row) -> Option<f64> {
         let v = match self {
             Cost::Work => r.pairs_vs_full(),
             Cost::TrainTime => 1e6 / r.train_tokens_per_s?,
             Cost::DecodeMemory => r.report.kv_cache_bytes_total / 1e6,
+            Cost::Prefill if r.exclusive => r.report.timing.as_ref()?.prefill_ms,
+            Cost::Prefill => return None,
         };
         v.is_finite().then_some(v)
     }
@@ -42,6 +52,7 @@ impl Cost {
             Cost::Work => "attended pairs / full causal",
             Cost::TrainTime => "training seconds per million tokens (measured)",
             Cost::DecodeMemory => "KV cache per sequence, MB",
+            Cost::Prefill => "prefill of one sequence, ms (the model alone on the GPU)",
         }
     }
 
@@ -51,6 +62,7 @@ impl Cost {
             Cost::Work => "work",
             Cost::TrainTime => "time",
             Cost::DecodeMemory => "memory",
+            Cost::Prefill => "prefill",
         }
     }
 }
@@ -60,8 +72,9 @@ impl Cost {
 /// that no method is ahead for having trained longer, evaluated at one length. The base
 /// itself, trained for less, anything evaluated from it (SWA zero-shot) and evaluations at
 /// another length fall outside. An evaluation of a cell's model with the same attention (one
-/// that only adds probes) is a second measurement of that model, not a model of its own: its
-/// task metrics join the cell's row and it has none.
+/// that only adds probes or times it alone on the GPU) is a second measurement of that model,
+/// not a model of its own: its task metrics join the cell's row, and its timing replaces the
+/// cell's where it ran alone at the cell's length.
 pub(crate) fn comparable(rows: &[Row]) -> Vec<Row> {
     let mut kept: Vec<Row> = group(rows).into_iter().cloned().collect();
     let mut i = 0;
@@ -72,10 +85,14 @@ pub(crate) fn comparable(rows: &[Row]) -> Vec<Row> {
         });
         match same_model {
             Some(j) => {
-                let extra = kept.remove(i).tasks;
+                let extra = kept.remove(i);
                 let j = if j > i { j - 1 } else { j };
-                for (k, v) in extra {
+                for (k, v) in extra.tasks {
                     kept[j].tasks.entry(k).or_insert(v);
+                }
+                if extra.exclusive && extra.report.timing.is_some() {
+                    kept[j].report.timing = extra.report.timing;
+                    kept[j].exclusive = true;
                 }
             }
             None => i += 1,
@@ -239,6 +256,8 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "decode_tokens_per_s" => timing(|t| t.decode_tokens_per_s),
         "kv_cache_mb" => o(&|r| Cost::DecodeMemory.of(r)),
         "decode_cache_mb" => timing(|t| t.decode_cache_bytes / 1e6),
+        // Whether the timings above were taken with the model alone on the GPU.
+        "timed_alone" => rows.iter().map(|r| r.exclusive).collect::<Vec<bool>>(),
         "mu_f" => o(&|r| r.mu_f()),
         "gate_precision" => need(|p| p.precision),
         "gate_recall" => need(|p| p.recall),

@@ -59,6 +59,8 @@ pub(crate) struct Row {
     pub(crate) train_tokens_per_s: Option<f64>,
     /// The attention the cell was evaluated with.
     pub(crate) attention: AttentionConfig,
+    /// It ran with no other cell beside it (its stage's `exclusive`): its timing is clean.
+    pub(crate) exclusive: bool,
 }
 
 impl Row {
@@ -227,6 +229,7 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             tokens_per_s: median_rate(&dir.join("train_log.csv")),
             train_tokens_per_s: None,
             attention: ev.config.attention.clone(),
+            exclusive: c.exclusive,
         });
     }
     // Rows come in stage order, so the cell an eval or prune cell derives from is resolved

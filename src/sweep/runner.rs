@@ -11,7 +11,7 @@ use crate::util::fault;
 use anyhow::{ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -69,6 +69,9 @@ pub(crate) struct SweepArgs {
     pub(crate) retry_failed: bool,
     /// Remove each finished train cell's optimizer state (`sweep --drop-optimizer`).
     pub(crate) drop_optimizer: bool,
+    /// Train again the finished train cells whose weights are gone and which a cell still to
+    /// run reads (`sweep --retrain`).
+    pub(crate) retrain: bool,
     pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
     pub(crate) status_every: u64,
@@ -76,7 +79,7 @@ pub(crate) struct SweepArgs {
 
 /// The cells (ids, once each) of `cells` that `args` would run and whose last attempt failed.
 pub(crate) fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
-    let ids: std::collections::BTreeSet<String> = cells
+    let ids: BTreeSet<String> = cells
         .iter()
         .filter(|c| args.cell.is_none_or(|k| c.index == k))
         .filter(|c| read_status(&args.out.join(&c.id)).is_some_and(|s| s.state == State::Failed))
@@ -216,7 +219,7 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     let exe = std::env::current_exe().context("cannot locate the attnsweep binary")?;
     let outcome = Mutex::new(Outcome::default());
     // Each cell is attempted at most once per invocation, so a failing cell cannot loop.
-    let attempted = Mutex::new(std::collections::BTreeSet::<String>::new());
+    let attempted = Mutex::new(BTreeSet::<String>::new());
     let mp = if args.quiet {
         MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
     } else {
@@ -240,6 +243,11 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
             vec![c]
         }
         None => cells.iter().collect(),
+    };
+    let retrain = if args.retrain {
+        to_retrain(&chosen, &args.out)
+    } else {
+        BTreeSet::new()
     };
     let status = (!args.quiet && !std::io::stderr().is_terminal()).then(|| {
         let mut ids: Vec<String> = chosen.iter().map(|c| c.id.clone()).collect();
@@ -269,6 +277,8 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         s
     };
     for stage in stages {
+        let exclusive = chosen.iter().any(|c| c.stage == stage && c.exclusive);
+        let workers = if exclusive { 1 } else { workers };
         // Loop until every cell of the stage has a final state: cells another runner holds
         // are waited for, and taken over if that runner dies before finishing them.
         loop {
@@ -278,7 +288,7 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
                 .filter(|c| c.stage == stage)
                 .filter(|c| !attempted.lock().unwrap().contains(&c.id))
                 .filter(|c| match read_status(&args.out.join(&c.id)) {
-                    Some(s) if s.state == State::Done => false,
+                    Some(s) if s.state == State::Done => retrain.contains(&c.id),
                     Some(s) if s.state == State::Failed => args.retry_failed,
                     // Never started, or interrupted (a runner died while it ran): run/resume.
                     _ => true,
@@ -301,6 +311,7 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
                         &exe,
                         &attempted,
                     );
+                    let retrain = &retrain;
                     let watch = Watch {
                         mp,
                         status: status.as_ref(),
@@ -309,7 +320,9 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
                         let i = next.fetch_add(1, Ordering::SeqCst);
                         let Some(cell) = pending.get(i) else { break };
                         let device = args.devices.get(w).copied();
-                        let result = run_cell(cell, args, exe, device, threads_per_job, &watch);
+                        let again = retrain.contains(&cell.id);
+                        let result =
+                            run_cell(cell, args, exe, device, threads_per_job, again, &watch);
                         if !matches!(result, Ok(CellRun::HeldElsewhere)) {
                             attempted.lock().unwrap().insert(cell.id.clone());
                         }
@@ -355,6 +368,65 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     Ok(o)
 }
 
+/// Whether a train cell's folder lacks the weights of its latest checkpoint (a results folder
+/// is kept without them).
+fn weights_gone(dir: &Path) -> bool {
+    checkpoint::latest(dir)
+        .ok()
+        .flatten()
+        .is_none_or(|c| !c.join("model.safetensors").is_file())
+}
+
+/// The finished train cells among `chosen` whose weights are gone and which a cell of
+/// `chosen` still to run evaluates, prunes or continues from, and what those continue from in
+/// turn where its weights are gone too.
+fn to_retrain(chosen: &[&Cell], out: &Path) -> BTreeSet<String> {
+    let done = |id: &str| read_status(&out.join(id)).is_some_and(|s| s.state == State::Done);
+    let train: BTreeMap<&str, &Cell> = chosen
+        .iter()
+        .filter(|c| c.kind == StageKind::Train)
+        .map(|c| (c.id.as_str(), *c))
+        .collect();
+    let mut needed: Vec<&str> = chosen
+        .iter()
+        .filter(|c| !done(&c.id))
+        .filter_map(|c| c.depends_on.as_deref())
+        .collect();
+    let mut again = BTreeSet::new();
+    while let Some(id) = needed.pop() {
+        let Some(cell) = train.get(id) else { continue };
+        if again.contains(id) || !done(id) || !weights_gone(&out.join(id)) {
+            continue;
+        }
+        again.insert(id.to_string());
+        needed.extend(cell.depends_on.as_deref());
+    }
+    again
+}
+
+/// Moves a cell's files, all but its lock, into a new `before_retrain/` (or
+/// `before_retrain.N/`) of its folder, so a cell trained again loses none of its earlier run.
+fn set_aside(dir: &Path) -> Result<()> {
+    let aside = (0..)
+        .map(|n| match n {
+            0 => dir.join("before_retrain"),
+            n => dir.join(format!("before_retrain.{n}")),
+        })
+        .find(|p| !p.exists())
+        .expect("an unused name");
+    std::fs::create_dir(&aside).with_context(|| format!("cannot create {}", aside.display()))?;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name == "lock" || name.starts_with("before_retrain") {
+            continue;
+        }
+        std::fs::rename(&path, aside.join(&*name))
+            .with_context(|| format!("cannot move {} aside", path.display()))?;
+    }
+    Ok(())
+}
+
 enum CellRun {
     Done,
     Failed(String),
@@ -367,12 +439,14 @@ struct Watch<'a> {
     status: Option<&'a StatusLines>,
 }
 
+/// `retrain`: a finished cell is to be trained again (`sweep --retrain`).
 fn run_cell(
     cell: &Cell,
     args: &SweepArgs,
     exe: &Path,
     device: Option<usize>,
     threads: usize,
+    retrain: bool,
     watch: &Watch,
 ) -> Result<CellRun> {
     let dir = args.out.join(&cell.id);
@@ -381,8 +455,12 @@ fn run_cell(
     if lock.try_lock().is_err() {
         return Ok(CellRun::HeldElsewhere);
     }
+    let mut previous = read_status(&dir);
+    if retrain && weights_gone(&dir) {
+        set_aside(&dir)?;
+        previous = None;
+    }
     // Another runner may have finished it between our listing and our lock.
-    let previous = read_status(&dir);
     if previous.as_ref().is_some_and(|s| s.state == State::Done) {
         return Ok(CellRun::Done);
     }
@@ -469,6 +547,13 @@ fn cell_command(
         if read_status(d).is_none_or(|s| s.state != State::Done) {
             return Ok(Err(format!("dependency {} did not finish", d.display())));
         }
+    }
+    if let Some(d) = dep_dir.as_ref().filter(|d| weights_gone(d)) {
+        return Ok(Err(format!(
+            "dependency {} finished but its weights are not there (a results folder keeps \
+             none): run the sweep again with --retrain to train it again",
+            d.display()
+        )));
     }
     let mut cmd = Command::new(exe);
     match cell.kind {

@@ -13,6 +13,7 @@
 //! | `swiattn_baselines.csv` | SwiAttn Tables 1-3 | Full, SWA-ZS, SWA-CPT, StaticHybrid, SwiAttn |
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
+//! | `timing.csv` | L2A Figs. 14-15 | cells of `exclusive` stages: prefill and decoding time by length, against full attention's |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
@@ -27,7 +28,7 @@ use super::replicates;
 use super::rows::{name_of, rows, Row};
 use crate::config::{Method, Router};
 use crate::run::prune::PruneReport;
-use crate::run::report::{GateReport, HEAD_USAGE_COLUMNS};
+use crate::run::report::{GateReport, Timing, HEAD_USAGE_COLUMNS};
 use crate::util::atomic;
 use anyhow::Result;
 use polars::prelude::*;
@@ -486,6 +487,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("aha_gaps.csv"), gap_table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
     Ok(written)
 }
 
@@ -535,6 +537,54 @@ fn write_or_remove(path: &Path, df: Option<DataFrame>, written: &mut Vec<PathBuf
 /// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
 /// usage and the distribution of its gaps between full-path calls (`report::GapStats`), heads by
 /// usage within a cell. None when the sweep has no AHA cell.
+/// The timed cells that ran alone on the GPU (`exclusive` stages), with what each costs
+/// beside full attention timed alone at the same length and batch.
+pub(crate) fn timed_alone(rows: &[Row]) -> Vec<(&Row, &Timing)> {
+    rows.iter()
+        .filter(|r| r.exclusive)
+        .filter_map(|r| r.report.timing.as_ref().map(|t| (r, t)))
+        .collect()
+}
+
+/// L2A Figs. 14-15: prefill time and decoding speed by length, one row per timed cell that
+/// ran alone; `prefill_speedup` is full attention's prefill time at the same length and
+/// batch over the row's (none without a full-attention row there).
+fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
+    let timed = timed_alone(rows);
+    if timed.is_empty() {
+        return Ok(None);
+    }
+    let full_prefill = |t: &Timing| {
+        timed
+            .iter()
+            .find(|(r, f)| r.method == Method::Full && f.seq_len == t.seq_len && f.batch == t.batch)
+            .map(|(_, f)| f.prefill_ms)
+    };
+    let n = |f: fn(&Timing) -> f64| timed.iter().map(|(_, t)| f(t)).collect::<Vec<f64>>();
+    let mut df = df!(
+        "stage" => timed.iter().map(|(r, _)| r.stage.clone()).collect::<Vec<_>>(),
+        "method" => timed.iter().map(|(r, _)| name_of(r.method)).collect::<Vec<_>>(),
+        "window" => timed.iter().map(|(r, _)| r.window).collect::<Vec<_>>(),
+        "mu_f" => timed.iter().map(|(r, _)| r.mu_f()).collect::<Vec<_>>(),
+        "seq_len" => n(|t| t.seq_len as f64),
+        "batch" => n(|t| t.batch as f64),
+        "prefill_ms" => n(|t| t.prefill_ms),
+        "prefill_speedup" => timed.iter().map(|(_, t)| full_prefill(t).map(|f| f / t.prefill_ms)).collect::<Vec<_>>(),
+        "forward_ms" => n(|t| t.forward_ms),
+        "attention_ms" => n(|t| t.attention_ms),
+        "decode_tokens_per_s" => n(|t| t.decode_tokens_per_s),
+        "decode_cache_mb" => n(|t| t.decode_cache_bytes / 1e6),
+        "device" => timed.iter().map(|(_, t)| t.device.clone()).collect::<Vec<_>>(),
+        "label" => timed.iter().map(|(r, _)| r.label.clone()).collect::<Vec<_>>(),
+        "cell" => timed.iter().map(|(r, _)| r.cell.clone()).collect::<Vec<_>>(),
+    )?;
+    df = df.sort(
+        ["stage", "window", "seq_len"],
+        SortMultipleOptions::default(),
+    )?;
+    Ok(Some(df))
+}
+
 fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
@@ -636,7 +686,64 @@ mod tests {
         );
         assert_eq!(of("full-0")[col("retain_pct")], "100.0");
         assert_eq!(of("l2a-0")[col("attention_ms")], "2.0");
+        // No cell ran alone: no prefill front, every timing marked as shared.
+        assert!(t[1..]
+            .iter()
+            .all(|r| r[col("front_prefill")] == "false" && r[col("timed_alone")] == "false"));
+        // Timed alone, probe-16b's timing becomes aha-16b's, and the prefill front holds the
+        // cells timed alone only: one, so it is on it.
+        time_alone(&dir, &["probe-16b", "full-0"], ("probe-16b", 3.0));
+        write_all(&dir, &dir).unwrap();
+        let t = csv(&dir.join("pareto.csv"));
+        let of = |cell: &str| t.iter().find(|r| r[col("cell")] == cell).unwrap();
+        assert_eq!(of("aha-16b")[col("prefill_ms")], "3.0");
+        assert_eq!(of("aha-16b")[col("timed_alone")], "true");
+        assert_eq!(of("aha-16")[col("timed_alone")], "false");
+        let on: Vec<&str> = t[1..]
+            .iter()
+            .filter(|r| r[col("front_prefill")] == "true")
+            .map(|r| r[col("cell")].as_str())
+            .collect();
+        assert_eq!(on, ["aha-16b", "full-0"]);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Marks `ids` of a fixture sweep as cells of an `exclusive` stage, and sets `id`'s
+    /// measured prefill time.
+    pub(crate) fn time_alone(dir: &Path, ids: &[&str], prefill: (&str, f64)) {
+        let path = dir.join("cells.json");
+        let mut cells: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for c in cells.as_array_mut().unwrap() {
+            if ids.contains(&c["id"].as_str().unwrap()) {
+                c["exclusive"] = true.into();
+            }
+        }
+        std::fs::write(&path, cells.to_string()).unwrap();
+        let path = dir.join(prefill.0).join("eval/eval.json");
+        let mut eval: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        eval["report"]["timing"]["prefill_ms"] = prefill.1.into();
+        std::fs::write(&path, eval.to_string()).unwrap();
+    }
+
+    /// `timing.csv` holds the cells that ran alone, with full attention's prefill time over
+    /// theirs at the same length; a sweep with none has no such table.
+    #[test]
+    fn timing_lists_the_cells_timed_alone_against_full_attention() {
+        let dir = sweep_dir("timing");
+        write_all(&dir, &dir).unwrap();
+        assert!(!dir.join("timing.csv").exists());
+        time_alone(&dir, &["full-0", "zs-0"], ("zs-0", 4.0));
+        write_all(&dir, &dir).unwrap();
+        let t = csv(&dir.join("timing.csv"));
+        let at = |name: &str| t[0].iter().position(|c| c == name).unwrap();
+        let row = |cell: &str| t.iter().find(|r| r[at("cell")] == cell).unwrap().clone();
+        assert_eq!(t.len(), 3, "a header and the two cells: {t:?}");
+        // The fixture times 8 ms for every cell but zs-0.
+        assert_eq!(row("full-0")[at("prefill_speedup")], "1.0");
+        assert_eq!(row("zs-0")[at("prefill_speedup")], "2.0");
+        assert_eq!(row("zs-0")[at("prefill_ms")], "4.0");
     }
 
     #[test]

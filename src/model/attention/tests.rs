@@ -526,7 +526,7 @@ fn a_block_hands_l2a_its_stream() {
     randomise_routers(&b, 0.5);
     tch::no_grad(|| {
         let g = &b.params()["model.layers.0.input_layernorm.weight"];
-        g.shallow_clone().fill_(3.0);
+        let _ = g.shallow_clone().fill_(3.0);
     });
     let h = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
     let (masks, rope) = b.model.sequence(5, Device::Cpu);
