@@ -531,7 +531,8 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
 
 /// The weights a continued-pretraining run starts from: `--init-from`, or on resume what
 /// `init_from.txt` recorded, so that a run resumed before its first checkpoint starts again from
-/// the same weights. The path's own bytes, so a path that is not UTF-8 comes back unchanged.
+/// the same weights. The path's own bytes, so a path that is not UTF-8 comes back unchanged; a
+/// relative record is relative to the run's directory (see `record_run`).
 fn init_source(args: &TrainArgs) -> Result<Option<PathBuf>> {
     let init_record = args.out.join("init_from.txt");
     Ok(match &args.init_from {
@@ -543,10 +544,30 @@ fn init_source(args: &TrainArgs) -> Result<Option<PathBuf>> {
             if bytes.last() == Some(&b'\n') {
                 bytes.pop();
             }
-            PathBuf::from(std::ffi::OsStr::from_bytes(&bytes))
+            args.out.join(std::ffi::OsStr::from_bytes(&bytes))
         }),
         _ => None,
     })
+}
+
+/// `path` from `dir` (`../../pretrained/x` from `results/g/cell`), both canonical; None when
+/// they share no root. A run's records then name what it read wherever the tree is moved, and
+/// name no directory of the machine it ran on.
+fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
+    use std::path::Component;
+    let (path, dir) = (
+        std::fs::canonicalize(path).ok()?,
+        std::fs::canonicalize(dir).ok()?,
+    );
+    let (p, d): (Vec<Component>, Vec<Component>) =
+        (path.components().collect(), dir.components().collect());
+    let shared = p.iter().zip(&d).take_while(|(a, b)| a == b).count();
+    if shared == 0 {
+        return None;
+    }
+    let mut out: PathBuf = d[shared..].iter().map(|_| Component::ParentDir).collect();
+    out.extend(&p[shared..]);
+    Some(out)
 }
 
 /// A training run in progress: the model, its optimizer and counters, the generators, and
@@ -743,6 +764,7 @@ impl<'a> Trainer<'a> {
     fn record_run(&self) -> Result<()> {
         let (args, p) = (self.args, &self.prepared);
         if let (false, Some(src)) = (args.resume, &p.init_from) {
+            let src = relative_to(src, &args.out).unwrap_or_else(|| src.clone());
             atomic::write_bytes(&args.out.join("init_from.txt"), src.as_os_str().as_bytes())?;
         }
         if !args.resume {
