@@ -551,8 +551,8 @@ fn init_source(args: &TrainArgs) -> Result<Option<PathBuf>> {
 }
 
 /// `path` from `dir` (`../../pretrained/x` from `results/g/cell`), both canonical; None when
-/// they share no root. A run's records then name what it read wherever the tree is moved, and
-/// name no directory of the machine it ran on.
+/// they share no directory but the root. A run's records then name what it read wherever the
+/// tree is moved, and name no directory of the machine it ran on.
 fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
     use std::path::Component;
     let (path, dir) = (
@@ -562,7 +562,9 @@ fn relative_to(path: &Path, dir: &Path) -> Option<PathBuf> {
     let (p, d): (Vec<Component>, Vec<Component>) =
         (path.components().collect(), dir.components().collect());
     let shared = p.iter().zip(&d).take_while(|(a, b)| a == b).count();
-    if shared == 0 {
+    // The first component is the root: sharing only it, the relative path would spell out
+    // the whole of one of them.
+    if shared < 2 {
         return None;
     }
     let mut out: PathBuf = d[shared..].iter().map(|_| Component::ParentDir).collect();
