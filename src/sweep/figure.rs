@@ -181,9 +181,10 @@ pub(super) fn cell_label(v: f64, ticks: &[String]) -> String {
 }
 
 /// Line and marker colours: Okabe and Ito's colour-blind-safe palette without its yellow,
-/// which is hard to see on white, then Paul Tol's indigo and wine, so that a chart of up to
-/// nine series (a Pareto chart's front and eight methods) gives each its own colour.
-const PALETTE: [RGBColor; 9] = [
+/// which is hard to see on white, then Paul Tol's indigo, wine, olive, green and rose and a
+/// mid grey, so that a chart of up to thirteen series (a Pareto chart's front, its references
+/// and eleven families of methods) gives each its own colour.
+const PALETTE: [RGBColor; 13] = [
     RGBColor(0, 114, 178),
     RGBColor(213, 94, 0),
     RGBColor(0, 158, 115),
@@ -193,6 +194,10 @@ const PALETTE: [RGBColor; 9] = [
     RGBColor(0, 0, 0),
     RGBColor(51, 34, 136),
     RGBColor(136, 34, 85),
+    RGBColor(153, 153, 51),
+    RGBColor(34, 136, 51),
+    RGBColor(238, 102, 119),
+    RGBColor(119, 119, 119),
 ];
 
 /// Markers drawn along one line at most.

@@ -788,18 +788,27 @@ fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     if timed.is_empty() {
         return;
     }
-    let settings: BTreeSet<String> = timed.iter().map(|(r, _)| setting_legend(r)).collect();
+    // One line per model: its setting without the length it was timed at.
+    let name = |r: &Row| {
+        let setting = replicates::setting(&r.label);
+        let kept: Vec<&str> = setting
+            .split(' ')
+            .filter(|kv| !kv.starts_with("eval.seq_len=") && !kv.starts_with("eval.batch_size="))
+            .collect();
+        legend_of(&r.stage, &kept.join(" "))
+    };
+    let settings: BTreeSet<String> = timed.iter().map(|(r, _)| name(r)).collect();
     let lines = |f: fn(&Timing) -> f64| -> Vec<Series> {
         sorted(
             settings
                 .iter()
-                .map(|name| {
+                .map(|setting| {
                     let points = timed
                         .iter()
-                        .filter(|(r, _)| setting_legend(r) == *name)
+                        .filter(|(r, _)| name(r) == *setting)
                         .map(|(_, t)| (t.seq_len as f64, f(t)))
                         .collect();
-                    series(name.clone(), points, true)
+                    series(setting.clone(), points, true)
                 })
                 .collect(),
         )
@@ -958,8 +967,9 @@ fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
     // Each method family keeps one look in every panel and figure, whichever families a
     // panel lacks (not every cell was probed); the front's line takes the first.
     let families: std::collections::BTreeSet<String> = rows.iter().map(pareto::family).collect();
-    // The palette but the front's colour (0) and the references' black (6).
-    const FAMILY_COLOURS: [usize; 7] = [1, 2, 3, 4, 5, 7, 8];
+    // The palette but the front's colour (0) and the references' black (6): eleven families
+    // of methods each with a colour of its own.
+    const FAMILY_COLOURS: [usize; 11] = [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12];
     let look_of = |name: &str| {
         let i = families.iter().position(|f| f == name).unwrap_or(0);
         Look::Chosen {
