@@ -1870,7 +1870,7 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
              [[stage]]\nname = \"swa\"\ninit_from = \"base\"\nset = {{ \"attention.method\" = \"swa\" }}\n\
              axes = {{ \"attention.window\" = [4, 8] }}\n\
              [[stage]]\nname = \"timed\"\nkind = \"eval\"\nof = \"swa\"\nseeds = 1\nexclusive = true\n\
-             set = {{ \"eval.timing\" = true }}\n",
+             set = {{ \"eval.timing\" = true }}\naxes = {{ \"eval.seq_len\" = [32, 64] }}\n",
             src = src.display(),
             base = tiny_base(&d.join("data"))
         ),
@@ -1880,7 +1880,7 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
     sweep(&grid, &out, &["--jobs", "2"]);
     ok(&["plot", "--sweep", out.to_str().unwrap()]);
     let timing = log_rows(&out.join("timing.csv"));
-    assert_eq!(timing.len(), 2, "one row per window: {timing:?}");
+    assert_eq!(timing.len(), 4, "one row per window and length: {timing:?}");
     assert!(out.join("figures/prefill_time.png").is_file());
     // Kept without weights: the timed cells cannot run again until --retrain.
     let seed_of = |dir: &Path| json(&dir.join("cell.json"))["config"]["train"]["seed"].as_u64();

@@ -785,7 +785,9 @@ fn bucket_loss(all: &[Row], figs: &mut Vec<(String, Figure)>) {
 /// setting, from the cells that ran alone on the GPU (`timing.csv`).
 fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let timed = tables::timed_alone(all);
-    if timed.is_empty() {
+    // Against length means at two lengths or more (one length is `pareto_prefill`'s axis).
+    let lengths: BTreeSet<usize> = timed.iter().map(|(_, t)| t.seq_len).collect();
+    if lengths.len() < 2 {
         return;
     }
     // One line per model: its setting without the length it was timed at.
