@@ -104,6 +104,24 @@ impl Keys<'_> {
                         return sdpa(None, false);
                     }
                 }
+                // One decoded query through a window sees the last w keys: a slot holds
+                // consecutive positions ending at the query's own (chunks are appended in
+                // order and `trim` keeps a suffix), so they are a narrow, and no mask is built.
+                if let (KeyPattern::Window(w), 1) = (pattern, n) {
+                    let len = k.size()[2];
+                    let keep = len.min(w as i64);
+                    let (k, v) = (k.narrow(2, len - keep, keep), v.narrow(2, len - keep, keep));
+                    return Tensor::scaled_dot_product_attention(
+                        q,
+                        &k,
+                        &v,
+                        None::<Tensor>,
+                        0.0,
+                        false,
+                        None,
+                        gqa,
+                    );
+                }
                 let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
                 let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
                 let seen = match pattern {
@@ -126,18 +144,21 @@ impl Keys<'_> {
     }
 
     /// Drops cached keys of `slot` that no later query can see through a window of `w`.
-    pub(super) fn trim(&self, slot: usize, w: usize, end: i64) {
+    pub(super) fn trim(&self, slot: usize, w: usize) {
         let Keys::Cache { cache, .. } = self else {
             return;
         };
         let mut c = cache.borrow_mut();
         if let Some(s) = c.slots[slot].as_mut() {
             // The last w keys, the window of the last query: a rolling buffer at its peak
-            // size (the next query needs w - 1 of them beside its own).
-            let keep = s.pos.ge(end - w as i64).nonzero().squeeze_dim(-1);
-            s.k = s.k.index_select(2, &keep);
-            s.v = s.v.index_select(2, &keep);
-            s.pos = s.pos.index_select(0, &keep);
+            // size (the next query needs w - 1 of them beside its own). The slot holds
+            // consecutive positions up to the chunk's last, so they are its last w: a narrow,
+            // with no search of the positions (and no wait for the device to answer one).
+            let len = s.pos.size()[0];
+            let keep = len.min(w as i64);
+            s.k = s.k.narrow(2, len - keep, keep);
+            s.v = s.v.narrow(2, len - keep, keep);
+            s.pos = s.pos.narrow(0, len - keep, keep);
         }
     }
 }

@@ -81,8 +81,6 @@ impl SelfAttention {
         keys: &Keys,
         ctx: &ForwardCtx,
     ) -> AttnOutput {
-        let l = x.size()[1];
-        let start = keys.start();
         let (q, k, v) = self.base.proj.qkv(x, rope, self.base.kernels);
         let (k, v) = keys.extend(0, k, v);
         let chunk = Chunk {
@@ -97,7 +95,7 @@ impl SelfAttention {
         let out = self.route.forward(&self.base, &chunk, ctx);
         // Keys that no later query can reach through this layer's window are dropped.
         if let Some(w) = self.route.window_only(&self.base) {
-            keys.trim(0, w, start + l);
+            keys.trim(0, w);
         }
         out
     }
