@@ -1905,6 +1905,17 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
         let error = status(&c)["error"].to_string();
         assert!(error.contains("--retrain"), "{error}");
     }
+    let err = fails(&[
+        "sweep",
+        "--grid",
+        gs,
+        "--out",
+        os,
+        "--cell",
+        "0",
+        "--retrain",
+    ]);
+    assert!(err.contains("--retrain") && err.contains("--cell"), "{err}");
     sweep(&grid, &out, &["--retrain", "--retry-failed"]);
     for c in cell_dirs(&out, "timed") {
         assert_eq!(status(&c)["state"], "done");

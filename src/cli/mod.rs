@@ -115,9 +115,11 @@ struct SweepCmd {
     /// is twice the size of its weights: over a grid of many cells it fills a disk.
     #[arg(long)]
     drop_optimizer: bool,
-    /// Train again each finished train cell whose weights are gone (a results folder kept
-    /// without them) when a cell of this run still to run evaluates or prunes it. Its earlier
-    /// files move to before_retrain/ in its folder.
+    /// Make again the weights of each finished train or prune cell whose weights are gone (a
+    /// results folder is kept without them) when a cell this run starts evaluates, prunes or
+    /// continues from it, and of what that cell read in turn. Its earlier files move to
+    /// before_retrain/ in its folder. Cells that failed for want of those weights run again
+    /// with --retry-failed.
     #[arg(long)]
     retrain: bool,
     /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
@@ -725,6 +727,12 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         );
         grid.keep_first_seeds(n)?;
     }
+    anyhow::ensure!(
+        !c.retrain || (c.emit.is_none() && c.cell.is_none()),
+        "--retrain trains a cell's dependencies again before the cell, in one run of the grid; \
+         with --emit or --cell, which run one cell, leave it out (run the sweep with --retrain \
+         where the weights are to be made)"
+    );
     let cells = sweep::expand(&grid)?;
     let out = c
         .out

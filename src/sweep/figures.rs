@@ -799,19 +799,12 @@ fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
             .collect();
         legend_of(&r.stage, &kept.join(" "))
     };
-    let settings: BTreeSet<String> = timed.iter().map(|(r, _)| name(r)).collect();
+    // Seeds of one setting timed at one length are averaged into one point.
     let lines = |f: fn(&Timing) -> f64| -> Vec<Series> {
-        sorted(
-            settings
+        replicate_means(
+            timed
                 .iter()
-                .map(|setting| {
-                    let points = timed
-                        .iter()
-                        .filter(|(r, _)| name(r) == *setting)
-                        .map(|(_, t)| (t.seq_len as f64, f(t)))
-                        .collect();
-                    series(setting.clone(), points, true)
-                })
+                .map(|(r, t)| (name(r), vec![(t.seq_len as f64, f(t))]))
                 .collect(),
         )
     };

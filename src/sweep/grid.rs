@@ -92,8 +92,9 @@ pub(crate) struct Stage {
     /// (a timing needs one model of each setting); the grid's count when absent.
     #[serde(default)]
     pub(crate) seeds: Option<usize>,
-    /// Run the stage's cells one at a time, with no other cell of the sweep beside them,
-    /// whatever `--jobs` says: what they time is then the GPU's alone.
+    /// Run the stage's cells one at a time, with no other cell of the runner beside them,
+    /// whatever `--jobs` says: what they time is then the GPU's alone (each cell's own
+    /// `cell.json` records that it ran so).
     #[serde(default)]
     pub(crate) exclusive: bool,
 }
@@ -342,6 +343,11 @@ pub fn expand(grid: &Grid) -> Result<Vec<Cell>> {
         let seeds = match stage.seeds {
             None => &seeds[..],
             Some(n) => {
+                ensure!(
+                    stage.kind == StageKind::Train || source.is_some(),
+                    "{what}: seeds = {n} on an eval stage picks the seeds of the cells it \
+                     evaluates; without `of` it evaluates the pretrained model, which has none"
+                );
                 ensure!(
                     (1..=grid.seeds).contains(&n),
                     "{what}: seeds = {n} must be within the grid's seeds = {} (a train stage's \
@@ -928,6 +934,12 @@ axes = {{ "attention.tau" = [0.3, 0.7] }}
             .all(|c| !c.exclusive));
         let e = format!("{:#}", expand(&text("\nseeds = 4")).unwrap_err());
         assert!(e.contains("within the grid's seeds = 3"), "{e}");
+        // Without `of` an eval stage evaluates the pretrained model: no seeds to pick.
+        let g = grid(&format!(
+            "seeds = 3\npretrained = \"p\"\n{BASE}[[stage]]\nname = \"ev\"\nkind = \"eval\"\nseeds = 1\n"
+        ));
+        let e = format!("{:#}", expand(&g).unwrap_err());
+        assert!(e.contains("without `of`"), "{e}");
     }
 
     #[test]

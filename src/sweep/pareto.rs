@@ -41,8 +41,15 @@ impl Cost {
             Cost::Work => r.pairs_vs_full(),
             Cost::TrainTime => 1e6 / r.train_tokens_per_s?,
             Cost::DecodeMemory => r.report.kv_cache_bytes_total / 1e6,
-            Cost::Prefill if r.exclusive => r.report.timing.as_ref()?.prefill_ms,
-            Cost::Prefill => return None,
+            // One sequence, as timed alone: a batch's time is not comparable with it.
+            Cost::Prefill => {
+                let t = r
+                    .report
+                    .timing
+                    .as_ref()
+                    .filter(|t| r.exclusive && t.batch == 1)?;
+                t.prefill_ms
+            }
         };
         v.is_finite().then_some(v)
     }

@@ -59,7 +59,8 @@ pub(crate) struct Row {
     pub(crate) train_tokens_per_s: Option<f64>,
     /// The attention the cell was evaluated with.
     pub(crate) attention: AttentionConfig,
-    /// It ran with no other cell beside it (its stage's `exclusive`): its timing is clean.
+    /// It ran with no other cell of its sweep beside it (its stage's `exclusive`, as its own
+    /// `cell.json` recorded when it ran): its timing is clean.
     pub(crate) exclusive: bool,
 }
 
@@ -147,6 +148,16 @@ fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
     out
 }
 
+/// Whether a cell ran in an `exclusive` stage, as the `cell.json` written into its folder when
+/// it ran says: the sweep's own cells.json follows the grid, which may have changed since.
+fn ran_alone(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("cell.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["exclusive"].as_bool())
+        .unwrap_or(false)
+}
+
 /// The finished cells of a sweep directory, each once (cells that several stages share
 /// appear under the first).
 pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
@@ -229,7 +240,7 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             tokens_per_s: median_rate(&dir.join("train_log.csv")),
             train_tokens_per_s: None,
             attention: ev.config.attention.clone(),
-            exclusive: c.exclusive,
+            exclusive: ran_alone(&dir),
         });
     }
     // Rows come in stage order, so the cell an eval or prune cell derives from is resolved

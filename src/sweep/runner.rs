@@ -244,8 +244,15 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         }
         None => cells.iter().collect(),
     };
+    // What this run starts of the unfinished cells: all but those that failed, unless
+    // --retry-failed (the stage loop's own rule).
+    let will_run = |s: &Status| match s.state {
+        State::Done => false,
+        State::Failed => args.retry_failed,
+        State::Running => true,
+    };
     let retrain = if args.retrain {
-        to_retrain(&chosen, &args.out)
+        to_retrain(&chosen, &args.out, will_run)
     } else {
         BTreeSet::new()
     };
@@ -289,9 +296,10 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
                 .filter(|c| !attempted.lock().unwrap().contains(&c.id))
                 .filter(|c| match read_status(&args.out.join(&c.id)) {
                     Some(s) if s.state == State::Done => retrain.contains(&c.id),
-                    Some(s) if s.state == State::Failed => args.retry_failed,
-                    // Never started, or interrupted (a runner died while it ran): run/resume.
-                    _ => true,
+                    // Never started, interrupted (a runner died while it ran: resume), or
+                    // failed (with --retry-failed).
+                    Some(s) => will_run(&s),
+                    None => true,
                 })
                 .collect();
             if pending.is_empty() {
@@ -368,34 +376,48 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     Ok(o)
 }
 
-/// Whether a train cell's folder lacks the weights of its latest checkpoint (a results folder
-/// is kept without them).
-fn weights_gone(dir: &Path) -> bool {
-    checkpoint::latest(dir)
-        .ok()
-        .flatten()
-        .is_none_or(|c| !c.join("model.safetensors").is_file())
+/// Whether a finished cell's folder lacks the weights it made (a results folder is kept
+/// without them): a train cell's latest checkpoint's, a prune cell's `model.safetensors`. An
+/// unreadable `checkpoints/latest` is an error, not weights gone.
+fn weights_gone(dir: &Path) -> Result<bool> {
+    Ok(match checkpoint::latest(dir)? {
+        Some(c) => !c.join("model.safetensors").is_file(),
+        None => !dir.join("model.safetensors").is_file(),
+    })
 }
 
-/// The finished train cells among `chosen` whose weights are gone and which a cell of
-/// `chosen` still to run evaluates, prunes or continues from, and what those continue from in
-/// turn where its weights are gone too.
-fn to_retrain(chosen: &[&Cell], out: &Path) -> BTreeSet<String> {
+/// Whether running `cell` now reads the weights of the cell it depends on: an evaluation or a
+/// pruning always, a train cell only when it starts (one resuming reads its own checkpoint).
+fn reads_dependency(cell: &Cell, dir: &Path) -> bool {
+    cell.depends_on.is_some()
+        && (cell.kind != StageKind::Train || !dir.join("config.toml").exists())
+}
+
+/// The finished cells among `chosen` that made weights (train and prune cells) whose weights
+/// are gone and which a cell of `chosen` that this run will start reads, and what those read
+/// in turn where their weights are gone too. `will_run` says which unfinished cells run.
+fn to_retrain(
+    chosen: &[&Cell],
+    out: &Path,
+    will_run: impl Fn(&Status) -> bool,
+) -> BTreeSet<String> {
     let done = |id: &str| read_status(&out.join(id)).is_some_and(|s| s.state == State::Done);
-    let train: BTreeMap<&str, &Cell> = chosen
+    let makers: BTreeMap<&str, &Cell> = chosen
         .iter()
-        .filter(|c| c.kind == StageKind::Train)
+        .filter(|c| c.kind != StageKind::Eval)
         .map(|c| (c.id.as_str(), *c))
         .collect();
     let mut needed: Vec<&str> = chosen
         .iter()
-        .filter(|c| !done(&c.id))
+        .filter(|c| read_status(&out.join(&c.id)).is_none_or(|s| will_run(&s)))
+        .filter(|c| reads_dependency(c, &out.join(&c.id)))
         .filter_map(|c| c.depends_on.as_deref())
         .collect();
     let mut again = BTreeSet::new();
     while let Some(id) = needed.pop() {
-        let Some(cell) = train.get(id) else { continue };
-        if again.contains(id) || !done(id) || !weights_gone(&out.join(id)) {
+        let Some(cell) = makers.get(id) else { continue };
+        let gone = weights_gone(&out.join(id)).unwrap_or(false);
+        if again.contains(id) || !done(id) || !gone {
             continue;
         }
         again.insert(id.to_string());
@@ -456,8 +478,20 @@ fn run_cell(
         return Ok(CellRun::HeldElsewhere);
     }
     let mut previous = read_status(&dir);
-    if retrain && weights_gone(&dir) {
-        set_aside(&dir)?;
+    if retrain && weights_gone(&dir).unwrap_or(false) {
+        if let Err(e) = set_aside(&dir) {
+            // Whatever moved stays in before_retrain/; the cell says why it did not run.
+            let error = format!("moving its earlier run aside to train it again: {e:#}");
+            write_status(
+                &dir,
+                &Status {
+                    state: State::Failed,
+                    attempts: previous.map_or(0, |s| s.attempts) + 1,
+                    error: Some(error.clone()),
+                },
+            )?;
+            return Ok(CellRun::Failed(error));
+        }
         previous = None;
     }
     // Another runner may have finished it between our listing and our lock.
@@ -548,12 +582,19 @@ fn cell_command(
             return Ok(Err(format!("dependency {} did not finish", d.display())));
         }
     }
-    if let Some(d) = dep_dir.as_ref().filter(|d| weights_gone(d)) {
-        return Ok(Err(format!(
-            "dependency {} finished but its weights are not there (a results folder keeps \
-             none): run the sweep again with --retrain to train it again",
-            d.display()
-        )));
+    if let Some(d) = dep_dir.as_ref().filter(|_| reads_dependency(cell, dir)) {
+        match weights_gone(d) {
+            Ok(false) => {}
+            Ok(true) => {
+                return Ok(Err(format!(
+                    "dependency {} finished but its weights are not there (a results folder \
+                     keeps none): run the sweep again with --retrain --retry-failed to make \
+                     them again and run this cell",
+                    d.display()
+                )))
+            }
+            Err(e) => return Ok(Err(format!("dependency {}: {e:#}", d.display()))),
+        }
     }
     let mut cmd = Command::new(exe);
     match cell.kind {
@@ -703,4 +744,35 @@ fn last_logged_step(log: &Path) -> u64 {
                 .and_then(|s| s.parse().ok())
         })
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A train cell's weights are its latest checkpoint's, a prune cell's its own
+    /// `model.safetensors`; either missing is gone, and a `latest` naming nothing is an error
+    /// to show, not weights to make again.
+    #[test]
+    fn weights_are_found_where_each_kind_of_cell_writes_them() {
+        let root = std::env::temp_dir().join(format!("attnsweep-weights-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (train, prune) = (root.join("train"), root.join("prune"));
+        let step = train.join("checkpoints/step_00000004");
+        std::fs::create_dir_all(&step).unwrap();
+        std::fs::create_dir_all(&prune).unwrap();
+        std::fs::write(train.join("checkpoints/latest"), "step_00000004").unwrap();
+        std::fs::write(step.join("model.safetensors"), b"w").unwrap();
+        std::fs::write(prune.join("model.safetensors"), b"w").unwrap();
+        assert!(!weights_gone(&train).unwrap());
+        assert!(!weights_gone(&prune).unwrap());
+        std::fs::remove_file(step.join("model.safetensors")).unwrap();
+        std::fs::remove_file(prune.join("model.safetensors")).unwrap();
+        assert!(weights_gone(&train).unwrap());
+        assert!(weights_gone(&prune).unwrap());
+        std::fs::write(train.join("checkpoints/latest"), "step_00000008").unwrap();
+        let e = format!("{:#}", weights_gone(&train).unwrap_err());
+        assert!(e.contains("does not exist"), "{e}");
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

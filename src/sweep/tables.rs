@@ -533,12 +533,7 @@ fn write_or_remove(path: &Path, df: Option<DataFrame>, written: &mut Vec<PathBuf
     Ok(())
 }
 
-/// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
-/// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
-/// usage and the distribution of its gaps between full-path calls (`report::GapStats`), heads by
-/// usage within a cell. None when the sweep has no AHA cell.
-/// The timed cells that ran alone on the GPU (`exclusive` stages), with what each costs
-/// beside full attention timed alone at the same length and batch.
+/// The timed cells that ran alone on the GPU (`exclusive` stages), with their timings.
 pub(crate) fn timed_alone(rows: &[Row]) -> Vec<(&Row, &Timing)> {
     rows.iter()
         .filter(|r| r.exclusive)
@@ -585,6 +580,10 @@ fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     Ok(Some(df))
 }
 
+/// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
+/// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
+/// usage and the distribution of its gaps between full-path calls (`report::GapStats`), heads by
+/// usage within a cell. None when the sweep has no AHA cell.
 fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
@@ -708,22 +707,31 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// Marks `ids` of a fixture sweep as cells of an `exclusive` stage, and sets `id`'s
+    /// Marks `ids` of a fixture sweep as cells that ran in an `exclusive` stage (the
+    /// `cell.json` their run writes into their folders) timing one sequence, and sets `id`'s
     /// measured prefill time.
     pub(crate) fn time_alone(dir: &Path, ids: &[&str], prefill: (&str, f64)) {
-        let path = dir.join("cells.json");
-        let mut cells: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        for c in cells.as_array_mut().unwrap() {
-            if ids.contains(&c["id"].as_str().unwrap()) {
-                c["exclusive"] = true.into();
+        let cells: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("cells.json")).unwrap())
+                .unwrap();
+        for c in cells.as_array().unwrap() {
+            let id = c["id"].as_str().unwrap();
+            if ids.contains(&id) {
+                let mut ran = c.clone();
+                ran["exclusive"] = true.into();
+                std::fs::write(dir.join(id).join("cell.json"), ran.to_string()).unwrap();
+                edit_timing(dir, id, "batch", 1.into());
             }
         }
-        std::fs::write(&path, cells.to_string()).unwrap();
-        let path = dir.join(prefill.0).join("eval/eval.json");
+        edit_timing(dir, prefill.0, "prefill_ms", prefill.1.into());
+    }
+
+    /// Sets one figure of a fixture cell's timing.
+    fn edit_timing(dir: &Path, id: &str, key: &str, value: serde_json::Value) {
+        let path = dir.join(id).join("eval/eval.json");
         let mut eval: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        eval["report"]["timing"]["prefill_ms"] = prefill.1.into();
+        eval["report"]["timing"][key] = value;
         std::fs::write(&path, eval.to_string()).unwrap();
     }
 
@@ -744,6 +752,17 @@ mod tests {
         assert_eq!(row("full-0")[at("prefill_speedup")], "1.0");
         assert_eq!(row("zs-0")[at("prefill_speedup")], "2.0");
         assert_eq!(row("zs-0")[at("prefill_ms")], "4.0");
+        // A stage made exclusive after its cells ran: they ran beside others, and their
+        // own cell.json, written when they ran, says so.
+        let path = dir.join("cells.json");
+        let mut cells: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for c in cells.as_array_mut().unwrap() {
+            c["exclusive"] = true.into();
+        }
+        std::fs::write(&path, cells.to_string()).unwrap();
+        write_all(&dir, &dir).unwrap();
+        assert_eq!(csv(&dir.join("timing.csv")).len(), 3);
     }
 
     #[test]

@@ -156,9 +156,16 @@ impl Keys<'_> {
             // with no search of the positions (and no wait for the device to answer one).
             let len = s.pos.size()[0];
             let keep = len.min(w as i64);
-            s.k = s.k.narrow(2, len - keep, keep);
-            s.v = s.v.narrow(2, len - keep, keep);
-            s.pos = s.pos.narrow(0, len - keep, keep);
+            // A view keeps the whole tensor alive: after a prefill longer than the window
+            // the kept keys are copied out, so the rest is freed; a decoding step drops one
+            // key, and its view is replaced by the next step's concatenation anyway.
+            let last = |t: &Tensor, dim: i64| match t.narrow(dim, len - keep, keep) {
+                kept if 2 * keep < len => kept.contiguous(),
+                kept => kept,
+            };
+            s.k = last(&s.k, 2);
+            s.v = last(&s.v, 2);
+            s.pos = last(&s.pos, 0);
         }
     }
 }
