@@ -1851,7 +1851,8 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
 /// settings of a stage (`replicate_differences.csv`). An exclusive eval stage of the first seed
 /// times each window alone (`timing.csv`, `prefill_time`). Kept without weights, as a results
 /// folder is, the sweep refuses to evaluate them again until `--retrain` trains again the
-/// cells the evaluations need, and those only, setting their earlier files aside.
+/// cells the evaluations need, and those only, setting their earlier files aside. A run told to
+/// stop starting cells at once runs none, and says how to go on.
 #[test]
 fn seeds_replicate_cells_and_plot_summarises_them() {
     let d = scratch("seeds");
@@ -1877,6 +1878,13 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
     )
     .unwrap();
     let out = d.join("sweep");
+    // --stop-after 0 starts nothing and says how to go on; the same command then runs it all.
+    let o = sweep(&grid, &out, &["--jobs", "2", "--stop-after", "0"]);
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        said.contains("0 cells done") && said.contains("run the same command again"),
+        "{said}"
+    );
     sweep(&grid, &out, &["--jobs", "2"]);
     ok(&["plot", "--sweep", out.to_str().unwrap()]);
     let timing = log_rows(&out.join("timing.csv"));

@@ -133,6 +133,11 @@ struct SweepCmd {
     /// (cells done, failed and left; the running cells' steps).
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STATUS_EVERY)]
     status_every: u64,
+    /// Start no cell after this many seconds: the running cells finish, the tables are
+    /// written, and the same command run again goes on from there. For a time-limited job:
+    /// the limit less the longest cell.
+    #[arg(long, value_name = "SECONDS")]
+    stop_after: Option<u64>,
 }
 
 #[derive(Args)]
@@ -795,6 +800,7 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         retry_failed: c.retry_failed,
         drop_optimizer: c.drop_optimizer,
         retrain: c.retrain,
+        stop_after: c.stop_after.map(std::time::Duration::from_secs),
         quiet: c.quiet,
         status_every: c.status_every,
     };
@@ -809,6 +815,12 @@ fn run_sweep(c: SweepCmd) -> Result<()> {
         o.failed,
         o.skipped
     );
+    if o.stopped {
+        eprintln!(
+            "stopped starting cells after --stop-after {} s; run the same command again to go on",
+            c.stop_after.unwrap_or_default()
+        );
+    }
     // Cells that failed before and were skipped now count too: the sweep is not complete.
     let failed = sweep::failed_cells(&cells, &args);
     anyhow::ensure!(

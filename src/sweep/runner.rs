@@ -72,6 +72,8 @@ pub(crate) struct SweepArgs {
     /// Train again the finished train cells whose weights are gone and which a cell still to
     /// run reads (`sweep --retrain`).
     pub(crate) retrain: bool,
+    /// Start no cell after this long (`sweep --stop-after`).
+    pub(crate) stop_after: Option<Duration>,
     pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
     pub(crate) status_every: u64,
@@ -145,6 +147,8 @@ pub(crate) struct Outcome {
     pub(crate) done: usize,
     pub(crate) failed: usize,
     pub(crate) skipped: usize,
+    /// `--stop-after` passed before every cell was started.
+    pub(crate) stopped: bool,
 }
 
 /// Generates the grid's synthetic corpus or prepares its text corpus at `base.data.dir` when
@@ -283,6 +287,9 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         }
         s
     };
+    let deadline = args.stop_after.map(|d| std::time::Instant::now() + d);
+    let past_deadline = || deadline.is_some_and(|d| std::time::Instant::now() >= d);
+    let stopped = std::sync::atomic::AtomicBool::new(false);
     for stage in stages {
         let exclusive = chosen.iter().any(|c| c.stage == stage && c.exclusive);
         let workers = if exclusive { 1 } else { workers };
@@ -305,6 +312,10 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
             if pending.is_empty() {
                 break;
             }
+            if past_deadline() {
+                stopped.store(true, Ordering::SeqCst);
+                break;
+            }
             let next = AtomicUsize::new(0);
             let held_elsewhere = Mutex::new(Vec::<PathBuf>::new());
             std::thread::scope(|s| {
@@ -324,7 +335,12 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
                         mp,
                         status: status.as_ref(),
                     };
+                    let (past_deadline, stopped) = (&past_deadline, &stopped);
                     s.spawn(move || loop {
+                        if past_deadline() {
+                            stopped.store(true, Ordering::SeqCst);
+                            break;
+                        }
                         let i = next.fetch_add(1, Ordering::SeqCst);
                         let Some(cell) = pending.get(i) else { break };
                         let device = args.devices.get(w).copied();
@@ -373,6 +389,7 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     overall.finish_and_clear();
     let mut o = outcome.into_inner().unwrap();
     o.skipped = chosen.len() - o.done - o.failed;
+    o.stopped = stopped.into_inner();
     Ok(o)
 }
 
