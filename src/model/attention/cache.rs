@@ -71,6 +71,20 @@ impl Keys<'_> {
         out
     }
 
+    /// Whether `slot` holds this chunk's `n` keys alone, from position 0: a prefill into an
+    /// empty cache, which attends as a forward over the chunk does.
+    pub(super) fn prefill_only(&self, slot: usize, n: i64) -> bool {
+        match self {
+            Keys::Chunk(_) => false,
+            Keys::Cache { cache, start } => {
+                *start == 0
+                    && cache.borrow().slots[slot]
+                        .as_ref()
+                        .is_some_and(|s| s.pos.size()[0] == n)
+            }
+        }
+    }
+
     /// `pattern` for queries of this chunk over keys from `extend(slot, ..)`.
     pub(super) fn attend(
         &self,

@@ -5,7 +5,7 @@ use super::methods::{hybrid_pattern, SwiAttnReg};
 use super::patterns::is_power_offset;
 use super::*;
 use crate::config::{
-    AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm, Reduction, Router,
+    AttentionConfig, AttnImpl, Method, ModelConfig, NormPlacement, QkNorm, Reduction, Router,
 };
 use crate::model::nn::Rope;
 use crate::util::rng::Rng;
@@ -948,7 +948,6 @@ fn kv_cache_bytes_follow_each_layer_kind() {
 /// kernels themselves are checked in `src/model/kernels/tests.rs`.
 #[test]
 fn kernel_path_matches_reference_path_for_every_method() {
-    use crate::config::AttnImpl;
     let bernoulli = |c: &mut Config| {
         c.attention.router = Router::Bernoulli;
         c.attention.bernoulli_p = 0.3;
@@ -1098,7 +1097,7 @@ fn sampled_straight_through_gradient_is_unbiased() {
 #[test]
 #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
 fn cuda_routed_training_matches_reference() {
-    use crate::config::{AttnImpl, Dtype};
+    use crate::config::Dtype;
     tests::on_cuda("cuda_routed_training_matches_reference", |_| {
         let dev = Device::Cuda(0);
         let rel = |a: &Tensor, b: &Tensor| {
@@ -1209,6 +1208,26 @@ fn cached_decoding_matches_the_whole_sequence_forward() {
             routed_cfg(Method::Aha, |c| {
                 c.attention.router = Router::Bernoulli;
                 c.attention.bernoulli_p = 0.4;
+            }),
+        ),
+        // On the kernel library (its CPU build here): the prefill into the empty cache runs
+        // the window and PPA kernels, as the forward does.
+        (
+            "swa_kernels",
+            routed_cfg(Method::Swa, |c| c.attention.attn_impl = AttnImpl::Cuda),
+        ),
+        (
+            "ppa_kernels",
+            routed_cfg(Method::Ppa, |c| {
+                c.attention.ppa_power = 0.5;
+                c.attention.attn_impl = AttnImpl::Cuda;
+            }),
+        ),
+        (
+            "l2a_kernels",
+            routed_cfg(Method::L2a, |c| {
+                c.attention.tau = 0.5;
+                c.attention.attn_impl = AttnImpl::Cuda;
             }),
         ),
     ];
