@@ -188,23 +188,33 @@ pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     Ok(list.into_iter().collect())
 }
 
+/// The weights a directory holds: its own `model.safetensors` (a checkpoint directory, a
+/// pruned model), else its latest checkpoint's; None when neither is there (a run kept
+/// without its weights). An unreadable `checkpoints/latest` is an error.
+pub(crate) fn weights_in(dir: &Path) -> Result<Option<PathBuf>> {
+    let own = dir.join("model.safetensors");
+    if own.is_file() {
+        return Ok(Some(own));
+    }
+    Ok(latest(dir)?
+        .map(|ckpt| ckpt.join("model.safetensors"))
+        .filter(|w| w.is_file()))
+}
+
 /// Resolves what `--init-from` or `eval --ckpt` may name: a run directory (its latest
 /// checkpoint), a checkpoint directory, or a `.safetensors` file.
 pub(crate) fn resolve_weights(path: &Path) -> Result<PathBuf> {
     if path.is_file() {
         return Ok(path.to_path_buf());
     }
-    if path.join("model.safetensors").is_file() {
-        return Ok(path.join("model.safetensors"));
-    }
     if path.is_dir() {
-        if let Some(ckpt) = latest(path)? {
-            return Ok(ckpt.join("model.safetensors"));
-        }
-        bail!(
-            "{} holds no checkpoint (no checkpoints/latest, no model.safetensors)",
-            path.display()
-        );
+        return weights_in(path)?.with_context(|| {
+            format!(
+                "{} holds no weights (no model.safetensors, and no checkpoints/latest naming a \
+                 checkpoint with one)",
+                path.display()
+            )
+        });
     }
     bail!("{} does not exist", path.display())
 }

@@ -397,10 +397,7 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
 /// without them): a train cell's latest checkpoint's, a prune cell's `model.safetensors`. An
 /// unreadable `checkpoints/latest` is an error, not weights gone.
 fn weights_gone(dir: &Path) -> Result<bool> {
-    Ok(match checkpoint::latest(dir)? {
-        Some(c) => !c.join("model.safetensors").is_file(),
-        None => !dir.join("model.safetensors").is_file(),
-    })
+    Ok(checkpoint::weights_in(dir)?.is_none())
 }
 
 /// Whether running `cell` now reads the weights of the cell it depends on: an evaluation or a

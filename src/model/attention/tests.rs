@@ -294,6 +294,18 @@ fn static_twin(routed: &Built, cfg: &Config, method: Method) -> Built {
     twin
 }
 
+/// The window alone on `x`: layer 0's attention output of `routed`'s SWA twin (the same
+/// weights), as the reference a routed method's window path is checked against.
+fn window_output(routed: &Built, cfg: &Config, x: &Tensor, rope: &Rope, keys: &Keys) -> Vec<f64> {
+    let swa = static_twin(routed, cfg, Method::Swa);
+    vec64(
+        &swa.model.layers[0]
+            .self_attn
+            .forward(x, None, rope, keys, &ForwardCtx::default())
+            .y,
+    )
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
@@ -467,13 +479,7 @@ fn aha_and_l2a_regularisers_match_hand_computation() {
     let out = b.model.layers[0]
         .self_attn
         .forward(&x, None, &rope, &masks, &ForwardCtx::default());
-    let swa = static_twin(&b, &cfg, Method::Swa);
-    let s = vec64(
-        &swa.model.layers[0]
-            .self_attn
-            .forward(&x, None, &rope, &masks, &ForwardCtx::default())
-            .y,
-    );
+    let s = window_output(&b, &cfg, &x, &rope, &masks);
     let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
     let gain = vec64(&b.params()["model.layers.0.self_attn.global_attn.norm.weight"]);
     let xs = vec64(&x);
@@ -540,13 +546,7 @@ fn a_block_hands_l2a_its_stream() {
         .flat_map(|t| rms_norm64(&hs[t * 16..t * 16 + 16], &[3.0; 16], eps))
         .collect();
     let x = Tensor::from_slice(&x).view([1, 5, 16]).to_kind(Kind::Float);
-    let swa = static_twin(&b, &cfg, Method::Swa);
-    let s = vec64(
-        &swa.model.layers[0]
-            .self_attn
-            .forward(&x, None, &rope, &keys, &ForwardCtx::default())
-            .y,
-    );
+    let s = window_output(&b, &cfg, &x, &rope, &keys);
     let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
     for t in 0..5 {
         let stream: Vec<f64> = (0..16).map(|c| hs[t * 16 + c] + s[t * 16 + c]).collect();
