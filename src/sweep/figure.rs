@@ -30,6 +30,7 @@ fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 }
 
 /// One line (or point set) of a chart.
+#[derive(Clone)]
 pub(crate) struct Series {
     pub(crate) name: String,
     pub(crate) points: Vec<(f64, f64)>,
@@ -231,6 +232,28 @@ fn panels_legend(panels: &[Panel]) -> Vec<&Series> {
         }
     }
     out
+}
+
+/// A panel's series drawn as the shared legend lists them: one placed by its order in the
+/// panel takes the look of its place in the legend, so a series that only some panels have
+/// keeps its legend entry's colour and marker.
+fn looks_of_legend(series: &[Series], legend: &[&Series]) -> Vec<Series> {
+    series
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            if let (Look::ByPlace, Some(i)) = (s.look, legend.iter().position(|l| l.name == s.name))
+            {
+                s.look = Look::Chosen {
+                    colour: i,
+                    shape: i,
+                    hollow: i % 2 == 1,
+                    dashed: false,
+                };
+            }
+            s
+        })
+        .collect()
 }
 
 /// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
@@ -620,7 +643,8 @@ impl Figure {
                 let body = body.titled(title, text(22)).map_err(err)?;
                 let areas = body.split_evenly((1, panels.len().max(1)));
                 for (area, p) in areas.iter().zip(panels) {
-                    draw_lines(area, &p.title, &p.x, &p.y, &p.series, p.x_axis)?;
+                    let series = looks_of_legend(&p.series, &listed);
+                    draw_lines(area, &p.title, &p.x, &p.y, &series, p.x_axis)?;
                 }
                 if listed.len() > 1 || listed.iter().any(|s| !s.name.is_empty()) {
                     draw_legend_of(&legend, &listed)?;
@@ -862,6 +886,38 @@ pub(super) mod tests {
         f.draw(&SVGBackend::with_string(&mut svg, size).into_drawing_area())
             .unwrap();
         (ink, svg)
+    }
+
+    /// Panels with different series: each series is drawn in the look of its entry in the
+    /// one legend (its place there, not in its own panel); a chosen look stays.
+    #[test]
+    fn panel_series_take_their_legend_entry_look() {
+        let line = |name: &str| series(name.into(), vec![(0.0, 1.0), (1.0, 2.0)], true);
+        let chosen = Look::Chosen {
+            colour: 9,
+            shape: 2,
+            hollow: false,
+            dashed: true,
+        };
+        let mut kept = line("chosen");
+        kept.look = chosen;
+        let panels = [vec![line("a"), line("b")], vec![line("c"), kept]];
+        let panels: Vec<Panel> = panels
+            .into_iter()
+            .map(|series| Panel {
+                title: "t".into(),
+                x: "x".into(),
+                y: "y".into(),
+                series,
+                x_axis: XAxis::Linear,
+            })
+            .collect();
+        let legend = panels_legend(&panels);
+        let drawn = looks_of_legend(&panels[1].series, &legend);
+        // "c" is the legend's third entry but its panel's first.
+        assert_eq!(drawn[0].look.resolve(0), Look::ByPlace.resolve(2));
+        assert_ne!(drawn[0].look.resolve(0), Look::ByPlace.resolve(0));
+        assert_eq!(drawn[1].look, chosen);
     }
 
     /// The text of the SVG's `<text>` elements, in order.

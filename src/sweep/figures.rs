@@ -12,7 +12,7 @@
 //! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
 //! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
 //! | `router_curves` | every learned router's gate usage and training loss over its steps (L2A router collapse) |
-//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, and on the synthetic corpus the accuracy on dependencies at least w back |
+//! | `ppa_s_curve` | PPA Fig. 3 and Table 1: final loss against p, the probes' accuracy, on the synthetic corpus the accuracy on dependencies at least w back, and the attention and prefill time of the cells timed alone |
 //! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |
@@ -909,6 +909,29 @@ fn ppa_s_curve(all: &[Row], train: &[&Row], figs: &mut Vec<(String, Figure)>) {
             far,
         ));
     }
+    // PPA's attention time against p: only cells timed alone on the GPU (`exclusive`), since
+    // a timing beside other cells measures their load as much as p.
+    let timed: Vec<&Row> = tables::timed_alone(all)
+        .into_iter()
+        .filter(|(r, _)| r.method == Method::Ppa)
+        .map(|(r, _)| r)
+        .collect();
+    if !timed.is_empty() {
+        let line = |what: &'static str, f: fn(&Timing) -> f64| {
+            grouped(
+                &timed,
+                "attention.ppa_power",
+                move |r| {
+                    let len = r.report.timing.as_ref().map_or(0, |t| t.seq_len);
+                    format!("{what}, L={len} window={}", r.window)
+                },
+                move |r| Some((r.ppa_power, f(r.report.timing.as_ref()?))),
+            )
+        };
+        let mut series = line("attention layers", |t| t.attention_ms);
+        series.extend(line("prefill", |t| t.prefill_ms));
+        panels.push(panel("one sequence, alone on the GPU", "time (ms)", series));
+    }
     let fig = match panels.len() {
         1 => {
             let p = panels.remove(0);
@@ -1204,6 +1227,37 @@ mod tests {
         };
         assert_eq!(series.len(), 1);
         assert_eq!(series[0].labels, ["tau=0.3", "tau=0.5", "tau=0.7"]);
+    }
+
+    /// PPA's attention time against p reads only the PPA cells timed alone on the GPU: one
+    /// line for the attention layers and one for prefill, each at the powers timed.
+    #[test]
+    fn ppa_s_curve_plots_time_against_p_from_cells_timed_alone() {
+        let dir = fixture::sweep_dir("ppa-time");
+        let ppa_time = |dir: &Path| {
+            let figs = figures(dir).unwrap();
+            let Some((_, Figure::Panels { panels, .. })) =
+                figs.into_iter().find(|(s, _)| s == "ppa_s_curve")
+            else {
+                panic!("ppa_s_curve has panels");
+            };
+            panels
+                .into_iter()
+                .find(|p| p.title == "one sequence, alone on the GPU")
+        };
+        assert!(ppa_time(&dir).is_none(), "no cell ran alone yet");
+        tables::tests::time_alone(&dir, &["ppa-0", "ppa-5", "full-0"], ("ppa-5", 6.0));
+        let panel = ppa_time(&dir).expect("a time panel once PPA cells ran alone");
+        let names: Vec<&str> = panel.series.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names.iter().all(|n| n.contains("window=")), "{names:?}");
+        let prefill = panel
+            .series
+            .iter()
+            .find(|s| s.name.starts_with("prefill"))
+            .unwrap();
+        // The fixture times 8 ms for every cell but the one set to 6 ms.
+        assert_eq!(prefill.points, [(0.0, 8.0), (0.5, 6.0)]);
     }
 
     #[test]

@@ -38,7 +38,7 @@ pub struct Grid {
     /// Replicates: every train cell runs with this many seeds (`train.seed` = the base's
     /// seed, then the next ones), and the cells that start from, evaluate or prune it follow
     /// their own seed's. `attnsweep plot` gives each setting's mean, spread and 95 % interval
-    /// over them (`replicates.csv`, `replicate_differences.csv`).
+    /// over them (`replicates.csv`, `replicate_differences.csv`, `stage_differences.csv`).
     #[serde(default = "one")]
     pub(crate) seeds: usize,
     #[serde(rename = "stage")]

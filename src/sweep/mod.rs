@@ -6,7 +6,8 @@
 //! ```toml
 //! name = "demo"                     # results go to results/<name> unless --out says otherwise
 //! seeds = 3                         # optional: every train cell over 3 seeds (train.seed, +1, +2);
-//!                                   #   plot writes replicates.csv and replicate_differences.csv
+//!                                   #   plot writes replicates.csv, replicate_differences.csv
+//!                                   #   and stage_differences.csv
 //! [synth]                           # optional: generate the synthetic corpus at base.data.dir
 //! train_tokens = 300000             #   when no data set is there (fields of `data synth`)
 //! # or [corpus]: prepare a text corpus there instead (fields of `data prepare`), e.g.

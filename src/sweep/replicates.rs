@@ -2,7 +2,9 @@
 //! summarised per metric (`replicates.csv`: n, mean, standard deviation, 95 % interval), and
 //! every two settings of a stage compared per metric (`replicate_differences.csv`: the
 //! difference of their means with its 95 % Welch interval, and whether that interval holds 0,
-//! "within noise").
+//! "within noise"), and every two settings of different train stages compared on loss and
+//! attended pairs (`stage_differences.csv`: one method against another at its own budget,
+//! the comparison a Pareto grid's verdicts rest on).
 
 use super::grid::SEED_KEY;
 use crate::util::atomic;
@@ -15,6 +17,8 @@ use std::path::Path;
 /// columns).
 pub(crate) struct Measured<'a> {
     pub(crate) stage: &'a str,
+    /// The stage's kind (`train`, `eval`, `prune`).
+    pub(crate) kind: &'a str,
     pub(crate) method: &'a str,
     pub(crate) label: &'a str,
     pub(crate) metric: &'a str,
@@ -32,6 +36,10 @@ pub(crate) fn setting(label: &str) -> String {
 }
 
 type Key = (String, String, String, String);
+
+/// The metrics `stage_differences.csv` compares across train stages: quality, and the work
+/// that bought it.
+const ACROSS_STAGES: [&str; 2] = ["loss", "pairs_vs_full"];
 
 /// The values of each (stage, metric, setting, method), in the order the cells came.
 fn groups(values: &[Measured]) -> BTreeMap<Key, Vec<f64>> {
@@ -61,12 +69,13 @@ fn num(x: f64) -> String {
 /// tables an earlier run left; returns the files written.
 pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::PathBuf>> {
     let groups = groups(values);
-    let (summary_path, diff_path) = (
+    let (summary_path, diff_path, across_path) = (
         out.join("replicates.csv"),
         out.join("replicate_differences.csv"),
+        out.join("stage_differences.csv"),
     );
     if groups.values().all(|v| v.len() < 2) {
-        for p in [&summary_path, &diff_path] {
+        for p in [&summary_path, &diff_path, &across_path] {
             if p.exists() {
                 std::fs::remove_file(p)?;
             }
@@ -111,24 +120,9 @@ pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::Pa
             .iter()
             .filter(|(kb, _)| (&ka.0, &ka.1) == (&kb.0, &kb.1))
         {
-            let (d, h) = welch_difference(a, b);
-            let verdict = if h.is_nan() {
-                "one replicate"
-            } else if d.abs() <= h {
-                "within noise"
-            } else {
-                "differs"
-            };
-            diffs.push(vec![
-                ka.0.clone(),
-                ka.1.clone(),
-                format!("{} ({})", ka.2, ka.3),
-                format!("{} ({})", kb.2, kb.3),
-                num(d),
-                num(d - h),
-                num(d + h),
-                verdict.into(),
-            ]);
+            let mut row = vec![ka.0.clone(), ka.1.clone(), named(ka), named(kb)];
+            row.extend(compared(a, b));
+            diffs.push(row);
         }
     }
     let header = [
@@ -142,7 +136,69 @@ pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::Pa
         "verdict",
     ];
     atomic::write_csv(&diff_path, &header, &diffs)?;
-    Ok(vec![summary_path, diff_path])
+    let mut written = vec![summary_path, diff_path];
+    let kinds: BTreeMap<&str, &str> = values.iter().map(|m| (m.stage, m.kind)).collect();
+    let trained = |k: &Key| kinds.get(k.0.as_str()) == Some(&"train");
+    let mut across: Vec<Vec<String>> = Vec::new();
+    for metric in ACROSS_STAGES {
+        let of_metric: Vec<&(&&Key, &Summary)> = all
+            .iter()
+            .filter(|(k, _)| k.1 == metric && trained(k))
+            .collect();
+        for (i, (ka, a)) in of_metric.iter().enumerate() {
+            for (kb, b) in of_metric[i + 1..].iter().filter(|(kb, _)| kb.0 != ka.0) {
+                let mut row = vec![
+                    metric.to_string(),
+                    ka.0.clone(),
+                    named(ka),
+                    kb.0.clone(),
+                    named(kb),
+                ];
+                row.extend(compared(a, b));
+                across.push(row);
+            }
+        }
+    }
+    if across.is_empty() {
+        if across_path.exists() {
+            std::fs::remove_file(&across_path)?;
+        }
+    } else {
+        let header = [
+            "metric",
+            "stage_a",
+            "setting_a",
+            "stage_b",
+            "setting_b",
+            "difference",
+            "ci95_low",
+            "ci95_high",
+            "verdict",
+        ];
+        atomic::write_csv(&across_path, &header, &across)?;
+        written.push(across_path);
+    }
+    Ok(written)
+}
+
+/// A setting as the difference tables name it: its settings, then its method in brackets.
+fn named(k: &Key) -> String {
+    format!("{} ({})", k.2, k.3).trim_start().to_string()
+}
+
+/// a's mean less b's with its 95 % Welch interval, and the verdict: "differs" where the
+/// interval excludes 0, "within noise" where it holds it, "one replicate" where a side has
+/// no spread to measure.
+fn compared(a: &Summary, b: &Summary) -> [String; 4] {
+    let (d, h) = welch_difference(a, b);
+    let verdict = if h.is_nan() {
+        "one replicate"
+    } else if d.abs() <= h {
+        "within noise"
+    } else {
+        "differs"
+    };
+    [num(d), num(d - h), num(d + h), verdict.into()]
 }
 
 #[cfg(test)]
@@ -158,6 +214,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let m = |label: &'static str, metric: &'static str, value| Measured {
             stage: "aha",
+            kind: "train",
             method: "aha",
             label,
             metric,
@@ -203,12 +260,52 @@ mod tests {
         assert_eq!(verdict("loss"), "within noise");
         assert_eq!(verdict("mu_f"), "differs");
         assert_eq!(diffs.lines().count(), 3, "one pair per metric");
+        // One stage: nothing to compare across stages.
+        assert!(!dir.join("stage_differences.csv").exists());
+        // Another train stage and an eval stage: each aha setting against the swa one, on
+        // loss; the eval stage and the metrics other than loss and pairs stay out.
+        let other = |stage: &'static str, kind: &'static str, label, metric, value| Measured {
+            stage,
+            kind,
+            method: stage,
+            label,
+            metric,
+            value,
+        };
+        let mut more: Vec<Measured> = values.iter().map(|v| Measured { ..*v }).collect();
+        for (seed, loss) in [
+            ("train.seed=1", 2.0),
+            ("train.seed=2", 2.1),
+            ("train.seed=3", 2.2),
+        ] {
+            more.push(other("swa", "train", seed, "loss", loss));
+            more.push(other("swa", "train", seed, "mu_f", 0.3));
+            more.push(other("probes", "eval", seed, "loss", 0.5));
+        }
+        write(&more, &dir).unwrap();
+        let across = std::fs::read_to_string(dir.join("stage_differences.csv")).unwrap();
+        let rows: Vec<Vec<&str>> = across
+            .lines()
+            .skip(1)
+            .map(|l| l.split(',').collect())
+            .collect();
+        assert_eq!(rows.len(), 2, "{across}");
+        for r in &rows {
+            assert_eq!((r[0], r[1], r[3]), ("loss", "aha", "swa"));
+            // aha's losses (1.0-1.25) against swa's (2.0-2.2).
+            assert!(
+                (-1.1..-0.7).contains(&r[5].parse::<f64>().unwrap()),
+                "{r:?}"
+            );
+            assert_eq!(r[8], "differs");
+        }
         let single: Vec<Measured> = values
             .into_iter()
             .filter(|v| v.label.ends_with("=1"))
             .collect();
         assert!(write(&single, &dir).unwrap().is_empty());
         assert!(!dir.join("replicates.csv").exists());
+        assert!(!dir.join("stage_differences.csv").exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

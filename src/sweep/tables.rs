@@ -13,10 +13,11 @@
 //! | `swiattn_baselines.csv` | SwiAttn Tables 1-3 | Full, SWA-ZS, SWA-CPT, StaticHybrid, SwiAttn |
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
-//! | `timing.csv` | L2A Figs. 14-15 | cells of `exclusive` stages: prefill and decoding time by length, against full attention's |
+//! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells of `exclusive` stages: prefill and decoding time by length (and p), against full attention's |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
+//! | `stage_differences.csv` | - | every two settings of different train stages, on loss and attended pairs: the same comparison across methods |
 //!
 //! Quality is validation loss and perplexity; retain % is the full-attention model's
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
@@ -491,7 +492,8 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     Ok(written)
 }
 
-/// `replicates.csv` and `replicate_differences.csv` from the tidy table's values.
+/// `replicates.csv`, `replicate_differences.csv` and `stage_differences.csv` from the tidy
+/// table's values.
 fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
     let text = |c: &str| -> Result<Vec<&str>> {
         Ok(tidy
@@ -501,8 +503,9 @@ fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
             .map(|v| v.unwrap_or(""))
             .collect())
     };
-    let (stage, method, label, metric) = (
+    let (stage, kind, method, label, metric) = (
         text("stage")?,
+        text("kind")?,
         text("method")?,
         text("label")?,
         text("metric")?,
@@ -511,6 +514,7 @@ fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
     let measured: Vec<replicates::Measured> = (0..tidy.height())
         .map(|i| replicates::Measured {
             stage: stage[i],
+            kind: kind[i],
             method: method[i],
             label: label[i],
             metric: metric[i],
@@ -560,6 +564,8 @@ fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "stage" => timed.iter().map(|(r, _)| r.stage.clone()).collect::<Vec<_>>(),
         "method" => timed.iter().map(|(r, _)| name_of(r.method)).collect::<Vec<_>>(),
         "window" => timed.iter().map(|(r, _)| r.window).collect::<Vec<_>>(),
+        // PPA's rows differ by p alone (PPA's attention time against p).
+        "ppa_power" => timed.iter().map(|(r, _)| (r.method == Method::Ppa).then_some(r.ppa_power)).collect::<Vec<_>>(),
         "mu_f" => timed.iter().map(|(r, _)| r.mu_f()).collect::<Vec<_>>(),
         "seq_len" => n(|t| t.seq_len as f64),
         "batch" => n(|t| t.batch as f64),
@@ -574,7 +580,7 @@ fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "cell" => timed.iter().map(|(r, _)| r.cell.clone()).collect::<Vec<_>>(),
     )?;
     df = df.sort(
-        ["stage", "window", "seq_len"],
+        ["stage", "window", "ppa_power", "seq_len"],
         SortMultipleOptions::default(),
     )?;
     Ok(Some(df))
@@ -625,7 +631,7 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::sweep::fixture::{csv, sweep_dir};
 
@@ -742,16 +748,19 @@ mod tests {
         let dir = sweep_dir("timing");
         write_all(&dir, &dir).unwrap();
         assert!(!dir.join("timing.csv").exists());
-        time_alone(&dir, &["full-0", "zs-0"], ("zs-0", 4.0));
+        time_alone(&dir, &["full-0", "zs-0", "ppa-5"], ("zs-0", 4.0));
         write_all(&dir, &dir).unwrap();
         let t = csv(&dir.join("timing.csv"));
         let at = |name: &str| t[0].iter().position(|c| c == name).unwrap();
         let row = |cell: &str| t.iter().find(|r| r[at("cell")] == cell).unwrap().clone();
-        assert_eq!(t.len(), 3, "a header and the two cells: {t:?}");
+        assert_eq!(t.len(), 4, "a header and the three cells: {t:?}");
         // The fixture times 8 ms for every cell but zs-0.
         assert_eq!(row("full-0")[at("prefill_speedup")], "1.0");
         assert_eq!(row("zs-0")[at("prefill_speedup")], "2.0");
         assert_eq!(row("zs-0")[at("prefill_ms")], "4.0");
+        // PPA's rows carry their power; the others have none.
+        assert_eq!(row("ppa-5")[at("ppa_power")], "0.5");
+        assert_eq!(row("full-0")[at("ppa_power")], "");
         // A stage made exclusive after its cells ran: they ran beside others, and their
         // own cell.json, written when they ran, says so.
         let path = dir.join("cells.json");
@@ -762,7 +771,7 @@ mod tests {
         }
         std::fs::write(&path, cells.to_string()).unwrap();
         write_all(&dir, &dir).unwrap();
-        assert_eq!(csv(&dir.join("timing.csv")).len(), 3);
+        assert_eq!(csv(&dir.join("timing.csv")).len(), 4);
     }
 
     #[test]
