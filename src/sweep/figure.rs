@@ -9,6 +9,7 @@ use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 use std::path::{Path, PathBuf};
 
@@ -509,13 +510,25 @@ fn draw_lines<DB: DrawingBackend>(
                     }
                     let (px, py) = chart.backend_coord(&p);
                     let w = 7 * l.chars().count() as i32;
+                    // Beside its marker, clear of it; a label that would run past the plot's
+                    // right edge goes on the marker's left.
+                    let gap = 9;
+                    let right = chart.plotting_area().get_pixel_range().0.end;
+                    let flip = px + gap + w > right;
+                    let left = if flip { px - gap - w } else { px + gap };
                     let overlaps = placed
                         .iter()
-                        .any(|&(x, y, pw)| (py - y).abs() < 15 && px < x + pw && x < px + w);
+                        .any(|&(x, y, pw)| (py - y).abs() < 15 && left < x + pw && x < left + w);
                     if !overlaps {
-                        placed.push((px, py, w));
-                        chart
-                            .draw_series(std::iter::once(Text::new(l.clone(), p, text(13))))
+                        placed.push((left, py, w));
+                        let (anchor, x) = match flip {
+                            true => (HPos::Right, px - gap),
+                            false => (HPos::Left, px + gap),
+                        };
+                        let style = TextStyle::from(text(13)).pos(Pos::new(anchor, VPos::Center));
+                        // In the panel's own pixels (backend_coord is the whole image's).
+                        let (bx, by) = root.get_base_pixel();
+                        root.draw(&Text::new(l.clone(), (x - bx, py - by), style))
                             .map_err(err)?;
                     }
                 }
