@@ -7,7 +7,8 @@
 //! memory beside the plan's prediction; every row gives its model-FLOPs utilisation.
 //!
 //! Rows accumulate in `train_bench.csv` across runs into one directory (a case measured again
-//! replaces its row, the others stay), and `train_bench_<model>.png/svg` plots them all:
+//! replaces its row, the others stay; a case is the method with the settings it reads: window,
+//! gates' usage, PPA's power), and `train_bench_<model>.png/svg` plots them all:
 //! tokens/s and peak memory against the length, a line per (implementation, method).
 
 use super::bench::{check_lengths, joined, run_peer};
@@ -160,6 +161,9 @@ struct TrainRow {
     window: usize,
     /// The usage the gates were set to open at (`--full-usage`).
     usage_set: f64,
+    /// PPA's power (`--ppa-power`), for a method that reads it; None for the others, and for
+    /// rows of a CSV written before the column was.
+    ppa_power: Option<f64>,
     len: i64,
     batch: i64,
     /// How the case keeps its activations and computes its loss.
@@ -176,16 +180,18 @@ struct TrainRow {
     note: String,
 }
 
-/// The settings a row's method reads (`BenchVariant::reads_window`, `reads_usage`): its
-/// window and its gates' usage (as written in the CSV), None for one it does not read.
-type Case = (Option<usize>, Option<String>);
+/// The settings a row's method reads (`BenchVariant::reads_window`, `reads_usage`,
+/// `reads_power`): its window, its gates' usage and PPA's power (as written in the CSV), None
+/// for one it does not read.
+type Case = (Option<usize>, Option<String>, Option<String>);
 
-const HEADER: [&str; 17] = [
+const HEADER: [&str; 18] = [
     "model",
     "impl",
     "method",
     "window",
     "usage_set",
+    "ppa_power",
     "L",
     "batch",
     "setup",
@@ -232,12 +238,18 @@ impl TrainRow {
     }
 
     fn case(&self) -> Case {
-        let (window, usage) = TrainMethod::parse(&self.method).map_or((true, true), |m| {
-            (m.variant.reads_window, m.variant.reads_usage)
-        });
+        let (window, usage, power) =
+            TrainMethod::parse(&self.method).map_or((true, true, true), |m| {
+                (
+                    m.variant.reads_window,
+                    m.variant.reads_usage,
+                    m.variant.reads_power,
+                )
+            });
         (
             window.then_some(self.window),
             usage.then(|| format!("{}", self.usage_set)),
+            self.ppa_power.filter(|_| power).map(|p| format!("{p}")),
         )
     }
 
@@ -271,6 +283,7 @@ impl TrainRow {
             self.method.clone(),
             self.window.to_string(),
             self.usage_set.to_string(),
+            self.ppa_power.map_or(String::new(), |p| p.to_string()),
             self.len.to_string(),
             self.batch.to_string(),
             self.setup.clone(),
@@ -286,25 +299,33 @@ impl TrainRow {
         ]
     }
 
-    /// A row of an earlier run's CSV.
-    fn parse(r: &csv::StringRecord) -> Result<TrainRow> {
-        let get = |i: usize| r.get(i).unwrap_or_default().to_string();
-        let num = |i: usize| optional_number(&get(i), HEADER[i]);
+    /// A row of an earlier run's CSV, its fields found by `columns` (the file's header).
+    fn parse(r: &csv::StringRecord, columns: &[String]) -> Result<TrainRow> {
+        let get = |name: &str| {
+            columns
+                .iter()
+                .position(|c| c == name)
+                .and_then(|i| r.get(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        let num = |name: &str| optional_number(&get(name), name);
         Ok(TrainRow {
-            model: get(0),
-            imp: get(1),
-            method: get(2),
-            window: get(3).parse().context("window is not an integer")?,
-            usage_set: num(4)?.context("usage_set is empty")?,
-            len: get(5).parse().context("L is not an integer")?,
-            batch: get(6).parse().context("batch is not an integer")?,
-            setup: get(7),
-            step_ms: num(8)?,
-            peak_gib: num(10)?,
-            planned_gib: num(11)?,
-            full_usage: num(13)?,
-            mfu: num(12)?,
-            note: get(16),
+            model: get("model"),
+            imp: get("impl"),
+            method: get("method"),
+            window: get("window").parse().context("window is not an integer")?,
+            usage_set: num("usage_set")?.context("usage_set is empty")?,
+            ppa_power: num("ppa_power")?,
+            len: get("L").parse().context("L is not an integer")?,
+            batch: get("batch").parse().context("batch is not an integer")?,
+            setup: get("setup"),
+            step_ms: num("step_ms")?,
+            peak_gib: num("peak_gib")?,
+            planned_gib: num("planned_gib")?,
+            full_usage: num("full_usage")?,
+            mfu: num("mfu")?,
+            note: get("note"),
         })
     }
 }
@@ -429,6 +450,9 @@ impl TrainBench {
             method: method.into(),
             window: self.window,
             usage_set: self.full_usage,
+            ppa_power: TrainMethod::parse(method)
+                .is_ok_and(|m| m.variant.reads_power)
+                .then_some(self.ppa_power),
             len,
             batch: self.batch(len),
             setup: String::new(),
@@ -525,7 +549,9 @@ fn earlier_rows(path: &Path) -> Result<Vec<TrainRow>> {
     let mut r =
         csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
     let header: Vec<String> = r.headers()?.iter().map(String::from).collect();
-    if header != HEADER {
+    // A file written before the `ppa_power` column reads as one without PPA's power.
+    let before_power = HEADER.iter().filter(|c| **c != "ppa_power");
+    if header != HEADER && !header.iter().map(String::as_str).eq(before_power.copied()) {
         bail!(
             "{} holds a bench of another format (columns {}); choose another --out or move it away",
             path.display(),
@@ -535,7 +561,8 @@ fn earlier_rows(path: &Path) -> Result<Vec<TrainRow>> {
     r.records()
         .enumerate()
         .map(|(i, rec)| {
-            TrainRow::parse(&rec?).with_context(|| format!("{} row {}", path.display(), i + 2))
+            TrainRow::parse(&rec?, &header)
+                .with_context(|| format!("{} row {}", path.display(), i + 2))
         })
         .collect()
 }
@@ -766,9 +793,10 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         v.dedup();
         v.len() > 1
     };
-    let (name_windows, name_usages) = (
+    let (name_windows, name_usages, name_powers) = (
         distinct(|c| c.0.map(|w| w.to_string())),
         distinct(|c| c.1.clone()),
+        distinct(|c| c.2.clone()),
     );
     // A colour per (method, case), in the order of the methods.
     let mut kinds: Vec<(usize, &Case)> = lines.iter().map(|l| (method_rank(&l.1), &l.2)).collect();
@@ -811,6 +839,9 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                 }
                 if let (true, Some(u)) = (name_usages, &case.1) {
                     name += &format!(" u={u}");
+                }
+                if let (true, Some(p)) = (name_powers, &case.2) {
+                    name += &format!(" p={p}");
                 }
                 (!points.is_empty()).then_some(Series {
                     name,
@@ -914,6 +945,26 @@ mod tests {
         // MFU of the compiled full row: 81920 tokens/s times the model's FLOPs over the peak.
         let mfu = 81920.0 * flops_per_token(&b.model, 1024) / PEAK_FLOPS;
         assert!(text.contains(&format!("{mfu:.3}")), "{text}");
+        // A CSV written before the ppa_power column reads, its rows without a power.
+        let before: Vec<&str> = HEADER
+            .iter()
+            .copied()
+            .filter(|c| *c != "ppa_power")
+            .collect();
+        let power_at = HEADER.iter().position(|c| *c == "ppa_power").unwrap();
+        let old_records: Vec<Vec<String>> = records
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.remove(power_at);
+                r
+            })
+            .collect();
+        atomic::write_csv(&path, &before, &old_records).unwrap();
+        let old = earlier_rows(&path).unwrap();
+        assert_eq!(old.len(), rows.len());
+        assert!(old.iter().all(|r| r.ppa_power.is_none()));
+        assert_eq!(old[0].step_ms, Some(50.0));
         std::fs::write(&path, "a,b\n1,2\n").unwrap();
         let e = format!("{:#}", earlier_rows(&path).unwrap_err());
         assert!(e.contains("another format"), "{e}");
@@ -940,6 +991,18 @@ mod tests {
         assert_eq!(merged.len(), 3, "{merged:?}");
         assert_eq!(merged.iter().filter(|r| r.method == "full").count(), 1);
         assert_eq!(merged.iter().filter(|r| r.method == "aha").count(), 2);
+        // PPA at another power is another case; at the same power it replaces its row.
+        let ppa = |power: f64, step_ms: f64| TrainRow {
+            ppa_power: Some(power),
+            ..ran("ppa", 64, 0.1, step_ms)
+        };
+        assert_eq!(b.row("ppa", 1024).ppa_power, Some(0.5));
+        assert_eq!(b.row("full", 1024).ppa_power, None);
+        let powers = merge(vec![ppa(0.5, 9.0)], vec![ppa(0.75, 8.0), ppa(0.5, 7.0)]);
+        assert_eq!(powers.len(), 2, "{powers:?}");
+        assert!(powers
+            .iter()
+            .any(|r| r.ppa_power == Some(0.5) && r.step_ms == Some(7.0)));
 
         let dir = crate::util::scratch_dir("bench-train-cases");
         // Full attention twice under other windows in one file: the later row is kept.

@@ -369,9 +369,11 @@ pub(crate) struct BenchVariant {
     /// The PyTorch peer (`kernels/train_peer.py`) implements it under this name.
     pub(crate) peer: Option<&'static str>,
     /// What it computes depends on the window (`--window`); on the gates' usage
-    /// (`--full-usage`). A setting it does not read is not part of its case.
+    /// (`--full-usage`); on PPA's power (`--ppa-power`). A setting it does not read is not
+    /// part of its case.
     pub(crate) reads_window: bool,
     pub(crate) reads_usage: bool,
+    pub(crate) reads_power: bool,
 }
 
 /// The settings of `bench train` a method's variant may read.

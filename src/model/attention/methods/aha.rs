@@ -365,6 +365,7 @@ pub(super) const AHA: MethodSpec = MethodSpec {
             peer: Some("aha"),
             reads_window: true,
             reads_usage: true,
+            reads_power: false,
         },
         // The sampled straight-through gradient (`--ste-sample`); the peers have the paper's only.
         BenchVariant {
@@ -374,6 +375,7 @@ pub(super) const AHA: MethodSpec = MethodSpec {
             peer: None,
             reads_window: true,
             reads_usage: true,
+            reads_power: false,
         },
     ],
 };

@@ -55,6 +55,7 @@ const fn timed(name: &'static str, reads_window: bool) -> BenchVariant {
         peer: Some(name),
         reads_window,
         reads_usage: false,
+        reads_power: false,
     }
 }
 
@@ -83,7 +84,10 @@ pub(super) const PPA: MethodSpec = MethodSpec {
                 window: b.a.window,
             }))
         },
-        &[timed("ppa", true)],
+        &[BenchVariant {
+            reads_power: true,
+            ..timed("ppa", true)
+        }],
     )
 };
 

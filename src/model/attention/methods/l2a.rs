@@ -201,5 +201,6 @@ pub(super) const L2A: MethodSpec = MethodSpec {
         peer: Some("l2a"),
         reads_window: true,
         reads_usage: true,
+        reads_power: false,
     }],
 };

@@ -234,5 +234,6 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
         peer: Some("swiattn"),
         reads_window: true,
         reads_usage: true,
+        reads_power: false,
     }],
 };
