@@ -131,13 +131,18 @@ impl Global {
         } else {
             g.hard.shallow_clone()
         };
-        let a = match layer.exec(keys) {
-            Exec::Kernels(kern, _) => {
-                let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
-                global.out(&full_rows(kern, &qg, &kg, &vg, &active), layer.kernels)
-            }
+        // The routed rows alone, on the kernels.
+        let routed_rows = |kern| {
+            let active = executed.transpose(1, 2).gt(0.5).expand([b, h, l], false);
+            global.out(&full_rows(kern, &qg, &kg, &vg, &active), layer.kernels)
+        };
+        let a = match (layer.exec(keys), layer.kernels) {
+            (Exec::Kernels(kern, _), _) => routed_rows(kern),
+            // A prefill into an empty cache: its keys are the chunk's own, as in a forward, so
+            // only the routed queries attend (the cached path had attended every query).
+            (Exec::Decode, Some(kern)) if keys.prefill_only(1, l) => routed_rows(kern),
             // Decoding: no token of the chunk routed, so global attention is skipped.
-            Exec::Decode if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 => {
+            (Exec::Decode, _) if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 => {
                 s.zeros_like()
             }
             _ => {
