@@ -793,10 +793,21 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         v.dedup();
         v.len() > 1
     };
+    // PPA's rows of a CSV written before the `ppa_power` column have no power: "p=?", told
+    // apart from a power measured since.
+    let reads_power =
+        |method: &str| TrainMethod::parse(method).is_ok_and(|m| m.variant.reads_power);
+    let mut powers: Vec<&Option<String>> = lines
+        .iter()
+        .filter(|l| reads_power(&l.1))
+        .map(|l| &l.2 .2)
+        .collect();
+    powers.sort();
+    powers.dedup();
     let (name_windows, name_usages, name_powers) = (
         distinct(|c| c.0.map(|w| w.to_string())),
         distinct(|c| c.1.clone()),
-        distinct(|c| c.2.clone()),
+        powers.len() > 1,
     );
     // A colour per (method, case), in the order of the methods.
     let mut kinds: Vec<(usize, &Case)> = lines.iter().map(|l| (method_rank(&l.1), &l.2)).collect();
@@ -840,8 +851,8 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                 if let (true, Some(u)) = (name_usages, &case.1) {
                     name += &format!(" u={u}");
                 }
-                if let (true, Some(p)) = (name_powers, &case.2) {
-                    name += &format!(" p={p}");
+                if name_powers && reads_power(method) {
+                    name += &format!(" p={}", case.2.as_deref().unwrap_or("?"));
                 }
                 (!points.is_empty()).then_some(Series {
                     name,
@@ -1075,5 +1086,27 @@ mod tests {
             assert_eq!(look(2), (0, true));
         }
         assert!(figure(&[], "smollm2-135m").is_none());
+        // PPA at two powers, and a row of a file from before the power was written: three
+        // lines, named apart.
+        let ppa = |power: Option<f64>, step_ms: f64| {
+            let mut r = b.row("ppa", 1024);
+            r.imp = OURS.into();
+            r.ppa_power = power;
+            r.step_ms = Some(step_ms);
+            r
+        };
+        let rows = [ppa(Some(0.5), 6.0), ppa(Some(0.75), 7.0), ppa(None, 8.0)];
+        let Some(Figure::Panels { panels, .. }) = figure(&rows, "smollm2-135m") else {
+            panic!("a figure");
+        };
+        let names: Vec<&str> = panels[0].series.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "attnsweep ppa p=?",
+                "attnsweep ppa p=0.5",
+                "attnsweep ppa p=0.75"
+            ]
+        );
     }
 }

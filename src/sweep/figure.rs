@@ -236,20 +236,23 @@ fn panels_legend(panels: &[Panel]) -> Vec<&Series> {
 }
 
 /// A panel's series drawn as the shared legend lists them: one placed by its order in the
-/// panel takes the look of its place in the legend, so a series that only some panels have
-/// keeps its legend entry's colour and marker.
+/// panel takes its legend entry's look (the entry's chosen one, else that of its place in the
+/// legend), so a series that only some panels have keeps its legend entry's colour and marker.
 fn looks_of_legend(series: &[Series], legend: &[&Series]) -> Vec<Series> {
     series
         .iter()
         .map(|s| {
             let mut s = s.clone();
-            if let (Look::ByPlace, Some(i)) = (s.look, legend.iter().position(|l| l.name == s.name))
-            {
-                s.look = Look::Chosen {
-                    colour: i,
-                    shape: i,
-                    hollow: i % 2 == 1,
-                    dashed: false,
+            let entry = legend.iter().position(|l| l.name == s.name);
+            if let (Look::ByPlace, Some(i)) = (s.look, entry) {
+                s.look = match legend[i].look {
+                    chosen @ Look::Chosen { .. } => chosen,
+                    Look::ByPlace => Look::Chosen {
+                        colour: i,
+                        shape: i,
+                        hollow: i % 2 == 1,
+                        dashed: false,
+                    },
                 };
             }
             s
@@ -914,7 +917,9 @@ pub(super) mod tests {
         };
         let mut kept = line("chosen");
         kept.look = chosen;
-        let panels = [vec![line("a"), line("b")], vec![line("c"), kept]];
+        let mut first_b = line("b");
+        first_b.look = chosen;
+        let panels = [vec![line("a"), first_b], vec![line("c"), kept, line("b")]];
         let panels: Vec<Panel> = panels
             .into_iter()
             .map(|series| Panel {
@@ -931,6 +936,8 @@ pub(super) mod tests {
         assert_eq!(drawn[0].look.resolve(0), Look::ByPlace.resolve(2));
         assert_ne!(drawn[0].look.resolve(0), Look::ByPlace.resolve(0));
         assert_eq!(drawn[1].look, chosen);
+        // "b" is placed by order in the second panel but chosen in its legend entry.
+        assert_eq!(drawn[2].look, chosen);
     }
 
     /// The text of the SVG's `<text>` elements, in order.

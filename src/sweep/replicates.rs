@@ -280,6 +280,8 @@ mod tests {
         ] {
             more.push(other("swa", "train", seed, "loss", loss));
             more.push(other("swa", "train", seed, "mu_f", 0.3));
+            more.push(other("swa", "train", seed, "pairs_vs_full", 0.5));
+            more.push(other("full", "train", seed, "pairs_vs_full", 1.0));
             more.push(other("probes", "eval", seed, "loss", 0.5));
         }
         write(&more, &dir).unwrap();
@@ -289,6 +291,20 @@ mod tests {
             .skip(1)
             .map(|l| l.split(',').collect())
             .collect();
+        // Pairs are fixed costs: replicated without spread, their difference is exact.
+        let (pairs, rows): (Vec<_>, Vec<_>) =
+            rows.into_iter().partition(|r| r[0] == "pairs_vs_full");
+        assert_eq!(pairs.len(), 1, "{across}");
+        assert_eq!(
+            (
+                pairs[0][1],
+                pairs[0][3],
+                pairs[0][5],
+                pairs[0][6],
+                pairs[0][8]
+            ),
+            ("full", "swa", "0.5", "0.5", "differs")
+        );
         assert_eq!(rows.len(), 2, "{across}");
         for r in &rows {
             assert_eq!((r[0], r[1], r[3]), ("loss", "aha", "swa"));

@@ -65,10 +65,15 @@ pub(crate) fn summarize(xs: &[f64]) -> Summary {
 }
 
 /// The difference of two replicated means, `a - b`, with its 95 % interval (Welch: unequal
-/// variances, Welch-Satterthwaite degrees of freedom); NaN bounds when either has one value.
+/// variances, Welch-Satterthwaite degrees of freedom); NaN bounds when either has one value,
+/// and none (0) when both are replicated without spread (a fixed cost such as a window's
+/// pairs), where the degrees of freedom would be 0 / 0.
 pub(crate) fn welch_difference(a: &Summary, b: &Summary) -> (f64, f64) {
     let (va, vb) = (a.sd.powi(2) / a.n as f64, b.sd.powi(2) / b.n as f64);
     let se = (va + vb).sqrt();
+    if se == 0.0 {
+        return (a.mean - b.mean, 0.0);
+    }
     let df =
         (va + vb).powi(2) / (va.powi(2) / (a.n as f64 - 1.0) + vb.powi(2) / (b.n as f64 - 1.0));
     (a.mean - b.mean, t975(df) * se)
@@ -97,6 +102,10 @@ mod tests {
         let one = summarize(&[3.0]);
         assert!(one.sd.is_nan() && one.half_width.is_nan());
         assert!(welch_difference(&one, &s).1.is_nan());
+        // Replicates without spread on both sides (a fixed cost): the difference is exact.
+        let (c, e) = (summarize(&[0.5; 3]), summarize(&[0.25; 3]));
+        assert_eq!(welch_difference(&c, &e), (0.25, 0.0));
+        assert_eq!(welch_difference(&c, &c), (0.0, 0.0));
         assert_eq!(t975(2.5), 4.303);
         assert_eq!(t975(1000.0), 1.980);
     }
