@@ -1013,6 +1013,53 @@ pub(super) mod tests {
         assert!(x_of("lambda=0.001") > (SIZE.0 - LEGEND_W) as f64);
     }
 
+    /// Point labels sit right of their marker, clear of it; one that would run past the
+    /// plot's right edge ends left of its marker instead (anchored at its end), in the second
+    /// panel of a panel figure as in the first.
+    #[test]
+    fn point_labels_clear_their_marker_and_the_plot_edge() {
+        let mut s = series("m".into(), vec![(0.0, 0.0), (1.0, 1.0)], false);
+        s.labels = vec!["left-end".into(), "right-end".into()];
+        let panel = |title: &str| Panel {
+            title: title.into(),
+            x: "x".into(),
+            y: "y".into(),
+            series: vec![s.clone()],
+            x_axis: XAxis::Linear,
+        };
+        let f = Figure::Panels {
+            title: "labels".into(),
+            panels: vec![panel("one"), panel("two")],
+        };
+        let (_, svg) = render(&f);
+        // Each label's <text> attributes, in drawing order (first panel, then second).
+        let attrs = |name: &str| -> Vec<String> {
+            svg.match_indices(&format!("\n{name}\n</text>"))
+                .map(|(at, _)| svg[svg[..at].rfind("<text").unwrap()..at].to_string())
+                .collect()
+        };
+        let x = |a: &str| -> f64 {
+            a.split("x=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let (left, right) = (attrs("left-end"), attrs("right-end"));
+        assert_eq!((left.len(), right.len()), (2, 2), "{svg}");
+        for (l, r) in left.iter().zip(&right) {
+            assert!(!l.contains("text-anchor=\"end\""), "{l}");
+            assert!(r.contains("text-anchor=\"end\""), "{r}");
+        }
+        // The second panel's labels lie in its own area: right of the first panel's.
+        assert!(x(&left[0]) < x(&right[0]), "{left:?} {right:?}");
+        assert!(x(&right[0]) < x(&left[1]), "{left:?} {right:?}");
+        assert!(x(&left[1]) < x(&right[1]), "{left:?} {right:?}");
+    }
+
     fn grouped_fixture() -> Vec<Series> {
         sorted(vec![
             series(
