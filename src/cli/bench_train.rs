@@ -152,6 +152,11 @@ impl TrainMethod {
     }
 }
 
+/// Whether the variant named `method` reads PPA's power (`BenchVariant::reads_power`).
+fn reads_power(method: &str) -> bool {
+    TrainMethod::parse(method).is_ok_and(|m| m.variant.reads_power)
+}
+
 /// One case measured (or refused): a row of `train_bench.csv`.
 #[derive(Clone, Debug, PartialEq)]
 struct TrainRow {
@@ -450,9 +455,7 @@ impl TrainBench {
             method: method.into(),
             window: self.window,
             usage_set: self.full_usage,
-            ppa_power: TrainMethod::parse(method)
-                .is_ok_and(|m| m.variant.reads_power)
-                .then_some(self.ppa_power),
+            ppa_power: reads_power(method).then_some(self.ppa_power),
             len,
             batch: self.batch(len),
             setup: String::new(),
@@ -795,8 +798,6 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
     };
     // PPA's rows of a CSV written before the `ppa_power` column have no power: "p=?", told
     // apart from a power measured since.
-    let reads_power =
-        |method: &str| TrainMethod::parse(method).is_ok_and(|m| m.variant.reads_power);
     let mut powers: Vec<&Option<String>> = lines
         .iter()
         .filter(|l| reads_power(&l.1))

@@ -104,7 +104,7 @@ impl Keys<'_> {
                     .pos;
                 let n = q.size()[2];
                 let gqa = q.size()[1] != k.size()[1];
-                let sdpa = |mask: Option<&Tensor>, causal: bool| {
+                let sdpa = |k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool| {
                     Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
                 };
                 // Where every earlier key is seen, no mask is built: a prefill into an empty
@@ -112,29 +112,17 @@ impl Keys<'_> {
                 // query sees every cached key. A dense mask of a 32K prefill alone is 1 GiB.
                 if pattern.is_full_at((start + n) as usize) {
                     if kpos.size()[0] == n {
-                        return sdpa(None, true);
+                        return sdpa(k, v, None, true);
                     }
                     if n == 1 {
-                        return sdpa(None, false);
+                        return sdpa(k, v, None, false);
                     }
                 }
                 // One decoded query through a window sees the last w keys: a slot holds
                 // consecutive positions ending at the query's own (chunks are appended in
                 // order and `trim` keeps a suffix), so they are a narrow, and no mask is built.
                 if let (KeyPattern::Window(w), 1) = (pattern, n) {
-                    let len = k.size()[2];
-                    let keep = len.min(w as i64);
-                    let (k, v) = (k.narrow(2, len - keep, keep), v.narrow(2, len - keep, keep));
-                    return Tensor::scaled_dot_product_attention(
-                        q,
-                        &k,
-                        &v,
-                        None::<Tensor>,
-                        0.0,
-                        false,
-                        None,
-                        gqa,
-                    );
+                    return sdpa(&last_keys(k, 2, w), &last_keys(v, 2, w), None, false);
                 }
                 let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
                 let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
@@ -152,7 +140,7 @@ impl Keys<'_> {
                             .logical_and(&dist.ge(0))
                     }
                 };
-                sdpa(Some(&seen), false)
+                sdpa(k, v, Some(&seen), false)
             }
         }
     }
@@ -169,12 +157,11 @@ impl Keys<'_> {
             // consecutive positions up to the chunk's last, so they are its last w: a narrow,
             // with no search of the positions (and no wait for the device to answer one).
             let len = s.pos.size()[0];
-            let keep = len.min(w as i64);
             // A view keeps the whole tensor alive: after a prefill longer than the window
             // the kept keys are copied out, so the rest is freed; a decoding step drops one
             // key, and its view is replaced by the next step's concatenation anyway.
-            let last = |t: &Tensor, dim: i64| match t.narrow(dim, len - keep, keep) {
-                kept if 2 * keep < len => kept.contiguous(),
+            let last = |t: &Tensor, dim: i64| match last_keys(t, dim, w) {
+                kept if 2 * (w as i64) < len => kept.contiguous(),
                 kept => kept,
             };
             s.k = last(&s.k, 2);
@@ -182,4 +169,12 @@ impl Keys<'_> {
             s.pos = last(&s.pos, 0);
         }
     }
+}
+
+/// The last `w` entries of `t` along `dim` (all of them when it holds fewer), as a view: a
+/// slot's keys are consecutive positions, so a window's keys are its suffix.
+fn last_keys(t: &Tensor, dim: i64, w: usize) -> Tensor {
+    let len = t.size()[dim as usize];
+    let keep = len.min(w as i64);
+    t.narrow(dim, len - keep, keep)
 }
