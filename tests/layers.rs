@@ -1,120 +1,47 @@
-//! The layout's rules, read off the sources (docs/architecture.md): `src/` is folders by layer,
-//! each importing only the layers below it; no file imports another in a circle; method files
-//! never import each other. Test code (`mod tests`, `tests.rs`, `fixture.rs`) may read any
-//! layer, as the integration tests do.
+//! The layout's rules, read off the sources and docs/architecture.md: `src/` is folders by
+//! layer, each importing only the layers the document's table lets it (io and data side by
+//! side, each on util alone); no file imports another in a circle; method files never import
+//! each other; the document names every file. Test code (`source.rs` says what counts) may
+//! read any layer, as the integration tests do.
+
+mod source;
+use source::{blank_literals, module_of, read, sources, without_tests, Source};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The layers, lowest first; `lib.rs` and `main.rs` sit above them all.
-const LAYERS: [&str; 8] = [
-    "util", "io", "data", "config", "model", "run", "sweep", "cli",
-];
-
-/// One source file: its module path (`["model", "attention", "aha"]`), its whole text and its
-/// non-test code.
-struct Source {
-    path: PathBuf,
-    module: Vec<String>,
-    text: String,
-    code: String,
+/// docs/architecture.md.
+fn architecture() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/architecture.md"))
+        .unwrap()
 }
 
-fn sources() -> Vec<Source> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut out = Vec::new();
-    let mut dirs = vec![root.clone()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                let rel = p.strip_prefix(&root).unwrap().with_extension("");
-                let mut module: Vec<String> = rel
-                    .components()
-                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
-                    .collect();
-                if matches!(
-                    module.last().map(String::as_str),
-                    Some("mod" | "lib" | "main")
-                ) {
-                    module.pop();
-                }
-                let text = std::fs::read_to_string(&p).unwrap();
-                let name = p.file_name().unwrap().to_string_lossy();
-                let code = match name.as_ref() {
-                    "tests.rs" | "fixture.rs" => String::new(),
-                    _ => without_tests(&text),
-                };
-                out.push(Source {
-                    path: rel.with_extension("rs"),
-                    module,
-                    text,
-                    code,
-                });
-            }
-        }
-    }
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    out
-}
-
-/// The text without its `#[cfg(test)]` items: a `mod tests { ... }` block (to its closing
-/// brace), or a one-line item (`mod fixture;`, `pub(crate) use ...;`).
-fn without_tests(text: &str) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < lines.len() {
-        if lines[i].trim() != "#[cfg(test)]" {
-            out.push(lines[i]);
-            i += 1;
+/// The layers and what each may import, from the document's table of folders (`| `util/` |
+/// nothing of the crate | ...`, `| `config/` | util, data | ...`), in its order.
+fn layers(doc: &str) -> Vec<(String, BTreeSet<String>)> {
+    let mut out: Vec<(String, BTreeSet<String>)> = Vec::new();
+    for line in doc.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let [_, folder, may, _, ..] = cells[..] else {
+            continue;
+        };
+        let Some(name) = folder.strip_prefix('`').and_then(|f| f.strip_suffix("/`")) else {
+            continue;
+        };
+        if name.contains('/')
+            || !may
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || ", ".contains(c))
+        {
             continue;
         }
-        i += 1;
-        // The item's lines, to where its braces (if it opens any) close.
-        let mut depth = 0i64;
-        while i < lines.len() {
-            depth += braces(lines[i]);
-            i += 1;
-            if depth <= 0 {
-                break;
-            }
-        }
+        let allowed = match may {
+            "nothing of the crate" => BTreeSet::new(),
+            _ => may.split(", ").map(String::from).collect(),
+        };
+        out.push((name.to_string(), allowed));
     }
-    out.join("\n")
-}
-
-/// Opening minus closing braces of a line of code, those in string and character literals and
-/// comments not counted.
-fn braces(line: &str) -> i64 {
-    let (mut n, mut chars) = (0, line.chars().peekable());
-    let mut in_str = false;
-    while let Some(c) = chars.next() {
-        match (in_str, c) {
-            (true, '\\') => {
-                chars.next();
-            }
-            (true, '"') => in_str = false,
-            (true, _) => {}
-            (false, '"') => in_str = true,
-            (false, '\'') => {
-                // A character literal ('{', '\'') or a lifetime ('a): skip the literal only.
-                let rest: String = chars.clone().take(3).collect();
-                if rest.starts_with('\\') {
-                    chars.nth(2);
-                } else if rest.chars().nth(1) == Some('\'') {
-                    chars.nth(1);
-                }
-            }
-            (false, '/') if chars.peek() == Some(&'/') => break,
-            (false, '{') => n += 1,
-            (false, '}') => n -= 1,
-            _ => {}
-        }
-    }
-    n
+    out
 }
 
 /// The paths a use tree names: `a::{b, c::{d, e as f}}` gives `a::b`, `a::c::d`, `a::c::e as f`.
@@ -241,12 +168,12 @@ fn references(code: &str) -> Vec<String> {
     out
 }
 
-/// The layer of a file (index into `LAYERS`), `LAYERS.len()` for the crate's root files.
-fn layer(s: &Source) -> usize {
-    s.module
-        .first()
-        .and_then(|top| LAYERS.iter().position(|l| l == top))
-        .unwrap_or(LAYERS.len())
+/// The layer of a file: its top folder, None for the crate's root files (`lib.rs`, `main.rs`).
+fn layer(s: &Source) -> Option<&str> {
+    match s.module.first() {
+        Some(top) if s.module.len() > 1 || s.path.ends_with("mod.rs") => Some(top),
+        _ => None,
+    }
 }
 
 /// The file an absolute path's item is defined in, following a folder's `pub use` re-exports.
@@ -264,7 +191,7 @@ fn resolve(
             return Some(src.path.clone());
         }
         // An item of a folder's index: the child that defines it, when the index re-exports it.
-        for (_, tree) in use_statements(&src.text).into_iter().filter(|u| u.0) {
+        for (_, tree) in use_statements(&src.code).into_iter().filter(|u| u.0) {
             for item in expand_use(&tree) {
                 let (path, alias) = match item.split_once(" as ") {
                     Some((p, a)) => (p.to_string(), a.to_string()),
@@ -389,39 +316,79 @@ fn circles(edges: &BTreeMap<PathBuf, BTreeSet<PathBuf>>) -> Vec<Vec<PathBuf>> {
     out
 }
 
-#[test]
-fn layers_import_only_layers_below_them() {
-    let srcs = sources();
-    for s in &srcs {
-        assert!(
-            s.module.len() > 1 || s.module.is_empty() || LAYERS.contains(&s.module[0].as_str()),
-            "{} sits outside the layer folders ({})",
-            s.path.display(),
-            LAYERS.join(", ")
-        );
-    }
+/// Every import between layers that the document's table does not allow, as a line each
+/// (`data/x.rs (data) imports io/y.rs (io)`); root files may import any layer, and no layer a
+/// root file.
+fn forbidden(srcs: &[Source], doc: &str) -> Vec<String> {
+    let allowed: BTreeMap<String, BTreeSet<String>> = layers(doc).into_iter().collect();
     let by_path: BTreeMap<&PathBuf, &Source> = srcs.iter().map(|s| (&s.path, s)).collect();
-    let mut upward = Vec::new();
-    let mut edges = graph(&srcs);
-    for (from, tos) in reexports(&srcs) {
+    let mut edges = graph(srcs);
+    for (from, tos) in reexports(srcs) {
         edges.entry(from).or_default().extend(tos);
     }
+    let mut out = Vec::new();
     for (from, tos) in edges {
-        let l = layer(by_path[&from]);
+        let Some(lf) = layer(by_path[&from]) else {
+            continue;
+        };
         for to in tos {
             let lt = layer(by_path[&to]);
-            if lt > l {
-                upward.push(format!(
-                    "{} ({}) imports {} ({})",
+            let ok =
+                lt.is_some_and(|lt| lt == lf || allowed.get(lf).is_some_and(|a| a.contains(lt)));
+            if !ok {
+                out.push(format!(
+                    "{} ({lf}) imports {} ({})",
                     from.display(),
-                    LAYERS.get(l).unwrap_or(&"root"),
                     to.display(),
-                    LAYERS.get(lt).unwrap_or(&"root")
+                    lt.unwrap_or("root")
                 ));
             }
         }
     }
-    assert!(upward.is_empty(), "upward imports:\n{}", upward.join("\n"));
+    out
+}
+
+#[test]
+fn layers_import_only_what_the_document_allows() {
+    let doc = architecture();
+    let table = layers(&doc);
+    let names: Vec<&str> = table.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["util", "io", "data", "config", "model", "run", "sweep", "cli"],
+        "the document's table of folders"
+    );
+    let srcs = sources();
+    for s in &srcs {
+        assert!(
+            layer(s).is_none_or(|l| names.contains(&l)),
+            "{} sits outside the layer folders ({})",
+            s.path.display(),
+            names.join(", ")
+        );
+    }
+    let bad = forbidden(&srcs, &doc);
+    assert!(
+        bad.is_empty(),
+        "imports the document does not allow:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The document names every file below `src/` by its path there (`util/atomic.rs`).
+#[test]
+fn the_document_names_every_file() {
+    let doc = architecture();
+    let missing: Vec<String> = sources()
+        .iter()
+        .map(|s| s.path.to_string_lossy().into_owned())
+        .filter(|p| !doc.contains(&format!("`{p}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/architecture.md does not name: {}",
+        missing.join(", ")
+    );
 }
 
 #[test]
@@ -451,41 +418,97 @@ fn method_files_never_import_each_other() {
     }
 }
 
-/// The reader finds what the rules are about: a circle and an upward import planted in
-/// sources of its own are reported.
+/// Sources of the reader's own, as (path below `src/`, text).
+fn planted(files: &[(&str, &str)]) -> Vec<Source> {
+    read(
+        files
+            .iter()
+            .map(|(p, t)| (PathBuf::from(p), module_of(Path::new(p)), t.to_string()))
+            .collect(),
+    )
+}
+
+/// The reader finds what the rules are about: a circle and imports the table forbids,
+/// planted in sources of its own, are reported; so is a production module named like test
+/// code, and code after a multi-line string holding a brace.
 #[test]
-fn the_reader_sees_circles_and_upward_imports() {
-    let src = |path: &str, module: &[&str], code: &str| Source {
-        path: PathBuf::from(path),
-        module: module.iter().map(|s| s.to_string()).collect(),
-        text: code.into(),
-        code: code.into(),
-    };
-    let srcs = vec![
-        src(
-            "util/a.rs",
-            &["util", "a"],
-            "use crate::run::b::Thing;\nuse super::c;",
-        ),
-        src("run/b.rs", &["run", "b"], "fn f() { crate::util::a::g(); }"),
-        src("util/c.rs", &["util", "c"], ""),
-        src("util/mod.rs", &["util"], "pub mod a;\npub mod c;"),
-        src("run/mod.rs", &["run"], "pub mod b;"),
-    ];
+fn the_reader_sees_circles_and_forbidden_imports() {
+    let doc = architecture();
+    let srcs = planted(&[
+        ("util/a.rs", "use crate::run::b::Thing;\nuse super::c;"),
+        ("run/b.rs", "fn f() { crate::util::a::g(); }"),
+        ("util/c.rs", ""),
+        ("util/mod.rs", "pub mod a;\npub mod c;"),
+        ("run/mod.rs", "pub mod b;"),
+    ]);
     let edges = graph(&srcs);
     assert_eq!(circles(&edges).len(), 1, "{edges:?}");
     let a = &edges[&PathBuf::from("util/a.rs")];
     assert!(a.contains(&PathBuf::from("run/b.rs")) && a.contains(&PathBuf::from("util/c.rs")));
-    assert!(layer(&srcs[0]) < layer(&srcs[1]));
-    // A re-export reads what it shows.
-    let shown = vec![
-        src(
+    assert_eq!(
+        forbidden(&srcs, &doc),
+        ["util/a.rs (util) imports run/b.rs (run)"]
+    );
+    // io and data stand side by side: neither imports the other, nor config io.
+    let side = planted(&[
+        ("data/x.rs", "use crate::io::y::Y;"),
+        ("io/y.rs", "fn g() { crate::data::x::f(); }"),
+        ("config/z.rs", "use crate::io::y;"),
+        ("io/mod.rs", "pub mod y;"),
+        ("data/mod.rs", "pub mod x;"),
+        ("config/mod.rs", "pub mod z;"),
+    ]);
+    assert_eq!(
+        forbidden(&side, &doc),
+        [
+            "config/z.rs (config) imports io/y.rs (io)",
+            "data/x.rs (data) imports io/y.rs (io)",
+            "io/y.rs (io) imports data/x.rs (data)"
+        ]
+    );
+    // Test code is what #[cfg(test)] marks, not a file's name: a production `tests.rs` is read,
+    // a module declared under #[cfg(test)] is not, whatever its name.
+    let named = planted(&[
+        (
             "util/mod.rs",
-            &["util"],
-            "pub(crate) use crate::run::b::Thing;",
+            "pub mod tests;\n#[cfg(test)]\n#[allow(unused)]\nmod checks;",
         ),
-        src("run/b.rs", &["run", "b"], ""),
-    ];
+        ("util/tests.rs", "use crate::run::b::B;"),
+        ("util/checks.rs", "use crate::run::b::B;"),
+        ("run/mod.rs", "pub mod b;"),
+        ("run/b.rs", ""),
+    ]);
+    assert_eq!(
+        forbidden(&named, &doc),
+        ["util/tests.rs (util) imports run/b.rs (run)"]
+    );
+    // A multi-line string holding `{` inside a test module, and a raw string with `}` and a
+    // quote: the code after them is read.
+    let strings = planted(&[
+        (
+            "util/mod.rs",
+            "pub mod s;\n#[cfg(test)]\nmod tests {\n    const T: &str = \"a {\n b\";\n}\n\
+             const R: &str = r#\"}\" }\"#;\nuse crate::run::b::B;",
+        ),
+        ("util/s.rs", ""),
+        ("run/mod.rs", "pub mod b;"),
+        ("run/b.rs", ""),
+    ]);
+    assert_eq!(
+        forbidden(&strings, &doc),
+        ["util/mod.rs (util) imports run/b.rs (run)"]
+    );
+    assert_eq!(
+        without_tests(&blank_literals(
+            "a\n#[cfg(test)]\nmod t { fn f() {\n}\n}\nb"
+        )),
+        "a\nb"
+    );
+    // A re-export reads what it shows.
+    let shown = planted(&[
+        ("util/mod.rs", "pub(crate) use crate::run::b::Thing;"),
+        ("run/b.rs", ""),
+    ]);
     let r = reexports(&shown);
     assert!(r[&PathBuf::from("util/mod.rs")].contains(&PathBuf::from("run/b.rs")));
     assert_eq!(
