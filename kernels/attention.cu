@@ -127,11 +127,7 @@ __global__ void __launch_bounds__(THREADS, 3) forward_kernel(Args p) {
     __nv_bfloat16* sq = skv + 2 * BK * S;  // = the second stage
     __shared__ int spos[BQ];
 
-    const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-    const int kvh = h / (p.heads / p.kv_heads);
-    const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : -1;
-    const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
-    const int64_t qbase = (int64_t)bh * p.lq;
+    const auto [bh, b, h, kvh, nq, full, row0, qbase] = query_tile(p, blockIdx.y, blockIdx.x, gridDim.x, BQ);
     if (row0 >= nq) {
         zero_rows<D>(p, p.out, p.lse, qbase, row0, BQ);
         return;
@@ -273,11 +269,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(Args p) {
     __nv_bfloat16* sv = sk + BK * (D + PAD);
     __shared__ int spos[BQ];
 
-    const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-    const int kvh = h / (p.heads / p.kv_heads);
-    const int nq = p.nq ? p.nq[bh] : p.lq, full = p.nfull ? p.nfull[bh] : -1;
-    const int row0 = tile_at(blockIdx.x, gridDim.x, full, BQ) * BQ;
-    const int64_t qbase = (int64_t)bh * p.lq;
+    const auto [bh, b, h, kvh, nq, full, row0, qbase] = query_tile(p, blockIdx.y, blockIdx.x, gridDim.x, BQ);
     if (row0 >= nq) {
         zero_rows<D>(p, p.dq, nullptr, qbase, row0, BQ);
         return;
@@ -688,12 +680,20 @@ constexpr int PAIR_ROWS = PAIR_THREADS / PAIR_LANES;
 constexpr int PAIR_UNROLL = 4;
 constexpr float LOG2E = 1.4426950408889634f;
 
-// The list kernels' arguments (a dense list: heads, KV heads, length, scale and the tensors)
-// plus the far distances of the pair kernels, ascending.
+// The list kernels' arguments (a dense list: heads, KV heads, length, window, scale and the
+// tensors) plus what the pair kernels pair each row with: PPA's far distances (offsets,
+// ascending, n of them), or attention sinks (sinks > 0: the sequence's first `sinks` keys,
+// paired with the queries that do not see them through their window).
 struct PairArgs : Args {
     const int* offsets;
     int n;
+    int sinks;
 };
+
+// How many sink keys query row i sees beyond its window: keys 0 .. min(sinks, i - window + 1) - 1.
+__device__ __forceinline__ int sinks_beyond(const PairArgs& p, int i) {
+    return max(0, min(p.sinks, i - p.window + 1));
+}
 
 // A lane's D / PAIR_LANES columns of a bf16 row: 16-byte pieces strided by PAIR_LANES, so each
 // load instruction reads whole 128-byte lines of a group's row.
@@ -788,33 +788,34 @@ struct PairRow {
     }
 };
 
-// A query row's far pairs (forward and dQ): how many, the warp's trip count, the row's index in
-// [B, H, L], and its KV head's K and V.
+// A query row's pairs (forward and dQ): its far distances, or the sinks beyond its window; how
+// many, the warp's trip count, the row's index in [B, H, L], and its KV head's K and V.
 template <int D>
 struct QueryPairs : PairRow {
     int count, trips;
     int64_t at;
     const __nv_bfloat16 *kb, *vb;
     __device__ explicit QueryPairs(const PairArgs& p) : PairRow(p, true, p.heads) {
-        count = ok ? count_at_most(p.offsets, p.n, row) : 0;
+        count = !ok ? 0 : p.sinks ? sinks_beyond(p, row) : count_at_most(p.offsets, p.n, row);
         trips = warp_trips(count);
         at = (int64_t)bh * p.len + row;
         kb = p.k + (int64_t)kvh * p.len * D;
         vb = p.v + (int64_t)kvh * p.len * D;
     }
     // The key and value rows of pairs j0, j0 + 1, ... (the row's own past its count: callers
-    // weigh those zero).
+    // weigh those zero): sink j is key j, far distance j key row - offsets[j].
     __device__ __forceinline__ void gather(const PairArgs& p, int j0, RowPiece<D>* kr, RowPiece<D>* vr) const {
 #pragma unroll
         for (int u = 0; u < PAIR_UNROLL; ++u) {
-            const int key = j0 + u < count ? row - __ldg(p.offsets + j0 + u) : row;
+            const int j = j0 + u;
+            const int key = j >= count ? row : p.sinks ? j : row - __ldg(p.offsets + j);
             kr[u].load(kb + (int64_t)key * D, sub);
             vr[u].load(vb + (int64_t)key * D, sub);
         }
     }
 };
 
-// Forward: query row i also sees keys i - offsets[j]; its pairs join the tile pass's softmax
+// Forward: query row i also sees keys i - offsets[j] (or sinks); its pairs join the tile pass's softmax
 // state (m = lse, l = 1, acc = out) and the merged row replaces out and lse.
 template <int D>
 __global__ void __launch_bounds__(PAIR_THREADS) far_forward_kernel(PairArgs p) {
@@ -935,6 +936,71 @@ __global__ void __launch_bounds__(PAIR_THREADS, D == 128 ? 3 : 1) far_dkdv_kerne
     x.load(p.dv + at * D, r.sub);
     x.axpby(1.f, 1.f, dv);
     store_piece<D>(p.dv + at * D, r.sub, dv, 1.f);
+}
+
+// dK and dV of the sink keys: key s < sinks pairs with every query i >= s + window, up to L of
+// them, too many for one row's lanes. A block takes one key and SINK_QUERIES consecutive
+// queries per lane group (of each query head sharing the KV head), sums its groups' terms in
+// shared memory, and adds them to fp32 sums [B, Hkv, sinks, D] (unscaled dK, dV), which the
+// host adds to the tile pass's dk and dv.
+constexpr int SINK_QUERIES = 16;
+
+template <int D>
+__global__ void __launch_bounds__(PAIR_THREADS) sink_dkdv_kernel(PairArgs p, float* dk_sum, float* dv_sum) {
+    constexpr int E = RowPiece<D>::E;
+    __shared__ float part[2][PAIR_ROWS][D];
+    const int sub = threadIdx.x % PAIR_LANES, grp = threadIdx.x / PAIR_LANES;
+    const int key = blockIdx.y, bkv = blockIdx.z;
+    const int first = key + p.window + blockIdx.x * PAIR_ROWS * SINK_QUERIES;  // the block's first query
+    if (first >= p.len) return;  // uniform over the block
+    const int q0 = first + grp * SINK_QUERIES;
+    const int64_t at = (int64_t)bkv * p.len + key;
+    float ks[E], vs[E], dk[E], dv[E];
+    RowPiece<D> x;
+    x.load(p.k + at * D, sub);
+    x.scaled(p.scale * LOG2E, ks);
+    x.load(p.v + at * D, sub);
+    x.scaled(1.f, vs);
+    for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
+    const int group = p.heads / p.kv_heads;
+    for (int g = 0; g < group; ++g) {
+        const int64_t qh = (int64_t)(bkv / p.kv_heads * p.heads + bkv % p.kv_heads * group + g) * p.len;
+        for (int u0 = 0; u0 < SINK_QUERIES; u0 += PAIR_UNROLL) {
+            RowPiece<D> qr[PAIR_UNROLL], dr[PAIR_UNROLL];
+            float lse2[PAIR_UNROLL], delta[PAIR_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PAIR_UNROLL; ++u) {
+                const int64_t qi = qh + min(q0 + u0 + u, p.len - 1);  // past the end: weighed zero
+                qr[u].load(p.q + qi * D, sub);
+                dr[u].load(p.dout + qi * D, sub);
+                lse2[u] = p.lse_in[qi] * LOG2E;
+                delta[u] = p.delta[qi];
+            }
+#pragma unroll
+            for (int u = 0; u < PAIR_UNROLL; ++u) {
+                const float s = group_sum(qr[u].dot(ks)), dp = group_sum(dr[u].dot(vs));
+                const float pr = q0 + u0 + u < p.len ? exp2f(s - lse2[u]) : 0.f;
+                qr[u].axpby(1.f, pr * (dp - delta[u]), dk);
+                dr[u].axpby(1.f, pr, dv);
+            }
+        }
+    }
+    // The lane's columns in the row: piece c holds columns (c * PAIR_LANES + sub) * 8 ...
+#pragma unroll
+    for (int c = 0; c < RowPiece<D>::N; ++c)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            part[0][grp][(c * PAIR_LANES + sub) * 8 + e] = dk[c * 8 + e];
+            part[1][grp][(c * PAIR_LANES + sub) * 8 + e] = dv[c * 8 + e];
+        }
+    __syncthreads();
+    const int64_t out = ((int64_t)bkv * p.sinks + key) * D;
+    for (int i = threadIdx.x; i < 2 * D; i += PAIR_THREADS) {
+        const int which = i / D, col = i % D;
+        float sum = 0.f;
+        for (int r = 0; r < PAIR_ROWS; ++r) sum += part[which][r][col];
+        atomicAdd((which ? dv_sum : dk_sum) + out + col, sum);
+    }
 }
 
 // bf16 rows [B, H, L, D] of one shape, contiguous, D / 8 a power of two up to 32: the 16-byte
@@ -1088,6 +1154,14 @@ PairArgs pair_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     return a;
 }
 
+// The pair kernels' arguments for the first `sinks` keys beyond each query's window.
+PairArgs sink_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sinks, int64_t window) {
+    PairArgs a{};
+    static_cast<Args&>(a) = make_args(q, k, v, QueryList{}, window);
+    a.sinks = (int)std::min<int64_t>(sinks, a.len);
+    return a;
+}
+
 template <typename Kernel>
 void launch_pairs(Kernel kernel, int rows, int64_t heads, const PairArgs& a) {
     const dim3 grid((rows + PAIR_ROWS - 1) / PAIR_ROWS, heads);
@@ -1122,6 +1196,47 @@ void cuda_far_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at:
         launch_pairs(far_dq_kernel<128>, a.len, q.size(0) * a.heads, a);
         launch_pairs(far_dkdv_kernel<128>, a.len, k.size(0) * a.kv_heads, a);
     }
+}
+
+void cuda_sink_pairs_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sinks,
+                             int64_t window, at::Tensor& out, at::Tensor& lse) {
+    const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0 || sinks <= 0 || window >= k.size(2)) return;
+    PairArgs a = sink_args(q, k, v, sinks, window);
+    a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    a.lse = lse.data_ptr<float>();
+    if (q.size(3) == 64) launch_pairs(far_forward_kernel<64>, a.len, q.size(0) * a.heads, a);
+    else launch_pairs(far_forward_kernel<128>, a.len, q.size(0) * a.heads, a);
+}
+
+void cuda_sink_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sinks,
+                              int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
+                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    const at::cuda::CUDAGuard guard(q.device());
+    if (q.numel() == 0 || sinks <= 0 || window >= k.size(2)) return;
+    PairArgs a = sink_args(q, k, v, sinks, window);
+    bind_backward(a, lse, delta, dout, dq, dk, dv);
+    const int64_t s = a.sinks;
+    auto sums = at::zeros({2, k.size(0), k.size(1), s, k.size(3)}, q.options().dtype(at::kFloat));
+    const dim3 grid((unsigned)((a.len - a.window + PAIR_ROWS * SINK_QUERIES - 1) / (PAIR_ROWS * SINK_QUERIES)),
+                    (unsigned)s, (unsigned)(k.size(0) * a.kv_heads));
+    auto* dk_sum = sums.data_ptr<float>();
+    auto* dv_sum = dk_sum + sums[0].numel();
+    if (q.size(3) == 64) {
+        launch_pairs(far_dq_kernel<64>, a.len, q.size(0) * a.heads, a);
+        sink_dkdv_kernel<64><<<grid, PAIR_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(a, dk_sum, dv_sum);
+    } else {
+        launch_pairs(far_dq_kernel<128>, a.len, q.size(0) * a.heads, a);
+        sink_dkdv_kernel<128><<<grid, PAIR_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(a, dk_sum, dv_sum);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // dK = scale * sum dS q, dV = sum P dO, added to the tile pass's in fp32, rounded once.
+    auto add = [&](at::Tensor& grad, const at::Tensor& sum, double mul) {
+        auto rows = grad.narrow(2, 0, s);
+        rows.copy_(rows.to(at::kFloat) + sum * mul);
+    };
+    add(dk, sums[0], a.scale);
+    add(dv, sums[1], 1.0);
 }
 
 void cuda_aha_gates(const at::Tensor& scores, double tau, double sample, uint32_t salt, int64_t start, int64_t window,

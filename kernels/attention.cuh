@@ -67,6 +67,16 @@ void cuda_far_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout, at::Tensor& dq,
                              at::Tensor& dk, at::Tensor& dv);
 
+// Attention sinks: the first `sinks` keys (positions), which every query sees, paired with the
+// queries that do not see them through their window (dense lists; the tile pass runs the
+// window): the forward merges their pairs into the tile pass's out and lse, the backward adds
+// their terms to the tile pass's dq, dk and dv (both in place).
+void cuda_sink_pairs_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sinks,
+                             int64_t window, at::Tensor& out, at::Tensor& lse);
+void cuda_sink_pairs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sinks,
+                              int64_t window, const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout,
+                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
 // AHA's straight-through mix y = c + w (c - o): c, o [B, H, L, D] bf16, contiguous, w
 // [B, H, L] fp32 contiguous.
 at::Tensor cuda_st_mix(const at::Tensor& c, const at::Tensor& o, const at::Tensor& w);

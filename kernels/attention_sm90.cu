@@ -250,13 +250,9 @@ __global__ void __launch_bounds__(THREADS, list_blocks<D, BK, DQ>())
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
     auto stage_k = [&](int s) { return sq + QS * Q_BYTES + s * 2 * T_BYTES; };
 
-    const int bh = blockIdx.x, b = bh / p.heads, h = bh % p.heads;
-    const int kvh = h / (p.heads / p.kv_heads);
-    const int nq = p.nq ? p.nq[bh] : p.lq, nfull = p.nfull ? p.nfull[bh] : -1;
     // Blocks start in the order of their linear index, heads fastest: every head's longest
     // query tiles first (tile_at).
-    const int row0 = tile_at(blockIdx.y, gridDim.y, nfull, BQ) * BQ;
-    const int64_t qbase = (int64_t)bh * p.lq;
+    const auto [bh, b, h, kvh, nq, nfull, row0, qbase] = query_tile(p, blockIdx.x, blockIdx.y, gridDim.y, BQ);
     if (row0 >= nq) {
         zero_rows<D>(p, p.out, DQ ? nullptr : p.lse, qbase, row0, BQ);
         return;

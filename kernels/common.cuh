@@ -67,6 +67,27 @@ __device__ __forceinline__ int tile_at(int y, int tiles, int full, int rows) {
     return y < first ? first - 1 - y : y;
 }
 
+// The query tile a block of the list kernels owns: its (batch, head) `bh` = b * heads + h,
+// the KV head its head reads, the list's active rows `nq` and full-prefix rows `full` (-1:
+// none), the tile's first row (the `tile`-th of `tiles` in tile_at's order) and where the
+// list's rows start in [B * H * Lq].
+struct QueryTile {
+    int bh, b, h, kvh, nq, full, row0;
+    int64_t qbase;
+};
+template <typename Shape>
+__device__ __forceinline__ QueryTile query_tile(const Shape& p, int bh, int tile, int tiles, int rows) {
+    const int full = p.nfull ? p.nfull[bh] : -1;
+    return QueryTile{bh,
+                     bh / p.heads,
+                     bh % p.heads,
+                     bh % p.heads / (p.heads / p.kv_heads),
+                     p.nq ? p.nq[bh] : p.lq,
+                     full,
+                     tile_at(tile, tiles, full, rows) * rows,
+                     (int64_t)bh * p.lq};
+}
+
 // A block whose query rows [row0, row0 + rows) all lie past the active count still gives them
 // defined outputs: zeros in out (D columns a row, at out_row), and lse -inf where lse is given.
 template <int D, typename Shape>

@@ -70,13 +70,14 @@ Rows rows_of(const at::Tensor& q, const at::Tensor& qpos, const at::Tensor& nq, 
 }
 
 // Visibility [B, H, Lq, L] of every (query, key) pair: the window (or the whole prefix, for
-// full-prefix rows), plus the distances listed in offsets (PPA; empty otherwise).
+// full-prefix rows), plus the distances listed in offsets (PPA; empty otherwise) and the
+// sequence's first `sinks` keys (attention sinks; 0 otherwise).
 at::Tensor visibility(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qpos, const at::Tensor& nq,
-                      const at::Tensor& nfull, int64_t window, const at::Tensor& offsets) {
+                      const at::Tensor& nfull, int64_t window, const at::Tensor& offsets, int64_t sinks) {
     auto r = rows_of(q, qpos, nq, nfull);
     auto keys = at::arange(k.size(2), q.options().dtype(at::kLong)).view({1, 1, 1, -1});
     auto p = r.pos.unsqueeze(-1);
-    auto seen = ((p - keys) < window) | r.full.unsqueeze(-1);
+    auto seen = ((p - keys) < window) | r.full.unsqueeze(-1) | (keys < sinks);
     if (offsets.numel() > 0) seen = seen | at::isin(p - keys, offsets.to(at::kLong));
     return (keys <= p) & seen & r.active.unsqueeze(-1);
 }
@@ -88,11 +89,11 @@ at::Tensor expand_kv(const at::Tensor& t, int64_t heads) {
 // Reference forward in fp32: returns (out, lse), zeros and -inf for inactive rows.
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& qpos, const at::Tensor& nq, const at::Tensor& nfull,
-                                                    int64_t window, const at::Tensor& offsets) {
+                                                    int64_t window, const at::Tensor& offsets, int64_t sinks) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     auto kf = expand_kv(k, q.size(1)).to(at::kFloat), vf = expand_kv(v, q.size(1)).to(at::kFloat);
     auto s = at::matmul(q.to(at::kFloat), kf.transpose(-1, -2)) * scale;
-    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets);
+    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets, sinks);
     s = s.masked_fill(vis.logical_not(), -INFINITY);
     auto lse = at::logsumexp(s, -1);
     auto p = at::exp(s - lse.unsqueeze(-1)).nan_to_num(0.0);
@@ -102,12 +103,13 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 // Reference backward: the same formulas as the kernels (dS = P (dP - delta)).
 variable_list reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos,
                                  const at::Tensor& nq, const at::Tensor& nfull, int64_t window, const at::Tensor& offsets,
-                                 const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dout) {
+                                 int64_t sinks, const at::Tensor& lse, const at::Tensor& delta,
+                                 const at::Tensor& dout) {
     const double scale = 1.0 / std::sqrt((double)q.size(3));
     const auto heads = q.size(1), group = heads / k.size(1);
     auto qf = q.to(at::kFloat), dof = dout.to(at::kFloat);
     auto kf = expand_kv(k, heads).to(at::kFloat), vf = expand_kv(v, heads).to(at::kFloat);
-    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets);
+    auto vis = visibility(q, k, qpos, nq, nfull, window, offsets, sinks);
     auto s = at::matmul(qf, kf.transpose(-1, -2)) * scale;
     auto p = at::exp(s - lse.unsqueeze(-1)).masked_fill(vis.logical_not(), 0.0).nan_to_num(0.0);
     auto dp = at::matmul(dof, vf.transpose(-1, -2));
@@ -170,11 +172,13 @@ variable_list cuda_attention_backward(const at::Tensor& q, const at::Tensor& k, 
 #endif
 
 // PPA's offsets split at pairs_from: the nearer ones run in the tile kernels (through their
-// far-distance table), offsets[pairs_from:] pair by pair (attention.cuh, cuda_far_pairs_*). The
-// reference path takes all of them at once.
+// far-distance table), offsets[pairs_from:] pair by pair (attention.cuh, cuda_far_pairs_*);
+// attention sinks, the first `sinks` keys, pair by pair beyond each query's window
+// (cuda_sink_pairs_*). The reference path takes all of them at once.
 struct ListAttention : public torch::autograd::Function<ListAttention> {
     static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor qpos,
-                                 at::Tensor nq, int64_t window, at::Tensor offsets, int64_t pairs_from) {
+                                 at::Tensor nq, int64_t window, at::Tensor offsets, int64_t pairs_from,
+                                 int64_t sinks) {
         at::Tensor out, lse, far = none(q);  // far: the kernels' PPA table, built once for both passes
         auto near = offsets.slice(0, 0, pairs_from), pairs = offsets.slice(0, pairs_from);
         if (q.is_cuda()) {
@@ -182,17 +186,19 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             far = far_table(near, k, window);
             std::tie(out, lse) = cuda_attention(q, k, v, query_list(qpos, nq, far, near), window);
             attnsweep::cuda_far_pairs_forward(q, k, v, pairs, out, lse);
+            attnsweep::cuda_sink_pairs_forward(q, k, v, sinks, window, out, lse);
 #else
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
         } else {
-            auto r = reference_forward(q, k, v, qpos, nq, none(q), window, offsets);
+            auto r = reference_forward(q, k, v, qpos, nq, none(q), window, offsets, sinks);
             out = r.first.to(q.scalar_type());
             lse = r.second;
         }
         ctx->save_for_backward({q, k, v, qpos, nq, out, lse, offsets, far});
         ctx->saved_data["window"] = window;
         ctx->saved_data["pairs_from"] = pairs_from;
+        ctx->saved_data["sinks"] = sinks;
         return {out};
     }
 
@@ -200,7 +206,8 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
         auto s = ctx->get_saved_variables();
         const auto &q = s[0], &k = s[1], &v = s[2], &qpos = s[3], &nq = s[4], &out = s[5], &lse = s[6], &offsets = s[7],
                    &far = s[8];
-        const int64_t window = ctx->saved_data["window"].toInt(), pairs_from = ctx->saved_data["pairs_from"].toInt();
+        const int64_t window = ctx->saved_data["window"].toInt(), pairs_from = ctx->saved_data["pairs_from"].toInt(),
+                      sinks = ctx->saved_data["sinks"].toInt();
         auto dout = grads[0].contiguous();
         auto delta = row_delta(dout, out);
         variable_list g;
@@ -209,11 +216,12 @@ struct ListAttention : public torch::autograd::Function<ListAttention> {
             auto near = offsets.slice(0, 0, pairs_from), pairs = offsets.slice(0, pairs_from);
             g = cuda_attention_backward(q, k, v, query_list(qpos, nq, far, near), window, lse, delta, dout);
             attnsweep::cuda_far_pairs_backward(q, k, v, pairs, lse, delta, dout, g[0], g[1], g[2]);
+            attnsweep::cuda_sink_pairs_backward(q, k, v, sinks, window, lse, delta, dout, g[0], g[1], g[2]);
 #endif
         } else {
-            g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, lse, delta, dout);
+            g = reference_backward(q, k, v, qpos, nq, none(q), window, offsets, sinks, lse, delta, dout);
         }
-        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -263,7 +271,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
             TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
 #endif
         } else {
-            auto r = reference_forward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q));
+            auto r = reference_forward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), 0);
             out = from_list(r.first.to(q.scalar_type()), perm);
             lse = r.second;
         }
@@ -284,7 +292,7 @@ struct RoutedAttention : public torch::autograd::Function<RoutedAttention> {
             g = cuda_attention_backward(q, k, v, {&perm, &nq, &nfull, true}, window, lse, delta, dout);
 #endif
         } else {
-            g = reference_backward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), lse, delta,
+            g = reference_backward(to_list(q, perm), k, v, perm, nq, nfull, window, none(q), 0, lse, delta,
                                    to_list(dout, perm));
             g[0] = from_list(g[0], perm);
         }
@@ -826,11 +834,12 @@ int attnsweep_profile(int start, const char* trace, char* err, size_t err_len) {
 
 // out = attention of q over (k, v) for the query list (qpos, nq may be null: dense), each
 // query seeing its window and, where offsets is not null, the keys at those distances (PPA;
-// on the GPU, offsets from index pairs_from on run pair by pair), with autograd. Returns a new
-// at::Tensor* (the caller owns it), or null with a message in err.
+// on the GPU, offsets from index pairs_from on run pair by pair), and the sequence's first
+// `sinks` keys (dense lists; 0: none), with autograd. Returns a new at::Tensor* (the caller
+// owns it), or null with a message in err.
 void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* qpos,
                                const at::Tensor* nq, int64_t window, const at::Tensor* offsets, int64_t pairs_from,
-                               char* err, size_t err_len) {
+                               int64_t sinks, char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK((qpos == nullptr) == (nq == nullptr), "qpos and nq come together");
         at::Tensor qp = qpos ? qpos->contiguous() : none(*q), n = nq ? nq->contiguous() : none(*q);
@@ -838,8 +847,11 @@ void* attnsweep_list_attention(const at::Tensor* q, const at::Tensor* k, const a
         check_inputs(*q, *k, *v, qp, n, window, off);
         TORCH_CHECK(pairs_from >= 0 && pairs_from <= off.numel(), "pairs_from must lie in [0, ", off.numel(),
                     "] (the offsets' count), not ", pairs_from);
+        TORCH_CHECK(sinks >= 0, "sinks must be at least 0, not ", sinks);
+        TORCH_CHECK(sinks == 0 || (qp.numel() == 0 && off.numel() == 0),
+                    "attention sinks take dense queries and no PPA offsets");
         auto out = ListAttention::apply(q->contiguous(), k->contiguous(), v->contiguous(), qp, n, window, off,
-                                        pairs_from);
+                                        pairs_from, sinks);
         return new at::Tensor(out[0]);
     });
 }

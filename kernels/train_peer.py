@@ -11,6 +11,7 @@ masks wherever a mask is not plain causal:
   full           scaled_dot_product_attention, causal (cuDNN on an H100)
   swa            FlexAttention, sliding-window block mask
   ppa            FlexAttention, the window or a distance in PPA's S_p
+  sinks          FlexAttention, the window or one of the sequence's first --sink-tokens keys
   static_hybrid  every `hybrid_every`-th layer full, the others the window
   aha            per (token, head) router: both paths (full causal and the window) computed
                  and mixed by the straight-through gate, L1 penalty on the scores (the AHA
@@ -148,8 +149,9 @@ class Block(nn.Module):
             return p.out(causal(q, k, v)), out
         if self.method == "swa":
             return p.out(window()), out
-        if self.method == "ppa":
-            return p.out(masks["flex"](q, k, v, block_mask=masks["ppa"], enable_gqa=p.h != p.kv)), out
+        if self.method in ("ppa", "sinks"):
+            mask = masks[self.method]
+            return p.out(masks["flex"](q, k, v, block_mask=mask, enable_gqa=p.h != p.kv)), out
         if self.method == "aha":
             s = torch.sigmoid(self.router(x).float())  # [B, L, H]
             hard = (s > 0.5).float()
@@ -210,6 +212,7 @@ class Model(nn.Module):
         self.norm = nn.Parameter(torch.ones(d))
         self.lm_head = None if m["tie_word_embeddings"] else nn.Linear(d, m["vocab_size"], bias=False)
         self.method, self.window, self.power, self.eps = a.method, a.window, a.ppa_power, m["rms_norm_eps"]
+        self.sinks = a.sink_tokens
         self.lam = 3e-4
         # SwiAttn's regulariser (the paper's defaults).
         self.gamma_base, self.swi_eps, self.alpha = 1e-3, 0.1, 100.0
@@ -234,6 +237,11 @@ class Model(nn.Module):
             masks["ppa"] = create_block_mask(
                 lambda b, h, qi, ki: (qi >= ki) & ((qi - ki < w) | seen[(qi - ki).clamp(min=0)]),
                 None, None, l, l, device=dev, _compile=True,
+            )
+        if self.method == "sinks":
+            s = self.sinks
+            masks["sinks"] = create_block_mask(
+                lambda b, h, qi, ki: (qi >= ki) & ((qi - ki < w) | (ki < s)), None, None, l, l, device=dev, _compile=True
             )
         return masks
 
@@ -286,6 +294,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ppa-power", type=float, default=0.5)
+    # attention.sink_tokens' default, which `bench train` times.
+    ap.add_argument("--sink-tokens", type=int, default=4)
     ap.add_argument("--hybrid-every", type=int, default=4)
     ap.add_argument("--impls", default="eager", help="eager, compile or both")
     ap.add_argument("--lr", type=float, default=3e-4, help="0 keeps the gate pattern fixed while timing")

@@ -1,7 +1,7 @@
 //! End-to-end tests: the binary on tiny configurations, on the CPU.
 
 mod common;
-use common::{bin, synth, tiny_base, tiny_grid};
+use common::{bin, cli, synth, tiny_base, tiny_grid};
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -10,66 +10,41 @@ fn scratch(name: &str) -> PathBuf {
     common::scratch("e2e", name)
 }
 
-fn run(args: &[&str]) -> Output {
-    bin().args(args).output().expect("binary runs")
-}
-
-fn ok(args: &[&str]) -> Output {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "{args:?} failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-/// Runs a command that must fail; returns its stderr.
-/// The binary on arguments that need not be UTF-8.
-fn run_os(args: &[std::ffi::OsString]) -> Output {
-    bin().args(args).output().unwrap()
-}
-
-fn fails(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(!o.status.success(), "{args:?} unexpectedly succeeded");
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-const TINY: [&str; 12] = [
-    "--set",
+/// The settings of the tests' tiny model (2 layers of width 32, sequences of 64 tokens).
+const TINY: [&str; 6] = [
     "model.hidden_size=32",
-    "--set",
     "model.intermediate_size=64",
-    "--set",
     "model.num_hidden_layers=2",
-    "--set",
     "data.seq_len=64",
-    "--set",
     "train.batch_size=4",
-    "--set",
     "eval.max_batches=4",
 ];
 
+/// `train -q` of the tiny model on the corpus `data` (a `data.dir=` setting) into `dir/out`.
+fn tiny_train(dir: &Path, data: &str, out: &str) -> common::Cli {
+    cli("train -q")
+        .flag("--out", dir.join(out))
+        .set([data])
+        .set(TINY)
+}
+
+/// `tiny_train` with `extra` arguments, which must succeed.
 fn train(dir: &Path, data: &str, out: &str, extra: &[&str]) -> Output {
-    let out = dir.join(out);
-    let mut args = vec!["train", "-q", "--out", out.to_str().unwrap(), "--set", data];
-    args.extend(TINY);
-    args.extend(extra);
-    ok(&args)
+    extra
+        .iter()
+        .fold(tiny_train(dir, data, out), |c, a| c.arg(a))
+        .ok()
 }
 
 /// `attnsweep sweep --grid <grid> --out <out> <extra>`, which must succeed.
 fn sweep(grid: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec![
-        "sweep",
-        "--grid",
-        grid.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    args.extend(extra);
-    ok(&args)
+    extra
+        .iter()
+        .fold(
+            cli("sweep").flag("--grid", grid).flag("--out", out),
+            |c, a| c.arg(a),
+        )
+        .ok()
 }
 
 fn log_rows(path: &Path) -> Vec<Vec<String>> {
@@ -140,15 +115,10 @@ fn train_then_eval_writes_everything() {
     assert_eq!(json["report"]["checkpoint_step"], 6);
 
     // SWA-ZS: the same weights evaluated with a window, written beside, not over, the original.
-    let o = ok(&[
-        "eval",
-        "--run",
-        run.to_str().unwrap(),
-        "--set",
-        "attention.method=swa",
-        "--set",
-        "attention.window=8",
-    ]);
+    let o = cli("eval")
+        .flag("--run", &run)
+        .set(["attention.method=swa", "attention.window=8"])
+        .ok();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("val loss") && out.contains("out_of_context"),
@@ -164,14 +134,10 @@ fn train_then_eval_writes_everything() {
     assert_eq!(zs["config"]["attention"]["method"], "swa");
 
     // Evaluated on sequences twice as long as training's.
-    ok(&[
-        "eval",
-        "-q",
-        "--run",
-        run.to_str().unwrap(),
-        "--set",
-        "eval.seq_len=128",
-    ]);
+    cli("eval -q")
+        .flag("--run", &run)
+        .set(["eval.seq_len=128"])
+        .ok();
     let long: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(run.join("eval-eval.seq_len_128/eval.json")).unwrap(),
     )
@@ -185,16 +151,11 @@ fn train_then_eval_writes_everything() {
     );
     // Asked for, the evaluation also times a forward and decoding over the cache, which a
     // full-attention model fills with the whole context.
-    ok(&[
-        "eval",
-        "-q",
-        "--run",
-        run.to_str().unwrap(),
-        "--set",
-        "eval.timing=true",
-        "--out",
-        run.join("timed").to_str().unwrap(),
-    ]);
+    cli("eval -q")
+        .flag("--run", &run)
+        .set(["eval.timing=true"])
+        .flag("--out", &run.join("timed"))
+        .ok();
     let timed: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("timed/eval.json")).unwrap())
             .unwrap();
@@ -253,19 +214,14 @@ fn resume_equals_uninterrupted_bitwise() {
         names
     };
     let ckpts = listing(&parts.join("checkpoints"));
-    let err = fails(&[
-        "train",
-        "-q",
-        "--resume",
-        "--out",
-        p,
-        "--set",
-        "train.steps=12",
-        "--set",
-        "attention.method=swa",
-        "--set",
-        "train.log_every=2",
-    ]);
+    let err = cli("train -q --resume")
+        .flag("--out", p)
+        .set([
+            "train.steps=12",
+            "attention.method=swa",
+            "train.log_every=2",
+        ])
+        .fails();
     for needle in [
         "train.steps (saved 9, now 12)",
         "attention.method",
@@ -282,17 +238,10 @@ fn resume_equals_uninterrupted_bitwise() {
     // Settings that leave the computation as it was change, and config.toml records them:
     // recomputing every block in the backward (activation checkpointing) gives the same
     // gradients bit for bit.
-    ok(&[
-        "train",
-        "-q",
-        "--resume",
-        "--out",
-        p,
-        "--set",
-        "train.eval_every=4",
-        "--set",
-        "train.activation_checkpointing=full",
-    ]);
+    cli("train -q --resume")
+        .flag("--out", p)
+        .set(["train.eval_every=4", "train.activation_checkpointing=full"])
+        .ok();
     let saved = std::fs::read_to_string(parts.join("config.toml")).unwrap();
     assert!(saved.contains("eval_every = 4"), "{saved}");
     assert!(
@@ -351,47 +300,28 @@ fn init_from_loads_matching_names_and_reports_new_ones() {
     assert!(o.status.success());
     // Untied head: the base run has no lm_head, so it is initialised fresh and reported.
     let cpt2 = d.join("cpt2");
-    let mut args = vec![
-        "train",
-        "--out",
-        cpt2.to_str().unwrap(),
-        "--set",
-        &data,
-        "--set",
-        "train.steps=1",
-        "--set",
-        "train.warmup_steps=0",
-        "--set",
-        "model.tie_word_embeddings=false",
-        "--init-from",
-        base.to_str().unwrap(),
-    ];
-    args.extend(TINY);
-    let o = ok(&args);
+    let o = cli("train")
+        .flag("--out", &cpt2)
+        .set([&data])
+        .set([
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "model.tie_word_embeddings=false",
+        ])
+        .flag("--init-from", &base)
+        .set(TINY)
+        .ok();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("initialised 1 new") && err.contains("lm_head.weight"),
         "{err}"
     );
     // A shape mismatch is an error naming the tensor.
-    let bad = d.join("bad");
-    let mut args = vec![
-        "train",
-        "-q",
-        "--out",
-        bad.to_str().unwrap(),
-        "--set",
-        &data,
-        "--set",
-        "train.steps=1",
-        "--set",
-        "train.warmup_steps=0",
-        "--init-from",
-        base.to_str().unwrap(),
-    ];
-    args.extend(TINY);
-    args.extend(["--set", "model.intermediate_size=48"]);
-    let err = fails(&args);
+    let err = tiny_train(&d, &data, "bad")
+        .set(["train.steps=1", "train.warmup_steps=0"])
+        .flag("--init-from", &base)
+        .set(["model.intermediate_size=48"])
+        .fails();
     assert!(err.contains("mlp") && err.contains("shape"), "{err}");
 }
 
@@ -405,16 +335,11 @@ fn data_prepare_then_train_on_text() {
     )
     .unwrap();
     let ds = d.join("ds");
-    ok(&[
-        "data",
-        "prepare",
-        "--input",
-        text.to_str().unwrap(),
-        "--out",
-        ds.to_str().unwrap(),
-        "--val-fraction",
-        "0.2",
-    ]);
+    cli("data prepare")
+        .flag("--input", &text)
+        .flag("--out", &ds)
+        .words("--val-fraction 0.2")
+        .ok();
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ds.join("meta.json")).unwrap()).unwrap();
     assert_eq!(meta["vocab_size"], 257);
@@ -452,21 +377,18 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         ("[train]\nlr = -1.0\n", "train.lr"),
     ] {
         std::fs::write(&cfg, text).unwrap();
-        let err = fails(&[
-            "train",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--out",
-            out_s,
-            "--set",
-            &data,
-        ]);
+        let err = cli("train")
+            .flag("--config", &cfg)
+            .flag("--out", out_s)
+            .set([&data])
+            .fails();
         assert!(err.contains(needle), "{text:?}: {err}");
     }
-    assert!(
-        fails(&["train", "--out", out_s, "--set", "data.dir=/nonexistent"])
-            .contains("not a prepared data set")
-    );
+    assert!(cli("train")
+        .flag("--out", out_s)
+        .set(["data.dir=/nonexistent"])
+        .fails()
+        .contains("not a prepared data set"));
     assert!(
         !out.exists(),
         "a failed start must not create the run directory"
@@ -483,29 +405,16 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     let snapshot =
         |p: &Path| std::fs::read(p.join("checkpoints/step_00000002/model.safetensors")).unwrap();
     let before = snapshot(&run);
-    let mut again = vec![
-        "train",
-        "-q",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        &data,
-    ];
-    again.extend(TINY);
-    assert!(fails(&again).contains("already holds a run"));
+    assert!(tiny_train(&d, &data, "run")
+        .fails()
+        .contains("already holds a run"));
     assert_eq!(snapshot(&run), before);
 
     // Truncated checkpoint.
     let ckpt = run.join("checkpoints/step_00000002/model.safetensors");
     let cut = d.join("cut.safetensors");
     std::fs::write(&cut, &before[..before.len() / 2]).unwrap();
-    let err = fails(&[
-        "eval",
-        "--run",
-        run.to_str().unwrap(),
-        "--ckpt",
-        cut.to_str().unwrap(),
-    ]);
+    let err = cli("eval").flag("--run", &run).flag("--ckpt", &cut).fails();
     assert!(err.contains("truncated or corrupt"), "{err}");
     assert_eq!(std::fs::read(&ckpt).unwrap(), before);
 
@@ -520,23 +429,17 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     ] {
         std::fs::copy(d.join("data").join(f), copy.join(f)).unwrap();
     }
-    let err = fails(&[
-        "train",
-        "--out",
-        out_s,
-        "--set",
-        &format!("data.dir={}", copy.display()),
-    ]);
+    let err = cli("train")
+        .flag("--out", out_s)
+        .set([&format!("data.dir={}", copy.display())])
+        .fails();
     assert!(err.contains("val_000.bin"), "{err}");
     let val = std::fs::read(d.join("data/val_000.bin")).unwrap();
     std::fs::write(copy.join("val_000.bin"), &val[..val.len() - 3]).unwrap();
-    let err = fails(&[
-        "train",
-        "--out",
-        out_s,
-        "--set",
-        &format!("data.dir={}", copy.display()),
-    ]);
+    let err = cli("train")
+        .flag("--out", out_s)
+        .set([&format!("data.dir={}", copy.display())])
+        .fails();
     assert!(err.contains("truncated"), "{err}");
     assert!(!out.exists());
 
@@ -544,12 +447,12 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     let blocker = d.join("file");
     std::fs::write(&blocker, b"keep me").unwrap();
     let inside = blocker.join("run");
-    let err = fails(&["train", "--out", inside.to_str().unwrap(), "--set", &data]);
+    let err = cli("train").flag("--out", &inside).set([&data]).fails();
     assert!(err.contains("cannot create output directory"), "{err}");
     assert_eq!(std::fs::read(&blocker).unwrap(), b"keep me");
 
     // Data sets are never overwritten.
-    let err = fails(&["data", "synth", "--out", d.join("data").to_str().unwrap()]);
+    let err = cli("data synth").flag("--out", &d.join("data")).fails();
     assert!(err.contains("already holds a data set"), "{err}");
 
     // Non-finite numbers, from overrides and flags, and settings an override breaks, are
@@ -576,20 +479,20 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
             "GiB of memory",
         ),
     ] {
-        let mut args = vec!["train", "--out", out_s, "--set", &data];
-        for s in sets {
-            args.extend(["--set", s]);
-        }
-        let err = fails(&args);
+        let err = cli("train")
+            .flag("--out", out_s)
+            .set([&data])
+            .set(sets.iter())
+            .fails();
         assert!(err.contains(needle), "{sets:?}: {err}");
         assert!(!err.contains("panicked"), "{sets:?}: {err}");
     }
-    for args in [
-        vec!["prune", "--run", out_s, "--threshold", "nan"],
-        vec!["data", "synth", "--out", out_s, "--alpha", "nan"],
+    for (command, flag, value) in [
+        ("prune", "--run", "--threshold nan"),
+        ("data synth", "--out", "--alpha nan"),
     ] {
-        let err = fails(&args);
-        assert!(err.contains("not a finite number"), "{args:?}: {err}");
+        let err = cli(command).flag(flag, out_s).words(value).fails();
+        assert!(err.contains("not a finite number"), "{command}: {err}");
     }
     assert!(!out.exists());
 
@@ -616,7 +519,7 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         let mut m = meta.clone();
         m[key] = value.into();
         std::fs::write(bad_data.join("meta.json"), m.to_string()).unwrap();
-        let err = fails(&["train", "--out", out_s, "--set", &bad_set]);
+        let err = cli("train").flag("--out", out_s).set([&bad_set]).fails();
         assert!(err.contains(needle), "{key}: {err}");
     }
     assert!(!out.exists());
@@ -626,22 +529,19 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     let state = run.join("checkpoints/step_00000002/state.json");
     let state_text = std::fs::read_to_string(&state).unwrap();
     std::fs::write(&state, state_text.replace("\"step\": 2", "\"step\": 5")).unwrap();
-    let err = fails(&["train", "--out", run.to_str().unwrap(), "--resume"]);
+    let err = cli("train").flag("--out", &run).words("--resume").fails();
     assert!(err.contains("beyond train.steps = 2"), "{err}");
     std::fs::write(&state, &state_text).unwrap();
     let latest = run.join("checkpoints/latest");
     let latest_text = std::fs::read(&latest).unwrap();
     std::fs::write(&latest, b"").unwrap();
-    let err = fails(&["eval", "--run", run.to_str().unwrap()]);
+    let err = cli("eval").flag("--run", &run).fails();
     assert!(err.contains("checkpoints/latest is empty"), "{err}");
     std::fs::write(&latest, &latest_text).unwrap();
-    let err = fails(&[
-        "eval",
-        "--run",
-        run.to_str().unwrap(),
-        "--set",
-        "attention.window=0",
-    ]);
+    let err = cli("eval")
+        .flag("--run", &run)
+        .set(["attention.window=0"])
+        .fails();
     assert!(
         err.contains("--set attention.window=0") && !err.contains("not a run directory"),
         "{err}"
@@ -650,27 +550,17 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
 
     // A run evaluated before it finished: eval says so and records the step.
     let part = d.join("part");
-    let mut partial = vec![
-        "train",
-        "--out",
-        part.to_str().unwrap(),
-        "--set",
-        &data,
-        "--set",
-        "train.steps=3",
-        "--set",
-        "train.warmup_steps=0",
-        "--stop-at-step",
-        "1",
-        "--status-every",
-        "0",
-    ];
-    partial.extend(TINY);
-    let o = ok(&partial);
+    let o = cli("train")
+        .flag("--out", &part)
+        .set([&data])
+        .set(["train.steps=3", "train.warmup_steps=0"])
+        .words("--stop-at-step 1 --status-every 0")
+        .set(TINY)
+        .ok();
     // stderr is not a terminal here: a status line instead of a bar.
     let status = String::from_utf8_lossy(&o.stderr);
     assert!(status.contains("1/3 steps loss"), "{status}");
-    let o = ok(&["eval", "--run", part.to_str().unwrap()]);
+    let o = cli("eval").flag("--run", &part).ok();
     let warned = String::from_utf8_lossy(&o.stderr);
     assert!(
         warned.contains("checkpoint of step 1, before training finished"),
@@ -689,33 +579,12 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         std::fs::create_dir_all(&odd).unwrap();
         std::fs::copy(&ckpt, odd.join("model.safetensors")).unwrap();
         let cont = d.join("cont");
-        let mut first = vec![
-            "train".into(),
-            "-q".into(),
-            "--out".into(),
-            cont.clone().into_os_string(),
-            "--set".into(),
-            data.clone().into(),
-            "--init-from".into(),
-            odd.clone().into_os_string(),
-            "--stop-at-step".into(),
-            "0".into(),
-            "--set".into(),
-            "train.steps=2".into(),
-            "--set".into(),
-            "train.warmup_steps=0".into(),
-        ];
-        first.extend(TINY.iter().map(|s| std::ffi::OsString::from(*s)));
-        let o = run_os(&first);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let o = run_os(&[
-            "train".into(),
-            "-q".into(),
-            "--out".into(),
-            cont.clone().into_os_string(),
-            "--resume".into(),
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        tiny_train(&d, &data, "cont")
+            .flag("--init-from", &odd)
+            .words("--stop-at-step 0")
+            .set(["train.steps=2", "train.warmup_steps=0"])
+            .ok();
+        cli("train -q --resume").flag("--out", &cont).ok();
     }
 
     // Benchmark flags are checked before anything runs or is written.
@@ -746,10 +615,11 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
             "expected one of `none`, `full`, `selective`, `auto`",
         ),
     ] {
-        let mut args = vec!["bench", "train", "--out", b];
-        args.extend(flags);
-        let err = fails(&args);
-        assert!(err.contains(needle), "{args:?}: {err}");
+        let err = flags
+            .iter()
+            .fold(cli("bench train").flag("--out", b), |c, f| c.arg(f))
+            .fails();
+        assert!(err.contains(needle), "{flags:?}: {err}");
     }
     for (flags, needle) in [
         (vec!["--reps", "0"], "--reps must be at least 1"),
@@ -769,10 +639,11 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         (vec!["--lengths", "4096,4096"], "--lengths repeats a length"),
         (vec!["--ppa-powers", "2"], "--ppa-powers must lie in [0, 1]"),
     ] {
-        let mut args = vec!["bench", "attention", "--out", b];
-        args.extend(flags);
-        let err = fails(&args);
-        assert!(err.contains(needle), "{args:?}: {err}");
+        let err = flags
+            .iter()
+            .fold(cli("bench attention").flag("--out", b), |c, f| c.arg(f))
+            .fails();
+        assert!(err.contains(needle), "{flags:?}: {err}");
     }
     assert!(!bench_out.exists());
 }
@@ -806,53 +677,31 @@ fn beyond_window(eval_dir: &Path, window: u32) -> (f64, f64, u64) {
 fn full_attention_beats_a_window_on_dependencies_beyond_it() {
     let d = scratch("learn");
     let data = d.join("data");
-    ok(&[
-        "data",
-        "synth",
-        "--out",
-        data.to_str().unwrap(),
-        "--train-tokens",
-        "300000",
-        "--val-tokens",
-        "32768",
-        "--max-distance",
-        "64",
-        "--event-rate",
-        "0.08",
-    ]);
+    cli("data synth")
+        .flag("--out", &data)
+        .words("--train-tokens 300000 --val-tokens 32768 --max-distance 64 --event-rate 0.08")
+        .ok();
     let data = format!("data.dir={}", data.display());
     let mut loss = Vec::new();
     for method in ["full", "swa"] {
         let out = d.join(method);
         let method = format!("attention.method={method}");
-        ok(&[
-            "train",
-            "-q",
-            "--out",
-            out.to_str().unwrap(),
-            "--set",
-            &data,
-            "--set",
-            &method,
-            "--set",
-            "attention.window=8",
-            "--set",
-            "data.seq_len=64",
-            "--set",
-            "model.hidden_size=64",
-            "--set",
-            "model.intermediate_size=128",
-            "--set",
-            "model.num_hidden_layers=2",
-            "--set",
-            "train.steps=1500",
-            "--set",
-            "train.warmup_steps=50",
-            "--set",
-            "train.lr=5e-3",
-            "--set",
-            "eval.max_batches=0",
-        ]);
+        cli("train -q")
+            .flag("--out", &out)
+            .set([&data])
+            .set([&method])
+            .set([
+                "attention.window=8",
+                "data.seq_len=64",
+                "model.hidden_size=64",
+                "model.intermediate_size=128",
+                "model.num_hidden_layers=2",
+                "train.steps=1500",
+                "train.warmup_steps=50",
+                "train.lr=5e-3",
+                "eval.max_batches=0",
+            ])
+            .ok();
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("eval/eval.json")).unwrap())
                 .unwrap();
@@ -935,14 +784,10 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
 
     // Test-time threshold: a higher tau routes fewer gates to the full path.
     let aha_run = d.join("aha");
-    ok(&[
-        "eval",
-        "-q",
-        "--run",
-        aha_run.to_str().unwrap(),
-        "--set",
-        "attention.tau=0.99",
-    ]);
+    cli("eval -q")
+        .flag("--run", &aha_run)
+        .set(["attention.tau=0.99"])
+        .ok();
     let hi = json(&aha_run.join("eval-attention.tau_0.99/eval.json"))["report"]["gates"]["mu_f"]
         .as_f64()
         .unwrap();
@@ -1034,15 +879,11 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     // Pruning every layer (threshold 0) leaves window-only caches and a loadable model.
     let l2a_run = d.join("l2a");
     let pruned = d.join("pruned");
-    let o = ok(&[
-        "prune",
-        "--run",
-        l2a_run.to_str().unwrap(),
-        "--threshold",
-        "0",
-        "--out",
-        pruned.to_str().unwrap(),
-    ]);
+    let o = cli("prune")
+        .flag("--run", &l2a_run)
+        .words("--threshold 0")
+        .flag("--out", &pruned)
+        .ok();
     assert!(String::from_utf8_lossy(&o.stdout).contains("pruned layers [0, 1]"));
     let p = json(&pruned.join("prune.json"));
     // 2 layers x 4 positions x (k, v) x 4 heads x 8 dims x 4 bytes.
@@ -1056,16 +897,13 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
     assert!(!weights(&pruned.join("model.safetensors"))
         .keys()
         .any(|k| k.contains("global_attn")));
-    ok(&["eval", "-q", "--run", pruned.to_str().unwrap()]);
-    let err = fails(&[
-        "prune",
-        "--run",
-        l2a_run.to_str().unwrap(),
-        "--out",
-        pruned.to_str().unwrap(),
-    ]);
+    cli("eval -q").flag("--run", &pruned).ok();
+    let err = cli("prune")
+        .flag("--run", &l2a_run)
+        .flag("--out", &pruned)
+        .fails();
     assert!(err.contains("already holds a model"), "{err}");
-    let err = fails(&["prune", "--run", base_s]);
+    let err = cli("prune").flag("--run", base_s).fails();
     assert!(
         err.contains("attention.method = \"full\"") && err.contains("method \"l2a\" only"),
         "{err}"
@@ -1114,14 +952,24 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     );
     let out = d.join("out");
     let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
-    let listing =
-        String::from_utf8_lossy(&ok(&["sweep", "--grid", g, "--out", o, "--dry-run"]).stdout)
-            .into_owned();
+    let listing = String::from_utf8_lossy(
+        &cli("sweep")
+            .flag("--grid", g)
+            .flag("--out", o)
+            .words("--dry-run")
+            .ok()
+            .stdout,
+    )
+    .into_owned();
     assert!(listing.starts_with("7 cells in 6 stages"), "{listing}");
     assert_eq!(listing.matches("pending").count(), 7);
 
     // The static_heads cell fails (its ranking file does not exist yet); the others finish.
-    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    let err = cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--quiet")
+        .fails();
     assert!(err.contains("1 cells failed"), "{err}");
     let heads = cell_dirs(&out, "heads").remove(0);
     let st = status(&heads);
@@ -1168,7 +1016,11 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     // and says so by failing: the sweep is still incomplete.
     let ckpt = aha[0].join("checkpoints/step_00000003/model.safetensors");
     let before = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
-    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet"]);
+    let err = cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--quiet")
+        .fails();
     assert!(
         err.contains("1 cells failed") && err.contains("0 failed, 7 skipped"),
         "{err}"
@@ -1181,16 +1033,11 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     // Once the cause is fixed, --retry-failed finishes the sweep; its stderr is not a
     // terminal, so it reports in status lines.
     std::fs::write(&ranking, "rank,layer,head,mu_f\n1,0,0,0.9\n").unwrap();
-    let retried = ok(&[
-        "sweep",
-        "--grid",
-        g,
-        "--out",
-        o,
-        "--retry-failed",
-        "--status-every",
-        "0",
-    ]);
+    let retried = cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--retry-failed --status-every 0")
+        .ok();
     let lines = String::from_utf8_lossy(&retried.stderr);
     assert!(
         lines.contains("cells: 6 done, 0 failed, 1 left of 7; running: heads-"),
@@ -1210,7 +1057,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     );
 
     // Tables and figures from the sweep directory.
-    let figs = String::from_utf8_lossy(&ok(&["plot", "--sweep", o]).stdout).into_owned();
+    let figs = String::from_utf8_lossy(&cli("plot").flag("--sweep", o).ok().stdout).into_owned();
     for f in [
         "figures/mu_f_vs_window.png",
         "figures/mu_f_vs_window.svg",
@@ -1221,7 +1068,11 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     }
 
     // Slurm: one array per stage, each task one cell.
-    ok(&["sweep", "--grid", g, "--out", o, "--emit", "slurm"]);
+    cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--emit slurm")
+        .ok();
     let aha_script = std::fs::read_to_string(out.join("slurm/aha.sbatch")).unwrap();
     assert!(
         aha_script.contains("#SBATCH --array=1-2")
@@ -1240,8 +1091,16 @@ fn sweep_resumes_an_interrupted_cell_and_two_runners_never_run_a_cell_twice() {
     let out = d.join("out");
     let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
     // Run the base cell alone, then interrupt an AHA cell half way, as a killed runner would.
-    ok(&["sweep", "--grid", g, "--out", o, "--cell", "0", "--quiet"]);
-    let err = fails(&["sweep", "--grid", g, "--out", o, "--quiet", "--cell", "9"]);
+    cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--cell 0 --quiet")
+        .ok();
+    let err = cli("sweep")
+        .flag("--grid", g)
+        .flag("--out", o)
+        .words("--quiet --cell 9")
+        .fails();
     assert!(err.contains("--cell 9"), "{err}");
     let base = cell_dirs(&out, "base").remove(0);
     assert_eq!(status(&base)["state"], "done");
@@ -1249,18 +1108,12 @@ fn sweep_resumes_an_interrupted_cell_and_two_runners_never_run_a_cell_twice() {
     let victim = out.join(cells[1]["id"].as_str().unwrap());
     std::fs::create_dir_all(&victim).unwrap();
     std::fs::write(victim.join("cell.toml"), toml_of(&cells[1]["config"])).unwrap();
-    ok(&[
-        "train",
-        "-q",
-        "--out",
-        victim.to_str().unwrap(),
-        "--config",
-        victim.join("cell.toml").to_str().unwrap(),
-        "--init-from",
-        base.to_str().unwrap(),
-        "--stop-at-step",
-        "1",
-    ]);
+    cli("train -q")
+        .flag("--out", &victim)
+        .flag("--config", &victim.join("cell.toml"))
+        .flag("--init-from", &base)
+        .words("--stop-at-step 1")
+        .ok();
     std::fs::write(
         victim.join("status.json"),
         r#"{"state":"running","attempts":1,"error":null}"#,
@@ -1340,18 +1193,12 @@ fn data_prepare_with_a_tokenizer_json() {
     )
     .unwrap();
     let ds = d.join("ds");
-    ok(&[
-        "data",
-        "prepare",
-        "--input",
-        text.to_str().unwrap(),
-        "--out",
-        ds.to_str().unwrap(),
-        "--val-fraction",
-        "0.2",
-        "--tokenizer",
-        tj.to_str().unwrap(),
-    ]);
+    cli("data prepare")
+        .flag("--input", &text)
+        .flag("--out", &ds)
+        .words("--val-fraction 0.2")
+        .flag("--tokenizer", &tj)
+        .ok();
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ds.join("meta.json")).unwrap()).unwrap();
     assert_eq!(meta["vocab_size"], 11);
@@ -1383,16 +1230,11 @@ fn data_prepare_with_a_tokenizer_json() {
     let cfg = std::fs::read_to_string(d.join("run/config.toml")).unwrap();
     assert!(cfg.contains("vocab_size = 11"));
     // A file that is not a tokenizer is a clear error.
-    let err = fails(&[
-        "data",
-        "prepare",
-        "--input",
-        text.to_str().unwrap(),
-        "--out",
-        d.join("x").to_str().unwrap(),
-        "--tokenizer",
-        text.to_str().unwrap(),
-    ]);
+    let err = cli("data prepare")
+        .flag("--input", &text)
+        .flag("--out", &d.join("x"))
+        .flag("--tokenizer", &text)
+        .fails();
     assert!(err.contains("is not a readable tokenizer.json"), "{err}");
 }
 
@@ -1403,22 +1245,7 @@ fn data_prepare_with_a_tokenizer_json() {
 fn probes_and_multiple_choice_evaluate_end_to_end() {
     let dir = scratch("tasks");
     let data = dir.join("probes");
-    ok(&[
-        "data",
-        "probes",
-        "--out",
-        data.to_str().unwrap(),
-        "--tasks",
-        "niah_single,passkey",
-        "--lengths",
-        "96,128",
-        "--digits",
-        "3",
-        "--train-docs",
-        "200",
-        "--val-docs",
-        "20",
-    ]);
+    cli("data probes").flag("--out", &data).words("--tasks niah_single,passkey --lengths 96,128 --digits 3 --train-docs 200 --val-docs 20").ok();
     let mc = dir.join("toy_mc.jsonl");
     std::fs::write(
         &mc,
@@ -1447,28 +1274,20 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             ],
         );
         let ev = dir.join(format!("{method}-eval"));
-        let o = ok(&[
-            "eval",
-            "--run",
-            out.to_str().unwrap(),
-            "--out",
-            ev.to_str().unwrap(),
-            "--tasks",
-            "niah_single,mqar",
-            "--mc",
-            mc.to_str().unwrap(),
-            "--set",
-            "eval.lengths=[96,128]",
-            "--set",
-            "eval.depths=[0.0,1.0]",
-            "--set",
-            "eval.samples=3",
-            "--set",
-            "eval.digits=3",
-            "--set",
-            "eval.queries=1",
-            "--log-samples",
-        ]);
+        let o = cli("eval")
+            .flag("--run", &out)
+            .flag("--out", &ev)
+            .words("--tasks niah_single,mqar")
+            .flag("--mc", &mc)
+            .set([
+                "eval.lengths=[96,128]",
+                "eval.depths=[0.0,1.0]",
+                "eval.samples=3",
+                "eval.digits=3",
+                "eval.queries=1",
+            ])
+            .words("--log-samples")
+            .ok();
         assert!(String::from_utf8_lossy(&o.stdout).contains("toy_mc"));
         // One line per item, as the harness logs samples: each choice's log-likelihood and
         // whether it is the greedy continuation, the prediction, the gold.
@@ -1527,18 +1346,11 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
     // Without --out, task results go beside the training's report, never over it; the
     // probes default to the digits the data set's probe documents were written with (3).
     let report = std::fs::read(swa.join("eval/eval.json")).unwrap();
-    ok(&[
-        "eval",
-        "-q",
-        "--run",
-        run_dir,
-        "--tasks",
-        "passkey",
-        "--set",
-        "eval.samples=2",
-        "--set",
-        "eval.depths=[0.5]",
-    ]);
+    cli("eval -q")
+        .flag("--run", run_dir)
+        .words("--tasks passkey")
+        .set(["eval.samples=2", "eval.depths=[0.5]"])
+        .ok();
     assert_eq!(std::fs::read(swa.join("eval/eval.json")).unwrap(), report);
     let tasks_dir = swa.join("eval-eval.samples_2_eval.depths__0.5_-tasks");
     let probes = std::fs::read_to_string(tasks_dir.join("probe_samples.jsonl")).unwrap();
@@ -1555,49 +1367,37 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
         use std::os::unix::ffi::OsStrExt;
         let odd = dir.join(std::ffi::OsStr::from_bytes(b"mc-\xff.jsonl"));
         std::fs::copy(&mc, &odd).unwrap();
-        let o = run_os(&[
-            "eval".into(),
-            "-q".into(),
-            "--run".into(),
-            run_dir.into(),
-            "--out".into(),
-            dir.join("odd-eval").into_os_string(),
-            "--mc".into(),
-            odd.into_os_string(),
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        cli("eval -q")
+            .flag("--run", run_dir)
+            .flag("--out", dir.join("odd-eval"))
+            .flag("--mc", &odd)
+            .ok();
     }
     // Prompts of a million tokens are refused with the memory they would take.
-    assert!(fails(&[
-        "eval",
-        "--run",
-        run_dir,
-        "--tasks",
-        "niah_single",
-        "--set",
-        "eval.lengths=[1000000]"
-    ])
-    .contains("GiB of memory"));
-    assert!(fails(&["eval", "--run", run_dir, "--tasks", "needle"]).contains("unknown probe task"));
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .words("--tasks niah_single")
+        .set(["eval.lengths=[1000000]"])
+        .fails()
+        .contains("GiB of memory"));
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .words("--tasks needle")
+        .fails()
+        .contains("unknown probe task"));
     // RULER's tasks under their names: scored by string match, the effective length in
     // ruler.csv and results.json; the essay tasks ask for a text haystack.
     let ruler_dir = dir.join("ruler-eval");
-    ok(&[
-        "eval",
-        "-q",
-        "--run",
-        run_dir,
-        "--out",
-        ruler_dir.to_str().unwrap(),
-        "--tasks",
-        "niah_single_1,niah_multikey_2,vt,cwe,fwe",
-        "--set",
-        "eval.lengths=[600,800]",
-        "--set",
-        "eval.samples=1",
-        "--set",
-        "eval.depths=[0.5]",
-    ]);
+    cli("eval -q")
+        .flag("--run", run_dir)
+        .flag("--out", &ruler_dir)
+        .words("--tasks niah_single_1,niah_multikey_2,vt,cwe,fwe")
+        .set([
+            "eval.lengths=[600,800]",
+            "eval.samples=1",
+            "eval.depths=[0.5]",
+        ])
+        .ok();
     let r = json(&ruler_dir.join("results.json"));
     for task in ["niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe"] {
         let v = r["results"][task]["recall,none"]
@@ -1615,42 +1415,31 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
         "{}",
         r["results"]["ruler"]
     );
-    assert!(fails(&[
-        "eval",
-        "--run",
-        run_dir,
-        "--tasks",
-        "niah_single_2",
-        "--set",
-        "eval.lengths=[400]"
-    ])
-    .contains("eval.haystack = \"text\""));
-    assert!(fails(&[
-        "eval",
-        "--run",
-        run_dir,
-        "--tasks",
-        "vt",
-        "--set",
-        "eval.chat=true"
-    ])
-    .contains("chat template"));
-    assert!(fails(&[
-        "eval",
-        "--run",
-        run_dir,
-        "--tasks",
-        "niah_single",
-        "--set",
-        "eval.lengths=[40]"
-    ])
-    .contains("too short"));
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .words("--tasks niah_single_2")
+        .set(["eval.lengths=[400]"])
+        .fails()
+        .contains("eval.haystack = \"text\""));
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .words("--tasks vt")
+        .set(["eval.chat=true"])
+        .fails()
+        .contains("chat template"));
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .words("--tasks niah_single")
+        .set(["eval.lengths=[40]"])
+        .fails()
+        .contains("too short"));
     let bad = dir.join("bad.jsonl");
     std::fs::write(&bad, "{\"context\": \"a\"}\n").unwrap();
-    assert!(
-        fails(&["eval", "--run", run_dir, "--mc", bad.to_str().unwrap()])
-            .contains("bad.jsonl line 1")
-    );
+    assert!(cli("eval")
+        .flag("--run", run_dir)
+        .flag("--mc", &bad)
+        .fails()
+        .contains("bad.jsonl line 1"));
 }
 
 /// Every committed grid expands: its stages, axes, references and [corpus]/[synth] sections are
@@ -1669,14 +1458,11 @@ fn every_committed_grid_dry_runs() {
     assert!(grids.len() >= 8, "{grids:?}");
     for g in &grids {
         let out = d.join(g.file_stem().unwrap());
-        let o = ok(&[
-            "sweep",
-            "--grid",
-            g.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--dry-run",
-        ]);
+        let o = cli("sweep")
+            .flag("--grid", &g)
+            .flag("--out", &out)
+            .words("--dry-run")
+            .ok();
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(text.contains(" cells in "), "{}: {text}", g.display());
         assert!(
@@ -1804,7 +1590,7 @@ set = {{ "eval.tasks" = ["passkey"], "eval.lengths" = [96], "eval.samples" = 2 }
     assert_eq!(corpus["skipped_files"], 1, "{corpus}");
     assert_eq!(corpus["tokens_sha256"].as_str().unwrap().len(), 64);
 
-    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    cli("plot").flag("--sweep", &out).ok();
     let summary = std::fs::read_to_string(out.join("summary.csv")).unwrap();
     let header: Vec<&str> = summary.lines().next().unwrap().split(',').collect();
     let (cell, rate, retain) = (
@@ -1886,7 +1672,7 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
         "{said}"
     );
     sweep(&grid, &out, &["--jobs", "2"]);
-    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    cli("plot").flag("--sweep", &out).ok();
     let timing = log_rows(&out.join("timing.csv"));
     assert_eq!(timing.len(), 4, "one row per window and length: {timing:?}");
     assert!(out.join("figures/prefill_time.png").is_file());
@@ -1908,21 +1694,16 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
         std::fs::remove_dir_all(c).unwrap();
     }
     let (gs, os) = (grid.to_str().unwrap(), out.to_str().unwrap());
-    fails(&["sweep", "--grid", gs, "--out", os]);
+    cli("sweep").flag("--grid", gs).flag("--out", os).fails();
     for c in cell_dirs(&out, "timed") {
         let error = status(&c)["error"].to_string();
         assert!(error.contains("--retrain"), "{error}");
     }
-    let err = fails(&[
-        "sweep",
-        "--grid",
-        gs,
-        "--out",
-        os,
-        "--cell",
-        "0",
-        "--retrain",
-    ]);
+    let err = cli("sweep")
+        .flag("--grid", gs)
+        .flag("--out", os)
+        .words("--cell 0 --retrain")
+        .fails();
     assert!(err.contains("--retrain") && err.contains("--cell"), "{err}");
     sweep(&grid, &out, &["--retrain", "--retry-failed"]);
     for c in cell_dirs(&out, "timed") {
@@ -1995,13 +1776,21 @@ set = {{ "attention.method" = "full" }}
     std::fs::write(&g, grid("")).unwrap();
     let out = d.join("sweep");
     let (gs, os) = (g.to_str().unwrap(), out.to_str().unwrap());
-    let err = fails(&["sweep", "--grid", gs, "--out", os, "--dry-run"]);
+    let err = cli("sweep")
+        .flag("--grid", gs)
+        .flag("--out", os)
+        .words("--dry-run")
+        .fails();
     assert!(err.contains("probes.mix_with"), "{err}");
     std::fs::write(&g, grid(&format!("mix_with = \"{}\"", data.display()))).unwrap();
-    let err = fails(&["sweep", "--grid", gs, "--out", os, "--dry-run"]);
+    let err = cli("sweep")
+        .flag("--grid", gs)
+        .flag("--out", os)
+        .words("--dry-run")
+        .fails();
     assert!(err.contains("where the mixed data set goes"), "{err}");
     std::fs::write(&g, grid(&format!("mix_with = \"{}\"", corpus.display()))).unwrap();
-    ok(&["sweep", "--grid", gs, "--out", os]);
+    cli("sweep").flag("--grid", gs).flag("--out", os).ok();
     let text = json(&corpus.join("meta.json"));
     assert_eq!(text["corpus"]["files"], 1, "{text}");
     // 40 documents of 120 tokens at half the tokens: about 9,600, half of them probes.
@@ -2035,16 +1824,11 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     )
     .unwrap();
     let data = d.join("data");
-    ok(&[
-        "data",
-        "prepare",
-        "--sources",
-        sources.to_str().unwrap(),
-        "--val-fraction",
-        "0.3",
-        "--out",
-        data.to_str().unwrap(),
-    ]);
+    cli("data prepare")
+        .flag("--sources", &sources)
+        .words("--val-fraction 0.3")
+        .flag("--out", &data)
+        .ok();
     let data_set = format!("data.dir={}", data.display());
     train(&d, &data_set, "pre", &[]);
     let pre = d.join("pre");
@@ -2079,7 +1863,7 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     for c in &ckpts {
         assert!(c.join("model.safetensors").is_file() && !c.join("optim.safetensors").exists());
     }
-    let err = fails(&["train", "--out", aha.to_str().unwrap(), "--resume"]);
+    let err = cli("train").flag("--out", &aha).words("--resume").fails();
     assert!(err.contains("holds no optimizer state"), "{err}");
     let zs = &cell_dirs(&out, "zs")[0];
     for cell in [aha, zs] {
@@ -2098,7 +1882,7 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
     let zs_cfg = json(&zs.join("eval/eval.json"));
     assert_eq!(zs_cfg["config"]["attention"]["method"], "swa");
     // The summary gives each source's loss a column.
-    ok(&["plot", "--sweep", out.to_str().unwrap()]);
+    cli("plot").flag("--sweep", &out).ok();
     let summary = std::fs::read_to_string(out.join("summary.csv")).unwrap();
     let header = summary.lines().next().unwrap();
     assert!(header.contains("loss_code,loss_prose"), "{header}");
@@ -2112,13 +1896,10 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
         ),
     )
     .unwrap();
-    let err = fails(&[
-        "sweep",
-        "--grid",
-        bare.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--dry-run",
-    ]);
+    let err = cli("sweep")
+        .flag("--grid", &bare)
+        .flag("--out", &out)
+        .words("--dry-run")
+        .fails();
     assert!(err.contains("needs `of`"), "{err}");
 }

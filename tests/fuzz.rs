@@ -268,6 +268,6 @@ fn multiple_choice_files() {
         .to_vec(),
     ];
     campaign("jsonl", &seeds, &dir.join("t.jsonl"), count(20_000), |p| {
-        let _ = attnsweep::run::tasks::read_mc(p);
+        let _ = attnsweep::run::choice::read_mc(p);
     });
 }

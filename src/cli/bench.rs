@@ -10,6 +10,7 @@ use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
 use crate::util::stats::median;
 use anyhow::{ensure, Context, Result};
+use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -110,9 +111,12 @@ pub(super) fn joined<T: std::fmt::Display>(values: &[T]) -> String {
         .join(",")
 }
 
-/// Runs the peer script `name` (written to `out`) with its `flags` and returns what it
-/// printed. A peer that cannot start or fails is reported and leaves its rows out (those
-/// printed before it failed are kept): our own cases still run and are written.
+/// Runs the peer script `kernels/<name>` (its text as built into this binary) with its
+/// `flags` and returns what it printed. The script runs from a scratch file; `out` records
+/// which one ran, `<name>.sha256` (`sha256sum -c` reads it from the repository's root) with the
+/// commit the binary was built from, rather than a copy. A peer that cannot start or fails is
+/// reported and leaves its rows out (those printed before it failed are kept): our own cases
+/// still run and are written.
 pub(super) fn run_peer(
     out: &Path,
     python: &str,
@@ -120,10 +124,28 @@ pub(super) fn run_peer(
     text: &str,
     flags: &[(&str, String)],
 ) -> Result<String> {
-    let script = out.join(name);
-    std::fs::write(&script, text).with_context(|| format!("cannot write {}", script.display()))?;
+    let digest: String = Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    atomic::write_bytes(
+        &out.join(format!("{name}.sha256")),
+        format!(
+            "{digest}  kernels/{name}\n# kernels/{name} of commit {}, built into the attnsweep that ran it\n",
+            env!("ATTNSWEEP_COMMIT")
+        )
+        .as_bytes(),
+    )?;
+    let scratch = std::env::temp_dir().join(format!(
+        "attnsweep-peer-{}-{digest}-{name}",
+        std::process::id()
+    ));
+    std::fs::write(&scratch, text)
+        .with_context(|| format!("cannot write the peer script to {}", scratch.display()))?;
     let args = flags.iter().flat_map(|(f, v)| [*f, v.as_str()]);
-    match Command::new(python).arg(&script).args(args).output() {
+    let ran = Command::new(python).arg(&scratch).args(args).output();
+    let _ = std::fs::remove_file(&scratch);
+    match ran {
         Ok(o) => {
             eprint!("{}", String::from_utf8_lossy(&o.stderr));
             if !o.status.success() {
@@ -741,6 +763,13 @@ mod tests {
         assert_eq!(printed.trim(), "flex,swa,4096,64,256,0,0.1,0.2");
         let none = run_peer(&out, "no-such-python-here", "peer.py", script, &[]).unwrap();
         assert!(none.is_empty());
+        // The folder records which script ran, its hash as sha256sum writes it, not a copy.
+        assert!(!out.join("peer.py").exists());
+        let record = std::fs::read_to_string(out.join("peer.py.sha256")).unwrap();
+        assert!(
+            record.starts_with("addb91c3a80d05b9f24ec085056513ab670258c1ebb7788304344bb8a9dfc1b0  kernels/peer.py\n"),
+            "{record}"
+        );
         std::fs::remove_dir_all(&out).unwrap();
     }
 

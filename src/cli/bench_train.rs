@@ -19,7 +19,7 @@ use crate::model::attention::{all_methods, BenchKnobs, BenchVariant, ForwardCtx}
 use crate::model::kernels;
 use crate::model::step::forward_backward;
 use crate::run::memory::{self, GIB};
-use crate::run::train::AdamW;
+use crate::run::optim::AdamW;
 use crate::run::Built;
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;

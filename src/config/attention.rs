@@ -27,11 +27,14 @@ pub enum Method {
     Swiattn,
     /// The top-k (layer, head) pairs of a head ranking always full, the rest window.
     StaticHeads,
+    /// Attention sinks (StreamingLLM; DuoAttention's streaming heads): the sequence's first
+    /// `sink_tokens` keys and the window.
+    Sinks,
 }
 
 impl Method {
     /// Every method, in the order tables and the CLI list them.
-    pub(crate) const ALL: [Method; 8] = [
+    pub(crate) const ALL: [Method; 9] = [
         Method::Full,
         Method::Swa,
         Method::Ppa,
@@ -40,6 +43,7 @@ impl Method {
         Method::L2a,
         Method::Swiattn,
         Method::StaticHeads,
+        Method::Sinks,
     ];
 }
 
@@ -129,6 +133,9 @@ pub struct AttentionConfig {
     /// static_heads: how many of the top-ranked heads are always full; 0 takes the ranked
     /// model's budget (its per-head usage summed and rounded: the same share of full calls).
     pub top_k: usize,
+    /// sinks: how many of the sequence's first tokens every query sees beside its window
+    /// (StreamingLLM keeps 4).
+    pub sink_tokens: usize,
     pub attn_impl: AttnImpl,
 }
 
@@ -156,6 +163,7 @@ impl Default for AttentionConfig {
             swiattn_disagreement: Reduction::Mean,
             head_ranking: PathBuf::new(),
             top_k: 0,
+            sink_tokens: 4,
             attn_impl: AttnImpl::Auto,
         }
     }
@@ -222,6 +230,7 @@ impl AttentionConfig {
                 );
             }
             Method::StaticHeads => keys.extend(["window", "head_ranking", "top_k"]),
+            Method::Sinks => keys.extend(["window", "sink_tokens"]),
         }
         keys
     }
@@ -262,7 +271,8 @@ impl AttentionConfig {
             swiattn_shared_o_proj,
             swiattn_disagreement,
             head_ranking,
-            top_k
+            top_k,
+            sink_tokens
         );
         a
     }
@@ -322,6 +332,7 @@ impl AttentionConfig {
         )?;
         check_open_f("attention.swiattn_eps", a.swiattn_eps, 0.0, 1e3)?;
         check("attention.swiattn_alpha", a.swiattn_alpha, 0.0, 1e6)?;
+        check("attention.sink_tokens", a.sink_tokens, 1, 1 << 20)?;
         if a.method == Method::StaticHeads {
             if a.head_ranking.as_os_str().is_empty() {
                 bail!("attention.method = \"static_heads\" needs attention.head_ranking (a head_ranking.csv from eval of an AHA run)");

@@ -23,6 +23,14 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+/// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
+pub(crate) fn name_of<T: Serialize>(v: T) -> String {
+    toml::Value::try_from(v)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {

@@ -2,9 +2,10 @@
 //! it the directory is not a data set); the shards and the loader that samples training
 //! windows from them (`shards.rs`); how text becomes tokens (`tokenizer.rs`); the synthetic
 //! long-tail dependency corpus (`synth.rs`); text corpora read from files (`corpus.rs`,
-//! `data prepare`); and RULER-style probe documents (`probes.rs`, `data probes`).
+//! `data prepare`, in the formats of `formats.rs`); and RULER-style probe documents (`probes.rs`, `data probes`).
 
 pub(crate) mod corpus;
+mod formats;
 pub(crate) mod meta;
 pub(crate) mod needles;
 pub(crate) mod probes;

@@ -3,3 +3,4 @@
 pub mod checkpoint;
 pub(crate) mod gguf;
 pub(crate) mod pickle;
+mod unpickle;

@@ -585,8 +585,8 @@ mod tests {
     }
 
     /// The reference path on the GPU (fused causal kernel for full, masked SDPA otherwise)
-    /// against the CPU, same weights, same input, for every method (routers start at zero
-    /// weight, so no gate sits near its threshold).
+    /// against the CPU, same weights, same input, for every method's examples (routers start
+    /// at zero weight, so no gate sits near its threshold).
     #[test]
     #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
     fn gpu_forward_matches_cpu() {
@@ -594,18 +594,14 @@ mod tests {
             tch::Cuda::is_available(),
             "gpu_forward_matches_cpu needs a CUDA device"
         );
-        // Every method but static heads, which reads a ranking file.
-        for method in Method::ALL
-            .into_iter()
-            .filter(|&m| m != Method::StaticHeads)
-        {
+        for e in crate::model::attention::all_methods().flat_map(|s| s.examples) {
             tch::manual_seed(3);
-            let attn = AttentionConfig {
-                method,
+            let mut attn = AttentionConfig {
                 window: 5,
                 hybrid_every: 2,
                 ..Default::default()
             };
+            (e.set)(&mut attn);
             let cpu_vs = nn::VarStore::new(Device::Cpu);
             let cpu = Llama::new(&cpu_vs.root(), &tiny(false, true), &attn, Kind::Float).unwrap();
             let mut gpu_vs = nn::VarStore::new(Device::Cuda(0));
@@ -618,7 +614,7 @@ mod tests {
                 .logits
                 .to_device(Device::Cpu);
             let err = (&got - &want).abs().max().double_value(&[]);
-            assert!(err < 1e-4, "{method:?}: GPU differs from CPU by {err}");
+            assert!(err < 1e-4, "{}: GPU differs from CPU by {err}", e.name);
         }
     }
 

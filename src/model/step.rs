@@ -295,19 +295,7 @@ fn staged(
         g = input.grad();
     }
     terms.reverse();
-    match (head_grad, embedded.requires_grad()) {
-        (Some(head), true) => {
-            let grads = Tensor::run_backward(&[&seeded(&embedded, &g)], &[weight], false, false);
-            let _ = weight
-                .grad()
-                .g_add_(&(head.to_kind(grads[0].kind()) + &grads[0]));
-        }
-        (Some(head), false) => {
-            let _ = weight.grad().g_add_(&head);
-        }
-        (None, true) => seeded(&embedded, &g).backward(),
-        (None, false) => {}
-    }
+    embedding_backward(&embedded, &g, &weight, head_grad);
     MicroStep {
         loss: nll.mean(Kind::Float).double_value(&[]),
         reg: mean_term(terms).map(|r| r.double_value(&[])),
@@ -315,17 +303,49 @@ fn staged(
     }
 }
 
+/// The embedding's backward from `g`, the gradient of the first block's input, and the head's
+/// gradient held back where the head's weight is the embedding (`head_grad`): both added to the
+/// weight's gradient in the plain path's order.
+fn embedding_backward(embedded: &Tensor, g: &Tensor, weight: &Tensor, head_grad: Option<Tensor>) {
+    match (head_grad, embedded.requires_grad()) {
+        (Some(head), true) => {
+            let grads = Tensor::run_backward(&[&seeded(embedded, g)], &[weight], false, false);
+            let _ = weight
+                .grad()
+                .g_add_(&(head.to_kind(grads[0].kind()) + &grads[0]));
+        }
+        (Some(head), false) => {
+            let _ = weight.grad().g_add_(&head);
+        }
+        (None, true) => seeded(embedded, g).backward(),
+        (None, false) => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AttnImpl, Config, Method, ModelConfig, NormPlacement, QkNorm};
+    use crate::config::{
+        AttentionConfig, AttnImpl, Config, Method, ModelConfig, NormPlacement, QkNorm,
+    };
+    use crate::model::attention::all_methods;
     use crate::run::Built;
     use std::collections::BTreeMap;
     use tch::Device;
 
-    /// A two-block model of `method` with routers of random weights (so gates differ from
-    /// token to token and head to head) and a regulariser where the method has one.
-    fn model(method: Method, norm: NormPlacement, tie: bool, imp: AttnImpl) -> Built {
+    /// What sets a case's method and its settings (`MethodSpec::examples`, or a test's own).
+    type SetMethod = fn(&mut AttentionConfig);
+
+    /// Every registered method's examples, by name.
+    fn examples() -> Vec<(&'static str, SetMethod)> {
+        all_methods()
+            .flat_map(|s| s.examples.iter().map(|e| (e.name, e.set)))
+            .collect()
+    }
+
+    /// A three-block model of the method `set` sets, with routers of random weights (so gates
+    /// differ from token to token and head to head) and a regulariser where the method has one.
+    fn model(set: SetMethod, norm: NormPlacement, tie: bool, imp: AttnImpl) -> Built {
         let mut c = Config::default();
         c.model = ModelConfig {
             vocab_size: 37,
@@ -343,9 +363,9 @@ mod tests {
             },
             ..Default::default()
         };
-        c.attention.method = method;
         c.attention.window = 5;
         c.attention.hybrid_every = 2;
+        set(&mut c.attention);
         c.attention.attn_impl = imp;
         c.train.device = "cpu".into();
         let b = Built::new(&c, Device::Cpu).unwrap();
@@ -396,31 +416,34 @@ mod tests {
     }
 
     /// Recomputing every block, or every other one, gives the plain path's loss,
-    /// regulariser, usage and every gradient bit for bit, for every method (static heads
-    /// aside: it reads a ranking file), pre- and post-norm, tied and untied, on the reference
-    /// path and the kernel library's CPU build, over two accumulated micro-steps, and with
-    /// the embedding, head and MLPs frozen (`train.freeze_mlp`).
+    /// regulariser, usage and every gradient bit for bit, for every method's examples,
+    /// pre-norm and tied on the reference path, and for some post-norm, untied and on the
+    /// kernel library's CPU build, over two accumulated micro-steps, and with the embedding,
+    /// head and MLPs frozen (`train.freeze_mlp`).
     #[test]
     fn recomputed_blocks_give_the_plain_gradients_exactly() {
-        let cases = Method::ALL
+        let (aha, full, swiattn, l2a): (SetMethod, SetMethod, SetMethod, SetMethod) = (
+            |a| a.method = Method::Aha,
+            |a| a.method = Method::Full,
+            |a| a.method = Method::Swiattn,
+            |a| a.method = Method::L2a,
+        );
+        let (pre, post) = (NormPlacement::Pre, NormPlacement::Post);
+        let (reference, kernels) = (AttnImpl::Reference, AttnImpl::Cuda);
+        let cases = examples()
             .into_iter()
-            .filter(|&m| m != Method::StaticHeads)
-            .map(|m| (m, NormPlacement::Pre, true, AttnImpl::Reference))
+            .map(|(name, set)| (name, set, pre, true, reference, false))
             .chain([
-                (Method::Aha, NormPlacement::Post, false, AttnImpl::Reference),
-                (Method::Full, NormPlacement::Post, false, AttnImpl::Cuda),
-                (Method::Swiattn, NormPlacement::Pre, true, AttnImpl::Cuda),
-                (Method::L2a, NormPlacement::Pre, false, AttnImpl::Cuda),
+                ("aha", aha, post, false, reference, false),
+                ("full", full, post, false, kernels, false),
+                ("swiattn", swiattn, pre, true, kernels, false),
+                ("l2a", l2a, pre, false, kernels, false),
+                // Frozen embedding, head and MLPs.
+                ("swiattn", swiattn, pre, true, reference, true),
             ]);
-        let frozen = [(
-            Method::Swiattn,
-            NormPlacement::Pre,
-            true,
-            AttnImpl::Reference,
-        )];
-        for (i, (method, norm, tie, imp)) in cases.chain(frozen).enumerate() {
-            let b = model(method, norm, tie, imp);
-            if i == Method::ALL.len() + 3 {
+        for (name, set, norm, tie, imp, frozen) in cases {
+            let b = model(set, norm, tie, imp);
+            if frozen {
                 for (n, p) in b.params() {
                     if n.contains("embed") || n.contains("lm_head") || n.contains("mlp") {
                         let _ = p.set_requires_grad(false);
@@ -430,7 +453,7 @@ mod tests {
             let layers = b.model.layers.len();
             let (want, want_grads) = step(&b, &StepPlan::new(Checkpointing::None, layers, None), 2);
             for c in [Checkpointing::Full, Checkpointing::Selective] {
-                let case = format!("{method:?} {norm:?} tie={tie} {imp:?} {c:?} (case {i})");
+                let case = format!("{name} {norm:?} tie={tie} {imp:?} frozen={frozen} {c:?}");
                 let (got, grads) = step(&b, &StepPlan::new(c, layers, None), 2);
                 assert_eq!(got.loss, want.loss, "{case}: loss");
                 assert_eq!(got.reg, want.reg, "{case}: regulariser");
@@ -449,15 +472,19 @@ mod tests {
 
     /// The loss in chunks (one not dividing the tokens, and one of a single token) gives the
     /// plain path's loss and gradients up to the order of the head's sums, alone and with
-    /// recomputed blocks; where the head's weight is also the embedding, its two gradients add.
+    /// recomputed blocks, for every method's examples; where the head's weight is also the
+    /// embedding, its two gradients add (tied on the reference path, untied on the kernel
+    /// library's CPU build).
     #[test]
     fn the_chunked_loss_gives_the_plain_loss_and_gradients() {
-        for (method, tie, imp) in [
-            (Method::Full, true, AttnImpl::Reference),
-            (Method::Swiattn, false, AttnImpl::Reference),
-            (Method::Aha, true, AttnImpl::Cuda),
-        ] {
-            let b = model(method, NormPlacement::Pre, tie, imp);
+        let cases = examples().into_iter().flat_map(|(name, set)| {
+            [
+                (name, set, true, AttnImpl::Reference),
+                (name, set, false, AttnImpl::Cuda),
+            ]
+        });
+        for (name, set, tie, imp) in cases {
+            let b = model(set, NormPlacement::Pre, tie, imp);
             let layers = b.model.layers.len();
             let (want, want_grads) = step(&b, &StepPlan::new(Checkpointing::None, layers, None), 1);
             for (c, chunk) in [
@@ -465,7 +492,7 @@ mod tests {
                 (Checkpointing::Full, 1),
                 (Checkpointing::Selective, 20),
             ] {
-                let case = format!("{method:?} tie={tie} {imp:?} {c:?} chunks of {chunk}");
+                let case = format!("{name} tie={tie} {imp:?} {c:?} chunks of {chunk}");
                 let (got, grads) = step(&b, &StepPlan::new(c, layers, Some(chunk)), 1);
                 assert!(
                     (got.loss - want.loss).abs() < 1e-6,

@@ -16,7 +16,7 @@ use crate::data::{synth, Split, DEP_NONE};
 use crate::model;
 use crate::model::attention::ForwardCtx;
 use crate::model::nn::token_nll;
-use crate::model::Llama;
+use crate::model::{ForwardOutput, Llama};
 use crate::util::progress::Progress;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
 use crate::util::rng::Rng;
@@ -373,19 +373,7 @@ pub(crate) fn evaluate(
             pairs += out.attended_pairs();
             let batch = b.x.size()[0] as usize;
             full_pairs += model.full_pairs(batch, seq_len);
-            if out.layers.iter().any(|l| l.gates.is_some()) {
-                let per_layer: Vec<Vec<f32>> = out
-                    .layers
-                    .iter()
-                    .map(|l| match &l.gates {
-                        Some(g) => {
-                            Vec::<f32>::try_from(g.to_kind(Kind::Float).contiguous().flatten(0, -1))
-                                .expect("gates to vec")
-                        }
-                        // A static layer inside a routed model (a pruned L2A layer) is all window.
-                        None => vec![0.0; batch * seq_len * heads],
-                    })
-                    .collect();
+            if let Some(per_layer) = layer_gates(&out, batch * seq_len * heads) {
                 gates
                     .get_or_insert_with(|| {
                         GateAccum::new(layers, heads, cfg.attention.window, b.deps.is_some())
@@ -398,16 +386,8 @@ pub(crate) fn evaluate(
                     );
             }
             if let Some(deps) = &b.deps {
-                let v = Vec::<f64>::try_from(nll.flatten(0, 1)).expect("nll to vec");
                 let hit = out.logits.argmax(-1, false).eq_tensor(&b.y);
-                let hit = Vec::<bool>::try_from(hit.flatten(0, 1)).expect("hits to vec");
-                for (i, ((&d, &l), &h)) in deps.iter().zip(&v).zip(&hit).enumerate() {
-                    let (name, lo) = bucket_of(d, i % seq_len);
-                    let e = buckets.entry((lo, name)).or_default();
-                    e.0 += l;
-                    e.1 += 1;
-                    e.2 += h as u64;
-                }
+                add_to_buckets(&mut buckets, deps, &nll, &hit, seq_len);
             }
             progress.update(i as u64 + 1, "");
         }
@@ -467,20 +447,59 @@ pub(crate) fn evaluate(
                 })
                 .collect(),
         },
-        by_position: {
-            let by_pos = Vec::<f64>::try_from(by_pos).expect("loss by position to vec");
-            position_buckets(seq_len)
-                .into_iter()
-                .map(|(from, to)| PositionLoss {
-                    from,
-                    to,
-                    tokens: sequences * (to - from) as u64,
-                    loss: by_pos[from..to].iter().sum::<f64>()
-                        / (sequences * (to - from) as u64) as f64,
-                })
-                .collect()
-        },
+        by_position: position_losses(by_pos, sequences, seq_len),
     })
+}
+
+/// Each layer's hard gates of a forward, flattened (`tokens` of them a layer), where some
+/// layer has gates: a static layer inside a routed model (a pruned L2A layer) is all window.
+fn layer_gates(out: &ForwardOutput, tokens: usize) -> Option<Vec<Vec<f32>>> {
+    out.layers.iter().any(|l| l.gates.is_some()).then(|| {
+        out.layers
+            .iter()
+            .map(|l| match &l.gates {
+                Some(g) => Vec::<f32>::try_from(g.to_kind(Kind::Float).contiguous().flatten(0, -1))
+                    .expect("gates to vec"),
+                None => vec![0.0; tokens],
+            })
+            .collect()
+    })
+}
+
+/// Adds a batch's tokens to the dependency-distance buckets (summed loss, tokens, tokens
+/// predicted exactly): each target's dependency `deps`, its loss `nll` and whether the argmax
+/// hit it, `[B, L]` each.
+fn add_to_buckets(
+    buckets: &mut BTreeMap<(u32, String), (f64, u64, u64)>,
+    deps: &[u32],
+    nll: &Tensor,
+    hit: &Tensor,
+    seq_len: usize,
+) {
+    let v = Vec::<f64>::try_from(nll.flatten(0, 1)).expect("nll to vec");
+    let hit = Vec::<bool>::try_from(hit.flatten(0, 1)).expect("hits to vec");
+    for (i, ((&d, &l), &h)) in deps.iter().zip(&v).zip(&hit).enumerate() {
+        let (name, lo) = bucket_of(d, i % seq_len);
+        let e = buckets.entry((lo, name)).or_default();
+        e.0 += l;
+        e.1 += 1;
+        e.2 += h as u64;
+    }
+}
+
+/// The loss by position bucket from the summed loss at each position `by_pos` over
+/// `sequences` sequences of `seq_len`.
+fn position_losses(by_pos: Tensor, sequences: u64, seq_len: usize) -> Vec<PositionLoss> {
+    let by_pos = Vec::<f64>::try_from(by_pos).expect("loss by position to vec");
+    position_buckets(seq_len)
+        .into_iter()
+        .map(|(from, to)| PositionLoss {
+            from,
+            to,
+            tokens: sequences * (to - from) as u64,
+            loss: by_pos[from..to].iter().sum::<f64>() / (sequences * (to - from) as u64) as f64,
+        })
+        .collect()
 }
 
 /// `Timing` of the first batch `evaluate` reads when `eval.timing` asks for it: the final

@@ -240,6 +240,46 @@ fn pre_split(pre: &str) -> Result<(Vec<&'static str>, bool)> {
     })
 }
 
+/// The pre-tokenizers of the file's pre-tokenizer name (`tokenizer.ggml.pre`): its splits,
+/// then the byte-level one.
+fn pre_tokenizers(g: &Gguf) -> Result<Vec<Value>> {
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(G::as_str)
+        .unwrap_or("default");
+    let (splits, gpt2_pattern) = pre_split(pre)?;
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+                            "trim_offsets": true, "use_regex": gpt2_pattern});
+    let mut pre_tokenizers: Vec<Value> = splits
+        .iter()
+        .map(|r| {
+            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
+                   "invert": false})
+        })
+        .collect();
+    pre_tokenizers.push(byte_level);
+    Ok(pre_tokenizers)
+}
+
+/// The post-processor: the BOS token (id, text) before each sequence where the file adds it,
+/// else the byte-level one.
+fn post_processor(bos: &Option<(usize, String)>, add_bos: bool) -> Result<Value> {
+    Ok(match (bos, add_bos) {
+        (Some((id, t)), true) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {t: {"id": t, "ids": [id], "tokens": [t]}},
+        }),
+        (None, true) => {
+            bail!("tokenizer.ggml.add_bos_token = true but the file has no bos_token_id")
+        }
+        _ => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
+                    "use_regex": true}),
+    })
+}
+
 /// `tokenizer.json` and `tokenizer_config.json` from the `tokenizer.*` metadata.
 fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
     let model = g
@@ -301,21 +341,7 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
                    "rstrip": false, "normalized": false, "special": ty == 3})
         })
         .collect();
-    let pre = g
-        .get("tokenizer.ggml.pre")
-        .and_then(G::as_str)
-        .unwrap_or("default");
-    let (splits, gpt2_pattern) = pre_split(pre)?;
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
-                            "trim_offsets": true, "use_regex": gpt2_pattern});
-    let mut pre_tokenizers: Vec<Value> = splits
-        .iter()
-        .map(|r| {
-            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
-                   "invert": false})
-        })
-        .collect();
-    pre_tokenizers.push(byte_level);
+    let pre_tokenizers = pre_tokenizers(g)?;
     let id_of = |k: &str| -> Result<Option<(usize, String)>> {
         match g.get(k).and_then(G::as_int) {
             None => Ok(None),
@@ -334,20 +360,7 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
         Some(G::Bool(b)) => *b,
         _ => false,
     };
-    let post = match (&bos, add_bos) {
-        (Some((id, t)), true) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": t, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {t: {"id": t, "ids": [id], "tokens": [t]}},
-        }),
-        (None, true) => {
-            bail!("tokenizer.ggml.add_bos_token = true but the file has no bos_token_id")
-        }
-        _ => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
-                    "use_regex": true}),
-    };
+    let post = post_processor(&bos, add_bos)?;
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,

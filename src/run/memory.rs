@@ -734,7 +734,7 @@ mod tests {
     fn gpu_memory_plan_predicts_the_peak() {
         use crate::config::AttnImpl;
         use crate::model::step::forward_backward;
-        use crate::run::train::AdamW;
+        use crate::run::optim::AdamW;
         crate::model::kernels::tests::on_cuda("gpu_memory_plan_predicts_the_peak", |kern| {
             let mut off = Vec::new();
             for (method, ckpt, chunk) in [

@@ -2,10 +2,12 @@
 //! built from a resolved config with its parameter store, and a trained run loaded back from
 //! its directory.
 
+pub mod choice;
 pub mod convert;
 pub(crate) mod eval;
 pub(crate) mod gguf;
 pub(crate) mod memory;
+pub(crate) mod optim;
 pub(crate) mod presets;
 pub(crate) mod prune;
 pub(crate) mod report;

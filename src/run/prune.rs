@@ -2,9 +2,9 @@
 //! threshold loses its global module and keeps its window; the report gives the key-value
 //! cache before and after and the change in loss.
 
-use crate::config::Method;
 use crate::data::Split;
 use crate::io::checkpoint;
+use crate::model::attention::spec;
 use crate::run::eval;
 use crate::run::eval::evaluate;
 use crate::run::memory;
@@ -51,7 +51,7 @@ pub(crate) fn prune_l2a(
     let loaded = LoadedRun::open(run, &[], ckpt, true)?;
     let cfg = &loaded.cfg;
     ensure!(
-        cfg.attention.method == Method::L2a,
+        spec(cfg.attention.method).prunable,
         "{} trains attention.method = {}; pruning removes L2A's global modules, so it applies \
          to runs of method \"l2a\" only",
         run.display(),

@@ -2,10 +2,10 @@
 //! SVG. Text is drawn with a font compiled into the binary (DejaVu Sans), so plotting needs no
 //! system fonts and works headless.
 
+use super::axes::{bounds, cell_label, exact_step, min_gap, tick_format, Swept};
 use crate::util::atomic;
 use anyhow::{anyhow, Result};
 use plotters::coord::combinators::LogCoord;
-use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -130,23 +130,6 @@ pub(crate) enum Figure {
     },
 }
 
-fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values
-        .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-            (a.min(v), b.max(v))
-        });
-    if !lo.is_finite() {
-        return (0.0, 1.0);
-    }
-    let pad = if hi > lo {
-        (hi - lo) * 0.06
-    } else {
-        lo.abs().max(1.0) * 0.1
-    };
-    (lo - pad, hi + pad)
-}
-
 /// Viridis-like ramp from dark blue (0) through teal to yellow (1).
 fn colour(t: f64) -> RGBColor {
     let stops = [
@@ -165,21 +148,6 @@ fn colour(t: f64) -> RGBColor {
         mix(stops[i].1, stops[i + 1].1),
         mix(stops[i].2, stops[i + 1].2),
     )
-}
-
-/// The label of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),
-/// so categorical axes label cells, not their boundaries: `ticks[i]`, or the index `i` when
-/// there are no ticks.
-pub(super) fn cell_label(v: f64, ticks: &[String]) -> String {
-    let i = v.floor();
-    if (v - i - 0.5).abs() < 0.26 {
-        ticks
-            .get(i as usize)
-            .cloned()
-            .unwrap_or_else(|| format!("{}", i as i64))
-    } else {
-        String::new()
-    }
 }
 
 /// Line and marker colours: Okabe and Ito's colour-blind-safe palette without its yellow,
@@ -260,10 +228,6 @@ fn looks_of_legend(series: &[Series], legend: &[&Series]) -> Vec<Series> {
         .collect()
 }
 
-/// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
-/// windows, powers, lambdas) rather than at round numbers.
-const SWEPT_TICKS: usize = 12;
-
 /// The marker of series `i` drawn with `look`; by place, colours cycle through 7, shapes
 /// through 5 (35 distinct), and every other series is hollow and larger, so coinciding points
 /// of two series both show.
@@ -297,57 +261,9 @@ fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(
     }
 }
 
-/// Tick labels for values `step` apart: as many decimals as tell neighbours apart, so a
-/// narrow range never repeats a label.
-pub(super) fn tick_format(step: f64) -> impl Fn(&f64) -> String {
-    let decimals = if step > 0.0 && step.is_finite() {
-        (-step.log10()).ceil().clamp(0.0, 8.0) as usize
-    } else {
-        3
-    };
-    move |v: &f64| {
-        if *v == 0.0 {
-            "0".into()
-        } else if v.abs() >= 1e5 || (v.abs() < 1e-3 && decimals > 4) {
-            let s = format!("{v:.1e}");
-            s.replace(".0e", "e")
-        } else {
-            let s = format!("{v:.decimals$}");
-            if s.contains('.') {
-                s.trim_end_matches('0').trim_end_matches('.').to_string()
-            } else {
-                s
-            }
-        }
-    }
-}
-
-/// An axis labelled at given values (the swept ones) rather than at round numbers.
-struct Swept<R> {
-    axis: R,
-    at: Vec<f64>,
-}
-
-impl<R: Ranged<ValueType = f64>> Ranged for Swept<R> {
-    type FormatOption = DefaultFormatting;
-    type ValueType = f64;
-
-    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
-        self.axis.map(v, limit)
-    }
-
-    fn key_points<Hint: KeyPointHint>(&self, _hint: Hint) -> Vec<f64> {
-        self.at.clone()
-    }
-
-    fn range(&self) -> std::ops::Range<f64> {
-        self.axis.range()
-    }
-
-    fn axis_pixel_range(&self, limit: (i32, i32)) -> std::ops::Range<i32> {
-        self.axis.axis_pixel_range(limit)
-    }
-}
+/// Distinct x values up to which the x axis is labelled at exactly those values (a sweep's
+/// windows, powers, lambdas) rather than at round numbers.
+const SWEPT_TICKS: usize = 12;
 
 /// The x values of every series, when there are few enough to label each one; vertical
 /// markers (a series at one x, such as a window's reach) are not swept values, unless no
@@ -372,39 +288,16 @@ fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
     (!xs.is_empty() && xs.len() <= SWEPT_TICKS).then_some(xs)
 }
 
-/// The largest power of ten, down to 1e-8, on whose decimal grid every value lies, so
-/// labels with its decimals print each value exactly.
-pub(super) fn exact_step(xs: &[f64]) -> f64 {
-    (0..=8)
-        .map(|d| (d, 10f64.powi(-d)))
-        .find(|&(d, _)| {
-            xs.iter().all(|x| {
-                let shown: f64 = format!("{x:.*}", d as usize).parse().unwrap_or(f64::NAN);
-                (shown - x).abs() <= 1e-9 * x.abs().max(1e-12)
-            })
-        })
-        .map_or(1e-8, |(_, step)| step)
+/// A line chart's y range (every error bar inside it), the swept x values it labels where
+/// its axis names them, and its tick formats.
+struct LineAxes {
+    y: (f64, f64),
+    swept: Option<Vec<f64>>,
+    x_fmt: Box<dyn Fn(&f64) -> String>,
+    y_fmt: Box<dyn Fn(&f64) -> String>,
 }
 
-/// The smallest gap between neighbouring values.
-pub(super) fn min_gap(xs: &[f64]) -> f64 {
-    xs.windows(2)
-        .map(|w| w[1] - w[0])
-        .fold(f64::INFINITY, f64::min)
-}
-
-/// An x-y chart (no legend: see `draw_legend`) on a linear or logarithmic x axis, its x axis
-/// labelled at the swept values when there are few.
-fn draw_lines<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    title: &str,
-    x: &str,
-    y: &str,
-    series: &[Series],
-    x_axis: XAxis,
-) -> Result<()> {
-    let text = |size: u32| (FAMILY, size).into_font();
-    // The y range holds every error bar too.
+fn line_axes(series: &[Series], x_axis: XAxis) -> LineAxes {
     let (y0, y1) = bounds(series.iter().flat_map(|s| {
         s.points.iter().enumerate().flat_map(|(i, p)| {
             let e = s
@@ -428,18 +321,72 @@ fn draw_lines<DB: DrawingBackend>(
             (b - a) / 10.0
         }
     };
-    let y_fmt = tick_format((y1 - y0) / 10.0);
     // Swept whole numbers (lengths of 131072 tokens) printed whole, never rounded to 1.3e5.
     let whole = swept
         .as_ref()
         .is_some_and(|xs| xs.iter().all(|v| v.fract() == 0.0 && v.abs() < 1e15));
-    let x_fmt = {
-        let round = tick_format(x_step);
-        move |v: &f64| match whole && v.fract() == 0.0 {
+    let round = tick_format(x_step);
+    LineAxes {
+        y: (y0, y1),
+        swept,
+        x_fmt: Box::new(move |v: &f64| match whole && v.fract() == 0.0 {
             true => format!("{}", *v as i64),
             false => round(v),
-        }
+        }),
+        y_fmt: Box::new(tick_format((y1 - y0) / 10.0)),
+    }
+}
+
+/// Draws point label `l` beside its marker at pixel `(px, py)` of the whole image, clear of
+/// it, on the marker's left where it would run past the plot's right edge (`right`); a label
+/// that would overlap one already `placed` (pixel boxes: left, baseline, width) is left out
+/// (the tables have every cell's settings).
+fn place_label<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    placed: &mut Vec<(i32, i32, i32)>,
+    l: &str,
+    (px, py): (i32, i32),
+    right: i32,
+) -> Result<()> {
+    let w = 7 * l.chars().count() as i32;
+    let gap = 9;
+    let flip = px + gap + w > right;
+    let left = if flip { px - gap - w } else { px + gap };
+    let overlaps = placed
+        .iter()
+        .any(|&(x, y, pw)| (py - y).abs() < 15 && left < x + pw && x < left + w);
+    if overlaps {
+        return Ok(());
+    }
+    placed.push((left, py, w));
+    let (anchor, x) = match flip {
+        true => (HPos::Right, px - gap),
+        false => (HPos::Left, px + gap),
     };
+    let style = TextStyle::from((FAMILY, 13).into_font()).pos(Pos::new(anchor, VPos::Center));
+    // In the panel's own pixels (backend_coord is the whole image's).
+    let (bx, by) = root.get_base_pixel();
+    root.draw(&Text::new(l.to_string(), (x - bx, py - by), style))
+        .map_err(err)
+}
+
+/// An x-y chart (no legend: see `draw_legend`) on a linear or logarithmic x axis, its x axis
+/// labelled at the swept values when there are few.
+fn draw_lines<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    title: &str,
+    x: &str,
+    y: &str,
+    series: &[Series],
+    x_axis: XAxis,
+) -> Result<()> {
+    let text = |size: u32| (FAMILY, size).into_font();
+    let LineAxes {
+        y: (y0, y1),
+        swept,
+        x_fmt,
+        y_fmt,
+    } = line_axes(series, x_axis);
     let mut builder = ChartBuilder::on(root);
     builder
         .caption(title, text(20))
@@ -459,8 +406,8 @@ fn draw_lines<DB: DrawingBackend>(
                 .y_desc(y)
                 .axis_desc_style(text(16))
                 .label_style(text(14))
-                .x_label_formatter(&x_fmt)
-                .y_label_formatter(&y_fmt)
+                .x_label_formatter(&|v: &f64| x_fmt(v))
+                .y_label_formatter(&|v: &f64| y_fmt(v))
                 .light_line_style(WHITE.mix(0.0))
                 .draw()
                 .map_err(err)?;
@@ -508,31 +455,9 @@ fn draw_lines<DB: DrawingBackend>(
                         .map_err(err)?;
                 }
                 for (&p, l) in s.points.iter().zip(&s.labels) {
-                    if l.is_empty() {
-                        continue;
-                    }
-                    let (px, py) = chart.backend_coord(&p);
-                    let w = 7 * l.chars().count() as i32;
-                    // Beside its marker, clear of it; a label that would run past the plot's
-                    // right edge goes on the marker's left.
-                    let gap = 9;
-                    let right = chart.plotting_area().get_pixel_range().0.end;
-                    let flip = px + gap + w > right;
-                    let left = if flip { px - gap - w } else { px + gap };
-                    let overlaps = placed
-                        .iter()
-                        .any(|&(x, y, pw)| (py - y).abs() < 15 && left < x + pw && x < left + w);
-                    if !overlaps {
-                        placed.push((left, py, w));
-                        let (anchor, x) = match flip {
-                            true => (HPos::Right, px - gap),
-                            false => (HPos::Left, px + gap),
-                        };
-                        let style = TextStyle::from(text(13)).pos(Pos::new(anchor, VPos::Center));
-                        // In the panel's own pixels (backend_coord is the whole image's).
-                        let (bx, by) = root.get_base_pixel();
-                        root.draw(&Text::new(l.clone(), (x - bx, py - by), style))
-                            .map_err(err)?;
+                    if !l.is_empty() {
+                        let right = chart.plotting_area().get_pixel_range().0.end;
+                        place_label(root, &mut placed, l, chart.backend_coord(&p), right)?;
                     }
                 }
             }

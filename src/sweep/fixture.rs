@@ -22,6 +22,41 @@ struct Spec {
 }
 
 pub(crate) fn sweep_dir(name: &str) -> PathBuf {
+    sweep_dir_with(name, &[])
+}
+
+/// The fixture sweep with attention sinks too: continued from the base, and the base
+/// evaluated with them (zero-shot), beside SWA's two.
+pub(crate) fn sweep_dir_with_sinks(name: &str) -> PathBuf {
+    let sinks = |c: &mut Config| c.attention.method = Method::Sinks;
+    sweep_dir_with(
+        name,
+        &[
+            Spec {
+                id: "sinks-0",
+                kind: StageKind::Train,
+                dep: Some("base-0"),
+                loss: 2.05,
+                density: 0.25,
+                gates: false,
+                threshold: None,
+                edit: sinks,
+            },
+            Spec {
+                id: "sinkzs-0",
+                kind: StageKind::Eval,
+                dep: Some("base-0"),
+                loss: 2.3,
+                density: 0.25,
+                gates: false,
+                threshold: None,
+                edit: sinks,
+            },
+        ],
+    )
+}
+
+fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -280,7 +315,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
         },
     ];
     let mut cells = Vec::new();
-    for (i, s) in specs.iter().enumerate() {
+    for (i, s) in specs.iter().chain(extra).enumerate() {
         let mut config = Config::default();
         (s.edit)(&mut config);
         let cell_dir = dir.join(s.id);
@@ -427,7 +462,7 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
             stage: s.id.split('-').next().unwrap().into(),
             kind: s.kind,
             label: s.id.into(),
-            assignment: Default::default(),
+            assignment: varied(&config),
             settings: Default::default(),
             depends_on: s.dep.map(String::from),
             reads: None,
@@ -446,6 +481,22 @@ pub(crate) fn sweep_dir(name: &str) -> PathBuf {
     // A cell that did not finish is left out of every table.
     std::fs::create_dir_all(dir.join("broken")).unwrap();
     dir
+}
+
+/// What a grid would vary to make a fixture cell: its attention settings that differ from
+/// the defaults, and its evaluation length where it sets one.
+fn varied(c: &Config) -> std::collections::BTreeMap<String, toml::Value> {
+    let table = |a: &crate::config::AttentionConfig| toml::Table::try_from(a).unwrap();
+    let (set, default) = (table(&c.attention), table(&Default::default()));
+    let mut out: std::collections::BTreeMap<String, toml::Value> = set
+        .into_iter()
+        .filter(|(k, v)| default.get(k) != Some(v))
+        .map(|(k, v)| (format!("attention.{k}"), v))
+        .collect();
+    if c.eval.seq_len != 0 {
+        out.insert("eval.seq_len".into(), (c.eval.seq_len as i64).into());
+    }
+    out
 }
 
 pub(crate) fn csv(path: &Path) -> Vec<Vec<String>> {

@@ -2,7 +2,7 @@
 //! hash of what it computes (see the folder's documentation).
 
 use crate::config;
-use crate::config::{apply_override, Config, Method, Router};
+use crate::config::{apply_override, Config, Router};
 use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
 use crate::data::SynthSpec;
@@ -176,7 +176,8 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-fn value_str(v: &toml::Value) -> String {
+/// A setting's value as a cell's label writes it.
+pub(super) fn value_str(v: &toml::Value) -> String {
     match v {
         toml::Value::String(s) => s.clone(),
         other => other.to_string(),
@@ -538,7 +539,7 @@ fn check_prune(stage: &Stage, of: &str, cells: &[Cell], what: &str) -> Result<()
     );
     if let Some(c) = cells
         .iter()
-        .find(|c| c.stage == of && c.config.attention.method != Method::L2a)
+        .find(|c| c.stage == of && !spec(c.config.attention.method).prunable)
     {
         bail!(
             "{what}: pruning removes L2A's global modules, but cell {} ({}) of stage {of:?} trains method {:?}",

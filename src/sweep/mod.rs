@@ -62,6 +62,8 @@
 //! (written atomically), so re-running a sweep skips finished cells, resumes interrupted ones
 //! and reruns failed ones only with `--retry-failed`.
 
+mod axes;
+mod cell_files;
 mod check;
 mod figure;
 mod figures;

@@ -4,9 +4,8 @@
 //! accuracy against it. `pareto.csv` and the `pareto*` figures are drawn from the same rows
 //! and fronts defined here.
 
-use super::rows::{name_of, Row};
-use crate::config::AttentionConfig;
-use crate::config::{Method, Router};
+use super::rows::Row;
+use crate::config::{name_of, AttentionConfig, Router};
 use crate::model::attention::{spec, Gates};
 use crate::run::report::{PrecisionRecall, Timing};
 use crate::sweep::StageKind;
@@ -170,7 +169,7 @@ pub(crate) fn settings(r: &Row) -> String {
             [vec![w], (method.describe)(&r.attention, r.heads, r.mu_f())].concat()
         }
     };
-    if r.method == Method::Swa && r.kind == StageKind::Eval {
+    if method.zero_shot && r.kind == StageKind::Eval {
         parts.push("zero-shot".into());
     }
     if let Some(p) = &r.prune {
@@ -228,7 +227,7 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     });
     let full = rows
         .iter()
-        .find(|r| r.method == Method::Full && r.kind == StageKind::Train);
+        .find(|r| r.is_reference() && r.kind == StageKind::Train);
     let reach = reach(rows.iter().copied());
     let s = |f: &dyn Fn(&Row) -> String| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
     let o = |f: &dyn Fn(&Row) -> Option<f64>| rows.iter().map(|r| f(r)).collect::<Vec<_>>();

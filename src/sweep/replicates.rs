@@ -6,33 +6,22 @@
 //! attended pairs (`stage_differences.csv`: one method against another at its own budget,
 //! the comparison a Pareto grid's verdicts rest on).
 
-use super::grid::SEED_KEY;
 use crate::util::atomic;
 use crate::util::stats::{summarize, welch_difference, Summary};
 use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// One measured value of one cell: its stage, method, label, metric and value (`tidy.csv`'s
-/// columns).
+/// One measured value of one cell: its stage, method, setting (its label without the seed,
+/// which its replicates share: `Row::setting_text`), metric and value.
 pub(crate) struct Measured<'a> {
     pub(crate) stage: &'a str,
     /// The stage's kind (`train`, `eval`, `prune`).
     pub(crate) kind: &'a str,
     pub(crate) method: &'a str,
-    pub(crate) label: &'a str,
+    pub(crate) setting: &'a str,
     pub(crate) metric: &'a str,
     pub(crate) value: f64,
-}
-
-/// A cell's label without its seed: the setting its replicates share.
-pub(crate) fn setting(label: &str) -> String {
-    let seed = format!("{SEED_KEY}=");
-    label
-        .split(' ')
-        .filter(|kv| !kv.starts_with(&seed))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 type Key = (String, String, String, String);
@@ -48,7 +37,7 @@ fn groups(values: &[Measured]) -> BTreeMap<Key, Vec<f64>> {
         g.entry((
             m.stage.into(),
             m.metric.into(),
-            setting(m.label),
+            m.setting.into(),
             m.method.into(),
         ))
         .or_default()
@@ -212,27 +201,28 @@ mod tests {
     fn replicates_are_summarised_and_compared() {
         let dir = std::env::temp_dir().join(format!("attnsweep-repl-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let m = |label: &'static str, metric: &'static str, value| Measured {
+        let m = |setting: &'static str, metric: &'static str, value| Measured {
             stage: "aha",
             kind: "train",
             method: "aha",
-            label,
+            setting,
             metric,
             value,
         };
+        // Three seeds of each setting.
         let values = vec![
-            m("attention.window=8 train.seed=1", "loss", 1.0),
-            m("attention.window=8 train.seed=2", "loss", 1.1),
-            m("attention.window=8 train.seed=3", "loss", 1.2),
-            m("attention.window=16 train.seed=1", "loss", 1.05),
-            m("attention.window=16 train.seed=2", "loss", 1.15),
-            m("attention.window=16 train.seed=3", "loss", 1.25),
-            m("attention.window=8 train.seed=1", "mu_f", 0.10),
-            m("attention.window=8 train.seed=2", "mu_f", 0.11),
-            m("attention.window=8 train.seed=3", "mu_f", 0.12),
-            m("attention.window=16 train.seed=1", "mu_f", 0.50),
-            m("attention.window=16 train.seed=2", "mu_f", 0.51),
-            m("attention.window=16 train.seed=3", "mu_f", 0.52),
+            m("attention.window=8", "loss", 1.0),
+            m("attention.window=8", "loss", 1.1),
+            m("attention.window=8", "loss", 1.2),
+            m("attention.window=16", "loss", 1.05),
+            m("attention.window=16", "loss", 1.15),
+            m("attention.window=16", "loss", 1.25),
+            m("attention.window=8", "mu_f", 0.10),
+            m("attention.window=8", "mu_f", 0.11),
+            m("attention.window=8", "mu_f", 0.12),
+            m("attention.window=16", "mu_f", 0.50),
+            m("attention.window=16", "mu_f", 0.51),
+            m("attention.window=16", "mu_f", 0.52),
         ];
         assert_eq!(write(&values, &dir).unwrap().len(), 2);
         let summary = std::fs::read_to_string(dir.join("replicates.csv")).unwrap();
@@ -264,25 +254,21 @@ mod tests {
         assert!(!dir.join("stage_differences.csv").exists());
         // Another train stage and an eval stage: each aha setting against the swa one, on
         // loss; the eval stage and the metrics other than loss and pairs stay out.
-        let other = |stage: &'static str, kind: &'static str, label, metric, value| Measured {
+        let other = |stage: &'static str, kind: &'static str, metric, value| Measured {
             stage,
             kind,
             method: stage,
-            label,
+            setting: "",
             metric,
             value,
         };
         let mut more: Vec<Measured> = values.iter().map(|v| Measured { ..*v }).collect();
-        for (seed, loss) in [
-            ("train.seed=1", 2.0),
-            ("train.seed=2", 2.1),
-            ("train.seed=3", 2.2),
-        ] {
-            more.push(other("swa", "train", seed, "loss", loss));
-            more.push(other("swa", "train", seed, "mu_f", 0.3));
-            more.push(other("swa", "train", seed, "pairs_vs_full", 0.5));
-            more.push(other("full", "train", seed, "pairs_vs_full", 1.0));
-            more.push(other("probes", "eval", seed, "loss", 0.5));
+        for loss in [2.0, 2.1, 2.2] {
+            more.push(other("swa", "train", "loss", loss));
+            more.push(other("swa", "train", "mu_f", 0.3));
+            more.push(other("swa", "train", "pairs_vs_full", 0.5));
+            more.push(other("full", "train", "pairs_vs_full", 1.0));
+            more.push(other("probes", "eval", "loss", 0.5));
         }
         write(&more, &dir).unwrap();
         let across = std::fs::read_to_string(dir.join("stage_differences.csv")).unwrap();
@@ -315,10 +301,8 @@ mod tests {
             );
             assert_eq!(r[8], "differs");
         }
-        let single: Vec<Measured> = values
-            .into_iter()
-            .filter(|v| v.label.ends_with("=1"))
-            .collect();
+        // The first seed of each setting alone.
+        let single: Vec<Measured> = values.into_iter().step_by(3).collect();
         assert!(write(&single, &dir).unwrap().is_empty());
         assert!(!dir.join("replicates.csv").exists());
         assert!(!dir.join("stage_differences.csv").exists());

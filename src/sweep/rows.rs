@@ -1,10 +1,12 @@
 //! What the tables and figures know of one finished cell of a sweep directory (`Row`): its
-//! settings, evaluation, pruning, task results and training throughput, read once.
+//! settings, as the grid varied them and as its method reports them, its evaluation, pruning,
+//! task results, logs and probe files, and its training throughput, each file read once.
 
-use super::grid::{Cell, StageKind};
+use super::cell_files::{self, Log, Niah};
+use super::grid::{value_str, Cell, StageKind, SEED_KEY};
 use super::runner::{read_status, State};
-use crate::config::{AttentionConfig, Method, Reduction, Router};
-use crate::model::attention::{spec, top_k_name};
+use crate::config::{AttentionConfig, Method, Router};
+use crate::model::attention::{spec, CellKind, Provenance, TableCell};
 use crate::run::prune::PruneReport;
 use crate::run::report::{self, Bucket, EvalReport, GateReport};
 use crate::util::stats::median;
@@ -19,27 +21,22 @@ pub(crate) struct Row {
     pub(crate) stage: String,
     pub(crate) kind: StageKind,
     pub(crate) label: String,
+    /// The settings its label names, in its order (the grid's varied keys, a prune cell's
+    /// threshold), with the seed its replicates differ in.
+    pub(crate) varied: Vec<(String, String)>,
     pub(crate) method: Method,
     /// The cell this one continued from or evaluates ("" when none), and its method.
     pub(crate) source: String,
     pub(crate) source_method: Option<Method>,
     pub(crate) window: f64,
-    pub(crate) lambda: f64,
-    pub(crate) tau: f64,
-    pub(crate) ppa_power: f64,
-    pub(crate) top_k: f64,
     pub(crate) router: Router,
     pub(crate) bernoulli_p: f64,
+    /// Its configuration's name in its paper's ablation table (`MethodSpec::variant`).
     pub(crate) variant: String,
-    /// AHA Table 5's row name: "AHA", "top-k" static heads (at AHA's budget when top_k is 0),
-    /// "all heads full", or "all heads window" (SWA trained as long).
-    pub(crate) setting: String,
+    /// Its row's name in AHA Table 5 (`MethodSpec::head_budget`).
+    pub(crate) head_budget: String,
     /// The model's (layer, head) pairs.
     pub(crate) heads: usize,
-    /// SwiAttn's disagreement weight and how the disagreement is reduced (the paper's MSE, or
-    /// the squared norm, which alpha weighs hidden_size times more).
-    pub(crate) swiattn_alpha: Option<f64>,
-    pub(crate) swiattn_disagreement: Option<Reduction>,
     /// Training tokens behind the model (its own steps and those of every cell it continued
     /// from), and what identifies its model and data: the basis of retain %'s reference.
     pub(crate) budget_tokens: f64,
@@ -52,12 +49,20 @@ pub(crate) struct Row {
     pub(crate) prune: Option<PruneReport>,
     /// `<task>.<metric>` from the evaluation suite's results.json (probes, multiple choice).
     pub(crate) tasks: BTreeMap<String, f64>,
+    /// Its training log and validation log (train cells).
+    pub(crate) train_log: Option<Log>,
+    pub(crate) val_log: Option<Log>,
+    /// Its probes' layer x head usage per task (routed models), and its NIAH grid.
+    pub(crate) probe_usage: BTreeMap<String, Vec<Vec<f64>>>,
+    pub(crate) niah: Option<Niah>,
     /// Training throughput of a train cell: the median of its `train_log.csv` rates.
     pub(crate) tokens_per_s: Option<f64>,
     /// The throughput of the training that made the evaluated model: the cell's own, or for
     /// an eval or prune cell that of the train cell it derives from.
     pub(crate) train_tokens_per_s: Option<f64>,
-    /// The attention the cell was evaluated with.
+    /// The attention as the grid set it, and as the cell was evaluated with it (a train
+    /// cell's Bernoulli gates may open at another cell's measured usage: `match_usage`).
+    pub(crate) grid_attention: AttentionConfig,
     pub(crate) attention: AttentionConfig,
     /// It ran with no other cell of its sweep beside it (its stage's `exclusive`, as its own
     /// `cell.json` recorded when it ran): its timing is clean.
@@ -80,6 +85,52 @@ impl Row {
 
     pub(crate) fn gates(&self) -> Option<&GateReport> {
         self.report.gates.as_ref()
+    }
+
+    /// Whether its method is the reference (full attention).
+    pub(crate) fn is_reference(&self) -> bool {
+        spec(self.method).reference
+    }
+
+    /// The settings its replicates share: the varied ones but the seed.
+    pub(crate) fn setting(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.varied
+            .iter()
+            .filter(|(k, _)| k != SEED_KEY)
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
+    /// `setting` as its label writes it (`attention.window=16 attention.lambda=0.1`).
+    pub(crate) fn setting_text(&self) -> String {
+        self.setting()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// How the cell came to be, in the method registry's terms.
+    pub(crate) fn provenance(&self) -> Provenance {
+        Provenance {
+            kind: match self.kind {
+                StageKind::Train => CellKind::Trained,
+                StageKind::Eval => CellKind::Evaluated,
+                StageKind::Prune => CellKind::Pruned,
+            },
+            from_reference: self.source_method.is_some_and(|m| spec(m).reference),
+        }
+    }
+
+    /// What a paper table knows of the cell when it picks its rows.
+    pub(crate) fn table_cell(&self) -> TableCell<'_> {
+        let provenance = self.provenance();
+        TableCell {
+            method: self.method,
+            kind: provenance.kind,
+            router: self.router,
+            reference: self.is_reference(),
+            baseline: spec(self.method).baseline.map(|name| name(&provenance)),
+            head_budget: &self.head_budget,
+        }
     }
 
     /// Loss and exact-match accuracy of the predictions whose dependency lies at least the
@@ -111,14 +162,6 @@ impl Row {
             (mean(&|b| b.loss), acc)
         })
     }
-}
-
-/// A name as the config writes it (`"aha"`, `"train"`, `"mean"`).
-pub(crate) fn name_of<T: serde::Serialize>(v: T) -> String {
-    toml::Value::try_from(v)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
 }
 
 /// Tokens of one training step of a train cell (0 for the other kinds).
@@ -197,34 +240,31 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             ),
             false => None,
         };
-        out.push(Row {
+        let mut varied: Vec<(String, String)> = c
+            .assignment
+            .iter()
+            .map(|(k, v)| (k.clone(), value_str(v)))
+            .collect();
+        if let Some(t) = c.threshold {
+            varied.push(("threshold".into(), t.to_string()));
+        }
+        let train_log = Log::read(&dir.join("train_log.csv"));
+        let mut row = Row {
             cell: c.id.clone(),
             stage: c.stage.clone(),
             kind: c.kind,
             label: c.label.clone(),
+            varied,
             method: a.method,
             source: source.map(|s| s.id.clone()).unwrap_or_default(),
             source_method: source.map(|s| s.config.attention.method),
             window: a.window as f64,
-            lambda: a.lambda,
-            tau: a.tau,
-            ppa_power: a.ppa_power,
-            top_k: a.top_k as f64,
             router: a.router,
             // As trained: a grid may set it from another cell's usage (`match_usage`).
             bernoulli_p: ev.config.attention.bernoulli_p,
             variant: (spec(a.method).variant)(a),
-            setting: match a.method {
-                Method::Aha => "AHA".into(),
-                Method::StaticHeads => {
-                    top_k_name(a, heads, ev.report.gates.as_ref().map(|g| g.mu_f))
-                }
-                Method::Swa if c.kind == StageKind::Train => "all heads window".into(),
-                _ => String::new(),
-            },
+            head_budget: String::new(),
             heads,
-            swiattn_alpha: (a.method == Method::Swiattn).then_some(a.swiattn_alpha),
-            swiattn_disagreement: (a.method == Method::Swiattn).then_some(a.swiattn_disagreement),
             budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
             start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
                 - c.config.train.steps as f64 * tokens_per_step(c),
@@ -237,11 +277,18 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             report: ev.report,
             prune,
             tasks: task_metrics(&dir.join("eval/results.json")),
-            tokens_per_s: median_rate(&dir.join("train_log.csv")),
+            tokens_per_s: train_log.as_ref().and_then(median_rate),
+            train_log,
+            val_log: Log::read(&dir.join("val_log.csv")),
+            probe_usage: cell_files::probe_usage(&dir.join("eval/probe_head_usage.csv"))?,
+            niah: cell_files::niah(&dir.join("eval/niah.csv"))?,
             train_tokens_per_s: None,
+            grid_attention: a.clone(),
             attention: ev.config.attention.clone(),
             exclusive: ran_alone(&dir),
-        });
+        };
+        row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
+        out.push(row);
     }
     // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
     // before it.
@@ -261,35 +308,14 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
 }
 
 /// The median of a training log's `tokens_per_s` column (robust to the first steps, which
-/// include compilation and warm-up), None without a log.
-fn median_rate(log: &Path) -> Option<f64> {
-    let rates: Vec<f64> = log_columns(log, &["tokens_per_s"])?
+/// include compilation and warm-up), None without the column or a rate.
+fn median_rate(log: &Log) -> Option<f64> {
+    let rates: Vec<f64> = log
+        .select(&["tokens_per_s"])?
         .into_iter()
         .map(|r| r[0])
         .collect();
     (!rates.is_empty()).then(|| median(rates))
-}
-
-/// The named columns of a training log (`train_log.csv`, `val_log.csv`), a row per logged
-/// step, keeping the rows where each of them is a finite number; None when the file or a
-/// column is missing.
-pub(crate) fn log_columns(log: &Path, names: &[&str]) -> Option<Vec<Vec<f64>>> {
-    let mut rdr = csv::Reader::from_path(log).ok()?;
-    let header = rdr.headers().ok()?.clone();
-    let cols: Vec<usize> = names
-        .iter()
-        .map(|n| header.iter().position(|h| h == *n))
-        .collect::<Option<_>>()?;
-    Some(
-        rdr.records()
-            .filter_map(|r| r.ok())
-            .filter_map(|r| {
-                cols.iter()
-                    .map(|&i| r.get(i)?.parse::<f64>().ok().filter(|v| v.is_finite()))
-                    .collect()
-            })
-            .collect(),
-    )
 }
 
 fn read_json(p: &Path) -> Option<serde_json::Value> {

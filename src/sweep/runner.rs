@@ -212,6 +212,171 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<(
     Ok(())
 }
 
+/// The cells this invocation covers: all of them, or cell `args.cell` once its dependencies
+/// have finished.
+fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
+    let Some(k) = args.cell else {
+        return Ok(cells.iter().collect());
+    };
+    let c = cells.get(k).with_context(|| {
+        format!(
+            "--cell {k}: the grid has cells 0 ..= {}",
+            cells.len().saturating_sub(1)
+        )
+    })?;
+    for dep in c.depends_on.iter().chain(&c.reads) {
+        let st = read_status(&args.out.join(dep));
+        ensure!(
+            st.is_some_and(|s| s.state == State::Done),
+            "--cell {k}: its dependency {dep} is not finished"
+        );
+    }
+    Ok(vec![c])
+}
+
+/// What the workers of one invocation share: where the cells run and what they have done.
+struct Pool<'a> {
+    args: &'a SweepArgs,
+    exe: PathBuf,
+    outcome: Mutex<Outcome>,
+    /// Each cell is attempted at most once per invocation, so a failing cell cannot loop.
+    attempted: Mutex<BTreeSet<String>>,
+    /// Finished cells whose weights are made again (`--retrain`).
+    retrain: BTreeSet<String>,
+    mp: MultiProgress,
+    overall: ProgressBar,
+    status: Option<StatusLines>,
+    threads_per_job: usize,
+    deadline: Option<std::time::Instant>,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl Pool<'_> {
+    /// Whether `--stop-after` has passed (then nothing more starts).
+    fn past_deadline(&self) -> bool {
+        let past = self
+            .deadline
+            .is_some_and(|d| std::time::Instant::now() >= d);
+        if past {
+            self.stopped.store(true, Ordering::SeqCst);
+        }
+        past
+    }
+
+    /// Whether this invocation starts an unfinished cell in state `s`: every one but those
+    /// that failed, unless `--retry-failed`.
+    fn will_run(&self, s: &Status) -> bool {
+        match s.state {
+            State::Done => false,
+            State::Failed => self.args.retry_failed,
+            State::Running => true,
+        }
+    }
+
+    /// The cells of `stage` among `chosen` still to run: never started, interrupted (a runner
+    /// died while it ran: resume), failed (with --retry-failed), or finished and retrained.
+    fn pending<'c>(&self, chosen: &[&'c Cell], stage: &str) -> Vec<&'c Cell> {
+        chosen
+            .iter()
+            .copied()
+            .filter(|c| c.stage == stage)
+            .filter(|c| !self.attempted.lock().unwrap().contains(&c.id))
+            .filter(|c| match read_status(&self.args.out.join(&c.id)) {
+                Some(s) if s.state == State::Done => self.retrain.contains(&c.id),
+                Some(s) => self.will_run(&s),
+                None => true,
+            })
+            .collect()
+    }
+
+    /// Runs every cell of `stage` to a final state with `workers` at a time: cells another
+    /// runner holds are waited for, and taken over if that runner dies before finishing them.
+    fn run_stage(&self, chosen: &[&Cell], stage: &str, workers: usize) {
+        loop {
+            let pending = self.pending(chosen, stage);
+            if pending.is_empty() || self.past_deadline() {
+                return;
+            }
+            let held = self.run_cells(&pending, workers);
+            if held.is_empty() {
+                return;
+            }
+            for dir in held {
+                // Blocks until the other runner releases the cell (or dies).
+                if let Ok(f) = std::fs::File::open(dir.join("lock")) {
+                    let _ = f.lock();
+                }
+            }
+        }
+    }
+
+    /// Runs `pending` with `workers` threads, each taking the next cell; returns the folders
+    /// of the cells another runner held.
+    fn run_cells(&self, pending: &[&Cell], workers: usize) -> Vec<PathBuf> {
+        let next = AtomicUsize::new(0);
+        let held_elsewhere = Mutex::new(Vec::<PathBuf>::new());
+        std::thread::scope(|s| {
+            for w in 0..workers.min(pending.len()) {
+                let (next, held_elsewhere) = (&next, &held_elsewhere);
+                s.spawn(move || loop {
+                    if self.past_deadline() {
+                        break;
+                    }
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let Some(cell) = pending.get(i) else { break };
+                    if let Some(dir) = self.run_one(cell, w) {
+                        held_elsewhere.lock().unwrap().push(dir);
+                    }
+                });
+            }
+        });
+        held_elsewhere.into_inner().unwrap()
+    }
+
+    /// Runs `cell` on worker `w`'s device and records how it ended; the cell's folder when
+    /// another runner holds it.
+    fn run_one(&self, cell: &Cell, w: usize) -> Option<PathBuf> {
+        let watch = Watch {
+            mp: &self.mp,
+            status: self.status.as_ref(),
+        };
+        let device = self.args.devices.get(w).copied();
+        let again = self.retrain.contains(&cell.id);
+        let result = run_cell(
+            cell,
+            self.args,
+            &self.exe,
+            device,
+            self.threads_per_job,
+            again,
+            &watch,
+        );
+        if !matches!(result, Ok(CellRun::HeldElsewhere)) {
+            self.attempted.lock().unwrap().insert(cell.id.clone());
+        }
+        let mut outcome = self.outcome.lock().unwrap();
+        match result {
+            Ok(CellRun::Done) => {
+                outcome.done += 1;
+                self.overall.inc(1);
+            }
+            Ok(CellRun::Failed(e)) => {
+                outcome.failed += 1;
+                self.overall.inc(1);
+                let _ = self
+                    .mp
+                    .println(format!("cell {} ({}) failed: {e}", cell.id, cell.label));
+            }
+            Ok(CellRun::HeldElsewhere) => return Some(self.args.out.join(&cell.id)),
+            Err(e) => {
+                outcome.failed += 1;
+                let _ = self.mp.println(format!("cell {}: {e:#}", cell.id));
+            }
+        }
+        None
+    }
+}
+
 /// Runs the cells of a grid that are not finished (or only cell `args.cell`).
 pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
     atomic::ensure_writable_dir(&args.out)?;
@@ -220,45 +385,11 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         serde_json::to_string_pretty(cells)?.as_bytes(),
     )?;
     ensure_data(grid, cells, &args.out, args.quiet)?;
-    let exe = std::env::current_exe().context("cannot locate the attnsweep binary")?;
-    let outcome = Mutex::new(Outcome::default());
-    // Each cell is attempted at most once per invocation, so a failing cell cannot loop.
-    let attempted = Mutex::new(BTreeSet::<String>::new());
+    let chosen = chosen(cells, args)?;
     let mp = if args.quiet {
         MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
     } else {
         MultiProgress::new()
-    };
-    let chosen: Vec<&Cell> = match args.cell {
-        Some(k) => {
-            let c = cells.get(k).with_context(|| {
-                format!(
-                    "--cell {k}: the grid has cells 0 ..= {}",
-                    cells.len().saturating_sub(1)
-                )
-            })?;
-            for dep in c.depends_on.iter().chain(&c.reads) {
-                let st = read_status(&args.out.join(dep));
-                ensure!(
-                    st.is_some_and(|s| s.state == State::Done),
-                    "--cell {k}: its dependency {dep} is not finished"
-                );
-            }
-            vec![c]
-        }
-        None => cells.iter().collect(),
-    };
-    // What this run starts of the unfinished cells: all but those that failed, unless
-    // --retry-failed (the stage loop's own rule).
-    let will_run = |s: &Status| match s.state {
-        State::Done => false,
-        State::Failed => args.retry_failed,
-        State::Running => true,
-    };
-    let retrain = if args.retrain {
-        to_retrain(&chosen, &args.out, will_run)
-    } else {
-        BTreeSet::new()
     };
     let status = (!args.quiet && !std::io::stderr().is_terminal()).then(|| {
         let mut ids: Vec<String> = chosen.iter().map(|c| c.id.clone()).collect();
@@ -276,120 +407,37 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         ProgressStyle::with_template("{bar:30} {pos}/{len} cells {msg}").expect("template"),
     );
     let workers = args.devices.len().max(args.jobs).max(1);
-    let threads_per_job =
-        (std::thread::available_parallelism().map_or(1, |n| n.get()) / workers).max(1);
-    let stages: Vec<&str> = {
-        let mut s: Vec<&str> = Vec::new();
-        for c in &chosen {
-            if !s.contains(&c.stage.as_str()) {
-                s.push(&c.stage);
-            }
-        }
-        s
+    let mut pool = Pool {
+        args,
+        exe: std::env::current_exe().context("cannot locate the attnsweep binary")?,
+        outcome: Mutex::new(Outcome::default()),
+        attempted: Mutex::new(BTreeSet::new()),
+        retrain: BTreeSet::new(),
+        mp,
+        overall,
+        status,
+        threads_per_job: (std::thread::available_parallelism().map_or(1, |n| n.get()) / workers)
+            .max(1),
+        deadline: args.stop_after.map(|d| std::time::Instant::now() + d),
+        stopped: std::sync::atomic::AtomicBool::new(false),
     };
-    let deadline = args.stop_after.map(|d| std::time::Instant::now() + d);
-    let past_deadline = || deadline.is_some_and(|d| std::time::Instant::now() >= d);
-    let stopped = std::sync::atomic::AtomicBool::new(false);
-    for stage in stages {
-        let exclusive = chosen.iter().any(|c| c.stage == stage && c.exclusive);
-        let workers = if exclusive { 1 } else { workers };
-        // Loop until every cell of the stage has a final state: cells another runner holds
-        // are waited for, and taken over if that runner dies before finishing them.
-        loop {
-            let pending: Vec<&Cell> = chosen
-                .iter()
-                .copied()
-                .filter(|c| c.stage == stage)
-                .filter(|c| !attempted.lock().unwrap().contains(&c.id))
-                .filter(|c| match read_status(&args.out.join(&c.id)) {
-                    Some(s) if s.state == State::Done => retrain.contains(&c.id),
-                    // Never started, interrupted (a runner died while it ran: resume), or
-                    // failed (with --retry-failed).
-                    Some(s) => will_run(&s),
-                    None => true,
-                })
-                .collect();
-            if pending.is_empty() {
-                break;
-            }
-            if past_deadline() {
-                stopped.store(true, Ordering::SeqCst);
-                break;
-            }
-            let next = AtomicUsize::new(0);
-            let held_elsewhere = Mutex::new(Vec::<PathBuf>::new());
-            std::thread::scope(|s| {
-                for w in 0..workers.min(pending.len()) {
-                    let (next, pending, held_elsewhere, outcome, overall, mp, exe, attempted) = (
-                        &next,
-                        &pending,
-                        &held_elsewhere,
-                        &outcome,
-                        &overall,
-                        &mp,
-                        &exe,
-                        &attempted,
-                    );
-                    let retrain = &retrain;
-                    let watch = Watch {
-                        mp,
-                        status: status.as_ref(),
-                    };
-                    let (past_deadline, stopped) = (&past_deadline, &stopped);
-                    s.spawn(move || loop {
-                        if past_deadline() {
-                            stopped.store(true, Ordering::SeqCst);
-                            break;
-                        }
-                        let i = next.fetch_add(1, Ordering::SeqCst);
-                        let Some(cell) = pending.get(i) else { break };
-                        let device = args.devices.get(w).copied();
-                        let again = retrain.contains(&cell.id);
-                        let result =
-                            run_cell(cell, args, exe, device, threads_per_job, again, &watch);
-                        if !matches!(result, Ok(CellRun::HeldElsewhere)) {
-                            attempted.lock().unwrap().insert(cell.id.clone());
-                        }
-                        match result {
-                            Ok(CellRun::Done) => {
-                                outcome.lock().unwrap().done += 1;
-                                overall.inc(1);
-                            }
-                            Ok(CellRun::Failed(e)) => {
-                                outcome.lock().unwrap().failed += 1;
-                                overall.inc(1);
-                                let _ = mp.println(format!(
-                                    "cell {} ({}) failed: {e}",
-                                    cell.id, cell.label
-                                ));
-                            }
-                            Ok(CellRun::HeldElsewhere) => {
-                                held_elsewhere.lock().unwrap().push(args.out.join(&cell.id))
-                            }
-                            Err(e) => {
-                                outcome.lock().unwrap().failed += 1;
-                                let _ = mp.println(format!("cell {}: {e:#}", cell.id));
-                            }
-                        }
-                    });
-                }
-            });
-            let held = held_elsewhere.into_inner().unwrap();
-            if held.is_empty() {
-                break;
-            }
-            for dir in held {
-                // Blocks until the other runner releases the cell (or dies).
-                if let Ok(f) = std::fs::File::open(dir.join("lock")) {
-                    let _ = f.lock();
-                }
-            }
+    if args.retrain {
+        pool.retrain = to_retrain(&chosen, &args.out, |s| pool.will_run(s));
+    }
+    let mut stages: Vec<&str> = Vec::new();
+    for c in &chosen {
+        if !stages.contains(&c.stage.as_str()) {
+            stages.push(&c.stage);
         }
     }
-    overall.finish_and_clear();
-    let mut o = outcome.into_inner().unwrap();
+    for stage in stages {
+        let exclusive = chosen.iter().any(|c| c.stage == stage && c.exclusive);
+        pool.run_stage(&chosen, stage, if exclusive { 1 } else { workers });
+    }
+    pool.overall.finish_and_clear();
+    let mut o = pool.outcome.into_inner().unwrap();
     o.skipped = chosen.len() - o.done - o.failed;
-    o.stopped = stopped.into_inner();
+    o.stopped = pool.stopped.into_inner();
     Ok(o)
 }
 

@@ -26,8 +26,9 @@
 use super::grid::StageKind;
 use super::pareto;
 use super::replicates;
-use super::rows::{name_of, rows, Row};
-use crate::config::{Method, Router};
+use super::rows::{rows, Row};
+use crate::config::{name_of, AttentionConfig, Method, Router};
+use crate::model::attention::{all_methods, Report, SettingColumn, Value, SHARED_COLUMNS};
 use crate::run::prune::PruneReport;
 use crate::run::report::{GateReport, Timing, HEAD_USAGE_COLUMNS};
 use crate::util::atomic;
@@ -36,19 +37,79 @@ use polars::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
-    let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
-    let n = |f: fn(&Row) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
-    let o = |f: fn(&Row) -> Option<f64>| rows.iter().map(f).collect::<Vec<Option<f64>>>();
-    // Retain % against full attention at the same total training budget: a full-attention
-    // train cell of the same model and data whose tokens equal the row's (the one continued
-    // from the same cell when there are several); none when the sweep has no such cell, rather
-    // than a reference trained for longer or shorter.
-    let reference: Vec<Option<&Row>> = rows
+/// Every setting column, in the summary's order: the shared ones, then every method's own
+/// written for every cell, then those written for their method's cells alone; each with the
+/// method that declares it (None: shared).
+fn all_setting_columns() -> Vec<(&'static SettingColumn, Option<Method>)> {
+    let own = |every: bool| {
+        all_methods().flat_map(move |s| {
+            s.columns
+                .iter()
+                .filter(move |c| c.every_cell == every)
+                .map(move |c| (c, Some(s.method)))
+        })
+    };
+    SHARED_COLUMNS
+        .iter()
+        .map(|c| (c, None))
+        .chain(own(true))
+        .chain(own(false))
+        .collect()
+}
+
+/// The setting columns a table of `rows` holds: those in every summary, and a method's others
+/// where a row is of its method.
+fn setting_columns(rows: &[&Row]) -> Vec<(&'static SettingColumn, Option<Method>)> {
+    all_setting_columns()
+        .into_iter()
+        .filter(|(c, owner)| c.in_every_summary || rows.iter().any(|r| Some(r.method) == *owner))
+        .collect()
+}
+
+/// One setting column over `rows`: a value for every row where the column is every cell's,
+/// else for its method's rows (numbers empty elsewhere, text "").
+fn setting_column(col: &SettingColumn, owner: Option<Method>, rows: &[&Row]) -> Column {
+    let values: Vec<Option<Value>> = rows
         .iter()
         .map(|r| {
+            (col.every_cell || Some(r.method) == owner).then(|| (col.value)(&r.grid_attention))
+        })
+        .collect();
+    // Its type is its value's, whatever rows hold one.
+    let text = matches!((col.value)(&AttentionConfig::default()), Value::Text(_));
+    match text {
+        true => Column::new(
+            col.name.into(),
+            values
+                .into_iter()
+                .map(|v| match v {
+                    Some(Value::Text(t)) => t,
+                    _ => String::new(),
+                })
+                .collect::<Vec<String>>(),
+        ),
+        false => Column::new(
+            col.name.into(),
+            values
+                .into_iter()
+                .map(|v| match v {
+                    Some(Value::Number(x)) => Some(x),
+                    _ => None,
+                })
+                .collect::<Vec<Option<f64>>>(),
+        ),
+    }
+}
+
+/// Retain % against full attention at the same total training budget: a full-attention
+/// train cell of the same model and data whose tokens equal the row's (the one continued
+/// from the same cell when there are several); none when the sweep has no such cell, rather
+/// than a reference trained for longer or shorter.
+fn retain_references(rows: &[Row]) -> Vec<Option<&Row>> {
+    rows.iter()
+        .map(|r| {
             let same = |x: &&Row| {
-                x.method == Method::Full
+                x.is_reference()
                     && x.kind == StageKind::Train
                     && x.model_key == r.model_key
                     && x.budget_tokens == r.budget_tokens
@@ -59,7 +120,14 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
                 .find(|x| x.source == r.source)
                 .or_else(|| rows.iter().find(same))
         })
-        .collect();
+        .collect()
+}
+
+fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
+    let s = |f: fn(&Row) -> String| rows.iter().map(f).collect::<Vec<String>>();
+    let n = |f: fn(&Row) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
+    let o = |f: fn(&Row) -> Option<f64>| rows.iter().map(f).collect::<Vec<Option<f64>>>();
+    let reference = retain_references(rows);
     let retain: Vec<Option<f64>> = rows
         .iter()
         .zip(&reference)
@@ -79,6 +147,11 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
             .map(|r| r.gates().and_then(f))
             .collect::<Vec<Option<f64>>>()
     };
+    let all: Vec<&Row> = rows.iter().collect();
+    let settings: Vec<Column> = setting_columns(&all)
+        .into_iter()
+        .map(|(c, owner)| setting_column(c, owner, &all))
+        .collect();
     Ok(df!(
         "cell" => s(|r| r.cell.clone()),
         "stage" => s(|r| r.stage.clone()),
@@ -91,39 +164,38 @@ fn summary_frame(rows: &[Row]) -> Result<DataFrame> {
             Router::Learned => "learned".into(),
         }),
         "variant" => s(|r| r.variant.clone()),
-        "setting" => s(|r| r.setting.clone()),
-        "window" => n(|r| r.window),
-        "lambda" => n(|r| r.lambda),
-        "tau" => n(|r| r.tau),
-        "ppa_power" => n(|r| r.ppa_power),
-        "top_k" => n(|r| r.top_k),
-        "swiattn_alpha" => o(|r| r.swiattn_alpha),
-        "swiattn_disagreement" => s(|r| r.swiattn_disagreement.map(name_of).unwrap_or_default()),
-        "budget_tokens" => n(|r| r.budget_tokens),
-        "tokens_per_s" => o(|r| r.tokens_per_s),
-        "eval_seq_len" => n(|r| r.report.seq_len as f64),
-        "loss" => n(|r| r.report.loss),
-        "perplexity" => n(|r| r.report.perplexity),
-        "retain_pct" => retain,
-        "retain_ref" => retain_ref,
-        "pairs_vs_full" => n(|r| r.report.attention.pairs_vs_full),
-        "attention_flops" => n(|r| r.report.attention.flops),
-        "kv_cache_bytes" => n(|r| r.report.kv_cache_bytes_total),
-        "mu_f" => o(|r| r.mu_f()),
-        "censored_heads" => gates(|g| Some(g.censored_heads as f64)),
-        "gate_precision" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.precision)),
-        "gate_recall" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.recall)),
-        // The honest baselines of the two above: chance (gates opened at random) and the
-        // rule "open at the key after ASK" (`NeedReport::ask_rule`).
-        "chance_precision" => gates(|g| g.need.as_ref().map(|n| n.needing as f64 / n.positions.max(1) as f64)),
-        "ask_rule_precision" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.precision)),
-        "ask_rule_recall" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.recall)),
-        "far_loss" => o(|r| r.far().map(|f| f.0)),
-        "far_accuracy" => o(|r| r.far().and_then(|f| f.1)),
-        "threshold" => prune(|p| p.threshold),
-        "pruned_layers" => prune(|p| p.pruned_layers.len() as f64),
-        "kv_cache_bytes_before" => prune(|p| p.kv_cache_bytes_before),
-        "loss_before" => prune(|p| p.loss_before),
+        "setting" => s(|r| r.head_budget.clone()),
+    )?
+    .hstack(&settings)?
+    .hstack(
+        df!(
+            "budget_tokens" => n(|r| r.budget_tokens),
+            "tokens_per_s" => o(|r| r.tokens_per_s),
+            "eval_seq_len" => n(|r| r.report.seq_len as f64),
+            "loss" => n(|r| r.report.loss),
+            "perplexity" => n(|r| r.report.perplexity),
+            "retain_pct" => retain,
+            "retain_ref" => retain_ref,
+            "pairs_vs_full" => n(|r| r.report.attention.pairs_vs_full),
+            "attention_flops" => n(|r| r.report.attention.flops),
+            "kv_cache_bytes" => n(|r| r.report.kv_cache_bytes_total),
+            "mu_f" => o(|r| r.mu_f()),
+            "censored_heads" => gates(|g| Some(g.censored_heads as f64)),
+            "gate_precision" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.precision)),
+            "gate_recall" => gates(|g| g.need.as_ref().and_then(|n| n.all_gates.recall)),
+            // The honest baselines of the two above: chance (gates opened at random) and the
+            // rule "open at the key after ASK" (`NeedReport::ask_rule`).
+            "chance_precision" => gates(|g| g.need.as_ref().map(|n| n.needing as f64 / n.positions.max(1) as f64)),
+            "ask_rule_precision" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.precision)),
+            "ask_rule_recall" => gates(|g| g.need.as_ref().and_then(|n| n.ask_rule.recall)),
+            "far_loss" => o(|r| r.far().map(|f| f.0)),
+            "far_accuracy" => o(|r| r.far().and_then(|f| f.1)),
+            "threshold" => prune(|p| p.threshold),
+            "pruned_layers" => prune(|p| p.pruned_layers.len() as f64),
+            "kv_cache_bytes_before" => prune(|p| p.kv_cache_bytes_before),
+            "loss_before" => prune(|p| p.loss_before),
+        )?
+        .columns(),
     )?
     .hstack(&source_columns(rows))?
     .hstack(&position_columns(rows))?
@@ -184,26 +256,19 @@ fn task_columns(rows: &[Row]) -> Vec<Column> {
     keyed_columns(rows, |r| r.tasks.clone(), String::clone)
 }
 
-/// Every numeric metric of every cell as (cell, stage, method, label, metric, value).
+/// Every numeric metric of every cell as (cell, stage, method, label, metric, value): the
+/// summary's numbers but its settings and the cells' budgets and lengths.
 fn tidy_frame(summary: &DataFrame) -> Result<DataFrame> {
     let ids = ["cell", "stage", "kind", "method", "label"];
+    let settings: Vec<&str> = all_setting_columns()
+        .iter()
+        .map(|(c, _)| c.name)
+        .chain(["budget_tokens", "eval_seq_len"])
+        .collect();
     let metrics: Vec<String> = summary
         .columns()
         .iter()
-        .filter(|c| {
-            c.dtype() == &DataType::Float64
-                && ![
-                    "window",
-                    "lambda",
-                    "tau",
-                    "ppa_power",
-                    "top_k",
-                    "swiattn_alpha",
-                    "budget_tokens",
-                    "eval_seq_len",
-                ]
-                .contains(&c.name().as_str())
-        })
+        .filter(|c| c.dtype() == &DataType::Float64 && !settings.contains(&c.name().as_str()))
         .map(|c| c.name().to_string())
         .collect();
     let mut cols: Vec<Vec<String>> = vec![Vec::new(); ids.len() + 1];
@@ -237,215 +302,6 @@ fn write_csv(df: &mut DataFrame, path: &Path) -> Result<()> {
     })
 }
 
-/// One paper table: the summary's rows that `filter` keeps, the `columns` named, sorted.
-struct TableSpec {
-    file: &'static str,
-    filter: fn(&Row) -> bool,
-    /// Written only when some kept row also matches this (the table's subject is present).
-    require: fn(&Row) -> bool,
-    columns: &'static [&'static str],
-    sort: &'static [&'static str],
-}
-
-/// A train cell of a learned AHA model (AHA Tables 1/2 and 4).
-fn learned_aha_train(r: &Row) -> bool {
-    r.method == Method::Aha && r.kind == StageKind::Train && r.router == Router::Learned
-}
-
-/// AHA's tables (1/2, 4 and 5).
-fn aha_tables() -> [TableSpec; 3] {
-    [
-        TableSpec {
-            file: "aha_windows.csv",
-            require: |r| r.method == Method::Aha,
-            filter: learned_aha_train,
-            columns: &[
-                "window",
-                "lambda",
-                "loss",
-                "perplexity",
-                "retain_pct",
-                "retain_ref",
-                "mu_f",
-                "pairs_vs_full",
-                "gate_precision",
-                "gate_recall",
-                "chance_precision",
-                "ask_rule_precision",
-                "ask_rule_recall",
-                "cell",
-            ],
-            sort: &["lambda", "window"],
-        },
-        TableSpec {
-            file: "aha_lambda.csv",
-            require: |r| r.method == Method::Aha,
-            filter: learned_aha_train,
-            columns: &[
-                "lambda",
-                "window",
-                "loss",
-                "perplexity",
-                "retain_pct",
-                "retain_ref",
-                "mu_f",
-                "cell",
-            ],
-            sort: &["window", "lambda"],
-        },
-        TableSpec {
-            file: "aha_static_heads.csv",
-            require: |r| r.method == Method::StaticHeads,
-            filter: |r| {
-                matches!(r.method, Method::StaticHeads | Method::Aha | Method::Swa)
-                    && r.kind == StageKind::Train
-            },
-            columns: &[
-                "setting",
-                "method",
-                "top_k",
-                "window",
-                "mu_f",
-                "loss",
-                "perplexity",
-                "retain_pct",
-                "retain_ref",
-                "cell",
-            ],
-            sort: &["method", "mu_f"],
-        },
-    ]
-}
-
-/// L2A's threshold sweep (Fig. 13) and pruning (Fig. 9).
-fn l2a_tables() -> [TableSpec; 2] {
-    [
-        TableSpec {
-            file: "l2a_threshold.csv",
-            require: |r| r.kind == StageKind::Eval,
-            filter: |r| r.method == Method::L2a && r.kind != StageKind::Prune,
-            columns: &[
-                "tau",
-                "window",
-                "kind",
-                "loss",
-                "perplexity",
-                "mu_f",
-                "pairs_vs_full",
-                "attention_flops",
-                "cell",
-            ],
-            sort: &["window", "tau"],
-        },
-        TableSpec {
-            file: "l2a_pruning.csv",
-            require: |r| r.kind == StageKind::Prune,
-            filter: |r| r.kind == StageKind::Prune,
-            columns: &[
-                "threshold",
-                "pruned_layers",
-                "kv_cache_bytes_before",
-                "kv_cache_bytes",
-                "loss_before",
-                "loss",
-                "label",
-                "cell",
-            ],
-            sort: &["label", "threshold"],
-        },
-    ]
-}
-
-/// SwiAttn's baselines (Tables 1-3) and ablations (Table 4).
-fn swiattn_tables() -> [TableSpec; 2] {
-    [
-        TableSpec {
-            file: "swiattn_baselines.csv",
-            require: |r| r.method != Method::Full,
-            filter: |r| {
-                matches!(
-                    r.method,
-                    Method::Full | Method::Swa | Method::StaticHybrid | Method::Swiattn
-                )
-            },
-            columns: &[
-                "baseline",
-                "method",
-                "source_method",
-                "window",
-                "swiattn_alpha",
-                "swiattn_disagreement",
-                "loss",
-                "perplexity",
-                "pairs_vs_full",
-                "mu_f",
-                "cell",
-            ],
-            sort: &["baseline"],
-        },
-        TableSpec {
-            file: "swiattn_ablations.csv",
-            require: |r| r.method == Method::Swiattn,
-            filter: |r| r.method == Method::Swiattn && r.kind == StageKind::Train,
-            columns: &[
-                "variant",
-                "swiattn_alpha",
-                "swiattn_disagreement",
-                "window",
-                "loss",
-                "perplexity",
-                "mu_f",
-                "pairs_vs_full",
-                "cell",
-            ],
-            sort: &["variant"],
-        },
-    ]
-}
-
-/// PPA's Table 1.
-fn ppa_table() -> TableSpec {
-    TableSpec {
-        file: "ppa.csv",
-        require: |r| r.method == Method::Ppa,
-        filter: |r| r.method == Method::Ppa,
-        columns: &[
-            "ppa_power",
-            "window",
-            "loss",
-            "perplexity",
-            "far_loss",
-            "far_accuracy",
-            "pairs_vs_full",
-            "tokens_per_s",
-            "cell",
-        ],
-        sort: &["window", "ppa_power"],
-    }
-}
-
-fn paper_tables() -> Vec<TableSpec> {
-    let mut all: Vec<TableSpec> = aha_tables().into();
-    all.extend(l2a_tables());
-    all.extend(swiattn_tables());
-    all.push(ppa_table());
-    all
-}
-
-/// SwiAttn's baseline names: SWA-ZS is a full model evaluated with a window, SWA-CPT a
-/// window model continued from a full one.
-fn baseline(r: &Row) -> &'static str {
-    let from_full = r.source_method == Some(Method::Full);
-    match r.method {
-        Method::Swa if from_full && r.kind == StageKind::Eval => "SWA-ZS",
-        Method::Swa if from_full => "SWA-CPT",
-        Method::Swa => "SWA",
-        Method::StaticHybrid => "StaticHybrid",
-        Method::Full => "FullAttn",
-        _ => "SwiAttn",
-    }
-}
-
 /// The rows of `summary` (one per row of `rows`) where `keep` holds.
 fn filtered(summary: &DataFrame, rows: &[Row], keep: impl Fn(&Row) -> bool) -> Result<DataFrame> {
     let mask: BooleanChunked = rows.iter().map(|r| keep(r)).collect();
@@ -467,34 +323,52 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         write_csv(df, &out.join(name))?;
         written.push(out.join(name));
     }
-    written.extend(write_replicates(&tidy, out)?);
-    let baselines: Vec<&str> = rows.iter().map(baseline).collect();
+    written.extend(write_replicates(&rows, &tidy, out)?);
+    // The tables that set methods beside their baselines name each row so.
+    let baselines: Vec<&str> = rows
+        .iter()
+        .map(|r| r.table_cell().baseline.unwrap_or_default())
+        .collect();
     let mut with_baseline = summary.clone();
     with_baseline.with_column(Column::new("baseline".into(), baselines))?;
-    for t in paper_tables() {
-        // A table the sweep no longer fills must not linger from an earlier run.
-        let stale = out.join(t.file);
-        if !rows.iter().any(|r| (t.filter)(r) && (t.require)(r)) {
-            if stale.exists() {
-                std::fs::remove_file(&stale)?;
+    for s in all_methods() {
+        for report in s.reports {
+            match report {
+                Report::Table(t) => {
+                    let holds = |r: &Row| (t.holds)(&r.table_cell());
+                    // A table the sweep no longer fills must not linger from an earlier run.
+                    let subject = rows
+                        .iter()
+                        .any(|r| holds(r) && (t.subject)(&r.table_cell()));
+                    let df = match subject {
+                        true => Some(
+                            filtered(&with_baseline, &rows, holds)?
+                                .select(t.columns.iter().copied())?
+                                .sort(t.sort.iter().copied(), SortMultipleOptions::default())?,
+                        ),
+                        false => None,
+                    };
+                    write_or_remove(&out.join(t.file), df, &mut written)?;
+                }
+                Report::HeadGaps { file } => {
+                    let of: Vec<&Row> = rows
+                        .iter()
+                        .filter(|r| r.method == s.method && r.kind != StageKind::Prune)
+                        .collect();
+                    write_or_remove(&out.join(file), gap_table(&of)?, &mut written)?;
+                }
+                _ => {}
             }
-            continue;
         }
-        let mut df = filtered(&with_baseline, &rows, t.filter)?
-            .select(t.columns.iter().copied())?
-            .sort(t.sort.iter().copied(), SortMultipleOptions::default())?;
-        write_csv(&mut df, &out.join(t.file))?;
-        written.push(out.join(t.file));
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
-    write_or_remove(&out.join("aha_gaps.csv"), gap_table(&rows)?, &mut written)?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
     Ok(written)
 }
 
 /// `replicates.csv`, `replicate_differences.csv` and `stage_differences.csv` from the tidy
-/// table's values.
-fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
+/// table's values, each with its cell's setting (its label without the seed, from its row).
+fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
     let text = |c: &str| -> Result<Vec<&str>> {
         Ok(tidy
             .column(c)?
@@ -503,11 +377,15 @@ fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
             .map(|v| v.unwrap_or(""))
             .collect())
     };
-    let (stage, kind, method, label, metric) = (
+    let settings: BTreeMap<&str, String> = rows
+        .iter()
+        .map(|r| (r.cell.as_str(), r.setting_text()))
+        .collect();
+    let (cell, stage, kind, method, metric) = (
+        text("cell")?,
         text("stage")?,
         text("kind")?,
         text("method")?,
-        text("label")?,
         text("metric")?,
     );
     let value: Vec<f64> = tidy.column("value")?.f64()?.into_no_null_iter().collect();
@@ -516,7 +394,7 @@ fn write_replicates(tidy: &DataFrame, out: &Path) -> Result<Vec<PathBuf>> {
             stage: stage[i],
             kind: kind[i],
             method: method[i],
-            label: label[i],
+            setting: settings.get(cell[i]).map_or("", String::as_str),
             metric: metric[i],
             value: value[i],
         })
@@ -546,8 +424,9 @@ pub(crate) fn timed_alone(rows: &[Row]) -> Vec<(&Row, &Timing)> {
 }
 
 /// L2A Figs. 14-15: prefill time and decoding speed by length, one row per timed cell that
-/// ran alone; `prefill_speedup` is full attention's prefill time at the same length and
-/// batch over the row's (none without a full-attention row there).
+/// ran alone, with the method's settings that change what its time measures (PPA's power);
+/// `prefill_speedup` is full attention's prefill time at the same length and batch over the
+/// row's (none without a full-attention row there).
 fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let timed = timed_alone(rows);
     if timed.is_empty() {
@@ -556,51 +435,69 @@ fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
     let full_prefill = |t: &Timing| {
         timed
             .iter()
-            .find(|(r, f)| r.method == Method::Full && f.seq_len == t.seq_len && f.batch == t.batch)
+            .find(|(r, f)| r.is_reference() && f.seq_len == t.seq_len && f.batch == t.batch)
             .map(|(_, f)| f.prefill_ms)
     };
     let n = |f: fn(&Timing) -> f64| timed.iter().map(|(_, t)| f(t)).collect::<Vec<f64>>();
+    let timed_rows: Vec<&Row> = timed.iter().map(|(r, _)| *r).collect();
+    let settings: Vec<(&SettingColumn, Option<Method>)> = setting_columns(&timed_rows)
+        .into_iter()
+        .filter(|(c, _)| c.timed)
+        .collect();
+    let own: Vec<Column> = settings
+        .iter()
+        .map(|&(c, owner)| {
+            let mine = SettingColumn {
+                every_cell: false,
+                ..*c
+            };
+            setting_column(&mine, owner, &timed_rows)
+        })
+        .collect();
     let mut df = df!(
         "stage" => timed.iter().map(|(r, _)| r.stage.clone()).collect::<Vec<_>>(),
         "method" => timed.iter().map(|(r, _)| name_of(r.method)).collect::<Vec<_>>(),
         "window" => timed.iter().map(|(r, _)| r.window).collect::<Vec<_>>(),
-        // PPA's rows differ by p alone (PPA's attention time against p).
-        "ppa_power" => timed.iter().map(|(r, _)| (r.method == Method::Ppa).then_some(r.ppa_power)).collect::<Vec<_>>(),
-        "mu_f" => timed.iter().map(|(r, _)| r.mu_f()).collect::<Vec<_>>(),
-        "seq_len" => n(|t| t.seq_len as f64),
-        "batch" => n(|t| t.batch as f64),
-        "prefill_ms" => n(|t| t.prefill_ms),
-        "prefill_speedup" => timed.iter().map(|(_, t)| full_prefill(t).map(|f| f / t.prefill_ms)).collect::<Vec<_>>(),
-        "forward_ms" => n(|t| t.forward_ms),
-        "attention_ms" => n(|t| t.attention_ms),
-        "decode_tokens_per_s" => n(|t| t.decode_tokens_per_s),
-        "decode_cache_mb" => n(|t| t.decode_cache_bytes / 1e6),
-        "device" => timed.iter().map(|(_, t)| t.device.clone()).collect::<Vec<_>>(),
-        "label" => timed.iter().map(|(r, _)| r.label.clone()).collect::<Vec<_>>(),
-        "cell" => timed.iter().map(|(r, _)| r.cell.clone()).collect::<Vec<_>>(),
+    )?
+    .hstack(&own)?
+    .hstack(
+        df!(
+            "mu_f" => timed.iter().map(|(r, _)| r.mu_f()).collect::<Vec<_>>(),
+            "seq_len" => n(|t| t.seq_len as f64),
+            "batch" => n(|t| t.batch as f64),
+            "prefill_ms" => n(|t| t.prefill_ms),
+            "prefill_speedup" => timed.iter().map(|(_, t)| full_prefill(t).map(|f| f / t.prefill_ms)).collect::<Vec<_>>(),
+            "forward_ms" => n(|t| t.forward_ms),
+            "attention_ms" => n(|t| t.attention_ms),
+            "decode_tokens_per_s" => n(|t| t.decode_tokens_per_s),
+            "decode_cache_mb" => n(|t| t.decode_cache_bytes / 1e6),
+            "device" => timed.iter().map(|(_, t)| t.device.clone()).collect::<Vec<_>>(),
+            "label" => timed.iter().map(|(r, _)| r.label.clone()).collect::<Vec<_>>(),
+            "cell" => timed.iter().map(|(r, _)| r.cell.clone()).collect::<Vec<_>>(),
+        )?
+        .columns(),
     )?;
-    df = df.sort(
-        ["stage", "window", "ppa_power", "seq_len"],
-        SortMultipleOptions::default(),
-    )?;
+    let sort: Vec<&str> = ["stage", "window"]
+        .into_iter()
+        .chain(settings.iter().map(|(c, _)| c.name))
+        .chain(["seq_len"])
+        .collect();
+    df = df.sort(sort, SortMultipleOptions::default())?;
     Ok(Some(df))
 }
 
-/// AHA Table 3: every head of every AHA cell, trained or re-evaluated (an eval stage at a
-/// longer `eval.seq_len` is how gaps longer than the training context are measured), with its
-/// usage and the distribution of its gaps between full-path calls (`report::GapStats`), heads by
-/// usage within a cell. None when the sweep has no AHA cell.
-fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
+/// AHA Table 3: every head of the cells of a method that reports it, trained or re-evaluated
+/// (an eval stage at a longer `eval.seq_len` is how gaps longer than the training context are
+/// measured), with its usage and the distribution of its gaps between full-path calls
+/// (`report::GapStats`), heads by usage within a cell. None when there is no such cell.
+fn gap_table(rows: &[&Row]) -> Result<Option<DataFrame>> {
     let mut cols: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     let mut cells: Vec<String> = Vec::new();
     let names: Vec<&str> = ["window", "lambda", "eval_seq_len"]
         .into_iter()
         .chain(HEAD_USAGE_COLUMNS)
         .collect();
-    for r in rows
-        .iter()
-        .filter(|r| r.method == Method::Aha && r.kind != StageKind::Prune)
-    {
+    for r in rows {
         let Some(g) = r.gates() else { continue };
         let mut heads: Vec<(f64, usize, usize)> = g
             .per_head
@@ -613,7 +510,7 @@ fn gap_table(rows: &[Row]) -> Result<Option<DataFrame>> {
             cells.push(r.cell.clone());
             let settings = [
                 Some(r.window),
-                Some(r.lambda),
+                Some(r.grid_attention.lambda),
                 Some(r.report.seq_len as f64),
             ];
             let values = settings.into_iter().chain(g.head_row(l, h));
@@ -772,6 +669,49 @@ pub(super) mod tests {
         std::fs::write(&path, cells.to_string()).unwrap();
         write_all(&dir, &dir).unwrap();
         assert_eq!(csv(&dir.join("timing.csv")).len(), 4);
+    }
+
+    /// Attention sinks, a method beyond the papers, reach the tables through their spec alone:
+    /// their setting's column in the summary (only in a sweep that ran them), their rows
+    /// beside SWA's in the baseline table (zero-shot and continued), their family in the
+    /// Pareto table.
+    #[test]
+    fn sinks_join_the_summary_the_baselines_and_the_pareto_table() {
+        let plain = sweep_dir("no-sinks");
+        write_all(&plain, &plain).unwrap();
+        assert!(!csv(&plain.join("summary.csv"))[0].contains(&"sink_tokens".to_string()));
+        let dir = crate::sweep::fixture::sweep_dir_with_sinks("sinks");
+        write_all(&dir, &dir).unwrap();
+        let summary = csv(&dir.join("summary.csv"));
+        let col = |t: &[Vec<String>], name: &str| t[0].iter().position(|c| c == name).unwrap();
+        let row = |t: &[Vec<String>], cell: &str| {
+            t.iter()
+                .find(|r| r[col(t, "cell")] == cell)
+                .unwrap()
+                .clone()
+        };
+        let sinks = col(&summary, "sink_tokens");
+        assert_eq!(row(&summary, "sinks-0")[sinks], "4.0");
+        assert_eq!(row(&summary, "swa-0")[sinks], "");
+        // The columns of the papers' methods stand where they stood, the new one after them.
+        assert_eq!(sinks, col(&summary, "swiattn_disagreement") + 1);
+        let b = csv(&dir.join("swiattn_baselines.csv"));
+        let named = |cell: &str| row(&b, cell)[col(&b, "baseline")].clone();
+        assert_eq!(
+            [
+                named("sinks-0"),
+                named("sinkzs-0"),
+                named("swa-0"),
+                named("zs-0")
+            ],
+            ["Sinks-CPT", "Sinks-ZS", "SWA-CPT", "SWA-ZS"]
+        );
+        let p = csv(&dir.join("pareto.csv"));
+        let sinks_row = row(&p, "sinks-0");
+        assert_eq!(sinks_row[col(&p, "family")], "Sinks");
+        assert_eq!(sinks_row[col(&p, "name")], "Sinks w64 sinks 4");
+        let _ = std::fs::remove_dir_all(&plain);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

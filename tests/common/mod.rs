@@ -1,12 +1,77 @@
 //! Helpers shared by the integration tests (each test file is its own crate and uses some).
 #![allow(dead_code)]
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 /// The binary under test.
 pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_attnsweep"))
+}
+
+/// One command line of the binary, built in order from words (`"train -q"`, split at
+/// whitespace), flags with a path or another value, `--set` overrides and bare arguments, then
+/// run expecting success (`ok`), failure (`fails`) or either (`run`).
+pub struct Cli(Vec<OsString>);
+
+/// The command line starting with `words`.
+pub fn cli(words: &str) -> Cli {
+    Cli(Vec::new()).words(words)
+}
+
+impl Cli {
+    /// More words, split at whitespace.
+    pub fn words(mut self, words: &str) -> Self {
+        self.0.extend(words.split_whitespace().map(OsString::from));
+        self
+    }
+
+    /// `flag value`, the value taken as the OS holds it (a path need not be UTF-8).
+    pub fn flag(mut self, flag: &str, value: impl AsRef<OsStr>) -> Self {
+        self.0.push(flag.into());
+        self.0.push(value.as_ref().to_os_string());
+        self
+    }
+
+    /// `--set key=value` for each setting.
+    pub fn set<S: AsRef<str>>(mut self, settings: impl IntoIterator<Item = S>) -> Self {
+        for s in settings {
+            self.0.push("--set".into());
+            self.0.push(s.as_ref().into());
+        }
+        self
+    }
+
+    /// One argument as it is (a value with spaces, a path).
+    pub fn arg(mut self, a: impl AsRef<OsStr>) -> Self {
+        self.0.push(a.as_ref().to_os_string());
+        self
+    }
+
+    /// Runs it, whatever it returns.
+    pub fn run(&self) -> Output {
+        bin().args(&self.0).output().expect("the binary runs")
+    }
+
+    /// Runs it; it must succeed.
+    pub fn ok(&self) -> Output {
+        let o = self.run();
+        assert!(
+            o.status.success(),
+            "{:?} failed:\n{}",
+            self.0,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        o
+    }
+
+    /// Runs it; it must fail. Returns its stderr.
+    pub fn fails(&self) -> String {
+        let o = self.run();
+        assert!(!o.status.success(), "{:?} unexpectedly succeeded", self.0);
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    }
 }
 
 /// An empty directory of this test process: `suite` names the test file, `name` the test.

@@ -1,16 +1,14 @@
 //! What every method builds on: the base projections, one forward's chunk, how a call runs
-//! (`Base::exec`: kernels, the reference path, or decoding over a cache), the `Route` a method
-//! implements for its part of the layer, and the `MethodSpec` that states a method's facts once
-//! beside its maths.
+//! (`Base::exec`: kernels, the reference path, or decoding over a cache), and the `Route` a
+//! method implements for its part of the layer (its facts are its `MethodSpec`, `spec.rs`).
 
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
 use super::gates::GateSource;
-use super::patterns::{KeyPattern, MaskCache};
-use crate::config::{AttentionConfig, Method, ModelConfig, NormPlacement, QkNorm, Router};
+use super::patterns::{Keep, KeyPattern, MaskCache};
+use crate::config::{AttentionConfig, ModelConfig, NormPlacement, QkNorm, Router};
 use crate::model::kernels::{kernel_for, Kernels};
 use crate::model::nn::{Linear, RmsNorm, Rope};
-use anyhow::Result;
 use tch::{nn, Tensor};
 
 /// A layer's regulariser before it is averaged over layers.
@@ -187,20 +185,15 @@ pub(super) trait Route {
     /// The layer's output for the chunk `c`.
     fn forward(&self, layer: &Base, c: &Chunk, ctx: &ForwardCtx) -> AttnOutput;
 
-    /// Bytes of the key-value cache decoding keeps for `len` tokens, where one position of
-    /// the base attention takes `per_position` bytes and a value `elt`.
-    fn kv_cache_bytes(&self, layer: &Base, len: usize, per_position: f64, elt: usize) -> f64;
+    /// Which keys each slot of its decoding cache keeps for the queries still to come (slot
+    /// 0 the base attention's keys; a module of its own, as L2A's global one, adds slot 1):
+    /// what the cache holds and its reported bytes.
+    fn keeps(&self, layer: &Base) -> Vec<Keep>;
 
     /// Parameters the method adds that start as copies of base parameters, as `(new, base)`
     /// names below the layer's `model.layers.N.`.
     fn derived_params(&self) -> Vec<(String, String)> {
         Vec::new()
-    }
-
-    /// How far back the base attention's queries ever look, when that is a window (a decoding
-    /// cache keeps only it); None when a query may read the whole prefix.
-    fn window_only(&self, _layer: &Base) -> Option<usize> {
-        None
     }
 }
 
@@ -270,8 +263,6 @@ pub(super) enum Exec<'a> {
     Decode,
 }
 
-pub(super) const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
-
 impl Base {
     /// Where this call runs: see `Exec`.
     pub(crate) fn exec<'a>(&self, keys: &Keys<'a>) -> Exec<'a> {
@@ -282,8 +273,8 @@ impl Base {
         }
     }
 
-    /// `pattern` for every query of the chunk: windows and PPA go to the kernels where they
-    /// run (`exec`).
+    /// `pattern` for every query of the chunk: the patterns with kernels of their own
+    /// (`KeyPattern::on_kernels`) go to them where they run (`exec`).
     pub(crate) fn attend_all(
         &self,
         q: &Tensor,
@@ -293,113 +284,17 @@ impl Base {
         keys: &Keys,
         slot: usize,
     ) -> Tensor {
-        match (self.exec(keys), pattern) {
-            (Exec::Kernels(kern, _), KeyPattern::Window(w)) => kern
-                .list_attention(q, k, v, None, w as i64)
-                .expect(KERNEL_FAILED),
-            (Exec::Kernels(kern, masks), KeyPattern::Ppa { window, .. }) => {
-                match masks.ppa_offsets(pattern) {
-                    None => kern.list_attention(q, k, v, None, window as i64),
-                    Some(offsets) => kern.ppa_attention(q, k, v, window as i64, &offsets),
-                }
-                .expect(KERNEL_FAILED)
-            }
+        let on_kernels = match (self.exec(keys), self.kernels) {
+            (Exec::Kernels(kern, masks), _) => pattern.on_kernels(kern, masks, q, k, v),
             // A prefill into an empty cache attends over the chunk alone, as a forward does:
             // the kernels take it (the cached path builds a window's mask; at 32K that was
             // 12-19x the forward's time).
-            (Exec::Decode, KeyPattern::Window(_) | KeyPattern::Ppa { .. })
-                if self.kernels.is_some() && keys.prefill_only(slot, q.size()[2]) =>
-            {
+            (Exec::Decode, Some(kern)) if keys.prefill_only(slot, q.size()[2]) => {
                 let masks = MaskCache::new(q.size()[2] as usize, q.device());
-                self.attend_all(q, k, v, pattern, &Keys::Chunk(&masks), slot)
+                pattern.on_kernels(kern, &masks, q, k, v)
             }
-            _ => keys.attend(slot, q, k, v, pattern),
-        }
+            _ => None,
+        };
+        on_kernels.unwrap_or_else(|| keys.attend(slot, q, k, v, pattern))
     }
 }
-
-/// Where a method's gates sit: none (a fixed pattern), one per (token, head), or one per token
-/// shared by its heads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Gates {
-    None,
-    PerHead,
-    PerToken,
-}
-
-/// A method's facts, stated once beside its maths; the registry (`methods/mod.rs`) lists every
-/// method's, and memory estimates, tables, figures, training and the benches read them there.
-pub(crate) struct MethodSpec {
-    pub(crate) method: Method,
-    /// How tables, figures and the CLI name it ("AHA").
-    pub(crate) label: &'static str,
-    /// Where its gates sit.
-    pub(crate) gates: Gates,
-    /// Whether it reads `attention.window` (every method but full attention).
-    pub(crate) windowed: bool,
-    /// Whether its reference path builds a dense `[L, L]` mask per pattern (every method but
-    /// full attention, which runs the fused causal kernel).
-    pub(crate) dense_mask: bool,
-    /// Builds its part of one layer.
-    pub(super) build: fn(&Build) -> Box<dyn Route>,
-    /// Parameters it adds to one layer's attention (routers are negligible and not counted).
-    pub(crate) extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
-    /// What it reads from files before the model is built: a fixed `[layer][head]` assignment
-    /// (true: always full), None for methods that read none.
-    pub(crate) fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<Vec<Vec<bool>>>>,
-    /// Probability per training step that every token runs its global path (L2A's `p_force`).
-    pub(crate) force_global: fn(&AttentionConfig) -> f64,
-    /// Its own settings, shown beside its window where figures name a cell (`λ 0.0003`), given
-    /// the attention it ran with, the model's heads and the usage measured (None: not routed).
-    pub(crate) describe: fn(&AttentionConfig, usize, Option<f64>) -> Vec<String>,
-    /// Its configuration's name in its paper's ablation table ("" where it has none).
-    pub(crate) variant: fn(&AttentionConfig) -> String,
-    /// The variants `bench train` times (`--methods`), each with its training setup.
-    pub(crate) bench: &'static [BenchVariant],
-}
-
-/// One variant of a method in `bench train`.
-pub(crate) struct BenchVariant {
-    pub(crate) name: &'static str,
-    /// The training bench's settings beside the method: the usage its gates open at and the
-    /// share of window pairs whose full path is computed for the router.
-    pub(crate) setup: fn(&mut AttentionConfig, &BenchKnobs),
-    /// Its learned router is set to open at `BenchKnobs::full_usage` before timing.
-    pub(crate) calibrate_router: bool,
-    /// The PyTorch peer (`kernels/train_peer.py`) implements it under this name.
-    pub(crate) peer: Option<&'static str>,
-    /// What it computes depends on the window (`--window`); on the gates' usage
-    /// (`--full-usage`); on PPA's power (`--ppa-power`). A setting it does not read is not
-    /// part of its case.
-    pub(crate) reads_window: bool,
-    pub(crate) reads_usage: bool,
-    pub(crate) reads_power: bool,
-}
-
-/// The settings of `bench train` a method's variant may read.
-pub(crate) struct BenchKnobs {
-    pub(crate) full_usage: f64,
-    pub(crate) ste_sample: f64,
-}
-
-/// The defaults of `MethodSpec`'s hooks for a method that adds, reads and forces nothing.
-pub(super) fn no_extra_params(_: &ModelConfig, _: &AttentionConfig) -> f64 {
-    0.0
-}
-
-pub(super) fn no_fixed_heads(
-    _: &ModelConfig,
-    _: &AttentionConfig,
-) -> Result<Option<Vec<Vec<bool>>>> {
-    Ok(None)
-}
-
-pub(super) fn never_forced(_: &AttentionConfig) -> f64 {
-    0.0
-}
-
-pub(super) fn no_variant(_: &AttentionConfig) -> String {
-    String::new()
-}
-
-pub(super) fn no_setup(_: &mut AttentionConfig, _: &BenchKnobs) {}

@@ -1,8 +1,9 @@
 //! Where a layer's keys and values come from in one forward: the chunk being processed alone
 //! (training, whole-sequence evaluation), or a decoding cache the chunk extends, which keeps
-//! what later tokens may read (a window layer only its window).
+//! what later tokens may read (`Keep`, as the method states it: a window layer only its
+//! window).
 
-use super::patterns::{KeyPattern, MaskCache};
+use super::patterns::{Keep, KeyPattern, MaskCache};
 use std::cell::RefCell;
 use tch::{Kind, Tensor};
 
@@ -121,53 +122,53 @@ impl Keys<'_> {
                 // One decoded query through a window sees the last w keys: a slot holds
                 // consecutive positions ending at the query's own (chunks are appended in
                 // order and `trim` keeps a suffix), so they are a narrow, and no mask is built.
-                if let (KeyPattern::Window(w), 1) = (pattern, n) {
-                    return sdpa(&last_keys(k, 2, w), &last_keys(v, 2, w), None, false);
+                if let (Keep::Ends { first: 0, last }, 1) = (pattern.keeps(), n) {
+                    return sdpa(&last_keys(k, 2, last), &last_keys(v, 2, last), None, false);
                 }
                 let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
-                let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
-                let seen = match pattern {
-                    KeyPattern::Full => dist.ge(0),
-                    // On the device: no table of every distance copied from the host a step.
-                    KeyPattern::Window(w) => dist.ge(0).logical_and(&dist.lt(w as i64)),
-                    KeyPattern::Ppa { .. } => {
-                        let table =
-                            Tensor::from_slice(&pattern.distance_table((start + n) as usize))
-                                .to_device(q.device());
-                        table
-                            .index_select(0, &dist.clamp_min(0).flatten(0, 1))
-                            .view([n, kpos.size()[0]])
-                            .logical_and(&dist.ge(0))
-                    }
-                };
+                let seen = pattern.seen(&qpos, kpos, (start + n) as usize);
                 sdpa(k, v, Some(&seen), false)
             }
         }
     }
 
-    /// Drops cached keys of `slot` that no later query can see through a window of `w`.
-    pub(super) fn trim(&self, slot: usize, w: usize) {
-        let Keys::Cache { cache, .. } = self else {
+    /// Drops the cached keys of `slot` that `keep` does not keep.
+    pub(super) fn trim(&self, slot: usize, keep: Keep) {
+        let (Keys::Cache { cache, .. }, Keep::Ends { first, last }) = (self, keep) else {
             return;
         };
         let mut c = cache.borrow_mut();
-        if let Some(s) = c.slots[slot].as_mut() {
-            // The last w keys, the window of the last query: a rolling buffer at its peak
-            // size (the next query needs w - 1 of them beside its own). The slot holds
-            // consecutive positions up to the chunk's last, so they are its last w: a narrow,
-            // with no search of the positions (and no wait for the device to answer one).
-            let len = s.pos.size()[0];
-            // A view keeps the whole tensor alive: after a prefill longer than the window
-            // the kept keys are copied out, so the rest is freed; a decoding step drops one
-            // key, and its view is replaced by the next step's concatenation anyway.
-            let last = |t: &Tensor, dim: i64| match last_keys(t, dim, w) {
-                kept if 2 * (w as i64) < len => kept.contiguous(),
-                kept => kept,
-            };
-            s.k = last(&s.k, 2);
-            s.v = last(&s.v, 2);
-            s.pos = last(&s.pos, 0);
+        let Some(s) = c.slots[slot].as_mut() else {
+            return;
+        };
+        // The first keys, then the last `last`, the window of the last query: a rolling
+        // buffer at its peak size (the next query needs last - 1 of them beside its own). The
+        // slot holds its first keys, then consecutive positions up to the chunk's last, so
+        // they are its ends: narrows, with no search of the positions (and no wait for the
+        // device to answer one).
+        let len = s.pos.size()[0];
+        if len <= (first + last) as i64 {
+            return;
         }
+        // A view keeps the whole tensor alive: after a prefill longer than the ends the kept
+        // keys are copied out, so the rest is freed; a decoding step drops one key, and its
+        // view is replaced by the next step's concatenation anyway.
+        let copy = 2 * ((first + last) as i64) < len;
+        let ends = |t: &Tensor, dim: i64| {
+            let tail = last_keys(t, dim, last);
+            let kept = match first {
+                0 => tail,
+                _ => Tensor::cat(&[&t.narrow(dim, 0, first as i64), &tail], dim),
+            };
+            if copy {
+                kept.contiguous()
+            } else {
+                kept
+            }
+        };
+        s.k = ends(&s.k, 2);
+        s.v = ends(&s.v, 2);
+        s.pos = ends(&s.pos, 0);
     }
 }
 

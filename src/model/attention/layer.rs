@@ -63,10 +63,12 @@ impl SelfAttention {
     }
 
     /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
-    /// decode time (`elt` bytes per value).
+    /// decode time (`elt` bytes per value): the positions each slot keeps (`Route::keeps`; a
+    /// module of a method's own copies the base projections' shape).
     pub(crate) fn kv_cache_bytes(&self, len: usize, elt: usize) -> f64 {
         let per = self.base.proj.kv_bytes_per_position(elt);
-        self.route.kv_cache_bytes(&self.base, len, per, elt)
+        let keeps = self.route.keeps(&self.base);
+        keeps.iter().map(|k| k.held(len) as f64 * per).sum()
     }
 
     /// `x: [B, T, hidden]` (already normalised in a pre-norm model), the chunk of positions
@@ -93,9 +95,9 @@ impl SelfAttention {
             keys,
         };
         let out = self.route.forward(&self.base, &chunk, ctx);
-        // Keys that no later query can reach through this layer's window are dropped.
-        if let Some(w) = self.route.window_only(&self.base) {
-            keys.trim(0, w);
+        // Keys that no later query can reach are dropped.
+        for (slot, keep) in self.route.keeps(&self.base).into_iter().enumerate() {
+            keys.trim(slot, keep);
         }
         out
     }

@@ -1,14 +1,39 @@
-//! Which keys each query sees under a static pattern, how many (query, key) pairs that is,
-//! and the dense attention that computes it on the reference path.
+//! Which keys each query sees under a static pattern, how many (query, key) pairs that is, the
+//! dense attention that computes it on the reference path, which keys a decoding cache keeps
+//! for it, and which kernel runs it.
 //!
-//! Every static pattern (full, sliding window, PPA) depends only on the distance `d = i - k`
-//! between query `i` and key `k`, so one predicate, `KeyPattern::sees(d)`, defines each of
-//! them; the dense mask, the pair count, the kernels' offset lists and the per-layer
-//! assignment of `static_hybrid` all derive from it.
+//! A pattern is a predicate over absolute positions, `KeyPattern::sees(query, key)`: the keys
+//! at distances `d = query - key` it allows (`near`), and the sequence's first keys, which
+//! every later query sees (`first`). Every other fact derives from those two: the dense mask,
+//! the pair counts, the mask over a cache's positions, the keys a cache keeps, the kernels'
+//! offset lists and the per-layer assignment of `static_hybrid`.
 
-use crate::model::kernels::PpaOffsets;
+use crate::model::kernels::{Kernels, PpaOffsets};
 use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
+
+/// Which keys of a cache's slot a layer keeps for the queries still to come, as its method
+/// states it (`Route::keeps`, from the patterns it reads: `KeyPattern::keeps`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Keep {
+    /// Every key: a later query may read the whole prefix.
+    All,
+    /// The sequence's first `first` keys and the last `last`: a window's rolling buffer
+    /// (`first` 0), with the keys every query sees wherever they stand.
+    Ends { first: usize, last: usize },
+}
+
+impl Keep {
+    /// Positions held after `len` tokens.
+    pub(crate) fn held(&self, len: usize) -> usize {
+        match *self {
+            Keep::All => len,
+            Keep::Ends { first, last } => len.min(first + last),
+        }
+    }
+}
+
+pub(crate) const KERNEL_FAILED: &str = "attention kernel failed on inputs the model validated";
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum KeyPattern {
@@ -18,58 +43,89 @@ pub(crate) enum KeyPattern {
     Window(usize),
     /// The window plus the power offsets S_p (PPA).
     Ppa { power: f64, window: usize },
+    /// The window plus the sequence's first `sinks` keys (attention sinks).
+    Sinks { sinks: usize, window: usize },
 }
 
 impl KeyPattern {
-    /// Whether a query sees the key `d >= 0` positions before it.
-    pub(crate) fn sees(&self, d: usize) -> bool {
+    /// Whether a query sees the key `d >= 0` positions before it, wherever they stand.
+    fn near(&self, d: usize) -> bool {
         match *self {
             KeyPattern::Full => true,
-            KeyPattern::Window(w) => d < w,
+            KeyPattern::Window(w) | KeyPattern::Sinks { window: w, .. } => d < w,
             KeyPattern::Ppa { power, window } => d < window || is_power_offset(d, power),
         }
     }
 
-    /// `sees(d)` for d = 0 .. len.
-    pub(crate) fn distance_table(&self, len: usize) -> Vec<bool> {
-        (0..len).map(|d| self.sees(d)).collect()
+    /// How many of the sequence's first keys every later query sees, whatever their distance.
+    fn first(&self) -> usize {
+        match *self {
+            KeyPattern::Sinks { sinks, .. } => sinks,
+            _ => 0,
+        }
     }
 
-    /// Number of (query, key) pairs attended in one causal sequence of length `len`:
-    /// a distance d occurs for the `len - d` queries i >= d.
+    /// Whether the query at position `query` sees the key at position `key <= query`: the
+    /// predicate every derived fact (mask, pair counts, the mask over a cache) is tested
+    /// against.
+    #[cfg(test)]
+    pub(crate) fn sees(&self, query: usize, key: usize) -> bool {
+        self.near(query - key) || key < self.first()
+    }
+
+    /// `near(d)` for d = 0 .. len.
+    fn distance_table(&self, len: usize) -> Vec<bool> {
+        (0..len).map(|d| self.near(d)).collect()
+    }
+
+    /// Number of (query, key) pairs attended in one causal sequence of length `len`.
     pub(crate) fn attended_pairs(&self, len: usize) -> u64 {
-        self.distance_table(len)
-            .iter()
-            .enumerate()
-            .filter(|(_, &s)| s)
-            .map(|(d, _)| (len - d) as u64)
-            .sum()
+        self.pairs_between(0, len)
     }
 
-    /// Pairs attended by the queries at positions `start .. end` (query i sees the distances
-    /// d <= i the pattern allows).
+    /// Pairs attended by the queries at positions `start .. end`: each query i sees the
+    /// distances d <= i that `near` allows, and the first keys beyond them.
     pub(crate) fn pairs_between(&self, start: usize, end: usize) -> u64 {
         let mut seen = 0u64;
         let mut total = 0u64;
         for (i, s) in self.distance_table(end).iter().enumerate() {
             seen += *s as u64;
             if i >= start {
-                total += seen;
+                let first = (0..self.first().min(i + 1)).filter(|&k| !self.near(i - k));
+                total += seen + first.count() as u64;
             }
         }
         total
     }
 
+    /// Where queries at positions `qpos: [n]` see keys at positions `kpos: [m]` (`[n, m]`
+    /// bool, on their device): the causal pairs the pattern allows; `len` is one past the
+    /// highest query position.
+    pub(crate) fn seen(&self, qpos: &Tensor, kpos: &Tensor, len: usize) -> Tensor {
+        let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
+        let causal = dist.ge(0);
+        let near = match *self {
+            KeyPattern::Full => causal.shallow_clone(),
+            // On the device: no table of every distance copied from the host a step.
+            KeyPattern::Window(w) | KeyPattern::Sinks { window: w, .. } => dist.lt(w as i64),
+            KeyPattern::Ppa { .. } => {
+                let table = Tensor::from_slice(&self.distance_table(len)).to_device(qpos.device());
+                table
+                    .index_select(0, &dist.clamp(0, len as i64 - 1).flatten(0, 1))
+                    .view([qpos.size()[0], kpos.size()[0]])
+            }
+        };
+        let seen = match self.first() {
+            0 => near,
+            first => near.logical_or(&kpos.lt(first as i64).unsqueeze(0)),
+        };
+        seen.logical_and(&causal)
+    }
+
     /// Dense `[len, len]` boolean mask, true where query i (row) may attend key k (column).
     pub(crate) fn mask(&self, len: usize, device: Device) -> Tensor {
         let pos = Tensor::arange(len as i64, (Kind::Int64, device));
-        let dist = pos.unsqueeze(1) - pos.unsqueeze(0);
-        let causal = dist.ge(0);
-        let table = Tensor::from_slice(&self.distance_table(len)).to_device(device);
-        let seen = table
-            .index_select(0, &dist.clamp_min(0).flatten(0, 1))
-            .view([len as i64, len as i64]);
-        seen.logical_and(&causal)
+        self.seen(&pos, &pos, len)
     }
 
     /// The distances below `len` that PPA sees beyond its window (ascending); empty for the
@@ -84,15 +140,55 @@ impl KeyPattern {
         }
     }
 
-    /// Whether the dense causal kernel can stand in for the mask at this length.
+    /// Whether every query of a sequence of `len` tokens sees every earlier key, so the dense
+    /// causal kernel can stand in for the mask.
     pub(crate) fn is_full_at(&self, len: usize) -> bool {
         match *self {
             KeyPattern::Full => true,
             KeyPattern::Window(w) => len <= w,
-            KeyPattern::Ppa { window, .. } => {
-                len <= window || self.distance_table(len).iter().all(|&s| s)
-            }
+            KeyPattern::Ppa { window, .. } => len <= window || (0..len).all(|d| self.near(d)),
+            // The last query sees the sinks and its window: every key where they meet.
+            KeyPattern::Sinks { sinks, window } => len <= sinks + window,
         }
+    }
+
+    /// The keys a decoding cache keeps for the queries still to come.
+    pub(crate) fn keeps(&self) -> Keep {
+        match *self {
+            KeyPattern::Window(w) => Keep::Ends { first: 0, last: w },
+            // A ring of the last w keys beside the sinks.
+            KeyPattern::Sinks { sinks, window } => Keep::Ends {
+                first: sinks,
+                last: window,
+            },
+            // Full attention, and PPA, which reaches back to its oldest offset, keep everything.
+            KeyPattern::Full | KeyPattern::Ppa { .. } => Keep::All,
+        }
+    }
+
+    /// The pattern over a chunk's own keys on the kernel library (`q: [B, H, L, D]`, `k, v:
+    /// [B, Hkv, L, D]`), with the forward's offset lists; None where it has no kernel of its
+    /// own (full attention runs the fused causal kernel of `attend`).
+    pub(crate) fn on_kernels(
+        &self,
+        kern: &Kernels,
+        masks: &MaskCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Option<Tensor> {
+        let out = match *self {
+            KeyPattern::Full => return None,
+            KeyPattern::Window(w) => kern.list_attention(q, k, v, None, w as i64),
+            KeyPattern::Ppa { window, .. } => match masks.ppa_offsets(*self) {
+                None => kern.list_attention(q, k, v, None, window as i64),
+                Some(offsets) => kern.ppa_attention(q, k, v, window as i64, &offsets),
+            },
+            KeyPattern::Sinks { sinks, window } => {
+                kern.sink_attention(q, k, v, window as i64, sinks as i64)
+            }
+        };
+        Some(out.expect(KERNEL_FAILED))
     }
 }
 

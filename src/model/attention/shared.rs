@@ -3,10 +3,11 @@
 //! query runs the whole prefix or its window, in one launch), the pairs such a choice attends,
 //! and the full and window outputs of a per-token choice on every execution path.
 
-use super::base::{AttnOutput, Base, Chunk, Exec, Route, KERNEL_FAILED};
+use super::base::{AttnOutput, Base, Chunk, Exec, Route};
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
-use super::patterns::KeyPattern;
+use super::patterns::Keep;
+use super::patterns::{KeyPattern, KERNEL_FAILED};
 use crate::model::kernels::{Kernels, QueryPath};
 use tch::{Kind, Tensor};
 
@@ -34,19 +35,8 @@ impl Route for Static {
         }
     }
 
-    fn kv_cache_bytes(&self, _: &Base, len: usize, per_position: f64, _: usize) -> f64 {
-        match self.0 {
-            KeyPattern::Window(w) => w.min(len) as f64 * per_position,
-            // Full attention, and PPA, which reaches back to its oldest offset, keep everything.
-            _ => len as f64 * per_position,
-        }
-    }
-
-    fn window_only(&self, _: &Base) -> Option<usize> {
-        match self.0 {
-            KeyPattern::Window(w) => Some(w),
-            _ => None,
-        }
+    fn keeps(&self, _: &Base) -> Vec<Keep> {
+        vec![self.0.keeps()]
     }
 }
 

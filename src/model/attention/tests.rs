@@ -77,6 +77,10 @@ fn mask_entries_follow_the_definition() {
             power: 0.5,
             window: 4,
         },
+        KeyPattern::Sinks {
+            sinks: 3,
+            window: 6,
+        },
     ] {
         let m = pattern.mask(len, Device::Cpu);
         let v: Vec<bool> = Vec::try_from(m.flatten(0, 1)).unwrap();
@@ -89,11 +93,25 @@ fn mask_entries_follow_the_definition() {
                             let d = i - k;
                             d < window || squares_upto(len).contains(&d)
                         }
+                        KeyPattern::Sinks { sinks, window } => i - k < window || k < sinks,
                         KeyPattern::Full => true,
                     };
                 assert_eq!(v[i * len + k], want, "{pattern:?} i={i} k={k}");
+                if k <= i {
+                    assert_eq!(pattern.sees(i, k), want, "{pattern:?} sees i={i} k={k}");
+                }
             }
         }
+        // Over a cache's positions (its first keys, then a suffix, as `Keep::Ends` keeps
+        // them), the queries of a chunk see what the whole sequence's mask says.
+        let keys: Vec<i64> = (0..3).chain(250..300).collect();
+        let kpos = Tensor::from_slice(&keys);
+        let qpos = Tensor::arange_start(280, 300, (Kind::Int64, Device::Cpu));
+        let want = m.index_select(0, &qpos).index_select(1, &kpos);
+        assert!(
+            pattern.seen(&qpos, &kpos, len).equal(&want),
+            "{pattern:?} over cached positions"
+        );
     }
 }
 
@@ -126,12 +144,27 @@ fn pair_counts_match_closed_forms_and_masks() {
             .attended_pairs(len),
             we * l - we * (we - 1) / 2 + extra
         );
+        // Sinks: each query i its window's min(i + 1, w) keys and the sinks beyond it.
+        for (sinks, w) in [(4usize, 16usize), (1, 1), (70, 32)] {
+            let want: u64 = (0..len)
+                .map(|i| (i + 1).min(w) + sinks.min((i + 1).saturating_sub(w)))
+                .sum::<usize>() as u64;
+            assert_eq!(
+                KeyPattern::Sinks { sinks, window: w }.attended_pairs(len),
+                want,
+                "sinks={sinks} w={w} L={len}"
+            );
+        }
         for p in [
             KeyPattern::Full,
             KeyPattern::Window(5),
             KeyPattern::Ppa {
                 power: 0.75,
                 window: 3,
+            },
+            KeyPattern::Sinks {
+                sinks: 2,
+                window: 4,
             },
         ] {
             let from_mask = p.mask(len, Device::Cpu).sum(Kind::Int64).int64_value(&[]) as u64;
@@ -940,52 +973,45 @@ fn kv_cache_bytes_follow_each_layer_kind() {
     );
 }
 
+/// Every registered method at each of its examples (`MethodSpec::examples`) on the tests'
+/// tiny model, `edit` applied first: (example's name, config). A new method is in every test
+/// that takes its cases from here as soon as it is registered.
+fn every_example(edit: impl Fn(&mut Config)) -> Vec<(&'static str, Config)> {
+    all_methods()
+        .flat_map(|s| s.examples.iter())
+        .map(|e| {
+            let c = routed_cfg(Method::Full, |c| {
+                edit(c);
+                (e.set)(&mut c.attention);
+            });
+            (e.name, c)
+        })
+        .collect()
+}
+
 /// The kernel wiring (band attention for windows, routed lists for routed paths) computes
 /// what the reference path computes, in training (gradients through the kernels; AHA as
 /// one routed launch plus the other path without gradient) and in evaluation (each query
-/// on its own path).
+/// on its own path), for every method's examples.
 /// On the CPU the library runs its ATen reference, so this checks the wiring; the CUDA
 /// kernels themselves are checked in `src/model/kernels/tests.rs`.
 #[test]
 fn kernel_path_matches_reference_path_for_every_method() {
-    let bernoulli = |c: &mut Config| {
-        c.attention.router = Router::Bernoulli;
-        c.attention.bernoulli_p = 0.3;
-    };
-    for (method, cfg) in [
-        (Method::Swa, routed_cfg(Method::Swa, |_| {})),
-        (
-            Method::Ppa,
-            routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 0.5),
-        ),
-        (
-            Method::StaticHybrid,
-            routed_cfg(Method::StaticHybrid, |c| c.attention.hybrid_every = 2),
-        ),
-        (Method::Aha, routed_cfg(Method::Aha, |_| {})),
-        // No router gradient: the full path runs for the picked queries only.
-        (Method::Aha, routed_cfg(Method::Aha, bernoulli)),
-        // Sampled straight-through gradient: full path for the picked and probed queries.
-        (
-            Method::Aha,
-            routed_cfg(Method::Aha, |c| c.attention.ste_sample = 0.5),
-        ),
-        (Method::L2a, routed_cfg(Method::L2a, |_| {})),
-        (Method::Swiattn, routed_cfg(Method::Swiattn, |_| {})),
-        // The q/k norms on the library too: OLMo-2's over the projection, Qwen3's per head
-        // (in L2A's global module as well).
-        (
-            Method::Full,
-            routed_cfg(Method::Full, |c| {
-                c.model.qk_norm = QkNorm::Full;
-                c.model.norm_placement = NormPlacement::Post;
-            }),
-        ),
-        (
-            Method::L2a,
-            routed_cfg(Method::L2a, |c| c.model.qk_norm = QkNorm::PerHead),
-        ),
-    ] {
+    let mut cases = every_example(|_| {});
+    // The q/k norms on the library too: OLMo-2's over the projection, Qwen3's per head (in
+    // L2A's global module as well).
+    cases.push((
+        "full_olmo2_norms",
+        routed_cfg(Method::Full, |c| {
+            c.model.qk_norm = QkNorm::Full;
+            c.model.norm_placement = NormPlacement::Post;
+        }),
+    ));
+    cases.push((
+        "l2a_qwen3_norms",
+        routed_cfg(Method::L2a, |c| c.model.qk_norm = QkNorm::PerHead),
+    ));
+    for (name, cfg) in cases {
         let reference = Built::new(&cfg, Device::Cpu).unwrap();
         randomise_routers(&reference, 1.0);
         let mut kc = cfg.clone();
@@ -1002,7 +1028,7 @@ fn kernel_path_matches_reference_path_for_every_method() {
         let (a, b) = (run(&reference, &ctx), run(&kernel, &ctx));
         assert!(
             max_diff(&a.logits, &b.logits) < 1e-5,
-            "{method:?} train-mode logits"
+            "{name}: train-mode logits"
         );
         let grads = |m: &Built, out: &ForwardOutput| {
             token_nll(&out.logits, &ids()).mean(Kind::Float).backward();
@@ -1013,14 +1039,14 @@ fn kernel_path_matches_reference_path_for_every_method() {
                 .collect::<Vec<_>>()
         };
         for ((n, ga), (_, gb)) in grads(&reference, &a).iter().zip(grads(&kernel, &b).iter()) {
-            assert!(max_diff(ga, gb) < 1e-5, "{method:?}: gradient of {n}");
+            assert!(max_diff(ga, gb) < 1e-5, "{name}: gradient of {n}");
         }
         let (a, b) = tch::no_grad(|| (run(&reference, &ctx), run(&kernel, &ctx)));
         assert!(
             max_diff(&a.logits, &b.logits) < 1e-5,
-            "{method:?} eval-mode logits"
+            "{name}: eval-mode logits"
         );
-        assert_eq!(a.attended_pairs(), b.attended_pairs());
+        assert_eq!(a.attended_pairs(), b.attended_pairs(), "{name}: pairs");
     }
 }
 
@@ -1089,41 +1115,33 @@ fn sampled_straight_through_gradient_is_unbiased() {
     );
 }
 
-/// On the GPU, training through the CUDA kernels (routed lists; the other path, where the
-/// router's gradient reads it, without gradient) gives the reference path's logits and
-/// gradients within bf16 noise, AHA with the exact and the sampled straight-through
-/// gradient. One layer, so both paths' routers see the same inputs and no gate flips
-/// between them.
+/// On the GPU, training through the CUDA kernels (band and PPA lists, routed lists; the
+/// other path, where the router's gradient reads it, without gradient) gives the reference
+/// path's logits and gradients within bf16 noise, for every method's examples (AHA with the
+/// exact and the sampled straight-through gradient among them). One layer, so both paths'
+/// routers see the same inputs and no gate flips between them.
 #[test]
 #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
-fn cuda_routed_training_matches_reference() {
+fn cuda_training_matches_reference_for_every_method() {
     use crate::config::Dtype;
-    tests::on_cuda("cuda_routed_training_matches_reference", |_| {
+    tests::on_cuda("cuda_training_matches_reference_for_every_method", |_| {
         let dev = Device::Cuda(0);
         let rel = |a: &Tensor, b: &Tensor| {
             let b = b.to_kind(Kind::Double);
             (a.to_kind(Kind::Double) - &b).norm().double_value(&[])
                 / b.norm().double_value(&[]).max(1e-6)
         };
-        for (method, ste_sample) in [
-            (Method::Aha, 1.0),
-            (Method::Aha, 0.5),
-            (Method::Swiattn, 1.0),
-            (Method::L2a, 1.0),
-        ] {
-            let mut cfg = routed_cfg(method, |c| {
-                c.attention.ste_sample = ste_sample;
-                c.model.hidden_size = 128;
-                c.model.intermediate_size = 256;
-                c.model.num_hidden_layers = 1;
-                c.model.num_attention_heads = 2;
-                c.model.num_key_value_heads = 2;
-                c.model.attention_bias = false;
-                c.attention.window = 37;
-                c.attention.tau = 0.5;
-                c.train.dtype = Dtype::Bf16;
-                c.train.device = "cuda".into();
-            });
+        for (name, mut cfg) in every_example(|c| {
+            c.model.hidden_size = 128;
+            c.model.intermediate_size = 256;
+            c.model.num_hidden_layers = 1;
+            c.model.num_attention_heads = 2;
+            c.model.num_key_value_heads = 2;
+            c.model.attention_bias = false;
+            c.attention.window = 37;
+            c.train.dtype = Dtype::Bf16;
+            c.train.device = "cuda".into();
+        }) {
             let reference = Built::new(&cfg, dev).unwrap();
             randomise_routers(&reference, 0.5);
             cfg.attention.attn_impl = AttnImpl::Cuda;
@@ -1141,30 +1159,25 @@ fn cuda_routed_training_matches_reference() {
                     None => nll.mean(Kind::Float),
                 };
                 loss.backward();
-                let mu = out.full_usage().unwrap().double_value(&[]);
+                let mu = out.full_usage().map(|u| u.double_value(&[]));
                 (out.logits.detach(), mu)
             };
             let ((la, mua), (lb, mub)) = (step(&reference), step(&kernel));
-            assert!(
-                mua > 0.05 && mua < 0.95,
-                "{method:?} (ste_sample {ste_sample}): gates all alike ({mua})"
-            );
-            assert_eq!(
-                mua, mub,
-                "{method:?} (ste_sample {ste_sample}): gates differ between paths"
-            );
+            assert_eq!(mua, mub, "{name}: gates differ between paths");
+            // A learned router's gates split the tokens, so both paths run.
+            if spec(cfg.attention.method).gates != Gates::None
+                && cfg.attention.router == Router::Learned
+                && cfg.attention.method != Method::StaticHeads
+            {
+                let mu = mua.expect("a routed method reports its usage");
+                assert!(mu > 0.05 && mu < 0.95, "{name}: gates all alike ({mu})");
+            }
             let e = rel(&lb, &la);
-            assert!(
-                e < 1e-2,
-                "{method:?} (ste_sample {ste_sample}): logits differ by {e:.2e}"
-            );
+            assert!(e < 1e-2, "{name}: logits differ by {e:.2e}");
             for ((n, pa), (_, pb)) in reference.params().iter().zip(kernel.params().iter()) {
                 if pa.grad().defined() {
                     let e = rel(&pb.grad(), &pa.grad());
-                    assert!(
-                        e < 5e-2,
-                        "{method:?} (ste_sample {ste_sample}): gradient of {n} differs by {e:.2e}"
-                    );
+                    assert!(e < 5e-2, "{name}: gradient of {n} differs by {e:.2e}");
                 }
             }
         }
@@ -1172,65 +1185,20 @@ fn cuda_routed_training_matches_reference() {
 }
 
 /// Decoding with a cache, a prefill chunk then single tokens then a chunk of two, gives
-/// the logits and gates of one forward over the whole sequence, for every method; the
-/// cache then holds what each layer kind needs and no more.
+/// the logits and gates of one forward over the whole sequence, for every method's examples,
+/// on the reference path and on the kernel library (its CPU build here: the prefill into the
+/// empty cache runs the kernels, as the forward does); the cache then holds what each layer
+/// states it keeps and no more.
 #[test]
 fn cached_decoding_matches_the_whole_sequence_forward() {
-    let cases: Vec<(&str, Config)> = vec![
-        ("full", routed_cfg(Method::Full, |_| {})),
-        ("swa", routed_cfg(Method::Swa, |_| {})),
-        (
-            "ppa",
-            routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 0.5),
-        ),
-        (
-            "static_hybrid",
-            routed_cfg(Method::StaticHybrid, |c| c.attention.hybrid_every = 2),
-        ),
-        ("aha", routed_cfg(Method::Aha, |_| {})),
-        ("l2a", routed_cfg(Method::L2a, |c| c.attention.tau = 0.5)),
-        (
-            "l2a_pruned",
-            routed_cfg(Method::L2a, |c| c.attention.pruned_layers = vec![1]),
-        ),
-        ("swiattn", routed_cfg(Method::Swiattn, |_| {})),
-        // Patterns that see every earlier key at this length: no mask is built.
-        (
-            "swa_wider_than_the_sequence",
-            routed_cfg(Method::Swa, |c| c.attention.window = 16),
-        ),
-        (
-            "ppa_1",
-            routed_cfg(Method::Ppa, |c| c.attention.ppa_power = 1.0),
-        ),
-        (
-            "aha_bernoulli",
-            routed_cfg(Method::Aha, |c| {
-                c.attention.router = Router::Bernoulli;
-                c.attention.bernoulli_p = 0.4;
-            }),
-        ),
-        // On the kernel library (its CPU build here): the prefill into the empty cache runs
-        // the window and PPA kernels, as the forward does.
-        (
-            "swa_kernels",
-            routed_cfg(Method::Swa, |c| c.attention.attn_impl = AttnImpl::Cuda),
-        ),
-        (
-            "ppa_kernels",
-            routed_cfg(Method::Ppa, |c| {
-                c.attention.ppa_power = 0.5;
-                c.attention.attn_impl = AttnImpl::Cuda;
-            }),
-        ),
-        (
-            "l2a_kernels",
-            routed_cfg(Method::L2a, |c| {
-                c.attention.tau = 0.5;
-                c.attention.attn_impl = AttnImpl::Cuda;
-            }),
-        ),
-    ];
+    let cases: Vec<(String, Config)> = [AttnImpl::Reference, AttnImpl::Cuda]
+        .into_iter()
+        .flat_map(|imp| {
+            every_example(move |c| c.attention.attn_impl = imp)
+                .into_iter()
+                .map(move |(name, c)| (format!("{name} on {imp:?}"), c))
+        })
+        .collect();
     let len = 9;
     for (name, cfg) in cases {
         let b = Built::new(&cfg, Device::Cpu).unwrap();

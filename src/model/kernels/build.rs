@@ -40,7 +40,7 @@ const SOURCES: [(&str, &str); 18] = [
 ];
 /// Version of the library's C interface: compiled into it (`ATTNSWEEP_ABI`), and checked
 /// when it loads, so a library built from other sources is refused rather than misread.
-pub(super) const ABI: i64 = 13;
+pub(super) const ABI: i64 = 14;
 pub(super) const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {

@@ -50,7 +50,8 @@ macro_rules! entry_points {
 entry_points! {
     /// Whether the library was built with the CUDA kernels (1) or is the CPU build (0).
     kernels_cuda: unsafe extern "C" fn() -> i32;
-    /// q, k, v, qpos, nq, window, offsets, pairs_from: window, sparse-query and PPA attention.
+    /// q, k, v, qpos, nq, window, offsets, pairs_from, sinks: window, sparse-query, PPA and
+    /// attention-sink attention.
     list_attention: unsafe extern "C" fn(
         *const c_void,
         *const c_void,
@@ -59,6 +60,7 @@ entry_points! {
         *const c_void,
         i64,
         *const c_void,
+        i64,
         i64,
         *mut c_char,
         usize,

@@ -162,7 +162,7 @@ impl Kernels {
         list: Option<(&Tensor, &Tensor)>,
         window: i64,
     ) -> Result<Tensor> {
-        self.call_attention(q, k, v, list, window, None)
+        self.call_attention(q, k, v, list, window, None, 0)
     }
 
     /// Routed attention of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: per query, `path:
@@ -193,9 +193,24 @@ impl Kernels {
         window: i64,
         offsets: &PpaOffsets,
     ) -> Result<Tensor> {
-        self.call_attention(q, k, v, None, window, Some(offsets))
+        self.call_attention(q, k, v, None, window, Some(offsets), 0)
     }
 
+    /// Attention with sinks of `q: [B, H, L, D]` over `k, v: [B, Hkv, L, D]`: each query sees
+    /// its window and the sequence's first `sinks` keys (on the GPU the window's tiles, then the
+    /// sinks beyond it pair by pair). Differentiable in q, k, v.
+    pub(crate) fn sink_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        window: i64,
+        sinks: i64,
+    ) -> Result<Tensor> {
+        self.call_attention(q, k, v, None, window, None, sinks)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn call_attention(
         &self,
         q: &Tensor,
@@ -204,6 +219,7 @@ impl Kernels {
         list: Option<(&Tensor, &Tensor)>,
         window: i64,
         offsets: Option<&PpaOffsets>,
+        sinks: i64,
     ) -> Result<Tensor> {
         let (qpos, nq) = match list {
             Some((p, n)) => (ptr(p), ptr(n)),
@@ -222,6 +238,7 @@ impl Kernels {
                 window,
                 offsets,
                 pairs_from,
+                sinks,
                 e,
                 n,
             )

@@ -752,6 +752,49 @@ fn compare_ppa_with_reference(
     }
 }
 
+/// Attention sinks (the window, and the sequence's first keys beyond it pair by pair) output
+/// and gradients against the dense reference with the sinks' mask: lengths that are not tile
+/// multiples, window 1, sinks inside the window only (no pairs), more sinks than a tile, long
+/// sequences (many query chunks per sink key in dK and dV), GQA.
+fn compare_sinks_with_reference(
+    kern: &Kernels,
+    device: Device,
+    kind: Kind,
+    head_dims: &[i64],
+    tol: f64,
+) {
+    let (b, h, hkv) = (2i64, 4i64, 2i64);
+    for &d in head_dims {
+        for &(len, window, sinks) in &[
+            (300i64, 16usize, 4usize),
+            (200, 1, 1),
+            (130, 64, 8),
+            (90, 100, 4),
+            (517, 32, 70),
+            (4100, 128, 4),
+        ] {
+            // The dense fp32 reference of the long case is slow on a CPU.
+            if device == Device::Cpu && len > 600 {
+                continue;
+            }
+            tch::manual_seed(len + window as i64 + d);
+            let pattern = KeyPattern::Sinks { sinks, window };
+            check_against(
+                [b, h, len, d],
+                [b, hkv, len, d],
+                (kind, device),
+                tol,
+                &format!("sinks D={d} L={len} w={window} sinks={sinks}"),
+                |q, k, v| {
+                    kern.sink_attention(q, k, v, window as i64, sinks as i64)
+                        .unwrap()
+                },
+                |q, k, v| attend(q, k, v, &pattern, None),
+            );
+        }
+    }
+}
+
 /// The pair kernels take over PPA's far distances from the last one lying closer than
 /// PPA_PAIR_GAP to both neighbours: squares from 256 (225 - 196 = 29, 256 - 225 = 31,
 /// 289 - 256 = 33), all of p = 0.25's fourth powers (81 lies 18 past the window's edge but
@@ -871,6 +914,7 @@ fn cpu_library_matches_reference() {
     assert!(!kern.cuda);
     compare_with_reference(kern, Device::Cpu, Kind::Float, &[8, 16], 1e-4);
     compare_ppa_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
+    compare_sinks_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
     compare_routed_with_reference(kern, Device::Cpu, Kind::Float, &[8], 1e-4);
     let (q, off) = (
         Tensor::zeros([1, 2, 10, 8], (Kind::Float, Device::Cpu)),
@@ -929,6 +973,7 @@ fn cuda_kernels_match_reference() {
     on_cuda("cuda_kernels_match_reference", |kern| {
         compare_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
         compare_ppa_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
+        compare_sinks_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
         compare_routed_with_reference(kern, Device::Cuda(0), Kind::BFloat16, &[64, 128], 2e-2);
         empty_and_headless_inputs(kern, Device::Cuda(0), Kind::BFloat16, 64);
         // A list on the host for queries on the GPU would hand the kernels host pointers.

@@ -6,16 +6,18 @@
 //! per-head gate. On the kernels each query runs only the path it picked (one routed launch);
 //! the router's gradient reads the other path only where it needs it.
 
-use crate::config::{AttentionConfig, Method, ModelConfig};
-use crate::model::attention::base::{
-    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, AttnOutput, Base,
-    BenchKnobs, BenchVariant, Build, Chunk, Exec, Gates, MethodSpec, Regulariser, Route,
-    KERNEL_FAILED,
-};
+use crate::config::{AttentionConfig, Method, ModelConfig, Router};
+use crate::model::attention::base::{AttnOutput, Base, Build, Chunk, Exec, Regulariser, Route};
 use crate::model::attention::cache::Keys;
 use crate::model::attention::ctx::ForwardCtx;
 use crate::model::attention::gates::{hash_uniform, router_input, GateSource};
+use crate::model::attention::patterns::Keep;
+use crate::model::attention::patterns::KERNEL_FAILED;
 use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
+use crate::model::attention::spec::{
+    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchKnobs, BenchVariant,
+    CellKind, Example, Gates, MethodSpec, PaperTable, Report, SettingColumn, TableCell, Value,
+};
 use crate::model::kernels::Kernels;
 use crate::model::nn::Linear;
 use anyhow::{bail, ensure, Context, Result};
@@ -66,8 +68,8 @@ impl Route for PerHead {
     }
 
     /// Any token may route to the full path, which reads the one shared cache.
-    fn kv_cache_bytes(&self, _: &Base, len: usize, per_position: f64, _: usize) -> f64 {
-        len as f64 * per_position
+    fn keeps(&self, _: &Base) -> Vec<Keep> {
+        vec![Keep::All]
     }
 }
 
@@ -333,7 +335,7 @@ pub(crate) fn read_head_assignment(
 
 /// Static heads' name of a top-k setting: all heads, the ranked model's budget (top_k 0, its
 /// heads counted from the usage measured), or k.
-pub(crate) fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
+fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
     match a.top_k {
         k if k == heads => "all heads full".into(),
         0 => format!(
@@ -356,6 +358,83 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     force_global: never_forced,
     describe: |a, _, _| vec![format!("λ {}", a.lambda)],
     variant: no_variant,
+    reference: false,
+    zero_shot: false,
+    prunable: false,
+    columns: &[],
+    baseline: None,
+    head_budget: |_, _, _, _| "AHA".into(),
+    reports: &[
+        // Tables 1/2: quality, retain % and usage by window; Table 4: by lambda.
+        Report::Table(PaperTable {
+            file: "aha_windows.csv",
+            holds: learned_and_trained,
+            subject: |c| c.method == Method::Aha,
+            columns: &[
+                "window",
+                "lambda",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "retain_ref",
+                "mu_f",
+                "pairs_vs_full",
+                "gate_precision",
+                "gate_recall",
+                "chance_precision",
+                "ask_rule_precision",
+                "ask_rule_recall",
+                "cell",
+            ],
+            sort: &["lambda", "window"],
+        }),
+        Report::Table(PaperTable {
+            file: "aha_lambda.csv",
+            holds: learned_and_trained,
+            subject: |c| c.method == Method::Aha,
+            columns: &[
+                "lambda",
+                "window",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "retain_ref",
+                "mu_f",
+                "cell",
+            ],
+            sort: &["window", "lambda"],
+        }),
+        // Table 3: every head's gaps between full-path calls.
+        Report::HeadGaps {
+            file: "aha_gaps.csv",
+        },
+        // Figs. 3/4 and Table 4's curves.
+        Report::HeadUsage,
+        Report::LambdaAblation,
+    ],
+    examples: &[
+        Example {
+            name: "aha",
+            set: |a| a.method = Method::Aha,
+        },
+        // Context-free gates: no router gradient, the full path for the picked queries only.
+        Example {
+            name: "aha_bernoulli",
+            set: |a| {
+                a.method = Method::Aha;
+                a.router = Router::Bernoulli;
+                a.bernoulli_p = 0.4;
+            },
+        },
+        // Sampled straight-through gradient: the full path for the picked and probed queries.
+        Example {
+            name: "aha_sampled",
+            set: |a| {
+                a.method = Method::Aha;
+                a.ste_sample = 0.5;
+            },
+        },
+    ],
     bench: &[
         // The paper's: the exact straight-through router gradient.
         BenchVariant {
@@ -401,4 +480,73 @@ pub(super) const STATIC_HEADS: MethodSpec = MethodSpec {
     describe: |a, heads, mu_f| vec![top_k_name(a, heads, mu_f)],
     variant: no_variant,
     bench: &[],
+    reference: false,
+    zero_shot: false,
+    prunable: false,
+    columns: &[TOP_K],
+    baseline: None,
+    head_budget: |a, _, heads, mu_f| top_k_name(a, heads, mu_f),
+    reports: &[
+        // AHA Table 5: static top-k heads beside AHA at its budget, all heads full and all on
+        // the window (SWA trained as long): every trained cell with a row there.
+        Report::Table(PaperTable {
+            file: "aha_static_heads.csv",
+            holds: |c| c.kind == CellKind::Trained && !c.head_budget.is_empty(),
+            subject: |c| c.method == Method::StaticHeads,
+            columns: &[
+                "setting",
+                "method",
+                "top_k",
+                "window",
+                "mu_f",
+                "loss",
+                "perplexity",
+                "retain_pct",
+                "retain_ref",
+                "cell",
+            ],
+            sort: &["method", "mu_f"],
+        }),
+    ],
+    examples: &[Example {
+        name: "static_heads",
+        set: |a| {
+            a.method = Method::StaticHeads;
+            a.head_ranking = example_ranking();
+            a.top_k = 1;
+        },
+    }],
 };
+
+/// How many top-ranked heads are full: a column of every cell (Table 5's axis).
+const TOP_K: SettingColumn = SettingColumn {
+    name: "top_k",
+    value: |a| Value::Number(a.top_k as f64),
+    every_cell: true,
+    in_every_summary: true,
+    timed: false,
+};
+
+/// A trained cell of a learned AHA router (Tables 1/2 and 4).
+fn learned_and_trained(c: &TableCell) -> bool {
+    c.method == Method::Aha && c.kind == CellKind::Trained && c.router == Router::Learned
+}
+
+/// A head ranking of layer 0's first two heads, which every example's model has, written once
+/// per process for the examples: (0, 0), then (0, 1).
+fn example_ranking() -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "attnsweep-example-head-ranking-{}.csv",
+        std::process::id()
+    ));
+    if !path.is_file() {
+        let tmp = path.with_extension(format!("{:?}.tmp", std::thread::current().id()));
+        std::fs::write(
+            &tmp,
+            format!("{}\n1,0,0,0.9\n2,0,1,0.1\n", HEAD_RANKING_COLUMNS.join(",")),
+        )
+        .expect("the example head ranking is written to the temporary directory");
+        std::fs::rename(&tmp, &path).expect("the example head ranking is renamed into place");
+    }
+    path
+}

@@ -13,13 +13,17 @@
 
 use crate::config::{AttentionConfig, Method, NormPlacement, Router};
 use crate::model::attention::base::{
-    no_fixed_heads, no_variant, projection_params, AttnOutput, Base, BenchKnobs, BenchVariant,
-    Build, Chunk, Exec, Gates, MethodSpec, Projections, Regulariser, Route,
+    projection_params, AttnOutput, Base, Build, Chunk, Exec, Projections, Regulariser, Route,
 };
 use crate::model::attention::ctx::ForwardCtx;
 use crate::model::attention::gates::GateSource;
+use crate::model::attention::patterns::Keep;
 use crate::model::attention::patterns::KeyPattern;
 use crate::model::attention::shared::{full_rows, Static};
+use crate::model::attention::spec::{
+    no_fixed_heads, no_head_budget, no_variant, BenchKnobs, BenchVariant, CellKind, Example, Gates,
+    MethodSpec, PaperTable, Report,
+};
 use crate::model::nn::RmsNorm;
 use tch::{Kind, Tensor};
 
@@ -54,10 +58,9 @@ impl Route for Global {
         self.forward_chunk(layer, c, ctx)
     }
 
-    /// The local module's window plus the global module's own full cache.
-    fn kv_cache_bytes(&self, layer: &Base, len: usize, per_position: f64, elt: usize) -> f64 {
-        layer.window.min(len) as f64 * per_position
-            + len as f64 * self.global.kv_bytes_per_position(elt)
+    /// The local module's window, and the global module's own keys (slot 1), all of them.
+    fn keeps(&self, layer: &Base) -> Vec<Keep> {
+        vec![KeyPattern::Window(layer.window).keeps(), Keep::All]
     }
 
     /// The global module starts as a copy of the base attention, its norm as a copy of the
@@ -91,11 +94,6 @@ impl Route for Global {
             ));
         }
         derived
-    }
-
-    /// The local module's; the global module's keys (slot 1) are all kept.
-    fn window_only(&self, layer: &Base) -> Option<usize> {
-        Some(layer.window)
     }
 }
 
@@ -194,6 +192,67 @@ pub(super) const L2A: MethodSpec = MethodSpec {
     },
     describe: |a, _, _| vec![format!("τ {}", a.tau)],
     variant: no_variant,
+    reference: false,
+    zero_shot: false,
+    // A layer whose measured sparsity reaches a threshold drops its global module (Sec. 3.4).
+    prunable: true,
+    columns: &[],
+    baseline: None,
+    head_budget: no_head_budget,
+    reports: &[
+        // Fig. 13: the cells evaluated again at other thresholds.
+        Report::Table(PaperTable {
+            file: "l2a_threshold.csv",
+            holds: |c| c.method == Method::L2a && c.kind != CellKind::Pruned,
+            subject: |c| c.kind == CellKind::Evaluated,
+            columns: &[
+                "tau",
+                "window",
+                "kind",
+                "loss",
+                "perplexity",
+                "mu_f",
+                "pairs_vs_full",
+                "attention_flops",
+                "cell",
+            ],
+            sort: &["window", "tau"],
+        }),
+        // Fig. 9: the pruned cells.
+        Report::Table(PaperTable {
+            file: "l2a_pruning.csv",
+            holds: |c| c.method == Method::L2a && c.kind == CellKind::Pruned,
+            subject: |c| c.kind == CellKind::Pruned,
+            columns: &[
+                "threshold",
+                "pruned_layers",
+                "kv_cache_bytes_before",
+                "kv_cache_bytes",
+                "loss_before",
+                "loss",
+                "label",
+                "cell",
+            ],
+            sort: &["label", "threshold"],
+        }),
+        Report::ThresholdSweep,
+    ],
+    examples: &[
+        Example {
+            name: "l2a",
+            set: |a| {
+                a.method = Method::L2a;
+                a.tau = 0.5;
+            },
+        },
+        Example {
+            name: "l2a_pruned",
+            set: |a| {
+                a.method = Method::L2a;
+                a.pruned_layers = vec![1];
+            },
+        },
+    ],
     // What costs is how many tokens take the global module, not how the router picks them:
     // context-free gates open for `--full-usage` of the tokens.
     bench: &[BenchVariant {

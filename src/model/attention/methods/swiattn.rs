@@ -7,13 +7,15 @@
 //! branches' disagreement.
 
 use crate::config::{AttentionConfig, Method, ModelConfig, Reduction};
-use crate::model::attention::base::{
-    never_forced, no_fixed_heads, AttnOutput, Base, BenchVariant, Build, Chunk, Gates, MethodSpec,
-    Regulariser, Route,
-};
+use crate::model::attention::base::{AttnOutput, Base, Build, Chunk, Regulariser, Route};
 use crate::model::attention::ctx::ForwardCtx;
 use crate::model::attention::gates::GateSource;
+use crate::model::attention::patterns::Keep;
 use crate::model::attention::shared::{branches, routed_pairs};
+use crate::model::attention::spec::{
+    never_forced, no_fixed_heads, no_head_budget, BenchVariant, CellKind, Example, Gates,
+    MethodSpec, PaperTable, Report, SettingColumn, Value,
+};
 use crate::model::nn::Linear;
 use tch::{Kind, Tensor};
 
@@ -57,8 +59,8 @@ impl Route for Switch {
     }
 
     /// Both branches read the one shared cache; the full branch, all of it.
-    fn kv_cache_bytes(&self, _: &Base, len: usize, per_position: f64, _: usize) -> f64 {
-        len as f64 * per_position
+    fn keeps(&self, _: &Base) -> Vec<Keep> {
+        vec![Keep::All]
     }
 
     /// The window branch's own output projection starts as a copy of the base one.
@@ -226,6 +228,75 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
         parts
     },
     variant,
+    reference: false,
+    zero_shot: false,
+    prunable: false,
+    columns: &[
+        // Alpha, and how the disagreement it weighs is reduced (the paper's MSE, or the
+        // squared norm, which alpha weighs hidden_size times more), beside each other.
+        SettingColumn {
+            name: "swiattn_alpha",
+            value: |a| Value::Number(a.swiattn_alpha),
+            every_cell: false,
+            in_every_summary: true,
+            timed: false,
+        },
+        SettingColumn {
+            name: "swiattn_disagreement",
+            value: |a| Value::Text(crate::config::name_of(a.swiattn_disagreement)),
+            every_cell: false,
+            in_every_summary: true,
+            timed: false,
+        },
+    ],
+    baseline: Some(|_| "SwiAttn"),
+    head_budget: no_head_budget,
+    reports: &[
+        // Tables 1-3: SwiAttn beside full attention, SWA-ZS, SWA-CPT and StaticHybrid (every
+        // method with a name there: `MethodSpec::baseline`), written where it holds more than
+        // full attention.
+        Report::Table(PaperTable {
+            file: "swiattn_baselines.csv",
+            holds: |c| c.baseline.is_some(),
+            subject: |c| !c.reference,
+            columns: &[
+                "baseline",
+                "method",
+                "source_method",
+                "window",
+                "swiattn_alpha",
+                "swiattn_disagreement",
+                "loss",
+                "perplexity",
+                "pairs_vs_full",
+                "mu_f",
+                "cell",
+            ],
+            sort: &["baseline"],
+        }),
+        // Table 4: the regulariser's variants.
+        Report::Table(PaperTable {
+            file: "swiattn_ablations.csv",
+            holds: |c| c.method == Method::Swiattn && c.kind == CellKind::Trained,
+            subject: |c| c.method == Method::Swiattn,
+            columns: &[
+                "variant",
+                "swiattn_alpha",
+                "swiattn_disagreement",
+                "window",
+                "loss",
+                "perplexity",
+                "mu_f",
+                "pairs_vs_full",
+                "cell",
+            ],
+            sort: &["variant"],
+        }),
+    ],
+    examples: &[Example {
+        name: "swiattn",
+        set: |a| a.method = Method::Swiattn,
+    }],
     // Its router calibrated like AHA's.
     bench: &[BenchVariant {
         name: "swiattn",

@@ -1,0 +1,182 @@
+//! `attnsweep sweep`: a grid's cells listed (`--dry-run`), run (on the CPU, on GPUs, one at
+//! a time for `--cell`), or written out as Slurm job arrays (`--emit slurm`), and the sweep's
+//! tables written once its cells have run.
+
+use crate::sweep;
+use crate::sweep::tables;
+use crate::util::atomic;
+use crate::util::progress::DEFAULT_STATUS_EVERY;
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub(super) struct SweepCmd {
+    /// Grid file (TOML; see sweeps/ for examples).
+    #[arg(long)]
+    grid: PathBuf,
+    /// Sweep directory [default: results/<grid name>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Validate the grid and list its cells with their state; run nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Cells run at once on the CPU (each gets an equal share of the cores).
+    #[arg(long, default_value_t = 1)]
+    jobs: usize,
+    /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<usize>,
+    /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
+    #[arg(long)]
+    cell: Option<usize>,
+    /// Run only the first N of the grid's seeds: the same cells, by id, as the grid's own, so
+    /// the first replicate of every cell can finish before the others. The sweep directory's
+    /// cells.json and tables then list those cells only, until a run without --seeds adds
+    /// the rest.
+    #[arg(long, value_name = "N")]
+    seeds: Option<usize>,
+    /// Run cells that failed before again.
+    #[arg(long)]
+    retry_failed: bool,
+    /// Remove a train cell's optimizer state once the cell has finished. Its weights stay, for
+    /// evaluation and --init-from. A finished cell is never resumed, and its optimizer state
+    /// is twice the size of its weights: over a grid of many cells it fills a disk.
+    #[arg(long)]
+    drop_optimizer: bool,
+    /// Make again the weights of each finished train or prune cell whose weights are gone (a
+    /// results folder is kept without them) when a cell this run starts evaluates, prunes or
+    /// continues from it, and of what that cell read in turn. Its earlier files move to
+    /// before_retrain/ in its folder. Cells that failed for want of those weights run again
+    /// with --retry-failed.
+    #[arg(long)]
+    retrain: bool,
+    /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
+    /// and submit.sh under <out>/slurm.
+    #[arg(long, value_parser = ["slurm"])]
+    emit: Option<String>,
+    /// No progress bars.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Where stderr is not a terminal (a Slurm log, nohup): seconds between status lines
+    /// (cells done, failed and left; the running cells' steps).
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STATUS_EVERY)]
+    status_every: u64,
+    /// Start no cell after this many seconds: the running cells finish, the tables are
+    /// written, and the same command run again goes on from there. For a time-limited job:
+    /// the limit less the longest cell.
+    #[arg(long, value_name = "SECONDS")]
+    stop_after: Option<u64>,
+}
+
+pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
+    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
+    let mut grid = sweep::read_grid(&c.grid)?;
+    if let Some(n) = c.seeds {
+        anyhow::ensure!(
+            c.emit.is_none() && c.cell.is_none(),
+            "--seeds runs a first part of the grid here; with --emit or --cell, whose indexes \
+             are the whole grid's, leave it out"
+        );
+        grid.keep_first_seeds(n)?;
+    }
+    anyhow::ensure!(
+        !c.retrain || (c.emit.is_none() && c.cell.is_none()),
+        "--retrain trains a cell's dependencies again before the cell, in one run of the grid; \
+         with --emit or --cell, which run one cell, leave it out (run the sweep with --retrain \
+         where the weights are to be made)"
+    );
+    let cells = sweep::expand(&grid)?;
+    let out = c
+        .out
+        .unwrap_or_else(|| PathBuf::from("results").join(&grid.name));
+    if c.dry_run {
+        println!(
+            "{} cells in {} stages -> {}",
+            cells.len(),
+            grid.stages.len(),
+            out.display()
+        );
+        for cell in &cells {
+            let state = sweep::read_status(&out.join(&cell.id))
+                .map_or("pending".to_string(), |s| {
+                    format!("{:?}", s.state).to_lowercase()
+                });
+            println!(
+                "{:>4}  {:<22} {:<8} {:<10} {}",
+                cell.index, cell.id, state, cell.stage, cell.label
+            );
+        }
+        // What the grid costs to run, in the units a device budget is planned in.
+        let trains: Vec<_> = cells
+            .iter()
+            .filter(|c| c.kind == sweep::StageKind::Train)
+            .collect();
+        let tokens: usize = trains
+            .iter()
+            .map(|c| {
+                let t = &c.config.train;
+                t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len
+            })
+            .sum();
+        println!(
+            "{} train cells, {:.1}M training tokens in all; {} eval and prune cells",
+            trains.len(),
+            tokens as f64 / 1e6,
+            cells.len() - trains.len()
+        );
+        let problems = sweep::problems(&grid, &cells);
+        anyhow::ensure!(
+            problems.is_empty(),
+            "{} cells would fail when run:\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
+        return Ok(());
+    }
+    if c.emit.is_some() {
+        atomic::ensure_writable_dir(&out)?;
+        let submit = sweep::emit_slurm(&c.grid, &grid, &cells, &out)?;
+        println!("wrote Slurm job arrays; submit with {}", submit.display());
+        return Ok(());
+    }
+    let args = sweep::SweepArgs {
+        out: out.clone(),
+        jobs: c.jobs,
+        devices: c.devices,
+        cell: c.cell,
+        retry_failed: c.retry_failed,
+        drop_optimizer: c.drop_optimizer,
+        retrain: c.retrain,
+        stop_after: c.stop_after.map(std::time::Duration::from_secs),
+        quiet: c.quiet,
+        status_every: c.status_every,
+    };
+    let o = sweep::run(&grid, &cells, &args)?;
+    if c.cell.is_none() {
+        tables::write_all(&out, &out)?;
+    }
+    eprintln!(
+        "{}: {} cells done, {} failed, {} skipped",
+        out.display(),
+        o.done,
+        o.failed,
+        o.skipped
+    );
+    if o.stopped {
+        eprintln!(
+            "stopped starting cells after --stop-after {} s; run the same command again to go on",
+            c.stop_after.unwrap_or_default()
+        );
+    }
+    // Cells that failed before and were skipped now count too: the sweep is not complete.
+    let failed = sweep::failed_cells(&cells, &args);
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} cells failed ({}); their errors are in <cell>/status.json and log.txt (rerun with \
+         --retry-failed)",
+        failed.len(),
+        failed.join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,131 @@
+//! What a finished cell's own files hold beyond its evaluation report, read once for its row
+//! (`rows.rs`): its training and validation logs, its probes' head usage per task
+//! (`eval/probe_head_usage.csv`) and its NIAH grid (`eval/niah.csv`). Tables and figures read
+//! them from the row, never from the files.
+
+use anyhow::{anyhow, bail, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A training or validation log (`train_log.csv`, `val_log.csv`): its columns, and a row per
+/// logged step with each value where it is a finite number.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Log {
+    columns: Vec<String>,
+    rows: Vec<Vec<Option<f64>>>,
+}
+
+impl Log {
+    /// The log at `path`, None where there is none (or it cannot be read as CSV).
+    pub(crate) fn read(path: &Path) -> Option<Log> {
+        let mut rdr = csv::Reader::from_path(path).ok()?;
+        let columns: Vec<String> = rdr.headers().ok()?.iter().map(String::from).collect();
+        let rows = rdr
+            .records()
+            .filter_map(|r| r.ok())
+            .map(|r| {
+                r.iter()
+                    .map(|v| v.parse::<f64>().ok().filter(|v| v.is_finite()))
+                    .collect()
+            })
+            .collect();
+        Some(Log { columns, rows })
+    }
+
+    /// The named columns, a row per logged step where each of them is a finite number; None
+    /// when a column is missing.
+    pub(crate) fn select(&self, names: &[&str]) -> Option<Vec<Vec<f64>>> {
+        let cols: Vec<usize> = names
+            .iter()
+            .map(|n| self.columns.iter().position(|h| h == n))
+            .collect::<Option<_>>()?;
+        Some(
+            self.rows
+                .iter()
+                .filter_map(|r| cols.iter().map(|&i| *r.get(i)?).collect())
+                .collect(),
+        )
+    }
+}
+
+/// Per probe task, a layer x head map of full-attention usage, from a cell's
+/// `eval/probe_head_usage.csv` (columns task, layer, head, mu_f); empty without the file.
+pub(crate) fn probe_usage(path: &Path) -> Result<BTreeMap<String, Vec<Vec<f64>>>> {
+    let mut by_task: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
+    if !path.is_file() {
+        return Ok(by_task);
+    }
+    let mut rdr = csv::Reader::from_path(path)?;
+    for (i, rec) in rdr.records().enumerate() {
+        let rec = rec?;
+        let bad = || {
+            anyhow!(
+                "{}: row {} needs task,layer,head,mu_f",
+                path.display(),
+                i + 2
+            )
+        };
+        let index = |k: usize| {
+            rec.get(k)
+                .and_then(|v| v.parse::<usize>().ok())
+                .ok_or_else(bad)
+        };
+        let (layer, head) = (index(1)?, index(2)?);
+        let mu: f64 = rec.get(3).and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        anyhow::ensure!(
+            mu.is_finite(),
+            "{}: row {} gives mu_f {mu}",
+            path.display(),
+            i + 2
+        );
+        let m = by_task
+            .entry(rec.get(0).ok_or_else(bad)?.to_string())
+            .or_default();
+        if m.len() <= layer {
+            m.resize(layer + 1, vec![]);
+        }
+        if m[layer].len() <= head {
+            m[layer].resize(head + 1, f64::NAN);
+        }
+        m[layer][head] = mu;
+    }
+    Ok(by_task)
+}
+
+/// A cell's NIAH results (`eval/niah.csv`, as the evaluation suite writes it): per (depth,
+/// length), the accuracy and, for routed models, the full ratio on the answer tokens.
+#[derive(Debug, Clone)]
+pub(crate) struct Niah {
+    /// (depth, length, accuracy, full ratio), NaN where a value does not parse.
+    pub(crate) cells: Vec<(f64, f64, f64, Option<f64>)>,
+    /// The file has a full-ratio column.
+    pub(crate) full_ratio: bool,
+}
+
+/// The NIAH grid at `path`, None without the file.
+pub(crate) fn niah(path: &Path) -> Result<Option<Niah>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let mut rdr = csv::Reader::from_path(path)?;
+    let headers = rdr.headers()?.clone();
+    let idx = |n: &str| headers.iter().position(|h| h == n);
+    let (Some(d), Some(l), Some(a)) = (idx("depth"), idx("length"), idx("accuracy")) else {
+        bail!("{} needs columns depth, length, accuracy", path.display());
+    };
+    let fr = idx("full_ratio");
+    let mut cells = Vec::new();
+    for rec in rdr.records() {
+        let rec = rec?;
+        let num = |i: usize| {
+            rec.get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(f64::NAN)
+        };
+        cells.push((num(d), num(l), num(a), fr.map(num)));
+    }
+    Ok(Some(Niah {
+        cells,
+        full_ratio: fr.is_some(),
+    }))
+}

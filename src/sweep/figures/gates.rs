@@ -1,0 +1,334 @@
+//! The gates' figures: usage against the window and lambda (AHA Tables 1/2 and 4), head usage
+//! maps (AHA Figs. 3/4), the test-time threshold (L2A Fig. 13), sparsity per layer (L2A Fig. 3,
+//! SwiAttn Fig. 5) and the routers' learning curves.
+
+use super::series::{
+    first_replicate, full_reference, grouped, replicate_means, setting_legend, short_key,
+    with_reference,
+};
+use crate::config::{name_of, Router};
+use crate::model::attention::{spec, Gates};
+use crate::sweep::figure::{sorted, Figure, Look, Panel, Series, XAxis};
+use crate::sweep::grid::StageKind;
+use crate::sweep::rows::Row;
+use crate::util::stats::summarize;
+use std::collections::{BTreeMap, BTreeSet};
+
+const WINDOW: &str = "attention.window";
+const LAMBDA: &str = "attention.lambda";
+
+/// Usage (mu_f) and validation loss against the same swept value, side by side.
+pub(super) fn usage_and_loss(
+    title: &str,
+    x: &str,
+    usage: Vec<Series>,
+    loss: Vec<Series>,
+) -> Figure {
+    let x_axis = XAxis::LogSwept;
+    Figure::Panels {
+        title: title.into(),
+        panels: vec![
+            Panel {
+                title: "full-attention usage".into(),
+                x: format!("{x}, log scale"),
+                y: "mu_f".into(),
+                series: usage,
+                x_axis,
+            },
+            Panel {
+                title: "quality".into(),
+                x: format!("{x}, log scale"),
+                y: "validation loss".into(),
+                series: loss,
+                x_axis,
+            },
+        ],
+    }
+}
+
+/// AHA Fig. 3: a layer x head map of full-attention usage.
+pub(super) fn usage_map(title: String, values: Vec<Vec<f64>>) -> Figure {
+    Figure::Heatmap {
+        title,
+        x: "head".into(),
+        y: "layer".into(),
+        values,
+        range: (0.0, 1.0),
+        x_ticks: vec![],
+        y_ticks: vec![],
+    }
+}
+
+/// AHA Tables 1/2: every learned router's usage and loss against the window, where windows vary.
+pub(super) fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
+    let routed_by_window: Vec<&Row> = train
+        .iter()
+        .copied()
+        .filter(|r| r.mu_f().is_some() && r.router == Router::Learned)
+        .collect();
+    let windows: BTreeSet<i64> = routed_by_window.iter().map(|r| r.window as i64).collect();
+    if windows.len() < 2 {
+        return;
+    }
+    let key = |r: &Row| format!("{} lambda={}", name_of(r.method), r.grid_attention.lambda);
+    figs.push((
+        "mu_f_vs_window".into(),
+        usage_and_loss(
+            "Full-attention usage and quality against window",
+            "window w (tokens)",
+            grouped(&routed_by_window, WINDOW, key, |r| {
+                r.mu_f().map(|m| (r.window, m))
+            }),
+            with_reference(
+                grouped(&routed_by_window, WINDOW, key, |r| {
+                    Some((r.window, r.loss()))
+                }),
+                full_reference(train.iter().copied(), &routed_by_window, |r| Some(r.loss())),
+            ),
+        ),
+    ));
+}
+
+/// AHA Figs. 3/4: each learned cell's layer x head usage (of one method), and every head
+/// sorted.
+pub(super) fn head_usage(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
+    // Per trained cell: its heads sorted by usage, named by its setting (stage and settings
+    // but the seed), so a setting's curve is its replicates' mean at each rank.
+    let mut sorted_curves: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for r in cells {
+        let Some(g) = r.gates() else { continue };
+        let m = g.per_head.clone();
+        if m.is_empty() {
+            continue;
+        }
+        if r.kind == StageKind::Train {
+            let mut all_heads: Vec<f64> = m.iter().flatten().copied().collect();
+            all_heads.sort_by(|a, b| b.total_cmp(a));
+            let by_rank = all_heads
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| (i as f64 + 1.0, v))
+                .collect();
+            sorted_curves.push((setting_legend(r), by_rank));
+        }
+        if first_replicate(r, cells.iter().copied()) {
+            figs.push((
+                format!("head_usage_{}", r.cell),
+                usage_map(format!("Head usage mu_f: {}", r.label), m),
+            ));
+        }
+    }
+    let sorted_usage = replicate_means(sorted_curves);
+    if !sorted_usage.is_empty() {
+        figs.push((
+            "head_usage_sorted".into(),
+            Figure::Lines {
+                title: "Heads sorted by full-attention usage (mean over seeds)".into(),
+                x: "head rank".into(),
+                y: "mu_f".into(),
+                series: sorted_usage,
+                x_axis: XAxis::Linear,
+            },
+        ));
+    }
+}
+
+/// AHA Table 4: usage and loss against lambda, at the windows where lambdas vary (one
+/// method's learned train cells).
+pub(super) fn lambda_ablation(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
+    let lambda = |r: &Row| r.grid_attention.lambda;
+    let lambdas_at = |w: f64| -> BTreeSet<u64> {
+        cells
+            .iter()
+            .filter(|r| r.window == w)
+            .map(|r| lambda(r).to_bits())
+            .collect()
+    };
+    let varied: Vec<&Row> = cells
+        .iter()
+        .copied()
+        .filter(|r| lambdas_at(r.window).len() > 1)
+        .collect();
+    if varied.is_empty() {
+        return;
+    }
+    let key = |r: &Row| format!("window={}", r.window);
+    figs.push((
+        "lambda_ablation".into(),
+        usage_and_loss(
+            "Full-attention usage and quality against lambda",
+            "lambda",
+            grouped(&varied, LAMBDA, key, |r| r.mu_f().map(|m| (lambda(r), m))),
+            grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss()))),
+        ),
+    ));
+}
+
+/// L2A Fig. 13: each learned setting's loss against attention work as the test-time threshold
+/// moves (one method's learned cells), the trained cells' own evaluation (the trained tau)
+/// among the points; at the length the cells trained at (their evaluations at other lengths
+/// are other work), each point the mean over the setting's replicates.
+pub(super) fn threshold_sweep(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
+    let tau = |r: &Row| r.grid_attention.tau;
+    let trained: Vec<&Row> = cells
+        .iter()
+        .copied()
+        .filter(|r| r.kind == StageKind::Train)
+        .collect();
+    let lengths: BTreeSet<usize> = trained.iter().map(|r| r.report.seq_len).collect();
+    let at = match (lengths.len(), lengths.first()) {
+        (0, _) => return,
+        (1, Some(len)) => format!("at {len} tokens"),
+        _ => "at each cell's trained length".to_string(),
+    };
+    // The trained cells' own evaluations and those at another threshold (a probe stage at
+    // the trained tau would count the trained point twice), at the length each trained cell
+    // was evaluated at.
+    let trained_at: BTreeMap<&str, (usize, f64)> = trained
+        .iter()
+        .map(|r| (r.cell.as_str(), (r.report.seq_len, tau(r))))
+        .collect();
+    let points: Vec<&Row> = cells
+        .iter()
+        .copied()
+        .filter(|r| match r.kind {
+            StageKind::Train => true,
+            StageKind::Eval => trained_at
+                .get(r.source.as_str())
+                .is_some_and(|&(len, t)| len == r.report.seq_len && t != tau(r)),
+            StageKind::Prune => false,
+        })
+        .filter(|r| r.mu_f().is_some())
+        .collect();
+    if points.iter().all(|r| r.kind == StageKind::Train) {
+        return;
+    }
+    // A trained cell's setting: its window and settings but the seed; an evaluation belongs
+    // to the setting of the cell it evaluates.
+    let setting_of: BTreeMap<&str, String> = trained
+        .iter()
+        .map(|r| {
+            let others = r
+                .setting()
+                .filter(|(k, _)| *k != WINDOW)
+                .map(|(k, v)| format!("{}={v}", short_key(k)))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let name = format!("{} w={} {others}", spec(r.method).label, r.window);
+            (r.cell.as_str(), name.trim().to_string())
+        })
+        .collect();
+    // Per setting, per tau: the replicates' (pairs, loss).
+    type Points = BTreeMap<u64, (Vec<f64>, Vec<f64>)>;
+    let mut groups: BTreeMap<String, Points> = BTreeMap::new();
+    for r in &points {
+        let owner = match r.kind {
+            StageKind::Train => &r.cell,
+            _ => &r.source,
+        };
+        let Some(name) = setting_of.get(owner.as_str()) else {
+            continue;
+        };
+        let e = groups
+            .entry(name.clone())
+            .or_default()
+            .entry(tau(r).to_bits())
+            .or_default();
+        e.0.push(r.pairs_vs_full());
+        e.1.push(r.loss());
+    }
+    let series: Vec<Series> = groups
+        .into_iter()
+        .map(|(name, at)| {
+            let (mut points, mut labels, mut errors) = (vec![], vec![], vec![]);
+            for (t, (pairs, losses)) in at {
+                let loss = summarize(&losses);
+                points.push((summarize(&pairs).mean, loss.mean));
+                errors.push(loss.half_width);
+                labels.push(format!("tau={}", f64::from_bits(t)));
+            }
+            Series {
+                name,
+                points,
+                line: true,
+                labels,
+                errors,
+                look: Look::ByPlace,
+            }
+        })
+        .collect();
+    figs.push((
+        "threshold_sweep".into(),
+        Figure::Lines {
+            title: format!("Test-time threshold {at}: quality against attention work"),
+            x: "attended pairs / full causal".into(),
+            y: "validation loss".into(),
+            series: sorted(series),
+            x_axis: XAxis::Linear,
+        },
+    ));
+}
+
+/// L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer of each trained per-token router.
+pub(super) fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
+    for r in all
+        .iter()
+        .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train)
+        .filter(|r| first_replicate(r, all.iter()))
+    {
+        let Some(g) = r.gates() else { continue };
+        figs.push((
+            format!("layer_sparsity_{}", r.cell),
+            Figure::Bars {
+                title: format!("Sparsity per layer: {} {}", name_of(r.method), r.label),
+                x: "layer".into(),
+                y: "sparsity 1 - mu_f".into(),
+                bars: g
+                    .per_layer
+                    .iter()
+                    .enumerate()
+                    .map(|(l, m)| (l.to_string(), 1.0 - m))
+                    .collect(),
+            },
+        ));
+    }
+}
+
+/// The router's learning curve (L2A Sec. 3.3: collapse): every learned router's gate
+/// usage and training loss over its own steps, from its training log.
+pub(super) fn router_curves(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
+    let logs: Vec<(&Row, Vec<Vec<f64>>)> = train
+        .iter()
+        .filter(|r| r.router == Router::Learned && r.mu_f().is_some())
+        .filter_map(|r| {
+            let pts = r.train_log.as_ref()?.select(&["step", "loss", "mu_f"])?;
+            (pts.len() > 1).then_some((*r, pts))
+        })
+        .collect();
+    if logs.is_empty() {
+        return;
+    }
+    let panel = |y: &str, col: usize| Panel {
+        title: y.into(),
+        x: "training step".into(),
+        y: y.into(),
+        series: replicate_means(
+            logs.iter()
+                .map(|(r, pts)| {
+                    (
+                        setting_legend(r),
+                        pts.iter().map(|p| (p[0], p[col])).collect(),
+                    )
+                })
+                .collect(),
+        ),
+        x_axis: XAxis::Linear,
+    };
+    figs.push((
+        "router_curves".into(),
+        Figure::Panels {
+            title: "Routers while training".into(),
+            panels: vec![panel("gates open (mu_f)", 2), panel("training loss", 1)],
+        },
+    ));
+}

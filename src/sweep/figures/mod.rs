@@ -1,0 +1,102 @@
+//! The figures a sweep directory's cells can fill, each as PNG and SVG (`figure.rs` draws
+//! them), by family: the gates' (`gates.rs`), the curves over training, length and a method's
+//! own setting (`curves.rs`), each cell's probe files (`cells.rs`), and every method of one
+//! budget (`pareto.rs` beside the table), on what they share (`series.rs`). Every family reads what it draws from the rows
+//! (`rows.rs`); the families of one method's own are those its `MethodSpec::reports` names.
+//!
+//! | figure | paper item |
+//! |---|---|
+//! | `mu_f_vs_window` | AHA Table 1/2: full-attention usage and validation loss against the window |
+//! | `head_usage_<cell>` | AHA Fig. 3: layer x head usage heatmap with a colour bar |
+//! | `head_usage_<cell>_<task>` | AHA Fig. 3 per task, from a cell's `eval/probe_head_usage.csv` |
+//! | `head_usage_sorted` | AHA Fig. 4: every head's usage, sorted |
+//! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda |
+//! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
+//! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
+//! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
+//! | `router_curves` | every learned router's gate usage and training loss over its steps (L2A router collapse) |
+//! | `ppa_s_curve` | PPA Fig. 3 and Table 1 (a method's `Report::Curve`): final loss against p, the probes' accuracy, on the synthetic corpus the accuracy on dependencies at least w back, and the attention and prefill time of the cells timed alone |
+//! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
+//! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
+//! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |
+//! | `prefill_time` | L2A Figs. 14-15: forward, prefill and decoding time against length, cells timed alone |
+
+mod cells;
+mod curves;
+mod gates;
+mod pareto;
+mod series;
+#[cfg(test)]
+mod tests;
+
+use super::figure::Figure;
+use super::grid::StageKind;
+use super::rows::{rows, Row};
+use super::tables;
+use crate::config::Router;
+use crate::model::attention::{all_methods, Report};
+use crate::util::atomic;
+use anyhow::Result;
+use std::path::{Path, PathBuf};
+
+/// Every figure the sweep directory's cells can fill, as (file stem, figure).
+pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
+    let all = rows(sweep)?;
+    let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
+    let mut figs: Vec<(String, Figure)> = Vec::new();
+    gates::mu_f_vs_window(&train, &mut figs);
+    // Each method's own families, over its learned routers' train cells where they read
+    // routers (in the registry's order of the methods that report them).
+    let learned = |r: &&Row| r.router == Router::Learned;
+    let learned_train: Vec<&Row> = train.iter().copied().filter(learned).collect();
+    for rows in reporting(&learned_train, |r| matches!(r, Report::HeadUsage)) {
+        gates::head_usage(&rows, &mut figs);
+    }
+    for rows in reporting(&learned_train, |r| matches!(r, Report::LambdaAblation)) {
+        gates::lambda_ablation(&rows, &mut figs);
+    }
+    let every: Vec<&Row> = all.iter().filter(learned).collect();
+    for rows in reporting(&every, |r| matches!(r, Report::ThresholdSweep)) {
+        gates::threshold_sweep(&rows, &mut figs);
+    }
+    gates::layer_sparsity(&all, &mut figs);
+    curves::loss_curves(&train, &mut figs);
+    gates::router_curves(&train, &mut figs);
+    curves::bucket_loss(&all, &mut figs);
+    for s in all_methods() {
+        for r in s.reports {
+            if let Report::Curve(c) = r {
+                curves::setting_curve(s, c, &all, &train, &mut figs);
+            }
+        }
+    }
+    curves::prefill_time(&all, &mut figs);
+    cells::cell_files(&all, &mut figs);
+    figs.extend(pareto::pareto_figures(&all));
+    Ok(figs)
+}
+
+/// The rows of each method whose `MethodSpec::reports` has a report `wanted` picks, a list
+/// per such method in the registry's order.
+fn reporting<'a>(rows: &[&'a Row], wanted: fn(&Report) -> bool) -> Vec<Vec<&'a Row>> {
+    all_methods()
+        .filter(|s| s.reports.iter().any(wanted))
+        .map(|s| {
+            rows.iter()
+                .copied()
+                .filter(|r| r.method == s.method)
+                .collect()
+        })
+        .collect()
+}
+
+/// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
+pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    let mut written = tables::write_all(sweep, out)?;
+    let dir = out.join("figures");
+    atomic::ensure_writable_dir(&dir)?;
+    for (stem, fig) in figures(sweep)? {
+        written.extend(fig.save(&dir.join(stem))?);
+    }
+    Ok(written)
+}

@@ -1,0 +1,243 @@
+//! Tests of the figures: grouping, references, every figure of a fixture sweep rendered.
+
+use super::cells::{niah_figures, probe_usage_maps};
+use super::gates::usage_and_loss;
+use super::series::{grouped, with_reference};
+use super::*;
+use crate::sweep::axes::cell_label;
+use crate::sweep::cell_files;
+use crate::sweep::figure::tests::render;
+use crate::sweep::figure::Figure;
+use crate::sweep::fixture;
+
+const WINDOW: &str = "attention.window";
+
+/// The settings a label names, as a row holds them.
+fn varied(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Replicates of one setting at one x become their mean with Student's 95 % interval as
+/// an error bar; another setting at the same x stays its own point, without one; the
+/// chart with error bars renders.
+#[test]
+fn replicates_become_a_mean_with_an_error_bar() {
+    let dir = fixture::sweep_dir("replicate-points");
+    let all = rows(&dir).unwrap();
+    let with = |settings: &[(&str, &str)], loss: f64| {
+        let mut r = all[0].clone();
+        r.varied = varied(settings);
+        r.report.loss = loss;
+        r
+    };
+    let (a, b, c) = (
+        with(&[(WINDOW, "8"), ("train.seed", "1")], 1.0),
+        with(&[(WINDOW, "8"), ("train.seed", "2")], 1.2),
+        with(&[(WINDOW, "4")], 3.0),
+    );
+    let s = grouped(
+        &[&a, &b, &c],
+        WINDOW,
+        |_| "s".into(),
+        |r| Some((8.0, r.loss())),
+    );
+    assert_eq!(s.len(), 1);
+    let (points, errors) = (&s[0].points, &s[0].errors);
+    assert_eq!(points.len(), 2);
+    let mean = points
+        .iter()
+        .position(|p| (p.1 - 1.1).abs() < 1e-12)
+        .unwrap();
+    assert!(
+        (errors[mean] - 12.706 * (0.02f64).sqrt() / 2f64.sqrt()).abs() < 1e-9,
+        "{errors:?}"
+    );
+    assert!(errors[1 - mean].is_nan());
+    let single = grouped(&[&c], WINDOW, |_| "s".into(), |r| Some((8.0, r.loss())));
+    assert!(single[0].errors.is_empty());
+    let again = grouped(
+        &[&a, &b, &c],
+        WINDOW,
+        |_| "s".into(),
+        |r| Some((8.0, r.loss())),
+    );
+    let fig = usage_and_loss("t", "x", s, again);
+    assert!(render(&fig).0 > 0);
+}
+
+#[test]
+fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
+    let dir = fixture::sweep_dir("control-series");
+    let all = rows(&dir).unwrap();
+    let with = |settings: &[(&str, &str)], window: f64, loss: f64| {
+        let mut r = all[0].clone();
+        r.varied = varied(settings);
+        r.window = window;
+        r.report.loss = loss;
+        r
+    };
+    let cells = [
+        with(&[(WINDOW, "8"), ("train.seed", "1")], 8.0, 1.0),
+        with(&[(WINDOW, "16"), ("train.seed", "1")], 16.0, 0.9),
+        with(
+            &[("train.router_init_bias", "1.0"), ("train.seed", "1")],
+            8.0,
+            2.0,
+        ),
+    ];
+    let refs: Vec<&Row> = cells.iter().collect();
+    let s = grouped(
+        &refs,
+        WINDOW,
+        |_| "aha".into(),
+        |r| Some((r.window, r.loss())),
+    );
+    let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["aha", "aha router_init_bias=1.0"]);
+    assert_eq!(s[0].points, [(8.0, 1.0), (16.0, 0.9)]);
+    // A reference line spans the x range; the legend widens to the longest name.
+    let lines = with_reference(s, Some(0.5));
+    assert_eq!(lines[2].points, [(8.0, 0.5), (16.0, 0.5)]);
+    let fig = usage_and_loss("t", "x", vec![], lines);
+    let long = "full attention, trained as long".chars().count() as u32;
+    assert!(fig.size().0 >= 560 * 2 + 8 * long);
+}
+
+#[test]
+fn every_figure_of_a_fixture_sweep_renders() {
+    let dir = fixture::sweep_dir("plots");
+    let figs = figures(&dir).unwrap();
+    let stems: Vec<&str> = figs.iter().map(|(s, _)| s.as_str()).collect();
+    for want in [
+        "mu_f_vs_window",
+        "head_usage_aha-4",
+        "head_usage_sorted",
+        "lambda_ablation",
+        "threshold_sweep",
+        "layer_sparsity_l2a-0",
+        "layer_sparsity_swi-0",
+        "loss_curves",
+        "bucket_loss",
+        "ppa_s_curve",
+        "pareto",
+        "pareto_time",
+        "pareto_memory",
+    ] {
+        assert!(stems.contains(&want), "{want} missing from {stems:?}");
+    }
+    for (stem, f) in &figs {
+        let (ink, svg) = render(f);
+        assert!(ink > 5_000, "{stem}: only {ink} drawn pixels");
+        assert!(svg.contains(f.title()), "{stem}: title missing");
+    }
+    let written = write_all(&dir, &dir).unwrap();
+    assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
+    // L2A Fig. 13 has the trained threshold among the test-time ones, in order of tau.
+    let Some((_, Figure::Lines { series, .. })) = figs.iter().find(|(s, _)| s == "threshold_sweep")
+    else {
+        panic!("threshold_sweep is one chart");
+    };
+    assert_eq!(series.len(), 1);
+    assert_eq!(series[0].labels, ["tau=0.3", "tau=0.5", "tau=0.7"]);
+}
+
+/// PPA's attention time against p reads only the PPA cells timed alone on the GPU: one
+/// line for the attention layers and one for prefill, each at the powers timed.
+#[test]
+fn ppa_s_curve_plots_time_against_p_from_cells_timed_alone() {
+    let dir = fixture::sweep_dir("ppa-time");
+    let ppa_time = |dir: &Path| {
+        let figs = figures(dir).unwrap();
+        let Some((_, Figure::Panels { panels, .. })) =
+            figs.into_iter().find(|(s, _)| s == "ppa_s_curve")
+        else {
+            panic!("ppa_s_curve has panels");
+        };
+        panels
+            .into_iter()
+            .find(|p| p.title == "one sequence, alone on the GPU")
+    };
+    assert!(ppa_time(&dir).is_none(), "no cell ran alone yet");
+    tables::tests::time_alone(&dir, &["ppa-0", "ppa-5", "full-0"], ("ppa-5", 6.0));
+    let panel = ppa_time(&dir).expect("a time panel once PPA cells ran alone");
+    let names: Vec<&str> = panel.series.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(names.iter().all(|n| n.contains("window=")), "{names:?}");
+    let prefill = panel
+        .series
+        .iter()
+        .find(|s| s.name.starts_with("prefill"))
+        .unwrap();
+    // The fixture times 8 ms for every cell but the one set to 6 ms.
+    assert_eq!(prefill.points, [(0.0, 8.0), (0.5, 6.0)]);
+}
+
+#[test]
+fn probe_head_usage_gives_a_map_per_task() {
+    let dir = std::env::temp_dir().join(format!("attnsweep-probe-map-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("probe_head_usage.csv");
+    std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,0,0.5\npasskey,0,1,1.0\npasskey,1,0,0.0\npasskey,1,1,0.25\nniah_single,0,0,1.0\nniah_single,0,1,0.0\nniah_single,1,0,0.5\nniah_single,1,1,0.5\n").unwrap();
+    let maps = probe_usage_maps(&cell_files::probe_usage(&p).unwrap(), "aha");
+    let names: Vec<&str> = maps.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(names, ["niah_single", "passkey"]);
+    match &maps[1].1 {
+        Figure::Heatmap { values, range, .. } => {
+            assert_eq!(values, &vec![vec![0.5, 1.0], vec![0.0, 0.25]]);
+            assert_eq!(*range, (0.0, 1.0));
+        }
+        _ => panic!("heatmap expected"),
+    }
+    std::fs::write(&p, "task,layer,head,mu_f\npasskey,0,x,0.5\n").unwrap();
+    let e = cell_files::probe_usage(&p).err().unwrap().to_string();
+    assert!(e.contains("row 2 needs task,layer,head,mu_f"), "{e}");
+}
+
+#[test]
+fn niah_csv_gives_heatmap_and_depth_curve() {
+    let dir = std::env::temp_dir().join(format!("attnsweep-niah-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("niah.csv");
+    std::fs::write(&p, "depth,length,accuracy,full_ratio\n0.0,64,1.0,0.2\n0.5,64,0.5,0.4\n0.0,128,0.8,0.3\n0.5,128,0.2,0.5\n").unwrap();
+    let niah = cell_files::niah(&p).unwrap().unwrap();
+    let figs = niah_figures(&niah, "c", "m", Some(32.0));
+    assert_eq!(figs.len(), 2);
+    match &figs[0].1 {
+        Figure::Heatmap {
+            values,
+            x_ticks,
+            y_ticks,
+            ..
+        } => {
+            assert_eq!(values, &vec![vec![1.0, 0.8], vec![0.5, 0.2]]);
+            // The axes name the lengths and depths, not their indices.
+            assert_eq!(
+                (x_ticks.as_slice(), y_ticks.as_slice()),
+                (
+                    &["64".to_string(), "128".into()][..],
+                    &["0".to_string(), "0.5".into()][..]
+                )
+            );
+            assert_eq!(cell_label(1.5, x_ticks), "128");
+            assert_eq!(cell_label(1.0, x_ticks), "");
+        }
+        _ => panic!("heatmap expected"),
+    }
+    match &figs[1].1 {
+        Figure::Lines { series, .. } => {
+            assert_eq!(series[0].points, vec![(0.0, 0.2), (0.5, 0.4)]);
+            assert_eq!(series[1].points, vec![(0.0, 0.3), (0.5, 0.5)]);
+            // A 32-token window reaches a needle from depth 0.5 of 64 tokens, 0.75 of 128.
+            assert_eq!(series[2].name, "window reach, L=64");
+            assert_eq!(series[2].points, vec![(0.5, 0.0), (0.5, 1.0)]);
+            assert_eq!(series[3].points, vec![(0.75, 0.0), (0.75, 1.0)]);
+        }
+        _ => panic!("lines expected"),
+    }
+    for (_, f) in &figs {
+        assert!(render(f).0 > 5_000);
+    }
+}
