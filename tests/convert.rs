@@ -621,4 +621,140 @@ fn a_gguf_file_not_read_is_refused_by_name() {
         work.join("with-config").to_str().unwrap(),
     ]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("leave out --config"));
+
+    // A `.gguf` whose magic is damaged or cut short is refused as GGUF, not taken for a
+    // weight file without its config.
+    let mut magic = bytes.clone();
+    magic[..4].copy_from_slice(b"GGUX");
+    refuse("magic.gguf", &magic, "does not start with the magic GGUF");
+    refuse("short.gguf", b"GG", "does not start with the magic GGUF");
+
+    // Metadata of another type than GGUF's is refused by name, not defaulted: the bool
+    // add_bos_token retyped as a u8 (type 7 to 0, the value's one byte kept).
+    let key = b"tokenizer.ggml.add_bos_token";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    let mut retyped = bytes.clone();
+    retyped[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+    refuse(
+        "retyped.gguf",
+        &retyped,
+        "tokenizer.ggml.add_bos_token is an integer, not a bool",
+    );
+}
+
+/// The name (GGUF's, before conversion) of each tensor of a GGUF file and where its
+/// dimension count lies, read with the file's own layout (version 3, metadata first).
+fn gguf_tensor_infos(bytes: &[u8]) -> Vec<(String, usize)> {
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let (n_tensors, n_meta) = (u64_at(8), u64_at(16));
+    let mut at = 24;
+    // Skips one value of type `ty` from `at`.
+    fn skip(bytes: &[u8], at: usize, ty: u32) -> usize {
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        match ty {
+            0 | 1 | 7 => at + 1,
+            2 | 3 => at + 2,
+            4 | 5 | 6 => at + 4,
+            10 | 11 | 12 => at + 8,
+            8 => at + 8 + u64_at(at),
+            9 => {
+                let inner = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+                let n = u64_at(at + 4);
+                (0..n).fold(at + 12, |a, _| skip(bytes, a, inner))
+            }
+            _ => panic!("type {ty}"),
+        }
+    }
+    for _ in 0..n_meta {
+        at += 8 + u64_at(at);
+        let ty = u32_at(at);
+        at = skip(bytes, at + 4, ty);
+    }
+    let mut infos = vec![];
+    for _ in 0..n_tensors {
+        let len = u64_at(at);
+        let name = String::from_utf8(bytes[at + 8..at + 8 + len].to_vec()).unwrap();
+        at += 8 + len;
+        infos.push((name, at));
+        let dims = u32_at(at) as usize;
+        at += 4 + 8 * dims + 4 + 8;
+    }
+    infos
+}
+
+/// A GGUF file is checked against the model before any tensor is read: a tensor of the wrong
+/// shape is named although a later tensor holds NaN (which only reading finds), and a tensor
+/// name given twice is refused, leaving no scratch files behind.
+#[test]
+fn a_gguf_file_is_checked_before_its_tensors_are_read() {
+    let fx = gguf_fixtures();
+    let work = scratch("gguf-checked");
+    let tmp = work.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let bytes = std::fs::read(fx.join("f16.gguf")).unwrap();
+    let infos = gguf_tensor_infos(&bytes);
+    let refuse = |name: &str, bytes: &[u8], needle: &str| {
+        let src = work.join(name);
+        std::fs::write(&src, bytes).unwrap();
+        let out = work.join(format!("{name}-out"));
+        let o = bin()
+            .env("TMPDIR", &tmp)
+            .args([
+                "convert",
+                "--from",
+                src.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{name}: {err}");
+        assert!(!err.contains("internal error"), "{name}: {err}");
+        let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+        assert!(left.is_empty(), "{name}: scratch left behind: {left:?}");
+    };
+
+    // The first 2-D tensor's dimensions swapped (its length unchanged), and the last
+    // tensor's first value a NaN.
+    let (name, dims_at) = infos
+        .iter()
+        .find(|(_, at)| bytes[*at] == 2)
+        .expect("a 2-D tensor")
+        .clone();
+    let mut wrong = bytes.clone();
+    let (a, b) = (dims_at + 4, dims_at + 12);
+    let (d0, d1) = (wrong[a..a + 8].to_vec(), wrong[b..b + 8].to_vec());
+    assert_ne!(d0, d1, "{name} is square");
+    wrong[a..a + 8].copy_from_slice(&d1);
+    wrong[b..b + 8].copy_from_slice(&d0);
+    let last = infos.last().unwrap().1;
+    let ndims = wrong[last] as usize;
+    let ty_at = last + 4 + 8 * ndims;
+    let offset = u64::from_le_bytes(wrong[ty_at + 4..ty_at + 12].try_into().unwrap()) as usize;
+    let data_start = (ty_at + 12).div_ceil(32) * 32;
+    let nan: &[u8] = match u32::from_le_bytes(wrong[ty_at..ty_at + 4].try_into().unwrap()) {
+        0 => &[0, 0, 0xC0, 0x7F],
+        1 => &[0, 0x7E],
+        ty => panic!("the last tensor is of type {ty}, neither F32 nor F16"),
+    };
+    wrong[data_start + offset..data_start + offset + nan.len()].copy_from_slice(nan);
+    refuse("shape.gguf", &wrong, "the config implies");
+
+    // A tensor renamed as an earlier one of a name as long (attn_q and attn_k of a block).
+    let (k, later) = infos
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(k, (n, _))| infos[..*k].iter().any(|(m, _)| m.len() == n.len()))
+        .expect("two names of one length");
+    let earlier = infos[..k]
+        .iter()
+        .find(|(m, _)| m.len() == later.0.len())
+        .unwrap();
+    let mut twice = bytes.clone();
+    twice[later.1 - later.0.len()..later.1].copy_from_slice(earlier.0.as_bytes());
+    refuse("twice.gguf", &twice, "appears twice");
+    let _ = std::fs::remove_dir_all(&work);
 }

@@ -77,7 +77,7 @@ fn final_weights(run: &Path) -> Vec<(String, tch::Tensor)> {
     )
 }
 
-/// The log without its timing column, which differs between runs.
+/// The log without the columns that differ between runs: the rate and the peak memory.
 fn log_without_timing(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -86,7 +86,8 @@ fn log_without_timing(path: &Path) -> Vec<String> {
             let f: Vec<&str> = l.split(',').collect();
             f.iter()
                 .enumerate()
-                .filter(|(i, _)| *i != 4)
+                // tokens_per_s, and peak_gib: a resumed process's own peak memory.
+                .filter(|(i, _)| *i != 4 && *i != 8)
                 .map(|(_, v)| *v)
                 .collect::<Vec<_>>()
                 .join(",")

@@ -126,12 +126,7 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
             cells.len() - trains.len()
         );
         let problems = sweep::problems(&grid, &cells);
-        anyhow::ensure!(
-            problems.is_empty(),
-            "{} cells would fail when run:\n  {}",
-            problems.len(),
-            problems.join("\n  ")
-        );
+        anyhow::ensure!(problems.is_empty(), "{}", sweep::describe(&problems));
         return Ok(());
     }
     if c.emit.is_some() {

@@ -485,10 +485,11 @@ fn run() -> Result<()> {
         Command::Sweep(c) => run_sweep(c),
         Command::Plot(c) => {
             let out = c.out.unwrap_or_else(|| c.sweep.clone());
-            let written = sweep::write_all(&c.sweep, &out)?;
-            for w in written {
+            let plotted = sweep::write_all(&c.sweep, &out)?;
+            for w in &plotted.written {
                 println!("{}", w.display());
             }
+            eprint!("{}", sweep::unread_report(&plotted));
             Ok(())
         }
         Command::Prune(c) => run_prune(c),
@@ -710,7 +711,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
         run.cfg.eval.mc = c.mc.clone();
     }
     if !c.quiet {
-        run.warn_if_unfinished();
+        run.report_load();
     }
     let (cfg, built) = (&run.cfg, &run.built);
     let meta = run.meta()?;

@@ -9,17 +9,24 @@
 //! order, the last one possibly cut), as nanoGPT's `data[int(n*0.9):]`.
 //!
 //! A sources file (`--sources`, TOML) names pinned archives (`[[package]]`: file, url,
-//! sha256, checked before anything is read) and the corpus's parts (`[[source]]`: name,
-//! input, glob). Each part is held out on its own: its last `val_fraction` becomes its own
+//! sha256, checked before anything is read, and unpacked whole: the marker
+//! `.<file>.unpacked` that `corpora/fetch.py` writes once unpacking ends must be there) and
+//! the corpus's parts (`[[source]]`: name, input, glob). Inputs are paths below the root, and
+//! every file they name, links followed, must lie inside it; each file belongs to one part
+//! only. Each part is held out on its own: its last `val_fraction` becomes its own
 //! validation shards (`val-<name>_000.bin`), so evaluation reports a loss per part and no
-//! part's validation text is ever trained on.
+//! part's validation text is ever trained on. A part that yields no document is refused,
+//! naming its files' reasons.
 //!
 //! Memory stays bounded by batches of documents (tokenised at once, in order, with rayon)
-//! and one file's text (a text file, a decompressed Parquet file); a corpus of any size
-//! streams through. A file that is binary (holds a NUL byte) or not UTF-8 is skipped with
-//! its reason, as is a JSON Lines record that is not JSON or has no text in the field.
+//! and the limits of `formats::LIMITS`: a plain text document is read and tokenised 16 MiB
+//! at a time (cut where byte-level BPE pre-tokenizers split anyway), a JSON Lines record of
+//! more than 256 MiB is skipped with its line, a compressed Parquet file is decompressed into
+//! memory up to 256 MiB (an uncompressed one is mapped); a corpus of any size streams
+//! through. A file that is binary (holds a NUL byte) or not UTF-8 is skipped with its reason,
+//! as is a JSON Lines record that is not JSON or has no text in the field.
 
-use super::formats::{read_file, Skipped, REASONS_SHOWN};
+use super::formats::{read_file, Skipped, LIMITS, REASONS_SHOWN};
 use super::meta::{prepare_out_dir, CorpusRecord, Meta, Package, SourceRecord};
 use super::shards::{Shard, ShardWriter, Width, TOKENS_MAGIC};
 use super::tokenizer::{finish_text_dataset, TextTokenizer};
@@ -147,9 +154,15 @@ struct Part {
     glob: Vec<String>,
 }
 
-/// The parts and packages of the sources file `path`, each archive checked against its
-/// SHA-256 (a missing or changed archive is refused: the corpus would not be the pinned one).
-fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>)> {
+/// The marker `corpora/fetch.py` leaves beside an archive once it is unpacked whole.
+fn unpacked_marker(root: &Path, archive: &str) -> PathBuf {
+    root.join(format!(".{archive}.unpacked"))
+}
+
+/// The parts and packages of the sources file `path` and its root, each archive checked
+/// against its SHA-256 (a missing or changed archive is refused: the corpus would not be the
+/// pinned one) and unpacked whole, each input a path below the root.
+fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>, PathBuf)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the sources file {}", path.display()))?;
     let file: SourcesFile =
@@ -183,6 +196,16 @@ fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>)> {
             p.sha256,
             p.url
         );
+        ensure!(
+            unpacked_marker(&root, &p.file).is_file(),
+            "package {} of {} is not unpacked whole under {}: its marker {} (written once the \
+             archive is unpacked) is missing, so unpacking was interrupted or never done; \
+             unpack it again (`make corpus` does)",
+            p.file,
+            path.display(),
+            root.display(),
+            unpacked_marker(&root, &p.file).display()
+        );
     }
     let mut seen = std::collections::BTreeSet::new();
     let parts = file
@@ -210,6 +233,23 @@ fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>)> {
                 s.name,
                 path.display()
             );
+            for i in &s.input {
+                let below = i.components().all(|c| {
+                    matches!(
+                        c,
+                        std::path::Component::Normal(_) | std::path::Component::CurDir
+                    )
+                });
+                ensure!(
+                    below,
+                    "input {} of source {:?} in {} is not a path below the root {}: a source \
+                     reads only what lies there, beside its pinned archives",
+                    i.display(),
+                    s.name,
+                    path.display(),
+                    root.display()
+                );
+            }
             Ok(Part {
                 name: Some(s.name),
                 inputs: s.input.iter().map(|i| root.join(i)).collect(),
@@ -217,7 +257,7 @@ fn read_sources(path: &Path) -> Result<(Vec<Part>, Vec<Package>)> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok((parts, file.package))
+    Ok((parts, file.package, root))
 }
 
 /// The directory of an installed Python package and its version, from `$ATTNSWEEP_PYTHON`
@@ -283,6 +323,74 @@ fn list_files(inputs: &[PathBuf], globs: &[String]) -> Result<Vec<PathBuf>> {
         files.extend(found);
     }
     Ok(files)
+}
+
+/// What `part` is called in messages.
+fn part_name(part: &Part) -> String {
+    match &part.name {
+        Some(n) => format!("source {n:?}"),
+        None => "the corpus".into(),
+    }
+}
+
+/// The files of each part (`list_files`), each read by exactly one part and, for a sources
+/// file, lying inside its `root` once links are followed: a file two parts read would put one
+/// part's held-out text into the other's training text, and one outside the root is not what
+/// the pinned archives hold.
+fn list_parts(parts: &[Part], root: Option<&Path>) -> Result<Vec<Vec<PathBuf>>> {
+    let canonical = |p: &Path| {
+        std::fs::canonicalize(p).with_context(|| format!("cannot resolve {}", p.display()))
+    };
+    let root = root.map(canonical).transpose()?;
+    let mut owner: std::collections::HashMap<PathBuf, String> = Default::default();
+    let mut all = Vec::new();
+    for part in parts {
+        let files = list_files(&part.inputs, &part.glob)?;
+        ensure!(
+            !files.is_empty(),
+            "{} hold no file{}",
+            match &part.name {
+                Some(n) => format!("the inputs of source {n:?}"),
+                None => "the inputs".into(),
+            },
+            if part.glob.is_empty() {
+                String::new()
+            } else {
+                format!(" matching {}", part.glob.join(", "))
+            }
+        );
+        let mut kept = Vec::with_capacity(files.len());
+        for f in files {
+            let real = canonical(&f)?;
+            if let Some(root) = &root {
+                ensure!(
+                    real.starts_with(root),
+                    "{} of {} is {} once links are followed, outside the root {}: a source \
+                     reads only what lies below its root",
+                    f.display(),
+                    part_name(part),
+                    real.display(),
+                    root.display()
+                );
+            }
+            match owner.get(&real) {
+                // An input directory and a file inside it, both named: read once.
+                Some(o) if *o == part_name(part) => continue,
+                Some(o) => bail!(
+                    "{} is read by both {o} and {}: each file may belong to one source only, \
+                     or one's held-out text would be trained on as the other's",
+                    f.display(),
+                    part_name(part)
+                ),
+                None => {
+                    owner.insert(real, part_name(part));
+                    kept.push(f);
+                }
+            }
+        }
+        all.push(kept);
+    }
+    Ok(all)
 }
 
 /// Why a corpus gave no document: files skipped, records skipped (each with its first reason),
@@ -389,10 +497,10 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
         Some(p) => TextTokenizer::hf(p)?,
         None => TextTokenizer::Bytes,
     };
-    let (parts, packages, package) = match &spec.sources {
+    let (parts, packages, package, root) = match &spec.sources {
         Some(file) => {
-            let (parts, packages) = read_sources(file)?;
-            (parts, packages, None)
+            let (parts, packages, root) = read_sources(file)?;
+            (parts, packages, None, Some(root))
         }
         None => {
             let mut inputs = spec.input.clone();
@@ -409,27 +517,10 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
                 inputs,
                 glob: spec.glob.clone(),
             };
-            (vec![part], Vec::new(), package)
+            (vec![part], Vec::new(), package, None)
         }
     };
-    let mut part_files = Vec::new();
-    for part in &parts {
-        let files = list_files(&part.inputs, &part.glob)?;
-        ensure!(
-            !files.is_empty(),
-            "{} hold no file{}",
-            match &part.name {
-                Some(n) => format!("the inputs of source {n:?}"),
-                None => "the inputs".into(),
-            },
-            if part.glob.is_empty() {
-                String::new()
-            } else {
-                format!(" matching {}", part.glob.join(", "))
-            }
-        );
-        part_files.push(files);
-    }
+    let part_files = list_parts(&parts, root.as_deref())?;
     let files: Vec<&PathBuf> = part_files.iter().flatten().collect();
     prepare_out_dir(out)?;
 
@@ -446,17 +537,19 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
     );
     let read_bytes = Arc::new(AtomicU64::new(0));
     let mut stream = TokenStream::new(out, &tok, spec.shard_tokens);
-    let mut batch: Vec<String> = Vec::new();
+    let mut batch: Vec<(String, bool)> = Vec::new();
     let mut batch_bytes = 0usize;
     let (mut skipped_files, mut skipped) = (Vec::new(), Skipped::default());
+    let mut files_skipped_before = 0;
     let mut files_read = 0u64;
     let mut ends = Vec::new();
     for (part, part_files) in parts.iter().zip(&part_files) {
         let before = (files_read, stream.documents, stream.text_bytes);
+        let mut part_skipped = Skipped::default();
         for file in part_files {
-            let mut emit = |text: String| -> Result<()> {
+            let mut emit = |text: String, ends: bool| -> Result<()> {
                 batch_bytes += text.len();
-                batch.push(text);
+                batch.push((text, ends));
                 if batch_bytes >= BATCH_BYTES {
                     stream.push_batch(std::mem::take(&mut batch))?;
                     batch_bytes = 0;
@@ -465,7 +558,15 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
                 }
                 Ok(())
             };
-            match read_file(file, &spec.text_field, &read_bytes, &mut skipped, &mut emit)? {
+            let read = read_file(
+                file,
+                &spec.text_field,
+                LIMITS,
+                &read_bytes,
+                &mut part_skipped,
+                &mut emit,
+            )?;
+            match read {
                 Ok(()) => files_read += 1,
                 Err(reason) => skipped_files.push((file.clone(), reason)),
             }
@@ -473,6 +574,19 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
         // A part ends on a document boundary: its held-out share is its own last documents.
         stream.push_batch(std::mem::take(&mut batch))?;
         batch_bytes = 0;
+        ensure!(
+            stream.documents > before.1,
+            "{}: {}",
+            part_name(part),
+            nothing_read(
+                part_files.len(),
+                &skipped_files[files_skipped_before..],
+                &part_skipped,
+                &spec.text_field
+            )
+        );
+        files_skipped_before = skipped_files.len();
+        skipped.absorb(part_skipped);
         ends.push(PartEnd {
             record: part.name.as_ref().map(|name| SourceRecord {
                 name: name.clone(),
@@ -494,11 +608,6 @@ pub(crate) fn prepare(spec: &PrepareSpec, out: &Path, quiet: bool) -> Result<Sum
     }
     progress.update(total_bytes.div_ceil(1 << 20), &stream.rate(start));
     progress.finish();
-    ensure!(
-        stream.documents > 0,
-        "{}",
-        nothing_read(files.len(), &skipped_files, &skipped, &spec.text_field)
-    );
     let record = CorpusRecord {
         python_package: package,
         glob: spec.glob.clone(),
@@ -563,20 +672,22 @@ impl<'a> TokenStream<'a> {
         }
     }
 
-    /// Tokenises `docs` in parallel and appends them in order, each followed by the end of
-    /// document token when the tokenizer has one.
-    fn push_batch(&mut self, docs: Vec<String>) -> Result<()> {
+    /// Tokenises `docs` (parts of documents, each with whether its document ends there) in
+    /// parallel and appends them in order, each document followed by the end of document
+    /// token when the tokenizer has one.
+    fn push_batch(&mut self, docs: Vec<(String, bool)>) -> Result<()> {
         let tok = self.tok;
         let encoded: Vec<Vec<u32>> = docs
             .par_iter()
-            .map(|d| tok.encode(d))
+            .map(|(d, _)| tok.encode(d))
             .collect::<Result<_>>()?;
         let eot = tok.eot();
         let mut bytes = Vec::new();
-        for (doc, ids) in docs.iter().zip(encoded) {
-            self.documents += 1;
+        for ((doc, ends), ids) in docs.iter().zip(encoded) {
+            self.documents += *ends as u64;
             self.text_bytes += doc.len() as u64;
             bytes.clear();
+            let eot = eot.filter(|_| *ends);
             for t in ids.into_iter().chain(eot) {
                 bytes.extend(t.to_le_bytes());
                 self.writer.push(t)?;
@@ -863,6 +974,7 @@ mod tests {
         write(&d.join("src/a/skip.md"), b"not matched");
         write(&d.join("src/b/1.txt"), b"four five six seven");
         write(&d.join("src/pkg.tar.gz"), b"pinned bytes");
+        write(&d.join("src/.pkg.tar.gz.unpacked"), b"");
         let sha = format!("{:x}", Sha256::digest(b"pinned bytes"));
         let sources = |sha: &str| {
             format!(
@@ -962,5 +1074,131 @@ mod tests {
         );
         let err = format!("{:#}", prepare(&spec, &d.join("z"), true).err().unwrap());
         assert!(err.contains("use letters, digits"), "{err}");
+    }
+
+    /// A sources file whose parts read only below its root, each file in one part only, from
+    /// archives unpacked whole: the held-out text of every part is nowhere in the training
+    /// text. Two parts reading one file, an input outside the root (by path or by a link), and
+    /// an archive whose unpacking did not finish are refused by name; a part that yields no
+    /// document names its files' reasons.
+    #[test]
+    fn held_out_text_is_never_trained_on_and_sources_stay_in_their_root() {
+        let d = tmp("sources-bounds");
+        // Every line of every file is unique, so a held-out line found in training leaked.
+        for (part, files) in [("a", 3), ("b", 2)] {
+            for f in 0..files {
+                let text: String = (0..20)
+                    .map(|l| format!("{part} file {f} line {l}\n"))
+                    .collect();
+                write(&d.join(format!("src/{part}/{f}.txt")), text.as_bytes());
+            }
+        }
+        write(&d.join("src/pkg.tar.gz"), b"pinned");
+        let sha = format!("{:x}", Sha256::digest(b"pinned"));
+        let package = format!(
+            "[[package]]\nfile = \"pkg.tar.gz\"\nurl = \"https://example.org/p\"\nsha256 = \"{sha}\"\n"
+        );
+        let spec = PrepareSpec {
+            sources: Some(d.join("corpus.toml")),
+            val_fraction: 0.3,
+            ..Default::default()
+        };
+        let run = |sources: &str, out: &str| {
+            write(
+                &d.join("corpus.toml"),
+                format!("root = \"src\"\n{sources}").as_bytes(),
+            );
+            prepare(&spec, &d.join(out), true)
+        };
+        let err =
+            |sources: &str, out: &str| format!("{:#}", run(sources, out).err().expect("refused"));
+        let two = "[[source]]\nname = \"a\"\ninput = [\"a\"]\n[[source]]\nname = \"b\"\ninput = [\"b\"]\n";
+
+        // The archive is there but its unpacking never finished.
+        let e = err(&format!("{package}{two}"), "half");
+        assert!(e.contains("is not unpacked whole"), "{e}");
+        write(&d.join("src/.pkg.tar.gz.unpacked"), b"");
+
+        let s = run(&format!("{package}{two}"), "ds").unwrap();
+        let text = |tokens: Vec<u32>| -> String {
+            let bytes: Vec<u8> = tokens
+                .into_iter()
+                .filter(|&t| t < 256)
+                .map(|t| t as u8)
+                .collect();
+            String::from_utf8(bytes).unwrap()
+        };
+        let out = d.join("ds");
+        let train = text(
+            data::Split::open(&out, &s.meta, "train")
+                .unwrap()
+                .all_tokens(),
+        );
+        for r in &s.record.sources {
+            let meta = Meta {
+                val: r.val.clone(),
+                val_tokens: r.val_tokens,
+                corpus: None,
+                ..s.meta.clone()
+            };
+            let held = text(data::Split::open(&out, &meta, "val").unwrap().all_tokens());
+            let whole: Vec<&str> = held
+                .lines()
+                .filter(|l| l.ends_with(char::is_numeric) && l.split(' ').count() == 5)
+                .collect();
+            assert!(whole.len() >= 5, "{}: {held:?}", r.name);
+            for line in whole {
+                assert!(
+                    !train.contains(&format!("{line}\n")),
+                    "{line} of {} is trained on",
+                    r.name
+                );
+            }
+        }
+
+        // One file read by two sources (a directory and a file in it), inside one source
+        // read once.
+        let e = err(
+            &format!("{package}{two}[[source]]\nname = \"c\"\ninput = [\"a/0.txt\"]\n"),
+            "twice",
+        );
+        assert!(
+            e.contains("is read by both source \"a\" and source \"c\""),
+            "{e}"
+        );
+        let once = run(
+            &format!("{package}[[source]]\nname = \"a\"\ninput = [\"a\", \"a/0.txt\"]\n"),
+            "once",
+        )
+        .unwrap();
+        assert_eq!(once.record.files, 3);
+
+        // Inputs outside the root, by path and by a link.
+        for outside in ["../corpus.toml", "/etc"] {
+            let e = err(
+                &format!("{package}[[source]]\nname = \"x\"\ninput = [\"{outside}\"]\n"),
+                "outside",
+            );
+            assert!(e.contains("is not a path below the root"), "{e}");
+        }
+        std::os::unix::fs::symlink(d.join("corpus.toml"), d.join("src/a/link.txt")).unwrap();
+        let e = err(&format!("{package}{two}"), "link");
+        assert!(
+            e.contains("once links are followed, outside the root"),
+            "{e}"
+        );
+        std::fs::remove_file(d.join("src/a/link.txt")).unwrap();
+
+        // A source whose only file is skipped says which and why.
+        write(&d.join("src/bin/x.txt"), b"\0\0");
+        let e = err(
+            &format!("{package}{two}[[source]]\nname = \"bin\"\ninput = [\"bin\"]\n"),
+            "empty",
+        );
+        assert!(
+            e.contains("source \"bin\": no document was read") && e.contains("x.txt: binary"),
+            "{e}"
+        );
+        assert!(!d.join("empty").join("meta.json").exists());
     }
 }

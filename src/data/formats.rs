@@ -3,7 +3,7 @@
 //! column), each optionally gzip-, zstd- or xz-compressed; and the records skipped on the way,
 //! with their reasons.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,40 +101,81 @@ pub(super) fn as_text(bytes: Vec<u8>) -> std::result::Result<String, String> {
     })
 }
 
-/// Documents of one file, handed to `emit` in order; Ok(Err(reason)) when the file is
-/// skipped. Records skipped inside a file are counted in `skipped` (with the first reasons
-/// kept in `reasons`).
+/// What one read may hold in memory: a plain text document longer than `piece` bytes is
+/// tokenised `piece` bytes at a time, a JSON Lines record longer than `record` is skipped, a
+/// compressed Parquet file (read whole) larger than `record` decompressed is skipped.
+#[derive(Clone, Copy)]
+pub(super) struct Limits {
+    pub(super) piece: usize,
+    pub(super) record: usize,
+}
+
+pub(super) const LIMITS: Limits = Limits {
+    piece: 16 << 20,
+    record: 256 << 20,
+};
+
+/// A part of a document: its text, and whether the document ends with it.
+pub(super) type Emit<'a> = dyn FnMut(String, bool) -> Result<()> + 'a;
+
+/// Documents of one file, handed to `emit` in order, in parts (`Limits`); Ok(Err(reason))
+/// when the file is skipped, before any of it is emitted. Records skipped inside a file are
+/// counted in `skipped` (with the first reasons kept in `reasons`).
 pub(super) fn read_file(
     path: &Path,
     text_field: &str,
+    limits: Limits,
     count: &Arc<AtomicU64>,
     skipped: &mut Skipped,
-    emit: &mut dyn FnMut(String) -> Result<()>,
+    emit: &mut Emit,
 ) -> Result<std::result::Result<(), String>> {
     let (format, compression) = kind_of(path);
-    let read_all = |r: &mut dyn Read| -> std::result::Result<Vec<u8>, String> {
-        let mut bytes = Vec::new();
-        r.read_to_end(&mut bytes)
-            .map_err(|e| format!("cannot read or decompress: {e}"))?;
-        Ok(bytes)
-    };
     let mut reader = match open(path, compression, count) {
         Ok(r) => r,
         Err(reason) => return Ok(Err(reason)),
     };
     match format {
-        Format::Text => match read_all(&mut reader).and_then(as_text) {
-            Ok(text) => emit(text)?,
-            Err(reason) => return Ok(Err(reason)),
-        },
+        Format::Text => {
+            let mut head = Vec::new();
+            if let Err(e) = (&mut reader)
+                .take(limits.piece as u64 + 1)
+                .read_to_end(&mut head)
+            {
+                return Ok(Err(format!("cannot read or decompress: {e}")));
+            }
+            if head.len() <= limits.piece {
+                match as_text(head) {
+                    Ok(text) => emit(text, true)?,
+                    Err(reason) => return Ok(Err(reason)),
+                }
+                return Ok(Ok(()));
+            }
+            drop(reader);
+            // A long document is checked whole first, so one found binary or not UTF-8 is
+            // skipped before any of it is kept; then read again, a piece at a time.
+            let uncounted = Arc::new(AtomicU64::new(0));
+            let check = match open(path, compression, &uncounted) {
+                Ok(r) => text_pieces(r, limits.piece, &mut |_, _| Ok(()))?,
+                Err(reason) => Err(reason),
+            };
+            if let Err(reason) = check {
+                return Ok(Err(reason));
+            }
+            let read = match open(path, compression, count) {
+                Ok(r) => text_pieces(r, limits.piece, emit)?,
+                Err(reason) => Err(reason),
+            };
+            if let Err(reason) = read {
+                bail!("{} changed while it was read: {reason}", path.display());
+            }
+        }
         Format::JsonLines => {
             let mut lines = BufReader::new(reader);
             let mut line = Vec::new();
             for number in 1.. {
-                line.clear();
-                match lines.read_until(b'\n', &mut line) {
-                    Ok(0) => break,
-                    Ok(_) => {}
+                let (n, whole) = match read_record(&mut lines, &mut line, limits.record) {
+                    Ok((0, _)) => break,
+                    Ok(read) => read,
                     // What came before stays; the rest of the file is one skipped record.
                     Err(e) if number > 1 => {
                         skipped.record(format!(
@@ -144,40 +185,192 @@ pub(super) fn read_file(
                         break;
                     }
                     Err(e) => return Ok(Err(format!("cannot read or decompress: {e}"))),
+                };
+                if !whole {
+                    skipped.record(format!(
+                        "{}:{number}: a record of {n} bytes, more than the {} one record may \
+                         hold (split it into several)",
+                        path.display(),
+                        limits.record
+                    ));
+                    continue;
                 }
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
                 match record_text(&line, text_field) {
-                    Ok(text) => emit(text)?,
+                    Ok(text) => emit(text, true)?,
                     Err(reason) => skipped.record(format!("{}:{number}: {reason}", path.display())),
                 }
             }
         }
         Format::Parquet => {
-            let bytes = match read_all(&mut reader) {
-                Ok(b) => b,
-                Err(reason) => return Ok(Err(reason)),
-            };
-            let mut stopped = |row, reason| {
-                skipped.record(format!("{}: rows from {row}: {reason}", path.display()))
-            };
-            let read = parquet_documents(&bytes, text_field, PARQUET_ROWS, emit, &mut stopped)?;
-            if let Ok(nulls) = read.as_ref().map(|&n| n).map_err(|_| ()) {
-                if nulls > 0 {
-                    skipped.record_many(
-                        nulls,
-                        format!(
-                            "{}: {nulls} rows with a null {text_field:?}",
-                            path.display()
-                        ),
-                    );
-                }
-            }
-            return Ok(read.map(|_| ()));
+            return parquet_file(path, reader, compression, text_field, limits, skipped, emit)
         }
     }
     Ok(Ok(()))
+}
+
+/// A Parquet file's documents: an uncompressed file mapped from disk, a compressed one
+/// decompressed into memory (up to `limits.record` bytes).
+fn parquet_file(
+    path: &Path,
+    mut reader: Box<dyn Read>,
+    compression: Compression,
+    text_field: &str,
+    limits: Limits,
+    skipped: &mut Skipped,
+    emit: &mut Emit,
+) -> Result<std::result::Result<(), String>> {
+    let mapped;
+    let mut decompressed = Vec::new();
+    let bytes: &[u8] = if compression == Compression::None {
+        drop(reader);
+        let file = std::fs::File::open(path)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+        // Safety: the file is only read while the map lives.
+        mapped = match unsafe { memmap2::Mmap::map(&file) } {
+            Ok(m) => m,
+            Err(e) => return Ok(Err(format!("cannot map ({e})"))),
+        };
+        &mapped
+    } else {
+        match (&mut reader)
+            .take(limits.record as u64 + 1)
+            .read_to_end(&mut decompressed)
+        {
+            Err(e) => return Ok(Err(format!("cannot read or decompress: {e}"))),
+            Ok(n) if n > limits.record => {
+                return Ok(Err(format!(
+                    "decompressed, it holds more than the {} bytes a compressed Parquet file \
+                     is read into (Parquet compresses its own pages: store it uncompressed)",
+                    limits.record
+                )))
+            }
+            Ok(_) => &decompressed,
+        }
+    };
+    let mut stopped =
+        |row, reason| skipped.record(format!("{}: rows from {row}: {reason}", path.display()));
+    let read = parquet_documents(
+        bytes,
+        text_field,
+        PARQUET_ROWS,
+        &mut |t| emit(t, true),
+        &mut stopped,
+    )?;
+    if let Ok(&nulls) = read.as_ref() {
+        if nulls > 0 {
+            skipped.record_many(
+                nulls,
+                format!(
+                    "{}: {nulls} rows with a null {text_field:?}",
+                    path.display()
+                ),
+            );
+        }
+    }
+    Ok(read.map(|_| ()))
+}
+
+/// Reads one line (its newline included) into `line`, keeping at most `max` bytes: the bytes
+/// the line took, and whether it was kept whole.
+fn read_record(
+    r: &mut dyn BufRead,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<(usize, bool)> {
+    line.clear();
+    let (mut n, mut whole) = (0, true);
+    loop {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            break;
+        }
+        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        if whole && line.len() + take <= max {
+            line.extend_from_slice(&buf[..take]);
+        } else {
+            whole = false;
+            line.clear();
+        }
+        r.consume(take);
+        n += take;
+        if done {
+            break;
+        }
+    }
+    Ok((n, whole))
+}
+
+/// A plain text document read `piece` bytes at a time and handed on in parts (the last one
+/// marked), each ending at a line break followed by a printable ASCII character: where the
+/// pre-tokenizers of byte-level BPE tokenizers (GPT-2's, Llama 3's, Qwen's) always split, so
+/// the tokens are those of the whole text. A text with no such place within `2 * piece` bytes
+/// is cut at a character boundary there. Err(reason) for a NUL byte or invalid UTF-8.
+fn text_pieces(
+    mut r: Box<dyn Read>,
+    piece: usize,
+    emit: &mut Emit,
+) -> Result<std::result::Result<(), String>> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut offset = 0usize;
+    loop {
+        let before = buf.len();
+        let want = (2 * piece).saturating_sub(before) as u64;
+        if let Err(e) = (&mut r).take(want).read_to_end(&mut buf) {
+            return Ok(Err(format!("cannot read or decompress: {e}")));
+        }
+        let end = buf.len() < 2 * piece;
+        if let Some(at) = buf[before..].iter().position(|&b| b == 0) {
+            return Ok(Err(format!(
+                "binary (NUL byte at offset {})",
+                offset + before + at
+            )));
+        }
+        let mut cut = if end {
+            buf.len()
+        } else {
+            break_at(&buf, piece)
+        };
+        if let Err(e) = std::str::from_utf8(&buf[..cut]) {
+            match e.error_len() {
+                // A character cut in two by the read: it starts the next piece.
+                None if !end => cut = e.valid_up_to(),
+                _ => {
+                    return Ok(Err(format!(
+                        "not UTF-8 (invalid byte at offset {})",
+                        offset + e.valid_up_to()
+                    )))
+                }
+            }
+        }
+        let rest = buf.split_off(cut);
+        offset += cut;
+        emit(String::from_utf8(buf).expect("checked above"), end)?;
+        buf = rest;
+        if end {
+            return Ok(Ok(()));
+        }
+    }
+}
+
+/// Where to end a piece of `buf` (2 * `piece` bytes): the last line break followed by a
+/// printable ASCII character from `piece / 2` on, else the last character boundary at
+/// `piece`.
+fn break_at(buf: &[u8], piece: usize) -> usize {
+    (piece / 2 + 1..buf.len())
+        .rev()
+        .find(|&p| buf[p - 1] == b'\n' && buf[p].is_ascii_graphic())
+        .unwrap_or_else(|| {
+            (1..=piece)
+                .rev()
+                .find(|&p| buf[p] & 0xC0 != 0x80)
+                .unwrap_or(piece)
+        })
 }
 
 /// The text of one JSON Lines record.
@@ -271,6 +464,13 @@ impl Skipped {
         self.record_many(1, reason)
     }
 
+    /// Another file's (or part's) skipped records added to these.
+    pub(super) fn absorb(&mut self, other: Skipped) {
+        self.count += other.count;
+        let room = REASONS_SHOWN.saturating_sub(self.reasons.len());
+        self.reasons.extend(other.reasons.into_iter().take(room));
+    }
+
     /// `n` records skipped for one reason.
     fn record_many(&mut self, n: u64, reason: String) {
         self.count += n;
@@ -354,5 +554,176 @@ pub(super) mod tests {
         assert!(record_text(b"{oops", "text")
             .unwrap_err()
             .contains("not a JSON record"));
+    }
+
+    /// `bytes` as the file `name` read with `limits`: its parts (text, ends a document), the
+    /// reason it was skipped, and the records skipped inside it.
+    fn read_as(
+        name: &str,
+        bytes: &[u8],
+        limits: Limits,
+    ) -> (
+        Vec<(String, bool)>,
+        std::result::Result<(), String>,
+        Vec<String>,
+    ) {
+        let dir = crate::util::scratch_dir(&format!("formats-{name}"));
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let (mut parts, mut skipped) = (Vec::new(), Skipped::default());
+        let count = Arc::new(AtomicU64::new(0));
+        let read = read_file(
+            &path,
+            "text",
+            limits,
+            &count,
+            &mut skipped,
+            &mut |t, end| {
+                parts.push((t, end));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        (parts, read, skipped.reasons)
+    }
+
+    /// A text longer than a piece streams in pieces that end where a line break meets a
+    /// printable character (or, with none, at a character boundary), together the whole
+    /// text, the document ending once; a long text binary or not UTF-8 far from its start is
+    /// skipped before any of it is handed on. A JSON Lines record longer than a record may be
+    /// is skipped by line, and the records after it read.
+    #[test]
+    fn long_documents_stream_in_pieces_and_long_records_are_skipped() {
+        let limits = Limits {
+            piece: 64,
+            record: 40,
+        };
+        let text: String = (0..40)
+            .map(|i| format!("line {i}: caf\u{e9}\n  indented\n"))
+            .collect();
+        let (parts, read, _) = read_as("long.txt", text.as_bytes(), limits);
+        assert_eq!(read, Ok(()));
+        assert!(parts.len() > 5, "{} parts", parts.len());
+        assert_eq!(parts.iter().map(|p| p.0.as_str()).collect::<String>(), text);
+        let ends: Vec<bool> = parts.iter().map(|p| p.1).collect();
+        assert!(ends[..ends.len() - 1].iter().all(|e| !e) && ends[ends.len() - 1]);
+        for (p, _) in &parts[..parts.len() - 1] {
+            assert!(p.len() <= 128 && p.ends_with('\n'), "{p:?}");
+        }
+        // One line of multi-byte characters: cut at character boundaries.
+        let one_line = "\u{e9}".repeat(200);
+        let (parts, read, _) = read_as("oneline.txt", one_line.as_bytes(), limits);
+        assert_eq!(read, Ok(()));
+        assert_eq!(
+            parts.iter().map(|p| p.0.as_str()).collect::<String>(),
+            one_line
+        );
+        // Compressed the same.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gz, text.as_bytes()).unwrap();
+        let (parts, _, _) = read_as("long.txt.gz", &gz.finish().unwrap(), limits);
+        assert_eq!(parts.iter().map(|p| p.0.as_str()).collect::<String>(), text);
+        // A NUL or a bad byte far past the first piece: skipped, nothing handed on.
+        for (bad, why) in [
+            (b'\0', "binary (NUL byte at offset 500)"),
+            (0xff, "not UTF-8 (invalid byte at offset 500)"),
+        ] {
+            let mut bytes = text.clone().into_bytes();
+            bytes[500] = bad;
+            let (parts, read, _) = read_as("bad.txt", &bytes, limits);
+            assert_eq!(read, Err(why.to_string()));
+            assert!(parts.is_empty());
+        }
+        let records = format!(
+            "{{\"text\": \"short\"}}\n{{\"text\": \"{}\"}}\n{{\"text\": \"after\"}}\n",
+            "x".repeat(100)
+        );
+        let (parts, read, reasons) = read_as("r.jsonl", records.as_bytes(), limits);
+        assert_eq!(read, Ok(()));
+        assert_eq!(
+            parts,
+            [("short".to_string(), true), ("after".to_string(), true)]
+        );
+        assert!(
+            reasons[0].ends_with("r.jsonl:2: a record of 113 bytes, more than the 40 one record may hold (split it into several)"),
+            "{reasons:?}"
+        );
+        // A compressed Parquet file larger than a record decompressed is skipped.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gz, &parquet(&[Some("a"), Some("b")])).unwrap();
+        let (_, read, _) = read_as("p.parquet.gz", &gz.finish().unwrap(), limits);
+        assert!(read.unwrap_err().contains("store it uncompressed"));
+    }
+
+    /// Pieces tokenise as the whole text does with a byte-level BPE tokenizer whose merges
+    /// would join across a careless cut (a newline with what follows it, letters of a word,
+    /// runs of spaces), under GPT-2's pattern and under Llama 3's split.
+    #[test]
+    fn pieces_tokenise_as_the_whole_text() {
+        use tokenizers::models::bpe::BPE;
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::pre_tokenizers::sequence::Sequence;
+        use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+        use tokenizers::PreTokenizerWrapper;
+        let mut vocab: Vec<String> = ByteLevel::alphabet()
+            .into_iter()
+            .map(String::from)
+            .collect();
+        vocab.sort();
+        let merges: Vec<(String, String)> = [
+            ("l", "i"),
+            ("li", "n"),
+            ("lin", "e"),
+            ("Ċ", "l"),
+            ("Ġ", "Ġ"),
+            ("ĠĠ", "Ġ"),
+            ("Ċ", "Ġ"),
+            ("Ġ", "x"),
+            (":", "Ċ"),
+            ("e", "Ċ"),
+        ]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        vocab.extend(merges.iter().map(|(a, b)| format!("{a}{b}")));
+        let ids: tokenizers::models::bpe::Vocab = vocab
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(ids, merges)
+            .build()
+            .unwrap();
+        const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        let gpt2: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
+        let split = Split::new(
+            SplitPattern::Regex(LLAMA3.into()),
+            tokenizers::SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .unwrap();
+        let llama3: PreTokenizerWrapper = Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, true, false).into(),
+        ])
+        .into();
+        let text: String = (0..60)
+            .map(|i| format!("line {i}:\n   x line\n\nline{i}  x\n"))
+            .collect();
+        let limits = Limits {
+            piece: 48,
+            record: 1 << 20,
+        };
+        let (parts, _, _) = read_as("tok.txt", text.as_bytes(), limits);
+        assert!(parts.len() > 10);
+        for pre in [gpt2, llama3] {
+            let mut tok = tokenizers::Tokenizer::new(bpe.clone());
+            tok.with_pre_tokenizer(Some(pre));
+            let ids = |t: &str| tok.encode(t, false).unwrap().get_ids().to_vec();
+            let pieces: Vec<u32> = parts.iter().flat_map(|(p, _)| ids(p)).collect();
+            assert_eq!(pieces, ids(&text));
+        }
     }
 }

@@ -235,9 +235,9 @@ pub(crate) fn prepare_out_dir(out: &Path) -> Result<()> {
     atomic::remove_stale_temporaries(out)
 }
 
-/// Writes `meta.json`, the data set's last file, with the hash of the shards it lists (which
-/// must be written already); returns what it wrote.
-pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<Meta> {
+/// SHA-256 of the shards `meta` lists in `dir` (train then val, each token shard followed by
+/// its dependency shard where there is one).
+fn shards_hash(dir: &Path, meta: &Meta) -> Result<String> {
     let mut hash = Sha256::new();
     for name in meta.train.iter().chain(&meta.val) {
         let mut files = vec![name.clone()];
@@ -245,15 +245,21 @@ pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<Meta> {
             files.push(name.replace(".bin", ".deps.bin"));
         }
         for f in files {
-            let path = out.join(&f);
+            let path = dir.join(&f);
             let mut file = std::fs::File::open(&path)
                 .with_context(|| format!("cannot read shard {}", path.display()))?;
             std::io::copy(&mut file, &mut hash)
                 .with_context(|| format!("cannot read shard {}", path.display()))?;
         }
     }
+    Ok(format!("{:x}", hash.finalize()))
+}
+
+/// Writes `meta.json`, the data set's last file, with the hash of the shards it lists (which
+/// must be written already); returns what it wrote.
+pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<Meta> {
     let meta = Meta {
-        shards_sha256: Some(format!("{:x}", hash.finalize())),
+        shards_sha256: Some(shards_hash(out, meta)?),
         ..meta.clone()
     };
     atomic::write_bytes(
@@ -261,6 +267,24 @@ pub(crate) fn write_meta(out: &Path, meta: &Meta) -> Result<Meta> {
         serde_json::to_string_pretty(&meta)?.as_bytes(),
     )?;
     Ok(meta)
+}
+
+/// Refuses a data set whose shards are not those its `meta.json` records (a shard replaced
+/// or changed after it was written); one written before the hash was recorded passes.
+pub(crate) fn check_shards(dir: &Path) -> Result<()> {
+    let meta = read_meta(dir)?;
+    let Some(recorded) = &meta.shards_sha256 else {
+        return Ok(());
+    };
+    let now = shards_hash(dir, &meta)?;
+    ensure!(
+        *recorded == now,
+        "the shards of the data set at {} are not those its meta.json records (SHA-256 {now}, \
+         recorded {recorded}): a shard was replaced or changed after the data set was written; \
+         restore them or prepare the data set again",
+        dir.display()
+    );
+    Ok(())
 }
 
 /// What identifies the data set at `dir`: the SHA-256 of its `meta.json`, which records how it
@@ -292,7 +316,8 @@ pub fn read_meta(dir: &Path) -> Result<Meta> {
 mod tests {
     use super::*;
 
-    /// A data set of a format this version does not know is refused, naming the format.
+    /// A data set of a format this version does not know is refused, naming the format; one
+    /// whose shards changed after meta.json was written is refused too.
     #[test]
     fn an_unknown_format_is_refused() {
         let dir = crate::util::scratch_dir("meta-format");
@@ -315,6 +340,11 @@ mod tests {
         let written = write_meta(&dir, &meta).unwrap();
         assert_eq!(read_meta(&dir).unwrap(), written);
         assert!(written.shards_sha256.is_some());
+        check_shards(&dir).unwrap();
+        // A shard changed under a kept meta.json.
+        std::fs::write(dir.join("val_000000.bin"), b"w").unwrap();
+        let e = format!("{:#}", check_shards(&dir).unwrap_err());
+        assert!(e.contains("are not those its meta.json records"), "{e}");
         write_meta(&dir, &Meta { format: 7, ..meta }).unwrap();
         let e = format!("{:#}", read_meta(&dir).unwrap_err());
         assert!(e.contains("format 7") && e.contains("meta.json"), "{e}");

@@ -14,8 +14,8 @@ pub(crate) mod shards;
 pub(crate) mod synth;
 pub(crate) mod tokenizer;
 
-pub(crate) use meta::identity;
 pub(crate) use meta::SynthSpec;
+pub(crate) use meta::{check_shards, identity};
 pub use meta::{read_meta, Meta};
 pub(crate) use shards::Split;
 pub use shards::{write_shard, Shard, Width, TOKENS_MAGIC};

@@ -3,7 +3,7 @@
 
 use super::meta::{write_meta, CorpusRecord, Meta, ProbeDocs, META_FORMAT};
 use crate::util::atomic;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// Byte-level tokenizer: token = byte value, 256 = end of document.
@@ -38,14 +38,40 @@ pub(crate) fn tokenizer_of(dir: &Path, meta: &Meta) -> Result<TextTokenizer> {
     }
 }
 
+/// The largest `tokenizer.json` read (it is parsed whole, in memory).
+const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
 /// End-of-document tokens of common tokenizers, in the order they are looked for.
 const EOT_NAMES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
 
 impl TextTokenizer {
+    /// A `tokenizer.json`, read only when it is no larger than `MAX_TOKENIZER_BYTES`, and
+    /// kept only when its ids run from 0 without a hole up to its entries (a shard's width and
+    /// a model's vocabulary follow the count of entries).
     pub(crate) fn hf(path: &Path) -> Result<TextTokenizer> {
+        let size = std::fs::metadata(path)
+            .with_context(|| format!("cannot read the tokenizer {}", path.display()))?
+            .len();
+        ensure!(
+            size <= MAX_TOKENIZER_BYTES,
+            "{} holds {size} bytes, more than the {MAX_TOKENIZER_BYTES} a tokenizer.json may \
+             (the largest published ones take about 35 MB): it is not a tokenizer",
+            path.display()
+        );
         let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| {
             anyhow::anyhow!("{} is not a readable tokenizer.json: {e}", path.display())
         })?;
+        let entries = tokenizer.get_vocab_size(true);
+        let vocab = tokenizer.get_vocab(true);
+        if let Some((token, &id)) = vocab.iter().max_by_key(|(_, &id)| id) {
+            ensure!(
+                (id as usize) < entries,
+                "{} gives {token:?} the id {id}, but holds only {entries} tokens: its ids must \
+                 run from 0 to {} (the file was edited or is damaged)",
+                path.display(),
+                entries - 1
+            );
+        }
         Ok(TextTokenizer::Hf {
             tokenizer: Box::new(tokenizer),
             path: path.to_path_buf(),
@@ -213,6 +239,36 @@ pub(crate) fn finish_text_dataset(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tokenizer whose ids leave holes (1000 or 70,000 among 3 entries) is refused by
+    /// name, before a data set is written with a width and vocabulary its ids exceed.
+    #[test]
+    fn a_tokenizer_whose_ids_exceed_its_entries_is_refused() {
+        let dir = crate::util::scratch_dir("tokenizer-ids");
+        let path = dir.join("tokenizer.json");
+        let write = |top: u32| {
+            let json = format!(
+                r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+                "normalizer":null,"pre_tokenizer":{{"type":"Whitespace"}},"post_processor":null,
+                "decoder":null,"model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"a":1,"b":{top}}},
+                "unk_token":"[UNK]"}}}}"#
+            );
+            std::fs::write(&path, json).unwrap();
+        };
+        write(2);
+        assert_eq!(TextTokenizer::hf(&path).unwrap().vocab_size(), 3);
+        for top in [1000, 70_000] {
+            write(top);
+            let e = format!("{:#}", TextTokenizer::hf(&path).err().expect("refused"));
+            assert!(
+                e.contains(&format!(
+                    "gives \"b\" the id {top}, but holds only 3 tokens"
+                )),
+                "{e}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// SmolLM2's chat template, rendered around a user message as transformers renders it
     /// (its system prompt first, since the conversation has none); a tokenizer without a

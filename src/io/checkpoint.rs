@@ -173,6 +173,26 @@ pub(crate) fn read_state(ckpt: &Path) -> Result<TrainState> {
     serde_json::from_str(&text).with_context(|| format!("{} is malformed", p.display()))
 }
 
+/// The names and shapes of a safetensors file's tensors, read from its header alone (the
+/// file mapped, no tensor read).
+pub(crate) fn tensor_shapes(path: &Path) -> Result<BTreeMap<String, Vec<usize>>> {
+    let f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    // Safety: the file is only read while the map lives.
+    let map = unsafe { memmap2::Mmap::map(&f) }
+        .with_context(|| format!("cannot map {}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not a readable safetensors file (truncated or corrupt?): {e:?}",
+            path.display()
+        )
+    })?;
+    Ok(st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect())
+}
+
 pub fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     ensure!(
         path.is_file(),
@@ -237,8 +257,33 @@ pub struct LoadReport {
     pub(crate) initialised: Vec<String>,
     /// File tensors no model parameter has.
     pub(crate) unused: Vec<String>,
-    /// Loaded tensors of another float type, converted to the parameters'.
-    pub(crate) converted: Vec<String>,
+    /// Loaded tensors of another float type, converted to the parameters', with the type
+    /// each was stored in.
+    pub(crate) converted: Vec<(String, Kind)>,
+}
+
+impl LoadReport {
+    /// What the load converted, for the user: `3 tensors converted from bf16 to the
+    /// parameters' fp32`; None where nothing was.
+    pub(crate) fn conversion(&self) -> Option<String> {
+        let name = |k: Kind| match k {
+            Kind::Half => "fp16",
+            Kind::BFloat16 => "bf16",
+            Kind::Double => "fp64",
+            Kind::Float => "fp32",
+            _ => "another type",
+        };
+        let from: std::collections::BTreeSet<&str> =
+            self.converted.iter().map(|(_, k)| name(*k)).collect();
+        (!self.converted.is_empty()).then(|| {
+            let n = self.converted.len();
+            format!(
+                "{n} tensor{} converted from {} to the parameters' fp32",
+                if n == 1 { "" } else { "s" },
+                from.into_iter().collect::<Vec<_>>().join(" and ")
+            )
+        })
+    }
 }
 
 /// Which element types a load accepts beside the parameters' own.
@@ -323,7 +368,7 @@ pub fn load_into(
             Some(t) => {
                 check_tensor(path, name, t, p, precision)?;
                 if t.kind() != p.kind() {
-                    report.converted.push(name.clone());
+                    report.converted.push((name.clone(), t.kind()));
                 }
                 report.loaded.push(name.clone())
             }

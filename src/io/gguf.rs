@@ -10,7 +10,11 @@
 //! (and minimum) as fp16; the formulas below are ggml's `dequantize_row_*`.
 //!
 //! Every count and offset is checked against the file's length before it is used, so a
-//! truncated or hostile file is refused by name, never read out of bounds.
+//! truncated or hostile file is refused by name, never read out of bounds: tensor data must
+//! lie aligned, one tensor after another with no overlap and no gap beyond the alignment's
+//! padding, and the metadata may take at most `METADATA_BUDGET` bytes of memory. A metadata
+//! value is read as the type it has; one of another type than the reader expects is refused
+//! by name, never taken for absent.
 
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
@@ -29,6 +33,17 @@ pub(crate) enum Value {
 }
 
 impl Value {
+    /// Its type as a message names it.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Value::Int(_) => "an integer",
+            Value::Float(_) => "a float",
+            Value::Bool(_) => "a bool",
+            Value::Str(_) => "a string",
+            Value::Array(_) => "an array",
+        }
+    }
+
     pub(crate) fn as_int(&self) -> Option<i128> {
         match self {
             Value::Int(i) => Some(*i),
@@ -54,7 +69,17 @@ impl Value {
             _ => None,
         }
     }
+    pub(crate) fn as_bool(&self) -> Option<bool> {
+        match self {
+            Value::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
 }
+
+/// The most memory the metadata may take once read (a vocabulary of 150,000 tokens with its
+/// merges takes about 30 MiB): a file that declares more is refused before it is allocated.
+pub(crate) const METADATA_BUDGET: usize = 512 << 20;
 
 /// The tensor types read: ggml's numbering (`enum ggml_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,10 +210,12 @@ pub(crate) fn is_gguf(path: &Path) -> bool {
         && &head == MAGIC
 }
 
-/// A bounds-checked little-endian reader over the file's bytes.
+/// A bounds-checked little-endian reader over the file's bytes, with the memory the values
+/// read so far may still take.
 struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
+    budget: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -222,8 +249,21 @@ impl<'a> Cursor<'a> {
         );
         Ok(n as usize)
     }
+    /// Takes `bytes` of the metadata's memory budget, refusing what would exceed it.
+    fn spend(&mut self, bytes: usize, what: &str) -> Result<()> {
+        ensure!(
+            bytes <= self.budget,
+            "{what} would take {bytes} bytes of memory, more than the {} left of the {} the \
+             metadata may take; the file is corrupt or crafted",
+            self.budget,
+            METADATA_BUDGET
+        );
+        self.budget -= bytes;
+        Ok(())
+    }
     fn string(&mut self) -> Result<String> {
         let n = self.count("a string's length", 1)?;
+        self.spend(n, "a string")?;
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).context("a string of the file is not UTF-8")
     }
@@ -246,7 +286,11 @@ impl<'a> Cursor<'a> {
                 ensure!(depth < 4, "arrays nested more than 4 deep");
                 let inner = self.u32()?;
                 let n = self.count("an array", 1)?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
+                self.spend(
+                    n.saturating_mul(std::mem::size_of::<Value>()),
+                    &format!("an array of {n} values"),
+                )?;
+                let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(self.value(inner, depth + 1)?);
                 }
@@ -274,8 +318,15 @@ impl Gguf {
         let mut c = Cursor {
             bytes: &map,
             pos: 0,
+            budget: METADATA_BUDGET,
         };
-        ensure!(c.take(4)? == MAGIC, "it does not start with the magic GGUF");
+        ensure!(
+            map.len() >= 4 && &map[..4] == MAGIC,
+            "it does not start with the magic GGUF ({} bytes; a GGUF file starts with those four \
+             letters)",
+            map.len()
+        );
+        c.take(4)?;
         let version = c.u32()?;
         ensure!(
             version == 2 || version == 3,
@@ -306,8 +357,10 @@ impl Gguf {
             }
         };
         let mut raw = Vec::with_capacity(n_tensors);
+        let mut names = std::collections::BTreeSet::new();
         for _ in 0..n_tensors {
             let name = c.string()?;
+            ensure!(names.insert(name.clone()), "tensor {name} appears twice");
             let n_dims = c.u32()? as usize;
             ensure!(
                 (1..=4).contains(&n_dims),
@@ -356,6 +409,7 @@ impl Gguf {
                 len: len as usize,
             });
         }
+        check_layout(&tensors, data_start, alignment)?;
         Ok(Gguf {
             map,
             metadata,
@@ -367,10 +421,31 @@ impl Gguf {
         self.metadata.get(key)
     }
 
+    /// Metadata `key` as `want` says (`Value::as_str`, `as_int`, ...): None where the file
+    /// lacks it, an error naming both types where it holds another.
+    pub(crate) fn typed<'a, T>(
+        &'a self,
+        key: &str,
+        want: &str,
+        read: fn(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => read(v)
+                .map(Some)
+                .with_context(|| format!("metadata {key} is {}, not {want}", v.kind())),
+        }
+    }
+
+    /// The bytes a tensor is stored in.
+    pub(crate) fn raw(&self, info: &TensorInfo) -> &[u8] {
+        &self.map[info.start..info.start + info.len]
+    }
+
     /// A tensor's values: F16 and BF16 as stored, everything else as fp32 (quantised types
     /// dequantised). Non-finite values are refused by name.
     pub(crate) fn tensor(&self, info: &TensorInfo) -> Result<Tensor> {
-        let bytes = &self.map[info.start..info.start + info.len];
+        let bytes = self.raw(info);
         let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
         let t = match info.ty {
             GgmlType::F16 => Tensor::from_data_size(bytes, &shape, Kind::Half),
@@ -387,6 +462,43 @@ impl Gguf {
         );
         Ok(t)
     }
+}
+
+/// Tensor data that lies misaligned, overlaps another tensor's, or leaves a gap wider than the
+/// alignment's padding is refused: a misplaced offset would read another tensor's bytes (or
+/// the same bytes twice) as this one's. GGUF writers pack the tensors in order from data
+/// offset 0, each padded to the alignment.
+fn check_layout(tensors: &[TensorInfo], data_start: usize, alignment: usize) -> Result<()> {
+    let mut by_start: Vec<&TensorInfo> = tensors.iter().collect();
+    by_start.sort_by_key(|t| t.start);
+    let mut end = data_start;
+    for t in by_start {
+        ensure!(
+            (t.start - data_start) % alignment == 0,
+            "tensor {} starts at data offset {}, not a multiple of the alignment {alignment}",
+            t.name,
+            t.start - data_start
+        );
+        let next = end.div_ceil(alignment) * alignment;
+        ensure!(
+            t.start >= next,
+            "tensor {} (data offset {}) overlaps the tensor before it, which ends at {}",
+            t.name,
+            t.start - data_start,
+            end - data_start
+        );
+        ensure!(
+            t.start == next,
+            "tensor {} starts at data offset {}, leaving {} bytes unused after the tensor \
+             before it (only the alignment's padding may lie between, here up to {})",
+            t.name,
+            t.start - data_start,
+            t.start - end,
+            next - end
+        );
+        end = t.start + t.len;
+    }
+    Ok(())
 }
 
 fn h(b: &[u8]) -> f32 {
@@ -575,48 +687,78 @@ mod tests {
         }
     }
 
+    fn string(v: &str) -> Vec<u8> {
+        let mut out = (v.len() as u64).to_le_bytes().to_vec();
+        out.extend(v.as_bytes());
+        out
+    }
+
+    /// A GGUF file of version 3: the metadata (key, value type, value bytes), the tensor infos
+    /// (name, dimensions innermost first, type, data offset), then `data` from the next
+    /// multiple of 32 bytes.
+    fn build(
+        meta: &[(&str, u32, Vec<u8>)],
+        tensors: &[(&str, &[u64], u32, u64)],
+        data: &[u8],
+    ) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend((meta.len() as u64).to_le_bytes());
+        for (k, ty, v) in meta {
+            b.extend(string(k));
+            b.extend(ty.to_le_bytes());
+            b.extend(v);
+        }
+        for (name, dims, ty, offset) in tensors {
+            b.extend(string(name));
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in *dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+        }
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+        b.extend(data);
+        b
+    }
+
+    /// `bytes` written to a file of this test and opened; the error's text where refused.
+    fn open(tag: &str, bytes: &[u8]) -> Result<Gguf, String> {
+        let dir = crate::util::scratch_dir(tag);
+        let path = dir.join("t.gguf");
+        std::fs::write(&path, bytes).unwrap();
+        let r = Gguf::open(&path).map_err(|e| format!("{e:#}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        r
+    }
+
     /// A tiny file written here byte by byte: metadata of each kind, one tensor, and the
     /// refusals of a truncated file, an unknown tensor type and a wrong magic.
     #[test]
     fn a_file_is_read_and_bad_ones_are_refused_by_name() {
-        fn s(out: &mut Vec<u8>, v: &str) {
-            out.extend((v.len() as u64).to_le_bytes());
-            out.extend(v.as_bytes());
-        }
+        let meta = |tokens: &[&str]| {
+            let mut array = 8u32.to_le_bytes().to_vec();
+            array.extend((tokens.len() as u64).to_le_bytes());
+            for t in tokens {
+                array.extend(string(t));
+            }
+            vec![
+                ("general.architecture", 8, string("llama")),
+                ("llama.rope.freq_base", 6, 10000f32.to_le_bytes().to_vec()),
+                ("tokenizer.ggml.tokens", 9, array),
+            ]
+        };
+        let data: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
         let file = |ty: u32, truncate: usize| {
-            let mut b = b"GGUF".to_vec();
-            b.extend(3u32.to_le_bytes());
-            b.extend(1u64.to_le_bytes());
-            b.extend(3u64.to_le_bytes());
-            s(&mut b, "general.architecture");
-            b.extend(8u32.to_le_bytes());
-            s(&mut b, "llama");
-            s(&mut b, "llama.rope.freq_base");
-            b.extend(6u32.to_le_bytes());
-            b.extend(10000f32.to_le_bytes());
-            s(&mut b, "tokenizer.ggml.tokens");
-            b.extend(9u32.to_le_bytes());
-            b.extend(8u32.to_le_bytes());
-            b.extend(2u64.to_le_bytes());
-            s(&mut b, "a");
-            s(&mut b, "b");
-            s(&mut b, "w");
-            b.extend(2u32.to_le_bytes());
-            b.extend(3u64.to_le_bytes());
-            b.extend(2u64.to_le_bytes());
-            b.extend(ty.to_le_bytes());
-            b.extend(0u64.to_le_bytes());
-            while b.len() % 32 != 0 {
-                b.push(0);
-            }
-            for i in 0..6 {
-                b.extend((i as f32).to_le_bytes());
-            }
+            let mut b = build(&meta(&["a", "b"]), &[("w", &[3, 2], ty, 0)], &data);
             b.truncate(b.len() - truncate);
             b
         };
-        let dir = std::env::temp_dir().join(format!("attnsweep-gguf-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::util::scratch_dir("gguf-read");
         let path = dir.join("t.gguf");
         std::fs::write(&path, file(0, 0)).unwrap();
         assert!(is_gguf(&path));
@@ -643,19 +785,61 @@ mod tests {
             Vec::<f32>::try_from(t.flatten(0, -1)).unwrap(),
             vec![0., 1., 2., 3., 4., 5.]
         );
+        // A key of another type than asked is refused by name, not taken for absent.
+        let e = g.typed("general.architecture", "an integer", Value::as_int);
+        assert!(format!("{:#}", e.unwrap_err()).contains("is a string, not an integer"));
+        assert_eq!(g.typed("absent", "a bool", Value::as_bool).unwrap(), None);
+        let _ = std::fs::remove_dir_all(&dir);
 
-        let err = |bytes: Vec<u8>| {
-            std::fs::write(&path, bytes).unwrap();
-            format!("{:#}", Gguf::open(&path).err().expect("refused"))
-        };
+        let err = |bytes: Vec<u8>| open("gguf-bad", &bytes).err().expect("refused");
         assert!(err(file(0, 4)).contains("runs past the end of the file"));
         assert!(err(file(23, 0)).contains("IQ4_XS"), "{}", err(file(23, 0)));
         let mut bad = file(0, 0);
         bad[0] = b'X';
-        assert!(err(bad).contains("magic"));
+        assert!(err(bad).contains("does not start with the magic GGUF"));
+        assert!(err(b"GG".to_vec()).contains("does not start with the magic GGUF"));
         let mut huge = file(0, 0);
         huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(err(huge).contains("cannot fit"));
-        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Tensors are read only where they lie one after another, aligned, each under its own
+    /// name; the metadata only within its memory budget.
+    #[test]
+    fn tensors_out_of_place_and_metadata_beyond_its_budget_are_refused() {
+        let data = vec![0u8; 256];
+        let refused = |tensors: &[(&str, &[u64], u32, u64)]| {
+            open("gguf-layout", &build(&[], tensors, &data))
+                .err()
+                .expect("refused")
+        };
+        // 4 F32 values take 16 bytes; the next tensor starts at 32 (the alignment).
+        assert!(open(
+            "gguf-layout",
+            &build(&[], &[("a", &[4], 0, 0), ("b", &[4], 0, 32)], &data)
+        )
+        .is_ok());
+        let e = refused(&[("a", &[4], 0, 0), ("a", &[4], 0, 32)]);
+        assert!(e.contains("tensor a appears twice"), "{e}");
+        let e = refused(&[("a", &[4], 0, 0), ("b", &[4], 0, 40)]);
+        assert!(e.contains("not a multiple of the alignment 32"), "{e}");
+        let e = refused(&[("a", &[16], 0, 0), ("b", &[4], 0, 32)]);
+        assert!(e.contains("overlaps the tensor before it"), "{e}");
+        let e = refused(&[("a", &[4], 0, 0), ("b", &[4], 0, 0)]);
+        assert!(e.contains("overlaps"), "{e}");
+        let e = refused(&[("a", &[4], 0, 0), ("b", &[4], 0, 64)]);
+        assert!(e.contains("leaving 48 bytes unused"), "{e}");
+        let e = refused(&[("a", &[4], 0, 32)]);
+        assert!(e.contains("leaving 32 bytes unused"), "{e}");
+
+        // An array of 20 million one-byte values: 20 MB of file, far more once read.
+        let n = 20_000_000u64;
+        let mut array = 0u32.to_le_bytes().to_vec();
+        array.extend(n.to_le_bytes());
+        array.extend(vec![1u8; n as usize]);
+        let e = open("gguf-budget", &build(&[("big", 9, array)], &[], &[]))
+            .err()
+            .expect("refused");
+        assert!(e.contains("an array of 20000000 values would take"), "{e}");
     }
 }

@@ -12,6 +12,8 @@ use crate::io::gguf;
 use crate::io::pickle;
 use crate::io::pickle::Format;
 use crate::model::manifest;
+use crate::run::gguf::FromGguf;
+use crate::run::memory;
 use crate::run::LoadedRun;
 use crate::util::atomic;
 use anyhow::{bail, ensure, Context, Result};
@@ -318,7 +320,7 @@ pub fn convert(
     );
     // A GGUF file carries its config and tokenizer; it becomes what a Hugging Face directory
     // holds, and is converted as one.
-    let from_gguf = if src.is_file() && gguf::is_gguf(src) {
+    let from_gguf = if src.is_file() && (gguf::is_gguf(src) || named_gguf(src)) {
         ensure!(
             config.is_none(),
             "{} is a GGUF file, which carries its own config: leave out --config",
@@ -332,21 +334,14 @@ pub fn convert(
         Some(g) => hf_config(&g.config, src)?,
         None => read_hf_config(src, config)?,
     };
-    let scratch = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)?;
+    let scratch = Scratch::new()?;
     // What this conversion wrote into `out`, removed if it fails before the end: a later
     // attempt would otherwise find weights without a config, and refuse the directory.
     let mut written: Vec<PathBuf> = Vec::new();
     let (files, tokenizer) = match from_gguf {
-        Some(g) => {
-            let file = scratch.join("from_gguf.safetensors");
-            let files = Tensor::write_safetensors(&g.tensors, &file)
-                .map(|_| vec![file])
-                .with_context(|| format!("rewriting the tensors of {}", src.display()));
-            (files, g.tokenizer)
-        }
+        Some(g) => (gguf_weights(&g, src, &cfg, &scratch.0), g.tokenizer),
         None => (
-            weight_files(src, allow_pickle, &scratch, &manifest_names(&cfg)),
+            weight_files(src, allow_pickle, &scratch.0, &manifest_names(&cfg)),
             None,
         ),
     };
@@ -371,13 +366,59 @@ pub fn convert(
             config: config_path,
         })
     });
-    let _ = std::fs::remove_dir_all(&scratch);
     if result.is_err() {
         for p in &written {
             let _ = std::fs::remove_file(p);
         }
     }
     result
+}
+
+/// A `.gguf` file is read as GGUF whatever its first bytes, so a damaged one is refused for
+/// what is wrong with it rather than taken for a weight file without its config.
+fn named_gguf(src: &Path) -> bool {
+    src.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// This conversion's scratch directory, removed however the conversion ends.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Result<Scratch> {
+        let dir = std::env::temp_dir().join(format!("attnsweep-convert-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create the scratch directory {}", dir.display()))?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A GGUF file's tensors checked against the model's manifest by name and shape, and the
+/// memory converting the largest one takes checked, before any is read; then rewritten one
+/// at a time as a safetensors file in `scratch`.
+fn gguf_weights(g: &FromGguf, src: &Path, cfg: &Config, scratch: &Path) -> Result<Vec<PathBuf>> {
+    let source: Sources = g
+        .shapes()
+        .map(|(name, d, shape)| (name.to_string(), (0, d, shape.to_vec())))
+        .collect();
+    check_sources(src, cfg, &source, &|name| g.stored(name))?;
+    if let Some((name, bytes)) = g.peak() {
+        memory::check_host(
+            &format!("converting tensor {name}"),
+            bytes,
+            "the machine cannot convert this file",
+        )?;
+    }
+    let file = scratch.join("from_gguf.safetensors");
+    g.write_safetensors(&file)
+        .with_context(|| format!("converting the tensors of {}", src.display()))?;
+    Ok(vec![file])
 }
 
 /// The model a Hugging Face `config.json` describes (the directory's own, or `config` beside a
@@ -464,14 +505,8 @@ fn write_weights(
             .map_err(|e| anyhow::anyhow!("{name}: {e:?}"))?
             .data())
     };
+    check_sources(src, cfg, &source, &tensor_bytes)?;
     let expected = manifest(&cfg.model);
-    let problems = problems(cfg, &expected, &source, &tensor_bytes)?;
-    ensure!(
-        problems.is_empty(),
-        "cannot convert {}:\n  {}",
-        src.display(),
-        problems.join("\n  ")
-    );
     atomic::ensure_writable_dir(out)?;
     let mut parameters = 0u64;
     let views: Vec<(String, Lazy)> = expected
@@ -496,6 +531,23 @@ fn write_weights(
     })?;
     written.push(out.join("model.safetensors"));
     Ok((expected.len(), parameters))
+}
+
+/// Refuses `source` where it cannot fill the model (`problems`), naming every problem.
+fn check_sources<'a>(
+    src: &Path,
+    cfg: &Config,
+    source: &Sources,
+    tensor_bytes: &dyn Fn(&str) -> Result<&'a [u8]>,
+) -> Result<()> {
+    let problems = problems(cfg, &manifest(&cfg.model), source, tensor_bytes)?;
+    ensure!(
+        problems.is_empty(),
+        "cannot convert {}:\n  {}",
+        src.display(),
+        problems.join("\n  ")
+    );
+    Ok(())
 }
 
 /// What keeps the source tensors from filling the model: missing ones, wrong shapes, tensors

@@ -11,20 +11,26 @@
 //! drops the pre-tokenizer the file names (`tokenizer.ggml.pre`), so SmolLM2's digits, which
 //! llama.cpp and the model's own tokenizer split one by one, stay grouped there.
 
-use crate::io::gguf::{Gguf, Value as G};
+use crate::io::gguf::{GgmlType, Gguf, Value as G};
 use anyhow::{bail, ensure, Context, Result};
+use safetensors::tensor::{Dtype, View};
 use serde_json::{json, Map, Value};
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::path::Path;
 use tch::Tensor;
 
-/// A GGUF file's model and tokenizer, as a Hugging Face directory would hold them.
+/// A GGUF file's model and tokenizer, as a Hugging Face directory would hold them. The
+/// tensors stay in the file until `write_safetensors` converts them, one at a time.
 pub(crate) struct FromGguf {
     /// `config.json`'s contents.
     pub(crate) config: Value,
-    /// The weights under Hugging Face names, as stored (F16, BF16) or fp32.
-    pub(crate) tensors: Vec<(String, Tensor)>,
     /// `tokenizer.json` and `tokenizer_config.json`, when the file has a tokenizer.
     pub(crate) tokenizer: Option<(Value, Value)>,
+    gguf: Gguf,
+    /// The file's tensors in its order: each one's Hugging Face name, and for Llama's Q and K
+    /// the head count whose rotary rows are restored.
+    tensors: Vec<(String, Option<usize>)>,
 }
 
 /// The architectures read, with their Hugging Face class.
@@ -39,32 +45,28 @@ fn hf_architecture(arch: &str) -> Result<&'static str> {
     })
 }
 
+/// The metadata and tensor infos of a GGUF file, checked; no tensor is read yet.
 pub(crate) fn read(path: &Path) -> Result<FromGguf> {
     let g = Gguf::open(path)?;
     let arch = g
-        .get("general.architecture")
-        .and_then(G::as_str)
+        .typed("general.architecture", "a string", G::as_str)?
         .context("the file has no general.architecture")?
         .to_string();
-    let (config, heads, kv_heads) = config(&g, &arch)?;
+    let (mut config, heads, kv_heads) = config(&g, &arch)?;
     let mut tensors = Vec::with_capacity(g.tensors.len());
     for info in &g.tensors {
         let name = hf_name(&info.name)?;
-        let mut t = g.tensor(info)?;
         // llama.cpp interleaves the rotary halves of each Llama head's Q and K rows
-        // (convert_hf_to_gguf.py's `permute`); undo it so the rows are Hugging Face's again.
-        if arch == "llama" && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
-            let n = if name.ends_with("q_proj.weight") {
-                heads
-            } else {
-                kv_heads
-            };
-            t = unpermute(&t, n).with_context(|| format!("tensor {}", info.name))?;
-        }
-        tensors.push((name, t));
+        // (convert_hf_to_gguf.py's `permute`); they are restored to Hugging Face's order.
+        let rotary = match () {
+            _ if arch != "llama" => None,
+            _ if name.ends_with("q_proj.weight") => Some(heads),
+            _ if name.ends_with("k_proj.weight") => Some(kv_heads),
+            _ => None,
+        };
+        tensors.push((name, rotary));
     }
     let tied = !g.tensors.iter().any(|t| t.name == "output.weight");
-    let mut config = config;
     config["tie_word_embeddings"] = json!(tied);
     let tokenizer = match g.get("tokenizer.ggml.model") {
         None => None,
@@ -72,9 +74,121 @@ pub(crate) fn read(path: &Path) -> Result<FromGguf> {
     };
     Ok(FromGguf {
         config,
-        tensors,
         tokenizer,
+        gguf: g,
+        tensors,
     })
+}
+
+/// The safetensors type a tensor is converted to: F16 and BF16 as stored, every other type
+/// (quantised ones dequantised) fp32.
+fn dtype(ty: GgmlType) -> Dtype {
+    match ty {
+        GgmlType::F16 => Dtype::F16,
+        GgmlType::Bf16 => Dtype::BF16,
+        _ => Dtype::F32,
+    }
+}
+
+impl FromGguf {
+    /// Each tensor's Hugging Face name, the type it converts to, and its shape: what the
+    /// model's manifest is checked against before any tensor is read.
+    pub(crate) fn shapes(&self) -> impl Iterator<Item = (&str, Dtype, &[usize])> {
+        self.tensors
+            .iter()
+            .zip(&self.gguf.tensors)
+            .map(|((name, _), info)| (name.as_str(), dtype(info.ty), info.shape.as_slice()))
+    }
+
+    /// Tensor `name`'s bytes as stored (to compare a head stored twice with the embedding).
+    pub(crate) fn stored(&self, name: &str) -> Result<&[u8]> {
+        let i = self
+            .tensors
+            .iter()
+            .position(|(n, _)| n == name)
+            .with_context(|| format!("the file has no tensor {name}"))?;
+        Ok(self.gguf.raw(&self.gguf.tensors[i]))
+    }
+
+    /// The largest tensor (its GGUF name) and the host memory converting it takes: its fp32
+    /// values about four times over (dequantised, as a tensor, its rows restored, written).
+    pub(crate) fn peak(&self) -> Option<(&str, f64)> {
+        self.gguf
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    16.0 * t.shape.iter().product::<usize>() as f64,
+                )
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// Tensor `index` of the file, read and its rows restored.
+    fn tensor(&self, index: usize) -> Result<Tensor> {
+        let info = &self.gguf.tensors[index];
+        let t = self.gguf.tensor(info)?;
+        match self.tensors[index].1 {
+            Some(heads) => unpermute(&t, heads).with_context(|| format!("tensor {}", info.name)),
+            None => Ok(t),
+        }
+    }
+
+    /// Writes every tensor under its Hugging Face name as the safetensors file `path`,
+    /// converting one at a time.
+    pub(crate) fn write_safetensors(&self, path: &Path) -> Result<()> {
+        let failed = RefCell::new(None);
+        let views = self.tensors.iter().enumerate().map(|(i, (name, _))| {
+            let info = &self.gguf.tensors[i];
+            let view = OneTensor {
+                from: self,
+                index: i,
+                dtype: dtype(info.ty),
+                shape: &info.shape,
+                failed: &failed,
+            };
+            (name.clone(), view)
+        });
+        let written = safetensors::tensor::serialize_to_file(views, &None, path);
+        if let Some(e) = failed.into_inner() {
+            return Err(e);
+        }
+        written.map_err(|e| anyhow::anyhow!("writing {}: {e:?}", path.display()))
+    }
+}
+
+/// One tensor of the file, read when the writer asks for its bytes. A tensor that cannot be
+/// read leaves its error in `failed` (the writer's interface has no place for one) and zeros
+/// in the file, which is then not used.
+struct OneTensor<'a> {
+    from: &'a FromGguf,
+    index: usize,
+    dtype: Dtype,
+    shape: &'a [usize],
+    failed: &'a RefCell<Option<anyhow::Error>>,
+}
+
+impl View for OneTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut out = vec![0u8; self.data_len()];
+        if self.failed.borrow().is_none() {
+            match self.from.tensor(self.index) {
+                Ok(t) => t.copy_data_u8(&mut out, t.numel()),
+                Err(e) => *self.failed.borrow_mut() = Some(e),
+            }
+        }
+        Cow::Owned(out)
+    }
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
 }
 
 fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
@@ -162,8 +276,7 @@ fn config(g: &Gguf, arch: &str) -> Result<(Value, usize, usize)> {
     let vocab = match int("vocab_size")? {
         Some(v) => v,
         None => g
-            .get("tokenizer.ggml.tokens")
-            .and_then(G::as_array)
+            .typed("tokenizer.ggml.tokens", "an array", G::as_array)?
             .map(|a| a.len())
             .context("the file has neither a vocab_size nor tokenizer.ggml.tokens")?,
     };
@@ -194,7 +307,7 @@ fn config(g: &Gguf, arch: &str) -> Result<(Value, usize, usize)> {
         "rope_theta".into(),
         json!(float("rope.freq_base")?.unwrap_or(10_000.0)),
     );
-    match g.get(&key("rope.scaling.type")).and_then(G::as_str) {
+    match g.typed(&key("rope.scaling.type"), "a string", G::as_str)? {
         None | Some("none") => {}
         Some("linear") => {
             let factor = float("rope.scaling.factor")?
@@ -213,7 +326,7 @@ fn config(g: &Gguf, arch: &str) -> Result<(Value, usize, usize)> {
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),
     ] {
-        if let Some(i) = g.get(ours).and_then(G::as_int) {
+        if let Some(i) = g.typed(ours, "an integer", G::as_int)? {
             c.insert(theirs.into(), json!(i as i64));
         }
     }
@@ -244,8 +357,7 @@ fn pre_split(pre: &str) -> Result<(Vec<&'static str>, bool)> {
 /// then the byte-level one.
 fn pre_tokenizers(g: &Gguf) -> Result<Vec<Value>> {
     let pre = g
-        .get("tokenizer.ggml.pre")
-        .and_then(G::as_str)
+        .typed("tokenizer.ggml.pre", "a string", G::as_str)?
         .unwrap_or("default");
     let (splits, gpt2_pattern) = pre_split(pre)?;
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
@@ -283,16 +395,14 @@ fn post_processor(bos: &Option<(usize, String)>, add_bos: bool) -> Result<Value>
 /// `tokenizer.json` and `tokenizer_config.json` from the `tokenizer.*` metadata.
 fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
     let model = g
-        .get("tokenizer.ggml.model")
-        .and_then(G::as_str)
+        .typed("tokenizer.ggml.model", "a string", G::as_str)?
         .unwrap_or("");
     ensure!(
         model == "gpt2",
         "tokenizer.ggml.model = {model:?}: only byte-level BPE tokenizers (\"gpt2\") are read; a SentencePiece vocabulary (\"llama\") needs its Hugging Face tokenizer.json"
     );
     let strings = |k: &str| -> Result<Vec<String>> {
-        g.get(k)
-            .and_then(G::as_array)
+        g.typed(k, "an array", G::as_array)?
             .with_context(|| format!("the file has no {k}"))?
             .iter()
             .map(|v| {
@@ -304,8 +414,15 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<i128> = match g.get("tokenizer.ggml.token_type").and_then(G::as_array) {
-        Some(a) => a.iter().map(|v| v.as_int().unwrap_or(1)).collect(),
+    let types: Vec<i128> = match g.typed("tokenizer.ggml.token_type", "an array", G::as_array)? {
+        Some(a) => a
+            .iter()
+            .map(|v| {
+                v.as_int().with_context(|| {
+                    format!("tokenizer.ggml.token_type holds {}, not integers", v.kind())
+                })
+            })
+            .collect::<Result<_>>()?,
         None => vec![1; tokens.len()],
     };
     ensure!(
@@ -343,7 +460,7 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
         .collect();
     let pre_tokenizers = pre_tokenizers(g)?;
     let id_of = |k: &str| -> Result<Option<(usize, String)>> {
-        match g.get(k).and_then(G::as_int) {
+        match g.typed(k, "an integer", G::as_int)? {
             None => Ok(None),
             Some(i) => {
                 let t = usize::try_from(i)
@@ -356,10 +473,9 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
     };
     let bos = id_of("tokenizer.ggml.bos_token_id")?;
     let eos = id_of("tokenizer.ggml.eos_token_id")?;
-    let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
-        Some(G::Bool(b)) => *b,
-        _ => false,
-    };
+    let add_bos = g
+        .typed("tokenizer.ggml.add_bos_token", "a bool", G::as_bool)?
+        .unwrap_or(false);
     let post = post_processor(&bos, add_bos)?;
     let tokenizer = json!({
         "version": "1.0",
@@ -394,7 +510,7 @@ fn tokenizer(g: &Gguf, config: &Value) -> Result<(Value, Value)> {
             tc.insert(name.into(), json!(t));
         }
     }
-    if let Some(t) = g.get("tokenizer.chat_template").and_then(G::as_str) {
+    if let Some(t) = g.typed("tokenizer.chat_template", "a string", G::as_str)? {
         tc.insert("chat_template".into(), json!(t));
     }
     if let Some(n) = config.get("max_position_embeddings") {

@@ -96,6 +96,8 @@ pub(crate) struct LoadedRun {
     pub(crate) weights: PathBuf,
     /// The training step of those weights (None for a bare weight file).
     pub(crate) step: Option<usize>,
+    /// What loading converted (`LoadReport::conversion`).
+    conversion: Option<String>,
 }
 
 /// The config of a run directory with `sets` applied: an error says whether the directory
@@ -135,13 +137,14 @@ impl LoadedRun {
         let weights = checkpoint::resolve_weights(ckpt.unwrap_or(run))?;
         memory::check_model(&cfg, device)?;
         let built = Built::new(&cfg, device)?;
-        checkpoint::load_into(
+        let report = checkpoint::load_into(
             &built.params(),
             &weights,
             true,
             checkpoint::precision_of(&weights),
         )?;
         Ok(LoadedRun {
+            conversion: report.conversion(),
             step: checkpoint::step_of(&weights),
             cfg,
             meta,
@@ -158,8 +161,12 @@ impl LoadedRun {
             .context("the run was opened without its data set")
     }
 
-    /// Says on stderr when the weights are not those of the finished run.
-    pub(crate) fn warn_if_unfinished(&self) {
+    /// Says on stderr what loading the weights converted, and when they are not those of
+    /// the finished run.
+    pub(crate) fn report_load(&self) {
+        if let Some(c) = &self.conversion {
+            eprintln!("{}: {c}", self.weights.display());
+        }
         if let Some(step) = self.step.filter(|&s| s < self.cfg.train.steps) {
             eprintln!(
                 "warning: evaluating the checkpoint of step {step}, before training finished \

@@ -18,7 +18,7 @@ use crate::util::atomic;
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -249,7 +249,6 @@ pub(crate) fn run_probes(
     } else {
         e.lengths.clone()
     };
-    memory::check_probes(cfg, device, lengths.iter().copied().max().unwrap_or(0))?;
     // A batch of probes draws its own gates.
     let seed = eval::eval_gate_seed(cfg);
     let mut batch_index = 0u64;
@@ -359,31 +358,36 @@ pub(crate) fn run_probes(
 /// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
 /// run's data set), which must use the run's tokenizer.
 pub(crate) fn haystack(cfg: &Config, run_meta: &data::Meta) -> Result<Haystack> {
-    match cfg.eval.haystack {
-        HaystackKind::Noise => Ok(Haystack::Noise),
-        HaystackKind::Text => {
-            let dir = if cfg.eval.haystack_dir.as_os_str().is_empty() {
-                cfg.data.dir.clone()
-            } else {
-                cfg.eval.haystack_dir.clone()
-            };
-            let meta = data::read_meta(&dir)?;
-            let same_tokenizer = meta.tokenizer == run_meta.tokenizer
-                && meta.vocab_size == run_meta.vocab_size
-                && (meta.tokenizer != "tokenizer.json"
-                    || std::fs::read(dir.join("tokenizer.json")).ok()
-                        == std::fs::read(cfg.data.dir.join("tokenizer.json")).ok());
-            ensure!(
-                same_tokenizer,
-                "haystack data set {} was tokenized differently from the model's data set {}",
-                dir.display(),
-                cfg.data.dir.display()
-            );
-            Ok(Haystack::Text(
-                Split::open(&dir, &meta, "val")?.all_tokens(),
-            ))
-        }
+    Ok(match haystack_source(cfg, run_meta)? {
+        None => Haystack::Noise,
+        Some((dir, meta)) => Haystack::Text(Split::open(&dir, &meta, "val")?.all_tokens()),
+    })
+}
+
+/// The data set a text haystack is cut from, with its meta, checked to share the run's
+/// tokenizer; None for noise.
+fn haystack_source(cfg: &Config, run_meta: &data::Meta) -> Result<Option<(PathBuf, data::Meta)>> {
+    if cfg.eval.haystack == HaystackKind::Noise {
+        return Ok(None);
     }
+    let dir = if cfg.eval.haystack_dir.as_os_str().is_empty() {
+        cfg.data.dir.clone()
+    } else {
+        cfg.eval.haystack_dir.clone()
+    };
+    let meta = data::read_meta(&dir)?;
+    let same_tokenizer = meta.tokenizer == run_meta.tokenizer
+        && meta.vocab_size == run_meta.vocab_size
+        && (meta.tokenizer != "tokenizer.json"
+            || std::fs::read(dir.join("tokenizer.json")).ok()
+                == std::fs::read(cfg.data.dir.join("tokenizer.json")).ok());
+    ensure!(
+        same_tokenizer,
+        "haystack data set {} was tokenized differently from the model's data set {}",
+        dir.display(),
+        cfg.data.dir.display()
+    );
+    Ok(Some((dir, meta)))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -437,6 +441,7 @@ pub(crate) fn run(
     if e.tasks.is_empty() && e.mc.is_empty() {
         bail!("no tasks: set eval.tasks (probes) or eval.mc (multiple-choice files)");
     }
+    preflight(cfg, meta, Some(device))?;
     let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
     atomic::ensure_writable_dir(dir)?;
     let mut scores = Scores::default();
@@ -448,6 +453,39 @@ pub(crate) fn run(
     }
     scores.write(cfg, device, dir, model_path)?;
     Ok(scores.results)
+}
+
+/// What the tasks `cfg.eval` names will read, checked before any model runs (by `run`, and by
+/// a sweep's dry run for its eval cells): a text data set's tokenizer, each task's name, the
+/// chat template where `eval.chat` asks for it, the haystack's data set, the multiple-choice
+/// files, and on `device` (where known) the memory of the longest probes.
+pub(crate) fn preflight(cfg: &Config, meta: &data::Meta, device: Option<Device>) -> Result<()> {
+    let e = &cfg.eval;
+    if e.tasks.is_empty() && e.mc.is_empty() {
+        return Ok(());
+    }
+    let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
+    for name in &e.tasks {
+        Task::parse(name)?;
+    }
+    if e.chat && !e.tasks.is_empty() {
+        tok.chat_wrap()?;
+    }
+    if !e.tasks.is_empty() {
+        haystack_source(cfg, meta)?;
+    }
+    for path in &e.mc {
+        ensure!(
+            path.is_file(),
+            "eval.mc names {}, which is not a file",
+            path.display()
+        );
+    }
+    if let (Some(device), false) = (device, e.tasks.is_empty()) {
+        let longest = e.lengths.iter().copied().max().unwrap_or(cfg.data.seq_len);
+        memory::check_probes(cfg, device, longest)?;
+    }
+    Ok(())
 }
 
 /// What the tasks scored, gathered for `tasks.csv` and the harness-shaped `results.json`.

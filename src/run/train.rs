@@ -55,8 +55,10 @@ const VAL_LOG_HEADER: [&str; 2] = ["step", "val_loss"];
 
 /// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
 /// methods without them. On a GPU, `peak_gib` is the most its tensors held since the row
-/// before and `planned_gib` the memory plan's prediction of it (`memory::plan_on_device`);
-/// both empty on the CPU.
+/// before and `planned_gib` the memory plan's prediction of it (`memory::plan_on_device`).
+/// On the CPU, `peak_gib` is the process's peak resident memory so far (the libraries'
+/// own included) and `planned_gib` the lower bound the host was checked against
+/// (`memory::check_training`).
 const LOG_HEADER: [&str; 10] = [
     "step",
     "loss",
@@ -174,8 +176,8 @@ fn data_record_path(out: &Path) -> PathBuf {
 }
 
 /// Refuses to resume on a data set other than the one the run started on (replaced under the
-/// same directory: another seed, another corpus). Runs started before the record was kept are
-/// not checked.
+/// same directory: another seed, another corpus), or on shards changed under its `meta.json`.
+/// Runs started before the record was kept are not checked.
 fn check_same_data(out: &Path, dir: &Path) -> Result<()> {
     let path = data_record_path(out);
     let Ok(text) = std::fs::read_to_string(&path) else {
@@ -194,7 +196,7 @@ fn check_same_data(out: &Path, dir: &Path) -> Result<()> {
         started.meta_sha256,
         out.display()
     );
-    Ok(())
+    data::check_shards(dir).context("--resume: a run continues on the data it started with")
 }
 
 /// A run directory ready to train into: checked against what it holds, with its data split,
@@ -233,9 +235,12 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
             out.display()
         );
     }
+    // A replaced data set is named as such before its settings (its vocabulary) are compared.
+    if args.resume {
+        check_same_data(out, &cfg.data.dir)?;
+    }
     let meta = resolve_with_data(cfg)?;
     let changed = if args.resume {
-        check_same_data(out, &cfg.data.dir)?;
         resume_changes(&cfg_path, cfg)?
     } else {
         Vec::new()
@@ -652,7 +657,7 @@ impl<'a> Trainer<'a> {
             // The GPU's peak since the last row, and from now on the next row's.
             let peak = match self.gpu {
                 Some((k, i)) => Some(k.cuda_memory(i, true)?.peak),
-                None => None,
+                None => memory::host_peak(),
             };
             self.status = format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s");
             append_row(
@@ -668,8 +673,7 @@ impl<'a> Trainer<'a> {
                     fmt_opt(s.reg_sum),
                     fmt_opt(s.mu_sum),
                     peak.map_or(String::new(), |p| format!("{:.3}", p / GIB)),
-                    self.gpu
-                        .map_or(String::new(), |_| format!("{:.3}", self.plan.peak / GIB)),
+                    format!("{:.3}", self.plan.peak / GIB),
                 ],
             )?;
             self.window_start = Instant::now();
@@ -766,11 +770,10 @@ fn init_from(
     built.copy_derived(|dst| r.initialised.iter().any(|n| n == dst));
     if !quiet {
         eprintln!(
-            "init-from {}: loaded {} tensors ({} converted to the parameters' fp32), \
-             initialised {} new ({:?}), ignored {} ({:?})",
+            "init-from {}: loaded {} tensors ({}), initialised {} new ({:?}), ignored {} ({:?})",
             file.display(),
             r.loaded.len(),
-            r.converted.len(),
+            r.conversion().unwrap_or_else(|| "none converted".into()),
             r.initialised.len(),
             r.initialised,
             r.unused.len(),

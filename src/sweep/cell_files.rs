@@ -16,20 +16,39 @@ pub(crate) struct Log {
 }
 
 impl Log {
-    /// The log at `path`, None where there is none (or it cannot be read as CSV).
-    pub(crate) fn read(path: &Path) -> Option<Log> {
-        let mut rdr = csv::Reader::from_path(path).ok()?;
-        let columns: Vec<String> = rdr.headers().ok()?.iter().map(String::from).collect();
-        let rows = rdr
-            .records()
-            .filter_map(|r| r.ok())
-            .map(|r| {
-                r.iter()
-                    .map(|v| v.parse::<f64>().ok().filter(|v| v.is_finite()))
-                    .collect()
-            })
-            .collect();
-        Some(Log { columns, rows })
+    /// The log at `path` (None where there is none), and what of it could not be read: a
+    /// header that is not CSV, a row cut short or unparseable (the rows before it are kept).
+    pub(crate) fn read(path: &Path) -> (Option<Log>, Option<String>) {
+        if !path.exists() {
+            return (None, None);
+        }
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let mut rdr = match csv::Reader::from_path(path) {
+            Ok(r) => r,
+            Err(e) => return (None, Some(format!("{name} cannot be read ({e})"))),
+        };
+        let columns: Vec<String> = match rdr.headers() {
+            Ok(h) => h.iter().map(String::from).collect(),
+            Err(e) => return (None, Some(format!("{name} has no readable header ({e})"))),
+        };
+        let (mut rows, mut problem) = (Vec::new(), None);
+        for (i, r) in rdr.records().enumerate() {
+            match r {
+                Ok(r) => rows.push(
+                    r.iter()
+                        .map(|v| v.parse::<f64>().ok().filter(|v| v.is_finite()))
+                        .collect(),
+                ),
+                Err(e) => {
+                    problem = Some(format!(
+                        "{name} is unreadable from its row {} on (cut short?): {e}",
+                        i + 2
+                    ));
+                    break;
+                }
+            }
+        }
+        (Some(Log { columns, rows }), problem)
     }
 
     /// The named columns, a row per logged step where each of them is a finite number; None

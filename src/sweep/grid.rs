@@ -7,6 +7,7 @@ use crate::data::corpus::PrepareSpec;
 use crate::data::probes::ProbesArgs;
 use crate::data::SynthSpec;
 use crate::model::attention::{spec, Gates};
+use crate::util::flags::compact;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -176,10 +177,12 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// A setting's value as a cell's label writes it.
+/// A setting's value as a cell's label writes it: as TOML writes it, but a float whose
+/// decimal runs long in exponent form (1e-300, not 300 digits).
 pub(super) fn value_str(v: &toml::Value) -> String {
     match v {
         toml::Value::String(s) => s.clone(),
+        toml::Value::Float(f) if v.to_string().len() > 16 => compact(*f),
         other => other.to_string(),
     }
 }
@@ -763,6 +766,19 @@ mod tests {
 
     fn grid(text: &str) -> Grid {
         toml::from_str(text).unwrap()
+    }
+
+    /// A label writes values as TOML does, but a long float in exponent form.
+    #[test]
+    fn labels_write_long_floats_compactly() {
+        let mut a = BTreeMap::new();
+        a.insert("attention.lambda".to_string(), toml::Value::Float(1e-300));
+        a.insert("attention.tau".to_string(), toml::Value::Float(0.5));
+        a.insert("train.lr".to_string(), toml::Value::Float(0.00001));
+        assert_eq!(
+            label(&a),
+            "attention.lambda=1e-300 attention.tau=0.5 train.lr=0.00001"
+        );
     }
 
     const BASE: &str = r#"

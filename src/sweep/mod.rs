@@ -77,10 +77,38 @@ mod runner;
 mod slurm;
 pub(crate) mod tables;
 
-pub(crate) use check::problems;
+pub(crate) use tables::unread_report;
+
+pub(crate) use check::{describe, problems};
 pub(crate) use figure::{Figure, Look, Panel, Series, XAxis};
 pub(crate) use figures::write_all;
 pub(crate) use grid::StageKind;
 pub use grid::{expand, read_grid, Cell, Grid};
 pub(crate) use runner::{failed_cells, read_status, run, SweepArgs};
 pub(crate) use slurm::emit_slurm;
+
+/// `(cell, why)` pairs gathered by reason, in the order the reasons first come: each reason
+/// with its cells written out, at most `most` named (`a, b, c and 4 more`).
+fn by_reason<'a>(
+    pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    most: usize,
+) -> Vec<(&'a str, String)> {
+    let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (cell, why) in pairs {
+        match groups.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, cells)) => cells.push(cell),
+            None => groups.push((why, vec![cell])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(why, cells)| {
+            let more = match cells.len() > most {
+                true => format!(" and {} more", cells.len() - most),
+                false => String::new(),
+            };
+            let named: Vec<&str> = cells.into_iter().take(most).collect();
+            (why, format!("{}{more}", named.join(", ")))
+        })
+        .collect()
+}

@@ -4,7 +4,7 @@
 
 use super::cell_files::{self, Log, Niah};
 use super::grid::{value_str, Cell, StageKind, SEED_KEY};
-use super::runner::{read_status, State};
+use super::runner::{State, Status};
 use crate::config::{AttentionConfig, Method, Router};
 use crate::model::attention::{spec, CellKind, Provenance, TableCell};
 use crate::run::prune::PruneReport;
@@ -67,6 +67,25 @@ pub(crate) struct Row {
     /// It ran with no other cell of its sweep beside it (its stage's `exclusive`, as its own
     /// `cell.json` recorded when it ran): its timing is clean.
     pub(crate) exclusive: bool,
+    /// What of its files could not be read (its row lacks what they hold); empty when all
+    /// could.
+    pub(crate) note: Vec<String>,
+}
+
+/// A cell the sweep lists that has no row: not finished, or its files unreadable.
+#[derive(Debug, Clone)]
+pub(crate) struct Unread {
+    pub(crate) cell: String,
+    pub(crate) stage: String,
+    pub(crate) kind: StageKind,
+    pub(crate) label: String,
+    pub(crate) why: String,
+}
+
+/// A sweep directory as the tables read it: a row per finished cell, and the cells without.
+pub(crate) struct SweepRows {
+    pub(crate) rows: Vec<Row>,
+    pub(crate) unread: Vec<Unread>,
 }
 
 impl Row {
@@ -202,8 +221,8 @@ fn ran_alone(dir: &Path) -> bool {
 }
 
 /// The finished cells of a sweep directory, each once (cells that several stages share
-/// appear under the first).
-pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
+/// appear under the first), and every other cell it lists with the reason it has no row.
+pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
     let cells_path = sweep.join("cells.json");
     let text = std::fs::read_to_string(&cells_path).with_context(|| {
         format!(
@@ -214,81 +233,21 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
     let cells: Vec<Cell> = serde_json::from_str(&text)
         .with_context(|| format!("{} is malformed", cells_path.display()))?;
     let budget = budgets(&cells);
-    let mut out: Vec<Row> = Vec::new();
+    let (mut out, mut unread): (Vec<Row>, Vec<Unread>) = (Vec::new(), Vec::new());
     for c in &cells {
-        if out.iter().any(|r| r.cell == c.id) {
+        if out.iter().any(|r| r.cell == c.id) || unread.iter().any(|u| u.cell == c.id) {
             continue;
         }
-        let dir = sweep.join(&c.id);
-        if read_status(&dir).is_none_or(|s| s.state != State::Done) {
-            continue;
+        match row_of(c, &cells, &sweep.join(&c.id), &budget) {
+            Ok(row) => out.push(row),
+            Err(why) => unread.push(Unread {
+                cell: c.id.clone(),
+                stage: c.stage.clone(),
+                kind: c.kind,
+                label: c.label.clone(),
+                why,
+            }),
         }
-        let Some(ev) = report::read_report(&dir.join("eval"))? else {
-            continue;
-        };
-        let a = &c.config.attention;
-        let heads = c.config.model.num_hidden_layers * c.config.model.num_attention_heads;
-        let source = c
-            .depends_on
-            .as_ref()
-            .and_then(|d| cells.iter().find(|x| &x.id == d));
-        let prune_path = dir.join("prune.json");
-        let prune = match prune_path.is_file() {
-            true => Some(
-                serde_json::from_str::<PruneReport>(&std::fs::read_to_string(&prune_path)?)
-                    .with_context(|| format!("{} is malformed", prune_path.display()))?,
-            ),
-            false => None,
-        };
-        let mut varied: Vec<(String, String)> = c
-            .assignment
-            .iter()
-            .map(|(k, v)| (k.clone(), value_str(v)))
-            .collect();
-        if let Some(t) = c.threshold {
-            varied.push(("threshold".into(), t.to_string()));
-        }
-        let train_log = Log::read(&dir.join("train_log.csv"));
-        let mut row = Row {
-            cell: c.id.clone(),
-            stage: c.stage.clone(),
-            kind: c.kind,
-            label: c.label.clone(),
-            varied,
-            method: a.method,
-            source: source.map(|s| s.id.clone()).unwrap_or_default(),
-            source_method: source.map(|s| s.config.attention.method),
-            window: a.window as f64,
-            router: a.router,
-            // As trained: a grid may set it from another cell's usage (`match_usage`).
-            bernoulli_p: ev.config.attention.bernoulli_p,
-            variant: (spec(a.method).variant)(a),
-            head_budget: String::new(),
-            heads,
-            budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
-            start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
-                - c.config.train.steps as f64 * tokens_per_step(c),
-            tokens_per_step: tokens_per_step(c),
-            model_key: format!(
-                "{}\n{}",
-                toml::to_string(&c.config.model).unwrap_or_default(),
-                c.config.data.dir.display()
-            ),
-            report: ev.report,
-            prune,
-            tasks: task_metrics(&dir.join("eval/results.json")),
-            tokens_per_s: train_log.as_ref().and_then(median_rate),
-            train_log,
-            val_log: Log::read(&dir.join("val_log.csv")),
-            probe_usage: cell_files::probe_usage(&dir.join("eval/probe_head_usage.csv"))?,
-            niah: cell_files::niah(&dir.join("eval/niah.csv"))?,
-            train_tokens_per_s: None,
-            grid_attention: a.clone(),
-            attention: ev.config.attention.clone(),
-            exclusive: ran_alone(&dir),
-        };
-        row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
-        out.push(row);
     }
     // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
     // before it.
@@ -304,7 +263,132 @@ pub(crate) fn rows(sweep: &Path) -> Result<Vec<Row>> {
             }
         };
     }
-    Ok(out)
+    Ok(SweepRows { rows: out, unread })
+}
+
+/// Whether the cell in `dir` finished: Err with why not, or why its state cannot be told.
+fn finished(dir: &Path) -> Result<(), String> {
+    let path = dir.join("status.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(match dir.is_dir() {
+                true => "not run (no status.json)".into(),
+                false => "not run (no folder)".into(),
+            })
+        }
+        Err(e) => return Err(format!("status.json cannot be read ({e})")),
+    };
+    let status: Status = serde_json::from_str(&text)
+        .map_err(|e| format!("status.json is unreadable (cut short?): {e}"))?;
+    match status.state {
+        State::Done => Ok(()),
+        State::Running => Err("running, or stopped while it ran".into()),
+        State::Failed => Err(format!(
+            "failed: {}",
+            status.error.unwrap_or_else(|| "no error recorded".into())
+        )),
+    }
+}
+
+/// The row of cell `c` (in `dir`), or why it has none: not finished, its evaluation or
+/// pruning unreadable. Files a row can do without (logs, probe files) that cannot be read
+/// leave its `note`.
+fn row_of(
+    c: &Cell,
+    cells: &[Cell],
+    dir: &Path,
+    budget: &BTreeMap<String, f64>,
+) -> Result<Row, String> {
+    finished(dir)?;
+    let ev = report::read_report(&dir.join("eval"))
+        .map_err(|e| format!("{e:#}"))?
+        .ok_or("finished but its eval/eval.json is missing")?;
+    let a = &c.config.attention;
+    let heads = c.config.model.num_hidden_layers * c.config.model.num_attention_heads;
+    let source = c
+        .depends_on
+        .as_ref()
+        .and_then(|d| cells.iter().find(|x| &x.id == d));
+    let prune_path = dir.join("prune.json");
+    let prune = match prune_path.is_file() {
+        true => Some(
+            std::fs::read_to_string(&prune_path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str::<PruneReport>(&t).map_err(|e| e.to_string()))
+                .map_err(|e| format!("prune.json is unreadable (cut short?): {e}"))?,
+        ),
+        false => None,
+    };
+    let mut varied: Vec<(String, String)> = c
+        .assignment
+        .iter()
+        .map(|(k, v)| (k.clone(), value_str(v)))
+        .collect();
+    if let Some(t) = c.threshold {
+        varied.push(("threshold".into(), t.to_string()));
+    }
+    let mut note = Vec::new();
+    let mut log = |name: &str| {
+        let (log, problem) = Log::read(&dir.join(name));
+        note.extend(problem);
+        log
+    };
+    let (train_log, val_log) = (log("train_log.csv"), log("val_log.csv"));
+    let probe_usage = or_note(
+        cell_files::probe_usage(&dir.join("eval/probe_head_usage.csv")),
+        &mut note,
+    );
+    let niah = or_note(cell_files::niah(&dir.join("eval/niah.csv")), &mut note);
+    let mut row = Row {
+        cell: c.id.clone(),
+        stage: c.stage.clone(),
+        kind: c.kind,
+        label: c.label.clone(),
+        varied,
+        method: a.method,
+        source: source.map(|s| s.id.clone()).unwrap_or_default(),
+        source_method: source.map(|s| s.config.attention.method),
+        window: a.window as f64,
+        router: a.router,
+        // As trained: a grid may set it from another cell's usage (`match_usage`).
+        bernoulli_p: ev.config.attention.bernoulli_p,
+        variant: (spec(a.method).variant)(a),
+        head_budget: String::new(),
+        heads,
+        budget_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN),
+        start_tokens: budget.get(&c.id).copied().unwrap_or(f64::NAN)
+            - c.config.train.steps as f64 * tokens_per_step(c),
+        tokens_per_step: tokens_per_step(c),
+        model_key: format!(
+            "{}\n{}",
+            toml::to_string(&c.config.model).unwrap_or_default(),
+            c.config.data.dir.display()
+        ),
+        report: ev.report,
+        prune,
+        tasks: task_metrics(&dir.join("eval/results.json")),
+        tokens_per_s: train_log.as_ref().and_then(median_rate),
+        train_log,
+        val_log,
+        probe_usage,
+        niah,
+        train_tokens_per_s: None,
+        grid_attention: a.clone(),
+        attention: ev.config.attention.clone(),
+        exclusive: ran_alone(dir),
+        note,
+    };
+    row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
+    Ok(row)
+}
+
+/// What a file a row can do without holds, or nothing, its error noted.
+fn or_note<T: Default>(read: Result<T>, note: &mut Vec<String>) -> T {
+    read.unwrap_or_else(|e| {
+        note.push(format!("{e:#}"));
+        T::default()
+    })
 }
 
 /// The median of a training log's `tokens_per_s` column (robust to the first steps, which

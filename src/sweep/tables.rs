@@ -4,7 +4,7 @@
 //! | file | paper item | cells it reads |
 //! |---|---|---|
 //! | `tidy.csv` | - | every finished cell, one row per (cell, metric) |
-//! | `summary.csv` | - | every finished cell, one row each |
+//! | `summary.csv` | - | every finished cell, one row each; where some cell could not be read, a `note` column says what, and each cell without a row has one holding its note |
 //! | `aha_windows.csv` | AHA Tables 1/2 | AHA train cells: quality, retain %, mu_f by window |
 //! | `aha_lambda.csv` | AHA Table 4 | AHA train cells, by lambda |
 //! | `aha_static_heads.csv` | AHA Table 5 | static top-k heads beside AHA at its budget |
@@ -26,7 +26,7 @@
 use super::grid::StageKind;
 use super::pareto;
 use super::replicates;
-use super::rows::{rows, Row};
+use super::rows::{rows, Row, SweepRows, Unread};
 use crate::config::{name_of, AttentionConfig, Method, Router};
 use crate::model::attention::{all_methods, Report, SettingColumn, Value, SHARED_COLUMNS};
 use crate::run::prune::PruneReport;
@@ -308,18 +308,99 @@ fn filtered(summary: &DataFrame, rows: &[Row], keep: impl Fn(&Row) -> bool) -> R
     Ok(summary.filter(&mask)?)
 }
 
+/// What a plot wrote, and what it could not read: the cells without a row, and the rows
+/// that lack part of their files (cell, what).
+pub(crate) struct Plotted {
+    pub(crate) written: Vec<PathBuf>,
+    pub(crate) unread: Vec<Unread>,
+    pub(crate) noted: Vec<(String, String)>,
+}
+
+/// `summary` with a `note` column saying what of each cell could not be read, and a row for
+/// each cell without one (its identity and note alone): a table with a hole says so. A
+/// sweep read whole keeps its summary as it was.
+fn with_notes(summary: DataFrame, rows: &[Row], unread: &[Unread]) -> Result<DataFrame> {
+    if unread.is_empty() && rows.iter().all(|r| r.note.is_empty()) {
+        return Ok(summary);
+    }
+    let mut summary = summary;
+    let notes: Vec<String> = rows.iter().map(|r| r.note.join("; ")).collect();
+    summary.with_column(Column::new("note".into(), notes))?;
+    let n = unread.len();
+    let text = |f: fn(&Unread) -> String| unread.iter().map(f).collect::<Vec<String>>();
+    let known: [(&str, Vec<String>); 5] = [
+        ("cell", text(|u| u.cell.clone())),
+        ("stage", text(|u| u.stage.clone())),
+        ("kind", text(|u| name_of(u.kind))),
+        ("label", text(|u| u.label.clone())),
+        ("note", text(|u| format!("no row: {}", u.why))),
+    ];
+    let columns: Vec<Column> = summary
+        .columns()
+        .iter()
+        .map(
+            |c| match known.iter().find(|(k, _)| *k == c.name().as_str()) {
+                Some((k, v)) => Column::new((*k).into(), v),
+                None => Column::full_null(c.name().clone(), n, c.dtype()),
+            },
+        )
+        .collect();
+    Ok(summary.vstack(&DataFrame::new(n, columns)?)?)
+}
+
+/// What a plot could not read, for the user: the cells without a row grouped by why (at
+/// most 8 named per reason), then the rows that lack part of their files; "" when it read
+/// everything.
+pub(crate) fn unread_report(p: &Plotted) -> String {
+    let mut out = String::new();
+    if !p.unread.is_empty() {
+        out += &format!(
+            "plot: {} cells of the sweep have no row{}:\n",
+            p.unread.len(),
+            match p.written.is_empty() {
+                true => "",
+                false => " (summary.csv lists each with its note)",
+            }
+        );
+        let pairs = p.unread.iter().map(|u| (u.cell.as_str(), u.why.as_str()));
+        for (why, cells) in super::by_reason(pairs, 8) {
+            out += &format!("  {why}: {cells}\n");
+        }
+    }
+    if !p.noted.is_empty() {
+        out += &format!(
+            "plot: {} rows lack part of their files (summary.csv's note column):\n",
+            p.noted.len()
+        );
+        for (cell, note) in &p.noted {
+            out += &format!("  {cell}: {note}\n");
+        }
+    }
+    out
+}
+
 /// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
-/// returns the files written.
-pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+/// returns the files written and what could not be read.
+pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     atomic::ensure_writable_dir(out)?;
-    let rows = rows(sweep)?;
+    let SweepRows { rows, unread } = rows(sweep)?;
+    let noted: Vec<(String, String)> = rows
+        .iter()
+        .filter(|r| !r.note.is_empty())
+        .map(|r| (r.cell.clone(), r.note.join("; ")))
+        .collect();
     let mut written = Vec::new();
     if rows.is_empty() {
-        return Ok(written);
+        return Ok(Plotted {
+            written,
+            unread,
+            noted,
+        });
     }
-    let mut summary = summary_frame(&rows)?;
+    let summary = summary_frame(&rows)?;
     let mut tidy = tidy_frame(&summary)?;
-    for (df, name) in [(&mut summary, "summary.csv"), (&mut tidy, "tidy.csv")] {
+    let mut marked = with_notes(summary.clone(), &rows, &unread)?;
+    for (df, name) in [(&mut marked, "summary.csv"), (&mut tidy, "tidy.csv")] {
         write_csv(df, &out.join(name))?;
         written.push(out.join(name));
     }
@@ -363,7 +444,11 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
-    Ok(written)
+    Ok(Plotted {
+        written,
+        unread,
+        noted,
+    })
 }
 
 /// `replicates.csv`, `replicate_differences.csv` and `stage_differences.csv` from the tidy
@@ -531,6 +616,59 @@ fn gap_table(rows: &[&Row]) -> Result<Option<DataFrame>> {
 pub(super) mod tests {
     use super::*;
     use crate::sweep::fixture::{csv, sweep_dir};
+
+    /// Cells a plot cannot read are named and marked, never dropped in silence: a cut-short
+    /// status.json, a deleted cell folder and a deleted eval/ each get a row holding their
+    /// note; a cut-short train_log.csv keeps its row, its note saying what is missing. A
+    /// sweep read whole keeps its summary without the column.
+    #[test]
+    fn cells_that_cannot_be_read_are_named_and_their_rows_marked() {
+        let dir = sweep_dir("unread");
+        write_all(&dir, &dir).unwrap();
+        let whole = csv(&dir.join("summary.csv"));
+        assert!(!whole[0].contains(&"note".to_string()));
+        let status = std::fs::read_to_string(dir.join("aha-4/status.json")).unwrap();
+        std::fs::write(dir.join("aha-4/status.json"), &status[..status.len() / 2]).unwrap();
+        std::fs::remove_dir_all(dir.join("ppa-5")).unwrap();
+        std::fs::remove_dir_all(dir.join("swa-0/eval")).unwrap();
+        let log = std::fs::read_to_string(dir.join("aha-16/train_log.csv")).unwrap();
+        std::fs::write(dir.join("aha-16/train_log.csv"), format!("{log}40,3,0.0")).unwrap();
+        let plotted = write_all(&dir, &dir).unwrap();
+        // Read as CSV proper: the notes hold commas and quotes.
+        let mut rdr = ::csv::Reader::from_path(dir.join("summary.csv")).unwrap();
+        let t: Vec<Vec<String>> = std::iter::once(rdr.headers().unwrap().clone())
+            .chain(rdr.records().map(|r| r.unwrap()))
+            .map(|r| r.iter().map(String::from).collect())
+            .collect();
+        let col = |n: &str| t[0].iter().position(|c| c == n).unwrap();
+        let note = |cell: &str| {
+            t.iter()
+                .find(|r| r[col("cell")] == cell)
+                .map(|r| r[col("note")].clone())
+                .unwrap_or_else(|| panic!("{cell} has no row"))
+        };
+        assert!(
+            note("aha-4").starts_with("no row: status.json is unreadable"),
+            "{}",
+            note("aha-4")
+        );
+        assert_eq!(note("ppa-5"), "no row: not run (no folder)");
+        assert_eq!(
+            note("swa-0"),
+            "no row: finished but its eval/eval.json is missing"
+        );
+        assert!(note("aha-16").starts_with("train_log.csv is unreadable from its row 5 on"));
+        assert_eq!(note("full-0"), "");
+        // The marked row keeps what could be read: the median rate of its three whole rows.
+        let rate =
+            t.iter().find(|r| r[col("cell")] == "aha-16").unwrap()[col("tokens_per_s")].clone();
+        assert_eq!(rate, "2000.0");
+        assert_eq!(t.len(), whole.len());
+        let said = unread_report(&plotted);
+        for cell in ["aha-4", "ppa-5", "swa-0", "aha-16"] {
+            assert!(said.contains(cell), "{said}");
+        }
+    }
 
     #[test]
     fn pareto_table_compares_one_budget_on_every_cost() {
@@ -717,7 +855,7 @@ pub(super) mod tests {
     #[test]
     fn every_paper_table_from_a_fixture_sweep() {
         let dir = sweep_dir("tables");
-        let written = write_all(&dir, &dir).unwrap();
+        let written = write_all(&dir, &dir).unwrap().written;
         let names: Vec<String> = written
             .iter()
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())

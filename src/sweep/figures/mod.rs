@@ -32,16 +32,16 @@ mod tests;
 use super::figure::Figure;
 use super::grid::StageKind;
 use super::rows::{rows, Row};
-use super::tables;
+use super::tables::{self, Plotted};
 use crate::config::Router;
 use crate::model::attention::{all_methods, Report};
 use crate::util::atomic;
 use anyhow::Result;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Every figure the sweep directory's cells can fill, as (file stem, figure).
 pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
-    let all = rows(sweep)?;
+    let all = rows(sweep)?.rows;
     let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
     let mut figs: Vec<(String, Figure)> = Vec::new();
     gates::mu_f_vs_window(&train, &mut figs);
@@ -91,12 +91,12 @@ fn reporting<'a>(rows: &[&'a Row], wanted: fn(&Report) -> bool) -> Vec<Vec<&'a R
 }
 
 /// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
-pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
-    let mut written = tables::write_all(sweep, out)?;
+pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
+    let mut plotted = tables::write_all(sweep, out)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;
     for (stem, fig) in figures(sweep)? {
-        written.extend(fig.save(&dir.join(stem))?);
+        plotted.written.extend(fig.save(&dir.join(stem))?);
     }
-    Ok(written)
+    Ok(plotted)
 }

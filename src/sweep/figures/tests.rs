@@ -26,7 +26,7 @@ fn varied(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 #[test]
 fn replicates_become_a_mean_with_an_error_bar() {
     let dir = fixture::sweep_dir("replicate-points");
-    let all = rows(&dir).unwrap();
+    let all = rows(&dir).unwrap().rows;
     let with = |settings: &[(&str, &str)], loss: f64| {
         let mut r = all[0].clone();
         r.varied = varied(settings);
@@ -71,7 +71,7 @@ fn replicates_become_a_mean_with_an_error_bar() {
 #[test]
 fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
     let dir = fixture::sweep_dir("control-series");
-    let all = rows(&dir).unwrap();
+    let all = rows(&dir).unwrap().rows;
     let with = |settings: &[(&str, &str)], window: f64, loss: f64| {
         let mut r = all[0].clone();
         r.varied = varied(settings);
@@ -133,7 +133,7 @@ fn every_figure_of_a_fixture_sweep_renders() {
         assert!(ink > 5_000, "{stem}: only {ink} drawn pixels");
         assert!(svg.contains(f.title()), "{stem}: title missing");
     }
-    let written = write_all(&dir, &dir).unwrap();
+    let written = write_all(&dir, &dir).unwrap().written;
     assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
     // L2A Fig. 13 has the trained threshold among the test-time ones, in order of tau.
     let Some((_, Figure::Lines { series, .. })) = figs.iter().find(|(s, _)| s == "threshold_sweep")
