@@ -32,6 +32,11 @@ tokens, each chunk checkpointed; the row's setup column says so.
 
 Prints CSV rows impl,method,L,batch,step_ms,tokens_per_s,full_usage,peak_gib,setup,note on
 stdout (a case that could not run: no time, the reason in note).
+
+Started by torchrun (WORLD_SIZE > 1), each rank trains --tokens a step on its own GPU under
+DistributedDataParallel (NCCL, torch's default buckets), the compiled blocks inside it, as
+torchtitan and the PyTorch tutorials set it up; rank 0 prints the rows, tokens_per_s counting
+every rank's tokens.
 """
 
 import argparse
@@ -40,7 +45,10 @@ import math
 import time
 import warnings
 
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -305,6 +313,9 @@ def main():
         m = json.load(f)
     if not m.get("head_dim"):
         m["head_dim"] = m["hidden_size"] // m["num_attention_heads"]
+    if WORLD > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
     # Every (method, length) compiles anew.
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
@@ -315,6 +326,15 @@ def main():
                 time_case(a, m, impl, l)
 
 
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say(row):
+    """A row on stdout, from rank 0 only."""
+    if WORLD == 1 or dist.get_rank() == 0:
+        print(row, flush=True)
+
+
 def time_case(a, m, impl, l):
     """Median step time of one (impl, method, length), printed as a CSV row: first as written,
     then, if that runs out of memory, with every block checkpointed and the loss in chunks."""
@@ -322,20 +342,20 @@ def time_case(a, m, impl, l):
     batch = max(1, a.tokens // l)
     needs_flex = a.method != "full"
     if needs_flex and flex_attention is None:
-        print(f"{name},{a.method},{l},{batch},,,,,,FlexAttention unavailable", flush=True)
+        say(f"{name},{a.method},{l},{batch},,,,,,FlexAttention unavailable")
         return
     for checkpointed in (False, True):
         torch.cuda.empty_cache()
         try:
             row = run_case(a, m, impl, l, batch, checkpointed)
-            print(f"{name},{a.method},{l},{batch},{row}", flush=True)
+            say(f"{name},{a.method},{l},{batch},{row}")
             return
         except torch.cuda.OutOfMemoryError:
             if checkpointed:
-                print(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks", flush=True)
+                say(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks")
         except Exception as e:  # a compile failure leaves this case out, not the run
             msg = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ").replace(",", ";")
-            print(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})", flush=True)
+            say(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})")
             return
 
 
@@ -351,10 +371,13 @@ def run_case(a, m, impl, l, batch, checkpointed):
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
         model.flex = flex_attention
+    if WORLD > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, fused=True)
     ids = torch.randint(0, m["vocab_size"], (batch, l + 1), device=dev)
     x, y = ids[:, :-1], ids[:, 1:]
-    masks = model.masks(l, dev) if a.method != "full" else {}
+    inner = model.module if WORLD > 1 else model
+    masks = inner.masks(l, dev) if a.method != "full" else {}
     times, usage = [], None
 
     def step():
@@ -387,7 +410,7 @@ def run_case(a, m, impl, l, batch, checkpointed):
     mu = "" if usage is None else f"{usage.item():.4f}"
     peak = torch.cuda.max_memory_allocated() / GIB
     setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
-    return f"{ms:.3f},{batch * l / ms * 1e3:.0f},{mu},{peak:.2f},{setup},"
+    return f"{ms:.3f},{WORLD * batch * l / ms * 1e3:.0f},{mu},{peak:.2f},{setup},"
 
 
 if __name__ == "__main__":

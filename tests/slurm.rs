@@ -8,7 +8,7 @@
 //! their daemons are installed and says it was skipped otherwise.
 
 mod common;
-use common::{bin, scratch, tiny_grid};
+use common::{bin, scratch, tables, tiny_grid};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -166,52 +166,6 @@ impl Drop for Cluster {
     }
 }
 
-/// The sweep's tables (CSV files at its top) with the columns and rows of measured time left
-/// out, which differ between any two runs.
-fn tables(out: &Path) -> Vec<(String, Vec<String>)> {
-    let timed = |h: &str| {
-        h.contains("tokens_per_s")
-            || h.ends_with("_ms")
-            || h.contains("per_mtok")
-            || h.contains("front_time")
-    };
-    let mut files: Vec<PathBuf> = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "csv"))
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "no tables in {}", out.display());
-    files
-        .iter()
-        .map(|f| {
-            let mut r = csv::Reader::from_path(f).unwrap();
-            let head: Vec<String> = r.headers().unwrap().iter().map(String::from).collect();
-            let keep: Vec<usize> = (0..head.len()).filter(|&i| !timed(&head[i])).collect();
-            let metric = head.iter().position(|h| h == "metric");
-            let mut rows = vec![keep
-                .iter()
-                .map(|&i| head[i].clone())
-                .collect::<Vec<_>>()
-                .join(",")];
-            for rec in r.records() {
-                let rec = rec.unwrap();
-                // tidy.csv holds one metric a row.
-                if metric.is_some_and(|m| timed(&rec[m])) {
-                    continue;
-                }
-                rows.push(
-                    keep.iter()
-                        .map(|&i| rec[i].to_string())
-                        .collect::<Vec<_>>()
-                        .join(","),
-                );
-            }
-            (f.file_name().unwrap().to_string_lossy().into_owned(), rows)
-        })
-        .collect()
-}
-
 /// Each started cell's (state, attempts), by cell directory.
 fn cells(out: &Path) -> BTreeMap<String, (String, u64)> {
     std::fs::read_dir(out)
@@ -312,4 +266,62 @@ fn slurm_arrays_run_a_grid_resume_a_cancelled_task_and_equal_a_local_run() {
     }
     ok(bin().arg("plot").arg("--sweep").arg(&resumed));
     assert_eq!(tables(&resumed), want);
+}
+
+/// The ranks of a data-parallel job started by Slurm (`srun`, one task a rank, the job's
+/// MASTER_ADDR and MASTER_PORT) train the model one process trains, bit for bit.
+#[test]
+#[ignore = "needs a Slurm (Debian's slurm-wlm and munge); make test runs it where they are installed"]
+fn srun_starts_the_ranks_of_a_data_parallel_job() {
+    let d = scratch("slurm", "ranks");
+    let cluster = Cluster::start(&d.join("cluster"));
+    let data = common::synth(&d, 6000);
+    let sets: Vec<String> = [
+        "model.hidden_size=16",
+        "model.intermediate_size=32",
+        "model.num_hidden_layers=1",
+        "data.seq_len=32",
+        "train.batch_size=2",
+        "train.grad_accum=2",
+        "train.steps=3",
+        "train.warmup_steps=1",
+        "train.device=cpu",
+        "eval.max_batches=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([data])
+    .collect();
+    let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let one = d.join("one");
+    ok(bin()
+        .args(["train", "-q", "--out"])
+        .arg(&one)
+        .args(&set_args));
+    let two = d.join("two");
+    ok(cluster
+        .cmd("srun")
+        .args(["-n", "2", "--kill-on-bad-exit=1"])
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", free_port().to_string())
+        .arg(env!("CARGO_BIN_EXE_attnsweep"))
+        .args(["train", "-q", "--out"])
+        .arg(&two)
+        .args(&set_args));
+    let weights = |run: &Path| {
+        let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+        let mut t = tch::Tensor::read_safetensors(
+            run.join("checkpoints")
+                .join(latest.trim())
+                .join("model.safetensors"),
+        )
+        .unwrap();
+        t.sort_by(|a, b| a.0.cmp(&b.0));
+        t
+    };
+    for ((n, a), (_, b)) in weights(&one).iter().zip(&weights(&two)) {
+        assert!(a.equal(b), "{n} differs");
+    }
+    let config = std::fs::read_to_string(two.join("config.toml")).unwrap();
+    assert!(config.contains("ranks = 2"), "{config}");
 }

@@ -27,6 +27,11 @@ pub(super) struct SweepCmd {
     /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<usize>,
+    /// GPUs of --devices each cell gets: a train cell trains data parallel over them
+    /// (train.ranks), evaluations run on the first. Default: the largest train.ranks of the
+    /// grid's cells.
+    #[arg(long, value_name = "K")]
+    gpus_per_cell: Option<usize>,
     /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
     #[arg(long)]
     cell: Option<usize>,
@@ -135,9 +140,30 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         println!("wrote Slurm job arrays; submit with {}", submit.display());
         return Ok(());
     }
+    let gpus_per_cell = c
+        .gpus_per_cell
+        .unwrap_or_else(|| match c.devices.is_empty() {
+            true => 1,
+            false => cells
+                .iter()
+                .map(|x| x.config.train.ranks)
+                .max()
+                .unwrap_or(1),
+        });
+    anyhow::ensure!(
+        gpus_per_cell >= 1 && (c.devices.is_empty() || c.devices.len() % gpus_per_cell == 0),
+        "--gpus-per-cell {gpus_per_cell} does not divide the {} GPUs of --devices into whole \
+         slots",
+        c.devices.len()
+    );
+    anyhow::ensure!(
+        gpus_per_cell == 1 || !c.devices.is_empty(),
+        "--gpus-per-cell {gpus_per_cell} places cells on GPUs: name them with --devices"
+    );
     let args = sweep::SweepArgs {
         out: out.clone(),
         jobs: c.jobs,
+        gpus_per_cell,
         devices: c.devices,
         cell: c.cell,
         retry_failed: c.retry_failed,

@@ -24,6 +24,7 @@ use crate::run::eval;
 use crate::run::memory;
 use crate::run::presets;
 use crate::run::prune;
+use crate::run::ranks;
 use crate::run::report;
 use crate::run::tasks;
 use crate::run::tasks::RunOptions;
@@ -340,6 +341,10 @@ struct TrainCmd {
     /// (step, loss, tokens/s, ETA).
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STATUS_EVERY)]
     status_every: u64,
+    /// Train data parallel over this many GPUs of this machine (train.ranks): one process
+    /// each, started here; with train.device = "cpu", as many CPU processes.
+    #[arg(long, value_name = "N")]
+    gpus: Option<usize>,
 }
 
 #[derive(Args)]
@@ -512,15 +517,31 @@ fn run() -> Result<()> {
 }
 
 fn run_train(c: TrainCmd) -> Result<()> {
-    let cfg = if c.resume {
+    let mut sets = c.config.sets.clone();
+    if let Some(n) = c.gpus {
+        sets.push(format!("train.ranks={n}"));
+    }
+    let mut cfg = if c.resume {
         anyhow::ensure!(
             c.config.config.is_none(),
             "--resume uses the run's saved config.toml; drop --config"
         );
-        Config::load(Some(&c.out.join("config.toml")), &c.config.sets)?
+        Config::load(Some(&c.out.join("config.toml")), &sets)?
     } else {
-        Config::load(c.config.config.as_deref(), &c.config.sets)?
+        Config::load(c.config.config.as_deref(), &sets)?
     };
+    // A rank of a job (started below, by torchrun or by srun) trains; a process asked for
+    // several ranks and in no job starts them.
+    let place = ranks::place()?;
+    match &place {
+        Some(p) => {
+            cfg.train.ranks = p.rendezvous.world;
+            cfg.validate()?;
+        }
+        None if cfg.train.ranks > 1 => return ranks::launch(cfg.train.ranks),
+        None => {}
+    }
+    let quiet = c.quiet || place.as_ref().is_some_and(|p| !p.leads());
     train::train(
         cfg,
         &TrainArgs {
@@ -528,8 +549,9 @@ fn run_train(c: TrainCmd) -> Result<()> {
             resume: c.resume,
             init_from: c.init_from,
             stop_at: c.stop_at_step,
-            quiet: c.quiet,
+            quiet,
             status_every: c.status_every,
+            place,
         },
     )
 }

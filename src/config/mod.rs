@@ -176,8 +176,16 @@ impl Config {
     /// its default (`AttentionConfig::canonical`): two configs that differ only there compute
     /// the same thing, so they identify the same sweep cell.
     pub(crate) fn canonical(&self) -> Config {
+        let defaults = TrainConfig::default();
         Config {
             attention: self.attention.canonical(),
+            // How many ranks share the global batch changes where the work runs, not what
+            // it computes.
+            train: TrainConfig {
+                ranks: defaults.ranks,
+                dist_timeout_s: defaults.dist_timeout_s,
+                ..self.train.clone()
+            },
             ..self.clone()
         }
     }
@@ -250,6 +258,8 @@ fn names_of(dotted: &str) -> Option<Vec<String>> {
 /// configuration, so `train --resume` refuses them.
 pub(crate) const RESUME_MAY_CHANGE: &[&str] = &[
     "train.device",
+    "train.ranks",
+    "train.dist_timeout_s",
     "train.log_every",
     "train.ckpt_every",
     "train.keep_checkpoints",

@@ -1,7 +1,7 @@
 //! `[data]` and `[train]`: what a run reads and how it trains.
 
 use super::check::{check, check_open_f};
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -65,6 +65,14 @@ pub struct TrainConfig {
     pub dtype: Dtype,
     /// "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
     pub device: String,
+    /// Processes that train the model together, data parallel: one per GPU (NCCL between
+    /// them, each on the GPU of its local rank), or CPU processes (Gloo). The global batch
+    /// stays `batch_size x grad_accum` sequences, each rank running `grad_accum / ranks` of
+    /// the micro-batches, so `ranks` must divide `grad_accum`. `train --gpus N` sets it; a job
+    /// a launcher started (torchrun, srun) takes its ranks from the environment instead.
+    pub ranks: usize,
+    /// Seconds a collective waits for the other ranks before the job stops with an error.
+    pub dist_timeout_s: f64,
     pub log_every: usize,
     pub ckpt_every: usize,
     /// How many step checkpoints to keep on disk (the newest ones).
@@ -116,6 +124,8 @@ impl Default for TrainConfig {
             seed: 1337,
             dtype: Dtype::Fp32,
             device: "auto".into(),
+            ranks: 1,
+            dist_timeout_s: 300.0,
             log_every: 10,
             ckpt_every: 200,
             keep_checkpoints: 2,
@@ -142,6 +152,17 @@ impl TrainConfig {
         check("train.steps", t.steps, 1, 1 << 40)?;
         check("train.batch_size", t.batch_size, 1, 1 << 20)?;
         check("train.grad_accum", t.grad_accum, 1, 1 << 16)?;
+        check("train.ranks", t.ranks, 1, 1 << 12)?;
+        ensure!(
+            t.grad_accum % t.ranks == 0,
+            "train.grad_accum = {} is not a multiple of train.ranks = {}: the global batch of \
+             batch_size x grad_accum sequences is shared out a whole number of micro-batches \
+             a rank (set train.grad_accum to a multiple of {})",
+            t.grad_accum,
+            t.ranks,
+            t.ranks
+        );
+        check_open_f("train.dist_timeout_s", t.dist_timeout_s, 0.0, 86_400.0)?;
         check_open_f("train.lr", t.lr, 0.0, 10.0)?;
         check("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)?;
         check("train.warmup_steps", t.warmup_steps, 0, t.steps)?;

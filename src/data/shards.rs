@@ -394,6 +394,18 @@ impl Split {
         seq_len: usize,
         device: tch::Device,
     ) -> Result<Batch> {
+        let rows = self.draw(rng, batch, seq_len)?;
+        Ok(self.rows_to_batch(&rows, seq_len, device))
+    }
+
+    /// Draws past the batch `sample` would give, reading nothing: `rng` moves on as it would.
+    /// A data-parallel rank passes over the other ranks' micro-batches so.
+    pub(crate) fn skip(&self, rng: &mut Rng, batch: usize, seq_len: usize) -> Result<()> {
+        self.draw(rng, batch, seq_len).map(|_| ())
+    }
+
+    /// The (shard, start) of each window of a batch.
+    fn draw(&self, rng: &mut Rng, batch: usize, seq_len: usize) -> Result<Vec<(usize, usize)>> {
         let starts: Vec<u64> = self
             .shards
             .iter()
@@ -401,7 +413,7 @@ impl Split {
             .collect();
         let total: u64 = starts.iter().sum();
         ensure!(total > 0, "no shard holds more than seq_len = {seq_len} tokens; use shorter sequences or more data");
-        let rows: Vec<(usize, usize)> = (0..batch)
+        Ok((0..batch)
             .map(|_| {
                 let mut r = rng.below(total);
                 let s = starts.iter().position(|&n| {
@@ -415,8 +427,7 @@ impl Split {
                 let s = s.expect("r < total");
                 (s, r as usize)
             })
-            .collect();
-        Ok(self.rows_to_batch(&rows, seq_len, device))
+            .collect())
     }
 
     /// Consecutive non-overlapping windows in order, grouped into batches, each with the index

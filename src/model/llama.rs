@@ -364,11 +364,6 @@ impl Llama {
         }
     }
 
-    /// Whether the head's weight is the embedding's (tied).
-    pub(crate) fn ties_head(&self) -> bool {
-        self.lm_head.is_none()
-    }
-
     /// Logits in `hn`'s dtype of final-normed hidden states `hn`.
     pub(crate) fn logits(&self, hn: &Tensor) -> Tensor {
         hn.linear(&self.head_weight().to_kind(hn.kind()), None::<Tensor>)

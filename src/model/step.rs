@@ -227,23 +227,17 @@ fn staged(
     );
     let weight = model.head_weight();
     let trains_head = weight.requires_grad();
-    // The head's gradient goes straight into the parameter's, chunk by chunk: defined here
-    // (as zeros) where no backward has made it yet.
-    if trains_head && !weight.grad().defined() {
-        (weight.flatten(0, -1).narrow(0, 0, 1) * 0.0)
-            .sum(Kind::Float)
-            .backward();
-    }
     let w_leaf = weight
         .detach()
         .to_kind(hn.kind())
         .set_requires_grad(trains_head);
     let g_hn = hn_rows.zeros_like();
     let chunk = plan.loss_chunk.unwrap_or(rows as usize).max(1) as i64;
-    // Where the head's weight is also the embedding, the plain path adds the embedding's
-    // gradient to the head's before the parameter's: held here for that, when it comes whole.
-    let hold_head = model.ties_head() && chunk >= rows;
-    let mut head_grad = None;
+    // The head's gradient, summed over the chunks in the parameter's dtype, reaches the
+    // parameter in one backward at the end (with the embedding's, where the weight is both,
+    // as the plain path adds them): each parameter's gradient accumulates once a micro-step,
+    // which a data-parallel reducer's hooks count on.
+    let mut head_grad: Option<Tensor> = None;
     let mut nll_parts = Vec::new();
     for start in (0..rows).step_by(chunk as usize) {
         let n = chunk.min(rows - start);
@@ -257,12 +251,15 @@ fn staged(
         };
         let grads = Tensor::run_backward(&[&loss_c], &inputs, false, false);
         g_hn.narrow(0, start, n).copy_(&grads[0]);
-        match (trains_head, hold_head) {
-            (true, true) => head_grad = Some(grads[1].shallow_clone()),
-            (true, false) => {
-                let _ = weight.grad().g_add_(&grads[1]);
-            }
-            (false, _) => {}
+        if trains_head {
+            let part = grads[1].to_kind(weight.kind());
+            head_grad = Some(match head_grad {
+                Some(mut sum) => {
+                    let _ = sum.g_add_(&part);
+                    sum
+                }
+                None => part,
+            });
         }
         nll_parts.push(nll_c.detach());
     }
@@ -304,21 +301,17 @@ fn staged(
 }
 
 /// The embedding's backward from `g`, the gradient of the first block's input, and the head's
-/// gradient held back where the head's weight is the embedding (`head_grad`): both added to the
-/// weight's gradient in the plain path's order.
+/// summed gradient (`head_grad`), in one backward: where the head's weight is the embedding,
+/// its two gradients are added before the parameter's, as in the plain path.
 fn embedding_backward(embedded: &Tensor, g: &Tensor, weight: &Tensor, head_grad: Option<Tensor>) {
-    match (head_grad, embedded.requires_grad()) {
-        (Some(head), true) => {
-            let grads = Tensor::run_backward(&[&seeded(embedded, g)], &[weight], false, false);
-            let _ = weight
-                .grad()
-                .g_add_(&(head.to_kind(grads[0].kind()) + &grads[0]));
-        }
-        (Some(head), false) => {
-            let _ = weight.grad().g_add_(&head);
-        }
-        (None, true) => seeded(embedded, g).backward(),
-        (None, false) => {}
+    let embedding = embedded.requires_grad().then(|| seeded(embedded, g));
+    let head = head_grad.map(|h| seeded(weight, &h));
+    let total = match (embedding, head) {
+        (Some(e), Some(h)) => Some(e + h),
+        (e, h) => e.or(h),
+    };
+    if let Some(t) = total {
+        t.backward();
     }
 }
 

@@ -275,6 +275,15 @@ fn candidates(cfg: &Config) -> Vec<Checkpointing> {
     }
 }
 
+/// Copies of the gradients a rank's reducer keeps (its buckets, `kernels/dist.cpp`): one for
+/// a rank of several, none for a process alone.
+fn buckets(cfg: &Config) -> f64 {
+    match cfg.train.ranks {
+        1 => 0.0,
+        _ => 1.0,
+    }
+}
+
 /// What training needs on the CPU under `checkpointing`, as (what, bytes) parts: parameters,
 /// the gradients and AdamW moments of those that train, the activations kept, the larger of a
 /// loss chunk's logits (with their gradient) and an evaluation batch's, and the masks.
@@ -290,7 +299,10 @@ fn training_parts(cfg: &Config, checkpointing: Checkpointing) -> Vec<(&'static s
         .count();
     vec![
         ("parameters", 4.0 * parameters(cfg)),
-        ("gradients and optimizer state", 12.0 * trained),
+        (
+            "gradients and optimizer state",
+            (12.0 + 4.0 * buckets(cfg)) * trained,
+        ),
         (
             "activations kept for the backward pass",
             activation_bytes(cfg, recomputed),
@@ -511,8 +523,9 @@ pub(crate) fn plan_on_device(
         .map(|p| (p.numel() * p.kind().elt_size_in_bytes()) as f64)
         .sum();
     // The parameters on the device now, and the gradients and two AdamW moments of those
-    // that train (fp32 like them).
-    let fixed = now.allocated + 3.0 * trained_bytes;
+    // that train (fp32 like them), and a data-parallel rank's reducer buckets (a copy of the
+    // gradients).
+    let fixed = now.allocated + (3.0 + buckets(cfg)) * trained_bytes;
     // What the allocator may use: the driver's free memory and the allocator's own cache,
     // less a margin for the fragmentation of the allocator's blocks.
     let usable = 0.92 * (now.free + now.reserved);
@@ -822,6 +835,17 @@ mod tests {
             }
             assert!(off.is_empty(), "predictions off by 10 % or more: {off:?}");
         });
+    }
+
+    /// A rank of a data-parallel job counts its reducer's buckets: one more copy of the
+    /// gradients of what trains.
+    #[test]
+    fn a_rank_counts_its_gradient_buckets() {
+        let mut c = shaped(257, 64, 128, 2, 2, 2);
+        let alone = training_parts(&c, Checkpointing::None)[1].1;
+        c.train.ranks = 2;
+        let rank = training_parts(&c, Checkpointing::None)[1].1;
+        assert_eq!(rank - alone, 4.0 * parameters(&c));
     }
 
     /// A run whose parameters, logits and masks fit in a few GiB but whose activations need

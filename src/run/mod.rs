@@ -10,6 +10,7 @@ pub(crate) mod memory;
 pub(crate) mod optim;
 pub(crate) mod presets;
 pub(crate) mod prune;
+pub(crate) mod ranks;
 pub(crate) mod report;
 pub mod tasks;
 pub(crate) mod train;

@@ -15,6 +15,7 @@ use crate::run::eval;
 use crate::run::memory;
 use crate::run::memory::{MemoryPlan, GIB};
 use crate::run::optim::{is_router, learning_rate, penalty_scale, AdamW};
+use crate::run::ranks::{self, Place, Team};
 use crate::run::report;
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
@@ -48,6 +49,15 @@ pub(crate) struct TrainArgs {
     pub(crate) quiet: bool,
     /// Seconds between status lines when stderr is not a terminal.
     pub(crate) status_every: u64,
+    /// This process's place in a data-parallel job; None for a process training alone.
+    pub(crate) place: Option<Place>,
+}
+
+impl TrainArgs {
+    /// Whether this process writes the run's files: alone, or rank 0 of a job.
+    fn leads(&self) -> bool {
+        self.place.as_ref().is_none_or(Place::leads)
+    }
 }
 
 /// The validation log's columns.
@@ -206,8 +216,9 @@ struct Prepared {
     device: Device,
     train_split: Split,
     val_split: Split,
-    /// Held for the whole run: the OS releases it when the process dies.
-    _lock: std::fs::File,
+    /// Held for the whole run by the process that writes it: the OS releases it when the
+    /// process dies.
+    _lock: Option<std::fs::File>,
     init_from: Option<PathBuf>,
     /// Settings a resumed run changes (`resume_changes`), as (key, was, now).
     changed: Vec<(String, String, String)>,
@@ -229,7 +240,7 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
             "--resume: {} holds no run (no config.toml)",
             out.display()
         );
-    } else if cfg_path.exists() || checkpoint::checkpoints_dir(out).exists() {
+    } else if args.leads() && (cfg_path.exists() || checkpoint::checkpoints_dir(out).exists()) {
         bail!(
             "{} already holds a run; pass --resume to continue it or choose another --out",
             out.display()
@@ -245,7 +256,10 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     } else {
         Vec::new()
     };
-    let device = resolve_device(&cfg.train.device)?;
+    let device = match &args.place {
+        Some(p) => ranks::device_of(&cfg.train.device, p.local)?,
+        None => resolve_device(&cfg.train.device)?,
+    };
     let train_split = Split::open(&cfg.data.dir, &meta, "train")?;
     let val_split = Split::open(&cfg.data.dir, &meta, "val")?;
     // A sequence (and its next token) lies inside one shard. The final evaluation needs one
@@ -269,13 +283,19 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     }
     let plan = memory::check_training(cfg, device)?;
     atomic::ensure_writable_dir(out)?;
-    // One trainer per run directory; the OS releases the lock when the process dies.
-    let lock = atomic::create_file(&out.join("train.lock"))?;
-    ensure!(
-        lock.try_lock().is_ok(),
-        "another attnsweep process is training into {}",
-        out.display()
-    );
+    // One trainer (or job) per run directory; the OS releases the lock when the process dies.
+    let lock = match args.leads() {
+        true => {
+            let lock = atomic::create_file(&out.join("train.lock"))?;
+            ensure!(
+                lock.try_lock().is_ok(),
+                "another attnsweep process is training into {}",
+                out.display()
+            );
+            Some(lock)
+        }
+        false => None,
+    };
     Ok(Prepared {
         device,
         train_split,
@@ -350,6 +370,8 @@ struct Trainer<'a> {
     gpu: Option<(&'static Kernels, usize)>,
     /// Probability per step of a forced global step (`MethodSpec::force_global`).
     p_force: f64,
+    /// Its part in a data-parallel job, if it is one rank of several.
+    team: Option<Team>,
     /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
     routers: Vec<Tensor>,
     log_path: PathBuf,
@@ -420,34 +442,18 @@ impl<'a> Trainer<'a> {
             None
         };
         if let Some(ckpt) = &resumed_from {
-            state = checkpoint::read_state(ckpt)?;
-            ensure!(
-                state.step <= t.steps,
-                "{} is at step {}, beyond train.steps = {}: it belongs to a longer run, so this \
-                 config.toml does not describe it",
-                ckpt.display(),
-                state.step,
-                t.steps
-            );
-            checkpoint::load_into(
-                &params,
-                &ckpt.join("model.safetensors"),
-                true,
-                Precision::Exact,
-            )?;
-            let optim = ckpt.join(checkpoint::OPTIMIZER_FILE);
-            ensure!(
-                optim.is_file(),
-                "{} holds no optimizer state (a sweep run with --drop-optimizer removes it once \
-                 the cell has finished), so the run cannot be resumed; continue from its weights \
-                 in a new run with --init-from {}",
-                ckpt.display(),
-                out.display()
-            );
-            opt.load_state(&optim, state.step)?;
+            state = resume_from(ckpt, &params, &mut opt, t.steps, out)?;
         } else if let Some(src) = &prepared.init_from {
             init_from(&built, &params, src, args.quiet)?;
         }
+        let team = match &args.place {
+            Some(place) => {
+                let team = Team::join(place, prepared.device, t.dist_timeout_s)?;
+                team.share(&params)?;
+                Some(team)
+            }
+            None => None,
+        };
         let log_path = out.join("train_log.csv");
         let val_log_path = out.join("val_log.csv");
         if args.resume {
@@ -509,6 +515,7 @@ impl<'a> Trainer<'a> {
             plan,
             gpu,
             p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
+            team,
             routers,
             log_path,
             val_log_path,
@@ -523,6 +530,9 @@ impl<'a> Trainer<'a> {
     /// and `config.toml` (a fresh run, or a resumed one that changes settings).
     fn record_run(&self) -> Result<()> {
         let (args, p) = (self.args, &self.prepared);
+        if !args.leads() {
+            return Ok(());
+        }
         if let (false, Some(src)) = (args.resume, &p.init_from) {
             let src = relative_to(src, &args.out).unwrap_or_else(|| src.clone());
             atomic::write_bytes(&args.out.join("init_from.txt"), src.as_os_str().as_bytes())?;
@@ -567,30 +577,53 @@ impl<'a> Trainer<'a> {
         }
         // Context-free (Bernoulli) gates are drawn afresh each step.
         self.ctx.gate_seed = self.gate_rng.next_u64();
-        let (mut loss_sum, mut reg_sum, mut mu_sum) = (0.0, None::<f64>, None::<f64>);
-        for _ in 0..t.grad_accum {
-            let b = self.prepared.train_split.sample(
-                &mut self.rng,
-                t.batch_size,
-                self.cfg.data.seq_len,
-                self.prepared.device,
-            )?;
+        // This rank's share of the step's micro-batches (all of them alone); the others are
+        // drawn past, so every rank's generator stays the one process's.
+        let mine = self
+            .team
+            .as_ref()
+            .map_or(0..t.grad_accum, |tm| tm.mine(t.grad_accum));
+        if let Some(team) = &mut self.team {
+            team.reduce_over(&self.params)?;
+        }
+        let mut sums = [0.0, 0.0, 0.0];
+        let (mut has_reg, mut has_mu) = (false, false);
+        for j in 0..t.grad_accum {
+            let (split, seq) = (&self.prepared.train_split, self.cfg.data.seq_len);
+            if !mine.contains(&j) {
+                split.skip(&mut self.rng, t.batch_size, seq)?;
+                continue;
+            }
+            let b = split.sample(&mut self.rng, t.batch_size, seq, self.prepared.device)?;
+            let last = j + 1 == mine.end;
+            if let (true, Some(team)) = (last, &self.team) {
+                team.arm()?;
+            }
             let m = forward_backward(
                 &self.built.model,
                 &b.x,
                 &b.y,
                 &self.ctx,
                 &self.plan.step,
-                t.grad_accum,
+                mine.len(),
             );
-            loss_sum += m.loss;
+            if let (true, Some(team)) = (last, &self.team) {
+                team.finish()?;
+            }
+            sums[0] += m.loss;
             if let Some(r) = m.reg {
-                *reg_sum.get_or_insert(0.0) += r;
+                (sums[1], has_reg) = (sums[1] + r, true);
             }
             if let Some(mu) = m.full_usage {
-                *mu_sum.get_or_insert(0.0) += mu;
+                (sums[2], has_mu) = (sums[2] + mu, true);
             }
         }
+        if let Some(team) = &self.team {
+            let total = team.sum(&sums, self.prepared.device)?;
+            sums.copy_from_slice(&total);
+        }
+        let loss_sum = sums[0];
+        let (reg_sum, mu_sum) = (has_reg.then_some(sums[1]), has_mu.then_some(sums[2]));
         let loss = loss_sum / t.grad_accum as f64;
         let grad_norm = self.opt.clip_grad_norm(t.grad_clip);
         if !loss.is_finite() || !grad_norm.is_finite() {
@@ -647,6 +680,10 @@ impl<'a> Trainer<'a> {
 
     /// After a step: its log row, a validation loss and a checkpoint when they are due.
     fn record(&mut self, s: &Step, last: usize) -> Result<()> {
+        // The other ranks of a job write nothing: rank 0 keeps the run.
+        if !self.args.leads() {
+            return Ok(());
+        }
         let t = &self.cfg.train;
         let step = self.state.step;
         let accum = t.grad_accum as f64;
@@ -720,6 +757,9 @@ impl<'a> Trainer<'a> {
     /// early and can be resumed.
     fn finish(self) -> Result<()> {
         self.progress.finish();
+        if !self.args.leads() {
+            return Ok(());
+        }
         let (cfg, args, t) = (self.cfg, self.args, &self.cfg.train);
         let (model, device) = (&self.built.model, self.prepared.device);
         if self.state.step == t.steps {
@@ -750,6 +790,42 @@ impl<'a> Trainer<'a> {
         }
         Ok(())
     }
+}
+
+/// The state of a resumed run from its checkpoint `ckpt`, its weights and optimizer state
+/// loaded; refused where the checkpoint lies beyond `steps` or lacks the optimizer's state.
+fn resume_from(
+    ckpt: &Path,
+    params: &BTreeMap<String, Tensor>,
+    opt: &mut AdamW,
+    steps: usize,
+    out: &Path,
+) -> Result<TrainState> {
+    let state = checkpoint::read_state(ckpt)?;
+    ensure!(
+        state.step <= steps,
+        "{} is at step {}, beyond train.steps = {steps}: it belongs to a longer run, so this \
+         config.toml does not describe it",
+        ckpt.display(),
+        state.step
+    );
+    checkpoint::load_into(
+        params,
+        &ckpt.join("model.safetensors"),
+        true,
+        Precision::Exact,
+    )?;
+    let optim = ckpt.join(checkpoint::OPTIMIZER_FILE);
+    ensure!(
+        optim.is_file(),
+        "{} holds no optimizer state (a sweep run with --drop-optimizer removes it once \
+         the cell has finished), so the run cannot be resumed; continue from its weights \
+         in a new run with --init-from {}",
+        ckpt.display(),
+        out.display()
+    );
+    opt.load_state(&optim, state.step)?;
+    Ok(state)
 }
 
 /// Loads `--init-from`'s weights into `params` (continued pretraining); new modules a paper
@@ -864,6 +940,7 @@ mod tests {
                 stop_at,
                 quiet: true,
                 status_every: 0,
+                place: None,
             };
             let (straight, resumed) = (dir.join(e.name), dir.join(format!("{}-resumed", e.name)));
             train(c.clone(), &args(&straight, false, None)).unwrap();

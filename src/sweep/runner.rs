@@ -65,6 +65,9 @@ pub(crate) struct SweepArgs {
     pub(crate) out: PathBuf,
     pub(crate) jobs: usize,
     pub(crate) devices: Vec<usize>,
+    /// GPUs a cell runs on (`sweep --gpus-per-cell`): the devices form slots of this many, a
+    /// train cell trains data parallel over its slot's.
+    pub(crate) gpus_per_cell: usize,
     pub(crate) cell: Option<usize>,
     pub(crate) retry_failed: bool,
     /// Remove each finished train cell's optimizer state (`sweep --drop-optimizer`).
@@ -340,7 +343,8 @@ impl Pool<'_> {
             mp: &self.mp,
             status: self.status.as_ref(),
         };
-        let device = self.args.devices.get(w).copied();
+        let k = self.args.gpus_per_cell;
+        let device = self.args.devices.get(w * k..(w + 1) * k);
         let again = self.retrain.contains(&cell.id);
         let result = run_cell(
             cell,
@@ -406,7 +410,10 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     overall.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} cells {msg}").expect("template"),
     );
-    let workers = args.devices.len().max(args.jobs).max(1);
+    let workers = match args.devices.len() {
+        0 => args.jobs.max(1),
+        n => n / args.gpus_per_cell,
+    };
     let mut pool = Pool {
         args,
         exe: std::env::current_exe().context("cannot locate the attnsweep binary")?,
@@ -528,7 +535,7 @@ fn run_cell(
     cell: &Cell,
     args: &SweepArgs,
     exe: &Path,
-    device: Option<usize>,
+    device: Option<&[usize]>,
     threads: usize,
     retrain: bool,
     watch: &Watch,
@@ -588,8 +595,9 @@ fn run_cell(
         Ok(cmd) => cmd,
         Err(error) => return fail(error),
     };
-    if let Some(dev) = device {
-        cmd.env("CUDA_VISIBLE_DEVICES", dev.to_string());
+    if let Some(slot) = device {
+        let ids: Vec<String> = slot.iter().map(|d| d.to_string()).collect();
+        cmd.env("CUDA_VISIBLE_DEVICES", ids.join(","));
     }
     cmd.env("OMP_NUM_THREADS", threads.to_string());
     let log = std::fs::OpenOptions::new()
@@ -693,6 +701,10 @@ fn cell_command(
                 if let Some(d) = dep_dir.as_ref().or(cell.pretrained.as_ref()) {
                     cmd.arg("--init-from").arg(d);
                 }
+            }
+            // Data parallel over the GPUs of its slot.
+            if args.gpus_per_cell > 1 && !args.devices.is_empty() {
+                cmd.arg("--gpus").arg(args.gpus_per_cell.to_string());
             }
         }
         // The pretrained model evaluated as the cell's config describes it: a run directory

@@ -29,8 +29,20 @@ pub(crate) fn emit_slurm(
         let (Some(&lo), Some(&hi)) = (idx.first(), idx.last()) else {
             bail!("stage {:?} has no cells", stage.name);
         };
+        // A stage whose cells train data parallel asks for one node with their GPUs; the
+        // cell's own launcher starts the ranks there.
+        let ranks = cells
+            .iter()
+            .filter(|c| c.stage == stage.name)
+            .map(|c| c.config.train.ranks)
+            .max()
+            .unwrap_or(1);
+        let gpus = match ranks {
+            1 => String::new(),
+            k => format!("#SBATCH --nodes=1 --gres=gpu:{k}\n"),
+        };
         let script = format!(
-            "#!/usr/bin/env bash\n#SBATCH --job-name={name}-{stage}\n#SBATCH --array={lo}-{hi}\n#SBATCH --output={out}/slurm/{stage}-%a.log\n# Site options (partition, time, --gres=gpu:1, ...) go here or on the sbatch command line.\nset -euo pipefail\ncd {cwd}\nexec {exe} sweep --grid {grid} --out {out} --cell \"$SLURM_ARRAY_TASK_ID\" --quiet\n",
+            "#!/usr/bin/env bash\n#SBATCH --job-name={name}-{stage}\n#SBATCH --array={lo}-{hi}\n#SBATCH --output={out}/slurm/{stage}-%a.log\n{gpus}# Site options (partition, time, --gres=gpu:1, ...) go here or on the sbatch command line.\nset -euo pipefail\ncd {cwd}\nexec {exe} sweep --grid {grid} --out {out} --cell \"$SLURM_ARRAY_TASK_ID\" --quiet\n",
             name = grid.name,
             stage = stage.name,
             out = out_abs.display(),

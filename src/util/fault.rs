@@ -3,8 +3,10 @@
 //! unwinding, no flushing, like a power cut or an out-of-memory kill) the n-th time it passes
 //! `point` (counting from 1); `<point>:<n>:panic` panics there instead, as a bug would, and
 //! `<point>:<n>:alloc` as libtorch's failed allocations do through tch, so tests see that no
-//! panic reaches the user. With `ATTNSWEEP_FAIL_WRITE=<n>` the n-th file write fails as on a
-//! full disk. Without the variables a point costs a relaxed atomic load.
+//! panic reaches the user, and `<point>:<n>:hang` stops there for good, as a stuck process
+//! would. With `ATTNSWEEP_CRASH_RANK=<r>` beside it, only rank r of a data-parallel job (its
+//! `RANK`) is struck. With `ATTNSWEEP_FAIL_WRITE=<n>` the n-th file write fails as on a full
+//! disk. Without the variables a point costs a relaxed atomic load.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -30,6 +32,11 @@ pub(crate) fn write_error() -> std::io::Result<()> {
 pub(crate) fn point(name: &str) {
     let target = TARGET.get_or_init(|| {
         let v = std::env::var("ATTNSWEEP_CRASH_AT").ok()?;
+        if let Ok(rank) = std::env::var("ATTNSWEEP_CRASH_RANK") {
+            if std::env::var("RANK").ok() != Some(rank) {
+                return None;
+            }
+        }
         let mut parts = v.split(':');
         let (p, n) = (parts.next()?, parts.next()?.parse().ok()?);
         Some((
@@ -47,6 +54,9 @@ pub(crate) fn point(name: &str) {
                 "alloc" => {
                     let _ = tch::Tensor::empty([1i64 << 45], (tch::Kind::Float, tch::Device::Cpu));
                 }
+                "hang" => loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                },
                 _ => std::process::abort(),
             }
         }

@@ -158,3 +158,49 @@ axes = {{ "attention.window" = [4, 8] }}
     std::fs::write(&g, text).unwrap();
     g
 }
+
+/// The sweep's tables (CSV files at its top) with the columns and rows of measured time left
+/// out, which differ between any two runs.
+pub fn tables(out: &Path) -> Vec<(String, Vec<String>)> {
+    let timed = |h: &str| {
+        h.contains("tokens_per_s")
+            || h.ends_with("_ms")
+            || h.contains("per_mtok")
+            || h.contains("front_time")
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "csv"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no tables in {}", out.display());
+    files
+        .iter()
+        .map(|f| {
+            let mut r = csv::Reader::from_path(f).unwrap();
+            let head: Vec<String> = r.headers().unwrap().iter().map(String::from).collect();
+            let keep: Vec<usize> = (0..head.len()).filter(|&i| !timed(&head[i])).collect();
+            let metric = head.iter().position(|h| h == "metric");
+            let mut rows = vec![keep
+                .iter()
+                .map(|&i| head[i].clone())
+                .collect::<Vec<_>>()
+                .join(",")];
+            for rec in r.records() {
+                let rec = rec.unwrap();
+                // tidy.csv holds one metric a row.
+                if metric.is_some_and(|m| timed(&rec[m])) {
+                    continue;
+                }
+                rows.push(
+                    keep.iter()
+                        .map(|&i| rec[i].to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                );
+            }
+            (f.file_name().unwrap().to_string_lossy().into_owned(), rows)
+        })
+        .collect()
+}

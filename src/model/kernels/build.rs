@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [(&str, &str); 18] = [
+const SOURCES: [(&str, &str); 24] = [
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
@@ -37,10 +37,31 @@ const SOURCES: [(&str, &str); 18] = [
     ("router.cuh", include_str!("../../../kernels/router.cuh")),
     ("walk.cuh", include_str!("../../../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../../../kernels/ops.cpp")),
+    ("dist.cpp", include_str!("../../../kernels/dist.cpp")),
+    (
+        "gloo/algorithm.h",
+        include_str!("../../../kernels/gloo/algorithm.h"),
+    ),
+    (
+        "gloo/common/error.h",
+        include_str!("../../../kernels/gloo/common/error.h"),
+    ),
+    (
+        "gloo/context.h",
+        include_str!("../../../kernels/gloo/context.h"),
+    ),
+    (
+        "gloo/rendezvous/store.h",
+        include_str!("../../../kernels/gloo/rendezvous/store.h"),
+    ),
+    (
+        "gloo/transport/device.h",
+        include_str!("../../../kernels/gloo/transport/device.h"),
+    ),
 ];
 /// Version of the library's C interface: compiled into it (`ATTNSWEEP_ABI`), and checked
 /// when it loads, so a library built from other sources is refused rather than misread.
-pub(super) const ABI: i64 = 14;
+pub(super) const ABI: i64 = 15;
 pub(super) const LIB: &str = "libattnsweep_kernels.so";
 
 fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
@@ -200,7 +221,11 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     for (name, text) in sources() {
-        std::fs::write(tmp.join(name), text)?;
+        let path = tmp.join(name);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, text)?;
     }
     let inc = torch.root.join("include");
     let api = inc.join("torch/csrc/api/include");
@@ -208,6 +233,8 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
     let common: Vec<String> = vec![
         format!("-I{}", inc.display()),
         format!("-I{}", api.display()),
+        // The Gloo declarations beside dist.cpp (`#include <gloo/...>`).
+        format!("-I{}", tmp.display()),
         "-D_GLIBCXX_USE_CXX11_ABI=1".into(),
         format!("-DATTNSWEEP_ABI={ABI}"),
         "-std=c++17".into(),
@@ -226,7 +253,7 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
         Variant::Cpu => (
             std::env::var("CXX").unwrap_or_else(|_| "g++".into()),
             [common, vec!["-fPIC".into()]].concat(),
-            vec!["ops.cpp"],
+            vec!["ops.cpp", "dist.cpp"],
         ),
         Variant::Cuda(cc) => {
             let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
@@ -238,6 +265,16 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
                 cc.to_string()
             };
             let mut flags = common;
+            // NCCL's header, for c10d's NCCL process group (dist.cpp): the nvidia-nccl package
+            // the torch wheel depends on, beside torch.
+            let nccl = torch.root.with_file_name("nvidia").join("nccl/include");
+            ensure!(
+                nccl.join("nccl.h").is_file(),
+                "{} has no nccl.h (the nvidia-nccl package torch installs): the NCCL process \
+                 group cannot be built",
+                nccl.display()
+            );
+            flags.push(format!("-I{}", nccl.display()));
             flags.push(format!("-gencode=arch=compute_{arch},code=sm_{arch}"));
             if cc == 90 {
                 flags.push("-DATTNSWEEP_SM90A".into());
@@ -255,7 +292,7 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
             let units = SOURCES
                 .iter()
                 .map(|(n, _)| *n)
-                .filter(|n| n.ends_with(".cu") || *n == "ops.cpp")
+                .filter(|n| n.ends_with(".cu") || n.ends_with(".cpp"))
                 .collect();
             (nvcc, flags, units)
         }

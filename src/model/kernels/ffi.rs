@@ -131,6 +131,39 @@ entry_points! {
     /// start, trace path: PyTorch's profiler over the GPU's work, its Chrome trace written at
     /// the stop.
     profile: unsafe extern "C" fn(i32, *const c_char, *mut c_char, usize) -> i32;
+    /// host, port, rank, world, device (-1: the CPU), timeout in seconds: this rank's
+    /// membership of a data-parallel job (`kernels/dist.cpp`).
+    dist_new: unsafe extern "C" fn(
+        *const c_char,
+        i64,
+        i64,
+        i64,
+        i64,
+        f64,
+        *mut c_char,
+        usize,
+    ) -> *mut c_void;
+    dist_free: unsafe extern "C" fn(*mut c_void);
+    /// tensors, n: each summed over the ranks, in place.
+    dist_sum: unsafe extern "C" fn(*mut c_void, *const *const c_void, usize, *mut c_char, usize) -> i32;
+    /// tensors, n: rank 0's values given to every rank, in place.
+    dist_broadcast:
+        unsafe extern "C" fn(*mut c_void, *const *const c_void, usize, *mut c_char, usize) -> i32;
+    /// params, n, first bucket bytes, bucket bytes: DDP's reducer over the parameters.
+    dist_reducer: unsafe extern "C" fn(
+        *mut c_void,
+        *const *const c_void,
+        usize,
+        i64,
+        i64,
+        *mut c_char,
+        usize,
+    ) -> i32;
+    /// Arms the reducer for the next backward.
+    dist_arm: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
+    /// After the armed backward: zeros through the parameters it did not reach (their count
+    /// out), and the check that every bucket was reduced.
+    dist_finish: unsafe extern "C" fn(*mut c_void, *mut i64, *mut c_char, usize) -> i32;
 }
 
 /// A tensor's handle as the library's entry points take it.

@@ -9,6 +9,7 @@
 //! `$ATTNSWEEP_KERNELS_DIR`, else `kernels-cache/` beside the binary.
 
 mod build;
+pub(crate) mod dist;
 mod ffi;
 #[cfg(test)]
 pub(crate) mod tests;
