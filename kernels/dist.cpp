@@ -28,6 +28,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "guard.h"
+
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -35,25 +37,6 @@
 #include <vector>
 
 namespace {
-
-void write_dist_error(char* err, size_t err_len, const char* what) {
-    if (err != nullptr && err_len > 0) {
-        std::strncpy(err, what, err_len - 1);
-        err[err_len - 1] = '\0';
-    }
-}
-
-template <typename R, typename F>
-R dist_guarded(char* err, size_t err_len, R failed, F f) {
-    try {
-        return f();
-    } catch (const c10::Error& e) {
-        write_dist_error(err, err_len, e.what_without_backtrace());
-    } catch (const std::exception& e) {
-        write_dist_error(err, err_len, e.what());
-    }
-    return failed;
-}
 
 // One rank's membership of the job: the store, the process group, and, once the trainer has
 // named its parameters, their reducer with the marks of which parameters the armed backward
@@ -87,7 +70,7 @@ extern "C" {
 // Returns the membership, or null with a message in err.
 void* attnsweep_dist_new(const char* host, int64_t port, int64_t rank, int64_t world, int64_t device,
                          double timeout_s, char* err, size_t err_len) {
-    return dist_guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+    return attnsweep::guarded<void*>(err, err_len, nullptr, [&]() -> void* {
         TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " of ", world, " ranks");
         TORCH_CHECK(port > 0 && port < 65536, "port ", port, " is not a TCP port");
         const auto timeout = std::chrono::milliseconds((int64_t)(timeout_s * 1000.0));
@@ -133,7 +116,7 @@ void attnsweep_dist_free(void* dist) {
 
 // Sums each of the n tensors over the ranks, in place. Returns 0, or 1 with a message.
 int attnsweep_dist_sum(void* dist, void* const* ts, size_t n, char* err, size_t err_len) {
-    return dist_guarded(err, err_len, 1, [&] {
+    return attnsweep::guarded(err, err_len, 1, [&] {
         auto* d = static_cast<Dist*>(dist);
         auto tensors = tensors_of(ts, n);
         for (auto& t : tensors) {
@@ -146,7 +129,7 @@ int attnsweep_dist_sum(void* dist, void* const* ts, size_t n, char* err, size_t 
 
 // Gives every rank rank 0's values of the n tensors, in place. Returns 0, or 1 with a message.
 int attnsweep_dist_broadcast(void* dist, void* const* ts, size_t n, char* err, size_t err_len) {
-    return dist_guarded(err, err_len, 1, [&] {
+    return attnsweep::guarded(err, err_len, 1, [&] {
         auto* d = static_cast<Dist*>(dist);
         auto tensors = tensors_of(ts, n);
         c10d::BroadcastOptions o;
@@ -164,7 +147,7 @@ int attnsweep_dist_broadcast(void* dist, void* const* ts, size_t n, char* err, s
 // starts early), filled in reverse, as the backward produces the gradients. Returns 0, or 1.
 int attnsweep_dist_reducer(void* dist, void* const* ts, size_t n, int64_t first_bytes, int64_t bucket_bytes,
                            char* err, size_t err_len) {
-    return dist_guarded(err, err_len, 1, [&] {
+    return attnsweep::guarded(err, err_len, 1, [&] {
         auto* d = static_cast<Dist*>(dist);
         d->reducer.reset();
         d->accumulators.clear();
@@ -204,7 +187,7 @@ int attnsweep_dist_reducer(void* dist, void* const* ts, size_t n, int64_t first_
 
 // Arms the reducer for the next backward: the step's last micro-batch. Returns 0, or 1.
 int attnsweep_dist_arm(void* dist, char* err, size_t err_len) {
-    return dist_guarded(err, err_len, 1, [&] {
+    return attnsweep::guarded(err, err_len, 1, [&] {
         auto* d = static_cast<Dist*>(dist);
         TORCH_CHECK(d->reducer != nullptr, "the reducer is not built");
         // After the first reduced step, the buckets follow the order the gradients came in
@@ -222,7 +205,7 @@ int attnsweep_dist_arm(void* dist, char* err, size_t err_len) {
 // sees each once), then the check that every bucket was reduced and the averaged gradients
 // copied back. Writes the number of parameters given zeros to *unreached. Returns 0, or 1.
 int attnsweep_dist_finish(void* dist, int64_t* unreached, char* err, size_t err_len) {
-    return dist_guarded(err, err_len, 1, [&] {
+    return attnsweep::guarded(err, err_len, 1, [&] {
         auto* d = static_cast<Dist*>(dist);
         TORCH_CHECK(d->reducer != nullptr && *d->armed, "the reducer is not armed");
         std::vector<at::Tensor> zeros;

@@ -19,6 +19,7 @@
 #include <set>
 #include <string>
 
+#include "guard.h"
 #include "walk.cuh"
 
 #ifdef ATTNSWEEP_CUDA
@@ -659,25 +660,8 @@ std::vector<at::Tensor> tensor_list(const at::Tensor* const* ts, size_t n, const
     return out;
 }
 
-void write_error(char* err, size_t len, const std::string& msg) {
-    if (!err || len == 0) return;
-    std::strncpy(err, msg.c_str(), len - 1);
-    err[len - 1] = '\0';
-}
-
-// f(), or `failed` with the message of the exception it threw written to err: the C interface
-// lets no exception cross into Rust.
-template <typename R, typename F>
-R guarded(char* err, size_t err_len, R failed, F f) {
-    try {
-        return f();
-    } catch (const c10::Error& e) {
-        write_error(err, err_len, e.what_without_backtrace());
-    } catch (const std::exception& e) {
-        write_error(err, err_len, e.what());
-    }
-    return failed;
-}
+using attnsweep::guarded;
+using attnsweep::write_error;
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qpos, const at::Tensor& nq,
                   int64_t window, const at::Tensor& offsets) {

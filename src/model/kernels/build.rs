@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [(&str, &str); 24] = [
+const SOURCES: [(&str, &str); 25] = [
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
@@ -37,6 +37,7 @@ const SOURCES: [(&str, &str); 24] = [
     ("router.cuh", include_str!("../../../kernels/router.cuh")),
     ("walk.cuh", include_str!("../../../kernels/walk.cuh")),
     ("ops.cpp", include_str!("../../../kernels/ops.cpp")),
+    ("guard.h", include_str!("../../../kernels/guard.h")),
     ("dist.cpp", include_str!("../../../kernels/dist.cpp")),
     (
         "gloo/algorithm.h",
