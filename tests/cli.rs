@@ -1338,7 +1338,17 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
         let samples = std::fs::read_to_string(ev.join("probe_samples.jsonl")).unwrap();
         assert_eq!(samples.lines().count(), 12 + 6);
         let tidy = std::fs::read_to_string(ev.join("tasks.csv")).unwrap();
-        assert!(tidy.starts_with("task,length,depth,metric,value,n\n"));
+        assert!(tidy.starts_with("task,length,depth,metric,value,n,ci95_low,ci95_high\n"));
+        // Every interval lies inside [0, 1] and holds its score.
+        for line in tidy.lines().skip(1) {
+            let f: Vec<&str> = line.split(',').collect();
+            let (v, lo, hi): (f64, f64, f64) = (
+                f[4].parse().unwrap(),
+                f[6].parse().unwrap(),
+                f[7].parse().unwrap(),
+            );
+            assert!((0.0..=v).contains(&lo) && (v..=1.0).contains(&hi), "{line}");
+        }
     }
     let swa = dir.join("swa");
     let run_dir = swa.to_str().unwrap();

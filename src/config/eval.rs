@@ -32,6 +32,8 @@ pub struct EvalConfig {
     pub haystack: HaystackKind,
     /// Data set whose val split the text haystack is cut from (empty: data.dir).
     pub haystack_dir: PathBuf,
+    /// Seed of the probes' prompts, mixed with `train.seed`: each replicate draws its own
+    /// prompts, and settings at one seed share them (their scores compare paired).
     pub probe_seed: u64,
     /// Digits of magic numbers and pass keys. Unset: the value the data set's probe documents
     /// were written with (`data probes`), else 7.

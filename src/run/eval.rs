@@ -69,6 +69,11 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         rep(&mut ctx);
         let reps: Vec<_> = (0..TIMING_REPS).map(|_| rep(&mut ctx)).collect();
         let of = |f: fn(&(f64, f64, f64, f64, f64)) -> f64| median(reps.iter().map(f).collect());
+        let spread = |f: &dyn Fn(&(f64, f64, f64, f64, f64)) -> f64| {
+            let v: Vec<f64> = reps.iter().map(f).collect();
+            v.iter().copied().fold(f64::MIN, f64::max) - v.iter().copied().fold(f64::MAX, f64::min)
+        };
+        let rate = |r: &(f64, f64, f64, f64, f64)| (batch * steps) as f64 / r.3;
         Timing {
             device: format!("{device:?}"),
             batch: batch as usize,
@@ -79,6 +84,10 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
             decode_steps: steps as usize,
             decode_tokens_per_s: (batch * steps) as f64 / of(|r| r.3),
             decode_cache_bytes: reps[0].4 / batch as f64,
+            runs: reps.len(),
+            forward_ms_spread: 1e3 * spread(&|r| r.0),
+            prefill_ms_spread: 1e3 * spread(&|r| r.2),
+            decode_tokens_per_s_spread: spread(&rate),
         }
     })
 }

@@ -143,6 +143,16 @@ pub(crate) struct Timing {
     /// Bytes of keys and values the cache holds per sequence after decoding (measured from
     /// the cache, beside the estimate `kv_cache_bytes_total`).
     pub(crate) decode_cache_bytes: f64,
+    /// The repetitions behind the medians above, and their spread (largest less smallest)
+    /// for the forward, the prefill and the decoding rate: a timing is read with its noise.
+    #[serde(default)]
+    pub(crate) runs: usize,
+    #[serde(default)]
+    pub(crate) forward_ms_spread: f64,
+    #[serde(default)]
+    pub(crate) prefill_ms_spread: f64,
+    #[serde(default)]
+    pub(crate) decode_tokens_per_s_spread: f64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -16,6 +16,7 @@ use crate::run::eval;
 use crate::run::memory;
 use crate::util::atomic;
 use crate::util::rng::Rng;
+use crate::util::stats::{pooled_interval, wilson};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -241,6 +242,9 @@ pub(crate) fn run_probes(
 ) -> Result<ProbeRun> {
     let e = &cfg.eval;
     let mut spec = e.probe_spec();
+    // Each replicate draws its own prompts (the seed's), so intervals over seeds hold the
+    // prompts' sampling; settings at one seed share theirs, and compare paired.
+    spec.seed = Rng::derive(e.probe_seed, &[cfg.train.seed]);
     if e.chat {
         spec.chat = Some(tok.chat_wrap()?);
     }
@@ -416,6 +420,10 @@ struct TidyRow {
     metric: String,
     value: f64,
     n: usize,
+    /// The 95 % interval over the prompts: Wilson's for 0/1 scores, a bootstrap's for others
+    /// (both inside [0, 1]).
+    ci95_low: f64,
+    ci95_high: f64,
 }
 
 /// How `run` reports.
@@ -506,6 +514,11 @@ fn tidy_row(
     metric: &str,
     v: &[f64],
 ) -> TidyRow {
+    let binary = v.iter().all(|&x| x == 0.0 || x == 1.0);
+    let (ci95_low, ci95_high) = match binary {
+        true => wilson(v.iter().sum(), v.len() as f64),
+        false => pooled_interval(&[v.to_vec()]),
+    };
     TidyRow {
         task: task.into(),
         length,
@@ -513,6 +526,8 @@ fn tidy_row(
         metric: metric.into(),
         value: mean(v),
         n: v.len(),
+        ci95_low,
+        ci95_high,
     }
 }
 
@@ -750,6 +765,7 @@ fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
             let line = serde_json::json!({
                 "task": c.task.name(), "length": c.length, "depth": c.depth, "sample": i,
                 "target": target, "generated": generated, "exact_match": c.exact_match[i],
+                "recall": c.recall[i],
             });
             text.push_str(&line.to_string());
             text.push('\n');

@@ -1,7 +1,8 @@
 //! What a finished cell's own files hold beyond its evaluation report, read once for its row
 //! (`rows.rs`): its training and validation logs, its probes' head usage per task
-//! (`eval/probe_head_usage.csv`) and its NIAH grid (`eval/niah.csv`). Tables and figures read
-//! them from the row, never from the files.
+//! (`eval/probe_head_usage.csv`), its NIAH grid (`eval/niah.csv`) and every prompt's scores
+//! (`eval/probe_samples.jsonl`). Tables and figures read them from the row, never from the
+//! files.
 
 use anyhow::{anyhow, bail, Result};
 use std::collections::BTreeMap;
@@ -147,4 +148,29 @@ pub(crate) fn niah(path: &Path) -> Result<Option<Niah>> {
         cells,
         full_ratio: fr.is_some(),
     }))
+}
+
+/// Per probe score (`<task>.exact_match`, and `<task>.recall` where the file has it), each
+/// prompt's value in the file's order; empty without the file.
+pub(crate) fn prompt_scores(path: &Path) -> Result<BTreeMap<String, Vec<f64>>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    if !path.is_file() {
+        return Ok(out);
+    }
+    for (i, line) in std::fs::read_to_string(path)?.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| anyhow!("{}: line {} is not JSON ({e})", path.display(), i + 1))?;
+        let task = v["task"]
+            .as_str()
+            .ok_or_else(|| anyhow!("{}: line {} names no task", path.display(), i + 1))?;
+        for metric in ["exact_match", "recall"] {
+            if let Some(x) = v[metric].as_f64().filter(|x| x.is_finite()) {
+                out.entry(format!("{task}.{metric}")).or_default().push(x);
+            }
+        }
+    }
+    Ok(out)
 }

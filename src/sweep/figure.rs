@@ -38,9 +38,9 @@ pub(crate) struct Series {
     pub(crate) line: bool,
     /// Text drawn beside each point (same length as `points`), e.g. tau values.
     pub(crate) labels: Vec<String>,
-    /// Half the 95 % interval of each point that is a mean of replicates, drawn as an error
-    /// bar (same length as `points`, NaN where a point is one measurement; empty: none).
-    pub(crate) errors: Vec<f64>,
+    /// The 95 % interval (low, high) of each point that is a mean of replicates, drawn as an
+    /// error bar (same length as `points`, NaN where a point is one measurement; empty: none).
+    pub(crate) errors: Vec<(f64, f64)>,
     pub(crate) look: Look,
 }
 
@@ -300,13 +300,13 @@ struct LineAxes {
 fn line_axes(series: &[Series], x_axis: XAxis) -> LineAxes {
     let (y0, y1) = bounds(series.iter().flat_map(|s| {
         s.points.iter().enumerate().flat_map(|(i, p)| {
-            let e = s
+            let (lo, hi) = s
                 .errors
                 .get(i)
                 .copied()
-                .filter(|e| e.is_finite())
-                .unwrap_or(0.0);
-            [p.1 - e, p.1 + e]
+                .filter(|e| e.0.is_finite() && e.1.is_finite())
+                .unwrap_or((p.1, p.1));
+            [p.1.min(lo), p.1.max(hi)]
         })
     }));
     let swept = match x_axis {
@@ -432,11 +432,11 @@ fn draw_lines<DB: DrawingBackend>(
                     (false, _) => {}
                 }
                 // Error bars (95 % intervals of replicated means), under the markers.
-                for (&(px, py), &e) in s.points.iter().zip(&s.errors) {
-                    if e.is_finite() {
+                for (&(px, _), &(lo, hi)) in s.points.iter().zip(&s.errors) {
+                    if lo.is_finite() && hi.is_finite() {
                         chart
                             .draw_series(std::iter::once(PathElement::new(
-                                vec![(px, py - e), (px, py + e)],
+                                vec![(px, lo), (px, hi)],
                                 c.stroke_width(2),
                             )))
                             .map_err(err)?;

@@ -409,6 +409,10 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
                 decode_steps: 4,
                 decode_tokens_per_s: 100.0 / s.density,
                 decode_cache_bytes: 1000.0,
+                runs: 3,
+                forward_ms_spread: 1.0,
+                prefill_ms_spread: 0.5,
+                decode_tokens_per_s_spread: 2.0,
             }),
             by_source: Vec::new(),
             by_position: Vec::new(),
@@ -497,6 +501,21 @@ fn varied(c: &Config) -> std::collections::BTreeMap<String, toml::Value> {
         out.insert("eval.seq_len".into(), (c.eval.seq_len as i64).into());
     }
     out
+}
+
+/// Marks the train cells of a fixture sweep as run each alone on its device (the `cell.json`
+/// a run writes), so their training rates count for a front.
+pub(crate) fn trained_alone(dir: &Path) {
+    let cells: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cells.json")).unwrap()).unwrap();
+    for c in cells.as_array().unwrap() {
+        if c["kind"] == "train" {
+            let mut ran = c.clone();
+            ran["alone"] = true.into();
+            let id = c["id"].as_str().unwrap();
+            std::fs::write(dir.join(id).join("cell.json"), ran.to_string()).unwrap();
+        }
+    }
 }
 
 pub(crate) fn csv(path: &Path) -> Vec<Vec<String>> {

@@ -18,7 +18,8 @@ use std::collections::BTreeMap;
 pub(crate) enum Cost {
     /// Attended (query, key) pairs over full causal attention's, as executed.
     Work,
-    /// Seconds of training per million tokens, measured (the training that made the model).
+    /// Seconds of training per million tokens, measured (the training that made the model),
+    /// where that training had its device to itself.
     TrainTime,
     /// Key-value cache bytes one sequence of the evaluated length holds when decoding.
     DecodeMemory,
@@ -38,7 +39,8 @@ impl Cost {
     pub(crate) fn of(self, r: &Row) -> Option<f64> {
         let v = match self {
             Cost::Work => r.pairs_vs_full(),
-            Cost::TrainTime => 1e6 / r.train_tokens_per_s?,
+            // A rate measured while another cell shared the device is no cell's own.
+            Cost::TrainTime => 1e6 / r.train_tokens_per_s.filter(|_| r.train_alone)?,
             Cost::DecodeMemory => r.report.kv_cache_bytes_total / 1e6,
             // One sequence, as timed alone: a batch's time is not comparable with it.
             Cost::Prefill => {

@@ -64,12 +64,19 @@ pub(crate) struct Row {
     /// cell's Bernoulli gates may open at another cell's measured usage: `match_usage`).
     pub(crate) grid_attention: AttentionConfig,
     pub(crate) attention: AttentionConfig,
-    /// It ran with no other cell of its sweep beside it (its stage's `exclusive`, as its own
-    /// `cell.json` recorded when it ran): its timing is clean.
+    /// It ran with no other cell beside it on its device (its stage's `exclusive`, its own
+    /// GPU, or the only cell running, as its own `cell.json` recorded when it ran): its
+    /// timing is clean.
     pub(crate) exclusive: bool,
+    /// The training that made its model ran alone so (its own, or for an eval or prune cell
+    /// the train cell's): `train_tokens_per_s` is its own rate, fit for a front.
+    pub(crate) train_alone: bool,
     /// What of its files could not be read (its row lacks what they hold); empty when all
     /// could.
     pub(crate) note: Vec<String>,
+    /// Per probe score (`<task>.exact_match`, `<task>.recall`), each prompt's value in the
+    /// order the evaluation wrote them (`eval/probe_samples.jsonl`).
+    pub(crate) prompt_scores: BTreeMap<String, Vec<f64>>,
 }
 
 /// A cell the sweep lists that has no row: not finished, or its files unreadable.
@@ -109,6 +116,14 @@ impl Row {
     /// Whether its method is the reference (full attention).
     pub(crate) fn is_reference(&self) -> bool {
         spec(self.method).reference
+    }
+
+    /// Its replicate's seed as the grid varied it ("" where the grid has no seeds).
+    pub(crate) fn seed(&self) -> &str {
+        self.varied
+            .iter()
+            .find(|(k, _)| k == SEED_KEY)
+            .map_or("", |(_, v)| v.as_str())
     }
 
     /// The settings its replicates share: the varied ones but the seed.
@@ -210,14 +225,15 @@ fn budgets(cells: &[Cell]) -> BTreeMap<String, f64> {
     out
 }
 
-/// Whether a cell ran in an `exclusive` stage, as the `cell.json` written into its folder when
-/// it ran says: the sweep's own cells.json follows the grid, which may have changed since.
+/// Whether a cell had its device to itself when it ran (an `exclusive` stage's, or one on its
+/// own GPU or run alone), as the `cell.json` written into its folder then says: the sweep's
+/// own cells.json follows the grid, which may have changed since.
 fn ran_alone(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("cell.json"))
+    let v = std::fs::read_to_string(dir.join("cell.json"))
         .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v["exclusive"].as_bool())
-        .unwrap_or(false)
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let flag = |k: &str| v.as_ref().and_then(|v| v[k].as_bool()).unwrap_or(false);
+    flag("exclusive") || flag("alone")
 }
 
 /// The finished cells of a sweep directory, each once (cells that several stages share
@@ -252,14 +268,14 @@ pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
     // Rows come in stage order, so the cell an eval or prune cell derives from is resolved
     // before it.
     for i in 0..out.len() {
-        out[i].train_tokens_per_s = match out[i].kind {
-            StageKind::Train => out[i].tokens_per_s,
+        (out[i].train_tokens_per_s, out[i].train_alone) = match out[i].kind {
+            StageKind::Train => (out[i].tokens_per_s, out[i].exclusive),
             _ => {
                 let source = &out[i].source;
                 out[..i]
                     .iter()
                     .find(|r| &r.cell == source)
-                    .and_then(|r| r.train_tokens_per_s)
+                    .map_or((None, false), |r| (r.train_tokens_per_s, r.train_alone))
             }
         };
     }
@@ -340,6 +356,10 @@ fn row_of(
         &mut note,
     );
     let niah = or_note(cell_files::niah(&dir.join("eval/niah.csv")), &mut note);
+    let prompt_scores = or_note(
+        cell_files::prompt_scores(&dir.join("eval/probe_samples.jsonl")),
+        &mut note,
+    );
     let mut row = Row {
         cell: c.id.clone(),
         stage: c.stage.clone(),
@@ -377,7 +397,9 @@ fn row_of(
         grid_attention: a.clone(),
         attention: ev.config.attention.clone(),
         exclusive: ran_alone(dir),
+        train_alone: false,
         note,
+        prompt_scores,
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)

@@ -327,7 +327,10 @@ impl Pool<'_> {
                     }
                     let i = next.fetch_add(1, Ordering::SeqCst);
                     let Some(cell) = pending.get(i) else { break };
-                    if let Some(dir) = self.run_one(cell, w) {
+                    // A cell has its device to itself on its own GPU slot, or where it is the
+                    // only one running.
+                    let alone = !self.args.devices.is_empty() || workers == 1;
+                    if let Some(dir) = self.run_one(cell, w, alone) {
                         held_elsewhere.lock().unwrap().push(dir);
                     }
                 });
@@ -338,7 +341,7 @@ impl Pool<'_> {
 
     /// Runs `cell` on worker `w`'s device and records how it ended; the cell's folder when
     /// another runner holds it.
-    fn run_one(&self, cell: &Cell, w: usize) -> Option<PathBuf> {
+    fn run_one(&self, cell: &Cell, w: usize, alone: bool) -> Option<PathBuf> {
         let watch = Watch {
             mp: &self.mp,
             status: self.status.as_ref(),
@@ -353,6 +356,7 @@ impl Pool<'_> {
             device,
             self.threads_per_job,
             again,
+            alone,
             &watch,
         );
         if !matches!(result, Ok(CellRun::HeldElsewhere)) {
@@ -538,6 +542,7 @@ fn run_cell(
     device: Option<&[usize]>,
     threads: usize,
     retrain: bool,
+    alone: bool,
     watch: &Watch,
 ) -> Result<CellRun> {
     let dir = args.out.join(&cell.id);
@@ -568,9 +573,13 @@ fn run_cell(
         return Ok(CellRun::Done);
     }
     let attempts = previous.map_or(0, |s| s.attempts) + 1;
+    // The cell as it ran, with whether its device ran nothing else meanwhile (its timings and
+    // rates are then its own).
+    let mut record = serde_json::to_value(cell)?;
+    record["alone"] = serde_json::Value::Bool(alone);
     atomic::write_bytes(
         &dir.join("cell.json"),
-        serde_json::to_string_pretty(cell)?.as_bytes(),
+        serde_json::to_string_pretty(&record)?.as_bytes(),
     )?;
     write_status(
         &dir,

@@ -13,7 +13,7 @@
 //! | `swiattn_baselines.csv` | SwiAttn Tables 1-3 | Full, SWA-ZS, SWA-CPT, StaticHybrid, SwiAttn |
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
-//! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells of `exclusive` stages: prefill and decoding time by length (and p), against full attention's |
+//! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells that had their device to themselves: prefill and decoding time by length (and p), medians of 3 runs with their spread, against full attention's |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
@@ -466,6 +466,7 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
         .iter()
         .map(|r| (r.cell.as_str(), r.setting_text()))
         .collect();
+    let by_cell: BTreeMap<&str, &Row> = rows.iter().map(|r| (r.cell.as_str(), r)).collect();
     let (cell, stage, kind, method, metric) = (
         text("cell")?,
         text("stage")?,
@@ -475,13 +476,20 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
     );
     let value: Vec<f64> = tidy.column("value")?.f64()?.into_no_null_iter().collect();
     let measured: Vec<replicates::Measured> = (0..tidy.height())
-        .map(|i| replicates::Measured {
-            stage: stage[i],
-            kind: kind[i],
-            method: method[i],
-            setting: settings.get(cell[i]).map_or("", String::as_str),
-            metric: metric[i],
-            value: value[i],
+        .map(|i| {
+            let row = by_cell.get(cell[i]);
+            replicates::Measured {
+                stage: stage[i],
+                kind: kind[i],
+                method: method[i],
+                setting: settings.get(cell[i]).map_or("", String::as_str),
+                seed: row.map_or("", |r| r.seed()),
+                metric: metric[i],
+                value: value[i],
+                prompts: row
+                    .and_then(|r| r.prompt_scores.get(metric[i]))
+                    .map(Vec::as_slice),
+            }
         })
         .collect();
     replicates::write(&measured, out)
@@ -551,10 +559,14 @@ fn timing_table(rows: &[Row]) -> Result<Option<DataFrame>> {
             "seq_len" => n(|t| t.seq_len as f64),
             "batch" => n(|t| t.batch as f64),
             "prefill_ms" => n(|t| t.prefill_ms),
+            "prefill_ms_spread" => n(|t| t.prefill_ms_spread),
             "prefill_speedup" => timed.iter().map(|(_, t)| full_prefill(t).map(|f| f / t.prefill_ms)).collect::<Vec<_>>(),
             "forward_ms" => n(|t| t.forward_ms),
+            "forward_ms_spread" => n(|t| t.forward_ms_spread),
             "attention_ms" => n(|t| t.attention_ms),
             "decode_tokens_per_s" => n(|t| t.decode_tokens_per_s),
+            "decode_tokens_per_s_spread" => n(|t| t.decode_tokens_per_s_spread),
+            "timing_runs" => n(|t| t.runs as f64),
             "decode_cache_mb" => n(|t| t.decode_cache_bytes / 1e6),
             "device" => timed.iter().map(|(_, t)| t.device.clone()).collect::<Vec<_>>(),
             "label" => timed.iter().map(|(r, _)| r.label.clone()).collect::<Vec<_>>(),
@@ -699,9 +711,11 @@ pub(super) mod tests {
             front,
             ["ppa-0", "tau-7", "ppa-5", "prune-9", "l2a-0", "aha-16", "tau-3", "full-0"]
         );
-        // Every cell trained at one rate and holds one cache size: full attention, the best
-        // loss, is the only point of those fronts.
-        for c in ["front_time", "front_memory"] {
+        // Rates measured while cells shared the device make no front.
+        assert!(t[1..].iter().all(|r| r[col("front_time")] == "false"));
+        // Every cell holds one cache size: full attention, the best loss, is the only point of
+        // that front (and of the time front, once the rates are each cell's own: below).
+        for c in ["front_memory"] {
             let on: Vec<&str> = t[1..]
                 .iter()
                 .filter(|r| r[col(c)] == "true")
@@ -745,6 +759,17 @@ pub(super) mod tests {
             .map(|r| r[col("cell")].as_str())
             .collect();
         assert_eq!(on, ["aha-16b", "full-0"]);
+        // Trained each alone on its device, every cell at one rate: full attention alone is on
+        // the time front.
+        crate::sweep::fixture::trained_alone(&dir);
+        write_all(&dir, &dir).unwrap();
+        let t = csv(&dir.join("pareto.csv"));
+        let on: Vec<&str> = t[1..]
+            .iter()
+            .filter(|r| r[col("front_time")] == "true")
+            .map(|r| r[col("cell")].as_str())
+            .collect();
+        assert_eq!(on, ["full-0"]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -1,4 +1,9 @@
-//! Statistics of repeated measurements.
+//! Statistics of repeated measurements: means with their 95 % intervals (Student's t, on the
+//! logit scale for quantities bounded to a range, Wilson's for proportions, a two-level
+//! bootstrap for scores pooled over seeds and prompts), Welch's test, exact McNemar for paired
+//! outcomes, and Holm's adjustment of many tests.
+
+use super::rng::Rng;
 
 /// The middle value of `xs` (the upper one of an even count), for the repeated measurements
 /// of timings and logged rates; `xs` must not be empty.
@@ -79,6 +84,269 @@ pub(crate) fn welch_difference(a: &Summary, b: &Summary) -> (f64, f64) {
     (a.mean - b.mean, t975(df) * se)
 }
 
+/// ln Γ(x) for x > 0 (Lanczos, g = 7, 9 terms: about 15 digits).
+fn ln_gamma(x: f64) -> f64 {
+    const C: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        // Reflection: Γ(x) Γ(1 - x) = π / sin(π x).
+        return (std::f64::consts::PI / (std::f64::consts::PI * x).sin()).ln() - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let t = x + 7.5;
+    let sum = C[1..]
+        .iter()
+        .enumerate()
+        .fold(C[0], |a, (i, c)| a + c / (x + i as f64 + 1.0));
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + sum.ln()
+}
+
+/// The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz).
+fn incomplete_beta(x: f64, a: f64, b: f64) -> f64 {
+    if x <= 0.0 {
+        return 0.0;
+    }
+    if x >= 1.0 {
+        return 1.0;
+    }
+    // The fraction converges fast for x < (a + 1) / (a + b + 2); the symmetry covers the rest.
+    if x > (a + 1.0) / (a + b + 2.0) {
+        return 1.0 - incomplete_beta(1.0 - x, b, a);
+    }
+    let front =
+        (ln_gamma(a + b) - ln_gamma(a) - ln_gamma(b) + a * x.ln() + b * (1.0 - x).ln()).exp() / a;
+    let tiny = 1e-300;
+    let (mut c, mut d) = (1.0, 1.0 - (a + b) * x / (a + 1.0));
+    d = 1.0 / if d.abs() < tiny { tiny } else { d };
+    let mut f = d;
+    for m in 1..300 {
+        let m = m as f64;
+        for (i, num) in [
+            m * (b - m) * x / ((a + 2.0 * m - 1.0) * (a + 2.0 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2.0 * m) * (a + 2.0 * m + 1.0)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            d = 1.0 + num * d;
+            d = 1.0 / if d.abs() < tiny { tiny } else { d };
+            c = 1.0 + num / c;
+            if c.abs() < tiny {
+                c = tiny;
+            }
+            f *= c * d;
+            if i == 1 && (c * d - 1.0).abs() < 1e-15 {
+                return front * f;
+            }
+        }
+    }
+    front * f
+}
+
+/// The two-sided p-value of Student's t statistic `t` with `df` degrees of freedom.
+pub(crate) fn t_test_p(t: f64, df: f64) -> f64 {
+    if !t.is_finite() || df.is_nan() || df <= 0.0 {
+        return f64::NAN;
+    }
+    incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+}
+
+/// Welch's test of two replicated means: `a - b`, half its 95 % interval (as
+/// `welch_difference`), and the two-sided p-value; p is 0 or 1 where neither side has spread (a
+/// fixed cost: the difference is exact) and NaN where a side has one value.
+pub(crate) fn welch_test(a: &Summary, b: &Summary) -> (f64, f64, f64) {
+    let (d, h) = welch_difference(a, b);
+    let (va, vb) = (a.sd.powi(2) / a.n as f64, b.sd.powi(2) / b.n as f64);
+    let se = (va + vb).sqrt();
+    let p = match se {
+        _ if h.is_nan() => f64::NAN,
+        0.0 => f64::from(d == 0.0),
+        _ => {
+            let df = (va + vb).powi(2)
+                / (va.powi(2) / (a.n as f64 - 1.0) + vb.powi(2) / (b.n as f64 - 1.0));
+            t_test_p(d / se, df)
+        }
+    };
+    (d, h, p)
+}
+
+/// The 95 % interval of the mean of `xs`: Student's t; for a quantity bounded to `bounds`, the
+/// same on the logit scale of its place in the range (values within 1e-4 of a bound counted
+/// there), mapped back, so it never leaves the range. NaN bounds for one value.
+pub(crate) fn mean_interval(xs: &[f64], bounds: Option<(f64, f64)>) -> (f64, f64) {
+    let Some((lo, hi)) = bounds else {
+        let s = summarize(xs);
+        return (s.mean - s.half_width, s.mean + s.half_width);
+    };
+    let eps = 1e-4;
+    let logit = |x: f64| {
+        let p = ((x - lo) / (hi - lo)).clamp(eps, 1.0 - eps);
+        (p / (1.0 - p)).ln()
+    };
+    let back = |z: f64| lo + (hi - lo) / (1.0 + (-z).exp());
+    // Replicates that agree exactly (a rate at a bound, a fixed cost) have that value.
+    if xs.len() > 1 && xs.iter().all(|&x| x == xs[0]) {
+        return (xs[0], xs[0]);
+    }
+    let z: Vec<f64> = xs.iter().map(|&x| logit(x)).collect();
+    let s = summarize(&z);
+    (back(s.mean - s.half_width), back(s.mean + s.half_width))
+}
+
+/// Wilson's 95 % interval of a proportion, `k` successes of `n`: inside [0, 1] however few
+/// trials or extreme the count. NaN for no trials.
+pub(crate) fn wilson(k: f64, n: f64) -> (f64, f64) {
+    if n <= 0.0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let z = 1.959_963_984_540_054;
+    let p = k / n;
+    let denom = 1.0 + z * z / n;
+    let centre = (p + z * z / (2.0 * n)) / denom;
+    let half = z * (p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt() / denom;
+    ((centre - half).max(0.0), (centre + half).min(1.0))
+}
+
+/// Exact McNemar's test of paired binary outcomes: `b` pairs where only the first succeeded,
+/// `c` where only the second did; the two-sided p-value of the binomial (b + c, 1/2).
+pub(crate) fn mcnemar_exact(b: u64, c: u64) -> f64 {
+    let n = b + c;
+    if n == 0 {
+        return 1.0;
+    }
+    let k = b.min(c);
+    let ln_choose = |n: u64, i: u64| {
+        ln_gamma(n as f64 + 1.0) - ln_gamma(i as f64 + 1.0) - ln_gamma((n - i) as f64 + 1.0)
+    };
+    let tail: f64 = (0..=k)
+        .map(|i| (ln_choose(n, i) - n as f64 * std::f64::consts::LN_2).exp())
+        .sum();
+    (2.0 * tail).min(1.0)
+}
+
+/// Holm's step-down adjustment of `p`: each p-value multiplied by the number of hypotheses
+/// not yet rejected before it, in ascending order, kept monotone and at most 1; NaN stays NaN
+/// and counts for nothing.
+pub(crate) fn holm(p: &[f64]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..p.len()).filter(|&i| !p[i].is_nan()).collect();
+    order.sort_by(|&a, &b| p[a].total_cmp(&p[b]));
+    let m = order.len();
+    let mut out = vec![f64::NAN; p.len()];
+    let mut running = 0.0f64;
+    for (rank, &i) in order.iter().enumerate() {
+        running = running.max(((m - rank) as f64 * p[i]).min(1.0));
+        out[i] = running;
+    }
+    out
+}
+
+/// Draws for the bootstrap intervals: enough that their 2.5 % quantiles move by under a
+/// percent of their width between seeds.
+const DRAWS: usize = 4000;
+
+/// The 2.5 % and 97.5 % quantiles of `draws`.
+fn percentiles(mut draws: Vec<f64>) -> (f64, f64) {
+    draws.sort_by(f64::total_cmp);
+    let at = |q: f64| draws[((draws.len() - 1) as f64 * q).round() as usize];
+    (at(0.025), at(0.975))
+}
+
+/// Means of `DRAWS` two-level bootstrap samples of `groups` (each a replicate's per-prompt
+/// values): replicates drawn with replacement, then prompts within each.
+fn bootstrap_means(groups: &[Vec<f64>], seed: u64) -> Vec<f64> {
+    let groups: Vec<&Vec<f64>> = groups.iter().filter(|g| !g.is_empty()).collect();
+    let mut rng = Rng::new(seed);
+    (0..DRAWS)
+        .map(|_| {
+            let (mut sum, mut n) = (0.0, 0usize);
+            for _ in 0..groups.len() {
+                let g = groups[rng.below(groups.len() as u64) as usize];
+                for _ in 0..g.len() {
+                    sum += g[rng.below(g.len() as u64) as usize];
+                }
+                n += g.len();
+            }
+            sum / n as f64
+        })
+        .collect()
+}
+
+/// The 95 % interval of a score pooled over replicates: `groups` holds each replicate's
+/// per-prompt values, and the bootstrap draws replicates, then prompts within each, so the
+/// interval holds both the seeds' spread and the prompts' sampling; it stays inside the
+/// values' range. Deterministic (a fixed generator).
+pub(crate) fn pooled_interval(groups: &[Vec<f64>]) -> (f64, f64) {
+    if groups.iter().all(|g| g.is_empty()) {
+        return (f64::NAN, f64::NAN);
+    }
+    percentiles(bootstrap_means(groups, 0x5EED_B007))
+}
+
+/// Two settings' pooled scores compared on different prompts: the difference of their pooled
+/// means, its 95 % interval from independent two-level bootstraps of each, and the two-sided
+/// p-value of that bootstrap (twice the share of draws on the far side of 0).
+pub(crate) fn unpaired_difference(a: &[Vec<f64>], b: &[Vec<f64>]) -> (f64, f64, f64, f64) {
+    let pooled = |g: &[Vec<f64>]| {
+        let all: Vec<f64> = g.iter().flatten().copied().collect();
+        all.iter().sum::<f64>() / all.len() as f64
+    };
+    let (ma, mb) = (
+        bootstrap_means(a, 0x5EED_0A0A),
+        bootstrap_means(b, 0x5EED_0B0B),
+    );
+    let diffs: Vec<f64> = ma.iter().zip(&mb).map(|(x, y)| x - y).collect();
+    let p = two_sided_share(&diffs);
+    let (lo, hi) = percentiles(diffs);
+    (pooled(a) - pooled(b), lo, hi, p)
+}
+
+/// Twice the share of bootstrap draws on the far side of 0 (a draw at 0 counts for both).
+fn two_sided_share(draws: &[f64]) -> f64 {
+    let share = |keep: &dyn Fn(f64) -> bool| {
+        draws.iter().filter(|&&m| keep(m)).count() as f64 / draws.len() as f64
+    };
+    (2.0 * share(&|m| m <= 0.0).min(share(&|m| m >= 0.0))).min(1.0)
+}
+
+/// A paired comparison of two settings scored on the same prompts: `pairs` holds, per
+/// replicate, each prompt's (a, b). The mean of a - b, its 95 % two-level bootstrap interval
+/// (replicates, then prompts), and the two-sided p-value: exact McNemar's where every score is
+/// 0 or 1, else the bootstrap's (twice the share of draws on the far side of 0).
+pub(crate) fn paired_difference(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f64) {
+    let diffs: Vec<Vec<f64>> = pairs
+        .iter()
+        .map(|g| g.iter().map(|(a, b)| a - b).collect())
+        .collect();
+    let all: Vec<f64> = diffs.iter().flatten().copied().collect();
+    if all.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mean = all.iter().sum::<f64>() / all.len() as f64;
+    let (lo, hi) = pooled_interval(&diffs);
+    let binary = pairs
+        .iter()
+        .flatten()
+        .all(|(a, b)| (*a == 0.0 || *a == 1.0) && (*b == 0.0 || *b == 1.0));
+    let p = if binary {
+        let only_a = pairs.iter().flatten().filter(|(a, b)| a > b).count() as u64;
+        let only_b = pairs.iter().flatten().filter(|(a, b)| a < b).count() as u64;
+        mcnemar_exact(only_a, only_b)
+    } else {
+        // The bootstrap's own test: how often a redrawn mean falls on either side of 0.
+        two_sided_share(&bootstrap_means(&diffs, 0x7E57_0001))
+    };
+    (mean, lo, hi, p)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,5 +376,78 @@ mod tests {
         assert_eq!(welch_difference(&c, &c), (0.0, 0.0));
         assert_eq!(t975(2.5), 4.303);
         assert_eq!(t975(1000.0), 1.980);
+    }
+
+    /// Against values worked out by hand or tabled: Student's 97.5 % points give p 0.05, Wilson
+    /// for 0 of 10 reaches z^2 / (n + z^2), McNemar is twice a binomial tail, Holm steps down.
+    #[test]
+    fn tests_and_intervals_match_hand_values() {
+        for (t, df) in [(12.706, 1.0), (2.571, 5.0), (2.228, 10.0), (1.96, 1e7)] {
+            assert!(
+                (t_test_p(t, df) - 0.05).abs() < 2e-4,
+                "t {t} df {df}: {}",
+                t_test_p(t, df)
+            );
+        }
+        assert!((t_test_p(0.0, 4.0) - 1.0).abs() < 1e-12);
+        let (lo, hi) = wilson(0.0, 10.0);
+        assert_eq!(lo, 0.0);
+        let z2 = 1.959_963_984_540_054f64.powi(2);
+        assert!((hi - z2 / (10.0 + z2)).abs() < 1e-12, "{hi}");
+        let (lo, hi) = wilson(5.0, 10.0);
+        assert!(
+            (lo - 0.2366).abs() < 1e-4 && (hi - 0.7634).abs() < 1e-4,
+            "{lo} {hi}"
+        );
+        assert!(wilson(10.0, 10.0).1 > 1.0 - 1e-12);
+        assert!((mcnemar_exact(0, 5) - 2.0 / 32.0).abs() < 1e-12);
+        assert!((mcnemar_exact(1, 9) - 2.0 * 11.0 / 1024.0).abs() < 1e-12);
+        assert_eq!(mcnemar_exact(3, 3), 1.0);
+        assert_eq!(mcnemar_exact(0, 0), 1.0);
+        let h = holm(&[0.01, 0.04, 0.03, f64::NAN]);
+        assert!(
+            (h[0] - 0.03).abs() < 1e-12
+                && (h[1] - 0.06).abs() < 1e-12
+                && (h[2] - 0.06).abs() < 1e-12
+        );
+        assert!(h[3].is_nan());
+        // Welch's p agrees with its interval: 0 outside it where p < 0.05.
+        let (a, b) = (summarize(&[1.0, 1.1, 1.2]), summarize(&[2.0, 2.1, 2.2]));
+        let (d, h, p) = welch_test(&a, &b);
+        assert!(d.abs() > h && p < 0.05, "{d} {h} {p}");
+        let (c, e) = (summarize(&[0.5; 3]), summarize(&[0.25; 3]));
+        assert_eq!(welch_test(&c, &e).2, 0.0);
+        assert!(welch_test(&summarize(&[1.0]), &a).2.is_nan());
+    }
+
+    /// Bounded quantities keep their intervals inside the range; pooled and paired scores
+    /// bootstrap over replicates and prompts.
+    #[test]
+    fn bounded_and_pooled_intervals_stay_in_range() {
+        assert_eq!(mean_interval(&[0.5; 3], Some((0.0, 1.0))), (0.5, 0.5));
+        assert_eq!(mean_interval(&[0.0; 3], Some((0.0, 1.0))), (0.0, 0.0));
+        // L2A's usage, as the audit found it drawn below zero: 0.74 % [-1.7, 3.2].
+        let usage = [0.001, 0.002, 0.019];
+        let t = mean_interval(&usage, None);
+        assert!(t.0 < 0.0, "Student's t leaves the range: {t:?}");
+        let (lo, hi) = mean_interval(&usage, Some((0.0, 1.0)));
+        assert!(
+            lo > 0.0 && hi < 1.0 && lo < 0.0074 && hi > 0.0074,
+            "{lo} {hi}"
+        );
+        let (lo, hi) = pooled_interval(&[vec![1.0; 4], vec![0.0; 4]]);
+        assert!(lo >= 0.0 && hi <= 1.0 && lo < 0.5 && hi > 0.5, "{lo} {hi}");
+        assert_eq!(pooled_interval(&[vec![1.0; 10]]), (1.0, 1.0));
+        let (d, lo, hi, p) = paired_difference(&[vec![(1.0, 0.0); 10]]);
+        assert_eq!((d, lo, hi), (1.0, 1.0, 1.0));
+        assert!((p - 2.0 / 1024.0).abs() < 1e-12);
+        // On different prompts: independent bootstraps.
+        let (d, lo, hi, p) = unpaired_difference(&[vec![1.0; 20]], &[vec![0.0; 20]]);
+        assert_eq!((d, lo, hi), (1.0, 1.0, 1.0));
+        assert_eq!(p, 0.0);
+        // Scores that are not 0 or 1 (recall) take the bootstrap's test.
+        let (d, _, _, p) = paired_difference(&[vec![(0.5, 0.5); 20]]);
+        assert_eq!(d, 0.0);
+        assert!(p > 0.5, "{p}");
     }
 }

@@ -5,7 +5,7 @@
 
 use super::series::{
     full_reference, grouped, legend, legend_name, replicate_means, setting_legend, with_line,
-    with_reference,
+    with_reference, UNIT,
 };
 use crate::model::attention::{MethodSpec, SettingCurve};
 use crate::run::report::Timing;
@@ -195,12 +195,13 @@ pub(super) fn setting_curve(
         return;
     }
     let x = |r: &Row| (curve.value)(&r.grid_attention);
-    let by_window = |rows: &[&Row], f: &dyn Fn(&Row) -> Option<f64>| {
+    let by_window = |rows: &[&Row], f: &dyn Fn(&Row) -> Option<f64>, bounds| {
         grouped(
             rows,
             curve.key,
             |r| format!("window={}", r.window),
             |r| Some((x(r), f(r)?)),
+            bounds,
         )
     };
     let panel = |title: &str, y: &str, series| Panel {
@@ -214,7 +215,7 @@ pub(super) fn setting_curve(
         "validation loss",
         "loss",
         with_reference(
-            by_window(&trained, &|r| Some(r.loss())),
+            by_window(&trained, &|r| Some(r.loss()), None),
             full_reference(train.iter().copied(), &trained, |r| Some(r.loss())),
         ),
     )];
@@ -236,7 +237,7 @@ pub(super) fn setting_curve(
             (!at_full.is_empty()).then(|| summarize(&at_full).mean)
         });
         let lines = with_line(
-            by_window(&probed, &pareto::probe_exact_match),
+            by_window(&probed, &pareto::probe_exact_match, UNIT),
             "full attention, trained as long",
             full,
             6,
@@ -245,7 +246,7 @@ pub(super) fn setting_curve(
         let lines = with_line(lines, "chance", Some(0.0), 8);
         panels.push(panel("probes (RULER NIAH)", "exact-match accuracy", lines));
     }
-    let far = by_window(&trained, &|r| r.far()?.1);
+    let far = by_window(&trained, &|r| r.far()?.1, UNIT);
     if far.iter().any(|s| !s.points.is_empty()) {
         // The synthetic corpus's long-range task (PPA Table 1's accuracy).
         panels.push(panel(
@@ -272,6 +273,7 @@ pub(super) fn setting_curve(
                     format!("{what}, L={len} window={}", r.window)
                 },
                 move |r| Some((x(r), f(r.report.timing.as_ref()?))),
+                None,
             )
         };
         let mut series = line("attention layers", |t| t.attention_ms);

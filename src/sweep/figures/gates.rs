@@ -4,7 +4,7 @@
 
 use super::series::{
     first_replicate, full_reference, grouped, replicate_means, setting_legend, short_key,
-    with_reference,
+    with_reference, UNIT,
 };
 use crate::config::{name_of, Router};
 use crate::model::attention::{spec, Gates};
@@ -76,13 +76,21 @@ pub(super) fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
         usage_and_loss(
             "Full-attention usage and quality against window",
             "window w (tokens)",
-            grouped(&routed_by_window, WINDOW, key, |r| {
-                r.mu_f().map(|m| (r.window, m))
-            }),
+            grouped(
+                &routed_by_window,
+                WINDOW,
+                key,
+                |r| r.mu_f().map(|m| (r.window, m)),
+                UNIT,
+            ),
             with_reference(
-                grouped(&routed_by_window, WINDOW, key, |r| {
-                    Some((r.window, r.loss()))
-                }),
+                grouped(
+                    &routed_by_window,
+                    WINDOW,
+                    key,
+                    |r| Some((r.window, r.loss())),
+                    None,
+                ),
                 full_reference(train.iter().copied(), &routed_by_window, |r| Some(r.loss())),
             ),
         ),
@@ -158,8 +166,14 @@ pub(super) fn lambda_ablation(cells: &[&Row], figs: &mut Vec<(String, Figure)>) 
         usage_and_loss(
             "Full-attention usage and quality against lambda",
             "lambda",
-            grouped(&varied, LAMBDA, key, |r| r.mu_f().map(|m| (lambda(r), m))),
-            grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss()))),
+            grouped(
+                &varied,
+                LAMBDA,
+                key,
+                |r| r.mu_f().map(|m| (lambda(r), m)),
+                UNIT,
+            ),
+            grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss())), None),
         ),
     ));
 }
@@ -244,7 +258,7 @@ pub(super) fn threshold_sweep(cells: &[&Row], figs: &mut Vec<(String, Figure)>) 
             for (t, (pairs, losses)) in at {
                 let loss = summarize(&losses);
                 points.push((summarize(&pairs).mean, loss.mean));
-                errors.push(loss.half_width);
+                errors.push((loss.mean - loss.half_width, loss.mean + loss.half_width));
                 labels.push(format!("tau={}", f64::from_bits(t)));
             }
             Series {

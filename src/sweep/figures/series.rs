@@ -5,7 +5,7 @@
 use crate::model::attention::spec;
 use crate::sweep::figure::{series, sorted, Look, Series};
 use crate::sweep::rows::Row;
-use crate::util::stats::summarize;
+use crate::util::stats::{mean_interval, summarize};
 use std::collections::BTreeMap;
 
 /// Groups rows by a key into named series of (x, y). A cell's other varied settings (its
@@ -13,12 +13,13 @@ use std::collections::BTreeMap;
 /// its series' name, so a line joins only cells that differ in x (a control at one window is
 /// its own point, not a jump in the line). Rows of one series at one x that are replicates of
 /// one setting (they differ only in their seed) become one point, their mean, with its 95 %
-/// interval as an error bar.
+/// interval as an error bar: inside `bounds` where the quantity is bounded (usage, accuracy).
 pub(super) fn grouped(
     rows: &[&Row],
     x_key: &str,
     key: impl Fn(&Row) -> String,
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
+    bounds: Option<(f64, f64)>,
 ) -> Vec<Series> {
     let key = |r: &Row| {
         let mut name = key(r);
@@ -46,23 +47,26 @@ pub(super) fn grouped(
         }
     }
     let series_of = |name: String, at_x: AtX| {
-        let mut points: Vec<(f64, f64, f64)> = Vec::new();
+        let mut points: Vec<(f64, f64, (f64, f64))> = Vec::new();
         for (x, settings) in at_x {
             for ys in settings.into_values() {
-                let s = summarize(&ys);
-                points.push((f64::from_bits(x), s.mean, s.half_width));
+                let mean = summarize(&ys).mean;
+                points.push((f64::from_bits(x), mean, mean_interval(&ys, bounds)));
             }
         }
         // Sorted by x here, so `series`' own (stable) sort keeps the errors in step.
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut s = series(name, points.iter().map(|p| (p.0, p.1)).collect(), true);
-        if points.iter().any(|p| p.2.is_finite()) {
+        if points.iter().any(|p| p.2 .0.is_finite()) {
             s.errors = points.iter().map(|p| p.2).collect();
         }
         s
     };
     sorted(groups.into_iter().map(|(k, v)| series_of(k, v)).collect())
 }
+
+/// The range of a rate, usage or accuracy: its intervals stay inside it.
+pub(super) const UNIT: Option<(f64, f64)> = Some((0.0, 1.0));
 
 /// A grid key without its section (`attention.window` -> `window`).
 pub(super) fn short_key(key: &str) -> &str {

@@ -43,6 +43,7 @@ fn replicates_become_a_mean_with_an_error_bar() {
         WINDOW,
         |_| "s".into(),
         |r| Some((8.0, r.loss())),
+        None,
     );
     assert_eq!(s.len(), 1);
     let (points, errors) = (&s[0].points, &s[0].errors);
@@ -51,18 +52,36 @@ fn replicates_become_a_mean_with_an_error_bar() {
         .iter()
         .position(|p| (p.1 - 1.1).abs() < 1e-12)
         .unwrap();
+    let half = 12.706 * (0.02f64).sqrt() / 2f64.sqrt();
     assert!(
-        (errors[mean] - 12.706 * (0.02f64).sqrt() / 2f64.sqrt()).abs() < 1e-9,
+        (errors[mean].1 - 1.1 - half).abs() < 1e-9 && (1.1 - errors[mean].0 - half).abs() < 1e-9,
         "{errors:?}"
     );
-    assert!(errors[1 - mean].is_nan());
-    let single = grouped(&[&c], WINDOW, |_| "s".into(), |r| Some((8.0, r.loss())));
+    assert!(errors[1 - mean].0.is_nan());
+    let single = grouped(
+        &[&c],
+        WINDOW,
+        |_| "s".into(),
+        |r| Some((8.0, r.loss())),
+        None,
+    );
     assert!(single[0].errors.is_empty());
+    // A bounded quantity's interval stays inside its range, where Student's t would not.
+    let usage = grouped(
+        &[&a, &b],
+        WINDOW,
+        |_| "s".into(),
+        |r| Some((8.0, if r.loss() > 1.1 { 0.02 } else { 0.001 })),
+        Some((0.0, 1.0)),
+    );
+    let (lo, hi) = usage[0].errors[0];
+    assert!(lo > 0.0 && hi < 1.0, "{lo} {hi}");
     let again = grouped(
         &[&a, &b, &c],
         WINDOW,
         |_| "s".into(),
         |r| Some((8.0, r.loss())),
+        None,
     );
     let fig = usage_and_loss("t", "x", s, again);
     assert!(render(&fig).0 > 0);
@@ -94,6 +113,7 @@ fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
         WINDOW,
         |_| "aha".into(),
         |r| Some((r.window, r.loss())),
+        None,
     );
     let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha router_init_bias=1.0"]);
@@ -109,6 +129,10 @@ fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
 #[test]
 fn every_figure_of_a_fixture_sweep_renders() {
     let dir = fixture::sweep_dir("plots");
+    // Without rates measured alone, no time front (the shared cells' are no cell's own).
+    let shared: Vec<String> = figures(&dir).unwrap().into_iter().map(|(s, _)| s).collect();
+    assert!(!shared.contains(&"pareto_time".to_string()), "{shared:?}");
+    fixture::trained_alone(&dir);
     let figs = figures(&dir).unwrap();
     let stems: Vec<&str> = figs.iter().map(|(s, _)| s.as_str()).collect();
     for want in [
