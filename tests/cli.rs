@@ -1766,9 +1766,23 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
         assert!(low <= mean && mean <= high, "{r:?}");
     }
     let diffs = log_rows(&out.join("replicate_differences.csv"));
+    // The raw verdict and Holm's over the table's tests.
     assert!(diffs.iter().any(|r| r[0] == "swa"
         && r[1] == "loss"
-        && ["within noise", "differs"].contains(&r[7].as_str())));
+        && ["within noise", "differs"].contains(&r[8].as_str())
+        && ["within noise", "differs"].contains(&r[10].as_str())));
+    // A results folder keeps the tables and cells.json, not the cells: `plot` there rebuilds
+    // the replicate tables from tidy.csv, the same as from the cells.
+    let kept = d.join("kept");
+    std::fs::create_dir_all(&kept).unwrap();
+    for f in ["cells.json", "tidy.csv"] {
+        std::fs::copy(out.join(f), kept.join(f)).unwrap();
+    }
+    let o = cli("plot").flag("--sweep", &kept).ok();
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(said.contains("rebuilt from tidy.csv"), "{said}");
+    assert_eq!(log_rows(&kept.join("replicates.csv")), summary);
+    assert_eq!(log_rows(&kept.join("replicate_differences.csv")), diffs);
 }
 
 /// A grid's [probes] mixes probe documents into its [corpus]: the corpus is prepared at

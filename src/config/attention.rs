@@ -8,7 +8,7 @@
 
 use super::check::{check, check_open_f};
 use super::{ModelConfig, TrainConfig};
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -104,6 +104,11 @@ pub struct AttentionConfig {
     pub router: Router,
     /// Bernoulli router: probability that a gate is 1.
     pub bernoulli_p: f64,
+    /// Bernoulli router: per layer, the probability of each of its gates (a head's for AHA,
+    /// the layer's one gate for L2A and SwiAttn), in place of `bernoulli_p`: random gates
+    /// matched to a learned router's usage gate by gate (a grid's `match_usage` sets it).
+    /// Empty (the default): `bernoulli_p` everywhere.
+    pub bernoulli_rates: Vec<Vec<f64>>,
     /// AHA and SwiAttn: initial router bias (router weights start at zero). The default,
     /// sigmoid(1) = 0.73 > tau, starts every gate on the full path, as a full-attention base
     /// model behaves.
@@ -151,6 +156,7 @@ impl Default for AttentionConfig {
             ste_sample: 1.0,
             router: Router::Learned,
             bernoulli_p: 0.1,
+            bernoulli_rates: Vec::new(),
             router_init_bias: 1.0,
             p_force: 0.1,
             pruned_layers: Vec::new(),
@@ -182,7 +188,7 @@ impl AttentionConfig {
             keys.push("router");
             match learned {
                 true => keys.extend(learned_reads),
-                false => keys.push("bernoulli_p"),
+                false => keys.extend(["bernoulli_p", "bernoulli_rates"]),
             }
         };
         match self.method {
@@ -260,6 +266,7 @@ impl AttentionConfig {
             ste_sample,
             router,
             bernoulli_p,
+            bernoulli_rates,
             router_init_bias,
             p_force,
             pruned_layers,
@@ -292,6 +299,17 @@ impl AttentionConfig {
             );
         }
         check("attention.bernoulli_p", a.bernoulli_p, 0.0, 1.0)?;
+        for layer in &a.bernoulli_rates {
+            for &p in layer {
+                check("attention.bernoulli_rates", p, 0.0, 1.0)?;
+            }
+        }
+        ensure!(
+            a.bernoulli_rates.is_empty() || a.bernoulli_rates.len() == m.num_hidden_layers,
+            "attention.bernoulli_rates holds {} layers, the model {}: one list of rates a layer",
+            a.bernoulli_rates.len(),
+            m.num_hidden_layers
+        );
         check(
             "attention.router_init_bias",
             a.router_init_bias,
@@ -369,6 +387,7 @@ mod tests {
                 (_, Value::Boolean(b)) => Value::Boolean(!b),
                 ("router", _) => Value::String("bernoulli".into()),
                 ("swiattn_disagreement", _) => Value::String("sum".into()),
+                ("bernoulli_rates", _) => Value::Array(vec![Value::Array(vec![Value::Float(0.5)])]),
                 (_, Value::String(s)) => Value::String(s + "x"),
                 (_, Value::Array(_)) => Value::Array(vec![Value::Integer(1)]),
                 (k, other) => panic!("{k} = {other}: give this test a changed value of its type"),

@@ -43,6 +43,11 @@ pub struct EvalConfig {
     pub needles: Option<usize>,
     /// Keys asked at once in MQAR. Unset: the data set's probe documents', else 4.
     pub queries: Option<usize>,
+    /// The probes' gates: the model's own ("learned"), or an oracle's ("oracle") that opens
+    /// every gate exactly at the needles and the question (and what is generated after
+    /// them) and closes it elsewhere: the ceiling of what a router could make of the prompts.
+    /// The loss evaluation keeps the model's own.
+    pub gates: ProbeGates,
     /// Wrap RULER's prompts in the model's chat template (from the `tokenizer_config.json`
     /// beside the data set's tokenizer), as RULER does for chat models; the answer prefix
     /// follows the template's generation prompt.
@@ -57,6 +62,15 @@ pub struct EvalConfig {
     /// the key-value cache. Off by default: measured times differ from run to run, and
     /// everything else an evaluation writes does not.
     pub timing: bool,
+}
+
+/// Whose gates a routed model's probes run with (`eval.gates`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeGates {
+    #[default]
+    Learned,
+    Oracle,
 }
 
 /// Where probe haystacks come from.
@@ -80,6 +94,7 @@ impl Default for EvalConfig {
             depths: vec![0.0, 0.25, 0.5, 0.75, 1.0],
             samples: 10,
             haystack: HaystackKind::Noise,
+            gates: ProbeGates::Learned,
             haystack_dir: PathBuf::new(),
             probe_seed: ProbeSpec::default().seed,
             digits: None,

@@ -12,7 +12,7 @@ mod overrides;
 mod train;
 
 pub use attention::{AttentionConfig, AttnImpl, Method, Reduction, Router};
-pub use eval::{EvalConfig, HaystackKind};
+pub use eval::{EvalConfig, HaystackKind, ProbeGates};
 pub use model::ModelConfig;
 pub use model::{NormPlacement, QkNorm, RopeScaling};
 pub(crate) use overrides::{apply_override, reject_non_finite};

@@ -110,6 +110,8 @@ pub(crate) struct Placement {
     pub(crate) depth: f64,
     /// The needles' indices in the order they appear.
     pub(crate) order: Vec<usize>,
+    /// Every needle's tokens, `[start, end)`, in the order they appear.
+    pub(crate) spans: Vec<(usize, usize)>,
 }
 
 /// Inserts `needles` into `hay` at offsets among `starts`: needle `placed` at `depth`, the
@@ -151,12 +153,14 @@ pub(crate) fn place(
     order.sort_by_key(|&i| (offsets[i], i));
     let mut tokens = Vec::with_capacity(budget + needles.iter().map(Vec::len).sum::<usize>());
     let (mut from, mut needle_at) = (0, 0);
+    let mut spans = Vec::with_capacity(needles.len());
     for &i in &order {
         tokens.extend(&hay[from..offsets[i]]);
         from = offsets[i];
         if i == placed {
             needle_at = tokens.len();
         }
+        spans.push((tokens.len(), tokens.len() + needles[i].len()));
         tokens.extend(&needles[i]);
     }
     tokens.extend(&hay[from..]);
@@ -165,5 +169,6 @@ pub(crate) fn place(
         needle_at,
         depth: at_depth as f64 / budget.max(1) as f64,
         order,
+        spans,
     }
 }

@@ -159,6 +159,10 @@ pub(crate) struct Probe {
     /// Haystack tokens before the relevant needle over all haystack tokens: the requested
     /// depth snapped to a sentence start.
     pub(crate) depth: f64,
+    /// What the answer rests on, `[start, end)` token ranges of the prompt: every needle and
+    /// the question (to the prompt's end). An oracle router opens exactly these (and what
+    /// is generated after them).
+    pub(crate) spans: Vec<(usize, usize)>,
 }
 
 /// Generation of the answer stops at any of these characters (or at the end of document).
@@ -278,6 +282,7 @@ pub(crate) fn generate(
             answers: p.answers,
             needle_at: p.needle_at,
             depth: p.depth,
+            spans: p.spans,
         });
     }
     let enc = |s: &str| tok.encode(s);
@@ -300,7 +305,9 @@ pub(crate) fn generate(
         needle_at,
         depth: achieved,
         order,
+        mut spans,
     } = place(&hay, &starts, &needles, d.placed, d.chain, depth, &mut rng);
+    spans.push((prompt.len(), length));
     prompt.extend(&question);
     debug_assert_eq!(prompt.len(), length);
     // Multi-value answers are asked in the order the values appear.
@@ -317,6 +324,7 @@ pub(crate) fn generate(
         answers,
         needle_at,
         depth: achieved,
+        spans,
     })
 }
 
@@ -376,6 +384,17 @@ fn mqar(spec: &ProbeSpec, rng: &mut Rng, tok: &TextTokenizer, length: usize) -> 
     let filler = enc(NOISE[0])?;
     let mut head: Vec<u32> = filler.iter().copied().cycle().take(pad).collect();
     let needle_at = head.len() + pairs[..asked[0]].iter().map(|p| p.2.len()).sum::<usize>();
+    // The asked pairs and the question.
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    let mut at = head.len();
+    for (i, p) in pairs.iter().enumerate() {
+        if asked.contains(&i) {
+            spans.push((at, at + p.2.len()));
+        }
+        at += p.2.len();
+    }
+    spans.sort_unstable();
+    spans.push((at, length));
     head.append(&mut prompt);
     head.extend(&question);
     let answers: Vec<String> = asked.iter().map(|&i| pairs[i].1.clone()).collect();
@@ -386,6 +405,7 @@ fn mqar(spec: &ProbeSpec, rng: &mut Rng, tok: &TextTokenizer, length: usize) -> 
         answers,
         needle_at,
         depth: needle_at as f64 / length as f64,
+        spans,
     })
 }
 
@@ -780,11 +800,58 @@ mod tests {
             answers: vec!["12".into(), "34".into()],
             needle_at: 0,
             depth: 0.0,
+            spans: vec![],
         };
         assert_eq!(p.score(" 12, 34.\nQuestion"), (1.0, 1.0));
         assert_eq!(p.score(" 34, 12"), (0.0, 1.0));
         assert_eq!(p.score(" 12, 3"), (0.0, 0.5));
         assert_eq!(p.score(" 1234"), (0.0, 0.0));
         assert_eq!(p.score(".12, 34"), (0.0, 0.0));
+    }
+
+    /// A probe's spans hold what its answer rests on: each needle's tokens (the answer among
+    /// them) and the question, to the prompt's end, in order and inside the prompt; for every
+    /// task family (the project's, MQAR's pairs, RULER's).
+    #[test]
+    fn spans_cover_the_needles_and_the_question() {
+        let tok = TextTokenizer::Bytes;
+        let spec = ProbeSpec::default();
+        for name in [
+            "niah_single",
+            "niah_multikey",
+            "mqar",
+            "niah_single_1",
+            "vt",
+        ] {
+            let task = Task::parse(name).unwrap();
+            let p = generate(task, &spec, &Haystack::Noise, &tok, 2048, 0.5, 0).unwrap();
+            let last = p.spans.last().unwrap();
+            assert_eq!(
+                last.1,
+                p.prompt.len(),
+                "{name}: the question ends the prompt"
+            );
+            assert!(
+                p.spans.windows(2).all(|w| w[0].1 <= w[1].0),
+                "{name}: {:?}",
+                p.spans
+            );
+            let text = |(a, b): (usize, usize)| tok.decode(&p.prompt[a..b]);
+            let inside: String = p.spans[..p.spans.len() - 1]
+                .iter()
+                .map(|&s| text(s))
+                .collect();
+            for answer in &p.answers {
+                assert!(
+                    inside.contains(answer.as_str()),
+                    "{name}: {answer} not in {inside:?}"
+                );
+            }
+            let covered: usize = p.spans.iter().map(|(a, b)| b - a).sum();
+            assert!(
+                covered < p.prompt.len() / 2,
+                "{name}: spans cover {covered} tokens"
+            );
+        }
     }
 }

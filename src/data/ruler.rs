@@ -181,6 +181,9 @@ pub(crate) struct RulerProbe {
     /// Where the asked needle starts (the list's start for cwe and fwe), and its depth.
     pub(crate) needle_at: usize,
     pub(crate) depth: f64,
+    /// What an answer rests on, `[start, end)`: every needle (the list, for cwe and fwe) and
+    /// the question after the context.
+    pub(crate) spans: Vec<(usize, usize)>,
 }
 
 /// A probe of `task` with `length` tokens exactly, numbers of `digits` digits, inside the
@@ -216,11 +219,17 @@ pub(crate) fn generate(
         task.name()
     );
     let budget = length - fixed;
-    let (context, needle_at, achieved) =
+    let (context, needle_at, achieved, spans) =
         body.render(&needles, digits, haystack, tok, budget, depth, rng, task)?;
     let mut prompt = before;
-    let needle_at = needle_at + prompt.len();
+    let offset = prompt.len();
+    let needle_at = needle_at + offset;
+    let mut spans: Vec<(usize, usize)> = spans
+        .into_iter()
+        .map(|(a, b)| (a + offset, b + offset))
+        .collect();
     prompt.extend(context);
+    spans.push((prompt.len(), length));
     prompt.extend(after);
     debug_assert_eq!(prompt.len(), length);
     Ok(RulerProbe {
@@ -228,6 +237,7 @@ pub(crate) fn generate(
         answers,
         needle_at,
         depth: achieved,
+        spans,
     })
 }
 
@@ -255,8 +265,8 @@ impl Body {
         }
     }
 
-    /// The context's tokens (exactly `budget`), where the asked needle starts in them, and
-    /// the depth it landed at.
+    /// The context's tokens (exactly `budget`), where the asked needle starts in them, the
+    /// depth it landed at, and the spans of every needle (the list, for a list).
     #[allow(clippy::too_many_arguments)]
     fn render(
         &self,
@@ -268,7 +278,7 @@ impl Body {
         depth: f64,
         rng: &mut Rng,
         task: Ruler,
-    ) -> Result<(Vec<u32>, usize, f64)> {
+    ) -> Result<(Vec<u32>, usize, f64, Vec<(usize, usize)>)> {
         let enc = |s: &str| tok.encode(s);
         match self {
             Body::Needles {
@@ -308,9 +318,10 @@ impl Body {
                     tokens,
                     needle_at,
                     depth,
+                    spans,
                     ..
                 } = place(&hay, &starts, needles, *placed, *chain, depth, rng);
-                Ok((tokens, needle_at, depth))
+                Ok((tokens, needle_at, depth, spans))
             }
             Body::List(items) => {
                 let mut tokens = Vec::with_capacity(budget);
@@ -331,7 +342,7 @@ impl Body {
                 let filler = enc(NOISE[0])?;
                 let mut out: Vec<u32> = filler.iter().copied().cycle().take(pad).collect();
                 out.extend(tokens);
-                Ok((out, pad, pad as f64 / budget as f64))
+                Ok((out, pad, pad as f64 / budget as f64, vec![(pad, budget)]))
             }
         }
     }

@@ -5,6 +5,7 @@
 pub mod choice;
 pub mod convert;
 pub(crate) mod eval;
+pub(crate) mod generate;
 pub(crate) mod gguf;
 pub(crate) mod memory;
 pub(crate) mod optim;

@@ -5,14 +5,15 @@
 //! lm-evaluation-harness shape (`results.json`) and as tidy CSV (`tasks.csv`, `niah.csv`,
 //! `efficiency.csv`).
 
-use crate::config::{Config, HaystackKind};
+use crate::config::{Config, HaystackKind, ProbeGates};
 use crate::data::probes::{self, Haystack, Probe, Task};
 use crate::data::ruler;
 use crate::data::{self, Split, TextTokenizer};
-use crate::model::attention::ForwardCtx;
-use crate::model::{ForwardOutput, Llama};
+use crate::model::attention::{spec, ForwardCtx, GateOverride, Gates};
+use crate::model::Llama;
 use crate::run::choice::{read_mc, score_mc, write_mc_samples};
 use crate::run::eval;
+use crate::run::generate::{greedy, HeadGates};
 use crate::run::memory;
 use crate::util::atomic;
 use crate::util::rng::Rng;
@@ -20,175 +21,7 @@ use crate::util::stats::{pooled_interval, wilson};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 use tch::{Device, Kind, Tensor};
-
-/// What greedy decoding of a batch produced and cost.
-pub(crate) struct Generation {
-    /// Generated ids per row, ending before the first end-of-document token.
-    pub(crate) tokens: Vec<Vec<u32>>,
-    /// (query, key) pairs of the prefill over layers, heads and rows.
-    pub(crate) prefill_pairs: f64,
-    /// Pairs of each decoding step after the prefill, over layers, heads and rows.
-    pub(crate) decode_pairs: Vec<f64>,
-    /// `[row][i]`: mean hard gate over layers and heads of the query that produced generated
-    /// token i (the last prompt position for i = 0); None for static methods.
-    pub(crate) gates: Option<Vec<Vec<f64>>>,
-    /// The prompts' head usage: hard gates summed over rows and prompt positions per layer
-    /// and head; None for static methods.
-    pub(crate) prompt_gates: Option<HeadGates>,
-    /// Cache bytes after the last step, all rows.
-    pub(crate) cache_bytes: f64,
-    pub(crate) prefill_seconds: f64,
-    pub(crate) decode_seconds: f64,
-}
-
-/// Per row, the mean gate over layers and heads at position `pos` of the forward's chunk; a
-/// static layer inside a routed model (a pruned L2A layer) counts as window.
-fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Vec<f64>> {
-    if out.layers.iter().all(|l| l.gates.is_none()) {
-        return None;
-    }
-    let rows = out.logits.size()[0];
-    let mut sum = vec![0.0; rows as usize];
-    for l in &out.layers {
-        if let Some(g) = &l.gates {
-            let m = g
-                .select(1, pos)
-                .to_kind(Kind::Double)
-                .mean_dim(-1, false, Kind::Double);
-            for (s, v) in sum
-                .iter_mut()
-                .zip(Vec::<f64>::try_from(m).expect("gates to vec"))
-            {
-                *s += v;
-            }
-        }
-    }
-    Some(
-        sum.into_iter()
-            .map(|s| s / out.layers.len() as f64)
-            .collect(),
-    )
-}
-
-/// Hard gates summed per layer and head over `positions` (row, position) pairs: AHA Fig. 3's
-/// usage map of the text they were summed over. A layer without gates (a pruned L2A layer)
-/// counts as window.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct HeadGates {
-    pub(crate) sums: Vec<Vec<f64>>,
-    pub(crate) positions: f64,
-}
-
-impl HeadGates {
-    /// The gates of every layer of one forward, summed over its rows and positions.
-    fn of(out: &ForwardOutput) -> Option<HeadGates> {
-        let heads = out.layers.iter().find_map(|l| l.gates.as_ref())?.size()[2] as usize;
-        let sizes = out.logits.size();
-        let sums = out
-            .layers
-            .iter()
-            .map(|l| match &l.gates {
-                Some(g) => Vec::<f64>::try_from(g.to_kind(Kind::Double).sum_dim_intlist(
-                    [0i64, 1].as_slice(),
-                    false,
-                    Kind::Double,
-                ))
-                .expect("gates to vec"),
-                None => vec![0.0; heads],
-            })
-            .collect();
-        Some(HeadGates {
-            sums,
-            positions: (sizes[0] * sizes[1]) as f64,
-        })
-    }
-
-    fn add(&mut self, other: &HeadGates) {
-        for (a, b) in self.sums.iter_mut().zip(&other.sums) {
-            for (x, y) in a.iter_mut().zip(b) {
-                *x += y;
-            }
-        }
-        self.positions += other.positions;
-    }
-
-    /// Usage per layer and head: the share of positions whose gate chose the full path.
-    pub(crate) fn usage(&self) -> Vec<Vec<f64>> {
-        self.sums
-            .iter()
-            .map(|r| r.iter().map(|s| s / self.positions).collect())
-            .collect()
-    }
-}
-
-/// Greedy decoding of `max_new` tokens after `prompts: [B, L]` (int64) with the model's
-/// key-value cache.
-pub(crate) fn greedy(
-    model: &Llama,
-    prompts: &Tensor,
-    max_new: usize,
-    eot: Option<u32>,
-    ctx: &ForwardCtx,
-) -> Generation {
-    tch::no_grad(|| {
-        let rows = prompts.size()[0] as usize;
-        let mut cache = model.new_cache();
-        let start = Instant::now();
-        let out = model.forward_cached(prompts, &mut cache, ctx);
-        let mut next = out.logits.select(1, -1).argmax(-1, false);
-        // Reading the tokens back waits for the device, so the clock measures the work.
-        let mut generated: Vec<Vec<i64>> = Vec::<i64>::try_from(&next)
-            .expect("ids")
-            .into_iter()
-            .map(|t| vec![t])
-            .collect();
-        let prefill_seconds = start.elapsed().as_secs_f64();
-        let prefill_pairs = out.attended_pairs();
-        let prompt_gates = HeadGates::of(&out);
-        let mut gates =
-            position_gates(&out, -1).map(|g| g.into_iter().map(|v| vec![v]).collect::<Vec<_>>());
-        let mut decode_pairs = Vec::with_capacity(max_new);
-        let start = Instant::now();
-        for _ in 1..max_new {
-            let out = model.forward_cached(&next.view([rows as i64, 1]), &mut cache, ctx);
-            next = out.logits.select(1, -1).argmax(-1, false);
-            for (g, t) in generated
-                .iter_mut()
-                .zip(Vec::<i64>::try_from(&next).expect("ids"))
-            {
-                g.push(t);
-            }
-            decode_pairs.push(out.attended_pairs());
-            if let (Some(all), Some(step)) = (gates.as_mut(), position_gates(&out, 0)) {
-                for (row, v) in all.iter_mut().zip(step) {
-                    row.push(v);
-                }
-            }
-        }
-        let decode_seconds = start.elapsed().as_secs_f64();
-        let tokens = generated
-            .into_iter()
-            .map(|g| {
-                g.into_iter()
-                    .map(|t| t as u32)
-                    .take_while(|t| Some(*t) != eot)
-                    .collect()
-            })
-            .collect();
-        Generation {
-            tokens,
-            prefill_pairs,
-            decode_pairs,
-            gates,
-            prompt_gates,
-            cache_bytes: cache.bytes(),
-            prefill_seconds,
-            decode_seconds,
-        }
-    })
-}
 
 /// Scores of one (task, length, depth) cell of the probe grid.
 #[derive(Clone, Debug)]
@@ -201,6 +34,10 @@ pub(crate) struct ProbeCell {
     pub(crate) recall: Vec<f64>,
     /// Per probe, the mean gate over the queries that generated the answer's tokens.
     pub(crate) full_ratio: Option<Vec<f64>>,
+    /// Per probe, the mean gate over the prompt's positions an answer rests on (its needles
+    /// and question, `Probe::spans`): 1 for the oracle's gates, where a learned router falls
+    /// below it.
+    pub(crate) span_recall: Option<Vec<f64>>,
     /// Per probe, the target and the generated text, for inspection.
     pub(crate) outputs: Vec<(String, String)>,
 }
@@ -297,6 +134,7 @@ pub(crate) fn run_probes(
                     exact_match: vec![],
                     recall: vec![],
                     full_ratio: None,
+                    span_recall: None,
                     outputs: vec![],
                 };
                 let cost: &mut Cost = costs.entry((task, length)).or_default();
@@ -309,8 +147,11 @@ pub(crate) fn run_probes(
                     let prompts = Tensor::from_slice(&ids)
                         .view([chunk.len() as i64, length as i64])
                         .to_device(device);
+                    let spans = span_mask(chunk, length).to_device(device);
                     let ctx = ForwardCtx {
                         gate_seed: Rng::derive(seed, &[batch_index]),
+                        gate_override: (e.gates == ProbeGates::Oracle)
+                            .then(|| GateOverride::Positions(spans.shallow_clone())),
                         ..Default::default()
                     };
                     batch_index += 1;
@@ -320,6 +161,13 @@ pub(crate) fn run_probes(
                             .entry(task)
                             .and_modify(|h| h.add(pg))
                             .or_insert_with(|| pg.clone());
+                    }
+                    if let Some(at) = &g.prompt_positions {
+                        let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
+                            / spans.sum_dim_intlist(1, false, Kind::Double);
+                        cell.span_recall
+                            .get_or_insert_with(Vec::new)
+                            .extend(Vec::<f64>::try_from(hit).expect("span recall"));
                     }
                     for (r, p) in chunk.iter().enumerate() {
                         let text = tok.decode(&g.tokens[r]);
@@ -357,6 +205,19 @@ pub(crate) fn run_probes(
         costs,
         head_gates,
     })
+}
+
+/// `[B, L]` (fp32): 1 at the positions each probe's answer rests on (`Probe::spans`).
+fn span_mask(probes: &[Probe], length: usize) -> Tensor {
+    let mut mask = vec![0f32; probes.len() * length];
+    for (r, p) in probes.iter().enumerate() {
+        for &(a, b) in &p.spans {
+            for m in &mut mask[r * length + a.min(length)..r * length + b.min(length)] {
+                *m = 1.0;
+            }
+        }
+    }
+    Tensor::from_slice(&mask).view([probes.len() as i64, length as i64])
 }
 
 /// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
@@ -476,6 +337,12 @@ pub(crate) fn preflight(cfg: &Config, meta: &data::Meta, device: Option<Device>)
     for name in &e.tasks {
         Task::parse(name)?;
     }
+    ensure!(
+        e.gates == ProbeGates::Learned || spec(cfg.attention.method).gates != Gates::None,
+        "eval.gates = \"oracle\" replaces a router's gates, and attention.method = {} has none: \
+         evaluate a routed model (aha, l2a, swiattn, ...) or leave eval.gates out",
+        crate::config::name_of(cfg.attention.method)
+    );
     if e.chat && !e.tasks.is_empty() {
         tok.chat_wrap()?;
     }
@@ -551,23 +418,35 @@ impl Scores {
             costs,
             head_gates,
         } = run_probes(model, cfg, tok, &hay, device)?;
-        let mut by_task: BTreeMap<&str, (Vec<f64>, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+        // Per task: exact match, recall, full ratio and span recall over every prompt.
+        let mut by_task: BTreeMap<&str, [Vec<f64>; 4]> = BTreeMap::new();
         for c in &cells {
             let name = c.task.name();
             let at = |metric: &str, v: &[f64]| tidy_row(name, Some(c.length), c.depth, metric, v);
             self.tidy.push(at("exact_match", &c.exact_match));
             self.tidy.push(at("recall", &c.recall));
             let t = by_task.entry(name).or_default();
-            t.0.extend(&c.exact_match);
-            t.1.extend(&c.recall);
-            if let Some(f) = &c.full_ratio {
-                self.tidy.push(at("full_ratio", f));
-                t.2.extend(f);
+            t[0].extend(&c.exact_match);
+            t[1].extend(&c.recall);
+            for (i, metric, v) in [
+                (2, "full_ratio", &c.full_ratio),
+                (3, "span_recall", &c.span_recall),
+            ] {
+                if let Some(v) = v {
+                    self.tidy.push(at(metric, v));
+                    t[i].extend(v);
+                }
             }
         }
-        for (name, (em, rec, fr)) in &by_task {
+        for (name, [em, rec, fr, span]) in &by_task {
             let r = self.results.entry(name.to_string()).or_default();
-            for (metric, v) in [("exact_match", em), ("recall", rec), ("full_ratio", fr)] {
+            let metrics = [
+                ("exact_match", em),
+                ("recall", rec),
+                ("full_ratio", fr),
+                ("span_recall", span),
+            ];
+            for (metric, v) in metrics {
                 if v.is_empty() {
                     continue;
                 }
@@ -587,6 +466,7 @@ impl Scores {
                     "samples": e.samples,
                     "haystack": e.haystack,
                     "probe_seed": e.probe_seed,
+                    "gates": e.gates,
                     "digits": e.digits,
                     "needles": e.needles,
                     "queries": e.queries,
@@ -1048,6 +928,71 @@ mod tests {
             greedy(&tiny().model, &prompts, 1, None, &ForwardCtx::default())
                 .prompt_gates
                 .is_none()
+        );
+    }
+
+    /// The oracle's gates open exactly a probe's needles and question in every layer and head
+    /// (span recall 1), whatever the router learned; a model's own gates report where they
+    /// fall on the same spans; probes differ with the replicate's seed; and a model without
+    /// gates is refused the oracle.
+    #[test]
+    fn the_oracle_opens_the_needles_and_the_question() {
+        let mut c = tiny_config();
+        c.attention.method = Method::Aha;
+        c.attention.window = 4;
+        c.data.seq_len = 512;
+        c.eval.tasks = vec!["passkey".into()];
+        c.eval.lengths = vec![512];
+        c.eval.depths = vec![0.5];
+        c.eval.samples = 3;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let tok = TextTokenizer::Bytes;
+        let run =
+            |c: &Config| run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu).unwrap();
+        // The router starts open everywhere (sigmoid(1) > tau): its own span recall is 1 too.
+        let learned = run(&c);
+        let own = learned.cells[0]
+            .span_recall
+            .clone()
+            .expect("a routed model");
+        assert!(own.iter().all(|&r| (0.0..=1.0).contains(&r)), "{own:?}");
+        let mut oracle_cfg = c.clone();
+        oracle_cfg.eval.gates = ProbeGates::Oracle;
+        let oracle = run(&oracle_cfg);
+        assert_eq!(oracle.cells[0].span_recall.clone().unwrap(), vec![1.0; 3]);
+        // The oracle's usage over the prompts: the spans' share, well under every gate.
+        let usage = &oracle.head_gates[&Task::parse("passkey").unwrap()].usage();
+        assert!(
+            usage.iter().flatten().all(|&u| u > 0.0 && u < 0.5),
+            "{usage:?}"
+        );
+        // Another replicate draws other prompts.
+        let mut other = c.clone();
+        other.train.seed += 1;
+        let targets = |r: &ProbeRun| -> Vec<String> {
+            r.cells[0].outputs.iter().map(|o| o.0.clone()).collect()
+        };
+        assert_ne!(targets(&run(&other)), targets(&learned));
+        let mut plain = tiny_config();
+        plain.eval = oracle_cfg.eval.clone();
+        let meta = crate::data::Meta {
+            format: crate::data::meta::META_FORMAT,
+            tokenizer: "byte".into(),
+            vocab_size: 257,
+            eot_token: Some(256),
+            train: vec![],
+            val: vec![],
+            train_tokens: 0,
+            val_tokens: 0,
+            synth: None,
+            probes: None,
+            corpus: None,
+            shards_sha256: None,
+        };
+        let e = preflight(&plain, &meta, None).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("eval.gates = \"oracle\""),
+            "{e:#}"
         );
     }
 

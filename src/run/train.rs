@@ -286,13 +286,13 @@ fn prepare(cfg: &mut Config, args: &TrainArgs) -> Result<Prepared> {
     // One trainer (or job) per run directory; the OS releases the lock when the process dies.
     let lock = match args.leads() {
         true => {
-            let lock = atomic::create_file(&out.join("train.lock"))?;
+            let lock = atomic::lock_file(&out.join("train.lock"))?;
             ensure!(
-                lock.try_lock().is_ok(),
+                lock.is_some(),
                 "another attnsweep process is training into {}",
                 out.display()
             );
-            Some(lock)
+            lock
         }
         false => None,
     };

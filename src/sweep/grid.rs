@@ -84,8 +84,10 @@ pub(crate) struct Stage {
     /// heads ranked by an AHA cell but trained from the same base for the same budget.
     #[serde(default)]
     pub(crate) reads: Option<String>,
-    /// train, with `reads` and Bernoulli gates: draw them at the usage (mu_f) the read
-    /// cell's evaluation measured, so random gates open as often as its learned ones.
+    /// train, with `reads` and Bernoulli gates: draw them at the usage the read cell's
+    /// evaluation measured gate by gate (each head's for AHA, each layer's for L2A and
+    /// SwiAttn: `attention.bernoulli_rates`), so random gates open where and as often as its
+    /// learned ones and differ only in which tokens open them.
     #[serde(default)]
     pub(crate) match_usage: bool,
     /// train: replicate over the first N of the grid's `seeds` only (a control that no
@@ -142,6 +144,22 @@ pub struct Cell {
     pub(crate) threshold: Option<f64>,
     /// The fully resolved config (for eval cells: the evaluated model's, with overrides).
     pub(crate) config: Config,
+}
+
+impl Cell {
+    /// The settings its label names: the assignment's, in its order, and a prune cell's
+    /// threshold last.
+    pub(crate) fn varied(&self) -> Vec<(String, String)> {
+        let mut varied: Vec<(String, String)> = self
+            .assignment
+            .iter()
+            .map(|(k, v)| (k.clone(), value_str(v)))
+            .collect();
+        if let Some(t) = self.threshold {
+            varied.push(("threshold".into(), t.to_string()));
+        }
+        varied
+    }
 }
 
 impl Grid {

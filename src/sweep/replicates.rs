@@ -67,11 +67,14 @@ const FIXED_COSTS: [&str; 8] = [
     "ask_rule_recall",
 ];
 
-/// The range of a metric bounded to one: usage, accuracies, precision and recall, probe and
-/// multiple-choice scores lie in [0, 1]; None for the rest.
+/// The range of a bounded metric: usage, attended pairs' share, accuracies, precision and
+/// recall, probe, RULER and multiple-choice scores lie in [0, 1]; rates, counts, bytes,
+/// perplexity and retain % above 0 (`(0, inf)`); None for the rest (losses and their
+/// differences, which no interval brings near a bound).
 pub(crate) fn bounds(metric: &str) -> Option<(f64, f64)> {
-    const UNIT: [&str; 8] = [
+    const UNIT: [&str; 9] = [
         "mu_f",
+        "pairs_vs_full",
         "gate_precision",
         "gate_recall",
         "chance_precision",
@@ -80,11 +83,27 @@ pub(crate) fn bounds(metric: &str) -> Option<(f64, f64)> {
         "far_accuracy",
         "full_ratio",
     ];
+    const POSITIVE: [&str; 7] = [
+        "tokens_per_s",
+        "perplexity",
+        "retain_pct",
+        "kv_cache_bytes",
+        "kv_cache_bytes_before",
+        "attention_flops",
+        "censored_heads",
+    ];
     let task_score = metric.contains('.')
-        && ["exact_match", "recall", "full_ratio", "acc", "acc_norm"]
+        && (["exact_match", "recall", "span_recall", "full_ratio", "acc", "acc_norm"]
             .iter()
-            .any(|m| metric.ends_with(&format!(".{m}")));
-    (UNIT.contains(&metric) || task_score).then_some((0.0, 1.0))
+            .any(|m| metric.ends_with(&format!(".{m}")))
+            || metric.starts_with("ruler.score_"));
+    if UNIT.contains(&metric) || task_score {
+        Some((0.0, 1.0))
+    } else {
+        POSITIVE
+            .contains(&metric)
+            .then_some((0.0, f64::INFINITY))
+    }
 }
 
 /// The replicates of each (stage, metric, setting, method), in the order the cells came.
@@ -128,13 +147,15 @@ fn summary_row(metric: &str, reps: &[Rep]) -> [String; 6] {
     let s = summarize(&values);
     let ((lo, hi), how) = match prompt_groups(reps) {
         Some(g) => (pooled_interval(&g), "bootstrap over seeds and prompts"),
-        None => match bounds(metric) {
-            Some(b) => (
-                mean_interval(&values, Some(b)),
-                "Student's t on the logit scale",
-            ),
-            None => (mean_interval(&values, None), "Student's t"),
-        },
+        None => (
+            mean_interval(&values, bounds(metric)),
+            match bounds(metric) {
+                Some((_, hi)) if hi.is_finite() => "Student's t on the logit scale",
+                Some(_) if values.iter().all(|&v| v > 0.0) => "Student's t on the log scale",
+                Some(_) => "Student's t cut at 0",
+                None => "Student's t",
+            },
+        ),
     };
     let how = if s.n == 1 && prompt_groups(reps).is_none() {
         "one replicate"

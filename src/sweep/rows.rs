@@ -3,7 +3,7 @@
 //! task results, logs and probe files, and its training throughput, each file read once.
 
 use super::cell_files::{self, Log, Niah};
-use super::grid::{value_str, Cell, StageKind, SEED_KEY};
+use super::grid::{Cell, StageKind, SEED_KEY};
 use super::runner::{State, Status};
 use crate::config::{AttentionConfig, Method, Router};
 use crate::model::attention::{spec, CellKind, Provenance, TableCell};
@@ -120,26 +120,17 @@ impl Row {
 
     /// Its replicate's seed as the grid varied it ("" where the grid has no seeds).
     pub(crate) fn seed(&self) -> &str {
-        self.varied
-            .iter()
-            .find(|(k, _)| k == SEED_KEY)
-            .map_or("", |(_, v)| v.as_str())
+        seed_of(&self.varied)
     }
 
     /// The settings its replicates share: the varied ones but the seed.
     pub(crate) fn setting(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.varied
-            .iter()
-            .filter(|(k, _)| k != SEED_KEY)
-            .map(|(k, v)| (k.as_str(), v.as_str()))
+        setting_of(&self.varied)
     }
 
     /// `setting` as its label writes it (`attention.window=16 attention.lambda=0.1`).
     pub(crate) fn setting_text(&self) -> String {
-        self.setting()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ")
+        setting_text_of(&self.varied)
     }
 
     /// How the cell came to be, in the method registry's terms.
@@ -236,9 +227,32 @@ fn ran_alone(dir: &Path) -> bool {
     flag("exclusive") || flag("alone")
 }
 
-/// The finished cells of a sweep directory, each once (cells that several stages share
-/// appear under the first), and every other cell it lists with the reason it has no row.
-pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
+/// The replicate's seed among a cell's varied settings ("" where the grid has no seeds).
+pub(crate) fn seed_of(varied: &[(String, String)]) -> &str {
+    varied
+        .iter()
+        .find(|(k, _)| k == SEED_KEY)
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// The varied settings a cell's replicates share: all but the seed.
+fn setting_of(varied: &[(String, String)]) -> impl Iterator<Item = (&str, &str)> {
+    varied
+        .iter()
+        .filter(|(k, _)| k != SEED_KEY)
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+}
+
+/// The shared setting as a label writes it (`attention.window=16 attention.lambda=0.1`).
+pub(crate) fn setting_text_of(varied: &[(String, String)]) -> String {
+    setting_of(varied)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The cells a sweep directory's `cells.json` lists.
+pub(crate) fn read_cells(sweep: &Path) -> Result<Vec<Cell>> {
     let cells_path = sweep.join("cells.json");
     let text = std::fs::read_to_string(&cells_path).with_context(|| {
         format!(
@@ -246,8 +260,13 @@ pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
             sweep.display()
         )
     })?;
-    let cells: Vec<Cell> = serde_json::from_str(&text)
-        .with_context(|| format!("{} is malformed", cells_path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is malformed", cells_path.display()))
+}
+
+/// The finished cells of a sweep directory, each once (cells that several stages share
+/// appear under the first), and every other cell it lists with the reason it has no row.
+pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
+    let cells = read_cells(sweep)?;
     let budget = budgets(&cells);
     let (mut out, mut unread): (Vec<Row>, Vec<Unread>) = (Vec::new(), Vec::new());
     for c in &cells {
@@ -336,14 +355,6 @@ fn row_of(
         ),
         false => None,
     };
-    let mut varied: Vec<(String, String)> = c
-        .assignment
-        .iter()
-        .map(|(k, v)| (k.clone(), value_str(v)))
-        .collect();
-    if let Some(t) = c.threshold {
-        varied.push(("threshold".into(), t.to_string()));
-    }
     let mut note = Vec::new();
     let mut log = |name: &str| {
         let (log, problem) = Log::read(&dir.join(name));
@@ -365,7 +376,7 @@ fn row_of(
         stage: c.stage.clone(),
         kind: c.kind,
         label: c.label.clone(),
-        varied,
+        varied: c.varied(),
         method: a.method,
         source: source.map(|s| s.id.clone()).unwrap_or_default(),
         source_method: source.map(|s| s.config.attention.method),

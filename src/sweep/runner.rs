@@ -40,17 +40,23 @@ pub(crate) fn read_status(cell_dir: &Path) -> Option<Status> {
         .and_then(|t| serde_json::from_str(&t).ok())
 }
 
-/// The full-attention usage (mu_f) a finished routed cell's evaluation measured.
-fn usage_of(cell_dir: &Path) -> Result<f64> {
+/// The full-attention usage a finished routed cell's evaluation measured: overall (mu_f) and
+/// gate by gate (`[layer][output]`: each head's for AHA, each layer's one gate for L2A and
+/// SwiAttn).
+fn usage_of(cell_dir: &Path) -> Result<(f64, Vec<Vec<f64>>)> {
     let eval = cell_dir.join("eval");
     let report = report::read_report(&eval)?
         .with_context(|| format!("{} holds no evaluation to match usage with", eval.display()))?;
-    report.report.gates.map(|g| g.mu_f).with_context(|| {
-        format!(
-            "{} has no gates (its method routes nothing): match_usage needs a routed cell",
-            cell_dir.display()
-        )
-    })
+    report
+        .report
+        .gates
+        .map(|g| (g.mu_f, g.per_head))
+        .with_context(|| {
+            format!(
+                "{} has no gates (its method routes nothing): match_usage needs a routed cell",
+                cell_dir.display()
+            )
+        })
 }
 
 fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
@@ -547,10 +553,9 @@ fn run_cell(
 ) -> Result<CellRun> {
     let dir = args.out.join(&cell.id);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let lock = atomic::create_file(&dir.join("lock"))?;
-    if lock.try_lock().is_err() {
+    let Some(lock) = atomic::lock_file(&dir.join("lock"))? else {
         return Ok(CellRun::HeldElsewhere);
-    }
+    };
     let mut previous = read_status(&dir);
     if retrain && weights_gone(&dir).unwrap_or(false) {
         if let Err(e) = set_aside(&dir) {
@@ -689,8 +694,14 @@ fn cell_command(
             let mut config = cell.config.clone();
             if cell.match_usage {
                 let read = reads_dir.as_ref().expect("match_usage cells read a cell");
+                // Matched gate by gate: random gates open where (which heads, which layers)
+                // and as often as the learned ones, so the control differs only in which
+                // tokens open them.
                 match usage_of(read) {
-                    Ok(mu_f) => config.attention.bernoulli_p = mu_f,
+                    Ok((mu_f, per_gate)) => {
+                        config.attention.bernoulli_p = mu_f;
+                        config.attention.bernoulli_rates = per_gate;
+                    }
                     Err(e) => return Ok(Err(format!("{e:#}"))),
                 }
             }

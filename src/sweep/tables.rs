@@ -14,6 +14,7 @@
 //! | `swiattn_ablations.csv` | SwiAttn Table 4 | SwiAttn cells by regulariser variant |
 //! | `ppa.csv` | PPA Table 1 | PPA cells by p |
 //! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells that had their device to themselves: prefill and decoding time by length (and p), medians of 3 runs with their spread, against full attention's |
+//! | `layer_usage.csv` | L2A Fig. 3, SwiAttn Fig. 5 | gated train cells: usage per layer, layers from 1 |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
@@ -26,13 +27,13 @@
 use super::grid::StageKind;
 use super::pareto;
 use super::replicates;
-use super::rows::{rows, Row, SweepRows, Unread};
+use super::rows::{read_cells, rows, seed_of, setting_text_of, Row, SweepRows, Unread};
 use crate::config::{name_of, AttentionConfig, Method, Router};
 use crate::model::attention::{all_methods, Report, SettingColumn, Value, SHARED_COLUMNS};
 use crate::run::prune::PruneReport;
 use crate::run::report::{GateReport, Timing, HEAD_USAGE_COLUMNS};
 use crate::util::atomic;
-use anyhow::Result;
+use anyhow::{bail, ensure, Context, Result};
 use polars::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -314,6 +315,8 @@ pub(crate) struct Plotted {
     pub(crate) written: Vec<PathBuf>,
     pub(crate) unread: Vec<Unread>,
     pub(crate) noted: Vec<(String, String)>,
+    /// No cell could be read, and the replicate tables were rebuilt from `tidy.csv`.
+    pub(crate) from_tidy: bool,
 }
 
 /// `summary` with a `note` column saying what of each cell could not be read, and a row for
@@ -353,11 +356,15 @@ fn with_notes(summary: DataFrame, rows: &[Row], unread: &[Unread]) -> Result<Dat
 /// everything.
 pub(crate) fn unread_report(p: &Plotted) -> String {
     let mut out = String::new();
+    if p.from_tidy {
+        out += "plot: no cell's folder is here; the replicate tables were rebuilt from tidy.csv \
+                 (probe intervals over replicates alone, without their prompts)\n";
+    }
     if !p.unread.is_empty() {
         out += &format!(
             "plot: {} cells of the sweep have no row{}:\n",
             p.unread.len(),
-            match p.written.is_empty() {
+            match p.written.is_empty() || p.from_tidy {
                 true => "",
                 false => " (summary.csv lists each with its note)",
             }
@@ -391,10 +398,15 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
         .collect();
     let mut written = Vec::new();
     if rows.is_empty() {
+        let from_tidy = sweep.join("tidy.csv").is_file();
+        if from_tidy {
+            written = replicates_from_tidy(sweep, out)?;
+        }
         return Ok(Plotted {
             written,
             unread,
             noted,
+            from_tidy,
         });
     }
     let summary = summary_frame(&rows)?;
@@ -444,10 +456,12 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("layer_usage.csv"), layer_table(&rows)?, &mut written)?;
     Ok(Plotted {
         written,
         unread,
         noted,
+        from_tidy: false,
     })
 }
 
@@ -490,6 +504,74 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
                     .and_then(|r| r.prompt_scores.get(metric[i]))
                     .map(Vec::as_slice),
             }
+        })
+        .collect();
+    replicates::write(&measured, out)
+}
+
+/// The replicate tables of a sweep whose cells' folders are gone (a results folder keeps
+/// its tables and `cells.json`, not its cells), rebuilt from its `tidy.csv`: each value with
+/// its cell's setting and seed from `cells.json`. Probe scores have lost their prompts'
+/// outcomes there, so their intervals are over the replicates alone.
+fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    #[derive(serde::Deserialize)]
+    struct Tidy {
+        cell: String,
+        stage: String,
+        kind: String,
+        method: String,
+        metric: String,
+        value: f64,
+    }
+    let path = sweep.join("tidy.csv");
+    let bad = || {
+        format!(
+            "{} is malformed (write it again with `plot` where the cells are)",
+            path.display()
+        )
+    };
+    let tidy: Vec<Tidy> = ::csv::Reader::from_path(&path)
+        .with_context(bad)?
+        .deserialize()
+        .collect::<std::result::Result<_, _>>()
+        .with_context(bad)?;
+    let varied: BTreeMap<String, Vec<(String, String)>> = read_cells(sweep)?
+        .into_iter()
+        .map(|c| (c.id.clone(), c.varied()))
+        .collect();
+    let mut settings = Vec::with_capacity(tidy.len());
+    for (i, t) in tidy.iter().enumerate() {
+        let Some(v) = varied.get(&t.cell) else {
+            bail!(
+                "{} row {}: cell {} is not in cells.json; give `plot` the sweep the table came from",
+                path.display(),
+                i + 2,
+                t.cell
+            );
+        };
+        ensure!(
+            t.value.is_finite(),
+            "{} row {}: {} of {} is {}; a table holds finite values only",
+            path.display(),
+            i + 2,
+            t.metric,
+            t.cell,
+            t.value
+        );
+        settings.push((setting_text_of(v), seed_of(v).to_string()));
+    }
+    let measured: Vec<replicates::Measured> = tidy
+        .iter()
+        .zip(&settings)
+        .map(|(t, (setting, seed))| replicates::Measured {
+            stage: &t.stage,
+            kind: &t.kind,
+            method: &t.method,
+            setting,
+            seed,
+            metric: &t.metric,
+            value: t.value,
+            prompts: None,
         })
         .collect();
     replicates::write(&measured, out)
@@ -624,6 +706,36 @@ fn gap_table(rows: &[&Row]) -> Result<Option<DataFrame>> {
     Ok(Some(DataFrame::new_infer_height(columns)?))
 }
 
+/// `layer_usage.csv` (L2A Fig. 3, SwiAttn Fig. 5): every gated train cell's usage per layer on
+/// the validation text, layers counted from 1 as the papers count them, each row with its
+/// setting and seed so replicates can be read together; None without such cells.
+fn layer_table(rows: &[Row]) -> Result<Option<DataFrame>> {
+    let (mut cell, mut stage, mut setting, mut seed) = (vec![], vec![], vec![], vec![]);
+    let (mut layer, mut mu_f): (Vec<u32>, Vec<f64>) = (vec![], vec![]);
+    for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
+        let Some(g) = r.gates() else { continue };
+        for (l, m) in g.per_layer.iter().enumerate() {
+            cell.push(r.cell.clone());
+            stage.push(r.stage.clone());
+            setting.push(r.setting_text());
+            seed.push(r.seed().to_string());
+            layer.push(l as u32 + 1);
+            mu_f.push(*m);
+        }
+    }
+    if cell.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(DataFrame::new_infer_height(vec![
+        Column::new("cell".into(), cell),
+        Column::new("stage".into(), stage),
+        Column::new("setting".into(), setting),
+        Column::new("seed".into(), seed),
+        Column::new("layer".into(), layer),
+        Column::new("mu_f".into(), mu_f),
+    ])?))
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
@@ -680,6 +792,33 @@ pub(super) mod tests {
         for cell in ["aha-4", "ppa-5", "swa-0", "aha-16"] {
             assert!(said.contains(cell), "{said}");
         }
+    }
+
+    /// `layer_usage.csv` holds each gated train cell's usage per layer, layers from 1, and no
+    /// row of a cell without gates.
+    #[test]
+    fn layer_usage_lists_each_gated_cells_layers_from_one() {
+        let dir = sweep_dir("layer-usage");
+        write_all(&dir, &dir).unwrap();
+        let t = csv(&dir.join("layer_usage.csv"));
+        assert_eq!(t[0], ["cell", "stage", "setting", "seed", "layer", "mu_f"]);
+        let gated = rows(&dir)
+            .unwrap()
+            .rows
+            .into_iter()
+            .filter(|r| r.kind == StageKind::Train && r.gates().is_some())
+            .collect::<Vec<_>>();
+        assert!(!gated.is_empty());
+        assert_eq!(t.len() - 1, 2 * gated.len());
+        for r in &gated {
+            let mine: Vec<&Vec<String>> = t.iter().filter(|row| row[0] == r.cell).collect();
+            let mu = r.gates().unwrap().mu_f;
+            assert_eq!(mine[0][4], "1");
+            assert_eq!(mine[1][4], "2");
+            assert_eq!(mine[0][5].parse::<f64>().unwrap(), mu);
+            assert_eq!(mine[1][5].parse::<f64>().unwrap(), mu * 0.5);
+        }
+        assert!(!t.iter().any(|row| row[0] == "full-0"));
     }
 
     #[test]

@@ -99,6 +99,22 @@ pub(crate) fn create_file(path: &Path) -> Result<std::fs::File> {
         .with_context(|| format!("cannot create {}", path.display()))
 }
 
+/// Takes the lock on `path` (created if missing) for as long as the returned file lives, or
+/// `None` while another process holds it. The OS releases it when the process dies.
+pub(crate) fn lock_file(path: &Path) -> Result<Option<std::fs::File>> {
+    let file = create_file(path)?;
+    // A child this process spawns (a compiler, a worker) holds a copy of the descriptor between
+    // its fork and exec, so a lock just released can look held for a moment: one still held
+    // after a second belongs to another process.
+    for _ in 0..20 {
+        if file.try_lock().is_ok() {
+            return Ok(Some(file));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

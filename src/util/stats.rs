@@ -181,22 +181,36 @@ pub(crate) fn welch_test(a: &Summary, b: &Summary) -> (f64, f64, f64) {
 
 /// The 95 % interval of the mean of `xs`: Student's t; for a quantity bounded to `bounds`, the
 /// same on the logit scale of its place in the range (values within 1e-4 of a bound counted
-/// there), mapped back, so it never leaves the range. NaN bounds for one value.
+/// there), mapped back, so it never leaves the range. A range open above (`(lo, inf)`: a rate,
+/// a count, bytes) takes the log scale of the distance to `lo` when every value lies above it,
+/// else Student's t cut at `lo`. NaN bounds for one value.
 pub(crate) fn mean_interval(xs: &[f64], bounds: Option<(f64, f64)>) -> (f64, f64) {
     let Some((lo, hi)) = bounds else {
         let s = summarize(xs);
         return (s.mean - s.half_width, s.mean + s.half_width);
     };
+    // Replicates that agree exactly (a rate at a bound, a fixed cost) have that value.
+    if xs.len() > 1 && xs.iter().all(|&x| x == xs[0]) {
+        return (xs[0], xs[0]);
+    }
+    if hi.is_infinite() {
+        if xs.iter().all(|&x| x > lo) {
+            let z: Vec<f64> = xs.iter().map(|&x| (x - lo).ln()).collect();
+            let s = summarize(&z);
+            return (
+                lo + (s.mean - s.half_width).exp(),
+                lo + (s.mean + s.half_width).exp(),
+            );
+        }
+        let s = summarize(xs);
+        return ((s.mean - s.half_width).max(lo), s.mean + s.half_width);
+    }
     let eps = 1e-4;
     let logit = |x: f64| {
         let p = ((x - lo) / (hi - lo)).clamp(eps, 1.0 - eps);
         (p / (1.0 - p)).ln()
     };
     let back = |z: f64| lo + (hi - lo) / (1.0 + (-z).exp());
-    // Replicates that agree exactly (a rate at a bound, a fixed cost) have that value.
-    if xs.len() > 1 && xs.iter().all(|&x| x == xs[0]) {
-        return (xs[0], xs[0]);
-    }
     let z: Vec<f64> = xs.iter().map(|&x| logit(x)).collect();
     let s = summarize(&z);
     (back(s.mean - s.half_width), back(s.mean + s.half_width))
@@ -213,7 +227,18 @@ pub(crate) fn wilson(k: f64, n: f64) -> (f64, f64) {
     let denom = 1.0 + z * z / n;
     let centre = (p + z * z / (2.0 * n)) / denom;
     let half = z * (p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt() / denom;
-    ((centre - half).max(0.0), (centre + half).min(1.0))
+    // At no success (every success) the bound is 0 (1) exactly, not a rounding away from it.
+    let lo = if k <= 0.0 {
+        0.0
+    } else {
+        (centre - half).max(0.0)
+    };
+    let hi = if k >= n {
+        1.0
+    } else {
+        (centre + half).min(1.0)
+    };
+    (lo, hi)
 }
 
 /// Exact McNemar's test of paired binary outcomes: `b` pairs where only the first succeeded,
@@ -399,7 +424,8 @@ mod tests {
             (lo - 0.2366).abs() < 1e-4 && (hi - 0.7634).abs() < 1e-4,
             "{lo} {hi}"
         );
-        assert!(wilson(10.0, 10.0).1 > 1.0 - 1e-12);
+        assert_eq!(wilson(10.0, 10.0).1, 1.0);
+        assert_eq!(wilson(0.0, 3.0).0, 0.0);
         assert!((mcnemar_exact(0, 5) - 2.0 / 32.0).abs() < 1e-12);
         assert!((mcnemar_exact(1, 9) - 2.0 * 11.0 / 1024.0).abs() < 1e-12);
         assert_eq!(mcnemar_exact(3, 3), 1.0);
@@ -434,6 +460,20 @@ mod tests {
         assert!(
             lo > 0.0 && hi < 1.0 && lo < 0.0074 && hi > 0.0074,
             "{lo} {hi}"
+        );
+        // A rate (tokens/s) on the log scale: the geometric mean's interval, above zero where
+        // Student's t is not; with a zero among the values, Student's t cut at zero.
+        let rates = [100.0, 1000.0, 10000.0];
+        assert!(mean_interval(&rates, None).0 < 0.0);
+        let (lo, hi) = mean_interval(&rates, Some((0.0, f64::INFINITY)));
+        let (g, h) = (1000f64.ln(), t975(2.0) * (1f64 / 3.0).sqrt() * 10f64.ln());
+        let close = |a: f64, b: f64| ((a - b) / b).abs() < 1e-9;
+        assert!(close(lo, (g - h).exp()) && close(hi, (g + h).exp()), "{lo} {hi}");
+        let counts = [0.0, 0.0, 3.0];
+        let t = mean_interval(&counts, None);
+        assert_eq!(
+            mean_interval(&counts, Some((0.0, f64::INFINITY))),
+            (0.0, t.1)
         );
         let (lo, hi) = pooled_interval(&[vec![1.0; 4], vec![0.0; 4]]);
         assert!(lo >= 0.0 && hi <= 1.0 && lo < 0.5 && hi > 0.5, "{lo} {hi}");

@@ -225,7 +225,14 @@ impl Build<'_> {
     ) -> GateSource {
         let (p, m, a) = (self.p, self.m, self.a);
         if a.router == Router::Bernoulli {
-            return GateSource::Bernoulli(a.bernoulli_p);
+            // This layer's rates, one a gate (or one for all), else the one rate everywhere.
+            let rates = a
+                .bernoulli_rates
+                .get(self.layer)
+                .filter(|r| r.len() as i64 == outputs || r.len() == 1)
+                .cloned()
+                .unwrap_or_else(|| vec![a.bernoulli_p]);
+            return GateSource::Bernoulli(rates);
         }
         let d = m.hidden_size as i64;
         let rp = p / "router";

@@ -1,7 +1,6 @@
 //! What one forward pass is asked for beyond the model's own parameters: gate overrides, the
 //! seed of context-free gates, L2A's forced global step, the logits' dtype and timing.
 
-#[cfg(test)]
 use tch::Tensor;
 
 /// Per-forward options that are not part of the model.
@@ -36,6 +35,10 @@ impl ForwardCtx {
 pub(crate) enum GateOverride {
     /// Every gate of every layer is this value (0 or 1); the STE gradient still flows.
     Constant(f64),
+    /// Every gate of every layer open exactly at the positions `open` marks (`[B, T]`, 1
+    /// open; position t of the sequence, however it is chunked) and at every position past
+    /// `T` (what is generated after a prompt): an oracle's gates.
+    Positions(Tensor),
     /// Per layer `(hard, anchor)`: the gate is `hard + s - anchor`, the soft relaxation around
     /// recorded hard gates, whose gradient at `s = anchor` is exactly the STE gradient (the
     /// tests' check of the router's gradient).

@@ -38,7 +38,8 @@ pub(super) enum GateSource {
         inclusive: bool,
         lambda: f64,
     },
-    Bernoulli(f64),
+    /// Context-free gates at these probabilities: one a gate output (a head), or one for all.
+    Bernoulli(Vec<f64>),
     /// Static head assignment: `[H]` gates, the same for every token.
     Fixed(Tensor),
 }
@@ -85,6 +86,18 @@ impl GateSource {
                 let hard = Tensor::full(like, *c, opts);
                 (hard.shallow_clone(), ste(hard))
             }
+            Some(GateOverride::Positions(open)) => {
+                let width = open.size()[1];
+                let pos = Tensor::arange_start(start, start + like[1], (Kind::Int64, x.device()));
+                let inside = pos.lt(width).to_kind(Kind::Float);
+                let marked = open
+                    .to_kind(Kind::Float)
+                    .index_select(1, &pos.clamp_max(width - 1));
+                // Past the marks (generated tokens): open.
+                let row: Tensor = &marked * &inside + inside.neg() + 1.0;
+                let hard = row.unsqueeze(-1).expand(like, false).contiguous();
+                (hard.shallow_clone(), ste(hard))
+            }
             #[cfg(test)]
             Some(GateOverride::Relaxed(layers)) => {
                 let (hard, anchor) = &layers[layer];
@@ -102,9 +115,17 @@ impl GateSource {
                     // Drawn on the device from a hash of (seed, layer, row, position, head): the
                     // same gates whatever the chunking, at the cost of a few integer kernels
                     // (one keyed generator per gate on the host cost eight forwards).
-                    let hard = hash_uniform(ctx.gate_seed, layer, like, start, x.device())
-                        .lt(*p)
-                        .to_kind(Kind::Float);
+                    let u = hash_uniform(ctx.gate_seed, layer, like, start, x.device());
+                    let hard = match p.as_slice() {
+                        [one] => u.lt(*one),
+                        rates => u.lt_tensor(
+                            &Tensor::from_slice(rates)
+                                .to_kind(Kind::Float)
+                                .to_device(x.device())
+                                .view([1, 1, -1]),
+                        ),
+                    }
+                    .to_kind(Kind::Float);
                     (hard.shallow_clone(), hard)
                 }
                 GateSource::Fixed(heads) => {

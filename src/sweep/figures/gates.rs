@@ -70,7 +70,11 @@ pub(super) fn mu_f_vs_window(train: &[&Row], figs: &mut Vec<(String, Figure)>) {
     if windows.len() < 2 {
         return;
     }
-    let key = |r: &Row| format!("{} lambda={}", name_of(r.method), r.grid_attention.lambda);
+    // Lambda names a series only for a method that reads it (AHA, L2A; not SwiAttn's regulariser).
+    let key = |r: &Row| match r.grid_attention.reads().contains(&"lambda") {
+        true => format!("{} lambda={}", name_of(r.method), r.grid_attention.lambda),
+        false => name_of(r.method).to_string(),
+    };
     figs.push((
         "mu_f_vs_window".into(),
         usage_and_loss(
@@ -295,13 +299,13 @@ pub(super) fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
             format!("layer_sparsity_{}", r.cell),
             Figure::Bars {
                 title: format!("Sparsity per layer: {} {}", name_of(r.method), r.label),
-                x: "layer".into(),
+                x: "layer (from 1, as the papers count)".into(),
                 y: "sparsity 1 - mu_f".into(),
                 bars: g
                     .per_layer
                     .iter()
                     .enumerate()
-                    .map(|(l, m)| (l.to_string(), 1.0 - m))
+                    .map(|(l, m)| ((l + 1).to_string(), 1.0 - m))
                     .collect(),
             },
         ));

@@ -4,6 +4,7 @@
 
 use crate::model::attention::spec;
 use crate::sweep::figure::{series, sorted, Look, Series};
+use crate::sweep::grid::StageKind;
 use crate::sweep::rows::Row;
 use crate::util::stats::{mean_interval, summarize};
 use std::collections::BTreeMap;
@@ -136,16 +137,31 @@ pub(super) fn replicate_means(curves: Vec<(String, Vec<(f64, f64)>)>) -> Vec<Ser
 
 /// Full attention trained as long as `routed` (the same budget of tokens): the mean of
 /// `metric` over its rows among `rows` (its replicates, and evaluations of them), the
-/// reference of a quality panel; None when there is none.
+/// reference of a quality panel; None when there is none. Of several such set-ups (a control
+/// with frozen parameters beside the plain one) only the first train stage's: a reference
+/// line is one model's, never an average of different trainings.
 pub(super) fn full_reference<'a>(
     rows: impl IntoIterator<Item = &'a Row>,
     routed: &[&Row],
     metric: impl Fn(&Row) -> Option<f64>,
 ) -> Option<f64> {
     let budget = routed.first()?.budget_tokens;
-    let values: Vec<f64> = rows
+    let candidates: Vec<&Row> = rows
         .into_iter()
         .filter(|r| spec(r.method).reference && r.budget_tokens == budget)
+        .collect();
+    let stage = &candidates
+        .iter()
+        .find(|r| r.kind == StageKind::Train)?
+        .stage;
+    let trained: Vec<&str> = candidates
+        .iter()
+        .filter(|r| r.kind == StageKind::Train && &r.stage == stage)
+        .map(|r| r.cell.as_str())
+        .collect();
+    let values: Vec<f64> = candidates
+        .into_iter()
+        .filter(|r| trained.contains(&r.cell.as_str()) || trained.contains(&r.source.as_str()))
         .filter_map(metric)
         .collect();
     (!values.is_empty()).then(|| summarize(&values).mean)

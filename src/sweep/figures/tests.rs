@@ -2,13 +2,14 @@
 
 use super::cells::{niah_figures, probe_usage_maps};
 use super::gates::usage_and_loss;
-use super::series::{grouped, with_reference};
+use super::series::{full_reference, grouped, with_reference};
 use super::*;
 use crate::sweep::axes::cell_label;
 use crate::sweep::cell_files;
 use crate::sweep::figure::tests::render;
 use crate::sweep::figure::Figure;
 use crate::sweep::fixture;
+use crate::model::attention::spec;
 
 const WINDOW: &str = "attention.window";
 
@@ -85,6 +86,38 @@ fn replicates_become_a_mean_with_an_error_bar() {
     );
     let fig = usage_and_loss("t", "x", s, again);
     assert!(render(&fig).0 > 0);
+}
+
+/// The reference line is full attention trained as long, one set-up's: a second full-attention
+/// stage (a control with frozen parameters) stays out of it, an evaluation of the reference's
+/// cells counts, and another budget does not.
+#[test]
+fn the_reference_line_is_one_full_attention_set_up() {
+    let dir = fixture::sweep_dir("reference-line");
+    let all = rows(&dir).unwrap().rows;
+    let full = all
+        .iter()
+        .find(|r| r.kind == StageKind::Train && spec(r.method).reference)
+        .expect("the fixture trains full attention");
+    let like = |stage: &str, cell: &str, kind: StageKind, source: &str, loss: f64| {
+        let mut r = full.clone();
+        (r.stage, r.cell, r.kind, r.source) = (stage.into(), cell.into(), kind, source.into());
+        r.report.loss = loss;
+        r
+    };
+    let rows = [
+        like("clp", "clp-1", StageKind::Train, "", 1.0),
+        like("clp", "clp-2", StageKind::Train, "", 1.2),
+        like("clp_frozen", "frozen-1", StageKind::Train, "", 2.0),
+        like("probes", "probes-1", StageKind::Eval, "clp-1", 1.4),
+        like("probes", "probes-9", StageKind::Eval, "frozen-1", 9.0),
+    ];
+    let mut other = like("clp", "clp-3", StageKind::Train, "", 5.0);
+    other.budget_tokens += 1.0;
+    let routed = [&rows[0]];
+    let all_rows = rows.iter().chain([&other]);
+    let line = full_reference(all_rows, &routed, |r| Some(r.loss())).unwrap();
+    assert!((line - 1.2).abs() < 1e-12, "{line}");
 }
 
 #[test]
