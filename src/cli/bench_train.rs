@@ -834,7 +834,7 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         series: lines
             .iter()
             .filter_map(|(imp, method, case)| {
-                let mut points: Vec<(f64, f64)> = rows
+                let mut points: Vec<(f64, f64, String)> = rows
                     .iter()
                     .filter(|r| {
                         r.model == model
@@ -842,9 +842,13 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                             && &r.method == method
                             && &r.case() == case
                     })
-                    .filter_map(|r| value(r).map(|v| (r.len as f64, v)))
+                    .filter_map(|r| value(r).map(|v| (r.len as f64, v, set_up(r))))
                     .collect();
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                // A line joins lengths run one way only; where the tokens a step or the
+                // checkpointing change with the length the points stand alone, each named by
+                // its set-up.
+                let one_set_up = points.windows(2).all(|p| p[0].2 == p[1].2);
                 let mut name = format!("{imp} {method}");
                 if let (true, Some(w)) = (name_windows, case.0) {
                     name += &format!(" w={w}");
@@ -855,11 +859,14 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                 if name_powers && reads_power(method) {
                     name += &format!(" p={}", case.2.as_deref().unwrap_or("?"));
                 }
-                (!points.is_empty()).then_some(Series {
+                (!points.is_empty()).then(|| Series {
                     name,
-                    points,
-                    line: true,
-                    labels: vec![],
+                    labels: match one_set_up {
+                        true => vec![],
+                        false => points.iter().map(|p| p.2.clone()).collect(),
+                    },
+                    points: points.iter().map(|p| (p.0, p.1)).collect(),
+                    line: one_set_up,
                     errors: vec![],
                     look: look(imp, method, case),
                 })
@@ -874,6 +881,17 @@ fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
             panel("peak memory", "peak GPU memory (GiB)", |r| r.peak_gib),
         ],
     })
+}
+
+/// A row's set-up as a short point label: its tokens a step (batch x L; the batch itself
+/// shrinks as L grows at equal tokens) and its checkpointing (the part of `setup` before the
+/// loss's chunks), e.g. "16K tok, ckpt none" for batch 2 at 8,192 with "checkpointing none".
+fn set_up(r: &TrainRow) -> String {
+    let checkpointing = r.setup.split(';').next().unwrap_or_default().trim();
+    let mode = checkpointing
+        .strip_prefix("checkpointing ")
+        .unwrap_or_else(|| checkpointing.trim_end_matches(" checkpointing"));
+    format!("{}K tok, ckpt {mode}", r.batch * r.len / 1024)
 }
 
 #[cfg(test)]
@@ -1058,7 +1076,8 @@ mod tests {
         ran.step_ms = Some(10.0);
         ran.peak_gib = Some(3.0);
         let mut longer = ran.clone();
-        longer.len = 4096;
+        // The same tokens a step at four times the length: one line.
+        (longer.len, longer.batch) = (4096, ran.batch / 4);
         longer.step_ms = Some(40.0);
         let mut failed = b.row("swa", 1024);
         failed.imp = OURS.into();
@@ -1086,6 +1105,21 @@ mod tests {
             assert_eq!(look(1), (1, false));
             assert_eq!(look(2), (0, true));
         }
+        assert!(panels[0].series[0].line && panels[0].series[0].labels.is_empty());
+        // Lengths run with other tokens a step or checkpointing are points named by their
+        // set-up, not joined by a line.
+        let mut other = rows[2].clone();
+        other.setup = "checkpointing full; loss in chunks of 512".into();
+        let mut rows = rows.clone();
+        rows[2] = other;
+        let Some(Figure::Panels { panels, .. }) = figure(&rows, "smollm2-135m") else {
+            panic!("a figure");
+        };
+        let ours = &panels[0].series[0];
+        assert!(!ours.line);
+        assert_eq!(ours.labels.len(), 2);
+        assert_ne!(ours.labels[0], ours.labels[1]);
+        assert!(ours.labels[1].ends_with("ckpt full"), "{:?}", ours.labels);
         assert!(figure(&[], "smollm2-135m").is_none());
         // PPA at two powers, and a row of a file from before the power was written: three
         // lines, named apart.
