@@ -716,8 +716,10 @@ fn new_cell(
         threshold.map(|t| t.to_bits()),
         read.as_ref()
             .map_or(String::new(), |r| format!("\nreads {r}")),
+        // Matched gate by gate (each head's or layer's usage), not at one global rate as before:
+        // a computation of its own, with an id of its own.
         if stage.match_usage {
-            "\nmatch_usage"
+            "\nmatch_usage per gate"
         } else {
             ""
         }
