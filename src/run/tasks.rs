@@ -996,6 +996,45 @@ mod tests {
         );
     }
 
+    /// On the GPU, through the kernels, the oracle's gates open exactly the probes' spans for
+    /// every routed method (span recall 1), and the usage they give over the prompts is the CPU
+    /// reference path's to the last digit: what a kernel reads is the mask the spans make.
+    #[test]
+    #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+    fn the_oracle_opens_on_the_gpu_what_it_opens_on_the_cpu() {
+        use crate::config::{AttnImpl, Dtype};
+        let name = "the_oracle_opens_on_the_gpu_what_it_opens_on_the_cpu";
+        crate::model::kernels::tests::on_cuda(name, |_| {
+            for method in [Method::Aha, Method::L2a, Method::Swiattn] {
+                let mut c = tiny_config();
+                c.model.hidden_size = 128;
+                c.model.num_key_value_heads = 2;
+                c.attention.method = method;
+                c.attention.window = 16;
+                c.data.seq_len = 512;
+                c.eval.tasks = vec!["passkey".into()];
+                c.eval.lengths = vec![512];
+                c.eval.depths = vec![0.5];
+                c.eval.samples = 3;
+                c.eval.gates = ProbeGates::Oracle;
+                let usage = |c: &Config, dev: Device| {
+                    let b = Built::new(c, dev).unwrap();
+                    let tok = TextTokenizer::Bytes;
+                    let r = run_probes(&b.model, c, &tok, &Haystack::Noise, dev).unwrap();
+                    let recall = r.cells[0].span_recall.clone().expect("a routed model");
+                    assert_eq!(recall, vec![1.0; 3], "{method:?} on {dev:?}");
+                    r.head_gates[&Task::parse("passkey").unwrap()].usage()
+                };
+                let cpu = usage(&c, Device::Cpu);
+                let mut gpu = c.clone();
+                gpu.train.device = "cuda".into();
+                gpu.train.dtype = Dtype::Bf16;
+                gpu.attention.attn_impl = AttnImpl::Cuda;
+                assert_eq!(usage(&gpu, Device::Cuda(0)), cpu, "{method:?}");
+            }
+        });
+    }
+
     /// is_greedy: true exactly when every continuation token is the model's argmax.
     #[test]
     fn greedy_flag_follows_the_argmax() {
