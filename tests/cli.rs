@@ -316,6 +316,19 @@ fn init_from_loads_matching_names_and_reports_new_ones() {
         err.contains("initialised 1 new") && err.contains("lm_head.weight"),
         "{err}"
     );
+    // Without --config the run starts from the config of the run it continues (its shape,
+    // its data), said in a note; --set still changes it.
+    let inherit = d.join("inherit");
+    let o = cli("train")
+        .flag("--out", &inherit)
+        .set(["train.steps=1", "train.warmup_steps=0"])
+        .flag("--init-from", &base)
+        .ok();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no --config") && err.contains("config.toml"), "{err}");
+    let config = |run: &Path| std::fs::read_to_string(run.join("config.toml")).unwrap();
+    let model = |text: String| text.parse::<toml::Table>().unwrap()["model"].clone();
+    assert_eq!(model(config(&inherit)), model(config(&base)));
     // A shape mismatch is an error naming the tensor.
     let err = tiny_train(&d, &data, "bad")
         .set(["train.steps=1", "train.warmup_steps=0"])

@@ -35,7 +35,7 @@ use crate::util::flags::finite_flag;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 #[command(
@@ -528,7 +528,20 @@ fn run_train(c: TrainCmd) -> Result<()> {
         );
         Config::load(Some(&c.out.join("config.toml")), &sets)?
     } else {
-        Config::load(c.config.config.as_deref(), &sets)?
+        // Without --config a continued run takes the config of the run it starts from (its
+        // model's shape, tokenizer and data), as `--config <source>/config.toml` would.
+        let inherited = match (&c.config.config, &c.init_from) {
+            (None, Some(src)) => source_config(src),
+            _ => None,
+        };
+        if let Some(p) = &inherited {
+            eprintln!(
+                "note: no --config: starting from {} (the config of the run --init-from names); \
+                 --set changes it",
+                p.display()
+            );
+        }
+        Config::load(c.config.config.as_deref().or(inherited.as_deref()), &sets)?
     };
     // A rank of a job (started below, by torchrun or by srun) trains; a process asked for
     // several ranks and in no job starts them.
@@ -554,6 +567,16 @@ fn run_train(c: TrainCmd) -> Result<()> {
             place,
         },
     )
+}
+
+/// The experiment file of the run `src` (`--init-from`) names: the `config.toml` of its
+/// directory, or of the run holding the checkpoint directory or weights file it names.
+fn source_config(src: &Path) -> Option<PathBuf> {
+    let dir = if src.is_dir() { src } else { src.parent()? };
+    std::iter::successors(Some(dir), |d| d.parent())
+        .take(2)
+        .map(|d| d.join("config.toml"))
+        .find(|p| p.is_file())
 }
 
 fn run_convert(c: ConvertCmd) -> Result<()> {
@@ -710,6 +733,16 @@ fn default_eval_dir(run: &std::path::Path, sets: &[String], tasks: bool) -> Path
                 },
             )
             .collect();
+        // A long list of overrides is named by its first characters and a hash of the whole,
+        // so the folder's name stays short and distinct.
+        let tag = match tag.len() > 48 {
+            true => format!(
+                "{}-{:08x}",
+                &tag[..40],
+                crate::util::fnv1a(tag.as_bytes()) >> 32
+            ),
+            false => tag,
+        };
         name = format!("{name}-{tag}");
     }
     if tasks {
@@ -785,6 +818,7 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     if with_tasks {
         let opts = RunOptions {
             log_samples: c.log_samples,
+            progress: !c.quiet,
         };
         let results = tasks::run(
             &built.model,
@@ -812,6 +846,30 @@ fn run_eval(c: EvalCmd) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An evaluation's default folder sits in the run it evaluates, named by its overrides;
+    /// a long list of them is cut and told apart by a hash, so names stay short.
+    #[test]
+    fn evaluation_folders_have_short_distinct_names() {
+        let run = Path::new("runs/x");
+        assert_eq!(default_eval_dir(run, &[], false), run.join("eval"));
+        let set = |s: &str| vec![s.to_string()];
+        assert_eq!(
+            default_eval_dir(run, &set("attention.window=32"), true),
+            run.join("eval-attention.window_32-tasks")
+        );
+        let long = |w: u32| {
+            vec![
+                format!("attention.method=swa"),
+                format!("eval.tasks=[\"niah_single_1\",\"niah_single_2\"]"),
+                format!("attention.window={w}"),
+            ]
+        };
+        let (a, b) = (default_eval_dir(run, &long(8), false), default_eval_dir(run, &long(9), false));
+        let name = |p: &Path| p.file_name().unwrap().to_string_lossy().into_owned();
+        assert_ne!(a, b);
+        assert!(name(&a).len() <= 5 + 40 + 9 && a.parent() == Some(run), "{a:?}");
+    }
 
     /// libtorch's refusal of an allocation, as tch panics with it and as an error carries it:
     /// its cause on one line, without the C++ backtrace.

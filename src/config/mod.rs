@@ -79,10 +79,26 @@ impl Config {
     }
 
     /// A config from its TOML tree: every number finite, every key known, every value in range.
+    /// A warm-up left at its default but longer than the run is cut to a tenth of the run,
+    /// with a note; one set explicitly stays as set (and is refused if longer than the run).
     pub(crate) fn from_tree(tree: toml::Table) -> Result<Config> {
         reject_non_finite(&tree, "")?;
         check_names(&tree)?;
-        let cfg: Config = toml::Value::Table(tree).try_into()?;
+        let warmup_set = tree
+            .get("train")
+            .and_then(|t| t.get("warmup_steps"))
+            .is_some();
+        let mut cfg: Config = toml::Value::Table(tree).try_into()?;
+        let t = &mut cfg.train;
+        if !warmup_set && t.warmup_steps > t.steps {
+            let warmup = t.steps / 10;
+            eprintln!(
+                "note: train.warmup_steps defaults to {} steps, longer than train.steps = {}: \
+                 warming up over {warmup} (a tenth of the run); set train.warmup_steps to choose",
+                t.warmup_steps, t.steps
+            );
+            t.warmup_steps = warmup;
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -503,6 +519,19 @@ mod tests {
             ]),
             load(&["attention.method=swiattn"])
         );
+    }
+
+    /// A run shorter than the default warm-up warms up over a tenth of itself; a warm-up set
+    /// longer than the run is refused, naming both.
+    #[test]
+    fn a_default_warmup_fits_a_short_run() {
+        let c = Config::load(None, &["train.steps=20".into()]).unwrap();
+        assert_eq!(c.train.warmup_steps, 2);
+        let c = Config::load(None, &["train.steps=500".into()]).unwrap();
+        assert_eq!(c.train.warmup_steps, 100);
+        let e = Config::load(None, &["train.steps=20".into(), "train.warmup_steps=50".into()])
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("train.warmup_steps"), "{e:#}");
     }
 
     #[test]

@@ -7,10 +7,12 @@ use crate::data::TextTokenizer;
 use crate::model::attention::ForwardCtx;
 use crate::model::Llama;
 use crate::util::atomic;
+use crate::util::progress::{Progress, DEFAULT_STATUS_EVERY};
 use crate::util::rng::Rng;
 use anyhow::{bail, ensure, Context, Result};
 use serde::Deserialize;
 use std::path::Path;
+use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
 /// One line of a multiple-choice JSONL file (lm-evaluation-harness's fields).
@@ -87,7 +89,8 @@ fn harness_encode(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
 /// Context and continuation tokens as lm-evaluation-harness makes them for a causal model
 /// (`TemplateLM.loglikelihood` and `_encode_pair`, 0.4.9.2 and later, where `add_bos_token`
 /// is unset by default and the tokenizer's own special tokens are used): an empty context is
-/// the prefix token alone (the tokenizer's BOS, else its end-of-text token), before the
+/// the prefix token alone (the tokenizer's declared BOS, else the BOS it adds, else its
+/// end-of-text token), before the
 /// continuation encoded without special tokens, unless that begins with the prefix token
 /// itself; otherwise trailing whitespace of the context moves to the continuation, the pair
 /// and the context are each encoded (`harness_encode`), and the continuation is what follows
@@ -97,8 +100,11 @@ pub(super) fn encode_pair(
     context: &str,
     continuation: &str,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
+    // The harness's prefix token: the tokenizer's declared BOS (`bos_token_id`), else the one
+    // its post-processor adds, else its end of text.
     let prefix = || {
-        tok.bos()
+        tok.declared_bos()
+            .or(tok.bos())
             .or(tok.eot())
             .context("an empty context needs a tokenizer with a beginning- or end-of-text token")
     };
@@ -227,7 +233,10 @@ pub(crate) fn score_mc(
     max_len: usize,
     device: Device,
     seed: u64,
+    show: bool,
 ) -> Result<Vec<McResult>> {
+    let every = Duration::from_secs(DEFAULT_STATUS_EVERY);
+    let mut progress = Progress::new(items.len() as u64, "items", !show, every);
     let argmax = |v: &[f64]| {
         (0..v.len())
             .max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a)))
@@ -259,7 +268,9 @@ pub(crate) fn score_mc(
             acc: (prediction == item.gold) as u8 as f64,
             acc_norm: (prediction_norm == item.gold) as u8 as f64,
         });
+        progress.update(i as u64 + 1, "");
     }
+    progress.finish();
     Ok(out)
 }
 

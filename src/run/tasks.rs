@@ -16,11 +16,13 @@ use crate::run::eval;
 use crate::run::generate::{greedy, HeadGates};
 use crate::run::memory;
 use crate::util::atomic;
+use crate::util::progress::{Progress, DEFAULT_STATUS_EVERY};
 use crate::util::rng::Rng;
 use crate::util::stats::{pooled_interval, wilson};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
 /// Scores of one (task, length, depth) cell of the probe grid.
@@ -76,6 +78,7 @@ pub(crate) fn run_probes(
     tok: &TextTokenizer,
     haystack: &Haystack,
     device: Device,
+    show: bool,
 ) -> Result<ProbeRun> {
     let e = &cfg.eval;
     let mut spec = e.probe_spec();
@@ -96,15 +99,17 @@ pub(crate) fn run_probes(
     let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     let mut head_gates: BTreeMap<Task, HeadGates> = BTreeMap::new();
+    let mut total = 0;
+    for name in &e.tasks {
+        total += lengths.len() * depths_of(Task::parse(name)?, e).len() * e.samples;
+    }
+    let every = Duration::from_secs(DEFAULT_STATUS_EVERY);
+    let mut progress = Progress::new(total as u64, "probes", !show, every);
+    let mut done = 0;
     for name in &e.tasks {
         let task = Task::parse(name)?;
         for &length in &lengths {
-            let depths: Vec<Option<f64>> = if task.has_depth() {
-                e.depths.iter().map(|&d| Some(d)).collect()
-            } else {
-                vec![None]
-            };
-            for depth in depths {
+            for depth in depths_of(task, e) {
                 let probes: Vec<Probe> = (0..e.samples as u64)
                     .map(|s| {
                         probes::generate(
@@ -118,15 +123,7 @@ pub(crate) fn run_probes(
                         )
                     })
                     .collect::<Result<_>>()?;
-                // Room for the longest target, its stop character and a little more; RULER's
-                // tasks get RULER's budget.
-                let mut max_new = match task {
-                    Task::Ruler(r) => r.tokens_to_generate(),
-                    _ => 0,
-                };
-                for p in &probes {
-                    max_new = max_new.max(enc(&format!("{}.", p.target))?.len() + 2);
-                }
+                let max_new = max_new_tokens(task, &probes, tok)?;
                 let mut cell = ProbeCell {
                     task,
                     length,
@@ -156,6 +153,8 @@ pub(crate) fn run_probes(
                     };
                     batch_index += 1;
                     let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
+                    done += chunk.len();
+                    progress.update(done as u64, &format!("{name} at {length}"));
                     if let Some(pg) = &g.prompt_gates {
                         head_gates
                             .entry(task)
@@ -200,11 +199,33 @@ pub(crate) fn run_probes(
             }
         }
     }
+    progress.finish();
     Ok(ProbeRun {
         cells,
         costs,
         head_gates,
     })
+}
+
+/// The depths a task's needles are put at: `eval.depths`, or none for a task without one.
+fn depths_of(task: Task, e: &crate::config::EvalConfig) -> Vec<Option<f64>> {
+    match task.has_depth() {
+        true => e.depths.iter().map(|&d| Some(d)).collect(),
+        false => vec![None],
+    }
+}
+
+/// Tokens to generate for `probes`: room for the longest target, its stop character and a
+/// little more; RULER's tasks get at least RULER's budget.
+fn max_new_tokens(task: Task, probes: &[Probe], tok: &TextTokenizer) -> Result<usize> {
+    let mut max_new = match task {
+        Task::Ruler(r) => r.tokens_to_generate(),
+        _ => 0,
+    };
+    for p in probes {
+        max_new = max_new.max(tok.encode(&format!("{}.", p.target))?.len() + 2);
+    }
+    Ok(max_new)
 }
 
 /// `[B, L]` (fp32): 1 at the positions each probe's answer rests on (`Probe::spans`).
@@ -292,6 +313,8 @@ struct TidyRow {
 pub(crate) struct RunOptions {
     /// Write every multiple-choice item's scoring (`samples_<task>.jsonl`).
     pub(crate) log_samples: bool,
+    /// Show progress: a bar on a terminal, status lines with an ETA in a log.
+    pub(crate) progress: bool,
 }
 
 /// Runs every task `cfg.eval` names (probes and multiple choice) and writes `results.json`,
@@ -315,7 +338,7 @@ pub(crate) fn run(
     atomic::ensure_writable_dir(dir)?;
     let mut scores = Scores::default();
     if !e.tasks.is_empty() {
-        scores.probes(model, cfg, meta, &tok, device, dir)?;
+        scores.probes(model, cfg, meta, &tok, device, dir, opts)?;
     }
     for path in &e.mc {
         scores.multiple_choice(model, cfg, &tok, device, dir, path, opts)?;
@@ -410,6 +433,7 @@ impl Scores {
         tok: &TextTokenizer,
         device: Device,
         dir: &Path,
+        opts: &RunOptions,
     ) -> Result<()> {
         let e = &cfg.eval;
         let hay = haystack(cfg, meta)?;
@@ -417,7 +441,7 @@ impl Scores {
             cells,
             costs,
             head_gates,
-        } = run_probes(model, cfg, tok, &hay, device)?;
+        } = run_probes(model, cfg, tok, &hay, device, opts.progress)?;
         // Per task: exact match, recall, full ratio and span recall over every prompt.
         let mut by_task: BTreeMap<&str, [Vec<f64>; 4]> = BTreeMap::new();
         for c in &cells {
@@ -527,6 +551,7 @@ impl Scores {
             max_len,
             device,
             eval::eval_gate_seed(cfg),
+            opts.progress,
         )
         .with_context(|| format!("scoring {}", path.display()))?;
         if opts.log_samples {
@@ -875,6 +900,7 @@ mod tests {
             64,
             Device::Cpu,
             0,
+            false,
         )
         .unwrap();
         assert_eq!(r[0].acc, (argmax(&hand) == 1) as u8 as f64);
@@ -948,7 +974,7 @@ mod tests {
         let b = Built::new(&c, Device::Cpu).unwrap();
         let tok = TextTokenizer::Bytes;
         let run =
-            |c: &Config| run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu).unwrap();
+            |c: &Config| run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu, false).unwrap();
         // The router starts open everywhere (sigmoid(1) > tau): its own span recall is 1 too.
         let learned = run(&c);
         let own = learned.cells[0]
@@ -1020,7 +1046,7 @@ mod tests {
                 let usage = |c: &Config, dev: Device| {
                     let b = Built::new(c, dev).unwrap();
                     let tok = TextTokenizer::Bytes;
-                    let r = run_probes(&b.model, c, &tok, &Haystack::Noise, dev).unwrap();
+                    let r = run_probes(&b.model, c, &tok, &Haystack::Noise, dev, false).unwrap();
                     let recall = r.cells[0].span_recall.clone().expect("a routed model");
                     assert_eq!(recall, vec![1.0; 3], "{method:?} on {dev:?}");
                     r.head_gates[&Task::parse("passkey").unwrap()].usage()
@@ -1055,9 +1081,35 @@ mod tests {
         assert!(s[0].greedy && !s[1].greedy, "{s:?}");
     }
 
+    /// An empty context's prefix is the BOS the tokenizer's config declares, as the harness's
+    /// `bos_token_id`, even where the tokenizer adds none before a text (SmolLM2); without a
+    /// declaration, its end of text.
+    #[test]
+    fn an_empty_context_follows_the_declared_bos() {
+        let dir = util::scratch_dir("mc-declared-bos");
+        let bos = std::fs::read_to_string(bos_tokenizer_path()).unwrap();
+        let start = bos.find(r#""post_processor""#).unwrap();
+        let end = bos.find(r#""decoder""#).unwrap();
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, format!("{}{}", &bos[..start], &bos[end..])).unwrap();
+        let tok = TextTokenizer::hf(&path).unwrap();
+        assert_eq!((tok.bos(), tok.declared_bos()), (None, None));
+        assert_eq!(encode_pair(&tok, "", "the").unwrap(), (vec![1], vec![2]));
+        let config = dir.join("tokenizer_config.json");
+        std::fs::write(&config, r#"{"bos_token": {"content": "<s>"}}"#).unwrap();
+        let tok = TextTokenizer::hf(&path).unwrap();
+        assert_eq!(tok.declared_bos(), Some(0));
+        assert_eq!(encode_pair(&tok, "", "the").unwrap(), (vec![0], vec![2]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A tokenizer.json of whole words whose post-processor puts `<s>` before a text, as
     /// Llama's does.
     fn bos_tokenizer() -> TextTokenizer {
+        TextTokenizer::hf(&bos_tokenizer_path()).unwrap()
+    }
+
+    fn bos_tokenizer_path() -> std::path::PathBuf {
         let dir = util::scratch_dir("mc-bos");
         let path = dir.join("tokenizer.json");
         let vocab: Vec<String> = ["<s>", "</s>", "the", "cat", "sat", "on", "mat"]
@@ -1080,7 +1132,7 @@ mod tests {
             vocab.join(", ")
         );
         std::fs::write(&path, json).unwrap();
-        TextTokenizer::hf(&path).unwrap()
+        path
     }
 
     /// The harness's encodings (lm-evaluation-harness 0.4.9.2 and later, by default): special

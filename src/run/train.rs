@@ -764,7 +764,7 @@ impl<'a> Trainer<'a> {
         let (model, device) = (&self.built.model, self.prepared.device);
         if self.state.step == t.steps {
             let val = &self.prepared.val_split;
-            let mut r = eval::evaluate(model, val, cfg, "val", device, false)?;
+            let mut r = eval::evaluate(model, val, cfg, "val", device, !args.quiet)?;
             r.checkpoint_step = Some(self.state.step);
             r.timing = eval::timing_of(model, val, cfg, device);
             append_row(

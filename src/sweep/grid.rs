@@ -188,13 +188,6 @@ pub fn read_grid(path: &Path) -> Result<Grid> {
     toml::from_str(&text).with_context(|| format!("invalid grid {}", path.display()))
 }
 
-/// 64-bit FNV-1a: a hash whose value never changes between builds or platforms.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// A setting's value as a cell's label writes it: as TOML writes it, but a float whose
 /// decimal runs long in exponent form (1e-300, not 300 digits).
 pub(super) fn value_str(v: &toml::Value) -> String {
@@ -724,7 +717,7 @@ fn new_cell(
             ""
         }
     );
-    let hash = format!("-{:08x}", fnv1a(fingerprint.as_bytes()) >> 32);
+    let hash = format!("-{:08x}", crate::util::fnv1a(fingerprint.as_bytes()) >> 32);
     match fingerprints.get(&hash) {
         Some(f) if *f != fingerprint => {
             bail!("{what}: two different cells share the hash {hash}; change any setting of one")

@@ -358,7 +358,9 @@ pub(crate) fn unread_report(p: &Plotted) -> String {
     let mut out = String::new();
     if p.from_tidy {
         out += "plot: no cell's folder is here; the replicate tables were rebuilt from tidy.csv \
-                 (probe intervals over replicates alone, without their prompts)\n";
+                 (probe intervals over replicates alone, without their prompts) and the figures \
+                 were left as they are: they need the cells, which `attnsweep sweep --grid \
+                 <its grid> --out <this folder>` makes again (the folder's README names the grid)\n";
     }
     if !p.unread.is_empty() {
         out += &format!(

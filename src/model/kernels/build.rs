@@ -5,6 +5,7 @@
 //! GPU architecture.
 
 use crate::util::progress::Progress;
+use crate::util::{fnv1a_from, FNV_BASIS};
 use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -65,12 +66,6 @@ const SOURCES: [(&str, &str); 25] = [
 pub(super) const ABI: i64 = 15;
 pub(super) const LIB: &str = "libattnsweep_kernels.so";
 
-fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
-    bytes
-        .iter()
-        .fold(seed, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
 /// The kernel sources: those compiled into this binary, or, for kernel development, the files
 /// of the directory `$ATTNSWEEP_KERNELS_SRC` (so a kernel edit needs no new binary).
 fn sources() -> Vec<(&'static str, String)> {
@@ -92,8 +87,8 @@ fn sources() -> Vec<(&'static str, String)> {
 /// A hash of the sources and the interface version they are compiled with.
 fn source_hash() -> String {
     let h = sources().iter().fold(
-        fnv1a(&ABI.to_le_bytes(), 0xcbf2_9ce4_8422_2325u64),
-        |h, (n, s)| fnv1a(s.as_bytes(), fnv1a(n.as_bytes(), h)),
+        fnv1a_from(FNV_BASIS, &ABI.to_le_bytes()),
+        |h, (n, s)| fnv1a_from(fnv1a_from(h, n.as_bytes()), s.as_bytes()),
     );
     format!("{:08x}", h >> 32)
 }
@@ -188,12 +183,9 @@ pub(super) fn gpu_capability() -> Result<u32> {
 }
 
 fn build_dir(variant: Variant, torch: &Torch) -> PathBuf {
-    let t = fnv1a(
+    let t = fnv1a_from(
+        fnv1a_from(FNV_BASIS, torch.root.to_string_lossy().as_bytes()),
         torch.version.as_bytes(),
-        fnv1a(
-            torch.root.to_string_lossy().as_bytes(),
-            0xcbf2_9ce4_8422_2325,
-        ),
     );
     cache_dir().join(format!(
         "{}-{}-{:08x}",
