@@ -1242,6 +1242,31 @@ fn data_prepare_with_a_tokenizer_json() {
     );
     let cfg = std::fs::read_to_string(d.join("run/config.toml")).unwrap();
     assert!(cfg.contains("vocab_size = 11"));
+    // Multiple choice alone needs no data set: a model folder with its tokenizer beside it
+    // (as a converted model keeps it) is scored, without a loss; without one, a clear error.
+    let model = d.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let ds_line = format!("dir = {:?}", ds.display().to_string());
+    std::fs::write(model.join("config.toml"), cfg.replace(&ds_line, "dir = \"\"")).unwrap();
+    let weights = std::fs::read_dir(d.join("run/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max()
+        .unwrap()
+        .join("model.safetensors");
+    std::fs::copy(weights, model.join("model.safetensors")).unwrap();
+    let mc = d.join("mc.jsonl");
+    std::fs::write(
+        &mc,
+        "{\"context\": \"the quick\", \"choices\": [\" brown\", \" dog\"], \"gold\": 0}\n",
+    )
+    .unwrap();
+    let err = cli("eval").flag("--run", &model).flag("--mc", &mc).fails();
+    assert!(err.contains("holds no tokenizer.json"), "{err}");
+    std::fs::copy(&tj, model.join("tokenizer.json")).unwrap();
+    cli("eval -q").flag("--run", &model).flag("--mc", &mc).ok();
+    let results = model.join("eval-tasks/results.json");
+    assert!(results.is_file() && !model.join("eval-tasks/eval.json").exists());
     // A file that is not a tokenizer is a clear error.
     let err = cli("data prepare")
         .flag("--input", &text)

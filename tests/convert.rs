@@ -344,7 +344,7 @@ fn export_then_import_is_exact_and_continued_training_works() {
     let hfc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(hfc["architectures"][0], "Qwen3ForCausalLM");
-    // A routed run cannot be exported.
+    // A routed run exports only in Llama's shape (here Qwen3's, with q/k norms: refused).
     let o = bin()
         .args([
             "export",
@@ -356,7 +356,7 @@ fn export_then_import_is_exact_and_continued_training_works() {
         .output()
         .unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(e.contains("full-attention or sliding-window"), "{e}");
+    assert!(e.contains("of Llama's shape") && e.contains("Qwen3"), "{e}");
 }
 
 #[test]
@@ -475,6 +475,53 @@ fn convert_gguf(name: &str, tag: &str) -> PathBuf {
         String::from_utf8_lossy(&o.stderr)
     );
     out
+}
+
+/// An exported model carries its tokenizer, a generation config and its context: transformers'
+/// AutoTokenizer reads the folder as it is and gives the ids ours gives, and the context is the
+/// longer of what the tokenizer declares and what the run trained at.
+#[test]
+fn an_export_carries_its_tokenizer_and_context() {
+    let run = convert_gguf("f32", "export");
+    let cfg = run.join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("seq_len = 256", "seq_len = 32")).unwrap();
+    let hf = scratch("export-tok");
+    let o = bin()
+        .args(["export", "--run", run.to_str().unwrap(), "--out"])
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(hf.join(f).is_file(), "{f} missing from the export");
+    }
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    // The fixture's GGUF declares a context of 64, longer than the 32 the run names.
+    assert_eq!(c["max_position_embeddings"], 64);
+    assert!(c["eos_token_id"].is_u64());
+    let text = "hello world 12345";
+    let ours = tokenizers::Tokenizer::from_file(run.join("tokenizer.json"))
+        .unwrap()
+        .encode(text, false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = format!(
+        "import sys, json; from transformers import AutoTokenizer\n\
+         t = AutoTokenizer.from_pretrained(sys.argv[1])\n\
+         print(json.dumps(t({text:?}, add_special_tokens=False)['input_ids']))"
+    );
+    let o = Command::new(py)
+        .args(["-c", &script])
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<u32> = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(theirs, ours);
 }
 
 /// Every GGUF tensor type read gives transformers' logits (its own GGUF loader, fp32), Llama's

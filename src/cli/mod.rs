@@ -760,6 +760,17 @@ fn run_eval(c: EvalCmd) -> Result<()> {
     if !c.tasks.is_empty() {
         sets.push(format!("eval.tasks={}", quote(&c.tasks)));
     }
+    // Multiple choice alone reads no data set and computes no loss: its tokenizer is the
+    // run's own (a converted model keeps it beside its weights), else its data set's.
+    if c.tasks.is_empty() && !c.mc.is_empty() {
+        sets.push("eval.tasks=[]".into());
+        let mut run = LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), false)?;
+        run.cfg.eval.mc = c.mc.clone();
+        if !c.quiet {
+            run.report_load();
+        }
+        return run_multiple_choice(&c, &run);
+    }
     let mut run = LoadedRun::open(&c.run, &sets, c.ckpt.as_deref(), true)?;
     if !c.mc.is_empty() {
         // The paths as given: a path that is not UTF-8 survives, which text would not.
@@ -816,31 +827,72 @@ fn run_eval(c: EvalCmd) -> Result<()> {
         }
     }
     if with_tasks {
-        let opts = RunOptions {
-            log_samples: c.log_samples,
-            progress: !c.quiet,
-        };
-        let results = tasks::run(
-            &built.model,
-            cfg,
-            meta,
-            run.device,
-            &out,
-            &run.weights,
-            &opts,
-        )?;
-        if !c.quiet {
-            for (task, metrics) in &results {
-                let shown: Vec<String> = metrics
-                    .iter()
-                    .filter(|(k, _)| !k.ends_with("_stderr"))
-                    .map(|(k, v)| format!("{k} {v:.4}"))
-                    .collect();
-                println!("  {task:>18}  {}", shown.join("  "));
-            }
-        }
+        run_tasks(&c, &run, cfg, meta, &out)?;
     }
     Ok(())
+}
+
+/// The tasks of `cfg.eval` (probes, multiple choice) on the run, written to `out`, their
+/// overall metrics printed.
+fn run_tasks(
+    c: &EvalCmd,
+    run: &LoadedRun,
+    cfg: &Config,
+    meta: &data::Meta,
+    out: &Path,
+) -> Result<()> {
+    let opts = RunOptions {
+        log_samples: c.log_samples,
+        progress: !c.quiet,
+    };
+    let results = tasks::run(
+        &run.built.model,
+        cfg,
+        meta,
+        run.device,
+        out,
+        &run.weights,
+        &opts,
+    )?;
+    if !c.quiet {
+        for (task, metrics) in &results {
+            let shown: Vec<String> = metrics
+                .iter()
+                .filter(|(k, _)| !k.ends_with("_stderr"))
+                .map(|(k, v)| format!("{k} {v:.4}"))
+                .collect();
+            println!("  {task:>18}  {}", shown.join("  "));
+        }
+        println!("-> {}", out.display());
+    }
+    Ok(())
+}
+
+/// `eval --mc` without probes: the run's own tokenizer where its folder holds one (read as
+/// a data set of that tokenizer would be), else its data set's.
+fn run_multiple_choice(c: &EvalCmd, run: &LoadedRun) -> Result<()> {
+    let mut cfg = run.cfg.clone();
+    let meta = match c.run.join("tokenizer.json").is_file() {
+        true => {
+            cfg.data.dir = c.run.clone();
+            data::Meta::of_tokenizer(cfg.model.vocab_size)
+        }
+        false => {
+            let dir = &cfg.data.dir;
+            anyhow::ensure!(
+                !dir.as_os_str().is_empty(),
+                "multiple choice needs a tokenizer: {} holds no tokenizer.json and its config \
+                 names no data set (set data.dir to one prepared with its tokenizer)",
+                c.run.display()
+            );
+            data::read_meta(dir)?
+        }
+    };
+    let out = c
+        .out
+        .clone()
+        .unwrap_or_else(|| default_eval_dir(&c.run, &c.sets, true));
+    run_tasks(c, run, &cfg, &meta, &out)
 }
 
 #[cfg(test)]

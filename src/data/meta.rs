@@ -39,6 +39,27 @@ pub struct Meta {
     pub(crate) shards_sha256: Option<String>,
 }
 
+impl Meta {
+    /// What evaluation needs of a data set that has only a `tokenizer.json` beside a model
+    /// (multiple choice reads no shards): no splits, no tokens.
+    pub(crate) fn of_tokenizer(vocab_size: usize) -> Meta {
+        Meta {
+            format: META_FORMAT,
+            tokenizer: "tokenizer.json".into(),
+            vocab_size,
+            eot_token: None,
+            train: vec![],
+            val: vec![],
+            train_tokens: 0,
+            val_tokens: 0,
+            synth: None,
+            probes: None,
+            corpus: None,
+            shards_sha256: None,
+        }
+    }
+}
+
 /// What a data set prepared from text records of its corpus (in `meta.json`), so two
 /// machines can tell whether they built the same one.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]

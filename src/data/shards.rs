@@ -431,8 +431,10 @@ impl Split {
     }
 
     /// Consecutive non-overlapping windows in order, grouped into batches, each with the index
-    /// of its part (a batch never mixes parts); at most `max_batches` batches (0 = all), shared
-    /// evenly between the parts, each part's first, so every part is evaluated.
+    /// of its part (a batch never mixes parts). `max_batches` (0 = all) bounds the sequences
+    /// to `max_batches x batch`, shared evenly between the parts (each part's first, at least
+    /// one a part), so every part is evaluated however few batches are asked for: with fewer
+    /// batches than parts, each part's batch is smaller than `batch`.
     pub(crate) fn sequential(
         &self,
         batch: usize,
@@ -442,7 +444,7 @@ impl Split {
     ) -> Vec<(usize, Batch)> {
         let per_part = match max_batches {
             0 => usize::MAX,
-            m => m.div_ceil(self.parts.len()),
+            m => (m * batch / self.parts.len()).max(1),
         };
         let mut out = Vec::new();
         let mut first = 0;
@@ -452,16 +454,13 @@ impl Split {
                     let len = self.shards[s].len();
                     (0..len.saturating_sub(1) / seq_len).map(move |i| (s, i * seq_len))
                 })
+                .take(per_part)
                 .collect();
             out.extend(
                 rows.chunks(batch)
-                    .take(per_part)
                     .map(|c| (p, self.rows_to_batch(c, seq_len, device))),
             );
             first += n;
-        }
-        if max_batches > 0 {
-            out.truncate(max_batches);
         }
         out
     }
@@ -575,5 +574,37 @@ mod tests {
             .narrow(0, 1, 99)
             .equal(&batches[0].y.get(0).narrow(0, 0, 99)));
         assert_eq!(batches[0].deps.as_ref().unwrap().len(), 4 * 100);
+    }
+
+    /// `max_batches` bounds the sequences and shares them between every part: two batches of
+    /// four over three parts are two sequences a part, each part in its own batch; a multiple
+    /// of the parts gives each part its whole batches, as before.
+    #[test]
+    fn a_few_batches_reach_every_part() {
+        let d = tmp("parts");
+        let spec = SynthSpec {
+            train_tokens: 5000,
+            val_tokens: 2000,
+            ..Default::default()
+        };
+        let meta = synth(&spec, &d.join("ds")).unwrap();
+        let shards: Vec<Shard> = (0..3)
+            .flat_map(|_| Split::open(&d.join("ds"), &meta, "val").unwrap().shards)
+            .collect();
+        let split = Split {
+            shards,
+            deps: None,
+            parts: vec![("a".into(), 1), ("b".into(), 1), ("c".into(), 1)],
+        };
+        let drawn = |max_batches| -> Vec<(usize, i64)> {
+            split
+                .sequential(4, 100, max_batches, tch::Device::Cpu)
+                .into_iter()
+                .map(|(p, b)| (p, b.x.size()[0]))
+                .collect()
+        };
+        assert_eq!(drawn(2), [(0, 2), (1, 2), (2, 2)]);
+        assert_eq!(drawn(6), [(0, 4), (0, 4), (1, 4), (1, 4), (2, 4), (2, 4)]);
+        assert_eq!(drawn(0).len(), 3 * 5);
     }
 }

@@ -156,18 +156,19 @@ impl TextTokenizer {
         (with.len() > without.len() && with[1..].starts_with(without)).then(|| with[0])
     }
 
-    /// The beginning-of-text token `tokenizer_config.json` declares (`bos_token`, a string or
-    /// an added token's `content`), as transformers' `tokenizer.bos_token_id` gives it, whether
-    /// or not the tokenizer adds it before a text (SmolLM2 declares `<|im_start|>` and adds
-    /// nothing); None without a declaration or for byte-level.
-    pub(crate) fn declared_bos(&self) -> Option<u32> {
+    /// The special token `tokenizer_config.json` declares under `key` (`bos_token`,
+    /// `eos_token`: a string or an added token's `content`), as transformers'
+    /// `tokenizer.bos_token_id` gives it, whether or not the tokenizer adds it to a text
+    /// (SmolLM2 declares `<|im_start|>` and adds nothing); None without a declaration or for
+    /// byte-level.
+    pub(crate) fn declared(&self, key: &str) -> Option<u32> {
         let TextTokenizer::Hf { tokenizer, path } = self else {
             return None;
         };
         let text = std::fs::read_to_string(path.with_file_name("tokenizer_config.json")).ok()?;
         let cfg: serde_json::Value = serde_json::from_str(&text).ok()?;
-        let bos = &cfg["bos_token"];
-        let name = bos.as_str().or_else(|| bos["content"].as_str())?;
+        let token = &cfg[key];
+        let name = token.as_str().or_else(|| token["content"].as_str())?;
         tokenizer.token_to_id(name)
     }
 

@@ -103,7 +103,7 @@ pub(super) fn encode_pair(
     // The harness's prefix token: the tokenizer's declared BOS (`bos_token_id`), else the one
     // its post-processor adds, else its end of text.
     let prefix = || {
-        tok.declared_bos()
+        tok.declared("bos_token")
             .or(tok.bos())
             .or(tok.eot())
             .context("an empty context needs a tokenizer with a beginning- or end-of-text token")

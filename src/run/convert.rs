@@ -628,9 +628,14 @@ fn copy_tokenizer(src: &Path, out: &Path, written: &mut Vec<PathBuf>) -> Result<
     Ok(())
 }
 
-/// Writes a trained full-attention or sliding-window model in the Hugging Face layout:
-/// config.json (Llama, Mistral for a window, Qwen2, Qwen3 or OLMo-2, by the model's
-/// features) and model.safetensors.
+/// Writes a trained model in the Hugging Face layout: config.json (full attention as Llama,
+/// Qwen2, Qwen3 or OLMo-2 by the model's features, a window as Mistral, every other method as
+/// transformers' Llama with the method's attention in `modeling_attnsweep.py`, which
+/// `trust_remote_code` loads), model.safetensors, and the tokenizer it reads (the run's own, which a converted
+/// model keeps beside its weights, else its data set's) with a generation config, so
+/// transformers' `AutoTokenizer` and `generate` work on the folder as it is. Its context is
+/// the longer of what the tokenizer's config declares (`model_max_length`) and what the run
+/// trained at.
 pub(crate) fn export(
     run: &Path,
     ckpt: Option<&Path>,
@@ -662,40 +667,31 @@ pub(crate) fn export(
         (NormPlacement::Pre, QkNorm::None, false) => Family::Llama,
         _ => bail!("this combination of norms and biases matches no Hugging Face family"),
     };
-    let family = match a.method {
-        Method::Full => family,
-        Method::Swa if family == Family::Llama => Family::Mistral,
-        Method::Swa => bail!("sliding-window export is supported for Llama-style models (as Mistral), not {family:?}"),
-        other => bail!("export writes full-attention or sliding-window models; this run is {other:?}"),
+    // Full attention and a Llama-style window are transformers' own models; every other
+    // method is transformers' Llama with the method's attention (`modeling_attnsweep.py`).
+    let native = match a.method {
+        Method::Full => Some(family),
+        Method::Swa if family == Family::Llama => Some(Family::Mistral),
+        _ => None,
     };
-    let mut c = json!({
-        "architectures": [family.architecture()],
-        "model_type": family.model_type(),
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size,
-        "num_hidden_layers": m.num_hidden_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_key_value_heads,
-        "head_dim": m.head_dim(),
-        "hidden_act": "silu",
-        "max_position_embeddings": loaded.cfg.data.seq_len.max(2048),
-        "rms_norm_eps": m.rms_norm_eps,
-        "rope_theta": m.rope_theta,
-        "tie_word_embeddings": m.tie_word_embeddings,
-        "initializer_range": m.initializer_range,
-        "attention_bias": m.attention_bias,
-        "torch_dtype": match dtype { OutDtype::Bf16 => "bfloat16", OutDtype::Fp16 => "float16", _ => "float32" },
-    });
-    if let Some(r) = &m.rope_scaling {
-        c["rope_scaling"] = json!({
-            "rope_type": r.rope_type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-            "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings,
-        });
+    if native.is_none() {
+        ensure!(
+            matches!(family, Family::Llama | Family::Qwen2),
+            "export writes {} models of Llama's shape (pre-norm, no q/k norms); this run's is \
+             {family:?}'s",
+            crate::config::name_of(a.method)
+        );
+        ensure!(
+            !a.reads().contains(&"bernoulli_p"),
+            "this run's gates are drawn at random (attention.router = \"bernoulli\"), which \
+             transformers cannot draw as attnsweep does; export a learned router's run"
+        );
     }
-    if family == Family::Mistral {
-        c["sliding_window"] = json!(a.window);
-    }
+    let mut c = exported_config(&loaded.cfg, native, dtype)?;
+    let tokenizer = [run, loaded.cfg.data.dir.as_path()]
+        .into_iter()
+        .find(|d| !d.as_os_str().is_empty() && d.join("tokenizer.json").is_file());
+    c["max_position_embeddings"] = json!(context(&loaded.cfg, tokenizer));
     atomic::ensure_writable_dir(out)?;
     let target = match dtype {
         OutDtype::Keep | OutDtype::Fp32 => Kind::Float,
@@ -711,6 +707,13 @@ pub(crate) fn export(
     atomic::write_with(&out.join("model.safetensors"), |tmp| {
         Ok(Tensor::write_safetensors(&tensors, tmp)?)
     })?;
+    if native.is_none() {
+        let code = crate::model::attention::hf_modeling(a.method);
+        atomic::write_bytes(&out.join("modeling_attnsweep.py"), code.as_bytes())?;
+    }
+    if let Some(d) = tokenizer {
+        write_tokenizer(d, out, &mut c)?;
+    }
     atomic::write_bytes(
         &out.join("config.json"),
         serde_json::to_string_pretty(&c)?.as_bytes(),
@@ -718,9 +721,191 @@ pub(crate) fn export(
     Ok(out.to_path_buf())
 }
 
+/// The config.json of a model: transformers' own family (`native`) or, for the other methods,
+/// transformers' Llama with the method's attention and its settings (`attnsweep`), which
+/// `modeling_attnsweep.py` reads.
+fn exported_config(cfg: &Config, native: Option<Family>, dtype: OutDtype) -> Result<Value> {
+    let (m, a) = (&cfg.model, &cfg.attention);
+    let (architecture, model_type) = match native {
+        Some(f) => (f.architecture(), f.model_type()),
+        None => ("AttnsweepForCausalLM", "attnsweep"),
+    };
+    let mut c = json!({
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads,
+        "head_dim": m.head_dim(),
+        "hidden_act": "silu",
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_theta": m.rope_theta,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "initializer_range": m.initializer_range,
+        "attention_bias": m.attention_bias,
+        "torch_dtype": match dtype { OutDtype::Bf16 => "bfloat16", OutDtype::Fp16 => "float16", _ => "float32" },
+    });
+    if let Some(r) = &m.rope_scaling {
+        c["rope_scaling"] = json!({
+            "rope_type": r.rope_type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings,
+        });
+    }
+    if native == Some(Family::Mistral) {
+        c["sliding_window"] = json!(a.window);
+    }
+    if native.is_none() {
+        c["auto_map"] = json!({
+            "AutoConfig": "modeling_attnsweep.AttnsweepConfig",
+            "AutoModelForCausalLM": "modeling_attnsweep.AttnsweepForCausalLM",
+        });
+        c["use_cache"] = json!(false);
+        c["attnsweep"] = json!({
+            "method": crate::config::name_of(a.method),
+            "window": a.window,
+            "tau": a.tau,
+            "ppa_power": a.ppa_power,
+            "hybrid_every": a.hybrid_every,
+            "sink_tokens": a.sink_tokens,
+            "pruned_layers": a.pruned_layers,
+            "shared_o_proj": a.swiattn_shared_o_proj,
+            "full_heads": (crate::model::attention::spec(a.method).fixed_heads)(m, a)?,
+        });
+    }
+    Ok(c)
+}
+
+/// The context a model is exported with: the longer of what its tokenizer's config declares
+/// (`model_max_length`) and what the run trained and evaluated at (2,048 at least where the
+/// tokenizer declares none).
+fn context(cfg: &Config, tokenizer: Option<&Path>) -> u64 {
+    let declared = tokenizer.and_then(|d| {
+        let text = std::fs::read_to_string(d.join("tokenizer_config.json")).ok()?;
+        let v: Value = serde_json::from_str(&text).ok()?;
+        // transformers writes a huge number where a tokenizer declares no length.
+        v["model_max_length"].as_u64().filter(|&n| n < 1 << 24)
+    });
+    let trained = cfg.data.seq_len.max(cfg.eval_seq_len()) as u64;
+    declared.map_or(trained.max(2048), |d| d.max(trained))
+}
+
+/// The tokenizer files of `dir` copied into `out`, its special tokens named in the config `c`,
+/// and a generation config (greedy, stopping at the declared end of text) where none came.
+fn write_tokenizer(dir: &Path, out: &Path, c: &mut Value) -> Result<()> {
+    copy_tokenizer(dir, out, &mut Vec::new())?;
+    let tok = crate::data::TextTokenizer::hf(&dir.join("tokenizer.json"))?;
+    let bos = tok.declared("bos_token").or(tok.bos());
+    let eos = tok.declared("eos_token").or(tok.eot());
+    c["bos_token_id"] = json!(bos);
+    c["eos_token_id"] = json!(eos);
+    if !out.join("generation_config.json").exists() {
+        let g = json!({"bos_token_id": bos, "eos_token_id": eos, "do_sample": false});
+        atomic::write_bytes(
+            &out.join("generation_config.json"),
+            serde_json::to_string_pretty(&g)?.as_bytes(),
+        )?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every method's model exports and runs in transformers: the logits of transformers'
+    /// model loaded from the folder (`trust_remote_code`, fp32) are attnsweep's within 1e-4 on
+    /// a tiny Llama-shaped model with routers whose gates open about half the time, and
+    /// `generate` continues greedily as the logits say. Full attention and the window load as
+    /// transformers' own Llama and Mistral.
+    #[test]
+    fn every_method_exports_to_transformers_with_its_logits() {
+        use crate::config::{Method, Router};
+        use crate::model::attention::ForwardCtx;
+        let dir = crate::util::scratch_dir("export-methods");
+        let ranking = dir.join("head_ranking.csv");
+        let rows: Vec<String> = (0..8)
+            .map(|i| format!("{},{},{},{}", i + 1, i % 2, i / 2, 1.0 - i as f64 / 8.0))
+            .collect();
+        std::fs::write(&ranking, format!("rank,layer,head,mu_f\n{}\n", rows.join("\n"))).unwrap();
+        tch::manual_seed(5);
+        let ids = Tensor::randint(64, [2, 24], (Kind::Int64, tch::Device::Cpu));
+        let mut cases = Vec::new();
+        for method in Method::ALL {
+            let mut c = Config::default();
+            (c.model.vocab_size, c.model.hidden_size, c.model.intermediate_size) = (64, 64, 96);
+            (c.model.num_hidden_layers, c.model.num_attention_heads) = (2, 4);
+            c.model.num_key_value_heads = 2;
+            c.train.device = "cpu".into();
+            let a = &mut c.attention;
+            (a.method, a.window, a.router) = (method, 5, Router::Learned);
+            (a.ppa_power, a.hybrid_every, a.sink_tokens) = (0.5, 2, 2);
+            (a.head_ranking, a.top_k) = (ranking.clone(), 3);
+            c.validate().unwrap();
+            let built = crate::run::Built::new(&c, tch::Device::Cpu).unwrap();
+            tch::no_grad(|| {
+                for (name, t) in built.params() {
+                    if name.contains("router") {
+                        let _ = t.shallow_clone().copy_(&(t.randn_like() * 0.5));
+                    }
+                }
+            });
+            let out = tch::no_grad(|| built.model.forward(&ids, &ForwardCtx::default()));
+            // A test that cannot fail on the gates: they open about half the time.
+            for g in out.layers.iter().filter_map(|l| l.gates.as_ref()) {
+                let open = g.mean(Kind::Float).double_value(&[]);
+                if method != Method::StaticHeads {
+                    assert!((0.1..0.9).contains(&open), "{method:?}: {open}");
+                }
+            }
+            let name = crate::config::name_of(method);
+            let run = dir.join(format!("run-{name}"));
+            std::fs::create_dir_all(&run).unwrap();
+            std::fs::write(run.join("config.toml"), c.to_toml()).unwrap();
+            let params: Vec<(String, Tensor)> = built.params().into_iter().collect();
+            Tensor::write_safetensors(&params, run.join("model.safetensors")).unwrap();
+            let hf = dir.join(format!("hf-{name}"));
+            export(&run, None, &hf, OutDtype::Fp32).unwrap();
+            let native = matches!(method, Method::Full | Method::Swa);
+            assert_eq!(hf.join("modeling_attnsweep.py").exists(), !native, "{name}");
+            cases.push((name, hf, out.logits));
+        }
+        let script = r#"
+import sys, torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+ids = torch.tensor(eval(sys.argv[1]))
+for path in sys.argv[2:]:
+    m = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, torch_dtype=torch.float32)
+    m.eval()
+    with torch.no_grad():
+        logits = m(ids).logits.float()
+        steps = m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        greedy = ids
+        for _ in range(3):
+            nxt = m(greedy).logits[:, -1].argmax(-1, keepdim=True)
+            greedy = torch.cat([greedy, nxt], 1)
+    assert torch.equal(steps, greedy), (path, steps, greedy)
+    save_file({"logits": logits.contiguous()}, path + "/logits.safetensors")
+"#;
+        let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
+        let ids_text = format!("{:?}", Vec::<Vec<i64>>::try_from(&ids).unwrap());
+        let o = std::process::Command::new(py)
+            .args(["-c", script, &ids_text])
+            .args(cases.iter().map(|c| c.1.clone()))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for (name, hf, ours) in &cases {
+            let theirs = Tensor::read_safetensors(hf.join("logits.safetensors")).unwrap();
+            let theirs = &theirs[0].1;
+            let err = (ours - theirs).norm().double_value(&[]) / ours.norm().double_value(&[]);
+            assert!(err < 1e-4, "{name}: transformers' logits differ by {err:.2e} (relative)");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A config of transformers 5 (rotary settings under rope_parameters) converts as the
     /// same config of transformers 4 does (rope_theta and rope_scaling).

@@ -1002,18 +1002,9 @@ mod tests {
         let mut plain = tiny_config();
         plain.eval = oracle_cfg.eval.clone();
         let meta = crate::data::Meta {
-            format: crate::data::meta::META_FORMAT,
             tokenizer: "byte".into(),
-            vocab_size: 257,
             eot_token: Some(256),
-            train: vec![],
-            val: vec![],
-            train_tokens: 0,
-            val_tokens: 0,
-            synth: None,
-            probes: None,
-            corpus: None,
-            shards_sha256: None,
+            ..crate::data::Meta::of_tokenizer(257)
         };
         let e = preflight(&plain, &meta, None).unwrap_err();
         assert!(
@@ -1093,12 +1084,12 @@ mod tests {
         let path = dir.join("tokenizer.json");
         std::fs::write(&path, format!("{}{}", &bos[..start], &bos[end..])).unwrap();
         let tok = TextTokenizer::hf(&path).unwrap();
-        assert_eq!((tok.bos(), tok.declared_bos()), (None, None));
+        assert_eq!((tok.bos(), tok.declared("bos_token")), (None, None));
         assert_eq!(encode_pair(&tok, "", "the").unwrap(), (vec![1], vec![2]));
         let config = dir.join("tokenizer_config.json");
         std::fs::write(&config, r#"{"bos_token": {"content": "<s>"}}"#).unwrap();
         let tok = TextTokenizer::hf(&path).unwrap();
-        assert_eq!(tok.declared_bos(), Some(0));
+        assert_eq!(tok.declared("bos_token"), Some(0));
         assert_eq!(encode_pair(&tok, "", "the").unwrap(), (vec![0], vec![2]));
         std::fs::remove_dir_all(&dir).unwrap();
     }

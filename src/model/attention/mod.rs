@@ -49,3 +49,13 @@ pub(crate) use {
     patterns::attend,
     shared::routed_pairs,
 };
+
+/// `modeling_attnsweep.py` for a model of method `m`: the decoder transformers runs
+/// (`hf/modeling_attnsweep.py`) and the method's own layer (`MethodSpec::hf`).
+pub(crate) fn hf_modeling(m: crate::config::Method) -> String {
+    format!(
+        "{}\n\n{}",
+        include_str!("hf/modeling_attnsweep.py"),
+        spec(m).hf
+    )
+}

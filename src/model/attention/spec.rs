@@ -66,6 +66,10 @@ pub(crate) struct MethodSpec {
     /// The paper tables and figures of its own (the shared ones, `summary.csv`, `pareto.csv`,
     /// the loss curves, hold every method).
     pub(crate) reports: &'static [Report],
+    /// Its layer in plain PyTorch for transformers (`methods/<file>.py`): the part `attnsweep
+    /// export` writes into `modeling_attnsweep.py` beside the shared decoder
+    /// (`hf/modeling_attnsweep.py`), registering the method under its config name.
+    pub(crate) hf: &'static str,
     /// The configurations every generated test runs it at (`tests.rs`, `step.rs`, `llama.rs`):
     /// a new method is checked by them as soon as it is registered.
     #[cfg_attr(not(test), allow(dead_code))]

@@ -412,6 +412,7 @@ pub(super) const AHA: MethodSpec = MethodSpec {
         Report::HeadUsage,
         Report::LambdaAblation,
     ],
+    hf: include_str!("aha.py"),
     examples: &[
         Example {
             name: "aha",
@@ -508,6 +509,7 @@ pub(super) const STATIC_HEADS: MethodSpec = MethodSpec {
             sort: &["method", "mu_f"],
         }),
     ],
+    hf: include_str!("aha.py"),
     examples: &[Example {
         name: "static_heads",
         set: |a| {

@@ -53,6 +53,7 @@ const fn fixed(
         baseline: None,
         head_budget: no_head_budget,
         reports: &[],
+        hf: include_str!("fixed.py"),
         examples,
     }
 }

@@ -237,6 +237,7 @@ pub(super) const L2A: MethodSpec = MethodSpec {
         }),
         Report::ThresholdSweep,
     ],
+    hf: include_str!("l2a.py"),
     examples: &[
         Example {
             name: "l2a",

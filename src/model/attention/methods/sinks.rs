@@ -64,6 +64,7 @@ pub(super) const SINKS: MethodSpec = MethodSpec {
     baseline: Some(baseline),
     head_budget: no_head_budget,
     reports: &[],
+    hf: include_str!("sinks.py"),
     examples: &[
         Example {
             name: "sinks",

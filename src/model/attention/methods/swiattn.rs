@@ -293,6 +293,7 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
             sort: &["variant"],
         }),
     ],
+    hf: include_str!("swiattn.py"),
     examples: &[Example {
         name: "swiattn",
         set: |a| a.method = Method::Swiattn,
