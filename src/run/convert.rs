@@ -16,6 +16,7 @@ use crate::run::gguf::FromGguf;
 use crate::run::memory;
 use crate::run::LoadedRun;
 use crate::util::atomic;
+use crate::util::progress::Ticks;
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -264,6 +265,7 @@ struct Lazy<'a> {
     shape: Vec<usize>,
     src: Dtype,
     dst: Dtype,
+    ticks: &'a Ticks,
 }
 
 impl View for Lazy<'_> {
@@ -274,6 +276,7 @@ impl View for Lazy<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
+        self.ticks.tick();
         if self.src == self.dst {
             return Cow::Borrowed(self.bytes);
         }
@@ -509,6 +512,7 @@ fn write_weights(
     let expected = manifest(&cfg.model);
     atomic::ensure_writable_dir(out)?;
     let mut parameters = 0u64;
+    let ticks = Ticks::new(expected.len() as u64, "tensors converted");
     let views: Vec<(String, Lazy)> = expected
         .iter()
         .map(|(n, _)| {
@@ -521,6 +525,7 @@ fn write_weights(
                     shape,
                     src: d,
                     dst: dtype.target(d),
+                    ticks: &ticks,
                 },
             ))
         })
@@ -529,6 +534,7 @@ fn write_weights(
         safetensors::tensor::serialize_to_file(views, &None, tmp)
             .map_err(|e| anyhow::anyhow!("writing weights: {e:?}"))
     })?;
+    ticks.finish();
     written.push(out.join("model.safetensors"));
     Ok((expected.len(), parameters))
 }

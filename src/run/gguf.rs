@@ -11,6 +11,7 @@
 //! drops the pre-tokenizer the file names (`tokenizer.ggml.pre`), so SmolLM2's digits, which
 //! llama.cpp and the model's own tokenizer split one by one, stay grouped there.
 
+use crate::util::progress::Ticks;
 use crate::io::gguf::{GgmlType, Gguf, Value as G};
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, View};
@@ -139,6 +140,7 @@ impl FromGguf {
     /// converting one at a time.
     pub(crate) fn write_safetensors(&self, path: &Path) -> Result<()> {
         let failed = RefCell::new(None);
+        let ticks = Ticks::new(self.tensors.len() as u64, "tensors converted");
         let views = self.tensors.iter().enumerate().map(|(i, (name, _))| {
             let info = &self.gguf.tensors[i];
             let view = OneTensor {
@@ -147,10 +149,12 @@ impl FromGguf {
                 dtype: dtype(info.ty),
                 shape: &info.shape,
                 failed: &failed,
+                ticks: &ticks,
             };
             (name.clone(), view)
         });
         let written = safetensors::tensor::serialize_to_file(views, &None, path);
+        ticks.finish();
         if let Some(e) = failed.into_inner() {
             return Err(e);
         }
@@ -167,6 +171,7 @@ struct OneTensor<'a> {
     dtype: Dtype,
     shape: &'a [usize],
     failed: &'a RefCell<Option<anyhow::Error>>,
+    ticks: &'a Ticks,
 }
 
 impl View for OneTensor<'_> {
@@ -184,6 +189,7 @@ impl View for OneTensor<'_> {
                 Err(e) => *self.failed.borrow_mut() = Some(e),
             }
         }
+        self.ticks.tick();
         Cow::Owned(out)
     }
     fn data_len(&self) -> usize {

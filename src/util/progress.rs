@@ -101,6 +101,34 @@ impl Progress {
     }
 }
 
+/// Progress over units done one at a time where only a shared reference reaches the work (the
+/// tensors of a file written lazily, each converted when the writer asks for its bytes).
+pub(crate) struct Ticks {
+    progress: std::cell::RefCell<Progress>,
+    done: std::cell::Cell<u64>,
+}
+
+impl Ticks {
+    /// `len` units named `label`, shown as `Progress` shows them (status lines in a log).
+    pub(crate) fn new(len: u64, label: &str) -> Ticks {
+        let every = Duration::from_secs(DEFAULT_STATUS_EVERY);
+        Ticks {
+            progress: std::cell::RefCell::new(Progress::new(len, label, false, every)),
+            done: std::cell::Cell::new(0),
+        }
+    }
+
+    /// One more unit done.
+    pub(crate) fn tick(&self) {
+        self.done.set(self.done.get() + 1);
+        self.progress.borrow_mut().update(self.done.get(), "");
+    }
+
+    pub(crate) fn finish(&self) {
+        self.progress.borrow().finish();
+    }
+}
+
 /// `h:mm:ss`.
 fn clock(seconds: f64) -> String {
     let s = seconds.max(0.0).round() as u64;
