@@ -10,11 +10,13 @@ TORCH_VERSION := 2.11.0
 STAMP         := $(VENV)/.torch-$(TORCH_VERSION)
 # The conversion tests build tiny models with transformers, and tiny GGUF files with
 # llama.cpp's gguf package, to compare logits against (transformers reads GGUF through
-# accelerate).
+# accelerate); the export test scores every method's exported model with
+# lm-evaluation-harness itself.
 TRANSFORMERS  := 4.57.6
 GGUF          := 0.19.0
 ACCELERATE    := 1.15.0
-TEST_STAMP    := $(VENV)/.transformers-$(TRANSFORMERS)-gguf-$(GGUF)-accelerate-$(ACCELERATE)
+LM_EVAL       := 0.4.9.2
+TEST_STAMP    := $(VENV)/.transformers-$(TRANSFORMERS)-gguf-$(GGUF)-accelerate-$(ACCELERATE)-lm_eval-$(LM_EVAL)
 BIN           := target/release/attnsweep
 
 # torch-sys finds libtorch through the project's Python environment; build.rs then bakes its
@@ -34,7 +36,7 @@ $(STAMP):
 
 $(TEST_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install --disable-pip-version-check --quiet transformers==$(TRANSFORMERS) \
-		gguf==$(GGUF) accelerate==$(ACCELERATE)
+		gguf==$(GGUF) accelerate==$(ACCELERATE) lm_eval==$(LM_EVAL)
 	touch $@
 
 build: setup

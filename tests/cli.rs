@@ -1276,6 +1276,112 @@ fn data_prepare_with_a_tokenizer_json() {
     assert!(err.contains("is not a readable tokenizer.json"), "{err}");
 }
 
+/// A trained model of every method, exported, is scored by lm-evaluation-harness itself from
+/// the folder as it is (its `hf` model with `trust_remote_code`, a multiple-choice task over a
+/// local file), and every log-likelihood it gives is ours (`eval --mc`) within 1e-4.
+#[test]
+fn lm_evaluation_harness_scores_every_exported_method() {
+    let d = scratch("lmeval");
+    let tj = d.join("tokenizer.json");
+    word_tokenizer(&tj);
+    let text = d.join("a.txt");
+    std::fs::write(&text, "the quick brown fox jumps over the lazy dog . ".repeat(100)).unwrap();
+    let ds = d.join("ds");
+    cli("data prepare")
+        .flag("--input", &text)
+        .flag("--out", &ds)
+        .words("--val-fraction 0.2")
+        .flag("--tokenizer", &tj)
+        .ok();
+    let mc = d.join("mc.jsonl");
+    std::fs::write(
+        &mc,
+        [
+            r#"{"context": "the quick", "choices": ["brown", "dog", "fox"], "gold": 0}"#,
+            r#"{"context": "the lazy", "choices": ["fox", "dog"], "gold": 1}"#,
+            r#"{"context": "jumps over the", "choices": ["lazy dog", "quick fox ."], "gold": 0}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let data = format!("data.dir={}", ds.display());
+    let methods = ["full", "swa", "ppa", "static_hybrid", "sinks", "aha", "l2a", "swiattn"];
+    let mut exported = Vec::new();
+    for m in methods {
+        let run = d.join(format!("run-{m}"));
+        let method = format!("attention.method={m}");
+        train(
+            &d,
+            &data,
+            run.file_name().unwrap().to_str().unwrap(),
+            &["--set", &method, "--set", "attention.window=3", "--set", "train.steps=3"],
+        );
+        cli("eval -q --log-samples")
+            .flag("--run", &run)
+            .flag("--mc", &mc)
+            .flag("--out", run.join("mc"))
+            .ok();
+        let hf = d.join(format!("hf-{m}"));
+        cli("export").flag("--run", &run).flag("--out", &hf).ok();
+        exported.push((m, run, hf));
+    }
+    // The task as the harness's config states a multiple-choice task over a local file (its
+    // `simple_evaluate` cannot yet print a task from outside its own folder, so the task and
+    // the model go to `evaluate` directly).
+    let script = r#"
+import json, sys
+from lm_eval.api.task import ConfigurableTask
+from lm_eval.evaluator import evaluate
+from lm_eval.models.huggingface import HFLM
+config = {"task": "attnsweep_mc", "dataset_path": "json",
+          "dataset_kwargs": {"data_files": {"test": sys.argv[1]}}, "test_split": "test",
+          "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+          "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}", "target_delimiter": " ",
+          "metric_list": [{"metric": "acc"}]}
+for path in sys.argv[2:]:
+    lm = HFLM(pretrained=path, trust_remote_code=True, dtype="float32", batch_size=1, device="cpu")
+    r = evaluate(lm=lm, task_dict={"attnsweep_mc": ConfigurableTask(config=config)}, log_samples=True)
+    docs = sorted(r["samples"]["attnsweep_mc"], key=lambda s: s["doc_id"])
+    json.dump([[resp[0][0] for resp in s["resps"]] for s in docs], open(path + "/lm_eval.json", "w"))
+"#;
+    let py = std::env::var("ATTNSWEEP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let cache = d.join("hf-cache");
+    let o = std::process::Command::new(py)
+        .args(["-c", script])
+        .arg(&mc)
+        .args(exported.iter().map(|e| &e.2))
+        .env("HF_HOME", &cache)
+        .env("HF_DATASETS_CACHE", &cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_DATASETS_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (m, run, hf) in &exported {
+        let theirs: Vec<Vec<f64>> =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("lm_eval.json")).unwrap())
+                .unwrap();
+        let ours: Vec<Vec<f64>> = std::fs::read_to_string(run.join("mc/samples_mc.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["filtered_resps"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| r[0].as_f64().unwrap())
+                    .collect()
+            })
+            .collect();
+        let shape = |v: &Vec<Vec<f64>>| v.iter().map(Vec::len).collect::<Vec<_>>();
+        assert_eq!((shape(&theirs), shape(&ours)), (vec![3, 2, 2], vec![3, 2, 2]), "{m}");
+        for (a, b) in theirs.iter().flatten().zip(ours.iter().flatten()) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{m}: harness {a}, ours {b}");
+        }
+    }
+}
+
 /// Probe documents train a byte-level model; `eval --tasks --mc` then writes the
 /// harness-shaped results, the tidy rows, the NIAH grid, the efficiency table and the
 /// samples, for a static and a routed method; bad task input fails clearly.

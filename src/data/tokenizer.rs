@@ -156,6 +156,14 @@ impl TextTokenizer {
         (with.len() > without.len() && with[1..].starts_with(without)).then(|| with[0])
     }
 
+    /// The text of token `id` in the vocabulary (`</s>`); None for byte-level.
+    pub(crate) fn id_to_token(&self, id: u32) -> Option<String> {
+        match self {
+            TextTokenizer::Bytes => None,
+            TextTokenizer::Hf { tokenizer, .. } => tokenizer.id_to_token(id),
+        }
+    }
+
     /// The special token `tokenizer_config.json` declares under `key` (`bos_token`,
     /// `eos_token`: a string or an added token's `content`), as transformers'
     /// `tokenizer.bos_token_id` gives it, whether or not the tokenizer adds it to a text

@@ -799,7 +799,9 @@ fn context(cfg: &Config, tokenizer: Option<&Path>) -> u64 {
 }
 
 /// The tokenizer files of `dir` copied into `out`, its special tokens named in the config `c`,
-/// and a generation config (greedy, stopping at the declared end of text) where none came.
+/// a tokenizer config where none came (transformers' fast tokenizer over the file, its end of
+/// text, the model's context), and a generation config (greedy, stopping at the declared end
+/// of text) where none came.
 fn write_tokenizer(dir: &Path, out: &Path, c: &mut Value) -> Result<()> {
     copy_tokenizer(dir, out, &mut Vec::new())?;
     let tok = crate::data::TextTokenizer::hf(&dir.join("tokenizer.json"))?;
@@ -807,6 +809,19 @@ fn write_tokenizer(dir: &Path, out: &Path, c: &mut Value) -> Result<()> {
     let eos = tok.declared("eos_token").or(tok.eot());
     c["bos_token_id"] = json!(bos);
     c["eos_token_id"] = json!(eos);
+    if !out.join("tokenizer_config.json").exists() {
+        let mut tc = json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": c["max_position_embeddings"],
+        });
+        if let Some(name) = eos.and_then(|id| tok.id_to_token(id)) {
+            tc["eos_token"] = json!(name);
+        }
+        atomic::write_bytes(
+            &out.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tc)?.as_bytes(),
+        )?;
+    }
     if !out.join("generation_config.json").exists() {
         let g = json!({"bos_token_id": bos, "eos_token_id": eos, "do_sample": false});
         atomic::write_bytes(
