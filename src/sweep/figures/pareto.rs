@@ -4,6 +4,7 @@
 use crate::sweep::figure::{series, sorted, Figure, Look, Panel, Series, XAxis};
 use crate::sweep::pareto::{self, accuracy, Cost};
 use crate::sweep::rows::Row;
+use crate::util::stats::mean_interval;
 use std::collections::BTreeMap;
 
 /// Per cost of `pareto::Cost`, over the comparable cells: validation loss against it, and
@@ -42,10 +43,8 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
             None => vec![("validation loss", &loss, false)],
         };
         for (y, quality, higher_better) in qualities {
-            let points: Vec<(&Row, (f64, f64))> = rows
-                .iter()
-                .filter_map(|r| Some((r, (cost.of(r)?, quality(r)?))))
-                .collect();
+            let bounds = higher_better.then_some((0.0, 1.0));
+            let (points, errors) = replicate_points(&rows, |r| Some((cost.of(r)?, quality(r)?)), bounds);
             if points.len() < 2 {
                 continue;
             }
@@ -63,7 +62,7 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                 .map(|(p, _)| p.1)
                 .collect();
             let mut families: BTreeMap<String, Series> = BTreeMap::new();
-            for ((r, p), on) in points.iter().zip(&on) {
+            for (((r, p), on), err) in points.iter().zip(&on).zip(&errors) {
                 let s = families
                     .entry(pareto::family(r))
                     .or_insert_with_key(|name| Series {
@@ -75,6 +74,7 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                         look: look_of(name),
                     });
                 s.points.push(*p);
+                s.errors.push(*err);
                 // Settings beside the front's points only: the cells off it crowd together,
                 // and the legend names every method (pareto.csv has each cell's settings).
                 s.labels.push(match (on, pareto::settings(r)) {
@@ -84,7 +84,14 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
                 });
             }
             let mut series = vec![self::series("Pareto front".into(), front, true)];
-            series.extend(sorted(families.into_values().collect()));
+            // Error bars only where some setting has replicates.
+            let families = families.into_values().map(|mut s| {
+                if s.errors.iter().all(|e| !e.0.is_finite()) {
+                    s.errors.clear();
+                }
+                s
+            });
+            series.extend(sorted(families.collect()));
             panels.push(Panel {
                 title: format!(
                     "{y} (front: {})",
@@ -120,4 +127,35 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
         figs.push((stem, fig));
     }
     figs
+}
+
+/// One point per setting (a stage's cells that differ only in their seed): the mean of its
+/// replicates' `(cost, quality)`, with the quality's 95 % interval over them (inside `bounds`
+/// for a bounded quality; NaN for one replicate), and the setting's first cell, which names
+/// it. Seeds drawn one by one would cluster and hide each other.
+fn replicate_points<'a>(
+    rows: &'a [Row],
+    xy: impl Fn(&Row) -> Option<(f64, f64)>,
+    bounds: Option<(f64, f64)>,
+) -> (Vec<(&'a Row, (f64, f64))>, Vec<(f64, f64)>) {
+    let mut groups: Vec<(&Row, Vec<(f64, f64)>)> = Vec::new();
+    for r in rows {
+        let Some(p) = xy(r) else { continue };
+        let setting = r.setting_text();
+        match groups
+            .iter_mut()
+            .find(|(g, _)| g.stage == r.stage && g.setting_text() == setting)
+        {
+            Some((_, ps)) => ps.push(p),
+            None => groups.push((r, vec![p])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(r, ps)| {
+            let (xs, ys): (Vec<f64>, Vec<f64>) = ps.into_iter().unzip();
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+            ((r, (mean(&xs), mean(&ys))), mean_interval(&ys, bounds))
+        })
+        .unzip()
 }

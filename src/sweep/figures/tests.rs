@@ -120,6 +120,57 @@ fn the_reference_line_is_one_full_attention_set_up() {
     assert!((line - 1.2).abs() < 1e-12, "{line}");
 }
 
+/// The Pareto figure draws a setting's replicates as one point, their mean, with the
+/// quality's 95 % interval as its error bar; a setting of one replicate has none.
+#[test]
+fn pareto_points_are_replicate_means_with_error_bars() {
+    let dir = fixture::sweep_dir("pareto-means");
+    let all = rows(&dir).unwrap().rows;
+    let loss_points = |rows: &[Row]| -> Vec<(String, Vec<(f64, f64)>, Vec<(f64, f64)>)> {
+        let figs = super::pareto::pareto_figures(rows);
+        let (_, fig) = figs.iter().find(|(stem, _)| stem == "pareto").expect("a front");
+        let series = match fig {
+            Figure::Lines { series, .. } => series.clone(),
+            Figure::Panels { panels, .. } => panels[0].series.clone(),
+            _ => panic!("a line figure"),
+        };
+        series
+            .into_iter()
+            .map(|s| (s.name, s.points, s.errors))
+            .collect()
+    };
+    let before = loss_points(&all);
+    let i = all
+        .iter()
+        .position(|r| r.kind == StageKind::Train && !r.is_reference() && r.mu_f().is_some())
+        .expect("a routed train cell");
+    let seeded = |seed: &str, loss: f64| {
+        let mut r = all[i].clone();
+        r.cell = format!("{}-{seed}", r.cell);
+        r.varied.push(("train.seed".into(), seed.into()));
+        r.report.loss = loss;
+        r
+    };
+    let mean = (all[i].loss() + 0.1 + all[i].loss() - 0.1) / 2.0;
+    let mut replicated: Vec<Row> = all.clone();
+    replicated[i] = seeded("1", all[i].loss() + 0.1);
+    replicated.insert(i + 1, seeded("2", all[i].loss() - 0.1));
+    let after = loss_points(&replicated);
+    let family = crate::sweep::pareto::family(&all[i]);
+    let count = |v: &[(String, Vec<(f64, f64)>, Vec<(f64, f64)>)]| {
+        v.iter().find(|s| s.0 == family).map(|s| s.1.len())
+    };
+    assert_eq!(count(&after), count(&before), "one point for the two seeds");
+    let (_, points, errors) = after.iter().find(|s| s.0 == family).unwrap();
+    let k = points
+        .iter()
+        .position(|p| (p.1 - mean).abs() < 1e-12)
+        .expect("the replicates' mean");
+    assert!(errors[k].0 < mean && errors[k].1 > mean, "{errors:?}");
+    let (_, _, single) = before.iter().find(|s| s.0 == family).unwrap();
+    assert!(single.is_empty(), "no error bar without replicates: {single:?}");
+}
+
 #[test]
 fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
     let dir = fixture::sweep_dir("control-series");
