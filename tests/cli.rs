@@ -325,7 +325,10 @@ fn init_from_loads_matching_names_and_reports_new_ones() {
         .flag("--init-from", &base)
         .ok();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("no --config") && err.contains("config.toml"), "{err}");
+    assert!(
+        err.contains("no --config") && err.contains("config.toml"),
+        "{err}"
+    );
     let config = |run: &Path| std::fs::read_to_string(run.join("config.toml")).unwrap();
     let model = |text: String| text.parse::<toml::Table>().unwrap()["model"].clone();
     assert_eq!(model(config(&inherit)), model(config(&base)));
@@ -1247,7 +1250,11 @@ fn data_prepare_with_a_tokenizer_json() {
     let model = d.join("model");
     std::fs::create_dir_all(&model).unwrap();
     let ds_line = format!("dir = {:?}", ds.display().to_string());
-    std::fs::write(model.join("config.toml"), cfg.replace(&ds_line, "dir = \"\"")).unwrap();
+    std::fs::write(
+        model.join("config.toml"),
+        cfg.replace(&ds_line, "dir = \"\""),
+    )
+    .unwrap();
     let weights = std::fs::read_dir(d.join("run/checkpoints"))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -1285,7 +1292,11 @@ fn lm_evaluation_harness_scores_every_exported_method() {
     let tj = d.join("tokenizer.json");
     word_tokenizer(&tj);
     let text = d.join("a.txt");
-    std::fs::write(&text, "the quick brown fox jumps over the lazy dog . ".repeat(100)).unwrap();
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog . ".repeat(100),
+    )
+    .unwrap();
     let ds = d.join("ds");
     cli("data prepare")
         .flag("--input", &text)
@@ -1305,7 +1316,16 @@ fn lm_evaluation_harness_scores_every_exported_method() {
     )
     .unwrap();
     let data = format!("data.dir={}", ds.display());
-    let methods = ["full", "swa", "ppa", "static_hybrid", "sinks", "aha", "l2a", "swiattn"];
+    let methods = [
+        "full",
+        "swa",
+        "ppa",
+        "static_hybrid",
+        "sinks",
+        "aha",
+        "l2a",
+        "swiattn",
+    ];
     let mut exported = Vec::new();
     for m in methods {
         let run = d.join(format!("run-{m}"));
@@ -1314,7 +1334,14 @@ fn lm_evaluation_harness_scores_every_exported_method() {
             &d,
             &data,
             run.file_name().unwrap().to_str().unwrap(),
-            &["--set", &method, "--set", "attention.window=3", "--set", "train.steps=3"],
+            &[
+                "--set",
+                &method,
+                "--set",
+                "attention.window=3",
+                "--set",
+                "train.steps=3",
+            ],
         );
         cli("eval -q --log-samples")
             .flag("--run", &run)
@@ -1375,9 +1402,16 @@ for path in sys.argv[2:]:
             })
             .collect();
         let shape = |v: &Vec<Vec<f64>>| v.iter().map(Vec::len).collect::<Vec<_>>();
-        assert_eq!((shape(&theirs), shape(&ours)), (vec![3, 2, 2], vec![3, 2, 2]), "{m}");
+        assert_eq!(
+            (shape(&theirs), shape(&ours)),
+            (vec![3, 2, 2], vec![3, 2, 2]),
+            "{m}"
+        );
         for (a, b) in theirs.iter().flatten().zip(ours.iter().flatten()) {
-            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{m}: harness {a}, ours {b}");
+            assert!(
+                (a - b).abs() < 1e-4 * b.abs().max(1.0),
+                "{m}: harness {a}, ours {b}"
+            );
         }
     }
 }

@@ -493,7 +493,11 @@ fn an_export_carries_its_tokenizer_and_context() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         assert!(hf.join(f).is_file(), "{f} missing from the export");
     }
     let c: serde_json::Value =

@@ -917,10 +917,16 @@ mod tests {
                 format!("attention.window={w}"),
             ]
         };
-        let (a, b) = (default_eval_dir(run, &long(8), false), default_eval_dir(run, &long(9), false));
+        let (a, b) = (
+            default_eval_dir(run, &long(8), false),
+            default_eval_dir(run, &long(9), false),
+        );
         let name = |p: &Path| p.file_name().unwrap().to_string_lossy().into_owned();
         assert_ne!(a, b);
-        assert!(name(&a).len() <= 5 + 40 + 9 && a.parent() == Some(run), "{a:?}");
+        assert!(
+            name(&a).len() <= 5 + 40 + 9 && a.parent() == Some(run),
+            "{a:?}"
+        );
     }
 
     /// libtorch's refusal of an allocation, as tch panics with it and as an error carries it:

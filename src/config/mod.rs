@@ -529,8 +529,11 @@ mod tests {
         assert_eq!(c.train.warmup_steps, 2);
         let c = Config::load(None, &["train.steps=500".into()]).unwrap();
         assert_eq!(c.train.warmup_steps, 100);
-        let e = Config::load(None, &["train.steps=20".into(), "train.warmup_steps=50".into()])
-            .unwrap_err();
+        let e = Config::load(
+            None,
+            &["train.steps=20".into(), "train.warmup_steps=50".into()],
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("train.warmup_steps"), "{e:#}");
     }
 

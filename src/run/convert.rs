@@ -850,13 +850,21 @@ mod tests {
         let rows: Vec<String> = (0..8)
             .map(|i| format!("{},{},{},{}", i + 1, i % 2, i / 2, 1.0 - i as f64 / 8.0))
             .collect();
-        std::fs::write(&ranking, format!("rank,layer,head,mu_f\n{}\n", rows.join("\n"))).unwrap();
+        std::fs::write(
+            &ranking,
+            format!("rank,layer,head,mu_f\n{}\n", rows.join("\n")),
+        )
+        .unwrap();
         tch::manual_seed(5);
         let ids = Tensor::randint(64, [2, 24], (Kind::Int64, tch::Device::Cpu));
         let mut cases = Vec::new();
         for method in Method::ALL {
             let mut c = Config::default();
-            (c.model.vocab_size, c.model.hidden_size, c.model.intermediate_size) = (64, 64, 96);
+            (
+                c.model.vocab_size,
+                c.model.hidden_size,
+                c.model.intermediate_size,
+            ) = (64, 64, 96);
             (c.model.num_hidden_layers, c.model.num_attention_heads) = (2, 4);
             c.model.num_key_value_heads = 2;
             c.train.device = "cpu".into();
@@ -923,7 +931,10 @@ for path in sys.argv[2:]:
             let theirs = Tensor::read_safetensors(hf.join("logits.safetensors")).unwrap();
             let theirs = &theirs[0].1;
             let err = (ours - theirs).norm().double_value(&[]) / ours.norm().double_value(&[]);
-            assert!(err < 1e-4, "{name}: transformers' logits differ by {err:.2e} (relative)");
+            assert!(
+                err < 1e-4,
+                "{name}: transformers' logits differ by {err:.2e} (relative)"
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

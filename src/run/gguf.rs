@@ -11,8 +11,8 @@
 //! drops the pre-tokenizer the file names (`tokenizer.ggml.pre`), so SmolLM2's digits, which
 //! llama.cpp and the model's own tokenizer split one by one, stay grouped there.
 
-use crate::util::progress::Ticks;
 use crate::io::gguf::{GgmlType, Gguf, Value as G};
+use crate::util::progress::Ticks;
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, View};
 use serde_json::{json, Map, Value};

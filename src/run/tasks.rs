@@ -973,8 +973,9 @@ mod tests {
         c.eval.samples = 3;
         let b = Built::new(&c, Device::Cpu).unwrap();
         let tok = TextTokenizer::Bytes;
-        let run =
-            |c: &Config| run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu, false).unwrap();
+        let run = |c: &Config| {
+            run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu, false).unwrap()
+        };
         // The router starts open everywhere (sigmoid(1) > tau): its own span recall is 1 too.
         let learned = run(&c);
         let own = learned.cells[0]

@@ -93,16 +93,21 @@ pub(crate) fn bounds(metric: &str) -> Option<(f64, f64)> {
         "censored_heads",
     ];
     let task_score = metric.contains('.')
-        && (["exact_match", "recall", "span_recall", "full_ratio", "acc", "acc_norm"]
-            .iter()
-            .any(|m| metric.ends_with(&format!(".{m}")))
+        && ([
+            "exact_match",
+            "recall",
+            "span_recall",
+            "full_ratio",
+            "acc",
+            "acc_norm",
+        ]
+        .iter()
+        .any(|m| metric.ends_with(&format!(".{m}")))
             || metric.starts_with("ruler.score_"));
     if UNIT.contains(&metric) || task_score {
         Some((0.0, 1.0))
     } else {
-        POSITIVE
-            .contains(&metric)
-            .then_some((0.0, f64::INFINITY))
+        POSITIVE.contains(&metric).then_some((0.0, f64::INFINITY))
     }
 }
 

@@ -458,7 +458,11 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
-    write_or_remove(&out.join("layer_usage.csv"), layer_table(&rows)?, &mut written)?;
+    write_or_remove(
+        &out.join("layer_usage.csv"),
+        layer_table(&rows)?,
+        &mut written,
+    )?;
     Ok(Plotted {
         written,
         unread,

@@ -468,7 +468,10 @@ mod tests {
         let (lo, hi) = mean_interval(&rates, Some((0.0, f64::INFINITY)));
         let (g, h) = (1000f64.ln(), t975(2.0) * (1f64 / 3.0).sqrt() * 10f64.ln());
         let close = |a: f64, b: f64| ((a - b) / b).abs() < 1e-9;
-        assert!(close(lo, (g - h).exp()) && close(hi, (g + h).exp()), "{lo} {hi}");
+        assert!(
+            close(lo, (g - h).exp()) && close(hi, (g + h).exp()),
+            "{lo} {hi}"
+        );
         let counts = [0.0, 0.0, 3.0];
         let t = mean_interval(&counts, None);
         assert_eq!(

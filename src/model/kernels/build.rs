@@ -86,10 +86,11 @@ fn sources() -> Vec<(&'static str, String)> {
 
 /// A hash of the sources and the interface version they are compiled with.
 fn source_hash() -> String {
-    let h = sources().iter().fold(
-        fnv1a_from(FNV_BASIS, &ABI.to_le_bytes()),
-        |h, (n, s)| fnv1a_from(fnv1a_from(h, n.as_bytes()), s.as_bytes()),
-    );
+    let h = sources()
+        .iter()
+        .fold(fnv1a_from(FNV_BASIS, &ABI.to_le_bytes()), |h, (n, s)| {
+            fnv1a_from(fnv1a_from(h, n.as_bytes()), s.as_bytes())
+        });
     format!("{:08x}", h >> 32)
 }
 

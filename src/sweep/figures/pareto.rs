@@ -44,7 +44,8 @@ pub(super) fn pareto_figures(all: &[Row]) -> Vec<(String, Figure)> {
         };
         for (y, quality, higher_better) in qualities {
             let bounds = higher_better.then_some((0.0, 1.0));
-            let (points, errors) = replicate_points(&rows, |r| Some((cost.of(r)?, quality(r)?)), bounds);
+            let (points, errors) =
+                replicate_points(&rows, |r| Some((cost.of(r)?, quality(r)?)), bounds);
             if points.len() < 2 {
                 continue;
             }

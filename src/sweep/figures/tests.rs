@@ -4,12 +4,12 @@ use super::cells::{niah_figures, probe_usage_maps};
 use super::gates::usage_and_loss;
 use super::series::{full_reference, grouped, with_reference};
 use super::*;
+use crate::model::attention::spec;
 use crate::sweep::axes::cell_label;
 use crate::sweep::cell_files;
 use crate::sweep::figure::tests::render;
 use crate::sweep::figure::Figure;
 use crate::sweep::fixture;
-use crate::model::attention::spec;
 
 const WINDOW: &str = "attention.window";
 
@@ -128,7 +128,10 @@ fn pareto_points_are_replicate_means_with_error_bars() {
     let all = rows(&dir).unwrap().rows;
     let loss_points = |rows: &[Row]| -> Vec<(String, Vec<(f64, f64)>, Vec<(f64, f64)>)> {
         let figs = super::pareto::pareto_figures(rows);
-        let (_, fig) = figs.iter().find(|(stem, _)| stem == "pareto").expect("a front");
+        let (_, fig) = figs
+            .iter()
+            .find(|(stem, _)| stem == "pareto")
+            .expect("a front");
         let series = match fig {
             Figure::Lines { series, .. } => series.clone(),
             Figure::Panels { panels, .. } => panels[0].series.clone(),
@@ -168,7 +171,10 @@ fn pareto_points_are_replicate_means_with_error_bars() {
         .expect("the replicates' mean");
     assert!(errors[k].0 < mean && errors[k].1 > mean, "{errors:?}");
     let (_, _, single) = before.iter().find(|s| s.0 == family).unwrap();
-    assert!(single.is_empty(), "no error bar without replicates: {single:?}");
+    assert!(
+        single.is_empty(),
+        "no error bar without replicates: {single:?}"
+    );
 }
 
 #[test]
