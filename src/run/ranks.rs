@@ -2,9 +2,10 @@
 //! launcher sets: torchrun's, Slurm's, or `launch`'s own), and `launch`, which starts the
 //! ranks of `train --gpus N` on this machine and stops them all when one fails.
 //!
-//! The launcher passes its whole environment on to every rank (the GPU host's
-//! `NCCL_NVLS_ENABLE=0` and its kin among it) and adds only the rank's place and, unless set,
-//! `OMP_NUM_THREADS` (the machine's cores shared out between the ranks).
+//! The launcher passes its whole environment on to every rank and adds only the rank's place
+//! and, unless set, `OMP_NUM_THREADS` (the machine's cores shared out between the ranks) and
+//! the settings that keep NVLink multicast off (`NO_MULTICAST`). A rank started by torchrun
+//! or srun sets those itself, where they are unset, before it joins the job.
 
 use crate::model::kernels;
 use crate::model::kernels::dist::{Dist, Rendezvous};
@@ -93,9 +94,28 @@ pub(crate) struct Team {
 const FIRST_BUCKET: usize = 1 << 20;
 const BUCKET: usize = 25 << 20;
 
+/// NVLink multicast (NCCL's NVLS, torch's symmetric memory, NVSHMEM's) stays off: every rank
+/// runs with these unless its environment already sets them.
+pub(crate) const NO_MULTICAST: [(&str, &str); 3] = [
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+];
+
+/// The `NO_MULTICAST` settings this process's environment leaves unset.
+fn unset_multicast() -> impl Iterator<Item = (&'static str, &'static str)> {
+    NO_MULTICAST
+        .into_iter()
+        .filter(|(k, _)| std::env::var_os(k).is_none())
+}
+
 impl Team {
-    /// Joins the job from `device` (NCCL between GPUs, Gloo between CPU processes).
+    /// Joins the job from `device` (NCCL between GPUs, Gloo between CPU processes), with
+    /// multicast off where a launcher other than ours left it unset (before NCCL reads it).
     pub(crate) fn join(place: &Place, device: Device, timeout_s: f64) -> Result<Team> {
+        for (k, v) in unset_multicast() {
+            std::env::set_var(k, v);
+        }
         let kern = match device {
             Device::Cuda(_) => kernels::cuda().context(
                 "data-parallel training on GPUs needs the CUDA kernel library (attnsweep kernels \
@@ -234,6 +254,7 @@ pub(crate) fn launch(ranks: usize) -> Result<()> {
     for r in 0..ranks {
         let child = Command::new(&exe)
             .args(&args)
+            .envs(unset_multicast())
             .env("OMP_NUM_THREADS", &threads)
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", ranks.to_string())
