@@ -1197,9 +1197,9 @@ fn word_tokenizer(path: &Path) {
     tok.save(path, false).unwrap();
 }
 
-#[test]
-fn data_prepare_with_a_tokenizer_json() {
-    let d = scratch("tok");
+/// In `d`: the word-level `tokenizer.json`, a text of its words and the data set prepared from
+/// it (a fifth held out), as (tokenizer, text, data set).
+fn word_data_set(d: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let tj = d.join("tokenizer.json");
     word_tokenizer(&tj);
     let text = d.join("a.txt");
@@ -1215,6 +1215,13 @@ fn data_prepare_with_a_tokenizer_json() {
         .words("--val-fraction 0.2")
         .flag("--tokenizer", &tj)
         .ok();
+    (tj, text, ds)
+}
+
+#[test]
+fn data_prepare_with_a_tokenizer_json() {
+    let d = scratch("tok");
+    let (tj, text, ds) = word_data_set(&d);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ds.join("meta.json")).unwrap()).unwrap();
     assert_eq!(meta["vocab_size"], 11);
@@ -1289,21 +1296,7 @@ fn data_prepare_with_a_tokenizer_json() {
 #[test]
 fn lm_evaluation_harness_scores_every_exported_method() {
     let d = scratch("lmeval");
-    let tj = d.join("tokenizer.json");
-    word_tokenizer(&tj);
-    let text = d.join("a.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog . ".repeat(100),
-    )
-    .unwrap();
-    let ds = d.join("ds");
-    cli("data prepare")
-        .flag("--input", &text)
-        .flag("--out", &ds)
-        .words("--val-fraction 0.2")
-        .flag("--tokenizer", &tj)
-        .ok();
+    let (_, _, ds) = word_data_set(&d);
     let mc = d.join("mc.jsonl");
     std::fs::write(
         &mc,

@@ -957,20 +957,26 @@ mod tests {
         );
     }
 
+    /// The tiny model of `method` probed with three passkeys at depth 0.5 of 512 tokens.
+    fn passkey_config(method: Method) -> Config {
+        let mut c = tiny_config();
+        c.attention.method = method;
+        c.data.seq_len = 512;
+        c.eval.tasks = vec!["passkey".into()];
+        c.eval.lengths = vec![512];
+        c.eval.depths = vec![0.5];
+        c.eval.samples = 3;
+        c
+    }
+
     /// The oracle's gates open exactly a probe's needles and question in every layer and head
     /// (span recall 1), whatever the router learned; a model's own gates report where they
     /// fall on the same spans; probes differ with the replicate's seed; and a model without
     /// gates is refused the oracle.
     #[test]
     fn the_oracle_opens_the_needles_and_the_question() {
-        let mut c = tiny_config();
-        c.attention.method = Method::Aha;
+        let mut c = passkey_config(Method::Aha);
         c.attention.window = 4;
-        c.data.seq_len = 512;
-        c.eval.tasks = vec!["passkey".into()];
-        c.eval.lengths = vec![512];
-        c.eval.depths = vec![0.5];
-        c.eval.samples = 3;
         let b = Built::new(&c, Device::Cpu).unwrap();
         let tok = TextTokenizer::Bytes;
         let run = |c: &Config| {
@@ -1024,16 +1030,10 @@ mod tests {
         let name = "the_oracle_opens_on_the_gpu_what_it_opens_on_the_cpu";
         crate::model::kernels::tests::on_cuda(name, |_| {
             for method in [Method::Aha, Method::L2a, Method::Swiattn] {
-                let mut c = tiny_config();
+                let mut c = passkey_config(method);
                 c.model.hidden_size = 128;
                 c.model.num_key_value_heads = 2;
-                c.attention.method = method;
                 c.attention.window = 16;
-                c.data.seq_len = 512;
-                c.eval.tasks = vec!["passkey".into()];
-                c.eval.lengths = vec![512];
-                c.eval.depths = vec![0.5];
-                c.eval.samples = 3;
                 c.eval.gates = ProbeGates::Oracle;
                 let usage = |c: &Config, dev: Device| {
                     let b = Built::new(c, dev).unwrap();
