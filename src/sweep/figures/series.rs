@@ -150,18 +150,23 @@ pub(super) fn full_reference<'a>(
         .into_iter()
         .filter(|r| spec(r.method).reference && r.budget_tokens == budget)
         .collect();
-    let stage = &candidates
+    // Without a trained reference here (only evaluations of one), those evaluations are it.
+    let stage = candidates
         .iter()
-        .find(|r| r.kind == StageKind::Train)?
-        .stage;
+        .find(|r| r.kind == StageKind::Train)
+        .map(|r| r.stage.as_str());
     let trained: Vec<&str> = candidates
         .iter()
-        .filter(|r| r.kind == StageKind::Train && &r.stage == stage)
+        .filter(|r| r.kind == StageKind::Train && Some(r.stage.as_str()) == stage)
         .map(|r| r.cell.as_str())
         .collect();
     let values: Vec<f64> = candidates
         .into_iter()
-        .filter(|r| trained.contains(&r.cell.as_str()) || trained.contains(&r.source.as_str()))
+        .filter(|r| {
+            stage.is_none()
+                || trained.contains(&r.cell.as_str())
+                || trained.contains(&r.source.as_str())
+        })
         .filter_map(metric)
         .collect();
     (!values.is_empty()).then(|| summarize(&values).mean)
