@@ -24,6 +24,7 @@
 
 #ifdef ATTNSWEEP_CUDA
 #include "attention.cuh"
+#include "decode.cuh"
 #include "loss.cuh"
 #include "norm.cuh"
 #include "optim.cuh"
@@ -32,6 +33,7 @@
 #include "swiglu.cuh"
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #else
@@ -704,6 +706,33 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
 }
 
+// Single-query attention over a decoding cache (decode.cuh states the arguments), in ATen: the
+// CPU build's form of the decode kernel, and what the GPU tests compare it with.
+at::Tensor decode_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kpos,
+                            const at::Tensor& qpos, int64_t window, int64_t sinks, const at::Tensor* near) {
+    auto d = qpos - kpos;
+    auto reach = window < 0 ? at::ones_like(d, d.options().dtype(at::kBool)) : d.lt(window);
+    if (sinks > 0) reach = reach.logical_or(kpos.lt(sinks));
+    if (near) reach = reach.logical_or(near->index_select(0, d.clamp(0, near->size(0) - 1)));
+    auto seen = reach.logical_and(kpos.ge(0)).logical_and(d.ge(0));
+    const auto group = q.size(1) / k.size(1);
+    auto kf = k.to(at::kFloat).repeat_interleave(group, 1), vf = v.to(at::kFloat).repeat_interleave(group, 1);
+    auto s = at::matmul(q.to(at::kFloat), kf.transpose(-1, -2)) / std::sqrt((double)q.size(3));
+    s = s.masked_fill(seen.logical_not(), -INFINITY);
+    return at::matmul(at::softmax(s, -1).nan_to_num(0.0), vf).to(q.scalar_type());
+}
+
+// A CUDA graph captured from the work the caller queues between graph_begin and graph_end on
+// this thread, on a stream of its own (a graph is not captured on the default stream).
+#ifdef ATTNSWEEP_CUDA
+struct Graph {
+    at::cuda::CUDAGraph graph;
+    c10::cuda::CUDAStream previous = c10::cuda::getCurrentCUDAStream();
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    bool capturing = false;
+};
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -1022,6 +1051,106 @@ int attnsweep_adamw(const at::Tensor* const* params, const at::Tensor* const* gr
         reference_adamw(p, g, m, v, step);
         return 0;
     });
+}
+
+// Single-query attention over a decoding cache (decode.cuh), the CUDA kernel for bf16 CUDA
+// tensors, the ATen reference otherwise. Returns a new at::Tensor* [B, H, 1, D], or null with
+// a message in err.
+void* attnsweep_decode_attention(const at::Tensor* q, const at::Tensor* k, const at::Tensor* v, const at::Tensor* kpos,
+                                 const at::Tensor* qpos, int64_t window, int64_t sinks, const at::Tensor* near,
+                                 char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(q->dim() == 4 && q->size(2) == 1, "decode attention takes one query a row: q [B, H, 1, D]");
+        TORCH_CHECK(k->dim() == 4 && k->sizes() == v->sizes() && k->size(0) == q->size(0) && k->size(3) == q->size(3),
+                    "decode attention: k and v must be [B, Hkv, S, D] for q [B, H, 1, D]");
+        TORCH_CHECK(q->size(1) % k->size(1) == 0, "decode attention: query heads must be a multiple of KV heads");
+        TORCH_CHECK(kpos->dim() == 1 && kpos->size(0) == k->size(2) && kpos->scalar_type() == at::kLong,
+                    "decode attention: kpos must be int64 [S]");
+        TORCH_CHECK(qpos->numel() == 1 && qpos->scalar_type() == at::kLong, "decode attention: qpos must be int64 [1]");
+        TORCH_CHECK(!near || (near->dim() == 1 && near->numel() > 0 && near->scalar_type() == at::kBool),
+                    "decode attention: near must be a non-empty bool [T]");
+        for (const at::Tensor* t : {k, v, kpos, qpos})
+            TORCH_CHECK(t->device() == q->device(), "decode attention: tensors on different devices");
+        TORCH_CHECK(!near || near->device() == q->device(), "decode attention: tensors on different devices");
+        if (q->is_cuda()) {
+#ifdef ATTNSWEEP_CUDA
+            TORCH_CHECK(q->scalar_type() == at::kBFloat16 && k->scalar_type() == at::kBFloat16 &&
+                            v->scalar_type() == at::kBFloat16,
+                        "the decode kernel takes bf16 q, k, v");
+            TORCH_CHECK(q->size(3) == 64 || q->size(3) == 128, "the decode kernel takes head_dim 64 or 128");
+            TORCH_CHECK(k->size(2) < INT32_MAX, "cache too long for int32 entries");
+            auto qc = q->contiguous(), kc = k->contiguous(), vc = v->contiguous();
+            auto out = at::empty_like(qc);
+            attnsweep::cuda_decode_attention(qc, kc, vc, kpos->contiguous(), *qpos, window, sinks, near, out);
+            return new at::Tensor(out);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        }
+        return new at::Tensor(decode_reference(*q, *k, *v, *kpos, *qpos, window, sinks, near));
+    });
+}
+
+// Begins capturing a CUDA graph: the work this thread queues until graph_end is recorded, not
+// run. Returns the graph, or null with a message in err.
+void* attnsweep_graph_begin(char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+#ifdef ATTNSWEEP_CUDA
+        auto g = std::make_unique<Graph>();
+        // The side stream starts after the work queued so far.
+        at::cuda::CUDAEvent queued;
+        queued.record(g->previous);
+        queued.block(g->side);
+        c10::cuda::setCurrentCUDAStream(g->side);
+        g->capturing = true;
+        try {
+            g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+        } catch (...) {
+            c10::cuda::setCurrentCUDAStream(g->previous);
+            throw;
+        }
+        return g.release();
+#else
+        TORCH_CHECK(false, "this kernel library was built without CUDA");
+#endif
+    });
+}
+
+// Ends the capture graph_begin began (whether the captured work succeeded or not: a caller
+// unwinding from a failure ends it too) and restores the stream. Returns 0, or 1 with a
+// message in err.
+int attnsweep_graph_end(void* graph, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        auto* g = static_cast<Graph*>(graph);
+        TORCH_CHECK(g->capturing, "the graph is not being captured");
+        g->capturing = false;
+        try {
+            g->graph.capture_end();
+        } catch (...) {
+            c10::cuda::setCurrentCUDAStream(g->previous);
+            throw;
+        }
+        c10::cuda::setCurrentCUDAStream(g->previous);
+#endif
+        return 0;
+    });
+}
+
+// Runs the captured graph on the current stream. Returns 0, or 1 with a message in err.
+int attnsweep_graph_replay(void* graph, char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+#ifdef ATTNSWEEP_CUDA
+        static_cast<Graph*>(graph)->graph.replay();
+#endif
+        return 0;
+    });
+}
+
+void attnsweep_graph_free(void* graph) {
+#ifdef ATTNSWEEP_CUDA
+    delete static_cast<Graph*>(graph);
+#endif
 }
 
 }  // extern "C"

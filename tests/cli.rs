@@ -661,6 +661,27 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
             .fails();
         assert!(err.contains(needle), "{flags:?}: {err}");
     }
+    for (flags, needle) in [
+        (vec!["--contexts", "0"], "--contexts must be at least 1"),
+        (vec!["--batches", "0"], "--batches must be at least 1"),
+        (vec!["--short", "1"], "--short must be at least 2"),
+        (vec!["--reps", "0"], "--reps must be at least 1"),
+        (vec!["--hbm-tbps", "0"], "--hbm-tbps must be a positive"),
+        (
+            vec!["--full-usage", "1.5"],
+            "--full-usage must lie in [0, 1]",
+        ),
+        (vec!["--ppa-power", "2"], "--ppa-power must lie in [0, 1]"),
+        (vec!["--window", "0"], "--window must be at least 1"),
+        (vec!["--methods", "nope"], "invalid value 'nope'"),
+        (vec!["--model", "no-such-model"], "neither a preset"),
+    ] {
+        let err = flags
+            .iter()
+            .fold(cli("bench decode").flag("--out", b), |c, f| c.arg(f))
+            .fails();
+        assert!(err.contains(needle), "{flags:?}: {err}");
+    }
     assert!(!bench_out.exists());
 }
 

@@ -5,16 +5,86 @@
 //! shares with it: running a peer script, writing a CSV.
 
 use crate::model::attention::{routed_paths, KeyPattern};
-use crate::model::kernels::{Kernels, PpaOffsets};
+use crate::model::kernels::{self, Kernels, PpaOffsets};
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
+use crate::util::flags::finite_flag;
 use crate::util::stats::median;
 use anyhow::{ensure, Context, Result};
+use clap::Args;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
+
+#[derive(Args)]
+pub(crate) struct BenchAttentionCmd {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
+    lengths: Vec<i64>,
+    /// Head dimensions.
+    #[arg(long, value_delimiter = ',', default_value = "64,128")]
+    head_dims: Vec<i64>,
+    /// Sliding windows.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    windows: Vec<i64>,
+    /// Fractions of queries skipped by sparse-query attention.
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
+    sparsities: Vec<f64>,
+    /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
+    /// on each of the windows.
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.1")]
+    routed_usages: Vec<f64>,
+    /// PPA powers p (window plus the power offsets S_p).
+    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    ppa_powers: Vec<f64>,
+    /// Sliding window of the PPA cases.
+    #[arg(long, default_value_t = 64)]
+    ppa_window: i64,
+    /// Query (and key-value) heads; batch 1.
+    #[arg(long, default_value_t = 16)]
+    heads: i64,
+    /// Calls per measurement, for ours and the peers alike: the fwd_ms / fwdbwd_ms columns time
+    /// this many calls back to back between two CUDA events (launch time hidden; the median of
+    /// three such batches, per call), the *_host_ms columns each call alone between
+    /// synchronisations (launch time included; the median).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Output directory.
+    #[arg(long, default_value = "results/bench")]
+    out: PathBuf,
+    /// Python with torch for the peers.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Skip the peers (our kernels only).
+    #[arg(long)]
+    no_peers: bool,
+}
+
+/// `attnsweep bench attention`.
+pub(crate) fn run_cmd(c: BenchAttentionCmd) -> Result<()> {
+    let b = AttentionBench {
+        lengths: c.lengths,
+        head_dims: c.head_dims,
+        windows: c.windows,
+        sparsities: c.sparsities,
+        routed_usages: c.routed_usages,
+        ppa_powers: c.ppa_powers,
+        ppa_window: c.ppa_window,
+        heads: c.heads,
+        reps: c.reps,
+        out: c.out,
+        python: c.python,
+        peers: !c.no_peers,
+    };
+    b.validate()?;
+    let kern = kernels::cuda().context(
+        "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
+    )?;
+    println!("{}", run(&b, kern)?.display());
+    Ok(())
+}
 
 pub(crate) struct AttentionBench {
     pub(crate) lengths: Vec<i64>,

@@ -12,10 +12,11 @@
 //! tokens/s and peak memory against the length, a line per (implementation, method).
 
 use super::bench::{check_lengths, joined, run_peer};
+use super::bench_methods::{calibrate_routers, method_config, TrainMethod};
 use super::panics::last_panic;
 use super::profile;
-use crate::config::{AttnImpl, Checkpointing, Config, Dtype, Method, ModelConfig};
-use crate::model::attention::{all_methods, BenchKnobs, BenchVariant, ForwardCtx};
+use crate::config::{Checkpointing, Config, ModelConfig};
+use crate::model::attention::{BenchKnobs, ForwardCtx};
 use crate::model::kernels;
 use crate::model::step::forward_backward;
 use crate::run::memory::{self, GIB};
@@ -114,42 +115,6 @@ fn method_rank(name: &str) -> usize {
     TrainMethod::all()
         .position(|m| m.name() == name)
         .unwrap_or(usize::MAX)
-}
-
-/// One method variant `bench train` times (`MethodSpec::bench`): `aha`, `aha-sampled`, ...
-#[derive(Clone, Copy)]
-pub(crate) struct TrainMethod {
-    method: Method,
-    variant: &'static BenchVariant,
-}
-
-impl TrainMethod {
-    /// Every variant the registry lists, in its order.
-    pub(crate) fn all() -> impl Iterator<Item = TrainMethod> {
-        all_methods().flat_map(|s| {
-            s.bench.iter().map(|variant| TrainMethod {
-                method: s.method,
-                variant,
-            })
-        })
-    }
-
-    /// The variant named `name` (for `--methods`).
-    pub(crate) fn parse(name: &str) -> std::result::Result<TrainMethod, String> {
-        TrainMethod::all()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| {
-                let names: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
-                format!(
-                    "{name:?} is not a method the bench times ({})",
-                    names.join(", ")
-                )
-            })
-    }
-
-    fn name(self) -> &'static str {
-        self.variant.name
-    }
 }
 
 /// Whether the variant named `method` reads PPA's power (`BenchVariant::reads_power`).
@@ -337,21 +302,13 @@ impl TrainRow {
 
 impl TrainBench {
     fn config(&self, method: TrainMethod, len: i64) -> Config {
-        let mut c = Config::default();
-        c.model = self.model.clone();
-        c.attention.method = method.method;
         let knobs = BenchKnobs {
             full_usage: self.full_usage,
             ste_sample: self.ste_sample,
         };
-        (method.variant.setup)(&mut c.attention, &knobs);
-        c.attention.ppa_power = self.ppa_power;
-        c.attention.window = self.window;
-        c.attention.attn_impl = AttnImpl::Cuda;
+        let mut c = method_config(&self.model, method, &knobs, self.window, self.ppa_power);
         c.data.seq_len = len as usize;
         c.train.batch_size = self.batch(len) as usize;
-        c.train.dtype = Dtype::Bf16;
-        c.train.device = "cuda".into();
         c.train.activation_checkpointing = self.checkpointing;
         c.train.loss_chunk_tokens = self.loss_chunk_tokens;
         c
@@ -471,7 +428,7 @@ impl TrainBench {
 
 /// Runs `step` under the profiler, its trace written to `trace`: "" when it was, else why not
 /// (the profiler stopped whatever the step did, so the next case can start it again).
-fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnOnce()) -> String {
+pub(crate) fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnOnce()) -> String {
     if let Err(e) = kern.profile_start() {
         return format!("no profile: {e:#}");
     }
@@ -491,45 +448,6 @@ fn setup_of(plan: &memory::MemoryPlan) -> String {
         Some(n) => format!("checkpointing {ckpt}; loss in chunks of {n}"),
         None => format!("checkpointing {ckpt}"),
     }
-}
-
-/// Sets every router so that about `usage` of its gates (AHA: per token and head; SwiAttn:
-/// per token) open on random tokens: random weights (unit-variance logits on normalised
-/// inputs), then, layer by layer under the gates of the layers below, the bias that puts the
-/// threshold at the `1 - usage` quantile of the measured logits.
-fn calibrate_routers(built: &Built, usage: f64, len: i64) {
-    let params = built.params();
-    let dev = Device::Cuda(0);
-    tch::no_grad(|| {
-        for (name, p) in &params {
-            if name.ends_with("router.weight") {
-                let d = p.size()[1] as f64;
-                p.shallow_clone().copy_(&(p.randn_like() / d.sqrt()));
-            } else if name.ends_with("router.bias") {
-                let _ = p.shallow_clone().zero_();
-            }
-        }
-        // The calibration's forwards keep no graph; a shorter sequence suffices for the
-        // quantile and keeps the logits small.
-        let len = len.min(8192);
-        let ids = Tensor::randint(
-            built.model.cfg.vocab_size as i64,
-            [1, len],
-            (Kind::Int64, dev),
-        );
-        for layer in 0..built.model.layers.len() {
-            let out = built.model.forward(&ids, &ForwardCtx::default());
-            let s = out.layers[layer]
-                .scores
-                .as_ref()
-                .expect("layers with learned routers have router scores");
-            let bias = &params[&format!("model.layers.{layer}.self_attn.router.bias")];
-            // Logits with the current (zero) bias of this layer.
-            let logits = (s / (s.ones_like() - s)).log().flatten(0, -1);
-            let q = logits.quantile_scalar(1.0 - usage, None, false, "linear");
-            let _ = bias.shallow_clone().fill_(-q.double_value(&[]));
-        }
-    });
 }
 
 /// A number of a CSV field named `what`: None where empty, else a finite number.
@@ -753,7 +671,7 @@ fn write_outputs(
 
 /// `name` as part of a file name: letters, digits and '-' kept, anything else (a path's
 /// separators, a version's dots, which would read as an extension) as '_'.
-fn file_safe(name: &str) -> String {
+pub(crate) fn file_safe(name: &str) -> String {
     name.chars()
         .map(|c| match c.is_ascii_alphanumeric() || c == '-' {
             true => c,

@@ -2,13 +2,15 @@
 //! bench | kernels`, each a thin call into the layers below.
 
 pub(crate) mod bench;
+pub(crate) mod bench_decode;
+pub(crate) mod bench_methods;
 pub(crate) mod bench_train;
 mod grid;
 mod panics;
 mod profile;
 
-use crate::cli::bench::AttentionBench;
-use crate::cli::bench_train::{TrainBench, TrainMethod};
+use crate::cli::bench_methods::TrainMethod;
+use crate::cli::bench_train::TrainBench;
 use crate::cli::grid::{run_sweep, SweepCmd};
 use crate::cli::panics::torch_cause;
 use crate::config::{Checkpointing, Config, ModelConfig};
@@ -33,7 +35,7 @@ use crate::run::LoadedRun;
 use crate::sweep;
 use crate::util::flags::finite_flag;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use std::path::{Path, PathBuf};
 
@@ -108,10 +110,13 @@ enum KernelsCmd {
 enum BenchCmd {
     /// Attention kernels (sliding window, sparse queries) beside SDPA (cuDNN, flash) and
     /// FlexAttention: CSV and the speed-up-against-sparsity figure.
-    Attention(BenchAttentionCmd),
+    Attention(bench::BenchAttentionCmd),
     /// Whole training steps per method and length beside the same model in eager PyTorch:
     /// tokens/s and ratios in one CSV.
     Train(BenchTrainCmd),
+    /// Greedy generation per method, context and batch (time to first token, step latency,
+    /// tokens/s, memory) beside transformers' static-cache path and the bandwidth floor.
+    Decode(bench_decode::BenchDecodeCmd),
 }
 
 #[derive(Args)]
@@ -199,50 +204,6 @@ struct BenchTrainCmd {
 /// them.
 fn parse_checkpointing(s: &str) -> std::result::Result<Checkpointing, String> {
     serde_json::from_value(serde_json::Value::String(s.into())).map_err(|e| e.to_string())
-}
-
-#[derive(Args)]
-struct BenchAttentionCmd {
-    /// Sequence lengths.
-    #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768")]
-    lengths: Vec<i64>,
-    /// Head dimensions.
-    #[arg(long, value_delimiter = ',', default_value = "64,128")]
-    head_dims: Vec<i64>,
-    /// Sliding windows.
-    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
-    windows: Vec<i64>,
-    /// Fractions of queries skipped by sparse-query attention.
-    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.5,0.8,0.9,0.95")]
-    sparsities: Vec<f64>,
-    /// Routed attention (AHA): fractions of (token, head) pairs on the full prefix, the rest
-    /// on each of the windows.
-    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.1")]
-    routed_usages: Vec<f64>,
-    /// PPA powers p (window plus the power offsets S_p).
-    #[arg(long, value_parser = finite_flag, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
-    ppa_powers: Vec<f64>,
-    /// Sliding window of the PPA cases.
-    #[arg(long, default_value_t = 64)]
-    ppa_window: i64,
-    /// Query (and key-value) heads; batch 1.
-    #[arg(long, default_value_t = 16)]
-    heads: i64,
-    /// Calls per measurement, for ours and the peers alike: the fwd_ms / fwdbwd_ms columns time
-    /// this many calls back to back between two CUDA events (launch time hidden; the median of
-    /// three such batches, per call), the *_host_ms columns each call alone between
-    /// synchronisations (launch time included; the median).
-    #[arg(long, default_value_t = 20)]
-    reps: usize,
-    /// Output directory.
-    #[arg(long, default_value = "results/bench")]
-    out: PathBuf,
-    /// Python with torch for the peers.
-    #[arg(long, default_value = "python3")]
-    python: String,
-    /// Skip the peers (our kernels only).
-    #[arg(long)]
-    no_peers: bool,
 }
 
 #[derive(Args)]
@@ -480,7 +441,8 @@ fn run() -> Result<()> {
             );
             Ok(())
         }
-        Command::Bench(BenchCmd::Attention(c)) => run_bench_attention(c),
+        Command::Bench(BenchCmd::Attention(c)) => bench::run_cmd(c),
+        Command::Bench(BenchCmd::Decode(c)) => bench_decode::run_cmd(c),
         Command::Bench(BenchCmd::Train(c)) => run_bench_train(c),
         Command::Kernels(KernelsCmd::Build { cpu }) => {
             let variant = cpu.then_some(Variant::Cpu);
@@ -590,29 +552,6 @@ fn run_convert(c: ConvertCmd) -> Result<()> {
         c.out.display(),
         r.config.display()
     );
-    Ok(())
-}
-
-fn run_bench_attention(c: BenchAttentionCmd) -> Result<()> {
-    let b = AttentionBench {
-        lengths: c.lengths,
-        head_dims: c.head_dims,
-        windows: c.windows,
-        sparsities: c.sparsities,
-        routed_usages: c.routed_usages,
-        ppa_powers: c.ppa_powers,
-        ppa_window: c.ppa_window,
-        heads: c.heads,
-        reps: c.reps,
-        out: c.out,
-        python: c.python,
-        peers: !c.no_peers,
-    };
-    b.validate()?;
-    let kern = kernels::cuda().context(
-        "bench attention needs a GPU and a CUDA kernel library (attnsweep kernels build)",
-    )?;
-    println!("{}", bench::run(&b, kern)?.display());
     Ok(())
 }
 

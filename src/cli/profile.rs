@@ -15,6 +15,8 @@ const KINDS: [(&str, &[&str]); 7] = [
         "attention",
         &[
             "list_kernel",
+            "decode_split",
+            "decode_combine",
             "kv_kernel",
             "dq_kernel",
             "dkdv_kernel",

@@ -9,11 +9,12 @@
 
 use crate::config::{AttentionConfig, ModelConfig, NormPlacement, QkNorm};
 use crate::model::attention::{
-    spec, AttnOutput, ForwardCtx, KeyPattern, Keys, LayerCache, MaskCache, SelfAttention,
+    spec, AttnOutput, CacheState, ForwardCtx, KeyPattern, Keys, LayerCache, MaskCache,
+    SelfAttention,
 };
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
-use crate::model::nn::{inv_freq, upcast, Linear, RmsNorm, Rope};
+use crate::model::nn::{cast, cast_copy, inv_freq, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
@@ -64,14 +65,14 @@ pub(crate) struct DecoderLayer {
     mlp: Mlp,
 }
 
-/// Per-layer key-value caches of a sequence being decoded, and how many tokens it holds.
+/// Per-layer key-value caches of a batch being decoded, and what they share.
 pub(crate) struct ModelCache {
     pub(crate) layers: Vec<RefCell<LayerCache>>,
-    pub(crate) len: i64,
+    pub(crate) state: CacheState,
 }
 
 impl ModelCache {
-    /// Bytes of keys and values held now, over all layers.
+    /// Bytes of keys and values allocated, over all layers.
     pub(crate) fn bytes(&self) -> f64 {
         self.layers.iter().map(|l| l.borrow().bytes()).sum()
     }
@@ -228,7 +229,7 @@ impl Llama {
     /// `ids: [B, L]` int64 token ids.
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
         let (masks, rope) = self.sequence(ids.size()[1], ids.device());
-        self.run(ids, &rope, |_| Keys::Chunk(&masks), ctx)
+        self.run(ids, &rope, |_| Keys::Chunk(&masks), ctx, false)
     }
 
     /// The masks and rotary angles of a whole sequence of `len` tokens.
@@ -238,39 +239,68 @@ impl Llama {
         (masks, rope)
     }
 
-    /// An empty decoding cache for `forward_cached`.
-    pub(crate) fn new_cache(&self) -> ModelCache {
+    /// An empty decoding cache for `forward_cached` of sequences reaching `capacity` tokens
+    /// (prompt and generated), on `device`.
+    pub(crate) fn new_cache(&self, capacity: i64, device: Device) -> ModelCache {
+        let rope = Rope::new(capacity, &inv_freq(&self.cfg), self.compute, device);
         ModelCache {
             layers: self
                 .layers
                 .iter()
-                .map(|_| RefCell::new(LayerCache::default()))
+                .map(|l| RefCell::new(LayerCache::new(l.self_attn.keeps())))
                 .collect(),
-            len: 0,
+            state: CacheState::new(capacity, rope, self.kernels, device),
         }
     }
 
     /// The next `ids: [B, T]` after the tokens `cache` already holds: same outputs as the
-    /// whole-sequence forward gives at those positions, computing only the new queries.
+    /// whole-sequence forward gives at those positions, computing only the new queries. A
+    /// single token's step reads every position from the device (`CacheState`), so it can be
+    /// captured as a CUDA graph and replayed.
     pub(crate) fn forward_cached(
         &self,
         ids: &Tensor,
         cache: &mut ModelCache,
         ctx: &ForwardCtx,
     ) -> ForwardOutput {
-        let (start, n) = (cache.len, ids.size()[1]);
-        let rope =
-            Rope::new(start + n, &inv_freq(&self.cfg), self.compute, ids.device()).slice(start, n);
-        let out = self.run(
-            ids,
-            &rope,
-            |l| Keys::Cache {
-                cache: &cache.layers[l],
-                start,
-            },
-            ctx,
-        );
-        cache.len += n;
+        self.extend_cache(ids, cache, ctx, false)
+    }
+
+    /// `forward_cached` with the logits of the chunk's last position alone (`[B, 1, vocab]`):
+    /// a prompt's prefill before generation, whose other logits (a 16K prompt's, batch 8:
+    /// 26 GB in fp32) nothing reads.
+    pub(crate) fn prefill(
+        &self,
+        ids: &Tensor,
+        cache: &mut ModelCache,
+        ctx: &ForwardCtx,
+    ) -> ForwardOutput {
+        self.extend_cache(ids, cache, ctx, true)
+    }
+
+    fn extend_cache(
+        &self,
+        ids: &Tensor,
+        cache: &mut ModelCache,
+        ctx: &ForwardCtx,
+        last_only: bool,
+    ) -> ForwardOutput {
+        let n = ids.size()[1];
+        let rope = cache.state.rope(n);
+        let out = {
+            let (layers, state) = (&cache.layers, &cache.state);
+            self.run(
+                ids,
+                &rope,
+                |l| Keys::Cache {
+                    cache: &layers[l],
+                    state,
+                },
+                ctx,
+                last_only,
+            )
+        };
+        cache.state.advance(n);
         out
     }
 
@@ -280,6 +310,7 @@ impl Llama {
         rope: &Rope,
         keys: impl Fn(usize) -> Keys<'a>,
         ctx: &ForwardCtx,
+        last_only: bool,
     ) -> ForwardOutput {
         let mut h = self.embed(ids);
         let mut outs = Vec::with_capacity(self.layers.len());
@@ -287,6 +318,9 @@ impl Llama {
             let (next, attn) = self.block(i, &h, rope, &keys(i), ctx);
             h = next;
             outs.push(attn);
+        }
+        if last_only {
+            h = h.narrow(1, h.size()[1] - 1, 1);
         }
         let logits = self.logits(&self.final_norm(&h));
         ForwardOutput {
@@ -300,7 +334,15 @@ impl Llama {
 
     /// Token embeddings in the compute dtype: the first block's input.
     pub(crate) fn embed(&self, ids: &Tensor) -> Tensor {
-        Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute)
+        match cast_copy(&self.embed_tokens, self.compute) {
+            // Decoding: rows of the table cast once.
+            Some(table) => Tensor::embedding(&table, ids, -1, false, false),
+            // Training: the rows gathered, then cast, so the gradient reaches the fp32 table
+            // as rows, not as a dense table in the compute dtype.
+            None => {
+                Tensor::embedding(&self.embed_tokens, ids, -1, false, false).to_kind(self.compute)
+            }
+        }
     }
 
     /// Block `i` over its input `h`: the block's output and what its attention handed back.
@@ -366,7 +408,7 @@ impl Llama {
 
     /// Logits in `hn`'s dtype of final-normed hidden states `hn`.
     pub(crate) fn logits(&self, hn: &Tensor) -> Tensor {
-        hn.linear(&self.head_weight().to_kind(hn.kind()), None::<Tensor>)
+        hn.linear(&cast(self.head_weight(), hn.kind()), None::<Tensor>)
     }
 
     /// Key-value cache bytes of the same model with full attention in every layer, for one

@@ -7,7 +7,58 @@
 use crate::config::ModelConfig;
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use tch::{nn, Kind, Tensor};
+
+thread_local! {
+    /// The weights cast so far inside `with_cast_weights` (None outside it), by the data
+    /// address and dtype of the cast.
+    static CAST: RefCell<Option<HashMap<(usize, Kind), Tensor>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` (which computes no gradient) with each weight cast to another dtype once, at its
+/// first use, and the copy read at every later use: decoding would otherwise cast every weight
+/// again at each step (4 bytes read and 2 written a parameter, and a launch each). The copies
+/// are dropped when `f` returns, so a later optimizer step is never missed.
+pub(crate) fn with_cast_weights<R>(f: impl FnOnce() -> R) -> R {
+    let outer = CAST.with(|c| c.borrow().is_some());
+    if !outer {
+        CAST.with(|c| *c.borrow_mut() = Some(HashMap::new()));
+    }
+    // Dropped however `f` ends, a panic included.
+    struct Clear(bool);
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            if self.0 {
+                CAST.with(|c| *c.borrow_mut() = None);
+            }
+        }
+    }
+    let _clear = Clear(!outer);
+    f()
+}
+
+/// The weight `w` in `kind`: inside `with_cast_weights`, the copy cast at its first use.
+pub(crate) fn cast(w: &Tensor, kind: Kind) -> Tensor {
+    if w.kind() == kind {
+        return w.shallow_clone();
+    }
+    CAST.with(|c| match c.borrow_mut().as_mut() {
+        Some(all) => all
+            .entry((w.data_ptr() as usize, kind))
+            .or_insert_with(|| w.to_kind(kind))
+            .shallow_clone(),
+        None => w.to_kind(kind),
+    })
+}
+
+/// The weight `w`'s copy in `kind` where `with_cast_weights` is in force (cast now if this is
+/// its first use), else None.
+pub(crate) fn cast_copy(w: &Tensor, kind: Kind) -> Option<Tensor> {
+    let inside = CAST.with(|c| c.borrow().is_some());
+    inside.then(|| cast(w, kind))
+}
 
 pub(crate) struct Linear {
     pub(crate) weight: Tensor,
@@ -31,8 +82,8 @@ impl Linear {
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         let k = x.kind();
         x.linear(
-            &self.weight.to_kind(k),
-            self.bias.as_ref().map(|b| b.to_kind(k)),
+            &cast(&self.weight, k),
+            self.bias.as_ref().map(|b| cast(b, k)),
         )
     }
 }
@@ -106,10 +157,20 @@ impl Rope {
     }
 
     /// The angles of positions `start .. start + len`.
+    #[cfg(test)]
     pub(crate) fn slice(&self, start: i64, len: i64) -> Rope {
         Rope {
             cos: self.cos.narrow(0, start, len),
             sin: self.sin.narrow(0, start, len),
+        }
+    }
+
+    /// The angles of the positions in `pos` (int64 `[n]`, on the device): what a decoding
+    /// step reads, with no position from the host.
+    pub(crate) fn at(&self, pos: &Tensor) -> Rope {
+        Rope {
+            cos: self.cos.index_select(0, pos),
+            sin: self.sin.index_select(0, pos),
         }
     }
 

@@ -49,7 +49,7 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         ctx.attention_seconds.set(Some(0.0));
         let _ = model.forward(x, ctx);
         let attention = ctx.attention_seconds.take().unwrap_or(0.0);
-        let mut cache = model.new_cache();
+        let mut cache = model.new_cache(len, device);
         let start = clock();
         let out = model.forward_cached(&x.narrow(1, 0, len - steps), &mut cache, ctx);
         let mut next = out.logits.select(1, -1).argmax(-1, true);

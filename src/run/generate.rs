@@ -4,9 +4,11 @@
 //! per layer and head).
 
 use crate::model::attention::ForwardCtx;
-use crate::model::{ForwardOutput, Llama};
+use crate::model::kernels::CudaGraph;
+use crate::model::nn::with_cast_weights;
+use crate::model::{ForwardOutput, Llama, ModelCache};
 use std::time::Instant;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// What greedy decoding of a batch produced and cost.
 pub(crate) struct Generation {
@@ -31,33 +33,17 @@ pub(crate) struct Generation {
     pub(crate) decode_seconds: f64,
 }
 
-/// Per row, the mean gate over layers and heads at position `pos` of the forward's chunk; a
-/// static layer inside a routed model (a pruned L2A layer) counts as window.
-fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Vec<f64>> {
-    if out.layers.iter().all(|l| l.gates.is_none()) {
-        return None;
-    }
-    let rows = out.logits.size()[0];
-    let mut sum = vec![0.0; rows as usize];
-    for l in &out.layers {
-        if let Some(g) = &l.gates {
-            let m = g
-                .select(1, pos)
-                .to_kind(Kind::Double)
-                .mean_dim(-1, false, Kind::Double);
-            for (s, v) in sum
-                .iter_mut()
-                .zip(Vec::<f64>::try_from(m).expect("gates to vec"))
-            {
-                *s += v;
-            }
-        }
-    }
-    Some(
-        sum.into_iter()
-            .map(|s| s / out.layers.len() as f64)
-            .collect(),
-    )
+/// `[B]`: per row, the mean hard gate over layers and heads at position `pos` of the forward's
+/// chunk, on the device; a static layer inside a routed model (a pruned L2A layer) counts as
+/// window. None for static methods.
+fn position_gates(out: &ForwardOutput, pos: i64) -> Option<Tensor> {
+    let sum = out
+        .layers
+        .iter()
+        .filter_map(|l| l.gates.as_ref())
+        .map(|g| g.select(1, pos).mean_dim(-1, false, Kind::Float))
+        .reduce(|a, b| a + b)?;
+    Some(sum / out.layers.len() as f64)
 }
 
 /// `[B, L]`: the forward's hard gates at each position, meaned over layers and heads; a static
@@ -84,8 +70,8 @@ pub(crate) struct HeadGates {
 impl HeadGates {
     /// The gates of every layer of one forward, summed over its rows and positions.
     pub(crate) fn of(out: &ForwardOutput) -> Option<HeadGates> {
-        let heads = out.layers.iter().find_map(|l| l.gates.as_ref())?.size()[2] as usize;
-        let sizes = out.logits.size();
+        let sizes = out.layers.iter().find_map(|l| l.gates.as_ref())?.size();
+        let heads = sizes[2] as usize;
         let sums = out
             .layers
             .iter()
@@ -123,71 +109,169 @@ impl HeadGates {
     }
 }
 
-/// Greedy decoding of `max_new` tokens after `prompts: [B, L]` (int64) with the model's
-/// key-value cache.
+/// How many decoding steps run between the host's checks that every row has ended.
+const STOP_CHECK: usize = 16;
+
+/// Greedy decoding of up to `max_new` tokens after `prompts: [B, L]` (int64) with the model's
+/// key-value cache, until every row has produced `eot`. Everything a step records (its token,
+/// pairs, gates, whether a row has ended) stays on the device, read once at the end; with
+/// `graphs`, on the kernels on a GPU, one step is captured as a CUDA graph and replayed for
+/// each later token.
 pub(crate) fn greedy(
     model: &Llama,
     prompts: &Tensor,
     max_new: usize,
     eot: Option<u32>,
     ctx: &ForwardCtx,
+    graphs: bool,
 ) -> Generation {
     tch::no_grad(|| {
-        let rows = prompts.size()[0] as usize;
-        let mut cache = model.new_cache();
-        let start = Instant::now();
-        let out = model.forward_cached(prompts, &mut cache, ctx);
-        let mut next = out.logits.select(1, -1).argmax(-1, false);
-        // Reading the tokens back waits for the device, so the clock measures the work.
-        let mut generated: Vec<Vec<i64>> = Vec::<i64>::try_from(&next)
-            .expect("ids")
-            .into_iter()
-            .map(|t| vec![t])
-            .collect();
-        let prefill_seconds = start.elapsed().as_secs_f64();
-        let prefill_pairs = out.attended_pairs();
-        let prompt_gates = HeadGates::of(&out);
-        let prompt_positions = position_means(&out);
-        let mut gates =
-            position_gates(&out, -1).map(|g| g.into_iter().map(|v| vec![v]).collect::<Vec<_>>());
-        let mut decode_pairs = Vec::with_capacity(max_new);
-        let start = Instant::now();
-        for _ in 1..max_new {
-            let out = model.forward_cached(&next.view([rows as i64, 1]), &mut cache, ctx);
-            next = out.logits.select(1, -1).argmax(-1, false);
-            for (g, t) in generated
-                .iter_mut()
-                .zip(Vec::<i64>::try_from(&next).expect("ids"))
-            {
-                g.push(t);
-            }
-            decode_pairs.push(out.attended_pairs());
-            if let (Some(all), Some(step)) = (gates.as_mut(), position_gates(&out, 0)) {
-                for (row, v) in all.iter_mut().zip(step) {
-                    row.push(v);
+        with_cast_weights(|| {
+            let (rows, len) = (prompts.size()[0], prompts.size()[1]);
+            let device = prompts.device();
+            let mut cache = model.new_cache(len + max_new as i64, device);
+            let start = Instant::now();
+            let out = model.prefill(prompts, &mut cache, ctx);
+            let first = out.logits.select(1, -1).argmax(-1, false);
+            // Reading the first tokens back waits for the device, so the clock measures the work.
+            let _ = Vec::<i64>::try_from(&first).expect("ids");
+            let prefill_seconds = start.elapsed().as_secs_f64();
+            let prefill_pairs = out.attended_pairs();
+            let prompt_gates = HeadGates::of(&out);
+            let prompt_positions = position_means(&out);
+            let mut ids = first.view([rows, 1]).copy();
+            let mut rec = Records {
+                tokens: Tensor::zeros([rows, max_new as i64], (Kind::Int64, device)),
+                pairs: Tensor::zeros([max_new as i64], (Kind::Double, device)),
+                gates: position_gates(&out, -1).map(|g| {
+                    let all = Tensor::zeros([rows, max_new as i64], (Kind::Float, device));
+                    let _ = all.narrow(1, 0, 1).copy_(&g.unsqueeze(1));
+                    all
+                }),
+                ended: match eot {
+                    Some(e) => first.eq(e as i64),
+                    None => first.zeros_like().to_kind(Kind::Bool),
+                },
+            };
+            let _ = rec.tokens.narrow(1, 0, 1).copy_(&ids);
+            drop(out);
+            let start = Instant::now();
+            let mut steps = 1;
+            // The same storage as the records' flags, which each step updates in place.
+            let ended = rec.ended.shallow_clone();
+            let mut step = |cache: &mut ModelCache| {
+                let out = model.forward_cached(&ids, cache, ctx);
+                let next = out.logits.select(1, -1).argmax(-1, false);
+                rec.record(&out, &next, &cache.state.pos, len, eot);
+                let _ = ids.copy_(&next.view([rows, 1]));
+            };
+            let kernels = model.kernels.filter(|_| graphs && device.is_cuda());
+            let mut graph = None;
+            while steps < max_new {
+                if steps % STOP_CHECK == 0 && ended.all().int64_value(&[]) != 0 {
+                    break;
                 }
+                match (&graph, kernels) {
+                    (Some(g), _) => {
+                        cache.state.len += 1;
+                        CudaGraph::replay(g).expect("replaying a captured decoding step");
+                    }
+                    // The first step runs as it is, warming the libraries up; the second is
+                    // captured, then replayed to run.
+                    (None, Some(kern)) if steps >= 2 => {
+                        let g = kern
+                            .capture(|| step(&mut cache))
+                            .expect("capturing a decoding step");
+                        g.replay().expect("replaying a captured decoding step");
+                        graph = Some(g);
+                    }
+                    _ => step(&mut cache),
+                }
+                steps += 1;
             }
-        }
-        let decode_seconds = start.elapsed().as_secs_f64();
-        let tokens = generated
-            .into_iter()
-            .map(|g| {
-                g.into_iter()
-                    .map(|t| t as u32)
-                    .take_while(|t| Some(*t) != eot)
-                    .collect()
-            })
-            .collect();
-        Generation {
-            tokens,
-            prefill_pairs,
-            decode_pairs,
-            gates,
-            prompt_gates,
-            prompt_positions,
-            cache_bytes: cache.bytes(),
-            prefill_seconds,
-            decode_seconds,
-        }
+            let tokens = Vec::<Vec<i64>>::try_from(
+                rec.tokens.narrow(1, 0, steps as i64).to_device(Device::Cpu),
+            )
+            .expect("ids");
+            let decode_seconds = start.elapsed().as_secs_f64();
+            let decode_pairs = Vec::<f64>::try_from(
+                rec.pairs
+                    .narrow(0, 0, steps as i64 - 1)
+                    .to_device(Device::Cpu),
+            )
+            .expect("pairs");
+            let gates = rec.gates.map(|g| {
+                Vec::<Vec<f64>>::try_from(
+                    g.narrow(1, 0, steps as i64)
+                        .to_kind(Kind::Double)
+                        .to_device(Device::Cpu),
+                )
+                .expect("gates")
+            });
+            let tokens = tokens
+                .into_iter()
+                .map(|g| {
+                    g.into_iter()
+                        .map(|t| t as u32)
+                        .take_while(|t| Some(*t) != eot)
+                        .collect()
+                })
+                .collect();
+            Generation {
+                tokens,
+                prefill_pairs,
+                decode_pairs,
+                gates,
+                prompt_gates,
+                prompt_positions,
+                cache_bytes: cache.bytes(),
+                prefill_seconds,
+                decode_seconds,
+            }
+        })
     })
+}
+
+/// What each decoding step writes on the device: its token, the pairs it attended, its mean
+/// gate per row, and which rows have produced the end token.
+struct Records {
+    /// `[B, max_new]`.
+    tokens: Tensor,
+    /// `[max_new]`: step s's pairs at s - 1.
+    pairs: Tensor,
+    /// `[B, max_new]`; None for static methods.
+    gates: Option<Tensor>,
+    /// `[B]` bool.
+    ended: Tensor,
+}
+
+impl Records {
+    /// Records the step whose output is `out` and token `next: [B]`, after which the cache
+    /// holds `pos` tokens (prompts of `len`).
+    fn record(
+        &mut self,
+        out: &ForwardOutput,
+        next: &Tensor,
+        pos: &Tensor,
+        len: i64,
+        eot: Option<u32>,
+    ) {
+        let at = pos - len;
+        let _ = self.tokens.index_copy_(1, &at, &next.unsqueeze(1));
+        let pairs = Tensor::stack(
+            &out.layers
+                .iter()
+                .map(|l| l.pairs.to_kind(Kind::Double))
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .sum(Kind::Double);
+        let _ = self.pairs.index_copy_(0, &(&at - 1), &pairs.view([1]));
+        if let (Some(all), Some(g)) = (&mut self.gates, position_gates(out, 0)) {
+            let _ = all.index_copy_(1, &at, &g.unsqueeze(1));
+        }
+        if let Some(e) = eot {
+            let _ = self.ended.logical_or_(&next.eq(e as i64));
+        }
+    }
 }

@@ -152,7 +152,7 @@ pub(crate) fn run_probes(
                         ..Default::default()
                     };
                     batch_index += 1;
-                    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx);
+                    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
                     done += chunk.len();
                     progress.update(done as u64, &format!("{name} at {length}"));
                     if let Some(pg) = &g.prompt_gates {
@@ -946,15 +946,20 @@ mod tests {
         c.attention.top_k = 2;
         let b = Built::new(&c, Device::Cpu).unwrap();
         let prompts = Tensor::from_slice(&[5i64, 9, 2, 7, 1, 3, 8, 4, 6, 2, 5, 1]).view([2, 6]);
-        let g = greedy(&b.model, &prompts, 3, None, &ForwardCtx::default());
+        let g = greedy(&b.model, &prompts, 3, None, &ForwardCtx::default(), false);
         let hg = g.prompt_gates.expect("a routed model reports its gates");
         assert_eq!(hg.positions, 12.0);
         assert_eq!(hg.usage(), vec![vec![0.0, 1.0], vec![1.0, 0.0]]);
-        assert!(
-            greedy(&tiny().model, &prompts, 1, None, &ForwardCtx::default())
-                .prompt_gates
-                .is_none()
-        );
+        assert!(greedy(
+            &tiny().model,
+            &prompts,
+            1,
+            None,
+            &ForwardCtx::default(),
+            false
+        )
+        .prompt_gates
+        .is_none());
     }
 
     /// The tiny model of `method` probed with three passkeys at depth 0.5 of 512 tokens.

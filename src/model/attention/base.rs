@@ -296,7 +296,7 @@ impl Base {
             // A prefill into an empty cache attends over the chunk alone, as a forward does:
             // the kernels take it (the cached path builds a window's mask; at 32K that was
             // 12-19x the forward's time).
-            (Exec::Decode, Some(kern)) if keys.prefill_only(slot, q.size()[2]) => {
+            (Exec::Decode, Some(kern)) if keys.prefill_only() => {
                 let masks = MaskCache::new(q.size()[2] as usize, q.device());
                 pattern.on_kernels(kern, &masks, q, k, v)
             }

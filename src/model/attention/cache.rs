@@ -1,28 +1,49 @@
 //! Where a layer's keys and values come from in one forward: the chunk being processed alone
-//! (training, whole-sequence evaluation), or a decoding cache the chunk extends, which keeps
-//! what later tokens may read (`Keep`, as the method states it: a window layer only its
-//! window).
+//! (training, whole-sequence evaluation), or a decoding cache the chunk extends.
+//!
+//! A decoding cache is allocated once for the positions a sequence may reach (its capacity:
+//! prompt and generated tokens) and keeps what later tokens may read (`Keep`, as the method
+//! states it): every key, or a window's ring of the last w keys beside the first keys every
+//! query sees. Its bytes are the bytes allocated. Each entry records the absolute position it
+//! holds, and the position of the next token lives on the device (`CacheState::pos`): a
+//! decoding step reads no number from the host that changes between steps, so one step
+//! captured as a CUDA graph replays at every later position.
 
 use super::patterns::{Keep, KeyPattern, MaskCache};
+use crate::model::kernels::Kernels;
+use crate::model::nn::Rope;
 use std::cell::RefCell;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-/// One stream of cached keys and values with their absolute positions.
+/// One stream of cached keys and values (`[B, Hkv, S, D]`) and the absolute position each of
+/// its S entries holds (int64 `[S]`, -1 where empty).
 struct Slot {
     k: Tensor,
     v: Tensor,
     pos: Tensor,
+    /// After a chunk of several tokens past the prefill: the positions of the keys `extend`
+    /// handed out (the entries before the chunk, then the chunk's own), which its queries
+    /// attend over; the ring may already have dropped some of them for the chunk's last keys.
+    merged: Option<Tensor>,
 }
 
 /// A layer's decoding cache: slot 0 holds the attention's keys and values, slot 1 those of
-/// L2A's global module. Layers that only ever look back a window keep only that window.
-#[derive(Default)]
+/// L2A's global module, each keeping what its `Keep` says.
 pub(crate) struct LayerCache {
+    keeps: Vec<Keep>,
     slots: [Option<Slot>; 2],
 }
 
 impl LayerCache {
-    /// Bytes held (keys and values).
+    /// An empty cache for a layer whose slots keep `keeps` (`Route::keeps`).
+    pub(crate) fn new(keeps: Vec<Keep>) -> Self {
+        LayerCache {
+            keeps,
+            slots: [None, None],
+        }
+    }
+
+    /// Bytes allocated (keys and values).
     pub(crate) fn bytes(&self) -> f64 {
         self.slots
             .iter()
@@ -32,58 +53,238 @@ impl LayerCache {
     }
 }
 
+/// What every layer's cache of one decoded batch shares: its capacity, how many tokens it
+/// holds (on the host and on the device), the rotary angles of every position, and per key
+/// pattern the tables a step reads instead of host numbers.
+pub(crate) struct CacheState {
+    /// Positions a sequence may reach.
+    pub(crate) capacity: i64,
+    /// Tokens held: the host's count, which only decisions outside a captured step read
+    /// (whether a chunk is the prefill).
+    pub(crate) len: i64,
+    /// Tokens held on the device (int64 `[1]`): the position of the next chunk's first token.
+    pub(crate) pos: Tensor,
+    rope: Rope,
+    /// The kernel library of the model (None: the reference path).
+    pub(crate) kernels: Option<&'static Kernels>,
+    /// Per pattern: keys seen by a query at each position (fp64 `[capacity]`) and PPA's
+    /// `near_table`.
+    tables: RefCell<Vec<(KeyPattern, Tensor, Option<Tensor>)>>,
+    /// What every layer of the chunk being processed shares, computed at the first layer that
+    /// needs it (a few launches a step, not a few a layer) and dropped when the chunk ends:
+    /// a single token's ring entry per slot shape, the chunk's pairs per pattern.
+    shared: RefCell<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    rings: Vec<((Keep, i64), Tensor)>,
+    pairs: Vec<(KeyPattern, Tensor)>,
+}
+
+impl CacheState {
+    /// `rope` holds the angles of positions 0 .. capacity.
+    pub(crate) fn new(
+        capacity: i64,
+        rope: Rope,
+        kernels: Option<&'static Kernels>,
+        device: Device,
+    ) -> Self {
+        CacheState {
+            capacity,
+            len: 0,
+            pos: Tensor::zeros([1], (Kind::Int64, device)),
+            rope,
+            kernels,
+            tables: RefCell::new(Vec::new()),
+            shared: RefCell::new(Shared::default()),
+        }
+    }
+
+    /// Positions of a chunk of `n` tokens after those held, on the device.
+    fn positions(&self, n: i64) -> Tensor {
+        match n {
+            1 => self.pos.shallow_clone(),
+            _ => &self.pos + Tensor::arange(n, (Kind::Int64, self.pos.device())),
+        }
+    }
+
+    /// The rotary angles of the next `n` positions.
+    pub(crate) fn rope(&self, n: i64) -> Rope {
+        self.rope.at(&self.positions(n))
+    }
+
+    /// Records `n` more tokens held.
+    pub(crate) fn advance(&mut self, n: i64) {
+        let _ = self.pos.g_add_scalar_(n);
+        self.len += n;
+        *self.shared.borrow_mut() = Shared::default();
+    }
+
+    /// The entry of a slot of `size` that keeps `keep` where a single token's keys go.
+    fn ring(&self, keep: Keep, size: i64) -> Tensor {
+        let mut shared = self.shared.borrow_mut();
+        if let Some((_, t)) = shared.rings.iter().find(|(k, _)| *k == (keep, size)) {
+            return t.shallow_clone();
+        }
+        let t = ring(&self.pos, keep, size);
+        shared.rings.push(((keep, size), t.shallow_clone()));
+        t
+    }
+
+    /// Pairs `pattern` attends for the chunk's `n` queries, per (row, head).
+    fn chunk_pairs(&self, pattern: KeyPattern, n: i64) -> Tensor {
+        if let Some((_, t)) = self
+            .shared
+            .borrow()
+            .pairs
+            .iter()
+            .find(|(p, _)| *p == pattern)
+        {
+            return t.shallow_clone();
+        }
+        let t = self
+            .table(pattern)
+            .0
+            .index_select(0, &self.positions(n))
+            .sum(Kind::Double);
+        self.shared
+            .borrow_mut()
+            .pairs
+            .push((pattern, t.shallow_clone()));
+        t
+    }
+
+    /// `pattern`'s (pairs per query position, near table), built once per cache.
+    fn table(&self, pattern: KeyPattern) -> (Tensor, Option<Tensor>) {
+        let mut all = self.tables.borrow_mut();
+        if let Some((_, pairs, near)) = all.iter().find(|(p, ..)| *p == pattern) {
+            return (
+                pairs.shallow_clone(),
+                near.as_ref().map(Tensor::shallow_clone),
+            );
+        }
+        let device = self.pos.device();
+        let per: Vec<f64> = pattern
+            .pairs_per_query(self.capacity as usize)
+            .into_iter()
+            .map(|p| p as f64)
+            .collect();
+        let pairs = Tensor::from_slice(&per).to_device(device);
+        let near = pattern.near_table(self.capacity as usize, device);
+        all.push((
+            pattern,
+            pairs.shallow_clone(),
+            near.as_ref().map(Tensor::shallow_clone),
+        ));
+        (pairs, near)
+    }
+}
+
 /// Where a layer's keys and values come from: the chunk being processed alone (training,
 /// whole-sequence evaluation), or a decoding cache the chunk's keys extend.
 pub(crate) enum Keys<'a> {
     Chunk(&'a MaskCache),
     Cache {
         cache: &'a RefCell<LayerCache>,
-        start: i64,
+        state: &'a CacheState,
     },
 }
 
 impl Keys<'_> {
-    /// Position of the chunk's first token.
+    /// Position of the chunk's first token, as the host knows it: for decisions that hold at
+    /// every later step alike (a captured step reads positions from `positions`).
     pub(super) fn start(&self) -> i64 {
         match self {
             Keys::Chunk(_) => 0,
-            Keys::Cache { start, .. } => *start,
+            Keys::Cache { state, .. } => state.len,
         }
     }
 
-    /// The keys and values to attend over: the chunk's, after the cached ones of `slot`.
+    /// Positions of the chunk's `n` tokens (int64 `[n]`, on `device`).
+    pub(super) fn positions(&self, n: i64, device: Device) -> Tensor {
+        match self {
+            Keys::Chunk(_) => Tensor::arange(n, (Kind::Int64, device)),
+            Keys::Cache { state, .. } => state.positions(n),
+        }
+    }
+
+    /// Pairs `pattern` attends for the chunk's `n` queries, per (row, head): an fp64 scalar
+    /// tensor, so counting never waits for the device.
+    pub(super) fn pattern_pairs(&self, pattern: KeyPattern, n: i64) -> Tensor {
+        match self {
+            Keys::Chunk(_) => Tensor::from(pattern.attended_pairs(n as usize) as f64),
+            Keys::Cache { state, .. } => state.chunk_pairs(pattern, n),
+        }
+    }
+
+    /// Whether the chunk is a prefill into an empty cache, which attends over its own keys as
+    /// a forward over the chunk does.
+    pub(super) fn prefill_only(&self) -> bool {
+        matches!(self, Keys::Cache { state, .. } if state.len == 0)
+    }
+
+    /// Writes the chunk's keys and values into `slot` and returns those its queries attend
+    /// over: the chunk's own in a prefill, else the slot's entries (with the chunk's, for a
+    /// chunk of several tokens).
     pub(super) fn extend(&self, slot: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
-        let Keys::Cache { cache, start } = self else {
+        let Keys::Cache { cache, state } = self else {
             return (k, v);
         };
         let mut c = cache.borrow_mut();
-        let n = k.size()[2];
-        let pos = Tensor::arange_start(*start, start + n, (Kind::Int64, k.device()));
-        let merged = match c.slots[slot].take() {
-            Some(s) => Slot {
-                k: Tensor::cat(&[&s.k, &k], 2),
-                v: Tensor::cat(&[&s.v, &v], 2),
-                pos: Tensor::cat(&[&s.pos, &pos], 0),
-            },
-            None => Slot { k, v, pos },
-        };
-        let out = (merged.k.shallow_clone(), merged.v.shallow_clone());
-        c.slots[slot] = Some(merged);
-        out
-    }
-
-    /// Whether `slot` holds this chunk's `n` keys alone, from position 0: a prefill into an
-    /// empty cache, which attends as a forward over the chunk does.
-    pub(super) fn prefill_only(&self, slot: usize, n: i64) -> bool {
-        match self {
-            Keys::Chunk(_) => false,
-            Keys::Cache { cache, start } => {
-                *start == 0
-                    && cache.borrow().slots[slot]
-                        .as_ref()
-                        .is_some_and(|s| s.pos.size()[0] == n)
+        let keep = c.keeps[slot];
+        let size = keep.held(state.capacity as usize) as i64;
+        let s = c.slots[slot].get_or_insert_with(|| {
+            let shape = |t: &Tensor| {
+                let [b, h, _, d] = t.size()[..] else {
+                    unreachable!("keys are [B, Hkv, T, D]")
+                };
+                [b, h, size, d]
+            };
+            Slot {
+                k: k.new_zeros(shape(&k), (k.kind(), k.device())),
+                v: v.new_zeros(shape(&v), (v.kind(), v.device())),
+                pos: Tensor::full([size], -1, (Kind::Int64, k.device())),
+                merged: None,
             }
+        });
+        let n = k.size()[2];
+        assert!(
+            state.len + n <= state.capacity,
+            "a decoding cache of {} positions was given {} more after {}",
+            state.capacity,
+            n,
+            state.len
+        );
+        let out = match (state.len, n) {
+            (0, _) => (k.shallow_clone(), v.shallow_clone()),
+            (_, 1) => (s.k.shallow_clone(), s.v.shallow_clone()),
+            _ => {
+                s.merged = Some(Tensor::cat(&[&s.pos, &state.positions(n)], 0));
+                (Tensor::cat(&[&s.k, &k], 2), Tensor::cat(&[&s.v, &v], 2))
+            }
+        };
+        if n == 1 {
+            let at = state.ring(keep, size);
+            let _ = s.k.index_copy_(2, &at, &k);
+            let _ = s.v.index_copy_(2, &at, &v);
+            let _ = s.pos.index_copy_(0, &at, &state.pos);
+        } else {
+            // Several tokens (outside any captured step): the host picks those kept.
+            let (from, at): (Vec<i64>, Vec<i64>) = (0..n)
+                .filter(|&i| keeps_position(keep, state.len + i, state.len + n))
+                .map(|i| (i, ring_index(state.len + i, keep, size)))
+                .unzip();
+            let device = k.device();
+            let (from, at) = (
+                Tensor::from_slice(&from).to_device(device),
+                Tensor::from_slice(&at).to_device(device),
+            );
+            let _ = s.k.index_copy_(2, &at, &k.index_select(2, &from));
+            let _ = s.v.index_copy_(2, &at, &v.index_select(2, &from));
+            let _ = s.pos.index_copy_(0, &at, &(&from + state.len));
         }
+        out
     }
 
     /// `pattern` for queries of this chunk over keys from `extend(slot, ..)`.
@@ -95,87 +296,60 @@ impl Keys<'_> {
         v: &Tensor,
         pattern: KeyPattern,
     ) -> Tensor {
-        match self {
-            Keys::Chunk(masks) => masks.attend(q, k, v, pattern),
-            Keys::Cache { cache, start } => {
-                let c = cache.borrow();
-                let kpos = &c.slots[slot]
-                    .as_ref()
-                    .expect("extended before attending")
-                    .pos;
-                let n = q.size()[2];
-                let gqa = q.size()[1] != k.size()[1];
-                let sdpa = |k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool| {
-                    Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
-                };
-                // Where every earlier key is seen, no mask is built: a prefill into an empty
-                // cache is the causal square (the fused kernels take it), and one decoded
-                // query sees every cached key. A dense mask of a 32K prefill alone is 1 GiB.
-                if pattern.is_full_at((start + n) as usize) {
-                    if kpos.size()[0] == n {
-                        return sdpa(k, v, None, true);
-                    }
-                    if n == 1 {
-                        return sdpa(k, v, None, false);
-                    }
-                }
-                // One decoded query through a window sees the last w keys: a slot holds
-                // consecutive positions ending at the query's own (chunks are appended in
-                // order and `trim` keeps a suffix), so they are a narrow, and no mask is built.
-                if let (Keep::Ends { first: 0, last }, 1) = (pattern.keeps(), n) {
-                    return sdpa(&last_keys(k, 2, last), &last_keys(v, 2, last), None, false);
-                }
-                let qpos = Tensor::arange_start(*start, start + n, (Kind::Int64, q.device()));
-                let seen = pattern.seen(&qpos, kpos, (start + n) as usize);
-                sdpa(k, v, Some(&seen), false)
-            }
+        let (cache, state) = match self {
+            Keys::Chunk(masks) => return masks.attend(q, k, v, pattern),
+            Keys::Cache { cache, state } => (cache, state),
+        };
+        let n = q.size()[2];
+        if state.len == 0 {
+            return MaskCache::new(n as usize, q.device()).attend(q, k, v, pattern);
         }
-    }
-
-    /// Drops the cached keys of `slot` that `keep` does not keep.
-    pub(super) fn trim(&self, slot: usize, keep: Keep) {
-        let (Keys::Cache { cache, .. }, Keep::Ends { first, last }) = (self, keep) else {
-            return;
-        };
-        let mut c = cache.borrow_mut();
-        let Some(s) = c.slots[slot].as_mut() else {
-            return;
-        };
-        // The first keys, then the last `last`, the window of the last query: a rolling
-        // buffer at its peak size (the next query needs last - 1 of them beside its own). The
-        // slot holds its first keys, then consecutive positions up to the chunk's last, so
-        // they are its ends: narrows, with no search of the positions (and no wait for the
-        // device to answer one).
-        let len = s.pos.size()[0];
-        if len <= (first + last) as i64 {
-            return;
+        let c = cache.borrow();
+        let s = c.slots[slot].as_ref().expect("extended before attending");
+        let kpos = s.merged.as_ref().filter(|_| n > 1).unwrap_or(&s.pos);
+        let (_, near) = state.table(pattern);
+        if let (Some(kern), 1, Device::Cuda(_)) = (state.kernels, n, q.device()) {
+            let (window, sinks) = pattern.reach();
+            return kern
+                .decode_attention(q, k, v, kpos, &state.pos, window, sinks, near.as_ref())
+                .expect("decode kernel on the cache's own tensors");
         }
-        // A view keeps the whole tensor alive: after a prefill longer than the ends the kept
-        // keys are copied out, so the rest is freed; a decoding step drops one key, and its
-        // view is replaced by the next step's concatenation anyway.
-        let copy = 2 * ((first + last) as i64) < len;
-        let ends = |t: &Tensor, dim: i64| {
-            let tail = last_keys(t, dim, last);
-            let kept = match first {
-                0 => tail,
-                _ => Tensor::cat(&[&t.narrow(dim, 0, first as i64), &tail], dim),
-            };
-            if copy {
-                kept.contiguous()
-            } else {
-                kept
-            }
-        };
-        s.k = ends(&s.k, 2);
-        s.v = ends(&s.v, 2);
-        s.pos = ends(&s.pos, 0);
+        let seen = pattern
+            .seen_in(&state.positions(n), kpos, near.as_ref())
+            .logical_and(&kpos.ge(0).unsqueeze(0));
+        let gqa = q.size()[1] != k.size()[1];
+        Tensor::scaled_dot_product_attention(q, k, v, Some(&seen), 0.0, false, None, gqa)
     }
 }
 
-/// The last `w` entries of `t` along `dim` (all of them when it holds fewer), as a view: a
-/// slot's keys are consecutive positions, so a window's keys are its suffix.
-fn last_keys(t: &Tensor, dim: i64, w: usize) -> Tensor {
-    let len = t.size()[dim as usize];
-    let keep = len.min(w as i64);
-    t.narrow(dim, len - keep, keep)
+/// Whether a slot that keeps `keep` holds position `p` once the positions before `end` are
+/// written: the first keys, and the last of a ring.
+fn keeps_position(keep: Keep, p: i64, end: i64) -> bool {
+    match keep {
+        Keep::All => true,
+        Keep::Ends { first, last } => p < first as i64 || p >= end - last as i64,
+    }
+}
+
+/// The entry of a slot of `size` entries that holds position `p`: the first keys at their
+/// own positions, the others round the ring after them.
+fn ring_index(p: i64, keep: Keep, size: i64) -> i64 {
+    match keep {
+        Keep::Ends { first, .. } if p >= first as i64 => {
+            first as i64 + (p - first as i64) % (size - first as i64)
+        }
+        _ => p,
+    }
+}
+
+/// `ring_index` of the device position `pos` (int64 `[1]`), computed on the device.
+fn ring(pos: &Tensor, keep: Keep, size: i64) -> Tensor {
+    match keep {
+        Keep::Ends { first, .. } if size > first as i64 => {
+            let first = first as i64;
+            let wrapped = (pos - first).remainder(size - first) + first;
+            pos.where_self(&pos.lt(first), &wrapped)
+        }
+        _ => pos.shallow_clone(),
+    }
 }

@@ -5,7 +5,7 @@
 
 use super::ctx::{ForwardCtx, GateOverride};
 use crate::model::nn::{upcast, Linear, RmsNorm};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// Forward with the hard gate, backward as if it were the soft score (straight-through).
 pub(crate) fn straight_through(hard: &Tensor, soft: &Tensor) -> Tensor {
@@ -65,7 +65,7 @@ impl GateSource {
         layer: usize,
         x: &Tensor,
         like: [i64; 3],
-        start: i64,
+        positions: &Tensor,
         ctx: &ForwardCtx,
     ) -> Gate {
         // Routers run in fp32 so thresholding does not depend on the compute dtype.
@@ -88,11 +88,10 @@ impl GateSource {
             }
             Some(GateOverride::Positions(open)) => {
                 let width = open.size()[1];
-                let pos = Tensor::arange_start(start, start + like[1], (Kind::Int64, x.device()));
-                let inside = pos.lt(width).to_kind(Kind::Float);
+                let inside = positions.lt(width).to_kind(Kind::Float);
                 let marked = open
                     .to_kind(Kind::Float)
-                    .index_select(1, &pos.clamp_max(width - 1));
+                    .index_select(1, &positions.clamp_max(width - 1));
                 // Past the marks (generated tokens): open.
                 let row: Tensor = &marked * &inside + inside.neg() + 1.0;
                 let hard = row.unsqueeze(-1).expand(like, false).contiguous();
@@ -115,7 +114,7 @@ impl GateSource {
                     // Drawn on the device from a hash of (seed, layer, row, position, head): the
                     // same gates whatever the chunking, at the cost of a few integer kernels
                     // (one keyed generator per gate on the host cost eight forwards).
-                    let u = hash_uniform(ctx.gate_seed, layer, like, start, x.device());
+                    let u = hash_uniform(ctx.gate_seed, layer, like, positions);
                     let hard = match p.as_slice() {
                         [one] => u.lt(*one),
                         rates => u.lt_tensor(
@@ -159,23 +158,18 @@ pub(super) fn router_input(norm: &Option<RmsNorm>, x: &Tensor) -> Tensor {
     }
 }
 
-/// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk starting
-/// at position `start`: an integer hash of (seed, layer, row, position, head) computed on the
+/// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk at
+/// `positions: [T]` (int64, on the device): an integer hash of (seed, layer, row, position, head) computed on the
 /// device, so it does not depend on the device, the chunking, or any generator's state.
-pub(crate) fn hash_uniform(
-    seed: u64,
-    layer: usize,
-    shape: [i64; 3],
-    start: i64,
-    device: Device,
-) -> Tensor {
+pub(crate) fn hash_uniform(seed: u64, layer: usize, shape: [i64; 3], positions: &Tensor) -> Tensor {
     let [b, l, h] = shape;
+    let device = positions.device();
     let ar = |n: i64, at: i64| Tensor::arange_start(at, at + n, (Kind::Int64, device));
     let mask = 0xFFFF_FFFFi64;
     let salt =
         ((seed ^ (seed >> 32) ^ (layer as u64).wrapping_mul(0x9E37_79B9)) & 0xFFFF_FFFF) as i64;
     let mut x = ar(b, 0).view([b, 1, 1]) * 0x2545_F491i64
-        + ar(l, start).view([1, l, 1]) * 0x1B87_3593i64
+        + positions.view([1, l, 1]) * 0x1B87_3593i64
         + ar(h, 0).view([1, 1, h]) * 0x5BD1_E995i64
         + salt;
     // Products of values below 2^32 with multipliers below 2^31 stay inside int64.

@@ -5,6 +5,7 @@ use super::base::{AttnOutput, Base, Build, Chunk, Projections, Route};
 use super::cache::Keys;
 use super::ctx::ForwardCtx;
 use super::methods::spec;
+use super::patterns::Keep;
 use crate::config::{AttentionConfig, ModelConfig};
 use crate::model::kernels::Kernels;
 use crate::model::nn::Rope;
@@ -62,6 +63,11 @@ impl SelfAttention {
             .collect()
     }
 
+    /// Which keys each slot of this layer's decoding cache keeps (`Route::keeps`).
+    pub(crate) fn keeps(&self) -> Vec<Keep> {
+        self.route.keeps(&self.base)
+    }
+
     /// Bytes of the key-value cache this layer needs for a context of `len` tokens at
     /// decode time (`elt` bytes per value): the positions each slot keeps (`Route::keeps`; a
     /// module of a method's own copies the base projections' shape).
@@ -94,11 +100,6 @@ impl SelfAttention {
             rope,
             keys,
         };
-        let out = self.route.forward(&self.base, &chunk, ctx);
-        // Keys that no later query can reach are dropped.
-        for (slot, keep) in self.route.keeps(&self.base).into_iter().enumerate() {
-            keys.trim(slot, keep);
-        }
-        out
+        self.route.forward(&self.base, &chunk, ctx)
     }
 }

@@ -31,7 +31,7 @@ mod spec;
 mod tests;
 
 pub(crate) use base::{projection_params, AttnOutput, Regulariser};
-pub(crate) use cache::{Keys, LayerCache};
+pub(crate) use cache::{CacheState, Keys, LayerCache};
 pub use ctx::ForwardCtx;
 pub(crate) use ctx::GateOverride;
 pub(crate) use layer::SelfAttention;

@@ -83,35 +83,53 @@ impl KeyPattern {
         self.pairs_between(0, len)
     }
 
-    /// Pairs attended by the queries at positions `start .. end`: each query i sees the
-    /// distances d <= i that `near` allows, and the first keys beyond them.
+    /// Pairs attended by the queries at positions `start .. end`.
     pub(crate) fn pairs_between(&self, start: usize, end: usize) -> u64 {
+        self.pairs_per_query(end)[start..].iter().sum()
+    }
+
+    /// Keys seen by the query at each position 0 .. len: the distances d <= i that `near`
+    /// allows, and the first keys beyond them.
+    pub(crate) fn pairs_per_query(&self, len: usize) -> Vec<u64> {
         let mut seen = 0u64;
-        let mut total = 0u64;
-        for (i, s) in self.distance_table(end).iter().enumerate() {
-            seen += *s as u64;
-            if i >= start {
+        self.distance_table(len)
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                seen += *s as u64;
                 let first = (0..self.first().min(i + 1)).filter(|&k| !self.near(i - k));
-                total += seen + first.count() as u64;
-            }
-        }
-        total
+                seen + first.count() as u64
+            })
+            .collect()
+    }
+
+    /// PPA's `near(d)` for d = 0 .. len as a bool tensor on `device` (the lookup `seen_in`
+    /// reads); None for the patterns whose reach is a comparison.
+    pub(crate) fn near_table(&self, len: usize, device: Device) -> Option<Tensor> {
+        matches!(self, KeyPattern::Ppa { .. })
+            .then(|| Tensor::from_slice(&self.distance_table(len)).to_device(device))
     }
 
     /// Where queries at positions `qpos: [n]` see keys at positions `kpos: [m]` (`[n, m]`
     /// bool, on their device): the causal pairs the pattern allows; `len` is one past the
     /// highest query position.
     pub(crate) fn seen(&self, qpos: &Tensor, kpos: &Tensor, len: usize) -> Tensor {
+        self.seen_in(qpos, kpos, self.near_table(len, qpos.device()).as_ref())
+    }
+
+    /// `seen` with PPA's `near_table` built beforehand (one long enough for every distance),
+    /// so nothing is copied from the host: what a decoding step captured as a graph runs.
+    pub(crate) fn seen_in(&self, qpos: &Tensor, kpos: &Tensor, table: Option<&Tensor>) -> Tensor {
         let dist = qpos.unsqueeze(1) - kpos.unsqueeze(0);
         let causal = dist.ge(0);
         let near = match *self {
             KeyPattern::Full => causal.shallow_clone(),
-            // On the device: no table of every distance copied from the host a step.
             KeyPattern::Window(w) | KeyPattern::Sinks { window: w, .. } => dist.lt(w as i64),
             KeyPattern::Ppa { .. } => {
-                let table = Tensor::from_slice(&self.distance_table(len)).to_device(qpos.device());
+                let table = table.expect("PPA reads its near_table");
+                let last = table.size()[0] - 1;
                 table
-                    .index_select(0, &dist.clamp(0, len as i64 - 1).flatten(0, 1))
+                    .index_select(0, &dist.clamp(0, last).flatten(0, 1))
                     .view([qpos.size()[0], kpos.size()[0]])
             }
         };
@@ -149,6 +167,17 @@ impl KeyPattern {
             KeyPattern::Ppa { window, .. } => len <= window || (0..len).all(|d| self.near(d)),
             // The last query sees the sinks and its window: every key where they meet.
             KeyPattern::Sinks { sinks, window } => len <= sinks + window,
+        }
+    }
+
+    /// What the decode kernel reads besides PPA's `near_table`: the window (-1: every earlier
+    /// key; 0 where the near table says it all) and the first keys every query sees.
+    pub(crate) fn reach(&self) -> (i64, i64) {
+        match *self {
+            KeyPattern::Full => (-1, 0),
+            KeyPattern::Window(w) => (w as i64, 0),
+            KeyPattern::Ppa { .. } => (0, 0),
+            KeyPattern::Sinks { sinks, window } => (window as i64, sinks as i64),
         }
     }
 

@@ -21,9 +21,7 @@ impl Route for Static {
             x, q, k, v, keys, ..
         } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
-        let start = keys.start();
-        let (first, end) = (start as usize, (start + l) as usize);
-        let pairs = (b * layer.proj.n_heads) as f64 * self.0.pairs_between(first, end) as f64;
+        let pairs = keys.pattern_pairs(self.0, l) * (b * layer.proj.n_heads) as f64;
         AttnOutput {
             y: layer
                 .proj
@@ -31,7 +29,7 @@ impl Route for Static {
             gates: None,
             scores: None,
             reg: None,
-            pairs: Tensor::from(pairs),
+            pairs,
         }
     }
 
@@ -125,19 +123,8 @@ pub(super) fn branches(
             };
             (full, layer.attend_all(q, k, v, window, keys, 0))
         }
-        // Decoding: a path that no query of the chunk picked is not run.
-        Exec::Decode if !q.requires_grad() => {
-            let picked = |t: Tensor| t.any().int64_value(&[]) != 0;
-            let full = match picked(on.gt(0.5)) {
-                true => keys.attend(0, q, k, v, KeyPattern::Full),
-                false => q.zeros_like(),
-            };
-            let local = match picked(on.le(0.5)) {
-                true => layer.attend_all(q, k, v, window, keys, 0),
-                false => q.zeros_like(),
-            };
-            (full, local)
-        }
+        // Decoding runs both paths: skipping the one no query picked would read the gates
+        // back on the host, a wait at every step that a captured step cannot make.
         _ => (
             keys.attend(0, q, k, v, KeyPattern::Full),
             layer.attend_all(q, k, v, window, keys, 0),
@@ -145,11 +132,11 @@ pub(super) fn branches(
     }
 }
 
-/// Pairs attended when gate `[B, L, H]` for the positions from `start` on picks, per (token,
-/// head), the whole prefix (i + 1 keys) or the window (min(w, i + 1) keys).
-pub(crate) fn routed_pairs(hard: &Tensor, window: usize, start: i64) -> Tensor {
+/// Pairs attended when gate `[B, L, H]` for the positions `positions: [L]` (int64) picks, per
+/// (token, head), the whole prefix (i + 1 keys) or the window (min(w, i + 1) keys).
+pub(crate) fn routed_pairs(hard: &Tensor, window: usize, positions: &Tensor) -> Tensor {
     let l = hard.size()[1];
-    let full = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, hard.device()));
+    let full = positions.to_kind(Kind::Float) + 1.0;
     let win = full.clamp_max(window as f64);
     let n = (hard.size()[0] * hard.size()[2]) as f64;
     (hard.to_kind(Kind::Float) * (&full - &win).view([1, l, 1])).sum(Kind::Float)

@@ -939,7 +939,11 @@ fn routed_pairs_count_the_executed_path() {
     let g = Tensor::from_slice(&[1f32, 0., 0., 1., 1., 0.]).view([1, 3, 2]);
     // Window 2: token t sees min(2, t+1) keys locally, t+1 keys on the full path.
     let want = (1 + 1) + (2 + 2) + (3 + 2);
-    assert_eq!(routed_pairs(&g, 2, 0).double_value(&[]), want as f64);
+    let positions = Tensor::arange(g.size()[1], (Kind::Int64, Device::Cpu));
+    assert_eq!(
+        routed_pairs(&g, 2, &positions).double_value(&[]),
+        want as f64
+    );
     // L2A: every token's window plus the global prefix of routed tokens.
     let cfg = routed_cfg(Method::L2a, |_| {});
     let b = Built::new(&cfg, Device::Cpu).unwrap();
@@ -1052,7 +1056,12 @@ fn kernel_path_matches_reference_path_for_every_method() {
 
 #[test]
 fn hash_uniform_is_uniform_and_independent_of_chunking() {
-    let whole = hash_uniform(42, 3, [2, 500, 8], 0, Device::Cpu);
+    let whole = hash_uniform(
+        42,
+        3,
+        [2, 500, 8],
+        &Tensor::arange(500, (Kind::Int64, Device::Cpu)),
+    );
     let (lo, hi) = (whole.min().double_value(&[]), whole.max().double_value(&[]));
     assert!(lo >= 0.0 && hi < 1.0, "range [{lo}, {hi}]");
     let mean = whole.mean(Kind::Double).double_value(&[]);
@@ -1067,10 +1076,27 @@ fn hash_uniform_is_uniform_and_independent_of_chunking() {
             .double_value(&[]);
         assert!((frac - 0.1).abs() < 0.015, "decile {d}: {frac}");
     }
-    let piece = hash_uniform(42, 3, [2, 7, 8], 100, Device::Cpu);
+    let piece = hash_uniform(
+        42,
+        3,
+        [2, 7, 8],
+        &Tensor::arange_start(100, 107, (Kind::Int64, Device::Cpu)),
+    );
     assert!(piece.equal(&whole.narrow(1, 100, 7)));
-    assert!(!hash_uniform(43, 3, [2, 7, 8], 100, Device::Cpu).equal(&piece));
-    assert!(!hash_uniform(42, 4, [2, 7, 8], 100, Device::Cpu).equal(&piece));
+    assert!(!hash_uniform(
+        43,
+        3,
+        [2, 7, 8],
+        &Tensor::arange_start(100, 107, (Kind::Int64, Device::Cpu))
+    )
+    .equal(&piece));
+    assert!(!hash_uniform(
+        42,
+        4,
+        [2, 7, 8],
+        &Tensor::arange_start(100, 107, (Kind::Int64, Device::Cpu))
+    )
+    .equal(&piece));
 }
 
 /// With ste_sample < 1 the router gradient is an unbiased estimate of the exact
@@ -1209,7 +1235,7 @@ fn cached_decoding_matches_the_whole_sequence_forward() {
         };
         let (whole, pieces, cache) = tch::no_grad(|| {
             let whole = b.model.forward(&ids(), &ctx);
-            let mut cache = b.model.new_cache();
+            let mut cache = b.model.new_cache(len, Device::Cpu);
             let mut pieces = Vec::new();
             for (at, n) in [(0, 4), (4, 1), (5, 1), (6, 2), (8, 1)] {
                 pieces.push(
@@ -1243,7 +1269,7 @@ fn cached_decoding_matches_the_whole_sequence_forward() {
                 "{name}: pairs"
             );
         }
-        assert_eq!(cache.len, len);
+        assert_eq!(cache.state.len, len);
         // Two sequences in the batch; kv_cache_bytes is per sequence.
         let want: Vec<f64> = b
             .model
@@ -1254,4 +1280,108 @@ fn cached_decoding_matches_the_whole_sequence_forward() {
         let held: Vec<f64> = cache.layers.iter().map(|l| l.borrow().bytes()).collect();
         assert_eq!(held, want, "{name}: cache bytes per layer");
     }
+}
+
+/// Greedy decoding over the cache (every step's token, pairs and gates recorded on the
+/// device) gives what forwards over the whole growing sequence give: the argmax token at each
+/// step, the pairs of its last query, its gates; for every method's examples, on the
+/// reference path and the kernel library's CPU build. The cache's window rings wrap (window
+/// 3, 14 positions).
+#[test]
+fn greedy_decoding_matches_forwards_over_the_growing_sequence() {
+    use crate::run::generate::greedy;
+    let cases: Vec<(String, Config)> = [AttnImpl::Reference, AttnImpl::Cuda]
+        .into_iter()
+        .flat_map(|imp| {
+            every_example(move |c| c.attention.attn_impl = imp)
+                .into_iter()
+                .map(move |(name, c)| (format!("{name} on {imp:?}"), c))
+        })
+        .collect();
+    let (prompt, new) = (9, 5);
+    for (name, cfg) in cases {
+        let b = Built::new(&cfg, Device::Cpu).unwrap();
+        randomise_routers(&b, 1.0);
+        let ctx = ForwardCtx {
+            gate_seed: 5,
+            ..Default::default()
+        };
+        let g = greedy(&b.model, &ids(), new, None, &ctx, true);
+        let mut seq = ids();
+        for step in 0..new {
+            let out = tch::no_grad(|| b.model.forward(&seq, &ctx));
+            let next = out.logits.select(1, -1).argmax(-1, false);
+            let want: Vec<i64> = Vec::try_from(&next).unwrap();
+            for (row, t) in want.iter().enumerate() {
+                assert_eq!(
+                    g.tokens[row][step] as i64, *t,
+                    "{name}: token {step} of row {row}"
+                );
+            }
+            if step > 0 {
+                // Pairs of the forward's last query: the whole forward's less the one before.
+                let before = tch::no_grad(|| {
+                    b.model
+                        .forward(&seq.narrow(1, 0, seq.size()[1] - 1), &ctx)
+                        .attended_pairs()
+                });
+                let want = out.attended_pairs() - before;
+                assert_eq!(
+                    g.decode_pairs[step - 1],
+                    want,
+                    "{name}: pairs of step {step}"
+                );
+            }
+            if let Some(gates) = &g.gates {
+                let at = out
+                    .layers
+                    .iter()
+                    .filter_map(|l| l.gates.as_ref())
+                    .map(|t| t.select(1, -1).mean_dim(-1, false, Kind::Double))
+                    .reduce(|a, b| a + b)
+                    .unwrap()
+                    / out.layers.len() as f64;
+                for (row, v) in Vec::<f64>::try_from(at).unwrap().iter().enumerate() {
+                    assert!((gates[row][step] - v).abs() < 1e-6, "{name}: gate {step}");
+                }
+            }
+            seq = Tensor::cat(&[&seq, &next.unsqueeze(1)], 1);
+        }
+        assert_eq!(g.decode_pairs.len(), new - 1, "{name}");
+        assert_eq!(seq.size()[1], prompt + new as i64);
+    }
+}
+
+/// On the GPU, decoding with one step captured as a CUDA graph and replayed gives exactly what
+/// the same model decodes step by step (tokens, pairs, gates), for every method's examples.
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn graph_decoding_matches_step_by_step_decoding() {
+    use crate::config::Dtype;
+    use crate::run::generate::greedy;
+    let name = "graph_decoding_matches_step_by_step_decoding";
+    tests::on_cuda(name, |_| {
+        let cases = every_example(|c| {
+            c.model.hidden_size = 256;
+            c.model.vocab_size = 64;
+            c.attention.window = 5;
+            c.train.device = "cuda".into();
+            c.train.dtype = Dtype::Bf16;
+            c.attention.attn_impl = AttnImpl::Cuda;
+        });
+        let device = Device::Cuda(0);
+        for (name, cfg) in cases {
+            let b = Built::new(&cfg, device).unwrap();
+            randomise_routers(&b, 1.0);
+            tch::manual_seed(3);
+            let prompts = Tensor::randint(64, [3, 40], (Kind::Int64, device));
+            let ctx = ForwardCtx::default();
+            let run = |graphs| greedy(&b.model, &prompts, 24, None, &ctx, graphs);
+            let (eager, graph) = (run(false), run(true));
+            assert_eq!(eager.tokens, graph.tokens, "{name}: tokens");
+            assert_eq!(eager.decode_pairs, graph.decode_pairs, "{name}: pairs");
+            assert_eq!(eager.gates, graph.gates, "{name}: gates");
+            assert_eq!(eager.cache_bytes, graph.cache_bytes, "{name}: cache bytes");
+        }
+    });
 }

@@ -10,7 +10,7 @@ use anyhow::{ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SOURCES: [(&str, &str); 25] = [
+const SOURCES: [(&str, &str); 27] = [
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
@@ -24,6 +24,8 @@ const SOURCES: [(&str, &str); 25] = [
         include_str!("../../../kernels/attention.cuh"),
     ),
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("decode.cu", include_str!("../../../kernels/decode.cu")),
+    ("decode.cuh", include_str!("../../../kernels/decode.cuh")),
     ("loss.cu", include_str!("../../../kernels/loss.cu")),
     ("loss.cuh", include_str!("../../../kernels/loss.cuh")),
     ("norm.cu", include_str!("../../../kernels/norm.cu")),
@@ -63,7 +65,7 @@ const SOURCES: [(&str, &str); 25] = [
 ];
 /// Version of the library's C interface: compiled into it (`ATTNSWEEP_ABI`), and checked
 /// when it loads, so a library built from other sources is refused rather than misread.
-pub(super) const ABI: i64 = 15;
+pub(super) const ABI: i64 = 16;
 pub(super) const LIB: &str = "libattnsweep_kernels.so";
 
 /// The kernel sources: those compiled into this binary, or, for kernel development, the files

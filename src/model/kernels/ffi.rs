@@ -75,6 +75,24 @@ entry_points! {
         *mut c_char,
         usize,
     ) -> *mut c_void;
+    /// q, k, v, kpos, qpos, window, sinks, near (null: none): one query over a decoding cache.
+    decode_attention: unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        i64,
+        i64,
+        *const c_void,
+        *mut c_char,
+        usize,
+    ) -> *mut c_void;
+    /// A CUDA graph of the work queued between begin and end on this thread; replayed, freed.
+    graph_begin: unsafe extern "C" fn(*mut c_char, usize) -> *mut c_void;
+    graph_end: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
+    graph_replay: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
+    graph_free: unsafe extern "C" fn(*mut c_void);
     /// logits, targets: the per-token cross-entropy.
     token_nll: Tensor2Fn;
     /// gate, up: the MLP's SwiGLU.

@@ -114,6 +114,50 @@ impl Drop for Event<'_> {
     }
 }
 
+/// A CUDA graph captured by [`Kernels::capture`]: the work of one call, replayed as it was
+/// recorded (the same kernels on the same memory).
+pub(crate) struct CudaGraph {
+    kern: &'static Kernels,
+    raw: *mut c_void,
+}
+
+impl CudaGraph {
+    /// Runs the recorded work again, on the current stream.
+    pub(crate) fn replay(&self) -> Result<()> {
+        status("CUDA graph replay", |e, n| unsafe {
+            (self.kern.f.graph_replay)(self.raw, e, n)
+        })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        unsafe { (self.kern.f.graph_free)(self.raw) }
+    }
+}
+
+/// Ends a capture however the captured closure ends (a panic inside it included), so the
+/// thread's stream is never left capturing.
+struct Capturing(Option<CudaGraph>);
+
+impl Capturing {
+    fn end(&mut self) -> Result<CudaGraph> {
+        let g = self.0.take().expect("a capture ends once");
+        status("CUDA graph capture", |e, n| unsafe {
+            (g.kern.f.graph_end)(g.raw, e, n)
+        })?;
+        Ok(g)
+    }
+}
+
+impl Drop for Capturing {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            let _ = self.end();
+        }
+    }
+}
+
 /// The library where it takes `x`'s dtype: the fused element-wise kernels take fp32 and bf16.
 pub(crate) fn kernel_for<'a>(kernels: Option<&'a Kernels>, x: &Tensor) -> Option<&'a Kernels> {
     kernels.filter(|_| matches!(x.kind(), Kind::Float | Kind::BFloat16))
@@ -275,6 +319,54 @@ impl Kernels {
 
     /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
     /// the library was built without CUDA.
+    /// The work `f` queues on this thread's current stream, captured as a CUDA graph instead
+    /// of run: `f` must queue only device work whose shapes and addresses hold at every
+    /// replay, reading nothing back to the host. An error where the library was built
+    /// without CUDA, or the work cannot be captured.
+    pub(crate) fn capture(&'static self, f: impl FnOnce()) -> Result<CudaGraph> {
+        let raw = new_object("CUDA graph capture", |e, n| unsafe {
+            (self.f.graph_begin)(e, n)
+        })?;
+        let mut capturing = Capturing(Some(CudaGraph { kern: self, raw }));
+        f();
+        capturing.end()
+    }
+
+    /// Attention of one query a row (`q: [B, H, 1, D]`) over a decoding cache's slot (`k, v:
+    /// [B, Hkv, S, D]`, `kpos: [S]` int64, -1 where empty) from the query's position `qpos`
+    /// (int64 `[1]`, on the device): the entries at distances `d = qpos - kpos >= 0` inside
+    /// `window` (< 0: every one), the first `sinks` positions, and PPA's distances where
+    /// `near[d]` (bool `[T]`, the last entry standing for every farther one). bf16 on the GPU,
+    /// the ATen reference on the CPU.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        kpos: &Tensor,
+        qpos: &Tensor,
+        window: i64,
+        sinks: i64,
+        near: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let near = near.map_or(std::ptr::null(), ptr);
+        new_tensor("decode attention kernel", |e, n| unsafe {
+            (self.f.decode_attention)(
+                ptr(q),
+                ptr(k),
+                ptr(v),
+                ptr(kpos),
+                ptr(qpos),
+                window,
+                sinks,
+                near,
+                e,
+                n,
+            )
+        })
+    }
+
     pub(crate) fn event(&self) -> Result<Event<'_>> {
         let raw = new_object("CUDA event", |e, n| unsafe { (self.f.event_new)(e, n) })?;
         Ok(Event { kern: self, raw })

@@ -511,7 +511,8 @@ fn aha_gates_match_reference(kern: &Kernels, device: Device) {
             .aha_gates(&s, tau, sample, seed, layer, start, window)
             .unwrap();
         let on = threshold(&s.detach(), tau, false);
-        let probe = hash_uniform(seed, layer, [b, l, h], start, device)
+        let positions = Tensor::arange_start(start, start + l, (Kind::Int64, device));
+        let probe = hash_uniform(seed, layer, [b, l, h], &positions)
             .lt(sample)
             .logical_and(&on.le(0.5))
             .to_kind(Kind::Float);
@@ -526,7 +527,7 @@ fn aha_gates_match_reference(kern: &Kernels, device: Device) {
             at(&(&on + &probe * 2.0)).equal(&g.other.to_kind(Kind::Float)),
             "{case}"
         );
-        let pairs = routed_pairs(&on, window as usize, start).double_value(&[]);
+        let pairs = routed_pairs(&on, window as usize, &positions).double_value(&[]);
         assert_eq!(g.pairs.double_value(&[]), pairs, "{case}: pairs");
         assert_eq!(
             g.weight.abs().max().double_value(&[]),
@@ -985,5 +986,99 @@ fn cuda_kernels_match_reference() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("another device than q"), "{err}");
+    });
+}
+
+/// The decode kernel (one query a row over a cache slot) against attention computed from the
+/// pattern's own predicate (`KeyPattern::sees`) over the slot's entries: entries in ring
+/// order, empty ones, GQA groups, every pattern, a slot long enough to be split into runs.
+fn decode_attention_matches_reference(kern: &Kernels, device: Device, slots: i64) {
+    let (b, kv) = (2, 2);
+    let mut rng = Rng::new(slots as u64);
+    for (heads, d) in [(6, 64), (4, 128), (2, 64)] {
+        for pattern in [
+            KeyPattern::Full,
+            KeyPattern::Window(37),
+            KeyPattern::Sinks {
+                sinks: 3,
+                window: 29,
+            },
+            KeyPattern::Ppa {
+                power: 0.5,
+                window: 17,
+            },
+        ] {
+            // A ring that has wrapped: entry i holds position qpos - ((i + shift) % slots),
+            // and a few entries were never written.
+            let qpos = 3 * slots;
+            let shift = slots / 3;
+            let kpos: Vec<i64> = (0..slots)
+                .map(|i| match rng.below(10) {
+                    0 => -1,
+                    _ => qpos - (i + shift) % slots,
+                })
+                .collect();
+            let opts = (Kind::Float, device);
+            let bf = |t: Tensor| t.to_kind(Kind::BFloat16);
+            let q = bf(Tensor::randn([b, heads, 1, d], opts));
+            let k = bf(Tensor::randn([b, kv, slots, d], opts));
+            let v = bf(Tensor::randn([b, kv, slots, d], opts));
+            let seen: Vec<bool> = kpos
+                .iter()
+                .map(|&p| p >= 0 && pattern.sees(qpos as usize, p as usize))
+                .collect();
+            let mask = Tensor::from_slice(&seen).to_device(device).view([1, slots]);
+            let f = |t: &Tensor| t.to_kind(Kind::Float);
+            let want = Tensor::scaled_dot_product_attention(
+                &f(&q),
+                &f(&k),
+                &f(&v),
+                Some(&mask),
+                0.0,
+                false,
+                None,
+                true,
+            );
+            let near = pattern.near_table(qpos as usize + 1, device);
+            let (window, sinks) = pattern.reach();
+            let got = kern
+                .decode_attention(
+                    &q,
+                    &k,
+                    &v,
+                    &Tensor::from_slice(&kpos).to_device(device),
+                    &Tensor::from_slice(&[qpos]).to_device(device),
+                    window,
+                    sinks,
+                    near.as_ref(),
+                )
+                .unwrap();
+            let err = (f(&got) - &want).abs().max().double_value(&[]);
+            assert!(
+                err < 2e-2,
+                "{pattern:?}, {heads} heads, D {d}: max error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_decode_attention_matches_reference() {
+    let kern = cpu().expect("the CPU kernel library builds");
+    decode_attention_matches_reference(kern, Device::Cpu, 90);
+    let q = Tensor::zeros([1, 2, 2, 64], (Kind::Float, Device::Cpu));
+    let k = Tensor::zeros([1, 1, 5, 64], (Kind::Float, Device::Cpu));
+    let pos = Tensor::zeros([5], (Kind::Int64, Device::Cpu));
+    let err = kern.decode_attention(&q, &k, &k, &pos, &pos.narrow(0, 0, 1), -1, 0, None);
+    assert!(err.unwrap_err().to_string().contains("one query a row"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn cuda_decode_attention_matches_reference() {
+    on_cuda("cuda_decode_attention_matches_reference", |k| {
+        for slots in [90, 5000] {
+            decode_attention_matches_reference(k, Device::Cuda(0), slots)
+        }
     });
 }

@@ -119,13 +119,14 @@ impl PerHead {
                 ctx,
             );
         }
-        let g = gates.gates(layer.layer, x, [b, l, h], start, ctx);
+        let positions = keys.positions(l, x.device());
+        let g = gates.gates(layer.layer, x, [b, l, h], &positions, ctx);
         let learned = matches!(gates, GateSource::Learned { .. });
         // Sampled straight-through gradient (attention.ste_sample): a random subset
         // of the window-picking pairs computes the full path, and their router
         // gradient is scaled up by 1 / ste_sample; the other window pairs send none.
         let probe = (learned && self.ste_sample < 1.0 && q.requires_grad()).then(|| {
-            let u = hash_uniform(ctx.gate_seed, layer.layer, [b, l, h], start, x.device());
+            let u = hash_uniform(ctx.gate_seed, layer.layer, [b, l, h], &positions);
             u.lt(self.ste_sample).logical_and(&g.hard.le(0.5))
         });
         let values = match (&probe, learned) {
@@ -144,7 +145,7 @@ impl PerHead {
         let y = self.per_head(layer, q, k, v, &g.hard, &value, keys, values);
         AttnOutput {
             y: layer.proj.out(&y, layer.kernels),
-            pairs: routed_pairs(&g.hard, layer.window, start),
+            pairs: routed_pairs(&g.hard, layer.window, &positions),
             reg: gates.lambda(ctx).map(|lambda| {
                 Regulariser::Term(g.scores.as_ref().expect("scored").mean(Kind::Float) * lambda)
             }),

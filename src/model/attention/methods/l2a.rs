@@ -25,7 +25,7 @@ use crate::model::attention::spec::{
     MethodSpec, PaperTable, Report,
 };
 use crate::model::nn::RmsNorm;
-use tch::{Kind, Tensor};
+use tch::Kind;
 
 /// L2A's layer: the window, and the global module for routed tokens.
 struct Global {
@@ -112,13 +112,13 @@ impl Global {
         } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = layer.proj.n_heads;
-        let start = keys.start();
+        let positions = keys.positions(l, x.device());
         let window = KeyPattern::Window(layer.window);
         let s = layer
             .proj
             .out(&layer.attend_all(q, k, v, window, keys, 0), layer.kernels);
         let u = self.norm.forward(&(residual + &s));
-        let g = gates.gates(layer.layer, &u, [b, l, 1], start, ctx);
+        let g = gates.gates(layer.layer, &u, [b, l, 1], &positions, ctx);
         let (qg, kg, vg) = global.qkv(&u, rope, layer.kernels);
         // Every token's u is a key of the global module, routed or not.
         let (kg, vg) = keys.extend(1, kg, vg);
@@ -138,11 +138,9 @@ impl Global {
             (Exec::Kernels(kern, _), _) => routed_rows(kern),
             // A prefill into an empty cache: its keys are the chunk's own, as in a forward, so
             // only the routed queries attend (the cached path had attended every query).
-            (Exec::Decode, Some(kern)) if keys.prefill_only(1, l) => routed_rows(kern),
-            // Decoding: no token of the chunk routed, so global attention is skipped.
-            (Exec::Decode, _) if !qg.requires_grad() && executed.max().double_value(&[]) == 0.0 => {
-                s.zeros_like()
-            }
+            (Exec::Decode, Some(kern)) if keys.prefill_only() => routed_rows(kern),
+            // Decoding attends for every token and keeps the routed ones' (skipping a step
+            // without a routed token would read the gates back on the host).
             _ => {
                 global.out(
                     &keys.attend(1, &qg, &kg, &vg, KeyPattern::Full),
@@ -151,10 +149,9 @@ impl Global {
             }
         };
         let y = &s + g.value.to_kind(x.kind()) * a;
-        let (first, end) = (start as usize, (start + l) as usize);
-        let local_pairs = (b * h) as f64 * window.pairs_between(first, end) as f64;
-        let positions = Tensor::arange_start(start + 1, start + l + 1, (Kind::Float, x.device()));
-        let global_pairs = (executed.squeeze_dim(-1) * positions).sum(Kind::Float) * h as f64;
+        let local_pairs = keys.pattern_pairs(window, l) * (b * h) as f64;
+        let keys_seen = positions.to_kind(Kind::Float) + 1.0;
+        let global_pairs = (executed.squeeze_dim(-1) * keys_seen).sum(Kind::Float) * h as f64;
         AttnOutput {
             y,
             pairs: global_pairs + local_pairs,

@@ -130,8 +130,8 @@ impl Switch {
         } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
         let h = layer.proj.n_heads;
-        let start = keys.start();
-        let g = gates.gates(layer.layer, x, [b, l, 1], start, ctx);
+        let positions = keys.positions(l, x.device());
+        let g = gates.gates(layer.layer, x, [b, l, 1], &positions, ctx);
         // The router's gradient and the regulariser's disagreement read both paths.
         let learned = matches!(gates, GateSource::Learned { .. });
         let (full, local) = branches(
@@ -163,7 +163,7 @@ impl Switch {
         let hard = g.hard.expand([b, l, h], false);
         AttnOutput {
             y: &gv * full + (1.0 - &gv) * local,
-            pairs: routed_pairs(&hard, layer.window, start),
+            pairs: routed_pairs(&hard, layer.window, &positions),
             reg,
             gates: Some(hard),
             scores: g.scores,
