@@ -232,6 +232,9 @@ impl Build<'_> {
                 .filter(|r| r.len() as i64 == outputs || r.len() == 1)
                 .cloned()
                 .unwrap_or_else(|| vec![a.bernoulli_p]);
+            // On the device once: a decoding step captured as a graph copies nothing from the
+            // host.
+            let rates = Tensor::from_slice(&rates).to_device(p.device());
             return GateSource::Bernoulli(rates);
         }
         let d = m.hidden_size as i64;

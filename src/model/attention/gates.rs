@@ -38,8 +38,9 @@ pub(super) enum GateSource {
         inclusive: bool,
         lambda: f64,
     },
-    /// Context-free gates at these probabilities: one a gate output (a head), or one for all.
-    Bernoulli(Vec<f64>),
+    /// Context-free gates at these probabilities (fp64, on the model's device): one a gate
+    /// output (a head), or one for all.
+    Bernoulli(Tensor),
     /// Static head assignment: `[H]` gates, the same for every token.
     Fixed(Tensor),
 }
@@ -110,21 +111,12 @@ impl GateSource {
                     let hard = threshold(scores.as_ref().expect("scored"), *tau, *inclusive);
                     (hard.shallow_clone(), ste(hard))
                 }
-                GateSource::Bernoulli(p) => {
+                GateSource::Bernoulli(rates) => {
                     // Drawn on the device from a hash of (seed, layer, row, position, head): the
                     // same gates whatever the chunking, at the cost of a few integer kernels
                     // (one keyed generator per gate on the host cost eight forwards).
                     let u = hash_uniform(ctx.gate_seed, layer, like, positions);
-                    let hard = match p.as_slice() {
-                        [one] => u.lt(*one),
-                        rates => u.lt_tensor(
-                            &Tensor::from_slice(rates)
-                                .to_kind(Kind::Float)
-                                .to_device(x.device())
-                                .view([1, 1, -1]),
-                        ),
-                    }
-                    .to_kind(Kind::Float);
+                    let hard = u.lt_tensor(&rates.view([1, 1, -1])).to_kind(Kind::Float);
                     (hard.shallow_clone(), hard)
                 }
                 GateSource::Fixed(heads) => {
