@@ -112,7 +112,7 @@ impl HeadGates {
 /// How many decoding steps run between the host's checks that every row has ended.
 const STOP_CHECK: usize = 16;
 
-/// Greedy decoding of up to `max_new` tokens after `prompts: [B, L]` (int64) with the model's
+/// Greedy decoding of up to `max_new` tokens (at least one) after `prompts: [B, L]` (int64) with the model's
 /// key-value cache, until every row has produced `eot`. Everything a step records (its token,
 /// pairs, gates, whether a row has ended) stays on the device, read once at the end; with
 /// `graphs`, on the kernels on a GPU, one step is captured as a CUDA graph and replayed for
@@ -128,6 +128,8 @@ pub(crate) fn greedy(
     tch::no_grad(|| {
         with_cast_weights(|| {
             let (rows, len) = (prompts.size()[0], prompts.size()[1]);
+            // The prefill's token is always produced.
+            let max_new = max_new.max(1);
             let device = prompts.device();
             let mut cache = model.new_cache(len + max_new as i64, device);
             let start = Instant::now();
