@@ -606,7 +606,7 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     // Benchmark flags are checked before anything runs or is written.
     let bench_out = d.join("bench");
     let b = bench_out.to_str().unwrap();
-    for (flags, needle) in [
+    for (flags, needle) in &[
         (vec!["--full-usage", "1.5"], "--full-usage"),
         (vec!["--ste-sample", "0"], "--ste-sample"),
         (
@@ -631,13 +631,9 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
             "expected one of `none`, `full`, `selective`, `auto`",
         ),
     ] {
-        let err = flags
-            .iter()
-            .fold(cli("bench train").flag("--out", b), |c, f| c.arg(f))
-            .fails();
-        assert!(err.contains(needle), "{flags:?}: {err}");
+        refused_flags("bench train", b, flags, needle);
     }
-    for (flags, needle) in [
+    for (flags, needle) in &[
         (vec!["--reps", "0"], "--reps must be at least 1"),
         (vec!["--head-dims", "96"], "--head-dims must be 64 or 128"),
         (vec!["--windows", "0"], "--windows must be at least 1"),
@@ -655,13 +651,9 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         (vec!["--lengths", "4096,4096"], "--lengths repeats a length"),
         (vec!["--ppa-powers", "2"], "--ppa-powers must lie in [0, 1]"),
     ] {
-        let err = flags
-            .iter()
-            .fold(cli("bench attention").flag("--out", b), |c, f| c.arg(f))
-            .fails();
-        assert!(err.contains(needle), "{flags:?}: {err}");
+        refused_flags("bench attention", b, flags, needle);
     }
-    for (flags, needle) in [
+    for (flags, needle) in &[
         (vec!["--contexts", "0"], "--contexts must be at least 1"),
         (vec!["--batches", "0"], "--batches must be at least 1"),
         (vec!["--short", "1"], "--short must be at least 2"),
@@ -676,13 +668,18 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
         (vec!["--methods", "nope"], "invalid value 'nope'"),
         (vec!["--model", "no-such-model"], "neither a preset"),
     ] {
-        let err = flags
-            .iter()
-            .fold(cli("bench decode").flag("--out", b), |c, f| c.arg(f))
-            .fails();
-        assert!(err.contains(needle), "{flags:?}: {err}");
+        refused_flags("bench decode", b, flags, needle);
     }
     assert!(!bench_out.exists());
+}
+
+/// `attnsweep <cmd> --out <out> <flags>` fails with an error containing `needle`.
+fn refused_flags(cmd: &str, out: &str, flags: &[&str], needle: &str) {
+    let err = flags
+        .iter()
+        .fold(cli(cmd).flag("--out", out), |c, f| c.arg(f))
+        .fails();
+    assert!(err.contains(needle), "{cmd} {flags:?}: {err}");
 }
 
 /// Mean loss and exact-match accuracy over the in-context recall buckets whose dependency

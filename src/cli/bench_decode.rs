@@ -217,7 +217,8 @@ struct DecodeRow {
     note: String,
 }
 
-/// Medians of the cases' repeated runs: (prefill seconds, decode seconds, pairs per step).
+/// One case's repeated runs (after one to warm up): each run's prefill and decode seconds, and
+/// the last run's pairs per decoding step and cache bytes.
 fn timed_runs(
     built: &Built,
     prompts: &Tensor,

@@ -271,18 +271,15 @@ impl Keys<'_> {
             let _ = s.pos.index_copy_(0, &at, &state.pos);
         } else {
             // Several tokens (outside any captured step): the host picks those kept.
-            let (from, at): (Vec<i64>, Vec<i64>) = (0..n)
+            let from: Vec<i64> = (0..n)
                 .filter(|&i| keeps_position(keep, state.len + i, state.len + n))
-                .map(|i| (i, ring_index(state.len + i, keep, size)))
-                .unzip();
-            let device = k.device();
-            let (from, at) = (
-                Tensor::from_slice(&from).to_device(device),
-                Tensor::from_slice(&at).to_device(device),
-            );
+                .collect();
+            let from = Tensor::from_slice(&from).to_device(k.device());
+            let pos = &from + state.len;
+            let at = ring(&pos, keep, size);
             let _ = s.k.index_copy_(2, &at, &k.index_select(2, &from));
             let _ = s.v.index_copy_(2, &at, &v.index_select(2, &from));
-            let _ = s.pos.index_copy_(0, &at, &(&from + state.len));
+            let _ = s.pos.index_copy_(0, &at, &pos);
         }
         out
     }
@@ -331,18 +328,8 @@ fn keeps_position(keep: Keep, p: i64, end: i64) -> bool {
     }
 }
 
-/// The entry of a slot of `size` entries that holds position `p`: the first keys at their
-/// own positions, the others round the ring after them.
-fn ring_index(p: i64, keep: Keep, size: i64) -> i64 {
-    match keep {
-        Keep::Ends { first, .. } if p >= first as i64 => {
-            first as i64 + (p - first as i64) % (size - first as i64)
-        }
-        _ => p,
-    }
-}
-
-/// `ring_index` of the device position `pos` (int64 `[1]`), computed on the device.
+/// The entries of a slot of `size` entries that hold the positions `pos` (int64, on the
+/// device): the first keys at their own positions, the others round the ring after them.
 fn ring(pos: &Tensor, keep: Keep, size: i64) -> Tensor {
     match keep {
         Keep::Ends { first, .. } if size > first as i64 => {
