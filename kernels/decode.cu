@@ -1,11 +1,13 @@
 // Single-query attention over a decoding cache, split over the keys (flash-decoding): a block
-// takes one KV head of one row and a run of cache entries, each of its warps U entries at a
-// time for every query head of the group (GQA reads each key once), with an online softmax;
-// a second kernel combines the runs by their log-sum-exp. Every entry's position is read
-// first, so entries the query does not see (outside a window, PPA's gaps, empty ones) cost 8
-// bytes, not a key. Positions come from the device: the launch is the same at every step, so
-// a captured decoding step replays it. The reference (ops.cpp, decode_reference) computes the
-// same softmax with ATen.
+// takes one KV head of one row and a run of cache entries; its threads work in groups of D / 8
+// lanes, each lane 8 elements (16 bytes) of an entry, so a warp reads 32 / (D / 8) entries at
+// once and each group U entries ahead, for every query head of the GQA group (each key read
+// once), with an online softmax per group; the groups' results are combined in shared memory
+// and a second kernel combines the runs by their log-sum-exp. Entries the query does not see
+// (outside a window, PPA's gaps, empty ones) are skipped after their position is read: where no
+// PPA table decides, the keys load beside their positions, one round trip, not two. Positions
+// come from the device: the launch is the same at every step, so a captured decoding step
+// replays it. The reference (ops.cpp, decode_reference) computes the same softmax with ATen.
 
 #include "decode.cuh"
 #include "common.cuh"
@@ -18,9 +20,7 @@ namespace attnsweep {
 namespace {
 
 constexpr int WARPS = 4;
-// Entries a warp loads at once.
-constexpr int U = 4;
-// Entries a block takes at least: fewer leave its warps too little to stream.
+// Entries a block takes at least: fewer leave its groups too little to stream.
 constexpr int MIN_RUN = 64;
 
 struct DecodeArgs {
@@ -33,44 +33,44 @@ struct DecodeArgs {
     float *part_out, *part_lse;
 };
 
-// D / 32 values of a row per lane: lane l holds elements [l * E, l * E + E).
-template <int E>
-__device__ __forceinline__ void load_row(const __nv_bfloat16* row, int lane, float* x) {
-    const __nv_bfloat16* p = row + lane * E;
-    if constexpr (E == 2) {
-        const __nv_bfloat162 t = *reinterpret_cast<const __nv_bfloat162*>(p);
-        x[0] = __low2float(t), x[1] = __high2float(t);
-    } else {
-        const uint2 raw = *reinterpret_cast<const uint2*>(p);
-        const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-        const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-        x[0] = __low2float(a), x[1] = __high2float(a), x[2] = __low2float(b), x[3] = __high2float(b);
+// Eight bf16 (16 bytes, aligned) as fp32.
+__device__ __forceinline__ void unpack8(const uint4& raw, float* x) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(p[i]);
+        x[2 * i] = f.x, x[2 * i + 1] = f.y;
     }
 }
 
 template <int D, int G>
 __global__ void __launch_bounds__(WARPS * 32) decode_split_kernel(DecodeArgs a) {
-    constexpr int E = D / 32;
+    constexpr int LPE = D / 8;             // lanes an entry takes
+    constexpr int EPW = 32 / LPE;          // entries a warp reads at once: its groups
+    constexpr int GROUPS = WARPS * EPW;    // independent online softmaxes in a block
+    constexpr int U = G > 4 ? 2 : 4;       // entries a group loads ahead (registers bound it)
     const int bk = blockIdx.x, split = blockIdx.y;  // bk = b * kv_heads + kvh
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = threadIdx.x / LPE, sub = lane % LPE;
     const int b = bk / a.kv_heads, kvh = bk % a.kv_heads;
     const int64_t qp = a.qpos[0];
-    float q[G][E], acc[G][E], m[G], l[G];
+    float q[G][8], acc[G][8], m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const int h = kvh * G + g;
-        load_row<E>(a.q + ((int64_t)b * a.heads + h) * D, lane, q[g]);
+        unpack8(*reinterpret_cast<const uint4*>(a.q + ((int64_t)b * a.heads + h) * D + sub * 8), q[g]);
 #pragma unroll
-        for (int e = 0; e < E; ++e) q[g][e] *= a.scale_log2, acc[g][e] = 0.f;
+        for (int e = 0; e < 8; ++e) q[g][e] *= a.scale_log2, acc[g][e] = 0.f;
         m[g] = -INFINITY, l[g] = 0.f;
     }
-    const int64_t base = (int64_t)bk * a.slots * D;
+    const int64_t base = (int64_t)bk * a.slots * D + sub * 8;
     const int lo = split * a.run, hi = min(a.slots, lo + a.run);
-    // U consecutive entries a warp at a time: their positions, keys and values are all loaded
-    // before any is used, so a warp has U loads in flight, not one.
-    for (int j0 = lo + warp * U; j0 < hi; j0 += WARPS * U) {
+    // The loop runs alike for every lane of a warp (its bound is the warp's first entry), so
+    // the shuffles inside see every lane; entries past the run are not seen.
+    for (int w0 = lo + warp * EPW * U; w0 < hi; w0 += GROUPS * U) {
+        const int j0 = w0 + (lane / LPE) * U;
         bool seen[U];
-        float kx[U][E], vx[U][E];
+        uint4 kr[U], vr[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u;
@@ -81,62 +81,70 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split_kernel(DecodeArgs a) 
                        (a.near && a.near[d < a.near_len ? d : a.near_len - 1]));
         }
         // Without PPA's table nearly every entry a slot holds is seen (a window's ring, the whole
-        // prefix): the keys and values load beside the positions, one round trip, not two.
+        // prefix): the loads do not wait for the positions.
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (j0 + u < hi && (seen[u] || !a.near)) {
-                load_row<E>(a.k + base + (int64_t)(j0 + u) * D, lane, kx[u]);
-                load_row<E>(a.v + base + (int64_t)(j0 + u) * D, lane, vx[u]);
+        for (int u = 0; u < U; ++u) {
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+            if (j0 + u < hi && (!a.near || seen[u])) {
+                kr[u] = *reinterpret_cast<const uint4*>(a.k + base + (int64_t)(j0 + u) * D);
+                vr[u] = *reinterpret_cast<const uint4*>(a.v + base + (int64_t)(j0 + u) * D);
             }
+        }
+        // Every score first (the shuffles need the whole warp), then the softmax per group.
+        float s[G][U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float kx[8];
+            unpack8(kr[u], kx);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float t = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) t += q[g][e] * kx[e];
+#pragma unroll
+                for (int o = LPE / 2; o; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                s[g][u] = seen[u] ? t : -INFINITY;
+            }
+        }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-            float s[U];
             float mx = m[g];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                s[u] = 0.f;
-                if (seen[u]) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) s[u] += q[g][e] * kx[u][e];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                s[u] = seen[u] ? warp_sum(s[u]) : -INFINITY;
-                mx = fmaxf(mx, s[u]);
-            }
+            for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[g][u]);
             if (mx == -INFINITY) continue;
             const float c = exp2f(m[g] - mx);
             l[g] *= c;
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[g][e] *= c;
+            for (int e = 0; e < 8; ++e) acc[g][e] *= c;
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (seen[u]) {
-                    const float w = exp2f(s[u] - mx);
+                    const float w = exp2f(s[g][u] - mx);
+                    float vx[8];
+                    unpack8(vr[u], vx);
                     l[g] += w;
 #pragma unroll
-                    for (int e = 0; e < E; ++e) acc[g][e] += w * vx[u][e];
+                    for (int e = 0; e < 8; ++e) acc[g][e] += w * vx[e];
                 }
             m[g] = mx;
         }
     }
-    // The warps' runs combined in shared memory, then one partial result per query head.
-    __shared__ float sm[WARPS][G], sl[WARPS][G], sacc[WARPS][G][D];
+    // The groups' runs combined in shared memory, then one partial result per query head.
+    __shared__ float sm[GROUPS][G], sl[GROUPS][G], sacc[GROUPS][G][D];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        if (lane == 0) sm[warp][g] = m[g], sl[warp][g] = l[g];
+        if (sub == 0) sm[group][g] = m[g], sl[group][g] = l[g];
 #pragma unroll
-        for (int e = 0; e < E; ++e) sacc[warp][g][lane * E + e] = acc[g][e];
+        for (int e = 0; e < 8; ++e) sacc[group][g][sub * 8 + e] = acc[g][e];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D, c = i % D;
         float mx = -INFINITY;
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm[w][g]);
+        for (int w = 0; w < GROUPS; ++w) mx = fmaxf(mx, sm[w][g]);
         float sum = 0.f, o = 0.f;
         if (mx > -INFINITY)
-            for (int w = 0; w < WARPS; ++w) {
+            for (int w = 0; w < GROUPS; ++w) {
                 const float f = exp2f(sm[w][g] - mx);
                 sum += sl[w][g] * f, o += sacc[w][g][c] * f;
             }
@@ -208,6 +216,9 @@ void cuda_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const c10::cuda::CUDAGuard guard(q.device());
     const int rows = (int)q.size(0), heads = (int)q.size(1), kv_heads = (int)k.size(1), slots = (int)k.size(2);
     const int dim = (int)q.size(3);
+    // Each lane loads 16 bytes of a row: rows start 16-byte aligned where the tensors do.
+    for (const at::Tensor* t : {&q, &k, &v})
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "decode attention: unaligned tensor");
     // Enough runs to fill the GPU a few times over, none shorter than MIN_RUN entries: a shape
     // fixed by the cache, so every step launches the same grid.
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

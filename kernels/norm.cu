@@ -44,6 +44,40 @@ __global__ void norm_forward(const T* __restrict__ x, const float* __restrict__ 
     }
 }
 
+// Inference's residual add and the RMSNorm after it, a block a row (decoding has a row per
+// sequence): h = x + r rounded to T as the unfused add rounds it, then y = w h rsqrt(mean(h^2)
+// + eps) from that rounded h, as the unfused norm reads it. Each thread reads back only the
+// h it wrote.
+constexpr int ADD_THREADS = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(ADD_THREADS)
+    add_norm_forward(const T* __restrict__ x, const T* __restrict__ r, const float* __restrict__ w, int64_t rows,
+                     int d, float eps, T* __restrict__ h, T* __restrict__ y) {
+    __shared__ float part[ADD_THREADS / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int64_t at = row * d;
+        float ss = 0.f;
+        for (int j = threadIdx.x; j < d; j += ADD_THREADS) {
+            const T s = static_cast<T>(to_float(x[at + j]) + to_float(r[at + j]));
+            h[at + j] = s;
+            const float v = to_float(s);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) part[warp] = ss;
+        __syncthreads();
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < ADD_THREADS / 32; ++k) total += part[k];
+        const float rs = rsqrtf(total / d + eps);
+        for (int j = threadIdx.x; j < d; j += ADD_THREADS) y[at + j] = static_cast<T>(w[j] * (to_float(h[at + j]) * rs));
+        // The next row's sums overwrite part only after every thread has read it.
+        __syncthreads();
+    }
+}
+
 // dw partial sums of each block go to partial[blockIdx.x, :] (d <= 32 * MAXC).
 constexpr int MAXC = 32;
 
@@ -167,6 +201,22 @@ void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
         norm_forward<T><<<blocks, WARPS * 32, 0, stream>>>(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
                                                              rows, (int)d, (float)eps, static_cast<T*>(y.data_ptr()),
                                                              rstd.data_ptr<float>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void cuda_add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, at::Tensor& h,
+                       at::Tensor& y) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    if (rows == 0) return;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        const int blocks = (int)std::min<int64_t>(BLOCKS * 4, rows);
+        add_norm_forward<T><<<blocks, ADD_THREADS, 0, stream>>>(
+            static_cast<const T*>(x.data_ptr()), static_cast<const T*>(r.data_ptr()), w.data_ptr<float>(), rows,
+            (int)d, (float)eps, static_cast<T*>(h.data_ptr()), static_cast<T*>(y.data_ptr()));
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -8,6 +8,9 @@ namespace attnsweep {
 // The widest d the kernels take (wider rows take the ATen formulas, on the GPU too).
 int64_t cuda_norm_max_dim();
 void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd);
+// Inference's residual add with the norm after it: h = x + r, y = RMSNorm(h) (x, r, h, y alike).
+void cuda_add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, at::Tensor& h,
+                       at::Tensor& y);
 void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
                             at::Tensor& dx, at::Tensor& dw);
 

@@ -970,6 +970,32 @@ void* attnsweep_swiglu(const at::Tensor* g, const at::Tensor* u, char* err, size
     });
 }
 
+// Inference's SwiGLU gate from one joined projection gu [..., 2F] (each row the gate's F values,
+// then the up projection's): y [..., F], no autograd (decoding's). The kernel on the GPU where
+// each half starts 16-byte aligned, the formula in ATen otherwise. Returns a new at::Tensor*, or
+// null with a message in err.
+void* attnsweep_swiglu_joined(const at::Tensor* gu, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(gu->dim() >= 1 && gu->size(-1) % 2 == 0,
+                    "SwiGLU: the joined projection needs an even last dimension");
+        TORCH_CHECK(gu->scalar_type() == at::kFloat || gu->scalar_type() == at::kBFloat16,
+                    "SwiGLU: the joined projection must be fp32 or bf16");
+        auto x = gu->contiguous();
+        const int64_t f = x.size(-1) / 2;
+#ifdef ATTNSWEEP_CUDA
+        if (x.is_cuda() && f % (16 / (int64_t)x.element_size()) == 0) {
+            auto sizes = x.sizes().vec();
+            sizes.back() = f;
+            auto y = at::empty(sizes, x.options());
+            attnsweep::cuda_swiglu_joined(x, y);
+            return new at::Tensor(y);
+        }
+#endif
+        auto g = x.narrow(-1, 0, f).to(at::kFloat), u = x.narrow(-1, f, f).to(at::kFloat);
+        return new at::Tensor((at::silu(g) * u).to(x.scalar_type()));
+    });
+}
+
 // RMSNorm of x [..., d] (bf16 or fp32) with weight w [d] (fp32), with autograd. Returns a new
 // at::Tensor* (the caller owns it), or null with a message in err.
 void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, char* err, size_t err_len) {
@@ -981,6 +1007,86 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
         TORCH_CHECK(x->device() == w->device(), "RMSNorm input and weight on different devices");
         auto out = RmsNormFn::apply(x->contiguous(), w->contiguous(), eps);
         return new at::Tensor(out[0]);
+    });
+}
+
+// Inference's residual add and the RMSNorm after it (no autograd: decoding): h = x + r in x's
+// dtype, y = RMSNorm(h) with weight w [d] (fp32), by the fused kernel (norm.cu) on the GPU, the
+// same formulas in ATen otherwise. Returns 0 with out[0] = h, out[1] = y (new at::Tensor*, the
+// caller owns them), or 1 with a message in err.
+int attnsweep_add_rms_norm(const at::Tensor* x, const at::Tensor* r, const at::Tensor* w, double eps, void** out,
+                           char* err, size_t err_len) {
+    return guarded(err, err_len, 1, [&] {
+        TORCH_CHECK(x->sizes() == r->sizes() && x->scalar_type() == r->scalar_type(),
+                    "residual add: x and r must have one shape and dtype");
+        TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
+        TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
+        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
+        TORCH_CHECK(x->device() == r->device() && x->device() == w->device(), "residual add: tensors on different devices");
+        auto xc = x->contiguous(), rc = r->contiguous(), wc = w->contiguous();
+        at::Tensor h, y;
+        if (RmsNormFn::fused(xc)) {
+#ifdef ATTNSWEEP_CUDA
+            h = at::empty_like(xc), y = at::empty_like(xc);
+            attnsweep::cuda_add_rms_norm(xc, rc, wc, eps, h, y);
+#endif
+        } else {
+            h = xc + rc;
+            auto hf = h.to(at::kFloat);
+            y = (wc * (hf * at::rsqrt(hf.square().mean(-1, true) + eps))).to(x->scalar_type());
+        }
+        out[0] = new at::Tensor(h);
+        out[1] = new at::Tensor(y);
+        return 0;
+    });
+}
+
+// One decoding step's projections into attention's layout and the cache (rope.cuh): qkv
+// [B, 1, (H + 2 Hkv) D] gives q [B, H, 1, D] rotated by cos, sin [1, D]; the rotated key and
+// the value go into entry entry[0] of the cache k, v [B, Hkv, S, D] (in place), pos[0] into
+// kpos[entry[0]]. The kernel for bf16 CUDA tensors, the rotation and index copies in ATen
+// otherwise. Returns a new at::Tensor* q, or null with a message in err.
+void* attnsweep_decode_step(const at::Tensor* qkv, const at::Tensor* cos, const at::Tensor* sin,
+                            const at::Tensor* entry, const at::Tensor* pos, int64_t heads, const at::Tensor* k,
+                            const at::Tensor* v, const at::Tensor* kpos, char* err, size_t err_len) {
+    return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
+        TORCH_CHECK(k->dim() == 4 && k->sizes() == v->sizes() && k->scalar_type() == v->scalar_type(),
+                    "decode step: the cache's k and v must be [B, Hkv, S, D] alike");
+        const int64_t b = k->size(0), kv = k->size(1), slots = k->size(2), d = k->size(3);
+        TORCH_CHECK(heads > 0 && heads % kv == 0 && d % 2 == 0, "decode step: ", heads, " query heads for ", kv,
+                    " KV heads of dimension ", d);
+        TORCH_CHECK(qkv->dim() == 3 && qkv->size(0) == b && qkv->size(1) == 1 && qkv->size(2) == (heads + 2 * kv) * d,
+                    "decode step: qkv must be [B, 1, (H + 2 Hkv) D] for the cache");
+        TORCH_CHECK(qkv->scalar_type() == k->scalar_type(), "decode step: qkv and the cache must share a dtype");
+        TORCH_CHECK(cos->dim() == 2 && cos->sizes() == sin->sizes() && cos->size(0) == 1 && cos->size(1) == d,
+                    "decode step: cos and sin must be [1, D]");
+        TORCH_CHECK(kpos->dim() == 1 && kpos->size(0) == slots && kpos->scalar_type() == at::kLong,
+                    "decode step: kpos must be int64 [S]");
+        TORCH_CHECK(entry->numel() == 1 && pos->numel() == 1 && entry->scalar_type() == at::kLong &&
+                        pos->scalar_type() == at::kLong,
+                    "decode step: entry and pos must be int64 [1]");
+        TORCH_CHECK(k->is_contiguous() && v->is_contiguous() && kpos->is_contiguous(),
+                    "decode step: the cache is written in place and must be contiguous");
+        for (const at::Tensor* t : {cos, sin, entry, pos, k, v, kpos})
+            TORCH_CHECK(t->device() == qkv->device(), "decode step: tensors on different devices");
+        if (qkv->is_cuda() && qkv->scalar_type() == at::kBFloat16) {
+#ifdef ATTNSWEEP_CUDA
+            auto q = at::empty({b, heads, 1, d}, qkv->options());
+            auto kind = cos->scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+            attnsweep::cuda_decode_step(qkv->contiguous(), cos->to(kind).contiguous(), sin->to(kind).contiguous(),
+                                        *entry, *pos, heads, *k, *v, *kpos, q);
+            return new at::Tensor(q);
+#else
+            TORCH_CHECK(false, "this kernel library was built without CUDA; run `attnsweep kernels build`");
+#endif
+        }
+        auto x = qkv->view({b, 1, heads + 2 * kv, d});
+        auto rotate = [&](const at::Tensor& t) { return move_heads(t.contiguous(), *cos, *sin, true, false); };
+        auto q = rotate(x.narrow(2, 0, heads));
+        k->index_copy_(2, *entry, rotate(x.narrow(2, heads, kv)));
+        v->index_copy_(2, *entry, x.narrow(2, heads + kv, kv).transpose(1, 2));
+        kpos->index_copy_(0, *entry, *pos);
+        return new at::Tensor(q);
     });
 }
 

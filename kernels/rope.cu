@@ -83,6 +83,52 @@ __global__ void heads_kernel(const T* __restrict__ src, const A* __restrict__ co
     move<V>(out + c + half, z);
 }
 
+// One decoding step (a single position): thread i takes (row b, head j of qkv's H + 2 Hkv, a
+// chunk of V elements of the first half with its partner in the second). Query heads go to q
+// rotated, key heads rotated and value heads as they are to the cache's entry e, which the host
+// reads nowhere: it and the position come from the device, so a captured step replays.
+template <typename A, int V>
+__global__ void step_kernel(const __nv_bfloat16* __restrict__ qkv, const A* __restrict__ cos,
+                            const A* __restrict__ sin, const int64_t* __restrict__ entry,
+                            const int64_t* __restrict__ pos, uint32_t rows, uint32_t heads, uint32_t kv_heads,
+                            uint32_t d, int64_t slots, __nv_bfloat16* __restrict__ q, __nv_bfloat16* __restrict__ kc,
+                            __nv_bfloat16* __restrict__ vc, int64_t* __restrict__ kpos) {
+    using T = __nv_bfloat16;
+    const uint32_t half = d / 2, chunks = half / V, per_row = heads + 2 * kv_heads;
+    const uint32_t i = blockIdx.x * THREADS + threadIdx.x;
+    if (i >= rows * per_row * chunks) return;
+    const uint32_t row = i / chunks, c = (i - row * chunks) * V;  // row: (b, j) in [B, H + 2 Hkv] order
+    const uint32_t b = row / per_row, j = row - b * per_row;
+    const int64_t e = entry[0];
+    if (i == 0) kpos[e] = pos[0];
+    T* out;
+    if (j < heads)
+        out = q + (int64_t(b) * heads + j) * d;
+    else if (j < heads + kv_heads)
+        out = kc + ((int64_t(b) * kv_heads + (j - heads)) * slots + e) * d;
+    else
+        out = vc + ((int64_t(b) * kv_heads + (j - heads - kv_heads)) * slots + e) * d;
+    const T* in = qkv + int64_t(row) * d;
+    alignas(16) T x[V], z[V];
+    move<V>(x, in + c);
+    move<V>(z, in + c + half);
+    if (j < heads + kv_heads) {
+        alignas(16) A c0[V], c1[V], s0[V], s1[V];
+        move<V>(c0, cos + c);
+        move<V>(c1, cos + c + half);
+        move<V>(s0, sin + c);
+        move<V>(s1, sin + c + half);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float a = to_float(x[k]), f = to_float(z[k]);
+            x[k] = static_cast<T>(a * to_float(c0[k]) - f * to_float(s0[k]));
+            z[k] = static_cast<T>(f * to_float(c1[k]) + a * to_float(s1[k]));
+        }
+    }
+    move<V>(out + c, x);
+    move<V>(out + c + half, z);
+}
+
 // Calls f(A{}) with A the angles' element type: fp32, or the moved tensor's T.
 template <typename T, typename F>
 void by_angle(const at::Tensor* cos, F f) {
@@ -131,6 +177,37 @@ void cuda_heads(const at::Tensor& src, const at::Tensor* cos, const at::Tensor* 
             else
                 by_rotation(std::integral_constant<int, 1>{});
         });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void cuda_decode_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& entry,
+                      const at::Tensor& pos, int64_t heads, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& kpos, const at::Tensor& q) {
+    const c10::cuda::CUDAGuard guard(qkv.device());
+    const int64_t rows = k.size(0), kv = k.size(1), slots = k.size(2), d = k.size(3);
+    TORCH_CHECK(rows * (heads + 2 * kv) * (d / 2) < (int64_t(1) << 31), "decode step: tensor too large");
+    const bool vector = aligned16(&qkv) && aligned16(&k) && aligned16(&v) && aligned16(&q) && aligned16(&cos) &&
+                        aligned16(&sin);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    using T = __nv_bfloat16;
+    by_angle<T>(&cos, [&](auto a) {
+        using A = decltype(a);
+        auto run = [&](auto v_) {
+            constexpr int V = decltype(v_)::value;
+            const int64_t n = rows * (heads + 2 * kv) * (d / 2 / V);
+            step_kernel<A, V><<<(n + THREADS - 1) / THREADS, THREADS, 0, stream>>>(
+                static_cast<const T*>(qkv.data_ptr()), static_cast<const A*>(cos.data_ptr()),
+                static_cast<const A*>(sin.data_ptr()), entry.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                (uint32_t)rows, (uint32_t)heads, (uint32_t)kv, (uint32_t)d, slots, static_cast<T*>(q.data_ptr()),
+                static_cast<T*>(k.data_ptr()), static_cast<T*>(v.data_ptr()), kpos.data_ptr<int64_t>());
+        };
+        // 16-byte moves (two for fp32 angles) where every row, half and chunk starts aligned.
+        constexpr int V = 8;
+        if (vector && (d / 2) % V == 0)
+            run(std::integral_constant<int, V>{});
+        else
+            run(std::integral_constant<int, 1>{});
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

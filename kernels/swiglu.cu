@@ -16,24 +16,28 @@ constexpr int THREADS = 256;
 
 // One 16-byte load of each input a thread (8 bf16 or 4 fp32 elements), as ATen's vectorised
 // element-wise kernels do; the last thread of a size that is not a multiple takes its few
-// elements one by one. Forward: out = y. BACKWARD: out = dg, du too.
+// elements one by one. Forward: out = y. BACKWARD: out = dg, du too. The inputs' element i
+// sits at (i / width) stride + i % width: width = n for tensors of their own, and rows of
+// `width` values `stride` apart for the halves of one joined projection (the host checked
+// that a row holds whole 16-byte loads there).
 template <typename T, bool BACKWARD>
 __global__ void swiglu_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dy, int64_t n,
-                              T* __restrict__ out, T* __restrict__ du) {
+                              int64_t width, int64_t stride, T* __restrict__ out, T* __restrict__ du) {
     constexpr int V = 16 / sizeof(T);
     const int64_t i0 = (blockIdx.x * (int64_t)THREADS + threadIdx.x) * V;
     if (i0 >= n) return;
+    const int64_t at = (i0 / width) * stride + i0 % width;
     const int m = n - i0 < V ? (int)(n - i0) : V;
     alignas(16) T a[V] = {}, b[V] = {}, d[V] = {}, r[V], q[V];
     if (m == V) {
-        *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(g + i0);
-        *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(u + i0);
+        *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(g + at);
+        *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(u + at);
         if (BACKWARD) *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(dy + i0);
     } else {
         // Unrolled with constant indices, so the arrays stay in registers.
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            if (k < m) a[k] = g[i0 + k], b[k] = u[i0 + k], d[k] = BACKWARD ? dy[i0 + k] : T{};
+            if (k < m) a[k] = g[at + k], b[k] = u[at + k], d[k] = BACKWARD ? dy[i0 + k] : T{};
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -59,19 +63,22 @@ __global__ void swiglu_kernel(const T* __restrict__ g, const T* __restrict__ u, 
     }
 }
 
+// g and u hold n = out.numel() values, element i at (i / width) stride + i % width.
 template <bool BACKWARD>
-void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, at::Tensor& out, at::Tensor* du) {
+void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, int64_t width, int64_t stride,
+            at::Tensor& out, at::Tensor* du) {
     const c10::cuda::CUDAGuard guard(g.device());
-    const int64_t n = g.numel();
+    const int64_t n = out.numel();
     if (n == 0) return;
     check_aligned16("SwiGLU", {&g, &u, dy, &out, du});
     dispatch_float(g, [&](auto t) {
         using T = decltype(t);
         constexpr int64_t v = 16 / sizeof(T);
+        TORCH_CHECK(width == n || (width % v == 0 && stride % v == 0), "SwiGLU: rows of whole 16-byte loads");
         const int64_t blocks = ((n + v - 1) / v + THREADS - 1) / THREADS;
         swiglu_kernel<T, BACKWARD><<<blocks, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
             static_cast<const T*>(g.data_ptr()), static_cast<const T*>(u.data_ptr()),
-            dy ? static_cast<const T*>(dy->data_ptr()) : nullptr, n, static_cast<T*>(out.data_ptr()),
+            dy ? static_cast<const T*>(dy->data_ptr()) : nullptr, n, width, stride, static_cast<T*>(out.data_ptr()),
             du ? static_cast<T*>(du->data_ptr()) : nullptr);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -79,11 +86,20 @@ void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, at::
 
 }  // namespace
 
-void cuda_swiglu(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) { launch<false>(g, u, nullptr, y, nullptr); }
+void cuda_swiglu(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) {
+    launch<false>(g, u, nullptr, y.numel(), 0, y, nullptr);
+}
+
+void cuda_swiglu_joined(const at::Tensor& gu, at::Tensor& y) {
+    const int64_t f = y.size(-1);
+    // The up half starts f values into each row: its pointer is the gate's, moved on.
+    const at::Tensor u = gu.narrow(-1, f, f);
+    launch<false>(gu, u, nullptr, f, 2 * f, y, nullptr);
+}
 
 void cuda_swiglu_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg,
                           at::Tensor& du) {
-    launch<true>(g, u, &dy, dg, &du);
+    launch<true>(g, u, &dy, dg.numel(), 0, dg, &du);
 }
 
 }  // namespace attnsweep

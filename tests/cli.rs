@@ -656,6 +656,10 @@ fn bad_inputs_fail_clearly_and_overwrite_nothing() {
     for (flags, needle) in &[
         (vec!["--contexts", "0"], "--contexts must be at least 1"),
         (vec!["--batches", "0"], "--batches must be at least 1"),
+        (
+            vec!["--contexts", "64,128", "--contexts", "64"],
+            "--contexts lists 64 twice",
+        ),
         (vec!["--short", "1"], "--short must be at least 2"),
         (vec!["--reps", "0"], "--reps must be at least 1"),
         (vec!["--hbm-tbps", "0"], "--hbm-tbps must be a positive"),
@@ -1495,7 +1499,7 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             let v = r["results"][task][metric].as_f64().unwrap_or(f64::NAN);
             assert!((0.0..=1.0).contains(&v), "{task} {metric}: {v}");
         }
-        assert_eq!(r["n-samples"]["niah_single"]["effective"], 12);
+        assert_eq!(r["n-samples"]["niah_single"]["effective"], 6);
         assert_eq!(r["n-samples"]["mqar"]["effective"], 6);
         assert_eq!(r["n-samples"]["toy_mc"]["effective"], 2);
         assert_eq!(
@@ -1525,7 +1529,7 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             assert!((keys - (8.0 * 96.0 - 28.0) / 96.0).abs() < 1e-9, "{keys}");
         }
         let samples = std::fs::read_to_string(ev.join("probe_samples.jsonl")).unwrap();
-        assert_eq!(samples.lines().count(), 12 + 6);
+        assert_eq!(samples.lines().count(), 6 + 6);
         let tidy = std::fs::read_to_string(ev.join("tasks.csv")).unwrap();
         assert!(tidy.starts_with("task,length,depth,metric,value,n,ci95_low,ci95_high\n"));
         // Every interval lies inside [0, 1] and holds its score.

@@ -27,7 +27,9 @@ pub struct EvalConfig {
     pub lengths: Vec<usize>,
     /// Depths of the relevant needle, 0 = start of the context, 1 = just before the question.
     pub depths: Vec<f64>,
-    /// Probes per (task, length, depth).
+    /// Probes per (task, length), prompt s at depths[s mod len(depths)] for the tasks with a
+    /// needle depth (fewer prompts than depths leave the last depths without any). RULER
+    /// scores 500 a task and length; 100 give a proportion near 0.5 an interval of +/-0.1.
     pub samples: usize,
     pub haystack: HaystackKind,
     /// Data set whose val split the text haystack is cut from (empty: data.dir).
@@ -92,7 +94,7 @@ impl Default for EvalConfig {
             tasks: Vec::new(),
             lengths: Vec::new(),
             depths: vec![0.0, 0.25, 0.5, 0.75, 1.0],
-            samples: 10,
+            samples: 100,
             haystack: HaystackKind::Noise,
             gates: ProbeGates::Learned,
             haystack_dir: PathBuf::new(),

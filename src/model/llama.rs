@@ -14,7 +14,7 @@ use crate::model::attention::{
 };
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
-use crate::model::nn::{cast, cast_copy, inv_freq, upcast, Linear, RmsNorm, Rope};
+use crate::model::nn::{cast, cast_copy, inv_freq, joined, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
 use tch::{nn, Device, Kind, Tensor};
@@ -43,6 +43,15 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
+        // Decoding: the gate and up projections as one product of their joined weights.
+        let kernels = kernels::kernel_for(self.kernels, x);
+        if let Some((k, (w, b))) = kernels.zip(joined(&[&self.gate_proj, &self.up_proj], x.kind()))
+        {
+            let h = k
+                .swiglu_joined(&x.linear(&w, b.as_ref()))
+                .expect("SwiGLU kernel on the MLP's own projection");
+            return self.down_proj.forward(&h);
+        }
         let (gate, up) = (self.gate_proj.forward(x), self.up_proj.forward(x));
         let h = match self.kernels {
             Some(k) => k
@@ -312,17 +321,24 @@ impl Llama {
         ctx: &ForwardCtx,
         last_only: bool,
     ) -> ForwardOutput {
-        let mut h = self.embed(ids);
+        // Each block hands back its stream and the MLP's output apart: the next block's input
+        // norm (the final norm after the last) adds them, in one launch where it can.
+        let (mut h, mut delta) = (self.embed(ids), None);
         let mut outs = Vec::with_capacity(self.layers.len());
         for i in 0..self.layers.len() {
-            let (next, attn) = self.block(i, &h, rope, &keys(i), ctx);
-            h = next;
+            let (next, d, attn) = self.block_parts(i, &h, delta.as_ref(), rope, &keys(i), ctx);
+            (h, delta) = (next, Some(d));
             outs.push(attn);
         }
-        if last_only {
-            h = h.narrow(1, h.size()[1] - 1, 1);
-        }
-        let logits = self.logits(&self.final_norm(&h));
+        let last = |t: Tensor| match last_only {
+            true => t.narrow(1, t.size()[1] - 1, 1),
+            false => t,
+        };
+        let hn = match delta {
+            Some(d) => self.norm.add_forward(&last(h), &last(d)).1,
+            None => self.final_norm(&last(h)),
+        };
+        let logits = self.logits(&hn);
         ForwardOutput {
             logits: match ctx.compute_logits {
                 true => logits,
@@ -354,11 +370,27 @@ impl Llama {
         keys: &Keys,
         ctx: &ForwardCtx,
     ) -> (Tensor, AttnOutput) {
+        let (h, delta, attn) = self.block_parts(i, h, None, rope, keys, ctx);
+        (h + delta, attn)
+    }
+
+    /// Block `i` over the stream `h + delta` (the last block's MLP output not yet added):
+    /// the block's output as `(stream, MLP output)`, and what its attention handed back. A
+    /// pre-norm block adds each residual in the norm that follows it (one launch while
+    /// decoding, `RmsNorm::add_forward`).
+    fn block_parts(
+        &self,
+        i: usize,
+        h: &Tensor,
+        delta: Option<&Tensor>,
+        rope: &Rope,
+        keys: &Keys,
+        ctx: &ForwardCtx,
+    ) -> (Tensor, Tensor, AttnOutput) {
         let layer = &self.layers[i];
         let device = h.device();
         // Pre-norm: the layer reads the normalised stream and is handed the stream itself.
-        let residual = layer.input_layernorm.is_some().then_some(h);
-        let attend = |x: &Tensor| match ctx.attention_seconds.get() {
+        let attend = |x: &Tensor, residual: Option<&Tensor>| match ctx.attention_seconds.get() {
             None => layer.self_attn.forward(x, residual, rope, keys, ctx),
             Some(spent) => {
                 sync(device);
@@ -372,23 +404,28 @@ impl Llama {
         };
         match &layer.input_layernorm {
             Some(norm) => {
-                let attn = attend(&norm.forward(h));
-                let h = h + &attn.y;
-                let out = &h
-                    + layer
-                        .mlp
-                        .forward(&layer.post_attention_layernorm.forward(&h));
-                (out, attn)
+                let (h, x) = match delta {
+                    Some(d) => norm.add_forward(h, d),
+                    None => (h.shallow_clone(), norm.forward(h)),
+                };
+                let attn = attend(&x, Some(&h));
+                let (h, x) = layer.post_attention_layernorm.add_forward(&h, &attn.y);
+                let mlp = layer.mlp.forward(&x);
+                (h, mlp, attn)
             }
             None => {
-                let attn = attend(h);
-                let h = h + layer.post_attention_layernorm.forward(&attn.y);
+                let h = match delta {
+                    Some(d) => h + d,
+                    None => h.shallow_clone(),
+                };
+                let attn = attend(&h, None);
+                let h = &h + layer.post_attention_layernorm.forward(&attn.y);
                 let ff = layer
                     .post_feedforward_layernorm
                     .as_ref()
                     .expect("post-norm layer");
-                let out = &h + ff.forward(&layer.mlp.forward(&h));
-                (out, attn)
+                let mlp = ff.forward(&layer.mlp.forward(&h));
+                (h, mlp, attn)
             }
         }
     }

@@ -13,8 +13,8 @@ use tch::{nn, Kind, Tensor};
 
 thread_local! {
     /// The weights cast so far inside `with_cast_weights` (None outside it), by the data
-    /// address and dtype of the cast.
-    static CAST: RefCell<Option<HashMap<(usize, Kind), Tensor>>> = const { RefCell::new(None) };
+    /// address of the (first) weight, the dtype of the cast and how many weights were joined.
+    static CAST: RefCell<Option<HashMap<(usize, Kind, usize), Tensor>>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` (which computes no gradient) with each weight cast to another dtype once, at its
@@ -46,7 +46,7 @@ pub(crate) fn cast(w: &Tensor, kind: Kind) -> Tensor {
     }
     CAST.with(|c| match c.borrow_mut().as_mut() {
         Some(all) => all
-            .entry((w.data_ptr() as usize, kind))
+            .entry((w.data_ptr() as usize, kind, 1))
             .or_insert_with(|| w.to_kind(kind))
             .shallow_clone(),
         None => w.to_kind(kind),
@@ -56,8 +56,35 @@ pub(crate) fn cast(w: &Tensor, kind: Kind) -> Tensor {
 /// The weight `w`'s copy in `kind` where `with_cast_weights` is in force (cast now if this is
 /// its first use), else None.
 pub(crate) fn cast_copy(w: &Tensor, kind: Kind) -> Option<Tensor> {
-    let inside = CAST.with(|c| c.borrow().is_some());
-    inside.then(|| cast(w, kind))
+    decoding().then(|| cast(w, kind))
+}
+
+/// Whether `with_cast_weights` is in force: decoding, where nothing needs a gradient.
+pub(crate) fn decoding() -> bool {
+    CAST.with(|c| c.borrow().is_some())
+}
+
+/// Inside `with_cast_weights`, the weights (and biases, where every map has one) of `maps`,
+/// which share their input, joined along the outputs and cast to `kind` once: one product for
+/// several maps (a decoding step's q, k and v). None outside it, where joining them at every
+/// call would cost more than the launches it saves.
+pub(crate) fn joined(maps: &[&Linear], kind: Kind) -> Option<(Tensor, Option<Tensor>)> {
+    if !decoding() {
+        return None;
+    }
+    let join = |ts: Vec<&Tensor>| -> Tensor {
+        CAST.with(|c| {
+            c.borrow_mut()
+                .as_mut()
+                .expect("inside with_cast_weights")
+                .entry((ts[0].data_ptr() as usize, kind, ts.len()))
+                .or_insert_with(|| Tensor::cat(&ts, 0).to_kind(kind))
+                .shallow_clone()
+        })
+    };
+    let weight = join(maps.iter().map(|m| &m.weight).collect());
+    let biases: Option<Vec<&Tensor>> = maps.iter().map(|m| m.bias.as_ref()).collect();
+    Some((weight, biases.map(join)))
 }
 
 pub(crate) struct Linear {
@@ -117,6 +144,21 @@ impl RmsNorm {
         RmsNorm { kernels, ..self }
     }
 
+    /// `(h, norm(h))` for the residual stream `h = x + r`: in one launch while decoding where
+    /// a kernel library is loaded (no gradient is needed there), else the add and `forward`.
+    pub(crate) fn add_forward(&self, x: &Tensor, r: &Tensor) -> (Tensor, Tensor) {
+        if let (true, Some(k)) = (decoding(), kernels::kernel_for(self.kernels, x)) {
+            if self.weight.kind() == Kind::Float {
+                return k
+                    .add_rms_norm(x, r, &self.weight, self.eps)
+                    .expect("residual add and RMSNorm kernel on the model's own activations");
+            }
+        }
+        let h = x + r;
+        let y = self.forward(&h);
+        (h, y)
+    }
+
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
@@ -172,6 +214,11 @@ impl Rope {
             cos: self.cos.index_select(0, pos),
             sin: self.sin.index_select(0, pos),
         }
+    }
+
+    /// The angles' `(cos, sin)`, `[positions, D]`.
+    pub(crate) fn angles(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
     }
 
     /// `x: [B, L, H, D]` rotated and transposed to `[B, H, L, D]`, by the fused kernel where

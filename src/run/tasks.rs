@@ -99,32 +99,27 @@ pub(crate) fn run_probes(
     let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     let mut head_gates: BTreeMap<Task, HeadGates> = BTreeMap::new();
-    let mut total = 0;
-    for name in &e.tasks {
-        total += lengths.len() * depths_of(Task::parse(name)?, e).len() * e.samples;
-    }
+    let total = e.tasks.len() * lengths.len() * e.samples;
     let every = Duration::from_secs(DEFAULT_STATUS_EVERY);
     let mut progress = Progress::new(total as u64, "probes", !show, every);
     let mut done = 0;
     for name in &e.tasks {
         let task = Task::parse(name)?;
+        let depths = depths_of(task, e);
         for &length in &lengths {
-            for depth in depths_of(task, e) {
-                let probes: Vec<Probe> = (0..e.samples as u64)
-                    .map(|s| {
-                        probes::generate(
-                            task,
-                            &spec,
-                            haystack,
-                            tok,
-                            length,
-                            depth.unwrap_or(0.0),
-                            s,
-                        )
-                    })
-                    .collect::<Result<_>>()?;
-                let max_new = max_new_tokens(task, &probes, tok)?;
-                let mut cell = ProbeCell {
+            // A (task, length) holds `eval.samples` prompts, prompt s at depths[s mod n] (as
+            // RULER spreads its needles over depths), generated in batches across the depths.
+            let at: Vec<usize> = (0..e.samples).map(|s| s % depths.len()).collect();
+            let probes: Vec<Probe> = (0..e.samples)
+                .map(|s| {
+                    let depth = depths[at[s]].unwrap_or(0.0);
+                    probes::generate(task, &spec, haystack, tok, length, depth, s as u64)
+                })
+                .collect::<Result<_>>()?;
+            let max_new = max_new_tokens(task, &probes, tok)?;
+            let mut by_depth: Vec<ProbeCell> = depths
+                .iter()
+                .map(|&depth| ProbeCell {
                     task,
                     length,
                     depth,
@@ -133,70 +128,73 @@ pub(crate) fn run_probes(
                     full_ratio: None,
                     span_recall: None,
                     outputs: vec![],
+                })
+                .collect();
+            let cost: &mut Cost = costs.entry((task, length)).or_default();
+            cost.length = length;
+            for (c, chunk) in probes.chunks(e.batch_size).enumerate() {
+                let ids: Vec<i64> = chunk
+                    .iter()
+                    .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
+                    .collect();
+                let prompts = Tensor::from_slice(&ids)
+                    .view([chunk.len() as i64, length as i64])
+                    .to_device(device);
+                let spans = span_mask(chunk, length).to_device(device);
+                let ctx = ForwardCtx {
+                    gate_seed: Rng::derive(seed, &[batch_index]),
+                    gate_override: (e.gates == ProbeGates::Oracle)
+                        .then(|| GateOverride::Positions(spans.shallow_clone())),
+                    ..Default::default()
                 };
-                let cost: &mut Cost = costs.entry((task, length)).or_default();
-                cost.length = length;
-                for chunk in probes.chunks(e.batch_size) {
-                    let ids: Vec<i64> = chunk
-                        .iter()
-                        .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
-                        .collect();
-                    let prompts = Tensor::from_slice(&ids)
-                        .view([chunk.len() as i64, length as i64])
-                        .to_device(device);
-                    let spans = span_mask(chunk, length).to_device(device);
-                    let ctx = ForwardCtx {
-                        gate_seed: Rng::derive(seed, &[batch_index]),
-                        gate_override: (e.gates == ProbeGates::Oracle)
-                            .then(|| GateOverride::Positions(spans.shallow_clone())),
-                        ..Default::default()
-                    };
-                    batch_index += 1;
-                    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
-                    done += chunk.len();
-                    progress.update(done as u64, &format!("{name} at {length}"));
-                    if let Some(pg) = &g.prompt_gates {
-                        head_gates
-                            .entry(task)
-                            .and_modify(|h| h.add(pg))
-                            .or_insert_with(|| pg.clone());
-                    }
-                    if let Some(at) = &g.prompt_positions {
-                        let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
-                            / spans.sum_dim_intlist(1, false, Kind::Double);
-                        cell.span_recall
-                            .get_or_insert_with(Vec::new)
-                            .extend(Vec::<f64>::try_from(hit).expect("span recall"));
-                    }
-                    for (r, p) in chunk.iter().enumerate() {
-                        let text = tok.decode(&g.tokens[r]);
-                        let (em, rec) = p.score(&text);
-                        cell.outputs.push((p.target.clone(), text));
-                        cell.exact_match.push(em);
-                        cell.recall.push(rec);
-                        if let Some(gates) = &g.gates {
-                            let n = enc(&p.target)?.len().clamp(1, gates[r].len());
-                            let ratio = gates[r][..n].iter().sum::<f64>() / n as f64;
-                            cell.full_ratio.get_or_insert_with(Vec::new).push(ratio);
-                        }
-                    }
-                    cost.rows += chunk.len();
-                    cost.batches += 1;
-                    cost.prefill_pairs += g.prefill_pairs;
-                    cost.decode_pairs += g.decode_pairs.iter().sum::<f64>();
-                    let steps = g.decode_pairs.len();
-                    cost.decode_tokens += chunk.len() * steps;
-                    // Decoding step s feeds position length + s - 1, which sees length + s keys.
-                    cost.full_decode_keys +=
-                        (chunk.len() * (length * steps + steps * (steps + 1) / 2)) as f64;
-                    cost.cache_bytes += g.cache_bytes;
-                    cost.full_cache_bytes +=
-                        chunk.len() as f64 * model.full_kv_cache_bytes(length + steps);
-                    cost.prefill_seconds += g.prefill_seconds;
-                    cost.decode_seconds += g.decode_seconds;
+                batch_index += 1;
+                let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
+                done += chunk.len();
+                progress.update(done as u64, &format!("{name} at {length}"));
+                if let Some(pg) = &g.prompt_gates {
+                    head_gates
+                        .entry(task)
+                        .and_modify(|h| h.add(pg))
+                        .or_insert_with(|| pg.clone());
                 }
-                cells.push(cell);
+                let span_hits: Option<Vec<f64>> = g.prompt_positions.as_ref().map(|at| {
+                    let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
+                        / spans.sum_dim_intlist(1, false, Kind::Double);
+                    Vec::<f64>::try_from(hit).expect("span recall")
+                });
+                for (r, p) in chunk.iter().enumerate() {
+                    let cell = &mut by_depth[at[c * e.batch_size + r]];
+                    let text = tok.decode(&g.tokens[r]);
+                    let (em, rec) = p.score(&text);
+                    cell.outputs.push((p.target.clone(), text));
+                    cell.exact_match.push(em);
+                    cell.recall.push(rec);
+                    if let Some(hits) = &span_hits {
+                        cell.span_recall.get_or_insert_with(Vec::new).push(hits[r]);
+                    }
+                    if let Some(gates) = &g.gates {
+                        let n = enc(&p.target)?.len().clamp(1, gates[r].len());
+                        let ratio = gates[r][..n].iter().sum::<f64>() / n as f64;
+                        cell.full_ratio.get_or_insert_with(Vec::new).push(ratio);
+                    }
+                }
+                cost.rows += chunk.len();
+                cost.batches += 1;
+                cost.prefill_pairs += g.prefill_pairs;
+                cost.decode_pairs += g.decode_pairs.iter().sum::<f64>();
+                let steps = g.decode_pairs.len();
+                cost.decode_tokens += chunk.len() * steps;
+                // Decoding step s feeds position length + s - 1, which sees length + s keys.
+                cost.full_decode_keys +=
+                    (chunk.len() * (length * steps + steps * (steps + 1) / 2)) as f64;
+                cost.cache_bytes += g.cache_bytes;
+                cost.full_cache_bytes +=
+                    chunk.len() as f64 * model.full_kv_cache_bytes(length + steps);
+                cost.prefill_seconds += g.prefill_seconds;
+                cost.decode_seconds += g.decode_seconds;
             }
+            // Fewer prompts than depths leave the last depths without any.
+            cells.extend(by_depth.into_iter().filter(|c| !c.recall.is_empty()));
         }
     }
     progress.finish();
@@ -293,7 +291,8 @@ fn stderr(v: &[f64]) -> f64 {
     (var / v.len() as f64).sqrt()
 }
 
-/// One tidy row of `tasks.csv`; length and depth are empty on a task's overall rows.
+/// One tidy row of `tasks.csv`: per (task, length, depth); per (task, length) with the depth
+/// empty (a needle task's prompts over its depths); per task with both empty.
 #[derive(serde::Serialize)]
 struct TidyRow {
     task: String,
@@ -442,42 +441,49 @@ impl Scores {
             costs,
             head_gates,
         } = run_probes(model, cfg, tok, &hay, device, opts.progress)?;
-        // Per task: exact match, recall, full ratio and span recall over every prompt.
-        let mut by_task: BTreeMap<&str, [Vec<f64>; 4]> = BTreeMap::new();
+        // Per task, and per (task, length) over a needle task's depths: exact match, recall,
+        // full ratio and span recall over every prompt.
+        type Metrics = [Vec<f64>; 4];
+        const METRICS: [&str; 4] = ["exact_match", "recall", "full_ratio", "span_recall"];
+        let mut by_task: BTreeMap<&str, Metrics> = BTreeMap::new();
+        let mut by_length: BTreeMap<(&str, usize), Metrics> = BTreeMap::new();
         for c in &cells {
             let name = c.task.name();
-            let at = |metric: &str, v: &[f64]| tidy_row(name, Some(c.length), c.depth, metric, v);
-            self.tidy.push(at("exact_match", &c.exact_match));
-            self.tidy.push(at("recall", &c.recall));
-            let t = by_task.entry(name).or_default();
-            t[0].extend(&c.exact_match);
-            t[1].extend(&c.recall);
-            for (i, metric, v) in [
-                (2, "full_ratio", &c.full_ratio),
-                (3, "span_recall", &c.span_recall),
-            ] {
-                if let Some(v) = v {
-                    self.tidy.push(at(metric, v));
-                    t[i].extend(v);
+            let values = [
+                Some(&c.exact_match),
+                Some(&c.recall),
+                c.full_ratio.as_ref(),
+                c.span_recall.as_ref(),
+            ];
+            for (i, v) in values.into_iter().enumerate() {
+                let Some(v) = v else { continue };
+                self.tidy
+                    .push(tidy_row(name, Some(c.length), c.depth, METRICS[i], v));
+                by_task.entry(name).or_default()[i].extend(v);
+                if c.depth.is_some() {
+                    by_length.entry((name, c.length)).or_default()[i].extend(v);
                 }
             }
         }
-        for (name, [em, rec, fr, span]) in &by_task {
+        for ((name, length), metrics) in &by_length {
+            for (metric, v) in METRICS.iter().zip(metrics) {
+                if !v.is_empty() {
+                    self.tidy
+                        .push(tidy_row(name, Some(*length), None, metric, v));
+                }
+            }
+        }
+        for (name, metrics) in &by_task {
             let r = self.results.entry(name.to_string()).or_default();
-            let metrics = [
-                ("exact_match", em),
-                ("recall", rec),
-                ("full_ratio", fr),
-                ("span_recall", span),
-            ];
-            for (metric, v) in metrics {
+            for (metric, v) in METRICS.iter().zip(metrics) {
                 if v.is_empty() {
                     continue;
                 }
-                r.insert(metric.into(), mean(v));
+                r.insert(metric.to_string(), mean(v));
                 r.insert(format!("{metric}_stderr"), stderr(v));
                 self.tidy.push(tidy_row(name, None, None, metric, v));
             }
+            let em = &metrics[0];
             self.n_samples.insert(name.to_string(), em.len());
             self.configs.insert(
                 name.to_string(),
@@ -972,6 +978,34 @@ mod tests {
         c.eval.depths = vec![0.5];
         c.eval.samples = 3;
         c
+    }
+
+    /// `eval.samples` prompts per (task, length) spread over the depths in turn, each depth's
+    /// needle where its cell says, and fewer prompts than depths leave the last without a cell.
+    #[test]
+    fn a_cells_prompts_are_spread_over_the_depths() {
+        let mut c = passkey_config(Method::Full);
+        c.eval.depths = vec![0.25, 0.75, 1.0];
+        c.eval.samples = 5;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let run = |c: &Config| {
+            run_probes(
+                &b.model,
+                c,
+                &TextTokenizer::Bytes,
+                &Haystack::Noise,
+                Device::Cpu,
+                false,
+            )
+            .unwrap()
+        };
+        let cells = run(&c).cells;
+        let shape: Vec<(Option<f64>, usize)> =
+            cells.iter().map(|c| (c.depth, c.recall.len())).collect();
+        assert_eq!(shape, [(Some(0.25), 2), (Some(0.75), 2), (Some(1.0), 1)]);
+        c.eval.samples = 2;
+        let depths: Vec<Option<f64>> = run(&c).cells.iter().map(|c| c.depth).collect();
+        assert_eq!(depths, [Some(0.25), Some(0.75)]);
     }
 
     /// The oracle's gates open exactly a probe's needles and question in every layer and head

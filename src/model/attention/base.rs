@@ -8,7 +8,7 @@ use super::gates::GateSource;
 use super::patterns::{Keep, KeyPattern, MaskCache};
 use crate::config::{AttentionConfig, ModelConfig, NormPlacement, QkNorm, Router};
 use crate::model::kernels::{kernel_for, Kernels};
-use crate::model::nn::{Linear, RmsNorm, Rope};
+use crate::model::nn::{joined, Linear, RmsNorm, Rope};
 use tch::{nn, Tensor};
 
 /// A layer's regulariser before it is averaged over layers.
@@ -124,9 +124,33 @@ impl Projections {
         (q, k, v)
     }
 
+    /// A decoding step's `(q, k, v)` (`qkv`'s shapes, the keys and values those of the cache
+    /// slot) where the step runs on the kernels (`Keys::step_kernels`): the three projections
+    /// as one product of their joined weights, then rotations and cache writes in one launch
+    /// (`Keys::write_step`). None elsewhere, and for q/k norms, which come between.
+    pub(super) fn step(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        keys: &Keys,
+        kernels: Option<&'static Kernels>,
+    ) -> Option<(Tensor, Tensor, Tensor)> {
+        if self.qk_norm != QkNorm::None {
+            return None;
+        }
+        let kern = keys.step_kernels(x, kernels)?;
+        let (w, b) = joined(&[&self.q_proj, &self.k_proj, &self.v_proj], x.kind())?;
+        let qkv = x.linear(&w, b.as_ref());
+        Some(keys.write_step(0, kern, &qkv, self.n_heads, rope))
+    }
+
     /// `[B, H, L, D]` to `[B, L, H*D]`.
     pub(super) fn merge(&self, y: &Tensor, kernels: Option<&Kernels>) -> Tensor {
         let (b, _, l, _) = y.size4().expect("[B, H, L, D]");
+        if l == 1 {
+            // One position (a decoding step): the two layouts hold the same order.
+            return y.reshape([b, 1, self.n_heads * self.head_dim]);
+        }
         let y = match kernel_for(kernels, y) {
             Some(k) => k
                 .from_heads(y)

@@ -10,7 +10,7 @@
 //! captured as a CUDA graph replays at every later position.
 
 use super::patterns::{Keep, KeyPattern, MaskCache};
-use crate::model::kernels::Kernels;
+use crate::model::kernels::{kernel_for, Kernels};
 use crate::model::nn::Rope;
 use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
@@ -79,7 +79,7 @@ pub(crate) struct CacheState {
 #[derive(Default)]
 struct Shared {
     rings: Vec<((Keep, i64), Tensor)>,
-    pairs: Vec<(KeyPattern, Tensor)>,
+    pairs: Vec<((KeyPattern, i64), Tensor)>,
 }
 
 impl CacheState {
@@ -132,14 +132,15 @@ impl CacheState {
         t
     }
 
-    /// Pairs `pattern` attends for the chunk's `n` queries, per (row, head).
-    fn chunk_pairs(&self, pattern: KeyPattern, n: i64) -> Tensor {
+    /// Pairs `pattern` attends for the chunk's `n` queries over `streams` (rows times heads):
+    /// once a chunk for every layer alike, not a product a layer.
+    fn chunk_pairs(&self, pattern: KeyPattern, n: i64, streams: i64) -> Tensor {
         if let Some((_, t)) = self
             .shared
             .borrow()
             .pairs
             .iter()
-            .find(|(p, _)| *p == pattern)
+            .find(|(p, _)| *p == (pattern, streams))
         {
             return t.shallow_clone();
         }
@@ -147,11 +148,12 @@ impl CacheState {
             .table(pattern)
             .0
             .index_select(0, &self.positions(n))
-            .sum(Kind::Double);
+            .sum(Kind::Double)
+            * streams as f64;
         self.shared
             .borrow_mut()
             .pairs
-            .push((pattern, t.shallow_clone()));
+            .push(((pattern, streams), t.shallow_clone()));
         t
     }
 
@@ -209,12 +211,14 @@ impl Keys<'_> {
         }
     }
 
-    /// Pairs `pattern` attends for the chunk's `n` queries, per (row, head): an fp64 scalar
-    /// tensor, so counting never waits for the device.
-    pub(super) fn pattern_pairs(&self, pattern: KeyPattern, n: i64) -> Tensor {
+    /// Pairs `pattern` attends for the chunk's `n` queries over `streams` (rows times heads):
+    /// an fp64 scalar tensor, so counting never waits for the device.
+    pub(super) fn pattern_pairs(&self, pattern: KeyPattern, n: i64, streams: i64) -> Tensor {
         match self {
-            Keys::Chunk(_) => Tensor::from(pattern.attended_pairs(n as usize) as f64),
-            Keys::Cache { state, .. } => state.chunk_pairs(pattern, n),
+            Keys::Chunk(_) => {
+                Tensor::from(pattern.attended_pairs(n as usize) as f64 * streams as f64)
+            }
+            Keys::Cache { state, .. } => state.chunk_pairs(pattern, n, streams),
         }
     }
 
@@ -282,6 +286,55 @@ impl Keys<'_> {
             let _ = s.pos.index_copy_(0, &at, &pos);
         }
         out
+    }
+
+    /// The library that runs this chunk as a decoding step in one launch (`write_step`): a
+    /// single token after a prefill, on `kernels` where they take `x`'s dtype; else None.
+    pub(super) fn step_kernels(
+        &self,
+        x: &Tensor,
+        kernels: Option<&'static Kernels>,
+    ) -> Option<&'static Kernels> {
+        match self {
+            Keys::Cache { state, .. } if state.len > 0 && x.size()[1] == 1 => {
+                kernel_for(kernels, x)
+            }
+            _ => None,
+        }
+    }
+
+    /// `extend` for a decoding step from its joined projections `qkv: [B, 1, (H + 2 Hkv) D]`,
+    /// with the rotation of q and k on the way (`Kernels::decode_step`, one launch): the
+    /// rotated `q: [B, H, 1, D]` and the slot's keys and values the step attends over.
+    pub(super) fn write_step(
+        &self,
+        slot: usize,
+        kern: &Kernels,
+        qkv: &Tensor,
+        heads: i64,
+        rope: &Rope,
+    ) -> (Tensor, Tensor, Tensor) {
+        let Keys::Cache { cache, state } = self else {
+            unreachable!("a step runs over a cache (step_kernels)")
+        };
+        assert!(
+            state.len < state.capacity,
+            "a decoding cache of {} positions was given one more after {}",
+            state.capacity,
+            state.len
+        );
+        let mut c = cache.borrow_mut();
+        let keep = c.keeps[slot];
+        let size = keep.held(state.capacity as usize) as i64;
+        let s = c.slots[slot]
+            .as_mut()
+            .expect("the prefill allocated the slot");
+        let at = state.ring(keep, size);
+        let (cos, sin) = rope.angles();
+        let q = kern
+            .decode_step(qkv, cos, sin, &at, &state.pos, heads, &s.k, &s.v, &s.pos)
+            .expect("decode step kernel on the cache's own tensors");
+        (q, s.k.shallow_clone(), s.v.shallow_clone())
     }
 
     /// `pattern` for queries of this chunk over keys from `extend(slot, ..)`.

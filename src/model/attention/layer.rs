@@ -89,8 +89,15 @@ impl SelfAttention {
         keys: &Keys,
         ctx: &ForwardCtx,
     ) -> AttnOutput {
-        let (q, k, v) = self.base.proj.qkv(x, rope, self.base.kernels);
-        let (k, v) = keys.extend(0, k, v);
+        let kernels = self.base.kernels;
+        let (q, k, v) = match self.base.proj.step(x, rope, keys, kernels) {
+            Some(step) => step,
+            None => {
+                let (q, k, v) = self.base.proj.qkv(x, rope, kernels);
+                let (k, v) = keys.extend(0, k, v);
+                (q, k, v)
+            }
+        };
         let chunk = Chunk {
             x,
             residual: residual.unwrap_or(x),

@@ -21,7 +21,7 @@ impl Route for Static {
             x, q, k, v, keys, ..
         } = *c;
         let (b, l, _) = x.size3().expect("attention input is [B, L, hidden]");
-        let pairs = keys.pattern_pairs(self.0, l) * (b * layer.proj.n_heads) as f64;
+        let pairs = keys.pattern_pairs(self.0, l, b * layer.proj.n_heads);
         AttnOutput {
             y: layer
                 .proj

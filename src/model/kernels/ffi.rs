@@ -88,6 +88,31 @@ entry_points! {
         *mut c_char,
         usize,
     ) -> *mut c_void;
+    /// qkv, cos, sin, entry, pos, heads, k, v, kpos: one decoding step's q rotated, its key
+    /// and value written into the cache.
+    decode_step: unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        i64,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *mut c_char,
+        usize,
+    ) -> *mut c_void;
+    /// x, r, weight, eps, out[2]: inference's residual add and the RMSNorm after it.
+    add_rms_norm: unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        f64,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
     /// A CUDA graph of the work queued between begin and end on this thread; replayed, freed.
     graph_begin: unsafe extern "C" fn(*mut c_char, usize) -> *mut c_void;
     graph_end: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
@@ -97,6 +122,8 @@ entry_points! {
     token_nll: Tensor2Fn;
     /// gate, up: the MLP's SwiGLU.
     swiglu: Tensor2Fn;
+    /// gate and up joined: inference's SwiGLU.
+    swiglu_joined: unsafe extern "C" fn(*const c_void, *mut c_char, usize) -> *mut c_void;
     /// x, weight, eps: RMSNorm.
     rms_norm: unsafe extern "C" fn(*const c_void, *const c_void, f64, *mut c_char, usize) -> *mut c_void;
     /// x, cos, sin (null: no rotation), to_heads: the head moves, with rope on the way in.

@@ -302,6 +302,15 @@ impl Kernels {
         call2(self.f.swiglu, "SwiGLU kernel", gate, up)
     }
 
+    /// Inference's gate `silu(gate) * up` from one joined projection `gu: [..., 2F]` (each
+    /// row the gate's F values, then the up projection's) to `[..., F]`: one product for both
+    /// maps, their halves read in place. No autograd: decoding's.
+    pub(crate) fn swiglu_joined(&self, gu: &Tensor) -> Result<Tensor> {
+        new_tensor("SwiGLU kernel", |e, n| unsafe {
+            (self.f.swiglu_joined)(ptr(gu), e, n)
+        })
+    }
+
     /// RMSNorm of `x: [..., d]` (fp32 or bf16) with `weight: [d]` (fp32), computed in fp32,
     /// returned in x's dtype; differentiable in both.
     pub(crate) fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
@@ -365,6 +374,61 @@ impl Kernels {
                 n,
             )
         })
+    }
+
+    /// One decoding step's projections `qkv: [B, 1, (H + 2 Hkv) D]` (q, k, v of every head side
+    /// by side) into `q: [B, H, 1, D]` rotated by `cos, sin: [1, D]`, with the rotated key and
+    /// the value written into entry `entry` (int64 `[1]`, on the device) of a cache slot `k, v:
+    /// [B, Hkv, S, D]` and the position `pos` (int64 `[1]`) into `kpos[entry]`: the rotations,
+    /// head moves and cache writes of a step in one launch. bf16 on the GPU, the ATen
+    /// reference otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode_step(
+        &self,
+        qkv: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        entry: &Tensor,
+        pos: &Tensor,
+        heads: i64,
+        k: &Tensor,
+        v: &Tensor,
+        kpos: &Tensor,
+    ) -> Result<Tensor> {
+        new_tensor("decode step kernel", |e, n| unsafe {
+            (self.f.decode_step)(
+                ptr(qkv),
+                ptr(cos),
+                ptr(sin),
+                ptr(entry),
+                ptr(pos),
+                heads,
+                ptr(k),
+                ptr(v),
+                ptr(kpos),
+                e,
+                n,
+            )
+        })
+    }
+
+    /// Inference's residual add and the RMSNorm after it, in one launch: `(h, norm(h))` with
+    /// `h = x + r` (fp32 or bf16 alike, `[..., d]`) in x's dtype, the norm's weight `[d]` fp32.
+    /// No autograd: decoding's.
+    pub(crate) fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut out = [std::ptr::null_mut::<c_void>(); 2];
+        status("residual add and RMSNorm kernel", |e, n| unsafe {
+            (self.f.add_rms_norm)(ptr(x), ptr(r), ptr(weight), eps, out.as_mut_ptr(), e, n)
+        })?;
+        // Safety: two heap at::Tensor* whose ownership passes to us.
+        let [h, y] = out.map(|p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) });
+        Ok((h, y))
     }
 
     pub(crate) fn event(&self) -> Result<Event<'_>> {

@@ -1082,3 +1082,137 @@ fn cuda_decode_attention_matches_reference() {
         }
     });
 }
+
+/// A decoding step's joined projections into q and the cache in one launch, against what it
+/// replaces: the head move with its rotation (`Rope::apply_transposed`, the rope kernel) and
+/// index copies of the key, the value and the position into the entry. Bit for bit.
+fn decode_step_matches_unfused(kern: &Kernels, device: Device, kind: Kind) {
+    let (b, slots) = (3, 11);
+    for (heads, kv, d) in [(9, 3, 64), (4, 2, 128), (2, 2, 64)] {
+        let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
+        let qkv = randn(&[b, 1, (heads + 2 * kv) * d]);
+        let (k, v) = (randn(&[b, kv, slots, d]), randn(&[b, kv, slots, d]));
+        let kpos = Tensor::full([slots], -1, (Kind::Int64, device));
+        let entry = Tensor::from_slice(&[7i64]).to_device(device);
+        let pos = Tensor::from_slice(&[40i64]).to_device(device);
+        let inv: Vec<f64> = (0..d / 2)
+            .map(|i| 10_000f64.powf(-2.0 * i as f64 / d as f64))
+            .collect();
+        let rope = Rope::new(41, &inv, kind, device).at(&pos);
+        let (cos, sin) = rope.angles();
+        let (k2, v2, kpos2) = (k.copy(), v.copy(), kpos.copy());
+        let q = kern
+            .decode_step(&qkv, cos, sin, &entry, &pos, heads, &k2, &v2, &kpos2)
+            .unwrap();
+        let x = qkv.view([b, 1, heads + 2 * kv, d]);
+        let rot = |t: Tensor| rope.apply_transposed(&t.contiguous(), Some(kern));
+        let want_k = k.index_copy(2, &entry, &rot(x.narrow(2, heads, kv)));
+        let want_v = v.index_copy(2, &entry, &x.narrow(2, heads + kv, kv).transpose(1, 2));
+        let case = format!("{heads}/{kv} heads, D {d}");
+        assert!(q.equal(&rot(x.narrow(2, 0, heads))), "{case}: q");
+        assert!(k2.equal(&want_k), "{case}: k");
+        assert!(v2.equal(&want_v), "{case}: v");
+        let mut want_pos = vec![-1i64; slots as usize];
+        want_pos[7] = 40;
+        assert_eq!(Vec::<i64>::try_from(&kpos2).unwrap(), want_pos, "{case}");
+    }
+}
+
+#[test]
+fn cpu_decode_step_matches_unfused() {
+    let kern = cpu().expect("the CPU kernel library builds");
+    decode_step_matches_unfused(kern, Device::Cpu, Kind::Float);
+    let k = Tensor::zeros([1, 1, 5, 64], (Kind::Float, Device::Cpu));
+    let pos = Tensor::zeros([5], (Kind::Int64, Device::Cpu));
+    let one = pos.narrow(0, 0, 1);
+    let angles = Tensor::zeros([1, 64], (Kind::Float, Device::Cpu));
+    let qkv = Tensor::zeros([1, 1, 3 * 64], (Kind::Float, Device::Cpu));
+    let err = kern.decode_step(&qkv, &angles, &angles, &one, &one, 2, &k, &k, &pos);
+    assert!(err.unwrap_err().to_string().contains("qkv must be"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn cuda_decode_step_matches_unfused() {
+    on_cuda("cuda_decode_step_matches_unfused", |k| {
+        decode_step_matches_unfused(k, Device::Cuda(0), Kind::BFloat16)
+    });
+}
+
+/// Inference's residual add fused with the norm after it: the sum exactly as the add rounds
+/// it, the norm as the RMSNorm kernel computes it from that sum.
+fn add_rms_norm_matches_unfused(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+    for (rows, d) in [(1, 576), (8, 576), (5, 2048), (3, 7)] {
+        let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
+        let (x, r) = (randn(&[rows, 1, d]), randn(&[rows, 1, d]));
+        let w = Tensor::rand([d], (Kind::Float, device)) + 0.5;
+        let (h, y) = kern.add_rms_norm(&x, &r, &w, 1e-5).unwrap();
+        let want_h = &x + &r;
+        assert!(h.equal(&want_h), "{rows} x {d}: h");
+        let want_y = kern.rms_norm(&want_h, &w, 1e-5).unwrap();
+        let f = |t: &Tensor| t.to_kind(Kind::Float);
+        let err = (f(&y) - f(&want_y)).abs().max().double_value(&[]);
+        assert!(err < tol, "{rows} x {d}: max error {err}");
+    }
+}
+
+#[test]
+fn cpu_add_rms_norm_matches_unfused() {
+    let kern = cpu().expect("the CPU kernel library builds");
+    add_rms_norm_matches_unfused(kern, Device::Cpu, Kind::Float, 1e-5);
+    let x = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+    let err = kern.add_rms_norm(
+        &x,
+        &x.narrow(1, 0, 2),
+        &Tensor::ones([3], (Kind::Float, Device::Cpu)),
+        1e-5,
+    );
+    assert!(err.unwrap_err().to_string().contains("one shape"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn cuda_add_rms_norm_matches_unfused() {
+    on_cuda("cuda_add_rms_norm_matches_unfused", |k| {
+        add_rms_norm_matches_unfused(k, Device::Cuda(0), Kind::BFloat16, 3e-2)
+    });
+}
+
+/// Inference's gate from one joined projection against the gate of its two halves.
+fn swiglu_joined_matches_halves(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+    // Rows of a decoding step, a prefill's, and halves too narrow for 16-byte loads.
+    for shape in [[8, 1, 2 * 1536], [2, 33, 2 * 64], [3, 1, 2 * 5]] {
+        let gu = Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
+        let f = shape[2] / 2;
+        let want = kern
+            .swiglu(
+                &gu.narrow(-1, 0, f).contiguous(),
+                &gu.narrow(-1, f, f).contiguous(),
+            )
+            .unwrap();
+        let got = kern.swiglu_joined(&gu).unwrap();
+        assert_eq!(got.size(), want.size(), "{shape:?}");
+        let err = (got.to_kind(Kind::Float) - want.to_kind(Kind::Float))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(err < tol, "{shape:?}: max error {err}");
+    }
+}
+
+#[test]
+fn cpu_swiglu_joined_matches_halves() {
+    let kern = cpu().expect("the CPU kernel library builds");
+    swiglu_joined_matches_halves(kern, Device::Cpu, Kind::Float, 1e-6);
+    let odd = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu));
+    let err = kern.swiglu_joined(&odd).unwrap_err().to_string();
+    assert!(err.contains("even last dimension"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn cuda_swiglu_joined_matches_halves() {
+    on_cuda("cuda_swiglu_joined_matches_halves", |k| {
+        swiglu_joined_matches_halves(k, Device::Cuda(0), Kind::BFloat16, 2e-2)
+    });
+}

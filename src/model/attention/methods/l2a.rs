@@ -149,7 +149,7 @@ impl Global {
             }
         };
         let y = &s + g.value.to_kind(x.kind()) * a;
-        let local_pairs = keys.pattern_pairs(window, l) * (b * h) as f64;
+        let local_pairs = keys.pattern_pairs(window, l, b * h);
         let keys_seen = positions.to_kind(Kind::Float) + 1.0;
         let global_pairs = (executed.squeeze_dim(-1) * keys_seen).sum(Kind::Float) * h as f64;
         AttnOutput {
