@@ -17,6 +17,7 @@ use crate::model;
 use crate::model::attention::ForwardCtx;
 use crate::model::nn::token_nll;
 use crate::model::{ForwardOutput, Llama};
+use crate::run::generate::greedy;
 use crate::util::progress::Progress;
 use crate::util::progress::DEFAULT_STATUS_EVERY;
 use crate::util::rng::Rng;
@@ -49,21 +50,18 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         ctx.attention_seconds.set(Some(0.0));
         let _ = model.forward(x, ctx);
         let attention = ctx.attention_seconds.take().unwrap_or(0.0);
-        let mut cache = model.new_cache(len, device);
-        let start = clock();
-        let out = model.forward_cached(&x.narrow(1, 0, len - steps), &mut cache, ctx);
-        let mut next = out.logits.select(1, -1).argmax(-1, true);
-        model::sync(device);
-        let prefill = start.elapsed().as_secs_f64();
-        // The tokens stay on the device: reading each back would time the transfer too.
-        let start = clock();
-        for _ in 0..steps {
-            let out = model.forward_cached(&next, &mut cache, ctx);
-            next = out.logits.select(1, -1).argmax(-1, true);
-        }
-        model::sync(device);
-        let decode = start.elapsed().as_secs_f64();
-        (forward, attention, prefill, decode, cache.bytes())
+        // Prefill and decoding as the evaluations generate (`greedy`: weights cast once, one
+        // step captured as a CUDA graph where the kernels run on a GPU): the decoding time is
+        // the difference between runs of 3 + steps and 3 new tokens, so the prefill, the
+        // first step (run as it is) and the capture (the second) cancel. The longer run ends
+        // at the batch's length, so its cache holds what a sequence of that length needs.
+        let prompt = x.narrow(1, 0, (len - steps - 3).max(1));
+        let short = greedy(model, &prompt, 3, None, ctx, true);
+        let long = greedy(model, &prompt, 3 + steps as usize, None, ctx, true);
+        let prefill = short.prefill_seconds;
+        let decode = (long.decode_seconds - short.decode_seconds).max(f64::MIN_POSITIVE);
+        let cache = long.cache_bytes;
+        (forward, attention, prefill, decode, cache)
     };
     tch::no_grad(|| {
         rep(&mut ctx);

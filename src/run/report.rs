@@ -134,11 +134,15 @@ pub(crate) struct Timing {
     pub(crate) forward_ms: f64,
     /// The attention layers' part of it, each timed with the device synchronised around it.
     pub(crate) attention_ms: f64,
-    /// Prefill of the batch's first `seq_len - decode_steps` tokens into a key-value cache.
+    /// Prefill of the batch's first `seq_len - decode_steps - 3` tokens into a key-value cache,
+    /// to the first token read back (the time to first token).
     pub(crate) prefill_ms: f64,
-    /// Tokens then decoded one at a time per sequence, greedily, over the cache.
+    /// Tokens then decoded one at a time per sequence, greedily, over the cache, as the
+    /// evaluations decode (`run/generate.rs`: on a GPU's kernels, one step captured as a CUDA
+    /// graph and replayed).
     pub(crate) decode_steps: usize,
-    /// Generated tokens per second, all sequences of the batch together.
+    /// Generated tokens per second over those steps alone (the capture excluded), all
+    /// sequences of the batch together.
     pub(crate) decode_tokens_per_s: f64,
     /// Bytes of keys and values the cache holds per sequence after decoding (measured from
     /// the cache, beside the estimate `kv_cache_bytes_total`).
