@@ -274,11 +274,16 @@ impl Keys<'_> {
             let _ = s.v.index_copy_(2, &at, &v);
             let _ = s.pos.index_copy_(0, &at, &state.pos);
         } else {
-            // Several tokens (outside any captured step): the host picks those kept.
-            let from: Vec<i64> = (0..n)
-                .filter(|&i| keeps_position(keep, state.len + i, state.len + n))
+            // Several tokens (outside any captured step): the ranges of the chunk the slot
+            // keeps, their indices made on the device (a copy from the host would wait for
+            // the device at every layer of a prefill).
+            let opts = (Kind::Int64, k.device());
+            let ranges: Vec<Tensor> = kept_ranges(keep, state.len, n)
+                .into_iter()
+                .filter(|(a, b)| a < b)
+                .map(|(a, b)| Tensor::arange_start(a, b, opts))
                 .collect();
-            let from = Tensor::from_slice(&from).to_device(k.device());
+            let from = Tensor::cat(&ranges, 0);
             let pos = &from + state.len;
             let at = ring(&pos, keep, size);
             let _ = s.k.index_copy_(2, &at, &k.index_select(2, &from));
@@ -372,12 +377,17 @@ impl Keys<'_> {
     }
 }
 
-/// Whether a slot that keeps `keep` holds position `p` once the positions before `end` are
-/// written: the first keys, and the last of a ring.
-fn keeps_position(keep: Keep, p: i64, end: i64) -> bool {
+/// The indices of a chunk of `n` tokens after `len` held that a slot keeping `keep` holds
+/// once they are written: the sequence's first keys and the last of a ring, as two ranges
+/// `[a, b)` of the chunk (either may be empty).
+fn kept_ranges(keep: Keep, len: i64, n: i64) -> [(i64, i64); 2] {
     match keep {
-        Keep::All => true,
-        Keep::Ends { first, last } => p < first as i64 || p >= end - last as i64,
+        Keep::All => [(0, n), (n, n)],
+        Keep::Ends { first, last } => {
+            let head = (first as i64 - len).clamp(0, n);
+            let tail = (n - last as i64).clamp(head, n);
+            [(0, head), (tail, n)]
+        }
     }
 }
 
@@ -391,5 +401,39 @@ fn ring(pos: &Tensor, keep: Keep, size: i64) -> Tensor {
             pos.where_self(&pos.lt(first), &wrapped)
         }
         _ => pos.shallow_clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kept ranges hold exactly the positions a slot keeps: its first keys, and the last
+    /// `last` of those written so far.
+    #[test]
+    fn kept_ranges_hold_the_first_and_the_last_keys() {
+        for keep in [
+            Keep::All,
+            Keep::Ends { first: 0, last: 5 },
+            Keep::Ends { first: 3, last: 4 },
+        ] {
+            for len in 0..12 {
+                for n in 1..12 {
+                    let want: Vec<i64> = (0..n)
+                        .filter(|&i| match keep {
+                            Keep::All => true,
+                            Keep::Ends { first, last } => {
+                                len + i < first as i64 || len + i >= len + n - last as i64
+                            }
+                        })
+                        .collect();
+                    let got: Vec<i64> = kept_ranges(keep, len, n)
+                        .into_iter()
+                        .flat_map(|(a, b)| a..b)
+                        .collect();
+                    assert_eq!(got, want, "{keep:?} after {len}, {n} more");
+                }
+            }
+        }
     }
 }
