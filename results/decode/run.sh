@@ -17,3 +17,7 @@ cp /tmp/decode_profile/profiles/kernel_kinds.csv /tmp/decode_profile/profiles/ke
 # routers calibrated to the trained models' 1.1 % open (results/l2a_pretrained).
 attnsweep bench decode --contexts 32768 --batches 1 --short 16 --new 16 --reps 3 --no-peers \
   --methods full,l2a --full-usage 0.011 --out results/decode/prefill_32k
+# Where the 32K prefill's GPU time goes: one profiled run of each.
+attnsweep bench decode --contexts 32768 --batches 1 --short 2 --new 1 --reps 1 --no-peers --profile \
+  --methods full,l2a --full-usage 0.011 --out /tmp/prefill_profile
+cp /tmp/prefill_profile/profiles/kernel_kinds.csv /tmp/prefill_profile/profiles/kernel_time.csv results/decode/prefill_32k/
