@@ -26,9 +26,12 @@ masks wherever a mask is not plain causal:
 
 `--impls eager,compile`: each model as written (`torch_eager`) and with each block and the loss
 under `torch.compile` (`torch_compile`, as torchtitan compiles per block); warm-up steps include
-compilation. A case that runs out of memory runs again with what a PyTorch user adds: every
-block under `torch.utils.checkpoint`, and the output projection and cross-entropy in chunks of
-tokens, each chunk checkpointed; the row's setup column says so.
+compilation. Each case is the peer at its best for the step's tokens: micro-batches of the
+step's sequences, then of halves of them (`--micro-batches` at most), the gradients accumulated
+over them; a micro-batch that runs out of memory runs again with what a PyTorch user adds:
+every block under `torch.utils.checkpoint`, and the output projection and cross-entropy in
+chunks of tokens, each chunk checkpointed. The fastest is the row; its setup column names the
+choice and every micro-batch tried.
 
 Prints CSV rows impl,method,L,batch,step_ms,tokens_per_s,full_usage,peak_gib,setup,note on
 stdout (a case that could not run: no time, the reason in note).
@@ -40,6 +43,7 @@ every rank's tokens.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -299,6 +303,8 @@ def main():
     ap.add_argument("--model", required=True, help="JSON of attnsweep's [model]")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--full-usage", type=float, default=0.1)
+    ap.add_argument("--micro-batches", type=int, default=3,
+                    help="micro-batches tried for a step's tokens: the step's sequences, then halves of them, this many at most")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ppa-power", type=float, default=0.5)
@@ -335,31 +341,66 @@ def say(row):
         print(row, flush=True)
 
 
+def micro_batch_sizes(batch, most):
+    """The step's sequences, then halves of them while they divide it, `most` at most."""
+    sizes = [batch]
+    while len(sizes) < most and sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 def time_case(a, m, impl, l):
-    """Median step time of one (impl, method, length), printed as a CSV row: first as written,
-    then, if that runs out of memory, with every block checkpointed and the loss in chunks."""
+    """One (impl, method, length) at its best, printed as a CSV row: each micro-batch the search
+    tries (the step's tokens accumulated over them) as written or, where that runs out of memory,
+    with every block checkpointed and the loss in chunks; the fastest is the row, its setup naming
+    the choice and every try."""
     name = "torch_" + impl
     batch = max(1, a.tokens // l)
     needs_flex = a.method != "full"
     if needs_flex and flex_attention is None:
         say(f"{name},{a.method},{l},{batch},,,,,,FlexAttention unavailable")
         return
-    for checkpointed in (False, True):
-        torch.cuda.empty_cache()
-        try:
-            row = run_case(a, m, impl, l, batch, checkpointed)
-            say(f"{name},{a.method},{l},{batch},{row}")
-            return
-        except torch.cuda.OutOfMemoryError:
-            if checkpointed:
-                say(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks")
-        except Exception as e:  # a compile failure leaves this case out, not the run
-            msg = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ").replace(",", ";")
-            say(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})")
-            return
+    best, tried = None, []
+    for micro in micro_batch_sizes(batch, a.micro_batches):
+        for checkpointed in (False, True):
+            torch.cuda.empty_cache()
+            try:
+                ms, mu, peak = run_case(a, m, impl, l, batch, micro, checkpointed)
+            except torch.cuda.OutOfMemoryError:
+                if checkpointed:
+                    tried.append(f"{micro}: out of memory")
+                continue
+            except Exception as e:  # a compile failure leaves this case out, not the run
+                msg = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ").replace(",", ";")
+                say(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})")
+                return
+            setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
+            tried.append(f"{micro}{' checkpointed' if checkpointed else ''}: {ms:.1} ms")
+            if best is None or ms < best[0]:
+                best = (ms, mu, peak, f"{setup}; micro-batch {micro} x {batch // micro}")
+            break
+    if best is None:
+        say(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks")
+        return
+    ms, mu, peak, setup = best
+    if a.profile:
+        # The chosen micro-batch's trace under the case's name; the others' go.
+        stem = f"{a.profile}_torch_{impl}_{a.method}_L{l}"
+        chosen = int(setup.split("micro-batch ")[1].split(" ")[0])
+        for micro in micro_batch_sizes(batch, a.micro_batches):
+            if os.path.exists(f"{stem}_mb{micro}.json"):
+                if micro == chosen:
+                    os.replace(f"{stem}_mb{micro}.json", f"{stem}.json")
+                else:
+                    os.remove(f"{stem}_mb{micro}.json")
+    mu = "" if mu is None else f"{mu:.4f}"
+    say(f"{name},{a.method},{l},{batch},{ms:.3f},{WORLD * batch * l / ms * 1e3:.0f},{mu},{peak:.2f},"
+        f"{setup}; tried {' / '.join(tried)},")
 
 
-def run_case(a, m, impl, l, batch, checkpointed):
+def run_case(a, m, impl, l, batch, micro, checkpointed):
+    """Median step time (ms) of `batch` sequences a step in micro-batches of `micro`, the gates'
+    usage and the peak memory (GiB)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -375,15 +416,19 @@ def run_case(a, m, impl, l, batch, checkpointed):
         model = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, fused=True)
     ids = torch.randint(0, m["vocab_size"], (batch, l + 1), device=dev)
-    x, y = ids[:, :-1], ids[:, 1:]
     inner = model.module if WORLD > 1 else model
     masks = inner.masks(l, dev) if a.method != "full" else {}
     times, usage = [], None
+    accum = batch // micro
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, usage = model(x, y, masks)
-        loss.backward()
+        for i in range(accum):
+            rows = ids[i * micro : (i + 1) * micro]
+            # Data-parallel ranks reduce the gradients once, after the last micro-batch.
+            with contextlib.nullcontext() if WORLD == 1 or i == accum - 1 else model.no_sync():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss, usage = model(rows[:, :-1], rows[:, 1:], masks)
+                (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -404,13 +449,10 @@ def run_case(a, m, impl, l, batch, checkpointed):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        prof.export_chrome_trace(f"{a.profile}_torch_{impl}_{a.method}_L{l}.json")
+        prof.export_chrome_trace(f"{a.profile}_torch_{impl}_{a.method}_L{l}_mb{micro}.json")
     times.sort()
-    ms = times[len(times) // 2] * 1e3
-    mu = "" if usage is None else f"{usage.item():.4f}"
-    peak = torch.cuda.max_memory_allocated() / GIB
-    setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
-    return f"{ms:.3f},{WORLD * batch * l / ms * 1e3:.0f},{mu},{peak:.2f},{setup},"
+    mu = None if usage is None else usage.item()
+    return times[len(times) // 2] * 1e3, mu, torch.cuda.max_memory_allocated() / GIB
 
 
 if __name__ == "__main__":

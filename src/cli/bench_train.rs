@@ -2,9 +2,13 @@
 //! model shape (a preset, a Hugging Face `config.json`, or a custom shape from the flags) per
 //! method variant and length, beside the same model in plain PyTorch
 //! (`kernels/train_peer.py`: eager, and compiled with FlexAttention block masks for the
-//! sparse methods), timed in one run. Each case of ours runs under the memory plan training
-//! uses (`run/memory.rs`: activation checkpointing and the loss's chunks) and reports its peak
-//! memory beside the plan's prediction; every row gives its model-FLOPs utilisation.
+//! sparse methods), timed in one run. Best against best: the tokens of an optimizer step are
+//! fixed, and each side tries micro-batches of the step's sequences and of halves of them
+//! (`--micro-batches`), the gradients accumulated over them, each with the checkpointing that
+//! fits (ours: the memory plan training uses, `run/memory.rs`, with the loss's chunks; the
+//! peer's: as written, else every block checkpointed and the loss in chunks); the fastest is
+//! the row, its setup naming the choice and every try. Ours report their peak memory beside
+//! the plan's prediction; every row gives its model-FLOPs utilisation.
 //!
 //! Rows accumulate in `train_bench.csv` across runs into one directory (a case measured again
 //! replaces its row, the others stay; a case is the method with the settings it reads: window,
@@ -55,6 +59,9 @@ pub(crate) struct TrainBench {
     pub(crate) checkpointing: Checkpointing,
     /// `train.loss_chunk_tokens` of our cases.
     pub(crate) loss_chunk_tokens: usize,
+    /// Micro-batches each side tries for a step's tokens: the step's sequences, then halves
+    /// of them, this many at most; the fastest that fits is the row (1: the step at once).
+    pub(crate) micro_batches: usize,
     pub(crate) steps: usize,
     pub(crate) warmup: usize,
     pub(crate) out: PathBuf,
@@ -87,6 +94,10 @@ impl TrainBench {
             self.ste_sample
         );
         ensure!(self.steps >= 1, "--steps must be at least 1");
+        ensure!(
+            self.micro_batches >= 1,
+            "--micro-batches must be at least 1"
+        );
         ensure!(
             (0.0..=1.0).contains(&self.ppa_power),
             "--ppa-power must lie in [0, 1] (got {})",
@@ -314,8 +325,10 @@ impl TrainBench {
         c
     }
 
-    /// Median step time of our training step for one method and length, under the memory
-    /// plan training would use, with its peak memory.
+    /// Our training step for one method and length at its best: for each micro-batch the
+    /// search tries (`micro_batches`), the memory plan training would use (checkpointing and
+    /// the loss's chunks that fit), timed; the fastest is the row, its setup naming the
+    /// choice and every try.
     fn measure(
         &self,
         method: TrainMethod,
@@ -323,64 +336,115 @@ impl TrainBench {
         kern: &'static kernels::Kernels,
     ) -> Result<TrainRow> {
         let cfg = self.config(method, len);
-        let dev = Device::Cuda(0);
-        let built = Built::new(&cfg, dev)?;
+        let built = Built::new(&cfg, Device::Cuda(0))?;
         if method.variant.calibrate_router {
             calibrate_routers(&built, self.full_usage, len);
         }
+        let name = method.name();
+        let mut best: Option<(f64, i64, TrainRow)> = None;
+        let mut tried = Vec::new();
+        for micro in self.micro_batch_sizes(len) {
+            let timed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.time_steps(&built, &cfg, name, micro, kern, None)
+            }));
+            // A micro-batch that does not fit (refused by the plan, or out of memory) is
+            // recorded and the search goes on.
+            match timed {
+                Ok(Ok(row)) => {
+                    let ms = row.step_ms.unwrap_or(f64::INFINITY);
+                    tried.push(format!("{micro}: {ms:.1} ms"));
+                    if best.as_ref().is_none_or(|(b, ..)| ms < *b) {
+                        best = Some((ms, micro, row));
+                    }
+                }
+                Ok(Err(e)) => tried.push(format!("{micro}: {}", short(&format!("{e:#}")))),
+                Err(_) => tried.push(format!("{micro}: {}", short(&last_panic()))),
+            }
+        }
+        let tried = tried.join(" / ");
+        let Some((_, micro, mut row)) = best else {
+            bail!("no micro-batch ran: {tried}");
+        };
+        // After the timed steps, so the profiler's cost is in none of them; a profile that
+        // fails leaves the measured row, with why in its note.
+        if self.profile {
+            let trace = PathBuf::from(format!(
+                "{}_{OURS}_{}_L{len}.json",
+                self.trace_stem().display(),
+                method.name()
+            ));
+            row.note = self
+                .time_steps(&built, &cfg, name, micro, kern, Some(&trace))?
+                .note;
+        }
+        row.setup = format!("{}; tried {tried}", row.setup);
+        Ok(row)
+    }
+
+    /// Median step time of `built` at micro-batches of `micro` sequences (the step's tokens
+    /// accumulated over them) under the memory plan training would use, with its peak
+    /// memory; with `profile`, one more step under the profiler, its trace there.
+    fn time_steps(
+        &self,
+        built: &Built,
+        cfg: &Config,
+        method: &str,
+        micro: i64,
+        kern: &'static kernels::Kernels,
+        profile: Option<&Path>,
+    ) -> Result<TrainRow> {
+        let (batch, len) = (cfg.train.batch_size as i64, cfg.data.seq_len as i64);
+        let mut cfg = cfg.clone();
+        cfg.train.batch_size = micro as usize;
+        cfg.train.grad_accum = (batch / micro) as usize;
         let params = built.params();
         let trained: Vec<Tensor> = params.values().map(|p| p.shallow_clone()).collect();
         let plan = memory::plan_on_device(&cfg, &built.model, &trained, kern, 0)?;
         let mut opt = AdamW::new(&params, built.model.kernels);
-        let batch = cfg.train.batch_size as i64;
         let ids = Tensor::randint(
             self.model.vocab_size as i64,
             [batch, len + 1],
-            (Kind::Int64, dev),
+            (Kind::Int64, Device::Cuda(0)),
         );
-        let (x, y) = (ids.narrow(1, 0, len), ids.narrow(1, 1, len));
         let ctx = ForwardCtx {
             compute_logits: true,
             ..Default::default()
         };
-        let mut times = Vec::new();
-        let mut usage = Vec::new();
+        let accum = cfg.train.grad_accum;
         let mut step = || {
             opt.zero_grad();
-            let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, 1);
+            let mut usage = Vec::new();
+            for i in 0..accum as i64 {
+                let rows = ids.narrow(0, i * micro, micro);
+                let (x, y) = (rows.narrow(1, 0, len), rows.narrow(1, 1, len));
+                let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, accum);
+                usage.extend(stats.full_usage);
+            }
             opt.clip_grad_norm(cfg.train.grad_clip);
             // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
             opt.update(0.0, &cfg.train);
             tch::Cuda::synchronize(0);
-            stats
+            usage
         };
+        let (mut times, mut usage) = (Vec::new(), Vec::new());
         for i in 0..self.warmup + self.steps {
             if i == self.warmup {
                 kern.cuda_memory(0, true)?;
             }
             tch::Cuda::synchronize(0);
             let start = Instant::now();
-            let stats = step();
+            let used = step();
             if i >= self.warmup {
                 times.push(start.elapsed().as_secs_f64() * 1e3);
-                usage.extend(stats.full_usage);
+                usage.extend(used);
             }
         }
         let peak = kern.cuda_memory(0, false)?.peak;
-        // After the timed steps, so the profiler's cost is in none of them; a profile that
-        // fails leaves the measured row, with why in its note.
-        let note = match self.profile {
-            true => {
-                let trace = PathBuf::from(format!(
-                    "{}_{OURS}_{}_L{len}.json",
-                    self.trace_stem().display(),
-                    method.name()
-                ));
-                profile_step(kern, &trace, || {
-                    step();
-                })
-            }
-            false => String::new(),
+        let note = match profile {
+            Some(trace) => profile_step(kern, trace, || {
+                step();
+            }),
+            None => String::new(),
         };
         Ok(TrainRow {
             imp: OURS.into(),
@@ -388,10 +452,23 @@ impl TrainBench {
             peak_gib: Some(peak / GIB),
             planned_gib: Some(plan.peak / GIB),
             full_usage: (!usage.is_empty()).then(|| median(usage)),
-            setup: setup_of(&plan),
+            setup: format!("{}; micro-batch {micro} x {accum}", setup_of(&plan)),
             note,
-            ..self.row(method.name(), len)
+            ..self.row(method, len)
         })
+    }
+
+    /// The micro-batches the search tries at `len`: the step's sequences, then its halves
+    /// while they divide it, `micro_batches` at most.
+    fn micro_batch_sizes(&self, len: i64) -> Vec<i64> {
+        let mut sizes = vec![self.batch(len)];
+        while let Some(&m) = sizes.last().filter(|&&m| m % 2 == 0) {
+            if sizes.len() == self.micro_batches {
+                break;
+            }
+            sizes.push(m / 2);
+        }
+        sizes
     }
 
     /// Sequences a step: `tokens / len`, at least one.
@@ -439,6 +516,12 @@ pub(crate) fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnO
         (Err(_), _) => format!("no profile: its step failed: {}", last_panic()),
         (Ok(()), Err(e)) => format!("no profile: {e:#}"),
     }
+}
+
+/// The first line of a message, at most 80 characters: a try in a row's setup.
+fn short(message: &str) -> String {
+    let line = message.lines().next().unwrap_or_default();
+    line.chars().take(80).collect()
 }
 
 /// The plan's checkpointing and loss chunks, as the CSV's `setup` says them.
@@ -556,6 +639,7 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             ("--full-usage", b.full_usage.to_string()),
             ("--ppa-power", b.ppa_power.to_string()),
             ("--impls", b.peers.join(",")),
+            ("--micro-batches", b.micro_batches.to_string()),
             ("--steps", b.steps.to_string()),
             ("--warmup", b.warmup.to_string()),
             ("--lr", "0".to_string()),
@@ -843,6 +927,7 @@ mod tests {
             ppa_power: 0.5,
             checkpointing: Checkpointing::Auto,
             loss_chunk_tokens: 0,
+            micro_batches: 3,
             steps: 1,
             warmup: 0,
             out: PathBuf::new(),
@@ -850,6 +935,22 @@ mod tests {
             peers: vec![],
             profile: false,
         }
+    }
+
+    /// The search's micro-batches keep the step's tokens: the step's sequences, then halves
+    /// while they divide it, as many as asked.
+    #[test]
+    fn micro_batches_halve_the_step_while_they_divide_it() {
+        let mut b = bench();
+        b.tokens = 32768;
+        assert_eq!(b.micro_batch_sizes(2048), [16, 8, 4]);
+        assert_eq!(b.micro_batch_sizes(16384), [2, 1]);
+        assert_eq!(b.micro_batch_sizes(65536), [1]);
+        b.tokens = 3 * 1024;
+        assert_eq!(b.micro_batch_sizes(1024), [3]);
+        b.tokens = 32768;
+        b.micro_batches = 1;
+        assert_eq!(b.micro_batch_sizes(2048), [16]);
     }
 
     /// The peer's rows read back, its failures kept with their reason, a non-finite value

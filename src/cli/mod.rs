@@ -170,6 +170,11 @@ struct BenchTrainCmd {
     /// train.loss_chunk_tokens of our cases (0: the memory plan's choice).
     #[arg(long, default_value_t = 0)]
     loss_chunk_tokens: usize,
+    /// Micro-batches each side tries, ours and the peers', for a step's tokens: the step's
+    /// sequences, then halves of them, this many at most (each with the checkpointing that
+    /// fits); the fastest is the row, best against best (1: the step in one micro-batch).
+    #[arg(long, default_value_t = 3)]
+    micro_batches: usize,
     /// Timed steps per case (median reported), after the warm-up steps.
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -614,6 +619,7 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         ppa_power: c.ppa_power,
         checkpointing: c.checkpointing,
         loss_chunk_tokens: c.loss_chunk_tokens,
+        micro_batches: c.micro_batches,
         steps: c.steps,
         warmup: c.warmup,
         out: c.out,
