@@ -72,6 +72,19 @@ pub enum Router {
     Bernoulli,
 }
 
+/// How L2A's global module starts.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum L2aStart {
+    /// Its Q/K/V/O copies of the base attention (the paper's and the authors' code): with
+    /// every gate open at the start, each layer adds a second attention output.
+    Copy,
+    /// Its output projection at zero, Q/K/V copies: the global branch adds nothing at the
+    /// start, so the model starts as its window alone (the base with SWA) and the branch
+    /// grows from there.
+    Inert,
+}
+
 /// How a per-token quantity over the hidden dimension is reduced to one number.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -118,6 +131,8 @@ pub struct AttentionConfig {
     pub p_force: f64,
     /// L2A: layers (0-based) whose global module was pruned; they keep only the window.
     pub pruned_layers: Vec<usize>,
+    /// L2A: how the global module starts ("copy", the default, or "inert").
+    pub l2a_start: L2aStart,
     /// SwiAttn adaptive regulariser: gamma = gamma_base / (eps + NLL + alpha * ||O_full - O_swa||^2).
     pub swiattn_gamma_base: f64,
     pub swiattn_eps: f64,
@@ -160,6 +175,7 @@ impl Default for AttentionConfig {
             router_init_bias: 1.0,
             p_force: 0.1,
             pruned_layers: Vec::new(),
+            l2a_start: L2aStart::Copy,
             swiattn_gamma_base: 1e-3,
             swiattn_eps: 0.1,
             swiattn_alpha: 100.0,
@@ -204,7 +220,7 @@ impl AttentionConfig {
                 );
             }
             Method::L2a => {
-                keys.extend(["window", "pruned_layers"]);
+                keys.extend(["window", "pruned_layers", "l2a_start"]);
                 router(&mut keys, &["tau", "lambda", "p_force"]);
             }
             Method::Swiattn => {
@@ -270,6 +286,7 @@ impl AttentionConfig {
             router_init_bias,
             p_force,
             pruned_layers,
+            l2a_start,
             swiattn_gamma_base,
             swiattn_eps,
             swiattn_alpha,
@@ -387,6 +404,7 @@ mod tests {
                 (_, Value::Boolean(b)) => Value::Boolean(!b),
                 ("router", _) => Value::String("bernoulli".into()),
                 ("swiattn_disagreement", _) => Value::String("sum".into()),
+                ("l2a_start", _) => Value::String("inert".into()),
                 ("bernoulli_rates", _) => Value::Array(vec![Value::Array(vec![Value::Float(0.5)])]),
                 (_, Value::String(s)) => Value::String(s + "x"),
                 (_, Value::Array(_)) => Value::Array(vec![Value::Integer(1)]),

@@ -11,7 +11,7 @@ mod model;
 mod overrides;
 mod train;
 
-pub use attention::{AttentionConfig, AttnImpl, Method, Reduction, Router};
+pub use attention::{AttentionConfig, AttnImpl, L2aStart, Method, Reduction, Router};
 pub use eval::{EvalConfig, HaystackKind, ProbeGates};
 pub use model::ModelConfig;
 pub use model::{NormPlacement, QkNorm, RopeScaling};

@@ -164,6 +164,14 @@ impl Projections {
         self.o_proj.forward(&self.merge(y, kernels))
     }
 
+    /// The output projection at zero (under no gradient): a module that adds nothing until it
+    /// has trained.
+    pub(super) fn zero_output(&self) {
+        tch::no_grad(|| {
+            let _ = self.o_proj.weight.shallow_clone().zero_();
+        });
+    }
+
     /// Bytes of keys and values kept per cached position.
     pub(super) fn kv_bytes_per_position(&self, elt: usize) -> f64 {
         (2 * self.n_kv_heads * self.head_dim) as f64 * elt as f64

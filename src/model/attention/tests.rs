@@ -1383,3 +1383,31 @@ fn graph_decoding_matches_step_by_step_decoding() {
         }
     });
 }
+
+/// L2A's inert start: the global module's output projection at zero (the rest copied), so at
+/// the start the model is its window alone, the SWA model of the same weights, to the bit,
+/// with every gate open; the default start (a copy of the base's projection) is not.
+#[test]
+fn an_inert_l2a_starts_as_its_window() {
+    use crate::config::L2aStart;
+    let cfg = routed_cfg(Method::L2a, |c| c.attention.l2a_start = L2aStart::Inert);
+    let inert = Built::new(&cfg, Device::Cpu).unwrap();
+    let swa = static_twin(&inert, &cfg, Method::Swa);
+    let ctx = ForwardCtx::default();
+    let (l2a_out, swa_out) = (run(&inert, &ctx), run(&swa, &ctx));
+    assert!(l2a_out.logits.equal(&swa_out.logits));
+    assert_eq!(l2a_out.full_usage().unwrap().double_value(&[]), 1.0);
+    let derived = inert.model.derived_params();
+    assert!(derived
+        .iter()
+        .all(|(new, _)| !new.ends_with("o_proj.weight")));
+    let copy_cfg = routed_cfg(Method::L2a, |_| {});
+    let copy = Built::new(&copy_cfg, Device::Cpu).unwrap();
+    let swa = static_twin(&copy, &copy_cfg, Method::Swa);
+    assert!(max_diff(&run(&copy, &ctx).logits, &run(&swa, &ctx).logits) > 1e-3);
+    assert!(copy
+        .model
+        .derived_params()
+        .iter()
+        .any(|(new, _)| new.ends_with("global_attn.o_proj.weight")));
+}

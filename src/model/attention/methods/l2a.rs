@@ -11,7 +11,7 @@
 //! for every token, so the router gets a gradient on tokens it masked. Pruned layers keep only
 //! the window (`attention.pruned_layers`, `attnsweep prune`).
 
-use crate::config::{AttentionConfig, Method, NormPlacement, Router};
+use crate::config::{AttentionConfig, L2aStart, Method, NormPlacement, Router};
 use crate::model::attention::base::{
     projection_params, AttnOutput, Base, Build, Chunk, Exec, Projections, Regulariser, Route,
 };
@@ -35,6 +35,9 @@ struct Global {
     global: Projections,
     /// A pre-norm block's input norm exists to copy the gain from.
     pre_norm: bool,
+    /// The global module's output projection starts at zero (`L2aStart::Inert`), not as a
+    /// copy of the base's.
+    inert: bool,
 }
 
 /// The router is `W u` with no bias, zero at the start (d_hat = 0.5: every token global); a
@@ -44,12 +47,18 @@ fn build(b: &Build) -> Box<dyn Route> {
         return Box::new(Static(KeyPattern::Window(b.a.window)));
     }
     let p = b.p / "global_attn";
+    let global = Projections::new(&p, b.m, b.kernels);
+    let inert = b.a.l2a_start == L2aStart::Inert;
+    if inert {
+        global.zero_output();
+    }
     Box::new(Global {
         gates: b.gates(1, None, true, false),
         norm: RmsNorm::new(&p / "norm", b.m.hidden_size as i64, b.m.rms_norm_eps)
             .with_kernels(b.kernels),
-        global: Projections::new(&p, b.m, b.kernels),
+        global,
         pre_norm: b.m.norm_placement == NormPlacement::Pre,
+        inert,
     })
 }
 
@@ -66,12 +75,10 @@ impl Route for Global {
     /// The global module starts as a copy of the base attention, its norm as a copy of the
     /// block's input norm (a post-norm block has none: the norm starts at gain 1).
     fn derived_params(&self) -> Vec<(String, String)> {
-        let mut names: Vec<&str> = vec![
-            "q_proj.weight",
-            "k_proj.weight",
-            "v_proj.weight",
-            "o_proj.weight",
-        ];
+        let mut names: Vec<&str> = vec!["q_proj.weight", "k_proj.weight", "v_proj.weight"];
+        if !self.inert {
+            names.push("o_proj.weight");
+        }
         if self.global.q_norm.is_some() {
             names.extend(["q_norm.weight", "k_norm.weight"]);
         }
