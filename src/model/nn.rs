@@ -11,10 +11,13 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use tch::{nn, Kind, Tensor};
 
+/// Weights cast (or joined and cast) once, by the data address of the (first) weight, the
+/// dtype of the cast and how many weights were joined.
+type CastWeights = HashMap<(usize, Kind, usize), Tensor>;
+
 thread_local! {
-    /// The weights cast so far inside `with_cast_weights` (None outside it), by the data
-    /// address of the (first) weight, the dtype of the cast and how many weights were joined.
-    static CAST: RefCell<Option<HashMap<(usize, Kind, usize), Tensor>>> = const { RefCell::new(None) };
+    /// The weights cast so far inside `with_cast_weights` (None outside it).
+    static CAST: RefCell<Option<CastWeights>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` (which computes no gradient) with each weight cast to another dtype once, at its
