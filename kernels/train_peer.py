@@ -375,18 +375,17 @@ def time_case(a, m, impl, l):
                 say(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})")
                 return
             setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
-            tried.append(f"{micro}{' checkpointed' if checkpointed else ''}: {ms:.1} ms")
+            tried.append(f"{micro}{' checkpointed' if checkpointed else ''}: {ms:.1f} ms")
             if best is None or ms < best[0]:
-                best = (ms, mu, peak, f"{setup}; micro-batch {micro} x {batch // micro}")
+                best = (ms, mu, peak, f"{setup}; micro-batch {micro} x {batch // micro}", micro)
             break
     if best is None:
         say(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks")
         return
-    ms, mu, peak, setup = best
+    ms, mu, peak, setup, chosen = best
     if a.profile:
         # The chosen micro-batch's trace under the case's name; the others' go.
         stem = f"{a.profile}_torch_{impl}_{a.method}_L{l}"
-        chosen = int(setup.split("micro-batch ")[1].split(" ")[0])
         for micro in micro_batch_sizes(batch, a.micro_batches):
             if os.path.exists(f"{stem}_mb{micro}.json"):
                 if micro == chosen:

@@ -365,17 +365,23 @@ impl TrainBench {
         let Some((_, micro, mut row)) = best else {
             bail!("no micro-batch ran: {tried}");
         };
-        // After the timed steps, so the profiler's cost is in none of them; a profile that
-        // fails leaves the measured row, with why in its note.
+        // After the timed steps, so the profiler's cost is in none of them.
         if self.profile {
             let trace = PathBuf::from(format!(
                 "{}_{OURS}_{}_L{len}.json",
                 self.trace_stem().display(),
                 method.name()
             ));
-            row.note = self
-                .time_steps(&built, &cfg, name, micro, kern, Some(&trace))?
-                .note;
+            // One more run of the chosen micro-batch, the profiled step after it: a failure
+            // leaves the measured row, with why in its note.
+            let profiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.time_steps(&built, &cfg, name, micro, kern, Some(&trace))
+            }));
+            row.note = match profiled {
+                Ok(Ok(r)) => r.note,
+                Ok(Err(e)) => format!("no profile: {e:#}"),
+                Err(_) => format!("no profile: {}", last_panic()),
+            };
         }
         row.setup = format!("{}; tried {tried}", row.setup);
         Ok(row)

@@ -170,13 +170,14 @@ pub(crate) fn greedy(
             let kernels = model.kernels.filter(|_| graphs && device.is_cuda());
             let mut graph = None;
             while steps < max_new {
-                if steps % STOP_CHECK == 0 && ended.all().int64_value(&[]) != 0 {
+                // Without an end-of-text token no row ends: no check waits for the device.
+                if eot.is_some() && steps % STOP_CHECK == 0 && ended.all().int64_value(&[]) != 0 {
                     break;
                 }
                 match (&graph, kernels) {
                     (Some(g), _) => {
-                        cache.state.len += 1;
                         CudaGraph::replay(g).expect("replaying a captured decoding step");
+                        cache.state.replayed();
                     }
                     // The first step runs as it is, warming the libraries up; the second is
                     // captured, then replayed to run.

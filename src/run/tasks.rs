@@ -980,8 +980,8 @@ mod tests {
         c
     }
 
-    /// `eval.samples` prompts per (task, length) spread over the depths in turn, each depth's
-    /// needle where its cell says, and fewer prompts than depths leave the last without a cell.
+    /// `eval.samples` prompts per (task, length) spread over the depths in turn, and fewer
+    /// prompts than depths leave the last without a cell.
     #[test]
     fn a_cells_prompts_are_spread_over_the_depths() {
         let mut c = passkey_config(Method::Full);

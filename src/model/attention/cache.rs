@@ -121,6 +121,12 @@ impl CacheState {
         *self.shared.borrow_mut() = Shared::default();
     }
 
+    /// Records one token held after a captured step was replayed: the replay advanced the
+    /// device's position itself (the captured `advance`), so only the host's count moves.
+    pub(crate) fn replayed(&mut self) {
+        self.len += 1;
+    }
+
     /// The entry of a slot of `size` that keeps `keep` where a single token's keys go.
     fn ring(&self, keep: Keep, size: i64) -> Tensor {
         let mut shared = self.shared.borrow_mut();
@@ -363,7 +369,9 @@ impl Keys<'_> {
         let s = c.slots[slot].as_ref().expect("extended before attending");
         let kpos = s.merged.as_ref().filter(|_| n > 1).unwrap_or(&s.pos);
         let (_, near) = state.table(pattern);
-        if let (Some(kern), 1, Device::Cuda(_)) = (state.kernels, n, q.device()) {
+        // The decode kernel takes GQA groups of up to 8 query heads a key-value head.
+        let group = q.size()[1] / k.size()[1];
+        if let (Some(kern), 1, Device::Cuda(_), 1..=8) = (state.kernels, n, q.device(), group) {
             let (window, sinks) = pattern.reach();
             return kern
                 .decode_attention(q, k, v, kpos, &state.pos, window, sinks, near.as_ref())

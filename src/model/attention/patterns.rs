@@ -80,12 +80,7 @@ impl KeyPattern {
 
     /// Number of (query, key) pairs attended in one causal sequence of length `len`.
     pub(crate) fn attended_pairs(&self, len: usize) -> u64 {
-        self.pairs_between(0, len)
-    }
-
-    /// Pairs attended by the queries at positions `start .. end`.
-    pub(crate) fn pairs_between(&self, start: usize, end: usize) -> u64 {
-        self.pairs_per_query(end)[start..].iter().sum()
+        self.pairs_per_query(len).iter().sum()
     }
 
     /// Keys seen by the query at each position 0 .. len: the distances d <= i that `near`

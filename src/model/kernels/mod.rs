@@ -326,8 +326,6 @@ impl Kernels {
         self.move_heads("rope kernel", x, Some((cos, sin)), true)
     }
 
-    /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
-    /// the library was built without CUDA.
     /// The work `f` queues on this thread's current stream, captured as a CUDA graph instead
     /// of run: `f` must queue only device work whose shapes and addresses hold at every
     /// replay, reading nothing back to the host. An error where the library was built
@@ -431,6 +429,8 @@ impl Kernels {
         Ok((h, y))
     }
 
+    /// A timing event on the GPU's clock (what `torch.cuda.Event` measures); an error where
+    /// the library was built without CUDA.
     pub(crate) fn event(&self) -> Result<Event<'_>> {
         let raw = new_object("CUDA event", |e, n| unsafe { (self.f.event_new)(e, n) })?;
         Ok(Event { kern: self, raw })
