@@ -344,21 +344,17 @@ impl TrainBench {
         let mut best: Option<(f64, i64, TrainRow)> = None;
         let mut tried = Vec::new();
         for micro in self.micro_batch_sizes(len) {
-            let timed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.time_steps(&built, &cfg, name, micro, kern, None)
-            }));
             // A micro-batch that does not fit (refused by the plan, or out of memory) is
             // recorded and the search goes on.
-            match timed {
-                Ok(Ok(row)) => {
+            match caught(|| self.time_steps(&built, &cfg, name, micro, kern, None)) {
+                Ok(row) => {
                     let ms = row.step_ms.unwrap_or(f64::INFINITY);
                     tried.push(format!("{micro}: {ms:.1} ms"));
                     if best.as_ref().is_none_or(|(b, ..)| ms < *b) {
                         best = Some((ms, micro, row));
                     }
                 }
-                Ok(Err(e)) => tried.push(format!("{micro}: {}", short(&format!("{e:#}")))),
-                Err(_) => tried.push(format!("{micro}: {}", short(&last_panic()))),
+                Err(why) => tried.push(format!("{micro}: {}", short(&why))),
             }
         }
         let tried = tried.join(" / ");
@@ -374,14 +370,8 @@ impl TrainBench {
             ));
             // One more run of the chosen micro-batch, the profiled step after it: a failure
             // leaves the measured row, with why in its note.
-            let profiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.time_steps(&built, &cfg, name, micro, kern, Some(&trace))
-            }));
-            row.note = match profiled {
-                Ok(Ok(r)) => r.note,
-                Ok(Err(e)) => format!("no profile: {e:#}"),
-                Err(_) => format!("no profile: {}", last_panic()),
-            };
+            row.note = caught(|| self.time_steps(&built, &cfg, name, micro, kern, Some(&trace)))
+                .map_or_else(|why| format!("no profile: {why}"), |r| r.note);
         }
         row.setup = format!("{}; tried {tried}", row.setup);
         Ok(row)
@@ -521,6 +511,14 @@ pub(crate) fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnO
         (Ok(()), Ok(())) => String::new(),
         (Err(_), _) => format!("no profile: its step failed: {}", last_panic()),
         (Ok(()), Err(e)) => format!("no profile: {e:#}"),
+    }
+}
+
+/// What `f` returns, its error or its panic as the message.
+fn caught<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| format!("{e:#}")),
+        Err(_) => Err(last_panic()),
     }
 }
 
@@ -670,21 +668,14 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
         for &m in &b.methods {
             // One failed case (out of memory at a long length) is recorded with its reason,
             // not fatal.
-            let r =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.measure(m, len, kern)));
-            let failed = |why: String| {
+            fresh.push(caught(|| b.measure(m, len, kern)).unwrap_or_else(|why| {
                 eprintln!("attnsweep {} L={len}: {why}", m.name());
                 TrainRow {
                     imp: OURS.into(),
                     note: why,
                     ..b.row(m.name(), len)
                 }
-            };
-            fresh.push(match r {
-                Ok(Ok(row)) => row,
-                Ok(Err(e)) => failed(format!("{e:#}")),
-                Err(_) => failed(last_panic()),
-            });
+            }));
         }
     }
     let rows = merge(rows, fresh);
