@@ -2,7 +2,11 @@
 scaled_dot_product_attention with the cuDNN and flash backends (full causal) and
 FlexAttention (sliding window; full causal over a compacted list of active queries;
 per-(token, head) routing between the full prefix and the window, the gates read by the
-mask function; PPA, the window plus the power offsets as a BlockMask).
+mask function; PPA, the window plus the power offsets as a BlockMask). FlexAttention runs at
+its best in three forms, a row each: `flex` as compiled by default, `flex_tuned` compiled with
+`max-autotune-no-cudagraphs` (inductor times its kernels' tile configurations and keeps the
+fastest), and `flex_flash` with the FLASH backend (FlashAttention-4's CuTe kernels) where this
+torch has it.
 
 Driven by `attnsweep bench attention`; prints CSV rows
 impl,case,L,D,window,sparsity,fwd_ms,fwdbwd_ms,fwd_host_ms,fwdbwd_host_ms on stdout (one per
@@ -107,12 +111,39 @@ def main():
         # back to an eager dense implementation that is neither fast nor small.
         torch._dynamo.config.cache_size_limit = 256
         torch._dynamo.config.accumulated_cache_size_limit = 4096
-        flex = torch.compile(flex_attention, dynamic=False)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+        flexes = [
+            ("flex", lambda q, k, v, bm: compiled(q, k, v, block_mask=bm)),
+            ("flex_tuned", lambda q, k, v, bm: tuned(q, k, v, block_mask=bm)),
+            ("flex_flash", lambda q, k, v, bm: compiled(q, k, v, block_mask=bm, kernel_options={"BACKEND": "FLASH"})),
+        ]
     except Exception as e:  # an older torch without FlexAttention
         print(f"# FlexAttention unavailable: {e}", file=sys.stderr)
-        flex = None
+        flexes = []
     if a.no_flex:
-        flex = None
+        flexes = []
+    # A form that fails once (a backend this torch lacks) is not tried again.
+    failed = set()
+
+    def each_flex(label, q, k, v, make_mask, *fields):
+        try:
+            bm = make_mask()
+        except Exception as e:
+            print(f"# flex {label}: its block mask: {type(e).__name__}", file=sys.stderr)
+            torch.cuda.empty_cache()
+            return
+        for name, fn in flexes:
+            if name in failed:
+                continue
+            try:
+                t = fwd_and_fwdbwd(lambda q, k, v: fn(q, k, v, bm), q, k, v, a.reps)
+                row(name, *fields, *t)
+            except Exception as e:
+                print(f"# {name} {label}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                torch.cuda.empty_cache()
+                if name == "flex_flash":
+                    failed.add(name)
     for L in a.lengths:
         for D in a.head_dims:
             torch.manual_seed(0)
@@ -127,19 +158,13 @@ def main():
                 except Exception as e:
                     print(f"# {name} L={L} D={D}: {type(e).__name__}", file=sys.stderr)
                     torch.cuda.empty_cache()
-            if flex is None:
+            if not flexes:
                 continue
             torch.cuda.empty_cache()
             for w in a.windows:
                 def swa(b, h, qi, ki, w=w):
                     return (qi >= ki) & (qi - ki < w)
-                try:
-                    bm = create_block_mask(swa, 1, 1, L, L, device=dev)
-                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                    row("flex", "swa", L, D, w, 0, *t)
-                except Exception as e:
-                    print(f"# flex swa L={L} D={D} w={w}: {type(e).__name__}", file=sys.stderr)
-                    torch.cuda.empty_cache()
+                each_flex(f"swa L={L} D={D} w={w}", q, k, v, lambda: create_block_mask(swa, 1, 1, L, L, device=dev), "swa", L, D, w, 0)
             for s in a.sparsities:
                 n = max(1, int(round(L * (1 - s))))
                 pos = torch.sort(torch.randperm(L, device=dev)[:n]).values
@@ -147,39 +172,20 @@ def main():
 
                 def sparse(b, h, qi, ki, pos=pos):
                     return ki <= pos[qi]
-                try:
-                    bm = create_block_mask(sparse, 1, 1, n, L, device=dev)
-                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), qc, k, v, a.reps)
-                    row("flex", "sparse", L, D, L, s, *t)
-                except Exception as e:
-                    print(f"# flex sparse L={L} D={D} s={s}: {type(e).__name__}", file=sys.stderr)
-                    torch.cuda.empty_cache()
+                each_flex(f"sparse L={L} D={D} s={s}", qc, k, v, lambda: create_block_mask(sparse, 1, 1, n, L, device=dev), "sparse", L, D, L, s)
             for w in a.windows:
                 for u in a.routed_usages:
                     gate = torch.rand(a.heads, L, device=dev) < u
 
                     def routed(b, h, qi, ki, w=w, gate=gate):
                         return (qi >= ki) & ((qi - ki < w) | gate[h, qi])
-                    try:
-                        bm = create_block_mask(routed, 1, a.heads, L, L, device=dev)
-                        t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                        row("flex", "routed", L, D, w, 1 - u, *t)
-                    except Exception as e:
-                        print(f"# flex routed L={L} D={D} w={w} u={u}: {type(e).__name__}", file=sys.stderr)
-                        torch.cuda.empty_cache()
+                    each_flex(f"routed L={L} D={D} w={w} u={u}", q, k, v, lambda: create_block_mask(routed, 1, a.heads, L, L, device=dev), "routed", L, D, w, 1 - u)
             for p in a.ppa_powers:
                 seen = torch.tensor([d < a.ppa_window or power_offset(d, p) for d in range(L)], device=dev)
 
                 def ppa(b, h, qi, ki, seen=seen):
                     return (qi >= ki) & seen[(qi - ki).clamp(min=0)]
-                try:
-                    bm = create_block_mask(ppa, 1, 1, L, L, device=dev)
-                    t = fwd_and_fwdbwd(lambda q, k, v: flex(q, k, v, block_mask=bm), q, k, v, a.reps)
-                    row("flex", f"ppa_p{p}", L, D, a.ppa_window, 0, *t)
-                except Exception as e:
-                    print(f"# flex ppa L={L} D={D} p={p}: {type(e).__name__}", file=sys.stderr)
-                    torch.cuda.empty_cache()
-
+                each_flex(f"ppa L={L} D={D} p={p}", q, k, v, lambda: create_block_mask(ppa, 1, 1, L, L, device=dev), f"ppa_p{p}", L, D, a.ppa_window, 0)
 
 if __name__ == "__main__":
     main()

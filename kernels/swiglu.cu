@@ -17,16 +17,17 @@ constexpr int THREADS = 256;
 // One 16-byte load of each input a thread (8 bf16 or 4 fp32 elements), as ATen's vectorised
 // element-wise kernels do; the last thread of a size that is not a multiple takes its few
 // elements one by one. Forward: out = y. BACKWARD: out = dg, du too. The inputs' element i
-// sits at (i / width) stride + i % width: width = n for tensors of their own, and rows of
+// sits at i for tensors of their own; JOINED, at (i / width) stride + i % width, rows of
 // `width` values `stride` apart for the halves of one joined projection (the host checked
-// that a row holds whole 16-byte loads there).
-template <typename T, bool BACKWARD>
+// that a row holds whole 16-byte loads there). A template flag, so that training's kernels,
+// which never read joined rows, pay no 64-bit division and remainder a thread.
+template <typename T, bool BACKWARD, bool JOINED>
 __global__ void swiglu_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dy, int64_t n,
                               int64_t width, int64_t stride, T* __restrict__ out, T* __restrict__ du) {
     constexpr int V = 16 / sizeof(T);
     const int64_t i0 = (blockIdx.x * (int64_t)THREADS + threadIdx.x) * V;
     if (i0 >= n) return;
-    const int64_t at = (i0 / width) * stride + i0 % width;
+    const int64_t at = JOINED ? (i0 / width) * stride + i0 % width : i0;
     const int m = n - i0 < V ? (int)(n - i0) : V;
     alignas(16) T a[V] = {}, b[V] = {}, d[V] = {}, r[V], q[V];
     if (m == V) {
@@ -63,8 +64,8 @@ __global__ void swiglu_kernel(const T* __restrict__ g, const T* __restrict__ u, 
     }
 }
 
-// g and u hold n = out.numel() values, element i at (i / width) stride + i % width.
-template <bool BACKWARD>
+// g and u hold n = out.numel() values, element i at i, or JOINED at (i / width) stride + i % width.
+template <bool BACKWARD, bool JOINED>
 void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, int64_t width, int64_t stride,
             at::Tensor& out, at::Tensor* du) {
     const c10::cuda::CUDAGuard guard(g.device());
@@ -74,9 +75,9 @@ void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, int6
     dispatch_float(g, [&](auto t) {
         using T = decltype(t);
         constexpr int64_t v = 16 / sizeof(T);
-        TORCH_CHECK(width == n || (width % v == 0 && stride % v == 0), "SwiGLU: rows of whole 16-byte loads");
+        TORCH_CHECK(!JOINED || (width % v == 0 && stride % v == 0), "SwiGLU: rows of whole 16-byte loads");
         const int64_t blocks = ((n + v - 1) / v + THREADS - 1) / THREADS;
-        swiglu_kernel<T, BACKWARD><<<blocks, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        swiglu_kernel<T, BACKWARD, JOINED><<<blocks, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
             static_cast<const T*>(g.data_ptr()), static_cast<const T*>(u.data_ptr()),
             dy ? static_cast<const T*>(dy->data_ptr()) : nullptr, n, width, stride, static_cast<T*>(out.data_ptr()),
             du ? static_cast<T*>(du->data_ptr()) : nullptr);
@@ -87,19 +88,19 @@ void launch(const at::Tensor& g, const at::Tensor& u, const at::Tensor* dy, int6
 }  // namespace
 
 void cuda_swiglu(const at::Tensor& g, const at::Tensor& u, at::Tensor& y) {
-    launch<false>(g, u, nullptr, y.numel(), 0, y, nullptr);
+    launch<false, false>(g, u, nullptr, 0, 0, y, nullptr);
 }
 
 void cuda_swiglu_joined(const at::Tensor& gu, at::Tensor& y) {
     const int64_t f = y.size(-1);
     // The up half starts f values into each row: its pointer is the gate's, moved on.
     const at::Tensor u = gu.narrow(-1, f, f);
-    launch<false>(gu, u, nullptr, f, 2 * f, y, nullptr);
+    launch<false, true>(gu, u, nullptr, f, 2 * f, y, nullptr);
 }
 
 void cuda_swiglu_backward(const at::Tensor& dy, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg,
                           at::Tensor& du) {
-    launch<true>(g, u, &dy, dg.numel(), 0, dg, &du);
+    launch<true, false>(g, u, &dy, 0, 0, dg, &du);
 }
 
 }  // namespace attnsweep
