@@ -27,33 +27,40 @@ namespace {
 constexpr int WARPS = 8;
 constexpr int BLOCKS = 264;  // two per H100 multiprocessor; rows are strided over them
 
-template <typename T>
-__global__ void norm_forward(const T* __restrict__ x, const float* __restrict__ w, int64_t rows, int d, float eps,
-                             T* __restrict__ y, float* __restrict__ rstd) {
+// ADD: the residual add before the norm, in the same pass (training's rows): h = x + r rounded
+// to T as the unfused add rounds it, the norm computed from that rounded h; each lane reads
+// back only the h it wrote.
+template <typename T, bool ADD>
+__global__ void norm_forward(const T* __restrict__ x, const T* __restrict__ r, const float* __restrict__ w,
+                             int64_t rows, int d, float eps, T* __restrict__ h, T* __restrict__ y,
+                             float* __restrict__ rstd) {
     const int lane = threadIdx.x % 32;
-    for (int64_t r = blockIdx.x * WARPS + threadIdx.x / 32; r < rows; r += (int64_t)gridDim.x * WARPS) {
-        const T* xr = x + r * d;
+    for (int64_t row = blockIdx.x * WARPS + threadIdx.x / 32; row < rows; row += (int64_t)gridDim.x * WARPS) {
+        const int64_t at = row * d;
+        const T* xr = ADD ? h + at : x + at;
         float ss = 0.f;
         for (int j = lane; j < d; j += 32) {
-            const float v = to_float(xr[j]);
+            T s = x[at + j];
+            if (ADD) h[at + j] = s = static_cast<T>(to_float(s) + to_float(r[at + j]));
+            const float v = to_float(s);
             ss += v * v;
         }
         const float rs = rsqrtf(warp_sum(ss) / d + eps);
-        for (int j = lane; j < d; j += 32) y[r * d + j] = static_cast<T>(w[j] * (to_float(xr[j]) * rs));
-        if (lane == 0) rstd[r] = rs;
+        for (int j = lane; j < d; j += 32) y[at + j] = static_cast<T>(w[j] * (to_float(xr[j]) * rs));
+        if (lane == 0) rstd[row] = rs;
     }
 }
 
-// Inference's residual add and the RMSNorm after it, a block a row (decoding has a row per
-// sequence): h = x + r rounded to T as the unfused add rounds it, then y = w h rsqrt(mean(h^2)
-// + eps) from that rounded h, as the unfused norm reads it. Each thread reads back only the
-// h it wrote.
+// The residual add and the RMSNorm after it for few rows, a block a row (decoding has a row
+// per sequence, and a warp a row would leave most of the GPU idle): h = x + r rounded to T as
+// the unfused add rounds it, then y = w h rsqrt(mean(h^2) + eps) from that rounded h, as the
+// unfused norm reads it. Each thread reads back only the h it wrote.
 constexpr int ADD_THREADS = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(ADD_THREADS)
     add_norm_forward(const T* __restrict__ x, const T* __restrict__ r, const float* __restrict__ w, int64_t rows,
-                     int d, float eps, T* __restrict__ h, T* __restrict__ y) {
+                     int d, float eps, T* __restrict__ h, T* __restrict__ y, float* __restrict__ rstd) {
     __shared__ float part[ADD_THREADS / 32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -73,18 +80,21 @@ __global__ void __launch_bounds__(ADD_THREADS)
         for (int k = 0; k < ADD_THREADS / 32; ++k) total += part[k];
         const float rs = rsqrtf(total / d + eps);
         for (int j = threadIdx.x; j < d; j += ADD_THREADS) y[at + j] = static_cast<T>(w[j] * (to_float(h[at + j]) * rs));
+        if (threadIdx.x == 0) rstd[row] = rs;
         // The next row's sums overwrite part only after every thread has read it.
         __syncthreads();
     }
 }
 
-// dw partial sums of each block go to partial[blockIdx.x, :] (d <= 32 * MAXC).
+// dw partial sums of each block go to partial[blockIdx.x, :] (d <= 32 * MAXC). dres, where not
+// null, is the gradient the stream x also receives past the norm (the residual path of a
+// fused add): added to dx before its one rounding.
 constexpr int MAXC = 32;
 
 template <typename T>
 __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
-                              const float* __restrict__ rstd, int64_t rows, int d, T* __restrict__ dx,
-                              float* __restrict__ partial) {
+                              const float* __restrict__ rstd, const T* __restrict__ dres, int64_t rows, int d,
+                              T* __restrict__ dx, float* __restrict__ partial) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float acc[MAXC];
 #pragma unroll
@@ -108,7 +118,8 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
             const int j = lane + 32 * c;
             if (j < d) {
                 const float n = to_float(xr[j]) * rs;
-                dx[r * d + j] = static_cast<T>(rs * (to_float(gr[j]) * w[j] - n * mean));
+                const float res = dres ? to_float(dres[r * d + j]) : 0.f;
+                dx[r * d + j] = static_cast<T>(rs * (to_float(gr[j]) * w[j] - n * mean) + res);
             }
         }
     }
@@ -129,8 +140,8 @@ __global__ void norm_backward(const T* __restrict__ x, const float* __restrict__
 template <typename T, int WIDE, int C>
 __global__ void __launch_bounds__(WIDE)
     norm_backward_wide(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ dy,
-                       const float* __restrict__ rstd, int64_t rows, int d, T* __restrict__ dx,
-                       float* __restrict__ partial) {
+                       const float* __restrict__ rstd, const T* __restrict__ dres, int64_t rows, int d,
+                       T* __restrict__ dx, float* __restrict__ partial) {
     constexpr int NW = WIDE / 32;
     // Two slots, alternating by row: a row's sums are written while the last row's may still
     // be read, so one barrier a row suffices.
@@ -161,7 +172,8 @@ __global__ void __launch_bounds__(WIDE)
             const int j = threadIdx.x + WIDE * c;
             if (j < d) {
                 const float n = to_float(xr[j]) * rs, g = to_float(gr[j]);
-                dx[r * d + j] = static_cast<T>(rs * (g * w[j] - n * mean));
+                const float res = dres ? to_float(dres[r * d + j]) : 0.f;
+                dx[r * d + j] = static_cast<T>(rs * (g * w[j] - n * mean) + res);
                 acc[c] += g * n;
             }
         }
@@ -198,31 +210,38 @@ void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
     dispatch_float(x, [&](auto t) {
         using T = decltype(t);
         const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
-        norm_forward<T><<<blocks, WARPS * 32, 0, stream>>>(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
-                                                             rows, (int)d, (float)eps, static_cast<T*>(y.data_ptr()),
-                                                             rstd.data_ptr<float>());
+        norm_forward<T, false><<<blocks, WARPS * 32, 0, stream>>>(
+            static_cast<const T*>(x.data_ptr()), nullptr, w.data_ptr<float>(), rows, (int)d, (float)eps, nullptr,
+            static_cast<T*>(y.data_ptr()), rstd.data_ptr<float>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void cuda_add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, at::Tensor& h,
-                       at::Tensor& y) {
+                       at::Tensor& y, at::Tensor& rstd) {
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t d = x.size(-1), rows = x.numel() / d;
     if (rows == 0) return;
     auto stream = at::cuda::getCurrentCUDAStream();
     dispatch_float(x, [&](auto t) {
         using T = decltype(t);
-        const int blocks = (int)std::min<int64_t>(BLOCKS * 4, rows);
-        add_norm_forward<T><<<blocks, ADD_THREADS, 0, stream>>>(
-            static_cast<const T*>(x.data_ptr()), static_cast<const T*>(r.data_ptr()), w.data_ptr<float>(), rows,
-            (int)d, (float)eps, static_cast<T*>(h.data_ptr()), static_cast<T*>(y.data_ptr()));
+        const auto *xp = static_cast<const T*>(x.data_ptr()), *rp = static_cast<const T*>(r.data_ptr());
+        auto *hp = static_cast<T*>(h.data_ptr()), *yp = static_cast<T*>(y.data_ptr());
+        // A block a row while rows are too few to fill the GPU a warp a row (decoding's).
+        if (rows < BLOCKS * WARPS) {
+            add_norm_forward<T><<<(int)rows, ADD_THREADS, 0, stream>>>(xp, rp, w.data_ptr<float>(), rows, (int)d,
+                                                                       (float)eps, hp, yp, rstd.data_ptr<float>());
+        } else {
+            const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
+            norm_forward<T, true><<<blocks, WARPS * 32, 0, stream>>>(xp, rp, w.data_ptr<float>(), rows, (int)d,
+                                                                     (float)eps, hp, yp, rstd.data_ptr<float>());
+        }
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
-                            at::Tensor& dx, at::Tensor& dw) {
+                            const at::Tensor* dres, at::Tensor& dx, at::Tensor& dw) {
     const c10::cuda::CUDAGuard guard(x.device());
     const int64_t d = x.size(-1), rows = x.numel() / d;
     const bool narrow = d <= 32 * MAXC;
@@ -235,8 +254,9 @@ void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::
         dispatch_float(x, [&](auto t) {
             using T = decltype(t);
             const auto args = std::make_tuple(static_cast<const T*>(x.data_ptr()), w.data_ptr<float>(),
-                                              static_cast<const T*>(dy.data_ptr()), rstd.data_ptr<float>(), rows,
-                                              (int)d, static_cast<T*>(dx.data_ptr()), partial.data_ptr<float>());
+                                              static_cast<const T*>(dy.data_ptr()), rstd.data_ptr<float>(),
+                                              dres ? static_cast<const T*>(dres->data_ptr()) : nullptr, rows, (int)d,
+                                              static_cast<T*>(dx.data_ptr()), partial.data_ptr<float>());
             if (narrow)
                 std::apply([&](auto... a) { norm_backward<T><<<blocks, WARPS * 32, 0, stream>>>(a...); }, args);
             else

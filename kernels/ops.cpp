@@ -533,7 +533,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
         if (fused(x)) {
 #ifdef ATTNSWEEP_CUDA
             dx = at::empty_like(x);
-            attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, dx, dw);
+            attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, nullptr, dx, dw);
 #endif
         } else {
             auto r = rstd.unsqueeze(-1);
@@ -543,6 +543,53 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
             dw = (g * n).reshape({-1, x.size(-1)}).sum(0);
         }
         return {dx, dw, at::Tensor()};
+    }
+};
+
+// The residual add and the RMSNorm after it: h = x + r (rounded to x's dtype), y = RMSNorm(h),
+// both outputs differentiable. Fused (norm.cu), the add costs no pass of its own forward, and
+// backward the stream's two gradients (dh from past the block, the norm's own) are summed
+// inside the norm's backward: dx = dr = dh + RMSNorm'(dy), rounded once. The reference is the
+// same formulas in ATen.
+struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor r, at::Tensor w, double eps) {
+        at::Tensor h, y, rstd;
+        if (RmsNormFn::fused(x)) {
+#ifdef ATTNSWEEP_CUDA
+            h = at::empty_like(x), y = at::empty_like(x);
+            rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+            attnsweep::cuda_add_rms_norm(x, r, w, eps, h, y, rstd);
+#endif
+        } else {
+            h = x + r;
+            auto hf = h.to(at::kFloat);
+            rstd = at::rsqrt(hf.square().mean(-1) + eps);
+            y = (w * (hf * rstd.unsqueeze(-1))).to(x.scalar_type());
+        }
+        ctx->save_for_backward({h, w, rstd});
+        return {h, y};
+    }
+
+    static variable_list backward(AutogradContext* ctx, variable_list grads) {
+        auto s = ctx->get_saved_variables();
+        const auto &h = s[0], &w = s[1], &rstd = s[2];
+        // An output left unused arrives as zeros (the Function materialises its gradients).
+        auto dres = grads[0].to(h.scalar_type()).contiguous();
+        auto dy = grads[1].to(h.scalar_type()).contiguous();
+        at::Tensor dx, dw;
+        if (RmsNormFn::fused(h)) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty_like(h);
+            attnsweep::cuda_rms_norm_backward(h, w, dy, rstd, &dres, dx, dw);
+#endif
+        } else {
+            auto rr = rstd.unsqueeze(-1);
+            auto n = h.to(at::kFloat) * rr, g = dy.to(at::kFloat);
+            auto gw = g * w;
+            dx = (rr * (gw - n * (gw * n).mean(-1, true)) + dres.to(at::kFloat)).to(h.scalar_type());
+            dw = (g * n).reshape({-1, h.size(-1)}).sum(0);
+        }
+        return {dx, dx, dw, at::Tensor()};
     }
 };
 
@@ -1010,8 +1057,8 @@ void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, c
     });
 }
 
-// Inference's residual add and the RMSNorm after it (no autograd: decoding): h = x + r in x's
-// dtype, y = RMSNorm(h) with weight w [d] (fp32), by the fused kernel (norm.cu) on the GPU, the
+// The residual add and the RMSNorm after it, with autograd (AddRmsNormFn): h = x + r in x's
+// dtype, y = RMSNorm(h) with weight w [d] (fp32), by the fused kernels (norm.cu) on the GPU, the
 // same formulas in ATen otherwise. Returns 0 with out[0] = h, out[1] = y (new at::Tensor*, the
 // caller owns them), or 1 with a message in err.
 int attnsweep_add_rms_norm(const at::Tensor* x, const at::Tensor* r, const at::Tensor* w, double eps, void** out,
@@ -1023,20 +1070,9 @@ int attnsweep_add_rms_norm(const at::Tensor* x, const at::Tensor* r, const at::T
         TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
         TORCH_CHECK(x->device() == r->device() && x->device() == w->device(), "residual add: tensors on different devices");
-        auto xc = x->contiguous(), rc = r->contiguous(), wc = w->contiguous();
-        at::Tensor h, y;
-        if (RmsNormFn::fused(xc)) {
-#ifdef ATTNSWEEP_CUDA
-            h = at::empty_like(xc), y = at::empty_like(xc);
-            attnsweep::cuda_add_rms_norm(xc, rc, wc, eps, h, y);
-#endif
-        } else {
-            h = xc + rc;
-            auto hf = h.to(at::kFloat);
-            y = (wc * (hf * at::rsqrt(hf.square().mean(-1, true) + eps))).to(x->scalar_type());
-        }
-        out[0] = new at::Tensor(h);
-        out[1] = new at::Tensor(y);
+        auto hy = AddRmsNormFn::apply(x->contiguous(), r->contiguous(), w->contiguous(), eps);
+        out[0] = new at::Tensor(hy[0]);
+        out[1] = new at::Tensor(hy[1]);
         return 0;
     });
 }

@@ -376,8 +376,8 @@ impl Llama {
 
     /// Block `i` over the stream `h + delta` (the last block's MLP output not yet added):
     /// the block's output as `(stream, MLP output)`, and what its attention handed back. A
-    /// pre-norm block adds each residual in the norm that follows it (one launch while
-    /// decoding, `RmsNorm::add_forward`).
+    /// pre-norm block adds each residual in the norm that follows it (one launch each way,
+    /// `RmsNorm::add_forward`).
     fn block_parts(
         &self,
         i: usize,

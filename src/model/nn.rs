@@ -147,10 +147,10 @@ impl RmsNorm {
         RmsNorm { kernels, ..self }
     }
 
-    /// `(h, norm(h))` for the residual stream `h = x + r`: in one launch while decoding where
-    /// a kernel library is loaded (no gradient is needed there), else the add and `forward`.
+    /// `(h, norm(h))` for the residual stream `h = x + r`: one kernel forward (and backward)
+    /// where a kernel library is loaded, else the add and `forward`.
     pub(crate) fn add_forward(&self, x: &Tensor, r: &Tensor) -> (Tensor, Tensor) {
-        if let (true, Some(k)) = (decoding(), kernels::kernel_for(self.kernels, x)) {
+        if let Some(k) = kernels::kernel_for(self.kernels, x) {
             if self.weight.kind() == Kind::Float {
                 return k
                     .add_rms_norm(x, r, &self.weight, self.eps)

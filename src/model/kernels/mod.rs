@@ -410,9 +410,9 @@ impl Kernels {
         })
     }
 
-    /// Inference's residual add and the RMSNorm after it, in one launch: `(h, norm(h))` with
-    /// `h = x + r` (fp32 or bf16 alike, `[..., d]`) in x's dtype, the norm's weight `[d]` fp32.
-    /// No autograd: decoding's.
+    /// The residual add and the RMSNorm after it, in one launch each way: `(h, norm(h))` with
+    /// `h = x + r` (fp32 or bf16 alike, `[..., d]`) in x's dtype, the norm's weight `[d]` fp32;
+    /// both outputs differentiable.
     pub(crate) fn add_rms_norm(
         &self,
         x: &Tensor,

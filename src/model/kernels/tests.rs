@@ -1164,6 +1164,77 @@ fn add_rms_norm_matches_unfused(kern: &Kernels, device: Device, kind: Kind, tol:
     }
 }
 
+/// Training's residual add fused with the norm: the gradients of x, r and the weight against
+/// plain tensor operations' autograd of the unfused add and norm (in fp32 from the inputs'
+/// values), the loss reading both outputs, or only the stream (the norm's gradient arriving as
+/// zeros).
+fn add_rms_norm_grads_match_unfused(kern: &Kernels, device: Device, kind: Kind, tol: f64) {
+    for (rows, d, reads_norm) in [
+        (4096, 576, true),
+        (3, 2048, true),
+        (5, 7, true),
+        (6, 64, false),
+    ] {
+        let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, device)).to_kind(kind);
+        let (x0, r0) = (randn(&[rows, d]), randn(&[rows, d]));
+        let (a, b) = (randn(&[rows, d]), randn(&[rows, d]));
+        let w0 = Tensor::rand([d], (Kind::Float, device)) + 0.5;
+        let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
+        let (x, r, w) = (leaf(&x0), leaf(&r0), leaf(&w0));
+        let (h, y) = kern.add_rms_norm(&x, &r, &w, 1e-5).unwrap();
+        let f = |t: &Tensor| t.to_kind(Kind::Float);
+        let loss = |h: &Tensor, y: &Tensor| {
+            let l = (f(h) * f(&a)).sum(Kind::Float);
+            if reads_norm {
+                l + (f(y) * f(&b)).sum(Kind::Float)
+            } else {
+                l
+            }
+        };
+        loss(&h, &y).backward();
+        let (x2, r2, w2) = (leaf(&x0), leaf(&r0), leaf(&w0));
+        let h2 = &x2 + &r2;
+        let hf = f(&h2);
+        let rms = (hf.square().mean_dim(-1, true, Kind::Float) + 1e-5).rsqrt();
+        let y2 = &w2 * (hf * rms);
+        loss(&h2, &y2).backward();
+        // Unread, the norm leaves the weight no gradient in the unfused graph: zeros here.
+        if !reads_norm {
+            assert_eq!(
+                f(&w.grad()).abs().max().double_value(&[]),
+                0.0,
+                "{rows} x {d}: dw"
+            );
+        }
+        let pairs: &[(&str, &Tensor, &Tensor)] = match reads_norm {
+            true => &[("x", &x, &x2), ("r", &r, &r2), ("w", &w, &w2)],
+            false => &[("x", &x, &x2), ("r", &r, &r2)],
+        };
+        for &(name, got, want) in pairs {
+            let (g, e) = (f(&got.grad()), f(&want.grad()));
+            let err = ((&g - &e).abs().max() / (e.abs().max() + 1e-6)).double_value(&[]);
+            assert!(
+                err < tol,
+                "{rows} x {d} (norm read: {reads_norm}): d{name} relative error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_add_rms_norm_grads_match_unfused() {
+    let kern = cpu().expect("the CPU kernel library builds");
+    add_rms_norm_grads_match_unfused(kern, Device::Cpu, Kind::Float, 1e-5);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+fn cuda_add_rms_norm_grads_match_unfused() {
+    on_cuda("cuda_add_rms_norm_grads_match_unfused", |k| {
+        add_rms_norm_grads_match_unfused(k, Device::Cuda(0), Kind::BFloat16, 3e-2)
+    });
+}
+
 #[test]
 fn cpu_add_rms_norm_matches_unfused() {
     let kern = cpu().expect("the CPU kernel library builds");
