@@ -15,6 +15,7 @@
 use super::bench::{joined, run_peer};
 use super::bench_methods::{calibrate_routers, method_config, TrainMethod};
 use super::bench_train::{file_safe, profile_step};
+use super::panics::caught;
 use super::profile;
 use crate::config::ModelConfig;
 use crate::model::attention::{BenchKnobs, ForwardCtx};
@@ -269,6 +270,8 @@ impl DecodeBench {
         };
         let cfg = method_config(&self.model, method, &knobs, self.window, self.ppa_power);
         let dev = Device::Cuda(0);
+        // The same weights and prompts for a case whatever ran before it.
+        tch::manual_seed(0);
         let built = Built::new(&cfg, dev)?;
         if method.variant.calibrate_router {
             calibrate_routers(&built, self.full_usage, context);
@@ -509,9 +512,11 @@ pub(crate) fn run(b: &DecodeBench, kern: &'static Kernels) -> Result<PathBuf> {
         for &context in &b.contexts {
             for &batch in &b.batches {
                 eprintln!("{} at {context}, batch {batch}", method.name());
-                match b.measure(kern, method, context, batch) {
+                // A case that fails (out of memory, a kernel's refusal, a panic) is kept as a
+                // row saying why; the other cases go on.
+                match caught(|| b.measure(kern, method, context, batch)) {
                     Ok(r) => rows.extend(r),
-                    Err(e) => rows.push(DecodeRow {
+                    Err(why) => rows.push(DecodeRow {
                         model: b.model_name.clone(),
                         window: b.window_of(method.name()),
                         imp: OURS.into(),
@@ -525,7 +530,7 @@ pub(crate) fn run(b: &DecodeBench, kern: &'static Kernels) -> Result<PathBuf> {
                         kv_gib: None,
                         peak_gib: f64::NAN,
                         runs: 0,
-                        note: format!("failed: {e:#}").replace(',', ";"),
+                        note: format!("failed: {why}").replace(',', ";"),
                     }),
                 }
                 tch::Cuda::synchronize(0);

@@ -17,7 +17,7 @@
 
 use super::bench::{check_lengths, joined, run_peer};
 use super::bench_methods::{calibrate_routers, method_config, TrainMethod};
-use super::panics::last_panic;
+use super::panics::{caught, last_panic};
 use super::profile;
 use crate::config::{Checkpointing, Config, ModelConfig};
 use crate::model::attention::{BenchKnobs, ForwardCtx};
@@ -511,14 +511,6 @@ pub(crate) fn profile_step(kern: &kernels::Kernels, trace: &Path, step: impl FnO
         (Ok(()), Ok(())) => String::new(),
         (Err(_), _) => format!("no profile: its step failed: {}", last_panic()),
         (Ok(()), Err(e)) => format!("no profile: {e:#}"),
-    }
-}
-
-/// What `f` returns, its error or its panic as the message.
-fn caught<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r.map_err(|e| format!("{e:#}")),
-        Err(_) => Err(last_panic()),
     }
 }
 

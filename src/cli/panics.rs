@@ -81,3 +81,12 @@ pub(super) fn last_panic() -> String {
         (false, false) => format!("{}{at} (please report it)", torch_cause(&msg)),
     }
 }
+
+/// What `f` returns, its error or its panic as the message: a bench's case that fails, kept as
+/// its row's note while the other cases go on.
+pub(super) fn caught<T>(f: impl FnOnce() -> anyhow::Result<T>) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| format!("{e:#}")),
+        Err(_) => Err(last_panic()),
+    }
+}

@@ -59,7 +59,13 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         let short = greedy(model, &prompt, 3, None, ctx, true);
         let long = greedy(model, &prompt, 3 + steps as usize, None, ctx, true);
         let prefill = short.prefill_seconds;
-        let decode = (long.decode_seconds - short.decode_seconds).max(f64::MIN_POSITIVE);
+        // A difference at or below zero (steps too few against the clock's noise) measures
+        // nothing: the longer run's own time for its steps stands in, the first step and the
+        // capture in it, so the rate errs low, never toward infinity.
+        let decode = match long.decode_seconds - short.decode_seconds {
+            d if d > 0.0 => d,
+            _ => long.decode_seconds * steps as f64 / (steps + 2) as f64,
+        };
         let cache = long.cache_bytes;
         (forward, attention, prefill, decode, cache)
     };
