@@ -217,8 +217,7 @@ void cuda_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int rows = (int)q.size(0), heads = (int)q.size(1), kv_heads = (int)k.size(1), slots = (int)k.size(2);
     const int dim = (int)q.size(3);
     // Each lane loads 16 bytes of a row: rows start 16-byte aligned where the tensors do.
-    for (const at::Tensor* t : {&q, &k, &v})
-        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "decode attention: unaligned tensor");
+    check_aligned16("decode attention", {&q, &k, &v});
     // Enough runs to fill the GPU a few times over, none shorter than MIN_RUN entries: a shape
     // fixed by the cache, so every step launches the same grid.
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

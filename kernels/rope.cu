@@ -41,6 +41,37 @@ __device__ __forceinline__ void move(T* __restrict__ dst, const T* __restrict__ 
     }
 }
 
+// One chunk of V elements of a row's first half and its partner in the second, from `in` to
+// `out` (both already at the chunk), rotated by the angles at `cos` and `sin` (already at the
+// row's position and the chunk) unless R is NONE.
+template <typename T, typename A, int V, Rotation R>
+__device__ __forceinline__ void move_pair(const T* __restrict__ in, const A* __restrict__ cos,
+                                          const A* __restrict__ sin, uint32_t half, T* __restrict__ out) {
+    alignas(16) T x[V], z[V];
+    move<V>(x, in);
+    move<V>(z, in + half);
+    if constexpr (R != NONE) {
+        alignas(16) A c0[V], c1[V], s0[V], s1[V];
+        move<V>(c0, cos);
+        move<V>(c1, cos + half);
+        move<V>(s0, sin);
+        move<V>(s1, sin + half);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float a = to_float(x[k]), e = to_float(z[k]);
+            if (R == FORWARD) {
+                x[k] = static_cast<T>(a * to_float(c0[k]) - e * to_float(s0[k]));
+                z[k] = static_cast<T>(e * to_float(c1[k]) + a * to_float(s1[k]));
+            } else {
+                x[k] = static_cast<T>(a * to_float(c0[k]) + e * to_float(s1[k]));
+                z[k] = static_cast<T>(e * to_float(c1[k]) - a * to_float(s0[k]));
+            }
+        }
+    }
+    move<V>(out, x);
+    move<V>(out + half, z);
+}
+
 // One thread per (b, l, h) row and chunk of V elements of the row's first half, with the
 // matching chunk of its second half: the pair the rotation mixes. TO_HEADS: src [B, L, H, D],
 // dst [B, H, L, D]; else the reverse. Angles A: fp32, or T as the model keeps them.
@@ -56,31 +87,9 @@ __global__ void heads_kernel(const T* __restrict__ src, const A* __restrict__ co
     const int64_t blhd = int64_t(row) * s.d, bhld = ((int64_t(b) * h + head) * l + pos) * s.d;
     const T* in = src + (to_heads ? blhd : bhld);
     T* out = dst + (to_heads ? bhld : blhd);
-    alignas(16) T x[V], z[V];
-    move<V>(x, in + c);
-    move<V>(z, in + c + half);
-    if constexpr (R != NONE) {
-        alignas(16) A c0[V], c1[V], s0[V], s1[V];
-        const A* ca = cos + int64_t(pos) * s.d + c;
-        const A* sa = sin + int64_t(pos) * s.d + c;
-        move<V>(c0, ca);
-        move<V>(c1, ca + half);
-        move<V>(s0, sa);
-        move<V>(s1, sa + half);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float a = to_float(x[k]), e = to_float(z[k]);
-            if (R == FORWARD) {
-                x[k] = static_cast<T>(a * to_float(c0[k]) - e * to_float(s0[k]));
-                z[k] = static_cast<T>(e * to_float(c1[k]) + a * to_float(s1[k]));
-            } else {
-                x[k] = static_cast<T>(a * to_float(c0[k]) + e * to_float(s1[k]));
-                z[k] = static_cast<T>(e * to_float(c1[k]) - a * to_float(s0[k]));
-            }
-        }
-    }
-    move<V>(out + c, x);
-    move<V>(out + c + half, z);
+    // Without a rotation there are no angles (null), and no pointer is formed from them.
+    const int64_t angle = int64_t(pos) * s.d + c;
+    move_pair<T, A, V, R>(in + c, R == NONE ? cos : cos + angle, R == NONE ? sin : sin + angle, half, out + c);
 }
 
 // One decoding step (a single position): thread i takes (row b, head j of qkv's H + 2 Hkv, a
@@ -108,25 +117,12 @@ __global__ void step_kernel(const __nv_bfloat16* __restrict__ qkv, const A* __re
         out = kc + ((int64_t(b) * kv_heads + (j - heads)) * slots + e) * d;
     else
         out = vc + ((int64_t(b) * kv_heads + (j - heads - kv_heads)) * slots + e) * d;
-    const T* in = qkv + int64_t(row) * d;
-    alignas(16) T x[V], z[V];
-    move<V>(x, in + c);
-    move<V>(z, in + c + half);
-    if (j < heads + kv_heads) {
-        alignas(16) A c0[V], c1[V], s0[V], s1[V];
-        move<V>(c0, cos + c);
-        move<V>(c1, cos + c + half);
-        move<V>(s0, sin + c);
-        move<V>(s1, sin + c + half);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float a = to_float(x[k]), f = to_float(z[k]);
-            x[k] = static_cast<T>(a * to_float(c0[k]) - f * to_float(s0[k]));
-            z[k] = static_cast<T>(f * to_float(c1[k]) + a * to_float(s1[k]));
-        }
-    }
-    move<V>(out + c, x);
-    move<V>(out + c + half, z);
+    const T* in = qkv + int64_t(row) * d + c;
+    // Query and key heads rotate; value heads move as they are.
+    if (j < heads + kv_heads)
+        move_pair<T, A, V, FORWARD>(in, cos + c, sin + c, half, out + c);
+    else
+        move_pair<T, A, V, NONE>(in, cos + c, sin + c, half, out + c);
 }
 
 // Calls f(A{}) with A the angles' element type: fp32, or the moved tensor's T.
