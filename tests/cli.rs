@@ -2142,3 +2142,28 @@ fn a_grid_continues_and_evaluates_a_pretrained_model_per_source() {
         .fails();
     assert!(err.contains("needs `of`"), "{err}");
 }
+
+/// `kernels build`: a compute capability out of range or beside `--cpu` is refused by name,
+/// and a build whose compiler fails leaves nothing in the kernel cache.
+#[test]
+fn kernel_builds_refuse_bad_targets_and_leave_nothing_when_they_fail() {
+    assert!(cli("kernels build --arch 5")
+        .fails()
+        .contains("5 is not in 70..=121"));
+    assert!(cli("kernels build --arch 90 --cpu")
+        .fails()
+        .contains("cannot be used with"));
+    let cache = scratch("failed-kernel-build");
+    let o = bin()
+        .args(["kernels", "build", "--cpu"])
+        .env("ATTNSWEEP_KERNELS_DIR", &cache)
+        .env("CXX", "false")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("compiling"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&cache)
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "a failed build left {left:?}");
+}

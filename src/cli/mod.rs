@@ -101,8 +101,13 @@ enum KernelsCmd {
     /// its path.
     Build {
         /// Build the CPU variant instead (g++; the autograd layer over an ATen reference).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "arch")]
         cpu: bool,
+        /// Build for this compute capability (e.g. 90 for Hopper) instead of the GPU found:
+        /// a machine without a GPU checks that the CUDA sources compile and link (nvcc on PATH
+        /// or in $NVCC).
+        #[arg(long, value_name = "CC", value_parser = clap::value_parser!(u32).range(70..=121))]
+        arch: Option<u32>,
     },
 }
 
@@ -449,8 +454,12 @@ fn run() -> Result<()> {
         Command::Bench(BenchCmd::Attention(c)) => bench::run_cmd(c),
         Command::Bench(BenchCmd::Decode(c)) => bench_decode::run_cmd(c),
         Command::Bench(BenchCmd::Train(c)) => run_bench_train(c),
-        Command::Kernels(KernelsCmd::Build { cpu }) => {
-            let variant = cpu.then_some(Variant::Cpu);
+        Command::Kernels(KernelsCmd::Build { cpu, arch }) => {
+            let variant = match (cpu, arch) {
+                (true, _) => Some(Variant::Cpu),
+                (false, Some(cc)) => Some(Variant::Cuda(cc)),
+                (false, None) => None,
+            };
             println!("{}", kernels::build(variant, false)?.display());
             Ok(())
         }

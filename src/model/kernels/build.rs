@@ -216,6 +216,26 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
     let tmp = dir.with_extension(format!("tmp-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    // A failed build leaves nothing in the cache: its sources and objects go with it.
+    if let Err(e) = compile_library(&tmp, variant, &torch, &dir, quiet) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &dir)
+        .or_else(|e| if lib.is_file() { Ok(()) } else { Err(e) })
+        .with_context(|| format!("cannot move the build to {}", dir.display()))?;
+    Ok(lib)
+}
+
+/// Writes the sources into `tmp`, compiles each unit and links the library there (`dir` is
+/// where it will live, for the messages).
+fn compile_library(
+    tmp: &Path,
+    variant: Variant,
+    torch: &Torch,
+    dir: &Path,
+    quiet: bool,
+) -> Result<()> {
     for (name, text) in sources() {
         let path = tmp.join(name);
         if let Some(dir) = path.parent() {
@@ -327,10 +347,7 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
         .arg(rpath)
         .arg("-o")
         .arg(&out))?;
-    std::fs::rename(&tmp, &dir)
-        .or_else(|e| if lib.is_file() { Ok(()) } else { Err(e) })
-        .with_context(|| format!("cannot move the build to {}", dir.display()))?;
-    Ok(lib)
+    Ok(())
 }
 
 /// Runs the compiler commands `(unit, command)`, as many at once as there are cores, each
