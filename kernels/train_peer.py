@@ -30,8 +30,10 @@ compilation. Each case is the peer at its best for the step's tokens: micro-batc
 step's sequences, then of halves of them (`--micro-batches` at most), the gradients accumulated
 over them; a micro-batch that runs out of memory runs again with what a PyTorch user adds:
 every block under `torch.utils.checkpoint`, and the output projection and cross-entropy in
-chunks of tokens, each chunk checkpointed. The fastest is the row; its setup column names the
-choice and every micro-batch tried.
+chunks of tokens, each chunk checkpointed. The compiled peer also tries each of
+`--compile-modes` (torch.compile's modes: `default`, `max-autotune-no-cudagraphs`, which times
+inductor's kernel configurations, and `reduce-overhead`, which replays CUDA graphs) at every
+micro-batch. The fastest is the row; its setup column names the choice and every try.
 
 Prints CSV rows impl,method,L,batch,step_ms,tokens_per_s,full_usage,peak_gib,setup,note on
 stdout (a case that could not run: no time, the reason in note).
@@ -312,6 +314,8 @@ def main():
     ap.add_argument("--sink-tokens", type=int, default=4)
     ap.add_argument("--hybrid-every", type=int, default=4)
     ap.add_argument("--impls", default="eager", help="eager, compile or both")
+    ap.add_argument("--compile-modes", default="default",
+                    help="torch.compile modes the compiled peer tries: default, max-autotune-no-cudagraphs, reduce-overhead")
     ap.add_argument("--lr", type=float, default=3e-4, help="0 keeps the gate pattern fixed while timing")
     ap.add_argument("--profile", default="", help="one more step under torch.profiler: its Chrome trace at PREFIX_<impl>_<method>_L<L>.json")
     a = ap.parse_args()
@@ -360,46 +364,57 @@ def time_case(a, m, impl, l):
     if needs_flex and flex_attention is None:
         say(f"{name},{a.method},{l},{batch},,,,,,FlexAttention unavailable")
         return
-    best, tried = None, []
-    for micro in micro_batch_sizes(batch, a.micro_batches):
-        for checkpointed in (False, True):
-            torch.cuda.empty_cache()
-            try:
-                ms, mu, peak = run_case(a, m, impl, l, batch, micro, checkpointed)
-            except torch.cuda.OutOfMemoryError:
-                if checkpointed:
-                    tried.append(f"{micro}: out of memory")
-                continue
-            except Exception as e:  # a compile failure leaves this case out, not the run
-                msg = f"{type(e).__name__}: {str(e)[:200]}".replace("\n", " ").replace(",", ";")
-                say(f"{name},{a.method},{l},{batch},,,,,,failed ({msg})")
-                return
-            setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
-            tried.append(f"{micro}{' checkpointed' if checkpointed else ''}: {ms:.1f} ms")
-            if best is None or ms < best[0]:
-                best = (ms, mu, peak, f"{setup}; micro-batch {micro} x {batch // micro}", micro)
-            break
+    modes = a.compile_modes.split(",") if impl == "compile" else ["default"]
+    best, tried, failures = None, [], []
+    for mode in modes:
+        # The mode's name on each try, where the search holds more than one.
+        named = (lambda t: f"{mode} {t}") if len(modes) > 1 else (lambda t: t)
+        for micro in micro_batch_sizes(batch, a.micro_batches):
+            for checkpointed in (False, True):
+                torch.cuda.empty_cache()
+                try:
+                    ms, mu, peak = run_case(a, m, impl, l, batch, micro, checkpointed, mode)
+                except torch.cuda.OutOfMemoryError:
+                    if checkpointed:
+                        tried.append(named(f"{micro}: out of memory"))
+                    continue
+                except Exception as e:  # a compile failure leaves this try out, not the case
+                    msg = f"{type(e).__name__}: {str(e)[:160]}".replace("\n", " ").replace(",", ";")
+                    failures.append(named(f"{micro} failed ({msg})"))
+                    break
+                setup = f"per-block checkpointing; loss in chunks of {LOSS_CHUNK}" if checkpointed else "as written"
+                if len(modes) > 1:
+                    setup = f"{setup}; compile mode {mode}"
+                tried.append(named(f"{micro}{' checkpointed' if checkpointed else ''}: {ms:.1f} ms"))
+                if best is None or ms < best[0]:
+                    best = (ms, mu, peak, f"{setup}; micro-batch {micro} x {batch // micro}", (micro, mode))
+                break
+    if best is None and failures:
+        say(f"{name},{a.method},{l},{batch},,,,,,failed ({' / '.join(failures)})")
+        return
     if best is None:
         say(f"{name},{a.method},{l},{batch},,,,,,out of memory even with checkpointing and the loss in chunks")
         return
     ms, mu, peak, setup, chosen = best
     if a.profile:
-        # The chosen micro-batch's trace under the case's name; the others' go.
+        # The chosen try's trace under the case's name; the others' go.
         stem = f"{a.profile}_torch_{impl}_{a.method}_L{l}"
-        for micro in micro_batch_sizes(batch, a.micro_batches):
-            if os.path.exists(f"{stem}_mb{micro}.json"):
-                if micro == chosen:
-                    os.replace(f"{stem}_mb{micro}.json", f"{stem}.json")
-                else:
-                    os.remove(f"{stem}_mb{micro}.json")
+        for mode in modes:
+            for micro in micro_batch_sizes(batch, a.micro_batches):
+                trace = f"{stem}_mb{micro}_{mode}.json"
+                if os.path.exists(trace):
+                    if (micro, mode) == chosen:
+                        os.replace(trace, f"{stem}.json")
+                    else:
+                        os.remove(trace)
     mu = "" if mu is None else f"{mu:.4f}"
     say(f"{name},{a.method},{l},{batch},{ms:.3f},{WORLD * batch * l / ms * 1e3:.0f},{mu},{peak:.2f},"
-        f"{setup}; tried {' / '.join(tried)},")
+        f"{setup}; tried {' / '.join(tried + failures)},")
 
 
-def run_case(a, m, impl, l, batch, micro, checkpointed):
+def run_case(a, m, impl, l, batch, micro, checkpointed, mode="default"):
     """Median step time (ms) of `batch` sequences a step in micro-batches of `micro`, the gates'
-    usage and the peak memory (GiB)."""
+    usage and the peak memory (GiB); `mode` is torch.compile's for the compiled peer."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -408,8 +423,9 @@ def run_case(a, m, impl, l, batch, micro, checkpointed):
         model.checkpointed, model.loss_chunk = True, LOSS_CHUNK
     if impl == "compile":
         # Per block, as torchtitan compiles: one compiled graph serves every layer.
+        kwargs = {} if mode == "default" else {"mode": mode}
         for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer)
+            model.layers[i] = torch.compile(layer, **kwargs)
         model.flex = flex_attention
     if WORLD > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
@@ -424,6 +440,9 @@ def run_case(a, m, impl, l, batch, micro, checkpointed):
         for i in range(accum):
             rows = ids[i * micro : (i + 1) * micro]
             # Data-parallel ranks reduce the gradients once, after the last micro-batch.
+            if mode == "reduce-overhead":
+                # Each micro-batch a new run of the graphs: the last one's outputs are done with.
+                torch.compiler.cudagraph_mark_step_begin()
             with contextlib.nullcontext() if WORLD == 1 or i == accum - 1 else model.no_sync():
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss, usage = model(rows[:, :-1], rows[:, 1:], masks)
@@ -448,7 +467,7 @@ def run_case(a, m, impl, l, batch, micro, checkpointed):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        prof.export_chrome_trace(f"{a.profile}_torch_{impl}_{a.method}_L{l}_mb{micro}.json")
+        prof.export_chrome_trace(f"{a.profile}_torch_{impl}_{a.method}_L{l}_mb{micro}_{mode}.json")
     times.sort()
     mu = None if usage is None else usage.item()
     return times[len(times) // 2] * 1e3, mu, torch.cuda.max_memory_allocated() / GIB

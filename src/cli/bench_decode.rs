@@ -27,9 +27,9 @@ use crate::run::presets;
 use crate::run::Built;
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
-use crate::util::flags::finite_flag;
+use crate::util::flags::{each_once, finite_flag};
 use crate::util::stats::median;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use tch::{Device, Kind, Tensor};
@@ -157,17 +157,8 @@ impl DecodeBench {
             self.batches.iter().all(|&b| b >= 1),
             "--batches must be at least 1 each"
         );
-        // A flag given twice adds its values to the first's: a case listed twice would be
-        // timed twice and written as two rows of one key.
-        for (flag, values) in [("--contexts", &self.contexts), ("--batches", &self.batches)] {
-            if let Some(v) = values
-                .iter()
-                .enumerate()
-                .find_map(|(i, v)| values[..i].contains(v).then_some(v))
-            {
-                bail!("{flag} lists {v} twice (a flag given twice adds to the first's values): name each once");
-            }
-        }
+        each_once("--contexts", &self.contexts)?;
+        each_once("--batches", &self.batches)?;
         ensure!(self.short >= 2, "--short must be at least 2 new tokens");
         ensure!(self.new >= 1, "--new must be at least 1 token");
         ensure!(self.reps >= 1, "--reps must be at least 1");

@@ -28,6 +28,7 @@ use crate::run::optim::AdamW;
 use crate::run::Built;
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
+use crate::util::flags::each_once;
 use crate::util::stats::median;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
@@ -68,6 +69,8 @@ pub(crate) struct TrainBench {
     pub(crate) python: String,
     /// Plain-PyTorch peers run beside: "eager", "compile" (`torch.compile`), or none.
     pub(crate) peers: Vec<String>,
+    /// torch.compile's modes the compiled peer tries (its search's third dimension).
+    pub(crate) peer_modes: Vec<String>,
     /// One more step of each case (ours and the peers') under PyTorch's profiler: its trace in
     /// `out/profiles/`, summed by kernel and by kind (`profile::summarise`).
     pub(crate) profile: bool,
@@ -109,6 +112,16 @@ impl TrainBench {
                 "--peers takes eager and compile (got {p:?})"
             );
         }
+        const MODES: [&str; 3] = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"];
+        ensure!(!self.peer_modes.is_empty(), "--peer-modes is empty");
+        if let Some(m) = self
+            .peer_modes
+            .iter()
+            .find(|m| !MODES.contains(&m.as_str()))
+        {
+            bail!("--peer-modes takes {} (got {m:?})", MODES.join(", "));
+        }
+        each_once("--peer-modes", &self.peer_modes)?;
         self.model.validate()?;
         ensure!(
             self.model.vocab_size >= 2,
@@ -635,6 +648,7 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             ("--full-usage", b.full_usage.to_string()),
             ("--ppa-power", b.ppa_power.to_string()),
             ("--impls", b.peers.join(",")),
+            ("--compile-modes", b.peer_modes.join(",")),
             ("--micro-batches", b.micro_batches.to_string()),
             ("--steps", b.steps.to_string()),
             ("--warmup", b.warmup.to_string()),
@@ -922,8 +936,22 @@ mod tests {
             out: PathBuf::new(),
             python: "python3".into(),
             peers: vec![],
+            peer_modes: vec!["default".into()],
             profile: false,
         }
+    }
+
+    /// The compiled peer's modes are torch.compile's own, each named once.
+    #[test]
+    fn peer_modes_are_checked() {
+        let mut b = bench();
+        assert!(b.validate().is_ok());
+        b.peer_modes = vec!["default".into(), "reduce-overhead".into()];
+        assert!(b.validate().is_ok());
+        b.peer_modes = vec!["fast".into()];
+        assert!(format!("{:#}", b.validate().unwrap_err()).contains("--peer-modes takes default"));
+        b.peer_modes = vec!["default".into(), "default".into()];
+        assert!(format!("{:#}", b.validate().unwrap_err()).contains("twice"));
     }
 
     /// The search's micro-batches keep the step's tokens: the step's sequences, then halves

@@ -199,6 +199,11 @@ struct BenchTrainCmd {
     /// Skip the peers.
     #[arg(long)]
     no_peers: bool,
+    /// torch.compile modes the compiled peer tries at each micro-batch, its fastest the row:
+    /// default, max-autotune-no-cudagraphs (inductor times its kernels' configurations),
+    /// reduce-overhead (CUDA graphs).
+    #[arg(long, value_delimiter = ',', default_value = "default")]
+    peer_modes: Vec<String>,
     /// Run no case: rewrite train_bench.csv's derived columns and the figures in --out from
     /// the rows it holds (the other flags are not read).
     #[arg(long)]
@@ -634,6 +639,7 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         out: c.out,
         python: c.python,
         peers: if c.no_peers { Vec::new() } else { c.peers },
+        peer_modes: c.peer_modes,
         profile: c.profile,
     };
     b.validate()?;

@@ -1,5 +1,5 @@
-//! Numbers in and out: parsers of command-line flag values, and numbers as messages and
-//! labels write them.
+//! Numbers in and out: parsers and checks of command-line flag values, and numbers as
+//! messages and labels write them.
 
 /// A number given as a command-line flag: finite (NaN would pass every range check after it).
 pub(crate) fn finite_flag(s: &str) -> std::result::Result<f64, String> {
@@ -21,9 +21,34 @@ pub(crate) fn compact(v: f64) -> String {
     }
 }
 
+/// Refuses a list flag that names a value twice: a flag given twice adds its values to the
+/// first's, so a case listed twice would run twice and be written as two rows of one key.
+pub(crate) fn each_once<T: PartialEq + std::fmt::Display>(
+    flag: &str,
+    values: &[T],
+) -> anyhow::Result<()> {
+    match values
+        .iter()
+        .enumerate()
+        .find_map(|(i, v)| values[..i].contains(v).then_some(v))
+    {
+        Some(v) => anyhow::bail!(
+            "{flag} lists {v} twice (a flag given twice adds to the first's values): name each once"
+        ),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_listed_twice_is_refused_by_name() {
+        assert!(each_once("--batches", &[1, 8]).is_ok());
+        let e = each_once("--batches", &[1, 8, 1]).unwrap_err().to_string();
+        assert!(e.contains("--batches lists 1 twice"), "{e}");
+    }
 
     #[test]
     fn numbers_read_compactly() {
