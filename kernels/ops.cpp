@@ -1067,6 +1067,7 @@ int attnsweep_add_rms_norm(const at::Tensor* x, const at::Tensor* r, const at::T
         TORCH_CHECK(x->sizes() == r->sizes() && x->scalar_type() == r->scalar_type(),
                     "residual add: x and r must have one shape and dtype");
         TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
+        TORCH_CHECK(x->size(-1) >= 1, "RMSNorm needs d >= 1");
         TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
         TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
         TORCH_CHECK(x->device() == r->device() && x->device() == w->device(), "residual add: tensors on different devices");

@@ -13,8 +13,12 @@
 //! `y · g`, whose gradient in `y` is `g` bit for bit; the seeds of the loss's terms (the
 //! per-token NLL and each layer's regulariser) come from the same autograd operations the plain
 //! path runs, on stand-ins of their shapes, since a mean's gradient does not depend on values.
-//! So recomputation gives the plain path's loss and gradients exactly; the chunked loss differs
-//! only by the order of the head's sums.
+//! So recomputation gives the plain path's loss and gradients exactly where both run the same
+//! operations (on the CPU, and on the GPU without a kernel library); the chunked loss differs
+//! only by the order of the head's sums. With the kernels on the GPU, the plain path adds each
+//! block's output into the next block's input norm in one kernel (`RmsNorm::add_forward`),
+//! which rounds the stream's summed gradient once in bf16, where a recomputed block adds it
+//! apart: the two agree to bf16 rounding, not bit for bit.
 
 use crate::config::Checkpointing;
 use crate::model::attention::{ForwardCtx, Keys, Regulariser};

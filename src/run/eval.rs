@@ -64,7 +64,7 @@ pub(crate) fn time_inference(model: &Llama, x: &Tensor, seed: u64) -> Timing {
         // capture in it, so the rate errs low, never toward infinity.
         let decode = match long.decode_seconds - short.decode_seconds {
             d if d > 0.0 => d,
-            _ => long.decode_seconds * steps as f64 / (steps + 2) as f64,
+            _ => (long.decode_seconds * steps as f64 / (steps + 2) as f64).max(f64::MIN_POSITIVE),
         };
         let cache = long.cache_bytes;
         (forward, attention, prefill, decode, cache)

@@ -221,7 +221,13 @@ pub(crate) fn build(variant: Option<Variant>, quiet: bool) -> Result<PathBuf> {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    std::fs::rename(&tmp, &dir)
+    let moved = std::fs::rename(&tmp, &dir);
+    // Another process's build of the same sources may have landed first: its library serves,
+    // and this build's files go.
+    if moved.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    moved
         .or_else(|e| if lib.is_file() { Ok(()) } else { Err(e) })
         .with_context(|| format!("cannot move the build to {}", dir.display()))?;
     Ok(lib)
