@@ -198,46 +198,47 @@ void by_width(int64_t d, F f) {
     else f(integral_constant<int, 1024>{}, integral_constant<int, 32>{});  // up to cuda_norm_max_dim
 }
 
+// y = RMSNorm(x), or with r: h = x + r and y = RMSNorm(h), rstd per row either way.
+void forward(const at::Tensor& x, const at::Tensor* r, const at::Tensor& w, double eps, at::Tensor* h, at::Tensor& y,
+             at::Tensor& rstd) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    if (rows == 0) return;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dispatch_float(x, [&](auto t) {
+        using T = decltype(t);
+        const auto* xp = static_cast<const T*>(x.data_ptr());
+        const T* rp = r ? static_cast<const T*>(r->data_ptr()) : nullptr;
+        T* hp = h ? static_cast<T*>(h->data_ptr()) : nullptr;
+        auto* yp = static_cast<T*>(y.data_ptr());
+        const float* wp = w.data_ptr<float>();
+        float* rs = rstd.data_ptr<float>();
+        const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
+        auto warp_a_row = [&](auto add) {
+            norm_forward<T, decltype(add)::value>
+                <<<blocks, WARPS * 32, 0, stream>>>(xp, rp, wp, rows, (int)d, (float)eps, hp, yp, rs);
+        };
+        if (!r)
+            warp_a_row(std::false_type{});
+        else if (rows < BLOCKS * WARPS)  // a block a row while rows are too few to fill the GPU a warp a row
+            add_norm_forward<T><<<(int)rows, ADD_THREADS, 0, stream>>>(xp, rp, wp, rows, (int)d, (float)eps, hp, yp, rs);
+        else
+            warp_a_row(std::true_type{});
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 int64_t cuda_norm_max_dim() { return 1024 * 32; }
 
 void cuda_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y, at::Tensor& rstd) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    const int64_t d = x.size(-1), rows = x.numel() / d;
-    if (rows == 0) return;
-    auto stream = at::cuda::getCurrentCUDAStream();
-    dispatch_float(x, [&](auto t) {
-        using T = decltype(t);
-        const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
-        norm_forward<T, false><<<blocks, WARPS * 32, 0, stream>>>(
-            static_cast<const T*>(x.data_ptr()), nullptr, w.data_ptr<float>(), rows, (int)d, (float)eps, nullptr,
-            static_cast<T*>(y.data_ptr()), rstd.data_ptr<float>());
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    forward(x, nullptr, w, eps, nullptr, y, rstd);
 }
 
 void cuda_add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w, double eps, at::Tensor& h,
                        at::Tensor& y, at::Tensor& rstd) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    const int64_t d = x.size(-1), rows = x.numel() / d;
-    if (rows == 0) return;
-    auto stream = at::cuda::getCurrentCUDAStream();
-    dispatch_float(x, [&](auto t) {
-        using T = decltype(t);
-        const auto *xp = static_cast<const T*>(x.data_ptr()), *rp = static_cast<const T*>(r.data_ptr());
-        auto *hp = static_cast<T*>(h.data_ptr()), *yp = static_cast<T*>(y.data_ptr());
-        // A block a row while rows are too few to fill the GPU a warp a row (decoding's).
-        if (rows < BLOCKS * WARPS) {
-            add_norm_forward<T><<<(int)rows, ADD_THREADS, 0, stream>>>(xp, rp, w.data_ptr<float>(), rows, (int)d,
-                                                                       (float)eps, hp, yp, rstd.data_ptr<float>());
-        } else {
-            const int blocks = (int)std::min<int64_t>(BLOCKS * 4, (rows + WARPS - 1) / WARPS);
-            norm_forward<T, true><<<blocks, WARPS * 32, 0, stream>>>(xp, rp, w.data_ptr<float>(), rows, (int)d,
-                                                                     (float)eps, hp, yp, rstd.data_ptr<float>());
-        }
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    forward(x, &r, w, eps, &h, y, rstd);
 }
 
 void cuda_rms_norm_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,

@@ -508,19 +508,55 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
 #endif
     }
 
-    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, double eps) {
-        at::Tensor y, rstd;
+    // y = RMSNorm(x) with its rstd, or with r: h = x + r first (in x's dtype), normalised, by
+    // the kernels or the reference. Returns (h, y, rstd), h being x itself without r.
+    static std::tuple<at::Tensor, at::Tensor, at::Tensor> compute(const at::Tensor& x, const at::Tensor* r,
+                                                                  const at::Tensor& w, double eps) {
+        at::Tensor h = x, y, rstd;
         if (fused(x)) {
 #ifdef ATTNSWEEP_CUDA
             y = at::empty_like(x);
             rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-            attnsweep::cuda_rms_norm(x, w, eps, y, rstd);
+            if (r) {
+                h = at::empty_like(x);
+                attnsweep::cuda_add_rms_norm(x, *r, w, eps, h, y, rstd);
+            } else {
+                attnsweep::cuda_rms_norm(x, w, eps, y, rstd);
+            }
 #endif
         } else {
-            auto xf = x.to(at::kFloat);
-            rstd = at::rsqrt(xf.square().mean(-1) + eps);
-            y = (w * (xf * rstd.unsqueeze(-1))).to(x.scalar_type());
+            if (r) h = x + *r;
+            auto hf = h.to(at::kFloat);
+            rstd = at::rsqrt(hf.square().mean(-1) + eps);
+            y = (w * (hf * rstd.unsqueeze(-1))).to(x.scalar_type());
         }
+        return {h, y, rstd};
+    }
+
+    // The gradients (dx, dw) of the norm of x for dy, with dres (a gradient x also receives
+    // past the norm) added to dx before its rounding where given.
+    static std::pair<at::Tensor, at::Tensor> gradients(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy,
+                                                       const at::Tensor& rstd, const at::Tensor* dres) {
+        at::Tensor dx, dw;
+        if (fused(x)) {
+#ifdef ATTNSWEEP_CUDA
+            dx = at::empty_like(x);
+            attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, dres, dx, dw);
+#endif
+        } else {
+            auto r = rstd.unsqueeze(-1);
+            auto n = x.to(at::kFloat) * r, g = dy.to(at::kFloat);
+            auto gw = g * w;
+            auto dxf = r * (gw - n * (gw * n).mean(-1, true));
+            if (dres) dxf = dxf + dres->to(at::kFloat);
+            dx = dxf.to(x.scalar_type());
+            dw = (g * n).reshape({-1, x.size(-1)}).sum(0);
+        }
+        return {dx, dw};
+    }
+
+    static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, double eps) {
+        auto [h, y, rstd] = compute(x, nullptr, w, eps);
         ctx->save_for_backward({x, w, rstd});
         return {y};
     }
@@ -528,23 +564,20 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
         auto s = ctx->get_saved_variables();
         const auto &x = s[0], &w = s[1], &rstd = s[2];
-        auto dy = grads[0].to(x.scalar_type()).contiguous();
-        at::Tensor dx, dw;
-        if (fused(x)) {
-#ifdef ATTNSWEEP_CUDA
-            dx = at::empty_like(x);
-            attnsweep::cuda_rms_norm_backward(x, w, dy, rstd, nullptr, dx, dw);
-#endif
-        } else {
-            auto r = rstd.unsqueeze(-1);
-            auto n = x.to(at::kFloat) * r, g = dy.to(at::kFloat);
-            auto gw = g * w;
-            dx = (r * (gw - n * (gw * n).mean(-1, true))).to(x.scalar_type());
-            dw = (g * n).reshape({-1, x.size(-1)}).sum(0);
-        }
+        auto [dx, dw] = gradients(x, w, grads[0].to(x.scalar_type()).contiguous(), rstd, nullptr);
         return {dx, dw, at::Tensor()};
     }
 };
+
+// What the RMSNorm entry points take: x [..., d] (d >= 1) in bf16 or fp32, its weight [d] in
+// fp32 on x's device.
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+    TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1), "weight must be [d] for x [..., d]");
+    TORCH_CHECK(x.size(-1) >= 1, "RMSNorm needs d >= 1");
+    TORCH_CHECK(w.scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
+    TORCH_CHECK(x.device() == w.device(), "RMSNorm input and weight on different devices");
+}
 
 // The residual add and the RMSNorm after it: h = x + r (rounded to x's dtype), y = RMSNorm(h),
 // both outputs differentiable. Fused (norm.cu), the add costs no pass of its own forward, and
@@ -553,19 +586,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
 // same formulas in ATen.
 struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     static variable_list forward(AutogradContext* ctx, at::Tensor x, at::Tensor r, at::Tensor w, double eps) {
-        at::Tensor h, y, rstd;
-        if (RmsNormFn::fused(x)) {
-#ifdef ATTNSWEEP_CUDA
-            h = at::empty_like(x), y = at::empty_like(x);
-            rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-            attnsweep::cuda_add_rms_norm(x, r, w, eps, h, y, rstd);
-#endif
-        } else {
-            h = x + r;
-            auto hf = h.to(at::kFloat);
-            rstd = at::rsqrt(hf.square().mean(-1) + eps);
-            y = (w * (hf * rstd.unsqueeze(-1))).to(x.scalar_type());
-        }
+        auto [h, y, rstd] = RmsNormFn::compute(x, &r, w, eps);
         ctx->save_for_backward({h, w, rstd});
         return {h, y};
     }
@@ -575,20 +596,7 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
         const auto &h = s[0], &w = s[1], &rstd = s[2];
         // An output left unused arrives as zeros (the Function materialises its gradients).
         auto dres = grads[0].to(h.scalar_type()).contiguous();
-        auto dy = grads[1].to(h.scalar_type()).contiguous();
-        at::Tensor dx, dw;
-        if (RmsNormFn::fused(h)) {
-#ifdef ATTNSWEEP_CUDA
-            dx = at::empty_like(h);
-            attnsweep::cuda_rms_norm_backward(h, w, dy, rstd, &dres, dx, dw);
-#endif
-        } else {
-            auto rr = rstd.unsqueeze(-1);
-            auto n = h.to(at::kFloat) * rr, g = dy.to(at::kFloat);
-            auto gw = g * w;
-            dx = (rr * (gw - n * (gw * n).mean(-1, true)) + dres.to(at::kFloat)).to(h.scalar_type());
-            dw = (g * n).reshape({-1, h.size(-1)}).sum(0);
-        }
+        auto [dx, dw] = RmsNormFn::gradients(h, w, grads[1].to(h.scalar_type()).contiguous(), rstd, &dres);
         return {dx, dx, dw, at::Tensor()};
     }
 };
@@ -1047,11 +1055,7 @@ void* attnsweep_swiglu_joined(const at::Tensor* gu, char* err, size_t err_len) {
 // at::Tensor* (the caller owns it), or null with a message in err.
 void* attnsweep_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, char* err, size_t err_len) {
     return guarded<void*>(err, err_len, nullptr, [&]() -> void* {
-        TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
-        TORCH_CHECK(x->size(-1) >= 1, "RMSNorm needs d >= 1");
-        TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
-        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
-        TORCH_CHECK(x->device() == w->device(), "RMSNorm input and weight on different devices");
+        check_norm(*x, *w);
         auto out = RmsNormFn::apply(x->contiguous(), w->contiguous(), eps);
         return new at::Tensor(out[0]);
     });
@@ -1066,11 +1070,8 @@ int attnsweep_add_rms_norm(const at::Tensor* x, const at::Tensor* r, const at::T
     return guarded(err, err_len, 1, [&] {
         TORCH_CHECK(x->sizes() == r->sizes() && x->scalar_type() == r->scalar_type(),
                     "residual add: x and r must have one shape and dtype");
-        TORCH_CHECK(x->dim() >= 1 && w->dim() == 1 && w->size(0) == x->size(-1), "weight must be [d] for x [..., d]");
-        TORCH_CHECK(x->size(-1) >= 1, "RMSNorm needs d >= 1");
-        TORCH_CHECK(w->scalar_type() == at::kFloat, "RMSNorm weight must be fp32");
-        TORCH_CHECK(x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16, "RMSNorm input must be fp32 or bf16");
-        TORCH_CHECK(x->device() == r->device() && x->device() == w->device(), "residual add: tensors on different devices");
+        TORCH_CHECK(x->device() == r->device(), "residual add: tensors on different devices");
+        check_norm(*x, *w);
         auto hy = AddRmsNormFn::apply(x->contiguous(), r->contiguous(), w->contiguous(), eps);
         out[0] = new at::Tensor(hy[0]);
         out[1] = new at::Tensor(hy[1]);

@@ -147,15 +147,19 @@ impl RmsNorm {
         RmsNorm { kernels, ..self }
     }
 
+    /// The kernel library that normalises `x`, where one is loaded for its device and the
+    /// weight is fp32 as the kernels take it.
+    fn kernel(&self, x: &Tensor) -> Option<&'static Kernels> {
+        kernels::kernel_for(self.kernels, x).filter(|_| self.weight.kind() == Kind::Float)
+    }
+
     /// `(h, norm(h))` for the residual stream `h = x + r`: one kernel forward (and backward)
     /// where a kernel library is loaded, else the add and `forward`.
     pub(crate) fn add_forward(&self, x: &Tensor, r: &Tensor) -> (Tensor, Tensor) {
-        if let Some(k) = kernels::kernel_for(self.kernels, x) {
-            if self.weight.kind() == Kind::Float {
-                return k
-                    .add_rms_norm(x, r, &self.weight, self.eps)
-                    .expect("residual add and RMSNorm kernel on the model's own activations");
-            }
+        if let Some(k) = self.kernel(x) {
+            return k
+                .add_rms_norm(x, r, &self.weight, self.eps)
+                .expect("residual add and RMSNorm kernel on the model's own activations");
         }
         let h = x + r;
         let y = self.forward(&h);
@@ -165,12 +169,10 @@ impl RmsNorm {
     /// Normalises in at least fp32 whatever the compute dtype (as Hugging Face's
     /// LlamaRMSNorm does).
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
-        if let Some(k) = kernels::kernel_for(self.kernels, x) {
-            if self.weight.kind() == Kind::Float {
-                return k
-                    .rms_norm(x, &self.weight, self.eps)
-                    .expect("RMSNorm kernel on the model's own activations");
-            }
+        if let Some(k) = self.kernel(x) {
+            return k
+                .rms_norm(x, &self.weight, self.eps)
+                .expect("RMSNorm kernel on the model's own activations");
         }
         let xf = upcast(x);
         let k = xf.kind();
