@@ -60,10 +60,18 @@ pub(crate) struct BenchAttentionCmd {
     /// Skip the peers (our kernels only).
     #[arg(long)]
     no_peers: bool,
+    /// Run no case: draw the figure in --out again from the attention_bench.csv a run wrote
+    /// there (the other flags are not read).
+    #[arg(long)]
+    redraw: bool,
 }
 
 /// `attnsweep bench attention`.
 pub(crate) fn run_cmd(c: BenchAttentionCmd) -> Result<()> {
+    if c.redraw {
+        println!("{}", redraw(&c.out)?.display());
+        return Ok(());
+    }
     let b = AttentionBench {
         lengths: c.lengths,
         head_dims: c.head_dims,
@@ -562,7 +570,7 @@ pub(crate) fn run(b: &AttentionBench, kern: &Kernels) -> Result<PathBuf> {
         &scaling(&rows, b.heads),
         &b.out.join("attention_scaling.csv"),
     )?;
-    write_speedup_figure(b, &rows)?;
+    write_speedup_figure(&b.out, &rows)?;
     Ok(csv_path)
 }
 
@@ -725,8 +733,8 @@ fn write_attention_csv(b: &AttentionBench, rows: &[Row], csv_path: &Path) -> Res
 
 /// `attention_speedup.png/svg`, or none (and an earlier run's removed) without a sparse case
 /// beside FlashAttention-2.
-fn write_speedup_figure(b: &AttentionBench, rows: &[Row]) -> Result<()> {
-    let figure = b.out.join("attention_speedup");
+fn write_speedup_figure(out: &Path, rows: &[Row]) -> Result<()> {
+    let figure = out.join("attention_speedup");
     match speedup_figure(rows) {
         Some(f) => {
             f.save(&figure)?;
@@ -740,6 +748,53 @@ fn write_speedup_figure(b: &AttentionBench, rows: &[Row]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs nothing: draws `out`'s figure from the rows of its attention_bench.csv (read as the
+/// peers' rows are, non-finite times refused); returns the figure's stem.
+pub(crate) fn redraw(out: &Path) -> Result<PathBuf> {
+    let csv_path = out.join("attention_bench.csv");
+    ensure!(
+        csv_path.exists(),
+        "{} does not exist: --redraw draws the figure from the CSV a bench wrote there",
+        csv_path.display()
+    );
+    let mut reader = csv::Reader::from_path(&csv_path)
+        .with_context(|| format!("cannot read {}", csv_path.display()))?;
+    let header = reader.headers()?.clone();
+    // The columns of a peer's printed row, in its order.
+    let columns = [
+        "impl",
+        "case",
+        "L",
+        "D",
+        "window",
+        "sparsity",
+        "fwd_ms",
+        "fwdbwd_ms",
+        "fwd_host_ms",
+        "fwdbwd_host_ms",
+    ]
+    .map(|c| {
+        header
+            .iter()
+            .position(|h| h == c)
+            .with_context(|| format!("{} has no {c} column", csv_path.display()))
+    });
+    let columns: Vec<usize> = columns.into_iter().collect::<Result<_>>()?;
+    let mut lines = String::new();
+    for record in reader.records() {
+        let record = record.with_context(|| format!("in {}", csv_path.display()))?;
+        let fields: Vec<&str> = columns
+            .iter()
+            .map(|&i| record.get(i).unwrap_or(""))
+            .collect();
+        lines.push_str(&fields.join(","));
+        lines.push('\n');
+    }
+    let rows = peer_rows(&lines).with_context(|| format!("in {}", csv_path.display()))?;
+    write_speedup_figure(out, &rows)?;
+    Ok(out.join("attention_speedup"))
 }
 
 /// The row of dense causal peer `name` (`sdpa_cudnn`, `sdpa_flash`) at `r`'s length and
@@ -770,7 +825,8 @@ fn speedup_figure(rows: &[Row]) -> Option<Figure> {
     keys.dedup();
     let panel = |title: &str, ms: fn(&Row) -> f64| {
         let mut series = Vec::new();
-        for imp in ["ours", "flex", "sdpa_cudnn"] {
+        // FlexAttention in each form the peers ran (compiled as default, autotuned, FLASH).
+        for imp in ["ours", "flex", "flex_tuned", "flex_flash", "sdpa_cudnn"] {
             for &(len, d) in &keys {
                 let pts: Vec<(f64, f64)> = rows
                     .iter()
@@ -917,6 +973,44 @@ mod tests {
         );
         rows.remove(0);
         assert!(speedup_figure(&rows).is_none());
+    }
+
+    /// The figure drawn again from the CSV a run wrote: its rows read back whole, a figure
+    /// where the run would draw one; a CSV without a column, or with a time that is not a
+    /// finite number, is refused by name.
+    #[test]
+    fn the_figure_is_redrawn_from_the_csv() {
+        let out = util::scratch_dir("attention-redraw");
+        let b = AttentionBench {
+            lengths: vec![4096],
+            head_dims: vec![128],
+            windows: vec![],
+            sparsities: vec![0.9],
+            routed_usages: vec![],
+            ppa_powers: vec![],
+            ppa_window: 64,
+            heads: 16,
+            reps: 1,
+            out: out.clone(),
+            python: "python3".into(),
+            peers: true,
+        };
+        let sparse = Row {
+            sparsity: 0.9,
+            ..row("ours", "sparse", 4096, 4096, 0.25)
+        };
+        let rows = vec![row("sdpa_flash", "causal", 4096, 4096, 2.0), sparse];
+        let csv_path = out.join("attention_bench.csv");
+        write_attention_csv(&b, &rows, &csv_path).unwrap();
+        redraw(&out).unwrap();
+        assert!(out.join("attention_speedup.png").exists());
+        let text = std::fs::read_to_string(&csv_path).unwrap();
+        std::fs::write(&csv_path, text.replacen(",0.2500,", ",NaN,", 1)).unwrap();
+        assert!(format!("{:#}", redraw(&out).unwrap_err()).contains("non-finite"));
+        std::fs::write(&csv_path, text.replacen("fwd_host_ms", "host", 1)).unwrap();
+        assert!(format!("{:#}", redraw(&out).unwrap_err()).contains("no fwd_host_ms column"));
+        assert!(format!("{:#}", redraw(&out.join("none")).unwrap_err()).contains("does not exist"));
+        std::fs::remove_dir_all(&out).unwrap();
     }
 
     #[test]
