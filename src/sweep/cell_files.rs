@@ -150,10 +150,19 @@ pub(crate) fn niah(path: &Path) -> Result<Option<Niah>> {
     }))
 }
 
-/// Per probe score (`<task>.exact_match`, and `<task>.recall` where the file has it), each
-/// prompt's value in the file's order; empty without the file.
-pub(crate) fn prompt_scores(path: &Path) -> Result<BTreeMap<String, Vec<f64>>> {
-    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+/// A cell's probe prompts as `eval/probe_samples.jsonl` lists them.
+#[derive(Debug, Default)]
+pub(crate) struct PromptScores {
+    /// Per probe score (`<task>.exact_match`, and `<task>.recall` where the file has it),
+    /// each prompt's value in the file's order.
+    pub(crate) scores: BTreeMap<String, Vec<f64>>,
+    /// Per (task, prompt length): each prompt's exact match, in the file's order.
+    pub(crate) by_length: BTreeMap<(String, u64), Vec<f64>>,
+}
+
+/// The prompts of a cell's probes; empty without the file.
+pub(crate) fn prompt_scores(path: &Path) -> Result<PromptScores> {
+    let mut out = PromptScores::default();
     if !path.is_file() {
         return Ok(out);
     }
@@ -168,8 +177,18 @@ pub(crate) fn prompt_scores(path: &Path) -> Result<BTreeMap<String, Vec<f64>>> {
             .ok_or_else(|| anyhow!("{}: line {} names no task", path.display(), i + 1))?;
         for metric in ["exact_match", "recall"] {
             if let Some(x) = v[metric].as_f64().filter(|x| x.is_finite()) {
-                out.entry(format!("{task}.{metric}")).or_default().push(x);
+                out.scores
+                    .entry(format!("{task}.{metric}"))
+                    .or_default()
+                    .push(x);
             }
+        }
+        let exact = v["exact_match"].as_f64().filter(|x| x.is_finite());
+        if let (Some(length), Some(x)) = (v["length"].as_u64(), exact) {
+            out.by_length
+                .entry((task.to_string(), length))
+                .or_default()
+                .push(x);
         }
     }
     Ok(out)

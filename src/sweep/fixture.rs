@@ -472,6 +472,7 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
             reads: None,
             match_usage: false,
             exclusive: false,
+            ladder: None,
             pretrained: None,
             threshold: s.threshold,
             config,
@@ -484,6 +485,97 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
     .unwrap();
     // A cell that did not finish is left out of every table.
     std::fs::create_dir_all(dir.join("broken")).unwrap();
+    dir
+}
+
+/// The fixture sweep with budget ladders: full attention (`full-0`) and AHA at w 16
+/// (`aha-16`) each trained again for half the steps as lower rungs (`ladder`), and `full-0`
+/// and its rung probed at two prompt lengths (`probe_samples.jsonl`: at length 8 the prompts
+/// 1, 1, 0 of niah_single and 1 of niah_multikey; at 16 niah_single's 0, 1; the rung's
+/// niah_single 0, 0 and 1, 1).
+pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
+    fn half(c: &mut Config) {
+        c.train.steps /= 2;
+    }
+    let rung = |id, dep: Option<&'static str>, kind, loss, edit| Spec {
+        id,
+        kind,
+        dep,
+        loss,
+        density: 1.0,
+        gates: false,
+        threshold: None,
+        edit,
+    };
+    let dir = sweep_dir_with(
+        name,
+        &[
+            rung("fullrung-0", Some("base-0"), StageKind::Train, 1.95, half),
+            rung("probefull-0", Some("full-0"), StageKind::Eval, 1.8, |_| {}),
+            rung(
+                "proberung-0",
+                Some("fullrung-0"),
+                StageKind::Eval,
+                1.95,
+                half,
+            ),
+            Spec {
+                id: "aharung-16",
+                density: 0.9,
+                gates: true,
+                ..rung("", Some("base-0"), StageKind::Train, 1.9, |c| {
+                    c.attention.method = Method::Aha;
+                    c.attention.window = 16;
+                    c.train.steps /= 2;
+                })
+            },
+        ],
+    );
+    let path = dir.join("cells.json");
+    let mut cells: Vec<Cell> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for c in &mut cells {
+        c.ladder = match c.id.as_str() {
+            "fullrung-0" => Some("full".into()),
+            "aharung-16" => Some("aha".into()),
+            _ => None,
+        };
+    }
+    std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+    let samples = |id: &str, prompts: &[(&str, u64, f64)]| {
+        let lines: Vec<String> = prompts
+            .iter()
+            .map(|(task, length, x)| {
+                serde_json::json!({ "task": task, "length": length, "exact_match": x }).to_string()
+            })
+            .collect();
+        std::fs::write(
+            dir.join(id).join("eval/probe_samples.jsonl"),
+            lines.join("\n"),
+        )
+        .unwrap();
+    };
+    let single = "niah_single";
+    samples(
+        "probefull-0",
+        &[
+            (single, 8, 1.0),
+            (single, 8, 1.0),
+            (single, 8, 0.0),
+            ("niah_multikey", 8, 1.0),
+            (single, 16, 0.0),
+            (single, 16, 1.0),
+        ],
+    );
+    samples(
+        "proberung-0",
+        &[
+            (single, 8, 0.0),
+            (single, 8, 0.0),
+            (single, 16, 1.0),
+            (single, 16, 1.0),
+        ],
+    );
     dir
 }
 

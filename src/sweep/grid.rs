@@ -100,6 +100,11 @@ pub(crate) struct Stage {
     /// `cell.json` records that it ran so).
     #[serde(default)]
     pub(crate) exclusive: bool,
+    /// train: the train stage whose budget ladder this one's cells are lower rungs of (its
+    /// method and settings at fewer tokens, e.g. `zip` over `train.steps`): the budget table
+    /// and figure draw them on that stage's line. What a cell computes is unchanged by it.
+    #[serde(default)]
+    pub(crate) ladder: Option<String>,
 }
 
 fn one() -> usize {
@@ -137,6 +142,9 @@ pub struct Cell {
     /// alone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) exclusive: bool,
+    /// The stage whose budget ladder it is a lower rung of (a stage's `ladder`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) ladder: Option<String>,
     /// The grid's pretrained model, for a cell that starts from it (train) or evaluates it
     /// (eval) rather than a cell of the grid.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -483,12 +491,20 @@ fn stage_sources(grid: &Grid, si: usize, what: &str) -> Result<(Option<String>, 
                     f.name
                 );
             }
+            if let Some(l) = &stage.ladder {
+                let main = grid.stages.iter().find(|s| &s.name == l);
+                ensure!(
+                    l != &stage.name && main.is_some_and(|s| s.kind == StageKind::Train),
+                    "{what}: ladder = {l:?} names no other train stage of the grid; name the \
+                     train stage whose line these cells are lower budgets of"
+                );
+            }
             (from, earlier(&stage.reads, "reads")?)
         }
         StageKind::Eval | StageKind::Prune => {
             ensure!(
-                stage.init_from.is_none() && stage.reads.is_none(),
-                "{what}: init_from and reads are for train stages"
+                stage.init_from.is_none() && stage.reads.is_none() && stage.ladder.is_none(),
+                "{what}: init_from, reads and ladder are for train stages"
             );
             if let Some(k) = stage
                 .set
@@ -754,6 +770,7 @@ fn new_cell(
         reads: read,
         match_usage: stage.match_usage,
         exclusive: stage.exclusive,
+        ladder: stage.ladder.clone(),
         pretrained,
         threshold,
         config,
@@ -1119,6 +1136,34 @@ axes = {{ "attention.top_k" = [1, 16] }}
             let e = err(&format!("{base}[[stage]]\n{stage}\n"));
             assert!(e.contains("stage \"m\"") && e.contains("match_usage"), "{e}");
         }
+        // A ladder's rungs name another train stage; evaluations have none.
+        for (stage, needle) in [
+            ("name = \"r\"\nladder = \"r\"", "names no other train stage"),
+            (
+                "name = \"r\"\nladder = \"nope\"",
+                "names no other train stage",
+            ),
+            (
+                "name = \"r\"\nkind = \"eval\"\nof = \"b\"\nladder = \"b\"",
+                "ladder are for train",
+            ),
+        ] {
+            let e = err(&format!("{base}[[stage]]\n{stage}\n"));
+            assert!(e.contains("stage \"r\"") && e.contains(needle), "{e}");
+        }
+        // A rung joins its line without changing what it computes: its id is the same.
+        let ids = |ladder: &str| {
+            expand(&grid(&format!(
+                "{BASE}{base}[[stage]]\nname = \"r\"\n{ladder}set = {{ \"train.steps\" = 2 }}\n"
+            )))
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.id, c.ladder))
+            .collect::<Vec<_>>()
+        };
+        let (plain, rung) = (ids(""), ids("ladder = \"b\"\n"));
+        assert_eq!(plain.last().unwrap().0, rung.last().unwrap().0);
+        assert_eq!(rung.last().unwrap().1.as_deref(), Some("b"));
         let e = err("\n[[stage]]\nname = \"a\"\naxes = { \"attention.tau\" = [0.5, nan] }\n");
         assert!(e.contains("attention.tau") && e.contains("finite"), "{e}");
         let e = format!(

@@ -63,6 +63,7 @@
 //! and reruns failed ones only with `--retry-failed`.
 
 mod axes;
+mod budget;
 mod cell_files;
 mod check;
 mod figure;

@@ -77,6 +77,12 @@ pub(crate) struct Row {
     /// Per probe score (`<task>.exact_match`, `<task>.recall`), each prompt's value in the
     /// order the evaluation wrote them (`eval/probe_samples.jsonl`).
     pub(crate) prompt_scores: BTreeMap<String, Vec<f64>>,
+    /// Its probes per (task, prompt length): each prompt's exact match.
+    pub(crate) probe_by_length: BTreeMap<(String, u64), Vec<f64>>,
+    /// The line of a budget ladder it is on: its train stage's name (a lower rung's, the
+    /// stage it names in `ladder`) with that stage's varied settings but the seed; an
+    /// evaluation's or pruning's is the line of the cell it acts on.
+    pub(crate) line: String,
 }
 
 /// A cell the sweep lists that has no row: not finished, or its files unreadable.
@@ -367,7 +373,7 @@ fn row_of(
         &mut note,
     );
     let niah = or_note(cell_files::niah(&dir.join("eval/niah.csv")), &mut note);
-    let prompt_scores = or_note(
+    let prompts = or_note(
         cell_files::prompt_scores(&dir.join("eval/probe_samples.jsonl")),
         &mut note,
     );
@@ -410,10 +416,79 @@ fn row_of(
         exclusive: ran_alone(dir),
         train_alone: false,
         note,
-        prompt_scores,
+        prompt_scores: prompts.scores,
+        probe_by_length: prompts.by_length,
+        line: line_of(c, cells),
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)
+}
+
+/// Settings of an evaluation that say how its probes ran, not what it evaluated: two
+/// evaluations that differ only in these measure the same thing.
+const RUN_ONLY: [&str; 7] = [
+    "eval.tasks",
+    "eval.lengths",
+    "eval.samples",
+    "eval.haystack",
+    "eval.chat",
+    "eval.max_batches",
+    "eval.batch_size",
+];
+
+/// `Row::line` of cell `c`. A train cell's: its stage (or the stage its stage is a lower rung
+/// of) with that stage's varied settings but the seed, each as the cell has it (`aha
+/// attention.window=256`), so a rung and the stage's cells of the same settings share a line.
+/// An evaluation's or pruning's: the line of the train cell it acts on, then the settings it
+/// changes (`l2a eval.gates=oracle`); of the grid's pretrained model: `pretrained` and its
+/// settings. Settings that only shape how probes ran (`RUN_ONLY`) are left out.
+fn line_of(c: &Cell, cells: &[Cell]) -> String {
+    let cell = |id: &Option<String>| id.as_ref().and_then(|d| cells.iter().find(|x| &x.id == d));
+    let mut train = Some(c);
+    while let Some(t) = train.filter(|t| t.kind != StageKind::Train) {
+        train = cell(&t.depends_on);
+    }
+    let shown = |k: &str, v: &toml::Value| format!("{k}={}", super::grid::value_str(v));
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(t) = train {
+        let stage = t.ladder.as_deref().unwrap_or(&t.stage);
+        let mut keys: Vec<&String> = cells
+            .iter()
+            .filter(|x| x.stage == stage)
+            .flat_map(|x| x.assignment.keys())
+            .filter(|k| k.as_str() != SEED_KEY)
+            .collect();
+        keys.sort();
+        keys.dedup();
+        parts.push(stage.to_string());
+        // A key the cell leaves at the base's value reads from its resolved config.
+        let resolved = toml::Table::try_from(&t.config).unwrap_or_default();
+        let in_config = |k: &str| {
+            let mut path = k.split('.');
+            let mut v = resolved.get(path.next()?)?;
+            for p in path {
+                v = v.get(p)?;
+            }
+            Some(v.clone())
+        };
+        for k in keys {
+            match t.settings.get(k).cloned().or_else(|| in_config(k)) {
+                Some(v) => parts.push(shown(k, &v)),
+                None => parts.push(format!("{k}=?")),
+            }
+        }
+    } else {
+        parts.push("pretrained".into());
+    }
+    let trained = train.map(|t| &t.settings);
+    for (k, v) in &c.settings {
+        let same = trained.and_then(|s| s.get(k)) == Some(v);
+        if !same && k != SEED_KEY && !RUN_ONLY.contains(&k.as_str()) {
+            parts.push(shown(k, v));
+        }
+    }
+    parts.extend(c.threshold.map(|t| format!("threshold={t}")));
+    parts.join(" ")
 }
 
 /// What a file a row can do without holds, or nothing, its error noted.

@@ -16,6 +16,7 @@
 //! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells that had their device to themselves: prefill and decoding time by length (and p), medians of 3 runs with their spread, against full attention's |
 //! | `layer_usage.csv` | L2A Fig. 3, SwiAttn Fig. 5 | gated train cells: usage per layer, layers from 1 |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
+//! | `budget.csv` | - | a grid with budget ladders (stages with `ladder`): each line's loss, usage and probes by prompt length against its training tokens, replicates pooled with 95 % intervals (`budget`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
 //! | `stage_differences.csv` | - | every two settings of different train stages, on loss and attended pairs: the same comparison across methods |
@@ -24,6 +25,7 @@
 //! perplexity over the method's, times 100 (AHA's "method score / full score" for a metric
 //! where lower is better).
 
+use super::budget;
 use super::grid::StageKind;
 use super::pareto;
 use super::replicates;
@@ -457,6 +459,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
         }
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("budget.csv"), budget::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
     write_or_remove(
         &out.join("layer_usage.csv"),

@@ -209,6 +209,9 @@ pub(crate) enum Report {
     ThresholdSweep,
     /// Quality against one of its own settings.
     Curve(SettingCurve),
+    /// The share of full attention (mu_f) its paper reports at its headline setting, and
+    /// where: the reference line of the budget figure's usage panel.
+    PaperUsage { mu_f: f64, source: &'static str },
 }
 
 /// One configuration of a method that the generated tests run (`examples`).

@@ -1,7 +1,8 @@
 //! The figures a sweep directory's cells can fill, each as PNG and SVG (`figure.rs` draws
 //! them), by family: the gates' (`gates.rs`), the curves over training, length and a method's
-//! own setting (`curves.rs`), each cell's probe files (`cells.rs`), and every method of one
-//! budget (`pareto.rs` beside the table), on what they share (`series.rs`). Every family reads what it draws from the rows
+//! own setting (`curves.rs`), each cell's probe files (`cells.rs`), every method of one
+//! budget (`pareto.rs` beside the table) and each set-up over its budgets (`budget.rs`), on
+//! what they share (`series.rs`). Every family reads what it draws from the rows
 //! (`rows.rs`); the families of one method's own are those its `MethodSpec::reports` names.
 //!
 //! | figure | paper item |
@@ -20,7 +21,9 @@
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |
 //! | `prefill_time` | L2A Figs. 14-15: forward, prefill and decoding time against length, cells timed alone |
+//! | `budget_ladder` | L2A Fig. 3's usage and each paper's key statistic against training tokens: loss, full-attention share (with the paper's value) and the probes at each length, a line per set-up over its budgets (`budget.rs`) |
 
+mod budget;
 mod cells;
 mod curves;
 mod gates;
@@ -73,6 +76,7 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     curves::prefill_time(&all, &mut figs);
     cells::cell_files(&all, &mut figs);
     figs.extend(pareto::pareto_figures(&all));
+    budget::budget_ladder(&all, &mut figs);
     Ok(figs)
 }
 

@@ -366,6 +366,11 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     baseline: None,
     head_budget: |_, _, _, _| "AHA".into(),
     reports: &[
+        // Table 2, "Avg %" at w 256.
+        Report::PaperUsage {
+            mu_f: 0.067,
+            source: "AHA paper, Table 2 at w 256: 6.7 %",
+        },
         // Tables 1/2: quality, retain % and usage by window; Table 4: by lambda.
         Report::Table(PaperTable {
             file: "aha_windows.csv",

@@ -204,6 +204,11 @@ pub(super) const L2A: MethodSpec = MethodSpec {
     baseline: None,
     head_budget: no_head_budget,
     reports: &[
+        // Sec. 4: the routers keep about 20 % of the tokens global (~80 % local).
+        Report::PaperUsage {
+            mu_f: 0.20,
+            source: "L2A paper: ~20 % of tokens global",
+        },
         // Fig. 13: the cells evaluated again at other thresholds.
         Report::Table(PaperTable {
             file: "l2a_threshold.csv",

@@ -252,6 +252,12 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
     baseline: Some(|_| "SwiAttn"),
     head_budget: no_head_budget,
     reports: &[
+        // Fig. 5 / Sec. 4.4: "the averaged full attention ratio of all layers ... is around
+        // 0.13".
+        Report::PaperUsage {
+            mu_f: 0.13,
+            source: "SwiAttn paper, Fig. 5: full ratio ~0.13",
+        },
         // Tables 1-3: SwiAttn beside full attention, SWA-ZS, SWA-CPT and StaticHybrid (every
         // method with a name there: `MethodSpec::baseline`), written where it holds more than
         // full attention.

@@ -1,0 +1,335 @@
+//! The budget ladder: each line's loss, usage and probes against the training tokens behind
+//! its models, where a grid trains the same set-up at several budgets (a stage and the lower
+//! rungs that name it in `ladder`): the table `budget.csv` and the figure `budget_ladder`.
+//! A line is `Row::line`: a train stage with its settings, an evaluation of it with the
+//! settings it changes, or the grid's pretrained model (0 tokens, the start of every line).
+
+use super::grid::StageKind;
+use super::rows::Row;
+use crate::config::{name_of, Method};
+use crate::util::stats::{mean_interval, pooled_interval, wilson};
+use anyhow::Result;
+use polars::prelude::*;
+use std::collections::BTreeMap;
+
+/// A mean with its 95 % interval (NaN bounds for one measurement that has no count).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Estimate {
+    pub(crate) mean: f64,
+    pub(crate) low: f64,
+    pub(crate) high: f64,
+}
+
+impl Estimate {
+    /// The mean of replicates with its interval (`mean_interval`, inside `bounds`).
+    fn of(xs: &[f64], bounds: Option<(f64, f64)>) -> Option<Self> {
+        (!xs.is_empty()).then(|| {
+            let (low, high) = mean_interval(xs, bounds);
+            Estimate {
+                mean: xs.iter().sum::<f64>() / xs.len() as f64,
+                low,
+                high,
+            }
+        })
+    }
+
+    /// A score pooled over replicates, each given as its prompts' values: the mean over the
+    /// replicates' means, with Wilson's interval where one replicate scored 0/1 prompts (the
+    /// prompts' sampling alone), else the two-level bootstrap over seeds and prompts.
+    fn pooled(groups: &[Vec<f64>]) -> Option<Self> {
+        let means: Vec<f64> = groups
+            .iter()
+            .filter(|g| !g.is_empty())
+            .map(|g| g.iter().sum::<f64>() / g.len() as f64)
+            .collect();
+        if means.is_empty() {
+            return None;
+        }
+        let binary = |g: &Vec<f64>| g.iter().all(|&x| x == 0.0 || x == 1.0);
+        let (low, high) = match groups {
+            [one] if binary(one) => wilson(one.iter().sum(), one.len() as f64),
+            _ => pooled_interval(groups),
+        };
+        Some(Estimate {
+            mean: means.iter().sum::<f64>() / means.len() as f64,
+            low,
+            high,
+        })
+    }
+}
+
+/// One line at one budget: its replicates pooled.
+#[derive(Debug)]
+pub(crate) struct Rung {
+    pub(crate) line: String,
+    pub(crate) method: Method,
+    /// Training tokens behind its models (0: the pretrained model as it came).
+    pub(crate) tokens: f64,
+    pub(crate) replicates: usize,
+    /// Its replicates are train cells (their own evaluations), not evaluations of others.
+    pub(crate) trained: bool,
+    /// Length of the sequences its loss was measured on.
+    pub(crate) eval_seq_len: usize,
+    pub(crate) loss: Option<Estimate>,
+    pub(crate) mu_f: Option<Estimate>,
+    /// Per (task, prompt length), and per length over every task (task `ALL_TASKS`): the
+    /// probes' exact match, and the prompts a replicate (the most of any).
+    pub(crate) probes: BTreeMap<(String, u64), (Estimate, usize)>,
+}
+
+/// The task name of a rung's probes pooled over its tasks.
+pub(crate) const ALL_TASKS: &str = "all";
+
+/// The rungs of every line a ladder reaches, in line then token order: each train line with
+/// two budgets or more, the evaluations of those lines (at whichever budgets they ran), and
+/// the pretrained model's evaluations. Empty when no train line has two budgets.
+pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
+    let train_line = |r: &Row| match r.kind {
+        StageKind::Train => Some(r.line.clone()),
+        _ => None,
+    };
+    let mut budgets: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for r in rows {
+        if let Some(l) = train_line(r) {
+            budgets
+                .entry(l)
+                .or_default()
+                .push(r.budget_tokens.to_bits());
+        }
+    }
+    let ladders: Vec<String> = budgets
+        .into_iter()
+        .filter_map(|(l, mut b)| {
+            b.sort_unstable();
+            b.dedup();
+            (b.len() >= 2).then_some(l)
+        })
+        .collect();
+    if ladders.is_empty() {
+        return Vec::new();
+    }
+    // A row's line reaches a ladder when it is the ladder's, or an evaluation of it (the
+    // ladder's name and then the settings the evaluation changes).
+    let reached = |r: &Row| {
+        r.kind != StageKind::Prune
+            && (r.line.starts_with("pretrained")
+                || ladders
+                    .iter()
+                    .any(|l| r.line == *l || r.line.starts_with(&format!("{l} "))))
+    };
+    let mut groups: BTreeMap<(String, u64), Vec<&Row>> = BTreeMap::new();
+    for r in rows.iter().filter(|r| reached(r)) {
+        let tokens = if r.line.starts_with("pretrained") {
+            0.0
+        } else {
+            r.budget_tokens
+        };
+        groups
+            .entry((r.line.clone(), tokens.to_bits()))
+            .or_default()
+            .push(r);
+    }
+    let mut out: Vec<Rung> = groups
+        .into_iter()
+        .map(|((line, tokens), rows)| {
+            // A train line's probes are evaluations of its cells on the same line (they
+            // change no setting but how the probes ran): the rung's replicates are the train
+            // cells, its probes theirs.
+            let train: Vec<&Row> = rows
+                .iter()
+                .copied()
+                .filter(|r| r.kind == StageKind::Train)
+                .collect();
+            let reps = if train.is_empty() { &rows } else { &train };
+            let losses: Vec<f64> = reps.iter().map(|r| r.loss()).collect();
+            let usage: Vec<f64> = reps.iter().filter_map(|r| r.mu_f()).collect();
+            // Each replicate's prompts per (task, length), and per length over its tasks.
+            let mut groups: BTreeMap<(String, u64), Vec<Vec<f64>>> = BTreeMap::new();
+            for r in &rows {
+                let mut all: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+                for ((task, len), prompts) in &r.probe_by_length {
+                    groups
+                        .entry((task.clone(), *len))
+                        .or_default()
+                        .push(prompts.clone());
+                    all.entry(*len).or_default().extend(prompts);
+                }
+                for (len, prompts) in all {
+                    groups
+                        .entry((ALL_TASKS.into(), len))
+                        .or_default()
+                        .push(prompts);
+                }
+            }
+            let probes = groups
+                .into_iter()
+                .filter_map(|(key, groups)| {
+                    let most = groups.iter().map(Vec::len).max().unwrap_or(0);
+                    Estimate::pooled(&groups).map(|e| (key, (e, most)))
+                })
+                .collect();
+            Rung {
+                line,
+                method: reps[0].method,
+                tokens: f64::from_bits(tokens),
+                replicates: reps.len(),
+                trained: !train.is_empty(),
+                eval_seq_len: reps[0].report.seq_len,
+                loss: Estimate::of(&losses, None),
+                mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
+                probes,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
+    out
+}
+
+/// `budget.csv`: a row per rung and, for its probes, per task and prompt length (task
+/// `all`: over its tasks; a rung without probes has one row, its task empty); None without a
+/// ladder.
+pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
+    let rungs = rungs(rows);
+    if rungs.is_empty() {
+        return Ok(None);
+    }
+    // (rung, its probes of one task at one length)
+    type Probe<'a> = (&'a (String, u64), &'a (Estimate, usize));
+    let mut flat: Vec<(&Rung, Option<Probe>)> = Vec::new();
+    for r in &rungs {
+        match r.probes.is_empty() {
+            true => flat.push((r, None)),
+            false => flat.extend(r.probes.iter().map(|p| (r, Some(p)))),
+        }
+    }
+    let est = |f: &dyn Fn(&Rung) -> Option<Estimate>, g: fn(&Estimate) -> f64| {
+        flat.iter()
+            .map(|(r, _)| f(r).as_ref().map(g))
+            .collect::<Vec<Option<f64>>>()
+    };
+    let probe = |g: fn(&Estimate) -> f64| {
+        flat.iter()
+            .map(|(_, p)| p.map(|(_, (e, _))| g(e)))
+            .collect::<Vec<Option<f64>>>()
+    };
+    let loss = |r: &Rung| r.loss;
+    let mu_f = |r: &Rung| r.mu_f;
+    let df = df!(
+        "line" => flat.iter().map(|(r, _)| r.line.clone()).collect::<Vec<_>>(),
+        "method" => flat.iter().map(|(r, _)| name_of(r.method)).collect::<Vec<_>>(),
+        "budget_tokens" => flat.iter().map(|(r, _)| r.tokens).collect::<Vec<_>>(),
+        "replicates" => flat.iter().map(|(r, _)| r.replicates as u64).collect::<Vec<_>>(),
+        "eval_seq_len" => flat.iter().map(|(r, _)| r.eval_seq_len as u64).collect::<Vec<_>>(),
+        "loss" => est(&loss, |e| e.mean),
+        "loss_ci95_low" => est(&loss, |e| e.low),
+        "loss_ci95_high" => est(&loss, |e| e.high),
+        "mu_f" => est(&mu_f, |e| e.mean),
+        "mu_f_ci95_low" => est(&mu_f, |e| e.low),
+        "mu_f_ci95_high" => est(&mu_f, |e| e.high),
+        "probe_task" => flat.iter().map(|(_, p)| p.map(|p| p.0 .0.clone())).collect::<Vec<_>>(),
+        "probe_length" => flat.iter().map(|(_, p)| p.map(|p| p.0 .1)).collect::<Vec<_>>(),
+        "probe_prompts" => flat.iter().map(|(_, p)| p.map(|p| p.1 .1 as u64)).collect::<Vec<_>>(),
+        "probe_exact_match" => probe(|e| e.mean),
+        "probe_ci95_low" => probe(|e| e.low),
+        "probe_ci95_high" => probe(|e| e.high),
+    )?;
+    Ok(Some(df))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::figure::Figure;
+    use crate::sweep::figures::figures;
+    use crate::sweep::fixture::{csv, sweep_dir_with_ladders};
+    use crate::sweep::rows::rows;
+
+    /// Each line with two budgets is a ladder: its rungs in token order, a train cell's loss
+    /// and usage, the probes of its evaluations pooled per prompt length with Wilson's
+    /// interval (one replicate of 0/1 prompts); lines of one budget stay out; the table has a
+    /// row per rung and length, the figure a panel per quantity and length, with AHA's paper
+    /// usage as a reference line.
+    #[test]
+    fn ladders_pool_each_lines_rungs_and_probes_by_length() {
+        let dir = sweep_dir_with_ladders("ladders");
+        let all = rows(&dir).unwrap().rows;
+        let rungs = rungs(&all);
+        let full: Vec<&Rung> = rungs.iter().filter(|r| r.line == "full").collect();
+        let aha: Vec<&Rung> = rungs
+            .iter()
+            .filter(|r| r.line.starts_with("aha "))
+            .collect();
+        assert_eq!(
+            (full.len(), aha.len(), rungs.len()),
+            (2, 2, 4),
+            "{rungs:#?}"
+        );
+        assert!(
+            aha[0].line.contains("attention.window=16"),
+            "{}",
+            aha[0].line
+        );
+        assert!(full[0].tokens < full[1].tokens && aha[0].tokens < aha[1].tokens);
+        let loss = |r: &Rung| r.loss.unwrap();
+        assert_eq!((loss(full[0]).mean, loss(full[1]).mean), (1.95, 1.8));
+        assert!(full
+            .iter()
+            .all(|r| r.trained && r.replicates == 1 && loss(r).low.is_nan()));
+        let usage: Vec<f64> = aha.iter().map(|r| r.mu_f.unwrap().mean).collect();
+        assert_eq!(usage, [0.9, 0.6]);
+        let at = |r: &Rung, task: &str, len: u64| r.probes[&(task.to_string(), len)];
+        let (e, prompts) = at(full[1], ALL_TASKS, 8);
+        assert_eq!((e.mean, prompts), (0.75, 4));
+        assert_eq!((e.low, e.high), wilson(3.0, 4.0));
+        assert_eq!(at(full[1], "niah_single", 16).0.mean, 0.5);
+        assert_eq!(at(full[1], "niah_multikey", 8).0.mean, 1.0);
+        assert_eq!(at(full[1], "niah_single", 8).0.mean, 2.0 / 3.0);
+        assert_eq!(at(full[0], ALL_TASKS, 8).0, {
+            let (low, high) = wilson(0.0, 2.0);
+            Estimate {
+                mean: 0.0,
+                low,
+                high,
+            }
+        });
+        assert!(aha.iter().all(|r| r.probes.is_empty()));
+
+        let out = dir.join("out");
+        std::fs::create_dir_all(&out).unwrap();
+        crate::sweep::tables::write_all(&dir, &out).unwrap();
+        let table = csv(&out.join("budget.csv"));
+        // full-0: all and two tasks at 8, all and one at 16; its rung one task at each.
+        assert_eq!(table.len(), 1 + 5 + 4 + 2, "{table:?}");
+        assert!(table.iter().any(|r| r[0] == "full"
+            && r[11] == "all"
+            && r[12] == "8"
+            && r[13] == "4"
+            && r[14] == "0.75"));
+
+        let figs = figures(&dir).unwrap();
+        let Some((_, Figure::Panels { panels, .. })) =
+            figs.iter().find(|(stem, _)| stem == "budget_ladder")
+        else {
+            panic!("no budget_ladder figure");
+        };
+        let titles: Vec<&str> = panels.iter().map(|p| p.title.as_str()).collect();
+        assert_eq!(titles.len(), 4, "{titles:?}");
+        assert!(titles[2].contains("probes at 8") && titles[3].contains("probes at 16"));
+        assert!(panels[1]
+            .series
+            .iter()
+            .any(|s| s.name.starts_with("AHA paper") && s.points[0].1 == 0.067));
+    }
+
+    /// Replicates pool as the mean of their means, the interval from seeds and prompts
+    /// inside [0, 1]; a replicate's fractional scores are bootstrapped, not given Wilson's.
+    #[test]
+    fn pooled_replicates_stay_inside_the_range() {
+        let e = Estimate::pooled(&[vec![1.0, 1.0, 0.0, 1.0], vec![0.0, 1.0]]).unwrap();
+        assert_eq!(e.mean, (0.75 + 0.5) / 2.0);
+        assert!(0.0 <= e.low && e.low <= e.mean && e.mean <= e.high && e.high <= 1.0);
+        let f = Estimate::pooled(&[vec![0.5, 0.25]]).unwrap();
+        assert!(f.low >= 0.25 && f.high <= 0.5, "{f:?}");
+        assert!(Estimate::pooled(&[vec![]]).is_none());
+    }
+}
