@@ -66,7 +66,7 @@ pub(crate) struct Rung {
     /// Training tokens behind its models (0: the pretrained model as it came).
     pub(crate) tokens: f64,
     pub(crate) replicates: usize,
-    /// Its replicates are train cells (their own evaluations), not evaluations of others.
+    /// Its replicates are train cells (with their evaluations), not only evaluations.
     pub(crate) trained: bool,
     /// Length of the sequences its loss was measured on.
     pub(crate) eval_seq_len: usize,
@@ -109,21 +109,19 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
         return Vec::new();
     }
     // A row's line reaches a ladder when it is the ladder's, or an evaluation of it (the
-    // ladder's name and then the settings the evaluation changes).
+    // ladder's name and then the settings the evaluation changes); the pretrained model's
+    // evaluations (no cell behind them) start every line.
+    let pretrained = |r: &Row| r.kind == StageKind::Eval && r.source.is_empty();
     let reached = |r: &Row| {
         r.kind != StageKind::Prune
-            && (r.line.starts_with("pretrained")
+            && (pretrained(r)
                 || ladders
                     .iter()
                     .any(|l| r.line == *l || r.line.starts_with(&format!("{l} "))))
     };
     let mut groups: BTreeMap<(String, u64), Vec<&Row>> = BTreeMap::new();
     for r in rows.iter().filter(|r| reached(r)) {
-        let tokens = if r.line.starts_with("pretrained") {
-            0.0
-        } else {
-            r.budget_tokens
-        };
+        let tokens = if pretrained(r) { 0.0 } else { r.budget_tokens };
         groups
             .entry((r.line.clone(), tokens.to_bits()))
             .or_default()
@@ -131,58 +129,82 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     }
     let mut out: Vec<Rung> = groups
         .into_iter()
-        .map(|((line, tokens), rows)| {
-            // A train line's probes are evaluations of its cells on the same line (they
-            // change no setting but how the probes ran): the rung's replicates are the train
-            // cells, its probes theirs.
-            let train: Vec<&Row> = rows
-                .iter()
-                .copied()
-                .filter(|r| r.kind == StageKind::Train)
-                .collect();
-            let reps = if train.is_empty() { &rows } else { &train };
-            let losses: Vec<f64> = reps.iter().map(|r| r.loss()).collect();
-            let usage: Vec<f64> = reps.iter().filter_map(|r| r.mu_f()).collect();
-            // Each replicate's prompts per (task, length), and per length over its tasks.
-            let mut groups: BTreeMap<(String, u64), Vec<Vec<f64>>> = BTreeMap::new();
-            for r in &rows {
-                let mut all: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
-                for ((task, len), prompts) in &r.probe_by_length {
-                    groups
-                        .entry((task.clone(), *len))
-                        .or_default()
-                        .push(prompts.clone());
-                    all.entry(*len).or_default().extend(prompts);
-                }
-                for (len, prompts) in all {
-                    groups
-                        .entry((ALL_TASKS.into(), len))
-                        .or_default()
-                        .push(prompts);
-                }
-            }
-            let probes = groups
-                .into_iter()
-                .filter_map(|(key, groups)| {
-                    let most = groups.iter().map(Vec::len).max().unwrap_or(0);
-                    Estimate::pooled(&groups).map(|e| (key, (e, most)))
-                })
-                .collect();
-            Rung {
-                line,
-                method: reps[0].method,
-                tokens: f64::from_bits(tokens),
-                replicates: reps.len(),
-                trained: !train.is_empty(),
-                eval_seq_len: reps[0].report.seq_len,
-                loss: Estimate::of(&losses, None),
-                mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
-                probes,
-            }
-        })
+        .map(|((line, tokens), rows)| rung(line, f64::from_bits(tokens), &rows))
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
     out
+}
+
+/// One model of a rung: the row that measured its loss and usage, and its probes' prompts.
+#[derive(Default)]
+struct Model<'a> {
+    measured: Option<&'a Row>,
+    prompts: BTreeMap<(String, u64), Vec<f64>>,
+}
+
+/// The rung of `line` at `tokens` from its rows. Its replicates are the models they measure:
+/// each train cell, or each model the evaluations act on (the cell behind them; the
+/// pretrained model). Several evaluations of one model are one replicate: its prompts merged,
+/// its loss and usage the train cell's own evaluation, else one without probes, else any.
+fn rung(line: String, tokens: f64, rows: &[&Row]) -> Rung {
+    let rank = |r: &Row| match (r.kind, r.probe_by_length.is_empty()) {
+        (StageKind::Train, _) => 0,
+        (_, true) => 1,
+        (_, false) => 2,
+    };
+    let mut models: BTreeMap<&str, Model> = BTreeMap::new();
+    for &r in rows {
+        let of = match r.kind {
+            StageKind::Train => r.cell.as_str(),
+            _ => r.source.as_str(),
+        };
+        let m = models.entry(of).or_default();
+        if m.measured.is_none_or(|p| rank(r) < rank(p)) {
+            m.measured = Some(r);
+        }
+        for (key, prompts) in &r.probe_by_length {
+            m.prompts.entry(key.clone()).or_default().extend(prompts);
+        }
+    }
+    let measured: Vec<&Row> = models.values().filter_map(|m| m.measured).collect();
+    let losses: Vec<f64> = measured.iter().map(|r| r.loss()).collect();
+    let usage: Vec<f64> = measured.iter().filter_map(|r| r.mu_f()).collect();
+    // Each model's prompts per (task, length), and per length over its tasks.
+    let mut groups: BTreeMap<(String, u64), Vec<Vec<f64>>> = BTreeMap::new();
+    for m in models.values() {
+        let mut all: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+        for ((task, len), prompts) in &m.prompts {
+            groups
+                .entry((task.clone(), *len))
+                .or_default()
+                .push(prompts.clone());
+            all.entry(*len).or_default().extend(prompts);
+        }
+        for (len, prompts) in all {
+            groups
+                .entry((ALL_TASKS.into(), len))
+                .or_default()
+                .push(prompts);
+        }
+    }
+    let probes = groups
+        .into_iter()
+        .filter_map(|(key, groups)| {
+            let most = groups.iter().map(Vec::len).max().unwrap_or(0);
+            Estimate::pooled(&groups).map(|e| (key, (e, most)))
+        })
+        .collect();
+    Rung {
+        line,
+        method: measured[0].method,
+        tokens,
+        replicates: models.len(),
+        trained: rows.iter().any(|r| r.kind == StageKind::Train),
+        eval_seq_len: measured[0].report.seq_len,
+        loss: Estimate::of(&losses, None),
+        mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
+        probes,
+    }
 }
 
 /// `budget.csv`: a row per rung and, for its probes, per task and prompt length (task
@@ -245,10 +267,11 @@ mod tests {
     use crate::sweep::rows::rows;
 
     /// Each line with two budgets is a ladder: its rungs in token order, a train cell's loss
-    /// and usage, the probes of its evaluations pooled per prompt length with Wilson's
-    /// interval (one replicate of 0/1 prompts); lines of one budget stay out; the table has a
-    /// row per rung and length, the figure a panel per quantity and length, with AHA's paper
-    /// usage as a reference line.
+    /// and usage, the probes of its evaluations merged per model and pooled per task and
+    /// prompt length with Wilson's interval (one replicate of 0/1 prompts); lines of one
+    /// budget stay out; the pretrained model's evaluations are one model at 0 tokens, its loss
+    /// the evaluation without probes; the table has a row per rung, task and length, the
+    /// figure a panel per quantity and length, with AHA's paper usage as a reference line.
     #[test]
     fn ladders_pool_each_lines_rungs_and_probes_by_length() {
         let dir = sweep_dir_with_ladders("ladders");
@@ -259,9 +282,10 @@ mod tests {
             .iter()
             .filter(|r| r.line.starts_with("aha "))
             .collect();
+        let base: Vec<&Rung> = rungs.iter().filter(|r| r.tokens == 0.0).collect();
         assert_eq!(
-            (full.len(), aha.len(), rungs.len()),
-            (2, 2, 4),
+            (full.len(), aha.len(), base.len(), rungs.len()),
+            (2, 2, 1, 5),
             "{rungs:#?}"
         );
         assert!(
@@ -279,8 +303,8 @@ mod tests {
         assert_eq!(usage, [0.9, 0.6]);
         let at = |r: &Rung, task: &str, len: u64| r.probes[&(task.to_string(), len)];
         let (e, prompts) = at(full[1], ALL_TASKS, 8);
-        assert_eq!((e.mean, prompts), (0.75, 4));
-        assert_eq!((e.low, e.high), wilson(3.0, 4.0));
+        assert_eq!((e.mean, prompts), (0.8, 5));
+        assert_eq!((e.low, e.high), wilson(4.0, 5.0));
         assert_eq!(at(full[1], "niah_single", 16).0.mean, 0.5);
         assert_eq!(at(full[1], "niah_multikey", 8).0.mean, 1.0);
         assert_eq!(at(full[1], "niah_single", 8).0.mean, 2.0 / 3.0);
@@ -293,18 +317,22 @@ mod tests {
             }
         });
         assert!(aha.iter().all(|r| r.probes.is_empty()));
+        assert!(!base[0].trained && base[0].replicates == 1 && base[0].line == "pretrained");
+        assert_eq!(loss(base[0]).mean, 2.2);
+        assert_eq!(at(base[0], ALL_TASKS, 8).0.mean, 0.5);
 
         let out = dir.join("out");
         std::fs::create_dir_all(&out).unwrap();
         crate::sweep::tables::write_all(&dir, &out).unwrap();
         let table = csv(&out.join("budget.csv"));
-        // full-0: all and two tasks at 8, all and one at 16; its rung one task at each.
-        assert_eq!(table.len(), 1 + 5 + 4 + 2, "{table:?}");
+        // full-0: four rows at 8 (every task among them), two at 16; its rung two at each;
+        // AHA's two rungs; the pretrained model's two.
+        assert_eq!(table.len(), 1 + 6 + 4 + 2 + 2, "{table:?}");
         assert!(table.iter().any(|r| r[0] == "full"
             && r[11] == "all"
             && r[12] == "8"
-            && r[13] == "4"
-            && r[14] == "0.75"));
+            && r[13] == "5"
+            && r[14] == "0.8"));
 
         let figs = figures(&dir).unwrap();
         let Some((_, Figure::Panels { panels, .. })) =
@@ -319,6 +347,15 @@ mod tests {
             .series
             .iter()
             .any(|s| s.name.starts_with("AHA paper") && s.points[0].1 == 0.067));
+        // The pretrained model's loss and probes are the start lines.
+        let start = |p: usize| {
+            panels[p]
+                .series
+                .iter()
+                .find(|s| s.name.starts_with("pretrained"))
+                .map(|s| s.points[0].1)
+        };
+        assert_eq!((start(0), start(2)), (Some(2.2), Some(0.5)));
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

@@ -489,10 +489,11 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
 }
 
 /// The fixture sweep with budget ladders: full attention (`full-0`) and AHA at w 16
-/// (`aha-16`) each trained again for half the steps as lower rungs (`ladder`), and `full-0`
-/// and its rung probed at two prompt lengths (`probe_samples.jsonl`: at length 8 the prompts
-/// 1, 1, 0 of niah_single and 1 of niah_multikey; at 16 niah_single's 0, 1; the rung's
-/// niah_single 0, 0 and 1, 1).
+/// (`aha-16`) each trained again for half the steps as lower rungs (`ladder`); `full-0` probed
+/// by two evaluations at two prompt lengths (`probe_samples.jsonl`: at length 8 the prompts
+/// 1, 1, 0 of niah_single, 1 of niah_multikey and, in the second, 1 of niah_multivalue; at 16
+/// niah_single's 0, 1), its rung once (niah_single 0, 0 at 8 and 1, 1 at 16); the pretrained
+/// model evaluated (loss 2.2) and probed (niah_single 0, 1 at 8).
 pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
     fn half(c: &mut Config) {
         c.train.steps /= 2;
@@ -519,6 +520,15 @@ pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
                 1.95,
                 half,
             ),
+            rung(
+                "probefull2-0",
+                Some("full-0"),
+                StageKind::Eval,
+                1.81,
+                |_| {},
+            ),
+            rung("pre-0", None, StageKind::Eval, 2.2, |_| {}),
+            rung("prepr-0", None, StageKind::Eval, 2.3, |_| {}),
             Spec {
                 id: "aharung-16",
                 density: 0.9,
@@ -567,6 +577,8 @@ pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
             (single, 16, 1.0),
         ],
     );
+    samples("probefull2-0", &[("niah_multivalue", 8, 1.0)]);
+    samples("prepr-0", &[(single, 8, 0.0), (single, 8, 1.0)]);
     samples(
         "proberung-0",
         &[

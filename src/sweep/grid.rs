@@ -498,6 +498,11 @@ fn stage_sources(grid: &Grid, si: usize, what: &str) -> Result<(Option<String>, 
                     "{what}: ladder = {l:?} names no other train stage of the grid; name the \
                      train stage whose line these cells are lower budgets of"
                 );
+                ensure!(
+                    main.is_some_and(|s| s.ladder.is_none()),
+                    "{what}: ladder = {l:?} names a stage that is itself a rung of another; \
+                     name the stage whose line both are on"
+                );
             }
             (from, earlier(&stage.reads, "reads")?)
         }
@@ -1139,6 +1144,10 @@ axes = {{ "attention.top_k" = [1, 16] }}
         // A ladder's rungs name another train stage; evaluations have none.
         for (stage, needle) in [
             ("name = \"r\"\nladder = \"r\"", "names no other train stage"),
+            (
+                "name = \"m\"\nladder = \"b\"\n[[stage]]\nname = \"r\"\nladder = \"m\"",
+                "itself a rung",
+            ),
             (
                 "name = \"r\"\nladder = \"nope\"",
                 "names no other train stage",

@@ -79,9 +79,10 @@ pub(crate) struct Row {
     pub(crate) prompt_scores: BTreeMap<String, Vec<f64>>,
     /// Its probes per (task, prompt length): each prompt's exact match.
     pub(crate) probe_by_length: BTreeMap<(String, u64), Vec<f64>>,
-    /// The line of a budget ladder it is on: its train stage's name (a lower rung's, the
-    /// stage it names in `ladder`) with that stage's varied settings but the seed; an
-    /// evaluation's or pruning's is the line of the cell it acts on.
+    /// The set-up it measures, as a budget ladder draws it (`line_of`): its train stage's
+    /// name (a lower rung's, the stage it names in `ladder`) with that stage's varied settings
+    /// but the seed; an evaluation's or pruning's, that of the train cell it acts on with the
+    /// settings it changes; `pretrained ...` for the grid's pretrained model.
     pub(crate) line: String,
 }
 
@@ -424,9 +425,9 @@ fn row_of(
     Ok(row)
 }
 
-/// Settings of an evaluation that say how its probes ran, not what it evaluated: two
-/// evaluations that differ only in these measure the same thing.
-const RUN_ONLY: [&str; 7] = [
+/// Settings of an evaluation that say how it ran, not what it evaluated: two evaluations
+/// that differ only in these measure the same model the same way.
+const RUN_ONLY: [&str; 8] = [
     "eval.tasks",
     "eval.lengths",
     "eval.samples",
@@ -434,60 +435,85 @@ const RUN_ONLY: [&str; 7] = [
     "eval.chat",
     "eval.max_batches",
     "eval.batch_size",
+    "eval.timing",
 ];
+
+/// The value of dotted setting `key` in `config` (`attention.window`).
+fn setting_in(config: &crate::config::Config, key: &str) -> Option<toml::Value> {
+    let table = toml::Table::try_from(config).ok()?;
+    let mut path = key.split('.');
+    let mut v = table.get(path.next()?)?;
+    for p in path {
+        v = v.get(p)?;
+    }
+    Some(v.clone())
+}
+
+/// Whether setting `key = v` restates what `config` already runs: its own value, or for
+/// `eval.seq_len` the training length it defaults to (0).
+fn restates(config: &crate::config::Config, key: &str, v: &toml::Value) -> bool {
+    let own = setting_in(config, key);
+    own.as_ref() == Some(v)
+        || (key == "eval.seq_len"
+            && own.and_then(|o| o.as_integer()) == Some(0)
+            && v.as_integer() == Some(config.data.seq_len as i64))
+}
 
 /// `Row::line` of cell `c`. A train cell's: its stage (or the stage its stage is a lower rung
 /// of) with that stage's varied settings but the seed, each as the cell has it (`aha
 /// attention.window=256`), so a rung and the stage's cells of the same settings share a line.
 /// An evaluation's or pruning's: the line of the train cell it acts on, then the settings it
-/// changes (`l2a eval.gates=oracle`); of the grid's pretrained model: `pretrained` and its
-/// settings. Settings that only shape how probes ran (`RUN_ONLY`) are left out.
+/// changes (`l2a eval.gates=oracle`) and the threshold of any pruning on the way; of the
+/// grid's pretrained model: `pretrained` and the settings it evaluates with. Settings that
+/// only say how an evaluation ran (`RUN_ONLY`) or restate the model's own are left out.
 fn line_of(c: &Cell, cells: &[Cell]) -> String {
     let cell = |id: &Option<String>| id.as_ref().and_then(|d| cells.iter().find(|x| &x.id == d));
+    let mut thresholds = Vec::new();
     let mut train = Some(c);
     while let Some(t) = train.filter(|t| t.kind != StageKind::Train) {
+        thresholds.extend(t.threshold);
         train = cell(&t.depends_on);
     }
     let shown = |k: &str, v: &toml::Value| format!("{k}={}", super::grid::value_str(v));
     let mut parts: Vec<String> = Vec::new();
-    if let Some(t) = train {
-        let stage = t.ladder.as_deref().unwrap_or(&t.stage);
-        let mut keys: Vec<&String> = cells
-            .iter()
-            .filter(|x| x.stage == stage)
-            .flat_map(|x| x.assignment.keys())
-            .filter(|k| k.as_str() != SEED_KEY)
-            .collect();
-        keys.sort();
-        keys.dedup();
-        parts.push(stage.to_string());
-        // A key the cell leaves at the base's value reads from its resolved config.
-        let resolved = toml::Table::try_from(&t.config).unwrap_or_default();
-        let in_config = |k: &str| {
-            let mut path = k.split('.');
-            let mut v = resolved.get(path.next()?)?;
-            for p in path {
-                v = v.get(p)?;
-            }
-            Some(v.clone())
-        };
-        for k in keys {
-            match t.settings.get(k).cloned().or_else(|| in_config(k)) {
-                Some(v) => parts.push(shown(k, &v)),
-                None => parts.push(format!("{k}=?")),
+    match train {
+        Some(t) => {
+            let stage = t.ladder.as_deref().unwrap_or(&t.stage);
+            let mut keys: Vec<&String> = cells
+                .iter()
+                .filter(|x| x.stage == stage)
+                .flat_map(|x| x.assignment.keys())
+                .filter(|k| k.as_str() != SEED_KEY)
+                .collect();
+            keys.sort();
+            keys.dedup();
+            parts.push(stage.to_string());
+            for k in keys {
+                // A key the cell leaves at the base's value reads from its resolved config.
+                match t
+                    .settings
+                    .get(k)
+                    .cloned()
+                    .or_else(|| setting_in(&t.config, k))
+                {
+                    Some(v) => parts.push(shown(k, &v)),
+                    None => parts.push(format!("{k}=?")),
+                }
             }
         }
-    } else {
-        parts.push("pretrained".into());
+        None => parts.push("pretrained".into()),
     }
-    let trained = train.map(|t| &t.settings);
     for (k, v) in &c.settings {
-        let same = trained.and_then(|s| s.get(k)) == Some(v);
+        let same = match train {
+            Some(t) => restates(&t.config, k, v),
+            // Its own config holds its own settings: only the length can restate (the data's).
+            None => k == "eval.seq_len" && v.as_integer() == Some(c.config.data.seq_len as i64),
+        };
         if !same && k != SEED_KEY && !RUN_ONLY.contains(&k.as_str()) {
             parts.push(shown(k, v));
         }
     }
-    parts.extend(c.threshold.map(|t| format!("threshold={t}")));
+    parts.extend(thresholds.iter().map(|t| format!("threshold={t}")));
     parts.join(" ")
 }
 

@@ -71,8 +71,9 @@ pub(crate) struct SweepArgs {
     pub(crate) out: PathBuf,
     pub(crate) jobs: usize,
     pub(crate) devices: Vec<usize>,
-    /// GPUs a cell runs on (`sweep --gpus-per-cell`): the devices form slots of this many, a
-    /// train cell trains data parallel over its slot's.
+    /// GPUs a train cell runs on (`sweep --gpus-per-cell`): in a train stage the devices form
+    /// slots of this many, and a cell trains data parallel over its slot's; an evaluation or
+    /// a pruning runs on one GPU, so their stages use every device as a slot (`placement`).
     pub(crate) gpus_per_cell: usize,
     pub(crate) cell: Option<usize>,
     pub(crate) retry_failed: bool,
@@ -255,7 +256,6 @@ struct Pool<'a> {
     mp: MultiProgress,
     overall: ProgressBar,
     status: Option<StatusLines>,
-    threads_per_job: usize,
     deadline: Option<std::time::Instant>,
     stopped: std::sync::atomic::AtomicBool,
 }
@@ -298,15 +298,15 @@ impl Pool<'_> {
             .collect()
     }
 
-    /// Runs every cell of `stage` to a final state with `workers` at a time: cells another
-    /// runner holds are waited for, and taken over if that runner dies before finishing them.
-    fn run_stage(&self, chosen: &[&Cell], stage: &str, workers: usize) {
+    /// Runs every cell of `stage` to a final state, as `at` places them: cells another runner
+    /// holds are waited for, and taken over if that runner dies before finishing them.
+    fn run_stage(&self, chosen: &[&Cell], stage: &str, at: Placement) {
         loop {
             let pending = self.pending(chosen, stage);
             if pending.is_empty() || self.past_deadline() {
                 return;
             }
-            let held = self.run_cells(&pending, workers);
+            let held = self.run_cells(&pending, at);
             if held.is_empty() {
                 return;
             }
@@ -319,13 +319,13 @@ impl Pool<'_> {
         }
     }
 
-    /// Runs `pending` with `workers` threads, each taking the next cell; returns the folders
-    /// of the cells another runner held.
-    fn run_cells(&self, pending: &[&Cell], workers: usize) -> Vec<PathBuf> {
+    /// Runs `pending` with `at.workers` threads, each taking the next cell; returns the
+    /// folders of the cells another runner held.
+    fn run_cells(&self, pending: &[&Cell], at: Placement) -> Vec<PathBuf> {
         let next = AtomicUsize::new(0);
         let held_elsewhere = Mutex::new(Vec::<PathBuf>::new());
         std::thread::scope(|s| {
-            for w in 0..workers.min(pending.len()) {
+            for w in 0..at.workers.min(pending.len()) {
                 let (next, held_elsewhere) = (&next, &held_elsewhere);
                 s.spawn(move || loop {
                     if self.past_deadline() {
@@ -335,8 +335,8 @@ impl Pool<'_> {
                     let Some(cell) = pending.get(i) else { break };
                     // A cell has its device to itself on its own GPU slot, or where it is the
                     // only one running.
-                    let alone = !self.args.devices.is_empty() || workers == 1;
-                    if let Some(dir) = self.run_one(cell, w, alone) {
+                    let alone = !self.args.devices.is_empty() || at.workers == 1;
+                    if let Some(dir) = self.run_one(cell, w, at, alone) {
                         held_elsewhere.lock().unwrap().push(dir);
                     }
                 });
@@ -345,25 +345,18 @@ impl Pool<'_> {
         held_elsewhere.into_inner().unwrap()
     }
 
-    /// Runs `cell` on worker `w`'s device and records how it ended; the cell's folder when
+    /// Runs `cell` on worker `w`'s devices and records how it ended; the cell's folder when
     /// another runner holds it.
-    fn run_one(&self, cell: &Cell, w: usize, alone: bool) -> Option<PathBuf> {
+    fn run_one(&self, cell: &Cell, w: usize, at: Placement, alone: bool) -> Option<PathBuf> {
         let watch = Watch {
             mp: &self.mp,
             status: self.status.as_ref(),
         };
-        let k = self.args.gpus_per_cell;
+        let k = at.slot;
         let device = self.args.devices.get(w * k..(w + 1) * k);
         let again = self.retrain.contains(&cell.id);
         let result = run_cell(
-            cell,
-            self.args,
-            &self.exe,
-            device,
-            self.threads_per_job,
-            again,
-            alone,
-            &watch,
+            cell, self.args, &self.exe, device, at.threads, again, alone, &watch,
         );
         if !matches!(result, Ok(CellRun::HeldElsewhere)) {
             self.attempted.lock().unwrap().insert(cell.id.clone());
@@ -420,10 +413,6 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     overall.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} cells {msg}").expect("template"),
     );
-    let workers = match args.devices.len() {
-        0 => args.jobs.max(1),
-        n => n / args.gpus_per_cell,
-    };
     let mut pool = Pool {
         args,
         exe: std::env::current_exe().context("cannot locate the attnsweep binary")?,
@@ -433,8 +422,6 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         mp,
         overall,
         status,
-        threads_per_job: (std::thread::available_parallelism().map_or(1, |n| n.get()) / workers)
-            .max(1),
         deadline: args.stop_after.map(|d| std::time::Instant::now() + d),
         stopped: std::sync::atomic::AtomicBool::new(false),
     };
@@ -447,15 +434,49 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
             stages.push(&c.stage);
         }
     }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for stage in stages {
-        let exclusive = chosen.iter().any(|c| c.stage == stage && c.exclusive);
-        pool.run_stage(&chosen, stage, if exclusive { 1 } else { workers });
+        let of_stage = || chosen.iter().filter(|c| c.stage == stage);
+        let exclusive = of_stage().any(|c| c.exclusive);
+        let train = of_stage().any(|c| c.kind == StageKind::Train);
+        pool.run_stage(&chosen, stage, placement(args, train, exclusive, cores));
     }
     pool.overall.finish_and_clear();
     let mut o = pool.outcome.into_inner().unwrap();
     o.skipped = chosen.len() - o.done - o.failed;
     o.stopped = pool.stopped.into_inner();
     Ok(o)
+}
+
+/// How a stage's cells are placed: `workers` run at once, each on a slot of `slot` devices of
+/// `--devices` (none on the CPU), with `threads` host threads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Placement {
+    workers: usize,
+    slot: usize,
+    threads: usize,
+}
+
+/// The placement of a stage: on GPUs, a train stage's cells take `--gpus-per-cell` devices
+/// each and an evaluation's or pruning's one (they run on one GPU, and the others would idle);
+/// on the CPU, `--jobs` at once. An `exclusive` stage runs one cell at a time. The host's
+/// `cores` are shared equally among the cells running at once.
+fn placement(args: &SweepArgs, train: bool, exclusive: bool, cores: usize) -> Placement {
+    let slot = match (args.devices.is_empty(), train) {
+        (true, _) => 0,
+        (false, true) => args.gpus_per_cell,
+        (false, false) => 1,
+    };
+    let workers = match (exclusive, slot) {
+        (true, _) => 1,
+        (false, 0) => args.jobs.max(1),
+        (false, k) => (args.devices.len() / k).max(1),
+    };
+    Placement {
+        workers,
+        slot,
+        threads: (cores / workers).max(1),
+    }
 }
 
 /// Whether a finished cell's folder lacks the weights it made (a results folder is kept
@@ -868,5 +889,39 @@ mod tests {
         let e = format!("{:#}", weights_gone(&train).unwrap_err());
         assert!(e.contains("does not exist"), "{e}");
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// On four GPUs at four a train cell, a train stage runs one cell over all four and an
+    /// evaluation stage four cells, one a GPU; an exclusive stage one cell; on the CPU --jobs
+    /// cells. The host's cores are shared among the cells running at once.
+    #[test]
+    fn train_cells_take_their_slot_and_evaluations_one_gpu() {
+        let args = |devices: Vec<usize>, gpus_per_cell, jobs| SweepArgs {
+            out: PathBuf::new(),
+            jobs,
+            devices,
+            gpus_per_cell,
+            cell: None,
+            retry_failed: false,
+            drop_optimizer: false,
+            retrain: false,
+            stop_after: None,
+            quiet: true,
+            status_every: 30,
+        };
+        let four = args(vec![0, 1, 2, 3], 4, 1);
+        let at = |workers, slot, threads| Placement {
+            workers,
+            slot,
+            threads,
+        };
+        assert_eq!(placement(&four, true, false, 64), at(1, 4, 64));
+        assert_eq!(placement(&four, false, false, 64), at(4, 1, 16));
+        assert_eq!(placement(&four, false, true, 64), at(1, 1, 64));
+        let pairs = args(vec![0, 1, 2, 3], 2, 1);
+        assert_eq!(placement(&pairs, true, false, 64), at(2, 2, 32));
+        let cpu = args(vec![], 1, 3);
+        assert_eq!(placement(&cpu, true, false, 2), at(3, 0, 1));
+        assert_eq!(placement(&cpu, false, true, 8), at(1, 0, 8));
     }
 }
