@@ -32,9 +32,10 @@ pub(super) struct SweepCmd {
     /// names. Default: the largest train.ranks of the grid's cells.
     #[arg(long, value_name = "K")]
     gpus_per_cell: Option<usize>,
-    /// Run only the cell with this index (as listed by --dry-run); for Slurm array tasks.
-    #[arg(long)]
-    cell: Option<usize>,
+    /// Run only the cells with these indices (as listed by --dry-run), e.g. --cell 3,8; a
+    /// Slurm array task runs one. A listed cell's dependencies must be finished or listed too.
+    #[arg(long, value_delimiter = ',')]
+    cell: Vec<usize>,
     /// Run only the first N of the grid's seeds: the same cells, by id, as the grid's own, so
     /// the first replicate of every cell can finish before the others. The sweep directory's
     /// cells.json and tables then list those cells only, until a run without --seeds adds
@@ -79,14 +80,14 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
     let mut grid = sweep::read_grid(&c.grid)?;
     if let Some(n) = c.seeds {
         anyhow::ensure!(
-            c.emit.is_none() && c.cell.is_none(),
+            c.emit.is_none() && c.cell.is_empty(),
             "--seeds runs a first part of the grid here; with --emit or --cell, whose indexes \
              are the whole grid's, leave it out"
         );
         grid.keep_first_seeds(n)?;
     }
     anyhow::ensure!(
-        !c.retrain || (c.emit.is_none() && c.cell.is_none()),
+        !c.retrain || (c.emit.is_none() && c.cell.is_empty()),
         "--retrain trains a cell's dependencies again before the cell, in one run of the grid; \
          with --emit or --cell, which run one cell, leave it out (run the sweep with --retrain \
          where the weights are to be made)"
@@ -174,7 +175,7 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         status_every: c.status_every,
     };
     let o = sweep::run(&grid, &cells, &args)?;
-    if c.cell.is_none() {
+    if args.cell.is_empty() {
         tables::write_all(&out, &out)?;
     }
     eprintln!(

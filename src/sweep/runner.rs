@@ -75,7 +75,8 @@ pub(crate) struct SweepArgs {
     /// slots of this many, and a cell trains data parallel over its slot's; an evaluation or
     /// a pruning runs on one GPU, so their stages use every device as a slot (`placement`).
     pub(crate) gpus_per_cell: usize,
-    pub(crate) cell: Option<usize>,
+    /// Run only these cells (`sweep --cell`); empty: every cell.
+    pub(crate) cell: Vec<usize>,
     pub(crate) retry_failed: bool,
     /// Remove each finished train cell's optimizer state (`sweep --drop-optimizer`).
     pub(crate) drop_optimizer: bool,
@@ -93,7 +94,7 @@ pub(crate) struct SweepArgs {
 pub(crate) fn failed_cells(cells: &[Cell], args: &SweepArgs) -> Vec<String> {
     let ids: BTreeSet<String> = cells
         .iter()
-        .filter(|c| args.cell.is_none_or(|k| c.index == k))
+        .filter(|c| args.cell.is_empty() || args.cell.contains(&c.index))
         .filter(|c| read_status(&args.out.join(&c.id)).is_some_and(|s| s.state == State::Failed))
         .map(|c| c.id.clone())
         .collect();
@@ -222,26 +223,37 @@ fn ensure_data(grid: &Grid, cells: &[Cell], out: &Path, quiet: bool) -> Result<(
     Ok(())
 }
 
-/// The cells this invocation covers: all of them, or cell `args.cell` once its dependencies
-/// have finished.
+/// The cells this invocation covers: all of them, or the cells `args.cell` lists (in the
+/// grid's order) once each one's dependencies have finished or are listed too.
 fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
-    let Some(k) = args.cell else {
+    if args.cell.is_empty() {
         return Ok(cells.iter().collect());
-    };
-    let c = cells.get(k).with_context(|| {
-        format!(
-            "--cell {k}: the grid has cells 0 ..= {}",
-            cells.len().saturating_sub(1)
-        )
-    })?;
-    for dep in c.depends_on.iter().chain(&c.reads) {
-        let st = read_status(&args.out.join(dep));
-        ensure!(
-            st.is_some_and(|s| s.state == State::Done),
-            "--cell {k}: its dependency {dep} is not finished"
-        );
     }
-    Ok(vec![c])
+    let mut listed: Vec<&Cell> = Vec::new();
+    for &k in &args.cell {
+        let c = cells.get(k).with_context(|| {
+            format!(
+                "--cell {k}: the grid has cells 0 ..= {}",
+                cells.len().saturating_sub(1)
+            )
+        })?;
+        if !listed.iter().any(|l| l.index == k) {
+            listed.push(c);
+        }
+    }
+    listed.sort_by_key(|c| c.index);
+    for c in &listed {
+        for dep in c.depends_on.iter().chain(&c.reads) {
+            let st = read_status(&args.out.join(dep));
+            ensure!(
+                st.is_some_and(|s| s.state == State::Done) || listed.iter().any(|l| &l.id == dep),
+                "--cell {}: its dependency {dep} is not finished; finish it first or list its \
+                 cell too",
+                c.index
+            );
+        }
+    }
+    Ok(listed)
 }
 
 /// What the workers of one invocation share: where the cells run and what they have done.
@@ -384,7 +396,7 @@ impl Pool<'_> {
     }
 }
 
-/// Runs the cells of a grid that are not finished (or only cell `args.cell`).
+/// Runs the cells of a grid that are not finished (or only the cells `args.cell` lists).
 pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outcome> {
     atomic::ensure_writable_dir(&args.out)?;
     atomic::write_bytes(
@@ -891,6 +903,46 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// `--cell` lists cells in any order and runs them in the grid's; a listed cell waits on
+    /// no unfinished dependency unless that one is listed too; an index past the grid's is
+    /// refused.
+    #[test]
+    fn listed_cells_run_in_grid_order_with_their_dependencies() {
+        let grid: super::super::Grid = toml::from_str(
+            "name = \"t\"\n[[stage]]\nname = \"base\"\n[[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
+             set = { \"attention.method\" = \"aha\" }\naxes = { \"attention.window\" = [4, 8] }\n",
+        )
+        .unwrap();
+        let cells = super::super::expand(&grid).unwrap();
+        let out = std::env::temp_dir().join(format!("attnsweep-listed-{}", std::process::id()));
+        let args = |cell: Vec<usize>| SweepArgs {
+            out: out.clone(),
+            jobs: 1,
+            devices: vec![],
+            gpus_per_cell: 1,
+            cell,
+            retry_failed: false,
+            drop_optimizer: false,
+            retrain: false,
+            stop_after: None,
+            quiet: true,
+            status_every: 30,
+        };
+        let indices = |listed: Vec<&Cell>| listed.iter().map(|c| c.index).collect::<Vec<_>>();
+        assert_eq!(indices(chosen(&cells, &args(vec![])).unwrap()), [0, 1, 2]);
+        assert_eq!(
+            indices(chosen(&cells, &args(vec![2, 0, 2])).unwrap()),
+            [0, 2]
+        );
+        let e = format!("{:#}", chosen(&cells, &args(vec![1])).unwrap_err());
+        assert!(
+            e.contains("--cell 1") && e.contains("list its cell too"),
+            "{e}"
+        );
+        let e = format!("{:#}", chosen(&cells, &args(vec![0, 7])).unwrap_err());
+        assert!(e.contains("--cell 7") && e.contains("0 ..= 2"), "{e}");
+    }
+
     /// On four GPUs at four a train cell, a train stage runs one cell over all four and an
     /// evaluation stage four cells, one a GPU; an exclusive stage one cell; on the CPU --jobs
     /// cells. The host's cores are shared among the cells running at once.
@@ -901,7 +953,7 @@ mod tests {
             jobs,
             devices,
             gpus_per_cell,
-            cell: None,
+            cell: vec![],
             retry_failed: false,
             drop_optimizer: false,
             retrain: false,
