@@ -95,6 +95,9 @@ pub(crate) enum XAxis {
     LinearSwept,
     /// Log scale, ticks at the values a sweep set (windows, lambdas, distances).
     LogSwept,
+    /// `LogSwept` for counts in the millions or more (training tokens), each tick written in
+    /// three significant digits with its unit (2.1M, 20.1M, 200M).
+    LogCounts,
 }
 
 /// What a figure is drawn from; `draw` renders it on any plotters backend.
@@ -311,7 +314,7 @@ fn line_axes(series: &[Series], x_axis: XAxis) -> LineAxes {
     }));
     let swept = match x_axis {
         XAxis::Linear => None,
-        XAxis::LinearSwept | XAxis::LogSwept => swept_values(series),
+        XAxis::LinearSwept | XAxis::LogSwept | XAxis::LogCounts => swept_values(series),
     };
     let x_step = match &swept {
         // Each swept value printed exactly (0.125, not 0.1), and neighbours apart.
@@ -329,12 +332,35 @@ fn line_axes(series: &[Series], x_axis: XAxis) -> LineAxes {
     LineAxes {
         y: (y0, y1),
         swept,
-        x_fmt: Box::new(move |v: &f64| match whole && v.fract() == 0.0 {
-            true => format!("{}", *v as i64),
-            false => round(v),
+        x_fmt: Box::new(move |v: &f64| match (x_axis, whole && v.fract() == 0.0) {
+            (XAxis::LogCounts, _) => short_count(*v),
+            (_, true) => format!("{}", *v as i64),
+            (_, false) => round(v),
         }),
         y_fmt: Box::new(tick_format((y1 - y0) / 10.0)),
     }
+}
+
+/// A count in three significant digits with its unit: 2097152 as 2.1M, 20054016 as 20.1M,
+/// 999 as 999.
+fn short_count(v: f64) -> String {
+    let (scaled, unit) = match v.abs() {
+        a if a >= 1e9 => (v / 1e9, "G"),
+        a if a >= 1e6 => (v / 1e6, "M"),
+        a if a >= 1e3 => (v / 1e3, "k"),
+        _ => (v, ""),
+    };
+    let digits = match scaled.abs() {
+        a if a >= 100.0 => 0,
+        a if a >= 10.0 => 1,
+        _ => 2,
+    };
+    let text = format!("{scaled:.digits$}");
+    let text = match text.contains('.') {
+        true => text.trim_end_matches('0').trim_end_matches('.').to_string(),
+        false => text,
+    };
+    format!("{text}{unit}")
 }
 
 /// Draws point label `l` beside its marker at pixel `(px, py)` of the whole image, clear of
@@ -467,7 +493,7 @@ fn draw_lines<DB: DrawingBackend>(
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.0))
         .filter(|v| v.is_finite());
-    if x_axis == XAxis::LogSwept {
+    if matches!(x_axis, XAxis::LogSwept | XAxis::LogCounts) {
         let (lo, hi) = finite_x
             .filter(|v| *v > 0.0)
             .fold((f64::INFINITY, 0f64), |(a, b), v| (a.min(v), b.max(v)));
@@ -880,6 +906,22 @@ pub(super) mod tests {
                 )
             })
             .collect()
+    }
+
+    /// Token budgets are written short, at three significant digits.
+    #[test]
+    fn counts_are_written_short() {
+        let cases = [
+            (2_097_152.0, "2.1M"),
+            (20_054_016.0, "20.1M"),
+            (200_015_872.0, "200M"),
+            (1_500.0, "1.5k"),
+            (999.0, "999"),
+            (2.5e9, "2.5G"),
+        ];
+        for (v, text) in cases {
+            assert_eq!(short_count(v), text, "{v}");
+        }
     }
 
     #[test]

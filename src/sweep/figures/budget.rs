@@ -37,7 +37,7 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
             base_loss,
             6,
         ),
-        x_axis: XAxis::LogSwept,
+        x_axis: XAxis::LogCounts,
     });
     // Usage of the routed lines, beside what each method's paper reports.
     let routed: Vec<&Rung> = trained
@@ -65,7 +65,7 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
             x: tokens.into(),
             y: "mu_f".into(),
             series: usage,
-            x_axis: XAxis::LogSwept,
+            x_axis: XAxis::LogCounts,
         });
     }
     // The probes at each prompt length, every line probed at two budgets or more.
@@ -91,7 +91,7 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
                 base_at,
                 6,
             ),
-            x_axis: XAxis::LogSwept,
+            x_axis: XAxis::LogCounts,
         });
     }
     figs.push((
