@@ -853,6 +853,36 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         (g - 3.0 / 8.0).abs() < 1e-9,
         "3 of 8 heads always full: mu_f {g}"
     );
+    // Ramped along a run's usage (0, 0.2, 0.4 over its three steps: shares 0, 0.5, 1 of its
+    // last), the same three heads open 0, then round(1.5) = 2, then 3 of them; evaluated
+    // after training, all three.
+    let ramp = d.join("ramp_log.csv");
+    std::fs::write(&ramp, "step,loss,mu_f\n1,3,0.0\n2,3,0.2\n3,3,0.4\n").unwrap();
+    let ramp_set = format!("attention.top_k_ramp={}", ramp.display());
+    let mut ramped = st.clone();
+    ramped.extend(["--set", &ramp_set, "--set", "train.log_every=1"]);
+    train(&d, &data, "ramped", &ramped);
+    let log = std::fs::read_to_string(d.join("ramped/train_log.csv")).unwrap();
+    let col = log
+        .lines()
+        .next()
+        .unwrap()
+        .split(',')
+        .position(|c| c == "mu_f");
+    let usage: Vec<f64> = (log.lines().skip(1))
+        .map(|r| r.split(',').nth(col.unwrap()).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(usage, [0.0, 2.0 / 8.0, 3.0 / 8.0], "{log}");
+    let g = json(&d.join("ramped/eval/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    assert!((g - 3.0 / 8.0).abs() < 1e-9, "after training: mu_f {g}");
+    std::fs::write(&ramp, "step,loss,mu_f\n1,3,0.1\n2,3,0.0\n").unwrap();
+    let err = ramped
+        .iter()
+        .fold(tiny_train(&d, &data, "ramped_none"), |c, a| c.arg(a))
+        .fails();
+    assert!(err.contains("ends at usage 0"), "{err}");
 
     // SwiAttn and the context-free Bernoulli baseline train too.
     let mut sw = short.to_vec();

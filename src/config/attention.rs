@@ -153,6 +153,11 @@ pub struct AttentionConfig {
     /// static_heads: how many of the top-ranked heads are always full; 0 takes the ranked
     /// model's budget (its per-head usage summed and rounded: the same share of full calls).
     pub top_k: usize,
+    /// static_heads: ramp the full heads along another run's usage: that run's
+    /// `train_log.csv` (its `mu_f` by step). At each fraction of training the first
+    /// round(k x mu_f / its last mu_f) of the k ranked heads run full, k the assignment's
+    /// (`top_k`), at most k; empty: all k from the first step.
+    pub top_k_ramp: PathBuf,
     /// sinks: how many of the sequence's first tokens every query sees beside its window
     /// (StreamingLLM keeps 4).
     pub sink_tokens: usize,
@@ -185,6 +190,7 @@ impl Default for AttentionConfig {
             swiattn_disagreement: Reduction::Mean,
             head_ranking: PathBuf::new(),
             top_k: 0,
+            top_k_ramp: PathBuf::new(),
             sink_tokens: 4,
             attn_impl: AttnImpl::Auto,
         }
@@ -251,7 +257,7 @@ impl AttentionConfig {
                     &[&["tau", "router_init_bias"][..], regulariser].concat(),
                 );
             }
-            Method::StaticHeads => keys.extend(["window", "head_ranking", "top_k"]),
+            Method::StaticHeads => keys.extend(["window", "head_ranking", "top_k", "top_k_ramp"]),
             Method::Sinks => keys.extend(["window", "sink_tokens"]),
         }
         keys
@@ -296,6 +302,7 @@ impl AttentionConfig {
             swiattn_disagreement,
             head_ranking,
             top_k,
+            top_k_ramp,
             sink_tokens
         );
         a

@@ -778,7 +778,8 @@ fn exported_config(cfg: &Config, native: Option<Family>, dtype: OutDtype) -> Res
             "sink_tokens": a.sink_tokens,
             "pruned_layers": a.pruned_layers,
             "shared_o_proj": a.swiattn_shared_o_proj,
-            "full_heads": (crate::model::attention::spec(a.method).fixed_heads)(m, a)?,
+            "full_heads": (crate::model::attention::spec(a.method).fixed_heads)(m, a)?
+                .map(|heads| heads.iter().map(|layer| layer.iter().map(Option::is_some).collect::<Vec<_>>()).collect::<Vec<_>>()),
         });
     }
     Ok(c)

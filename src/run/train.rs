@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::config::RESUME_MAY_CHANGE;
 use crate::data::{self, Split};
 use crate::io::checkpoint::{self, Precision, TrainState};
-use crate::model::attention::{spec, ForwardCtx, GateOverride};
+use crate::model::attention::{spec, ForwardCtx, GateOverride, UsageRamp};
 use crate::model::kernels;
 use crate::model::kernels::Kernels;
 use crate::model::step::forward_backward;
@@ -370,6 +370,8 @@ struct Trainer<'a> {
     gpu: Option<(&'static Kernels, usize)>,
     /// Probability per step of a forced global step (`MethodSpec::force_global`).
     p_force: f64,
+    /// Static heads ramped along another run's usage, and how many ranked heads it ends with.
+    static_ramp: Option<(UsageRamp, usize)>,
     /// Its part in a data-parallel job, if it is one rank of several.
     team: Option<Team>,
     /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
@@ -515,6 +517,7 @@ impl<'a> Trainer<'a> {
             plan,
             gpu,
             p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
+            static_ramp: static_ramp(&cfg)?,
             team,
             routers,
             log_path,
@@ -568,6 +571,8 @@ impl<'a> Trainer<'a> {
         // gate generator.
         self.ctx.force_global = self.p_force > 0.0 && self.gate_rng.uniform() < self.p_force;
         self.ctx.penalty_scale = Some(penalty_scale(t, self.state.step));
+        self.ctx.static_heads = (self.static_ramp.as_ref())
+            .map(|(ramp, total)| ramp.heads(self.state.step, t.steps, *total));
         // While held, every gate is open and the router gets no gradient (so AdamW leaves it
         // and its moments untouched).
         let held = self.state.step < t.router_hold_steps;
@@ -857,6 +862,23 @@ fn init_from(
         );
     }
     Ok(())
+}
+
+/// Static heads ramped along another run's usage (`attention.top_k_ramp`): the ramp and how
+/// many ranked heads it ends with (the assignment's); None for any other run.
+fn static_ramp(cfg: &Config) -> Result<Option<(UsageRamp, usize)>> {
+    let a = &cfg.attention;
+    if a.top_k_ramp.as_os_str().is_empty() || a.method != config::Method::StaticHeads {
+        return Ok(None);
+    }
+    let heads = (spec(a.method).fixed_heads)(&cfg.model, a)?;
+    let total = heads
+        .iter()
+        .flatten()
+        .flatten()
+        .filter(|p| p.is_some())
+        .count();
+    Ok(Some((UsageRamp::read(&a.top_k_ramp)?, total)))
 }
 
 #[cfg(test)]

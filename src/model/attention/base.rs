@@ -236,9 +236,9 @@ pub(super) struct Build<'a> {
     pub(crate) layer: usize,
     pub(crate) m: &'a ModelConfig,
     pub(crate) a: &'a AttentionConfig,
-    /// This layer's heads, true where always full, for a method that reads a fixed per-head
-    /// assignment (`MethodSpec::fixed_heads`).
-    pub(crate) fixed_heads: Option<&'a [bool]>,
+    /// This layer's heads, each always-full head's place in the ranking it was chosen by, for
+    /// a method that reads a fixed per-head assignment (`MethodSpec::fixed_heads`).
+    pub(crate) fixed_heads: Option<&'a [Option<usize>]>,
     pub(crate) kernels: Option<&'static Kernels>,
 }
 

@@ -12,6 +12,9 @@ pub struct ForwardCtx {
     /// The share of each router penalty's `attention.lambda` this step (`train.lambda_ramp`);
     /// None carries all of it.
     pub(crate) penalty_scale: Option<f64>,
+    /// Static heads ramped along a run's usage (`attention.top_k_ramp`): how many of the
+    /// ranked full heads run full in this step; None: all of them.
+    pub(crate) static_heads: Option<usize>,
     /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
     /// head), so a token's gate does not depend on how the sequence is cut into chunks.
     pub(crate) gate_seed: u64,

@@ -43,6 +43,10 @@ pub(super) enum GateSource {
     Bernoulli(Tensor),
     /// Static head assignment: `[H]` gates, the same for every token.
     Fixed(Tensor),
+    /// Static heads ramped (`attention.top_k_ramp`): each head's place in the ranking (`[H]`,
+    /// fp64; infinite for a head never full). A forward opens the places below
+    /// `ForwardCtx::static_heads`, every full head's without it.
+    Ranked(Tensor),
 }
 
 /// A layer's gates for one chunk.
@@ -121,6 +125,18 @@ impl GateSource {
                 }
                 GateSource::Fixed(heads) => {
                     let hard = heads.view([1, 1, like[2]]).expand(like, false).contiguous();
+                    (hard.shallow_clone(), hard)
+                }
+                GateSource::Ranked(places) => {
+                    let open = match ctx.static_heads {
+                        Some(k) => places.lt(k as f64),
+                        None => places.isfinite(),
+                    };
+                    let hard = open
+                        .to_kind(Kind::Float)
+                        .view([1, 1, like[2]])
+                        .expand(like, false)
+                        .contiguous();
                     (hard.shallow_clone(), hard)
                 }
             },

@@ -26,7 +26,7 @@ impl SelfAttention {
         layer: usize,
         m: &ModelConfig,
         a: &AttentionConfig,
-        fixed_heads: Option<&[bool]>,
+        fixed_heads: Option<&[Option<usize>]>,
         kernels: Option<&'static Kernels>,
     ) -> Self {
         // The base projections first: parameters draw their initial values from tch's

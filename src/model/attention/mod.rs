@@ -35,7 +35,7 @@ pub(crate) use cache::{CacheState, Keys, LayerCache};
 pub use ctx::ForwardCtx;
 pub(crate) use ctx::GateOverride;
 pub(crate) use layer::SelfAttention;
-pub(crate) use methods::{all as all_methods, spec, HEAD_RANKING_COLUMNS};
+pub(crate) use methods::{all as all_methods, spec, UsageRamp, HEAD_RANKING_COLUMNS};
 pub(crate) use patterns::{KeyPattern, MaskCache};
 pub(crate) use shared::routed_paths;
 pub(crate) use spec::{

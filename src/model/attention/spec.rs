@@ -35,8 +35,8 @@ pub(crate) struct MethodSpec {
     /// Parameters it adds to one layer's attention (routers are negligible and not counted).
     pub(crate) extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
     /// What it reads from files before the model is built: a fixed `[layer][head]` assignment
-    /// (true: always full), None for methods that read none.
-    pub(crate) fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<Vec<Vec<bool>>>>,
+    /// (each always-full head's place in its ranking), None for methods that read none.
+    pub(crate) fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<HeadRanks>>,
     /// Probability per training step that every token runs its global path (L2A's `p_force`).
     pub(crate) force_global: fn(&AttentionConfig) -> f64,
     /// Its own settings, shown beside its window where figures name a cell (`λ 0.0003`), given
@@ -193,6 +193,10 @@ pub(crate) struct SettingCurve {
     pub(crate) full_at: Option<f64>,
 }
 
+/// A fixed per-head assignment, `[layer][head]`: a head's place in the ranking it was chosen
+/// by where it is always full (0 the first), None where it is not.
+pub(crate) type HeadRanks = Vec<Vec<Option<usize>>>;
+
 /// What a method reports beyond the tables and figures every method fills.
 pub(crate) enum Report {
     /// A table of the summary's rows.
@@ -227,10 +231,7 @@ pub(super) fn no_extra_params(_: &ModelConfig, _: &AttentionConfig) -> f64 {
     0.0
 }
 
-pub(super) fn no_fixed_heads(
-    _: &ModelConfig,
-    _: &AttentionConfig,
-) -> Result<Option<Vec<Vec<bool>>>> {
+pub(super) fn no_fixed_heads(_: &ModelConfig, _: &AttentionConfig) -> Result<Option<HeadRanks>> {
     Ok(None)
 }
 

@@ -16,7 +16,8 @@ use crate::model::attention::patterns::KERNEL_FAILED;
 use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
 use crate::model::attention::spec::{
     never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchKnobs, BenchVariant,
-    CellKind, Example, Gates, MethodSpec, PaperTable, Report, SettingColumn, TableCell, Value,
+    CellKind, Example, Gates, HeadRanks, MethodSpec, PaperTable, Report, SettingColumn, TableCell,
+    Value,
 };
 use crate::model::kernels::Kernels;
 use crate::model::nn::Linear;
@@ -48,16 +49,30 @@ fn build_aha(b: &Build) -> Box<dyn Route> {
     })
 }
 
-/// Static heads take the layer's fixed assignment (`MethodSpec::fixed_heads`).
+/// Static heads take the layer's fixed assignment (`MethodSpec::fixed_heads`); ramped
+/// (`attention.top_k_ramp`), each full head keeps its place in the ranking, and a training
+/// step opens the first `ForwardCtx::static_heads` places.
 fn build_static_heads(b: &Build) -> Box<dyn Route> {
-    let on: Vec<f32> = b
+    let heads = b
         .fixed_heads
-        .expect("static_heads is built with its head assignment")
-        .iter()
-        .map(|&h| h as u8 as f32)
-        .collect();
+        .expect("static_heads is built with its head assignment");
+    let device = b.p.device();
+    let gates = match b.a.top_k_ramp.as_os_str().is_empty() {
+        true => {
+            let on: Vec<f32> = heads.iter().map(|h| h.is_some() as u8 as f32).collect();
+            GateSource::Fixed(Tensor::from_slice(&on).to_device(device))
+        }
+        // A head never full sits past every place a step can open.
+        false => {
+            let places: Vec<f64> = heads
+                .iter()
+                .map(|h| h.map_or(f64::INFINITY, |p| p as f64))
+                .collect();
+            GateSource::Ranked(Tensor::from_slice(&places).to_device(device))
+        }
+    };
     Box::new(PerHead {
-        gates: GateSource::Fixed(Tensor::from_slice(&on).to_device(b.p.device())),
+        gates,
         ste_sample: b.a.ste_sample,
     })
 }
@@ -272,16 +287,16 @@ impl PerHead {
 /// heads read: heads by descending usage.
 pub(crate) const HEAD_RANKING_COLUMNS: [&str; 4] = ["rank", "layer", "head", "mu_f"];
 
-/// Reads a `head_ranking.csv` and marks its first `top_k` (layer, head) pairs as full:
-/// `[layer][head]`. `top_k` 0 takes the ranked model's own budget: as many heads as its
-/// per-head usage adds up to (rounded), so the static model calls the full path for the same
-/// share of (token, head) pairs (AHA Table 5 at equal budget).
+/// Reads a `head_ranking.csv` and marks its first `top_k` (layer, head) pairs as full, each
+/// with its place in the ranking: `[layer][head]`. `top_k` 0 takes the ranked model's own
+/// budget: as many heads as its per-head usage adds up to (rounded), so the static model calls
+/// the full path for the same share of (token, head) pairs (AHA Table 5 at equal budget).
 pub(crate) fn read_head_assignment(
     path: &Path,
     top_k: usize,
     layers: usize,
     heads: usize,
-) -> Result<Vec<Vec<bool>>> {
+) -> Result<HeadRanks> {
     let mut rdr = csv::Reader::from_path(path)
         .with_context(|| format!("cannot read head ranking {}", path.display()))?;
     let mut ranked: Vec<(usize, usize)> = Vec::new();
@@ -327,11 +342,87 @@ pub(crate) fn read_head_assignment(
             ranked.len()
         );
     }
-    let mut on = vec![vec![false; heads]; layers];
-    for &(layer, head) in &ranked[..k] {
-        on[layer][head] = true;
+    let mut on = vec![vec![None; heads]; layers];
+    for (place, &(layer, head)) in ranked[..k].iter().enumerate() {
+        on[layer][head] = Some(place);
     }
     Ok(on)
+}
+
+/// Static heads ramped along another run's usage (`attention.top_k_ramp`): that run's
+/// usage at each fraction of its training, as a share of its last (AHA Table 5's control for
+/// AHA's own ramp: static heads that open as AHA's gates did, not all from the first step).
+#[derive(Debug)]
+pub(crate) struct UsageRamp {
+    /// (fraction of training, usage over the last usage), by fraction.
+    points: Vec<(f64, f64)>,
+}
+
+impl UsageRamp {
+    /// Reads a run's `train_log.csv`: its `step` and `mu_f` columns, rows without a usage
+    /// left out. Refused without usage, with a usage that is not a share, or when the last
+    /// is 0 (nothing to ramp toward).
+    pub(crate) fn read(path: &Path) -> Result<Self> {
+        let shown = path.display();
+        let mut rdr = csv::Reader::from_path(path).with_context(|| {
+            format!("cannot read attention.top_k_ramp {shown} (a train_log.csv of a routed run)")
+        })?;
+        let header = rdr.headers()?.clone();
+        let col = |name: &str| {
+            header.iter().position(|h| h == name).with_context(|| {
+                format!("attention.top_k_ramp {shown} has no {name} column: give a routed run's train_log.csv")
+            })
+        };
+        let (step, mu) = (col("step")?, col("mu_f")?);
+        let mut raw: Vec<(f64, f64)> = Vec::new();
+        for (i, row) in rdr.records().enumerate() {
+            let row = row.with_context(|| format!("{shown}: malformed row {}", i + 2))?;
+            let Some(u) = row.get(mu).filter(|v| !v.is_empty()) else {
+                continue;
+            };
+            let (s, u): (f64, f64) = match (row[step].parse(), u.parse()) {
+                (Ok(s), Ok(u)) => (s, u),
+                _ => bail!("{shown}: row {} has no number in step or mu_f", i + 2),
+            };
+            ensure!(
+                s.is_finite() && u.is_finite() && (0.0..=1.0).contains(&u),
+                "{shown}: row {} gives usage {u} at step {s}; usage is a share between 0 and 1",
+                i + 2
+            );
+            raw.push((s, u));
+        }
+        let (last_step, last) = *raw
+            .last()
+            .with_context(|| format!("{shown} logs no usage (mu_f): nothing to ramp along"))?;
+        ensure!(
+            last > 0.0 && last_step > 0.0,
+            "{shown} ends at usage {last} (step {last_step}): static heads ramped toward it would \
+             end with none full"
+        );
+        Ok(UsageRamp {
+            points: raw
+                .into_iter()
+                .map(|(s, u)| (s / last_step, u / last))
+                .collect(),
+        })
+    }
+
+    /// How many of `total` ranked heads run full at `step` of `steps`: `total` times the
+    /// ramp's share at that fraction (linear between its points, its first before them),
+    /// rounded, at most `total`.
+    pub(crate) fn heads(&self, step: usize, steps: usize, total: usize) -> usize {
+        let x = (step as f64 + 1.0) / steps.max(1) as f64;
+        let p = &self.points;
+        let share = match p.iter().position(|&(f, _)| f >= x) {
+            Some(0) => p[0].1,
+            Some(i) => {
+                let ((x0, y0), (x1, y1)) = (p[i - 1], p[i]);
+                y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            }
+            None => p[p.len() - 1].1,
+        };
+        ((share * total as f64).round() as usize).min(total)
+    }
 }
 
 /// Static heads' name of a top-k setting: all heads, the ranked model's budget (top_k 0, its
@@ -557,4 +648,39 @@ fn example_ranking() -> std::path::PathBuf {
         std::fs::rename(&tmp, &path).expect("the example head ranking is renamed into place");
     }
     path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ramp reads a run's usage as shares of its last, by fraction of training; a step opens
+    /// that share of the ranked heads (linear between the logged points, rounded, at most
+    /// all); logs it cannot ramp along are refused by what they lack.
+    #[test]
+    fn a_usage_ramp_opens_its_share_of_the_heads() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-ramp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("train_log.csv");
+        std::fs::write(&log, "step,loss,mu_f\n1,3,0.1\n2,3,\n3,3,0.3\n4,3,0.4\n").unwrap();
+        let ramp = UsageRamp::read(&log).unwrap();
+        // Points at fractions 0.25, 0.75 and 1, shares 0.25, 0.75 and 1.
+        let heads: Vec<usize> = (0..4).map(|s| ramp.heads(s, 4, 8)).collect();
+        assert_eq!(heads, [2, 4, 6, 8]);
+        // Half as many steps: the same fractions of training.
+        assert_eq!(ramp.heads(0, 2, 8), 4);
+        std::fs::write(&log, "step,mu_f\n1,0.8\n2,0.4\n").unwrap();
+        assert_eq!(UsageRamp::read(&log).unwrap().heads(0, 2, 8), 8);
+        for (text, needle) in [
+            ("step,loss\n1,3\n", "no mu_f column"),
+            ("step,mu_f\n1,0.2\n2,0\n", "ends at usage 0"),
+            ("step,mu_f\n1,1.5\n", "share between 0 and 1"),
+            ("step,mu_f\n1,\n", "logs no usage"),
+        ] {
+            std::fs::write(&log, text).unwrap();
+            let e = format!("{:#}", UsageRamp::read(&log).unwrap_err());
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -16,7 +16,7 @@ mod l2a;
 mod sinks;
 mod swiattn;
 
-pub(crate) use aha::HEAD_RANKING_COLUMNS;
+pub(crate) use aha::{UsageRamp, HEAD_RANKING_COLUMNS};
 #[cfg(test)]
 pub(super) use {fixed::hybrid_pattern, swiattn::SwiAttnReg};
 
