@@ -7,7 +7,7 @@
 //! fields to `canonical`'s list.
 
 use super::check::{check, check_open_f};
-use super::{ModelConfig, TrainConfig};
+use super::{name_of, ModelConfig, TrainConfig};
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -156,7 +156,8 @@ pub struct AttentionConfig {
     /// static_heads: ramp the full heads along another run's usage: that run's
     /// `train_log.csv` (its `mu_f` by step). At each fraction of training the first
     /// round(k x mu_f / its last mu_f) of the k ranked heads run full, k the assignment's
-    /// (`top_k`), at most k; empty: all k from the first step.
+    /// (`top_k`), at most k (a usage above its last is capped: all k); empty: all k from the
+    /// first step. Evaluation, in training (`eval_every`) and after, runs all k.
     pub top_k_ramp: PathBuf,
     /// sinks: how many of the sequence's first tokens every query sees beside its window
     /// (StreamingLLM keeps 4).
@@ -375,6 +376,12 @@ impl AttentionConfig {
         check_open_f("attention.swiattn_eps", a.swiattn_eps, 0.0, 1e3)?;
         check("attention.swiattn_alpha", a.swiattn_alpha, 0.0, 1e6)?;
         check("attention.sink_tokens", a.sink_tokens, 1, 1 << 20)?;
+        ensure!(
+            a.method == Method::StaticHeads || a.top_k_ramp.as_os_str().is_empty(),
+            "attention.top_k_ramp ramps static heads; attention.method = \"{}\" has none (leave \
+             it out or use static_heads)",
+            name_of(a.method)
+        );
         if a.method == Method::StaticHeads {
             if a.head_ranking.as_os_str().is_empty() {
                 bail!("attention.method = \"static_heads\" needs attention.head_ranking (a head_ranking.csv from eval of an AHA run)");

@@ -398,6 +398,12 @@ mod tests {
         assert!(e.contains("invalid config") && !e.contains("--set"), "{e}");
         let e = err_of("", &["eval.max_length=1"]);
         assert!(e.contains("eval.max_length = 1"), "{e}");
+        // A ramp of static heads on another method would be silently unread.
+        let e = err_of("", &["attention.top_k_ramp=\"log.csv\""]);
+        assert!(
+            e.contains("attention.top_k_ramp") && e.contains("\"full\""),
+            "{e}"
+        );
         let e = err_of("", &["eval.seq_len=1"]);
         assert!(e.contains("eval.seq_len = 1"), "{e}");
         let e = err_of("", &["train.router_hold_steps=5"]);

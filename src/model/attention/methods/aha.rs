@@ -328,6 +328,12 @@ pub(crate) fn read_head_assignment(
             path.display(),
             i + 2
         );
+        ensure!(
+            !ranked.contains(&(layer, head)),
+            "{}: row {} ranks layer {layer} head {head} a second time; each head has one place",
+            path.display(),
+            i + 2
+        );
         ranked.push((layer, head));
         usage += mu;
     }
@@ -428,13 +434,17 @@ impl UsageRamp {
 /// Static heads' name of a top-k setting: all heads, the ranked model's budget (top_k 0, its
 /// heads counted from the usage measured), or k.
 fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
-    match a.top_k {
+    let name = match a.top_k {
         k if k == heads => "all heads full".into(),
         0 => format!(
             "top-{} (AHA's budget)",
             (mu_f.unwrap_or(0.0) * heads as f64).round()
         ),
         k => format!("top-{k}"),
+    };
+    match a.top_k_ramp.as_os_str().is_empty() {
+        true => name,
+        false => format!("{name}, ramped along a run's usage"),
     }
 }
 
@@ -681,6 +691,14 @@ mod tests {
             let e = format!("{:#}", UsageRamp::read(&log).unwrap_err());
             assert!(e.contains(needle), "{text:?}: {e}");
         }
+        // A ranking that places a head twice is refused: its places would not be 0..k.
+        let ranking = dir.join("head_ranking.csv");
+        std::fs::write(&ranking, "rank,layer,head,mu_f\n0,0,1,0.9\n1,0,1,0.8\n").unwrap();
+        let e = format!("{:#}", read_head_assignment(&ranking, 2, 1, 2).unwrap_err());
+        assert!(e.contains("a second time"), "{e}");
+        std::fs::write(&ranking, "rank,layer,head,mu_f\n0,0,1,0.9\n1,0,0,0.8\n").unwrap();
+        let places = read_head_assignment(&ranking, 1, 1, 2).unwrap();
+        assert_eq!(places, vec![vec![None, Some(0)]]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
