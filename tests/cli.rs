@@ -883,6 +883,28 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         .fold(tiny_train(&d, &data, "ramped_none"), |c, a| c.arg(a))
         .fails();
     assert!(err.contains("ends at usage 0"), "{err}");
+    // AHA started at that static budget: the ranking's first 3 heads' routers open (bias +1),
+    // the rest closed (-1); three short steps move them too little to turn a gate.
+    let init_set = format!("attention.router_init_heads={}", ranking.display());
+    let mut started = short.to_vec();
+    started.extend([
+        "--set",
+        "attention.method=aha",
+        "--set",
+        &init_set,
+        "--set",
+        "attention.top_k=3",
+        "--init-from",
+        base_s,
+    ]);
+    train(&d, &data, "aha_started", &started);
+    let g = json(&d.join("aha_started/eval/eval.json"))["report"]["gates"]["mu_f"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (g - 3.0 / 8.0).abs() < 0.02,
+        "AHA started at 3 of 8 heads: mu_f {g}"
+    );
 
     // SwiAttn and the context-free Bernoulli baseline train too.
     let mut sw = short.to_vec();

@@ -153,6 +153,11 @@ pub struct AttentionConfig {
     /// static_heads: how many of the top-ranked heads are always full; 0 takes the ranked
     /// model's budget (its per-head usage summed and rounded: the same share of full calls).
     pub top_k: usize,
+    /// aha: start the routers at a static assignment: a head_ranking.csv whose first `top_k`
+    /// heads (0: the ranked model's budget, as static heads count it) start open and the rest
+    /// closed (router bias +|router_init_bias| and -|router_init_bias|); empty: every head
+    /// starts at `router_init_bias`.
+    pub router_init_heads: PathBuf,
     /// static_heads: ramp the full heads along another run's usage: that run's
     /// `train_log.csv` (its `mu_f` by step). At each fraction of training the first
     /// round(k x mu_f / its last mu_f) of the k ranked heads run full, k the assignment's
@@ -192,6 +197,7 @@ impl Default for AttentionConfig {
             head_ranking: PathBuf::new(),
             top_k: 0,
             top_k_ramp: PathBuf::new(),
+            router_init_heads: PathBuf::new(),
             sink_tokens: 4,
             attn_impl: AttnImpl::Auto,
         }
@@ -223,7 +229,14 @@ impl AttentionConfig {
                 keys.push("window");
                 router(
                     &mut keys,
-                    &["tau", "lambda", "ste_sample", "router_init_bias"],
+                    &[
+                        "tau",
+                        "lambda",
+                        "ste_sample",
+                        "router_init_bias",
+                        "router_init_heads",
+                        "top_k",
+                    ],
                 );
             }
             Method::L2a => {
@@ -304,6 +317,7 @@ impl AttentionConfig {
             head_ranking,
             top_k,
             top_k_ramp,
+            router_init_heads,
             sink_tokens
         );
         a
@@ -376,6 +390,12 @@ impl AttentionConfig {
         check_open_f("attention.swiattn_eps", a.swiattn_eps, 0.0, 1e3)?;
         check("attention.swiattn_alpha", a.swiattn_alpha, 0.0, 1e6)?;
         check("attention.sink_tokens", a.sink_tokens, 1, 1 << 20)?;
+        ensure!(
+            a.method == Method::Aha || a.router_init_heads.as_os_str().is_empty(),
+            "attention.router_init_heads starts AHA's routers; attention.method = \"{}\" has none \
+             (leave it out or use aha)",
+            name_of(a.method)
+        );
         ensure!(
             a.method == Method::StaticHeads || a.top_k_ramp.as_os_str().is_empty(),
             "attention.top_k_ramp ramps static heads; attention.method = \"{}\" has none (leave \

@@ -398,7 +398,9 @@ mod tests {
         assert!(e.contains("invalid config") && !e.contains("--set"), "{e}");
         let e = err_of("", &["eval.max_length=1"]);
         assert!(e.contains("eval.max_length = 1"), "{e}");
-        // A ramp of static heads on another method would be silently unread.
+        // AHA's start assignment and static heads' ramp on another method would be unread.
+        let e = err_of("", &["attention.router_init_heads=\"r.csv\""]);
+        assert!(e.contains("attention.router_init_heads"), "{e}");
         let e = err_of("", &["attention.top_k_ramp=\"log.csv\""]);
         assert!(
             e.contains("attention.top_k_ramp") && e.contains("\"full\""),

@@ -778,7 +778,12 @@ fn exported_config(cfg: &Config, native: Option<Family>, dtype: OutDtype) -> Res
             "sink_tokens": a.sink_tokens,
             "pruned_layers": a.pruned_layers,
             "shared_o_proj": a.swiattn_shared_o_proj,
-            "full_heads": (crate::model::attention::spec(a.method).fixed_heads)(m, a)?
+            // Static heads' assignment (AHA's start assignment is in its router's bias, which
+            // the weights carry).
+            "full_heads": match a.method {
+                Method::StaticHeads => (crate::model::attention::spec(a.method).fixed_heads)(m, a)?,
+                _ => None,
+            }
                 .map(|heads| heads.iter().map(|layer| layer.iter().map(Option::is_some).collect::<Vec<_>>()).collect::<Vec<_>>()),
         });
     }

@@ -34,8 +34,9 @@ pub(crate) struct MethodSpec {
     pub(super) build: fn(&Build) -> Box<dyn Route>,
     /// Parameters it adds to one layer's attention (routers are negligible and not counted).
     pub(crate) extra_params: fn(&ModelConfig, &AttentionConfig) -> f64,
-    /// What it reads from files before the model is built: a fixed `[layer][head]` assignment
-    /// (each always-full head's place in its ranking), None for methods that read none.
+    /// What it reads from files before the model is built: a `[layer][head]` assignment, each
+    /// chosen head's place in its ranking (static heads: the heads always full; AHA started at
+    /// a static budget: the heads whose routers start open), None where it reads none.
     pub(crate) fixed_heads: fn(&ModelConfig, &AttentionConfig) -> Result<Option<HeadRanks>>,
     /// Probability per training step that every token runs its global path (L2A's `p_force`).
     pub(crate) force_global: fn(&AttentionConfig) -> f64,

@@ -15,9 +15,8 @@ use crate::model::attention::patterns::Keep;
 use crate::model::attention::patterns::KERNEL_FAILED;
 use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
 use crate::model::attention::spec::{
-    never_forced, no_extra_params, no_fixed_heads, no_setup, no_variant, BenchKnobs, BenchVariant,
-    CellKind, Example, Gates, HeadRanks, MethodSpec, PaperTable, Report, SettingColumn, TableCell,
-    Value,
+    never_forced, no_extra_params, no_setup, no_variant, BenchKnobs, BenchVariant, CellKind,
+    Example, Gates, HeadRanks, MethodSpec, PaperTable, Report, SettingColumn, TableCell, Value,
 };
 use crate::model::kernels::Kernels;
 use crate::model::nn::Linear;
@@ -35,7 +34,10 @@ struct PerHead {
 }
 
 /// AHA's router scores each head (`W: d x H`) and starts with every gate open
-/// (`attention.router_init_bias`).
+/// (`attention.router_init_bias`), or, started at a static assignment
+/// (`attention.router_init_heads`, `MethodSpec::fixed_heads`), with the assignment's heads open
+/// and the others closed: the bias +|router_init_bias| or -|router_init_bias| a head, its
+/// weight zero, so every token's gate is its head's.
 fn build_aha(b: &Build) -> Box<dyn Route> {
     let gates = b.gates(
         b.m.num_attention_heads as i64,
@@ -43,6 +45,22 @@ fn build_aha(b: &Build) -> Box<dyn Route> {
         false,
         true,
     );
+    if let (Some(heads), GateSource::Learned { router, .. }) = (b.fixed_heads, &gates) {
+        let m = b.a.router_init_bias.abs();
+        let start: Vec<f64> = heads
+            .iter()
+            .map(|h| if h.is_some() { m } else { -m })
+            .collect();
+        let mut bias = router
+            .bias
+            .as_ref()
+            .expect("AHA's router has a bias")
+            .shallow_clone();
+        tch::no_grad(|| {
+            let start = Tensor::from_slice(&start).to_kind(bias.kind());
+            let _ = bias.copy_(&start.to_device(bias.device()));
+        });
+    }
     Box::new(PerHead {
         gates,
         ste_sample: b.a.ste_sample,
@@ -456,7 +474,17 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     dense_mask: true,
     build: build_aha,
     extra_params: no_extra_params,
-    fixed_heads: no_fixed_heads,
+    // Started at a static assignment: the heads whose routers start open.
+    fixed_heads: |m: &ModelConfig, a: &AttentionConfig| match a.router_init_heads.as_os_str() {
+        p if p.is_empty() => Ok(None),
+        _ => read_head_assignment(
+            &a.router_init_heads,
+            a.top_k,
+            m.num_hidden_layers,
+            m.num_attention_heads,
+        )
+        .map(Some),
+    },
     force_global: never_forced,
     describe: |a, _, _| vec![format!("λ {}", a.lambda)],
     variant: no_variant,
