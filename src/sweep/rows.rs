@@ -438,25 +438,25 @@ const RUN_ONLY: [&str; 8] = [
     "eval.timing",
 ];
 
-/// The value of dotted setting `key` in `config` (`attention.window`).
-fn setting_in(config: &crate::config::Config, key: &str) -> Option<toml::Value> {
-    let table = toml::Table::try_from(config).ok()?;
+/// The value of dotted setting `key` in `config`, a resolved config as TOML
+/// (`attention.window`).
+fn setting_in(config: &toml::Table, key: &str) -> Option<toml::Value> {
     let mut path = key.split('.');
-    let mut v = table.get(path.next()?)?;
+    let mut v = config.get(path.next()?)?;
     for p in path {
         v = v.get(p)?;
     }
     Some(v.clone())
 }
 
-/// Whether setting `key = v` restates what `config` already runs: its own value, or for
-/// `eval.seq_len` the training length it defaults to (0).
-fn restates(config: &crate::config::Config, key: &str, v: &toml::Value) -> bool {
+/// Whether setting `key = v` restates what `config` (as TOML) already runs: its own value, or
+/// for `eval.seq_len` the training length it defaults to (0).
+fn restates(config: &toml::Table, key: &str, v: &toml::Value) -> bool {
     let own = setting_in(config, key);
     own.as_ref() == Some(v)
         || (key == "eval.seq_len"
             && own.and_then(|o| o.as_integer()) == Some(0)
-            && v.as_integer() == Some(config.data.seq_len as i64))
+            && v.as_integer() == setting_in(config, "data.seq_len").and_then(|l| l.as_integer()))
 }
 
 /// `Row::line` of cell `c`. A train cell's: its stage (or the stage its stage is a lower rung
@@ -475,9 +475,11 @@ fn line_of(c: &Cell, cells: &[Cell]) -> String {
         train = cell(&t.depends_on);
     }
     let shown = |k: &str, v: &toml::Value| format!("{k}={}", super::grid::value_str(v));
+    // The train cell's resolved config, once, for the keys it leaves at the base's values.
+    let resolved = train.map(|t| toml::Table::try_from(&t.config).unwrap_or_default());
     let mut parts: Vec<String> = Vec::new();
-    match train {
-        Some(t) => {
+    match (train, &resolved) {
+        (Some(t), Some(resolved)) => {
             let stage = t.ladder.as_deref().unwrap_or(&t.stage);
             let mut keys: Vec<&String> = cells
                 .iter()
@@ -489,23 +491,22 @@ fn line_of(c: &Cell, cells: &[Cell]) -> String {
             keys.dedup();
             parts.push(stage.to_string());
             for k in keys {
-                // A key the cell leaves at the base's value reads from its resolved config.
                 match t
                     .settings
                     .get(k)
                     .cloned()
-                    .or_else(|| setting_in(&t.config, k))
+                    .or_else(|| setting_in(resolved, k))
                 {
                     Some(v) => parts.push(shown(k, &v)),
                     None => parts.push(format!("{k}=?")),
                 }
             }
         }
-        None => parts.push("pretrained".into()),
+        _ => parts.push("pretrained".into()),
     }
     for (k, v) in &c.settings {
-        let same = match train {
-            Some(t) => restates(&t.config, k, v),
+        let same = match &resolved {
+            Some(resolved) => restates(resolved, k, v),
             // Its own config holds its own settings: only the length can restate (the data's).
             None => k == "eval.seq_len" && v.as_integer() == Some(c.config.data.seq_len as i64),
         };

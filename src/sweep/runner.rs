@@ -903,6 +903,23 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// A sweep's options with these devices, GPUs a train cell and CPU jobs, the rest off.
+    fn args(devices: Vec<usize>, gpus_per_cell: usize, jobs: usize) -> SweepArgs {
+        SweepArgs {
+            out: PathBuf::new(),
+            jobs,
+            devices,
+            gpus_per_cell,
+            cell: vec![],
+            retry_failed: false,
+            drop_optimizer: false,
+            retrain: false,
+            stop_after: None,
+            quiet: true,
+            status_every: 30,
+        }
+    }
+
     /// `--cell` lists cells in any order and runs them in the grid's; a listed cell waits on
     /// no unfinished dependency unless that one is listed too; an index past the grid's is
     /// refused.
@@ -917,16 +934,8 @@ mod tests {
         let out = std::env::temp_dir().join(format!("attnsweep-listed-{}", std::process::id()));
         let args = |cell: Vec<usize>| SweepArgs {
             out: out.clone(),
-            jobs: 1,
-            devices: vec![],
-            gpus_per_cell: 1,
             cell,
-            retry_failed: false,
-            drop_optimizer: false,
-            retrain: false,
-            stop_after: None,
-            quiet: true,
-            status_every: 30,
+            ..args(vec![], 1, 1)
         };
         let indices = |listed: Vec<&Cell>| listed.iter().map(|c| c.index).collect::<Vec<_>>();
         assert_eq!(indices(chosen(&cells, &args(vec![])).unwrap()), [0, 1, 2]);
@@ -948,19 +957,6 @@ mod tests {
     /// cells. The host's cores are shared among the cells running at once.
     #[test]
     fn train_cells_take_their_slot_and_evaluations_one_gpu() {
-        let args = |devices: Vec<usize>, gpus_per_cell, jobs| SweepArgs {
-            out: PathBuf::new(),
-            jobs,
-            devices,
-            gpus_per_cell,
-            cell: vec![],
-            retry_failed: false,
-            drop_optimizer: false,
-            retrain: false,
-            stop_after: None,
-            quiet: true,
-            status_every: 30,
-        };
         let four = args(vec![0, 1, 2, 3], 4, 1);
         let at = |workers, slot, threads| Placement {
             workers,
