@@ -349,6 +349,27 @@ impl AttentionConfig {
             a.bernoulli_rates.len(),
             m.num_hidden_layers
         );
+        // A layer's list: one rate for all its gates, or one a gate (AHA gates each head;
+        // L2A and SwiAttn gate each token once a layer; no other method draws Bernoulli
+        // gates). Any other length would be read as neither. The methods' registry sits in
+        // the model layer, above this one, so the count is stated here.
+        let gates_a_layer = match a.method {
+            Method::Aha => m.num_attention_heads,
+            _ => 1,
+        };
+        if let Some((l, r)) = a
+            .bernoulli_rates
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.len() != 1 && r.len() != gates_a_layer)
+        {
+            bail!(
+                "attention.bernoulli_rates: layer {l} holds {} rates; {:?} has {gates_a_layer} \
+                 gate(s) a layer: give one rate a layer or one a gate",
+                r.len(),
+                a.method
+            );
+        }
         check(
             "attention.router_init_bias",
             a.router_init_bias,

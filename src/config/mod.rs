@@ -455,6 +455,35 @@ mod tests {
         assert!(e.contains("train.device") && e.contains("string"), "{e}");
     }
 
+    /// Bernoulli rates a layer: one for the layer, or one a gate (AHA: a head; L2A: the
+    /// layer's one gate); any other count is refused, naming the layer, rather than read as
+    /// one global rate.
+    #[test]
+    fn bernoulli_rates_hold_one_rate_a_layer_or_one_a_gate() {
+        let m = Config::default().model;
+        let rates = |n: usize| {
+            let layer = format!("[{}]", vec!["0.1"; n].join(", "));
+            format!("[{}]", vec![layer; m.num_hidden_layers].join(", "))
+        };
+        let load = |method: &str, n: usize| {
+            let sets = [
+                format!("attention.method={method}"),
+                "attention.router=bernoulli".to_string(),
+                format!("attention.bernoulli_rates={}", rates(n)),
+            ];
+            Config::load(None, &sets)
+        };
+        let heads = m.num_attention_heads;
+        assert!(load("aha", 1).is_ok() && load("aha", heads).is_ok());
+        assert!(load("l2a", 1).is_ok() && load("swiattn", 1).is_ok());
+        let e = format!("{:#}", load("l2a", heads).unwrap_err());
+        assert!(
+            e.contains("layer 0 holds") && e.contains("one rate a layer or one a gate"),
+            "{e}"
+        );
+        assert!(load("aha", heads + 1).is_err());
+    }
+
     /// Lists of bare words need no quotes, as single bare words need none.
     #[test]
     fn bare_words_in_lists_are_strings() {

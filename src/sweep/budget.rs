@@ -81,28 +81,22 @@ pub(crate) struct Rung {
 pub(crate) const ALL_TASKS: &str = "all";
 
 /// The rungs of every line a ladder reaches, in line then token order: each train line with
-/// two budgets or more, the evaluations of those lines (at whichever budgets they ran), and
-/// the pretrained model's evaluations. Empty when no train line has two budgets.
+/// two budgets or more or a lower rung among its cells (a control run on a lower rung before
+/// its top one), the evaluations of those lines (at whichever budgets they ran), and the
+/// pretrained model's evaluations. Empty when no train line is a ladder's.
 pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
-    let train_line = |r: &Row| match r.kind {
-        StageKind::Train => Some(r.line.clone()),
-        _ => None,
-    };
-    let mut budgets: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    for r in rows {
-        if let Some(l) = train_line(r) {
-            budgets
-                .entry(l)
-                .or_default()
-                .push(r.budget_tokens.to_bits());
-        }
+    let mut budgets: BTreeMap<String, (Vec<u64>, bool)> = BTreeMap::new();
+    for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
+        let (b, rung) = budgets.entry(r.line.clone()).or_default();
+        b.push(r.budget_tokens.to_bits());
+        *rung |= r.rung;
     }
     let ladders: Vec<String> = budgets
         .into_iter()
-        .filter_map(|(l, mut b)| {
+        .filter_map(|(l, (mut b, rung))| {
             b.sort_unstable();
             b.dedup();
-            (b.len() >= 2).then_some(l)
+            (b.len() >= 2 || rung).then_some(l)
         })
         .collect();
     if ladders.is_empty() {
@@ -269,7 +263,7 @@ mod tests {
     /// Each line with two budgets is a ladder: its rungs in token order, a train cell's loss
     /// and usage, the probes of its evaluations merged per model and pooled per task and
     /// prompt length with Wilson's interval (one replicate of 0/1 prompts); lines of one
-    /// budget stay out; the pretrained model's evaluations are one model at 0 tokens, its loss
+    /// budget stay out unless a lower rung is among their cells; the pretrained model's evaluations are one model at 0 tokens, its loss
     /// the evaluation without probes; the table has a row per rung, task and length, the
     /// figure a panel per quantity and length, with AHA's paper usage as a reference line.
     #[test]
@@ -283,11 +277,20 @@ mod tests {
             .filter(|r| r.line.starts_with("aha "))
             .collect();
         let base: Vec<&Rung> = rungs.iter().filter(|r| r.tokens == 0.0).collect();
+        let ctl: Vec<&Rung> = rungs.iter().filter(|r| r.line == "ctl").collect();
         assert_eq!(
-            (full.len(), aha.len(), base.len(), rungs.len()),
-            (2, 2, 1, 5),
+            (full.len(), aha.len(), base.len(), ctl.len(), rungs.len()),
+            (2, 2, 1, 1, 6),
             "{rungs:#?}"
         );
+        // SWA's and the static hybrid's lines have one budget and no lower rung.
+        assert!(
+            rungs
+                .iter()
+                .all(|r| !r.line.starts_with("swa") && !r.line.starts_with("hyb")),
+            "{rungs:#?}"
+        );
+        assert_eq!(ctl[0].loss.unwrap().mean, 2.05);
         assert!(
             aha[0].line.contains("attention.window=16"),
             "{}",
@@ -326,8 +329,8 @@ mod tests {
         crate::sweep::tables::write_all(&dir, &out).unwrap();
         let table = csv(&out.join("budget.csv"));
         // full-0: four rows at 8 (every task among them), two at 16; its rung two at each;
-        // AHA's two rungs; the pretrained model's two.
-        assert_eq!(table.len(), 1 + 6 + 4 + 2 + 2, "{table:?}");
+        // AHA's two rungs; the control's one; the pretrained model's two.
+        assert_eq!(table.len(), 1 + 6 + 4 + 2 + 1 + 2, "{table:?}");
         assert!(table.iter().any(|r| r[0] == "full"
             && r[11] == "all"
             && r[12] == "8"

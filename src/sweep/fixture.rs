@@ -529,6 +529,11 @@ pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
             ),
             rung("pre-0", None, StageKind::Eval, 2.2, |_| {}),
             rung("prepr-0", None, StageKind::Eval, 2.3, |_| {}),
+            // A control run on a lower rung before its ladder's top: a line of one budget.
+            rung("ctlrung-0", Some("base-0"), StageKind::Train, 2.05, |c| {
+                c.attention.method = Method::Swa;
+                c.train.steps /= 2;
+            }),
             Spec {
                 id: "aharung-16",
                 density: 0.9,
@@ -548,6 +553,7 @@ pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
         c.ladder = match c.id.as_str() {
             "fullrung-0" => Some("full".into()),
             "aharung-16" => Some("aha".into()),
+            "ctlrung-0" => Some("ctl".into()),
             _ => None,
         };
     }

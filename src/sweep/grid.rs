@@ -731,11 +731,13 @@ fn new_cell(
         read.as_ref()
             .map_or(String::new(), |r| format!("\nreads {r}")),
         // Matched gate by gate (each head's or layer's usage), not at one global rate as before:
-        // a computation of its own, with an id of its own.
-        if stage.match_usage {
-            "\nmatch_usage per gate"
-        } else {
-            ""
+        // a computation of its own, with an id of its own. A per-token method's rates are its
+        // layers' since they were read as such (before, its per-head report fell back to one
+        // global rate): an id of its own again.
+        match (stage.match_usage, spec(config.attention.method).gates) {
+            (false, _) => "",
+            (true, Gates::PerToken) => "\nmatch_usage per gate, a layer",
+            (true, _) => "\nmatch_usage per gate",
         }
     );
     let hash = format!("-{:08x}", crate::util::fnv1a(fingerprint.as_bytes()) >> 32);

@@ -84,6 +84,9 @@ pub(crate) struct Row {
     /// but the seed; an evaluation's or pruning's, that of the train cell it acts on with the
     /// settings it changes; `pretrained ...` for the grid's pretrained model.
     pub(crate) line: String,
+    /// A lower rung of a budget ladder (its stage names another in `ladder`): its line is
+    /// drawn as a ladder's even while it has one budget.
+    pub(crate) rung: bool,
 }
 
 /// A cell the sweep lists that has no row: not finished, or its files unreadable.
@@ -420,6 +423,7 @@ fn row_of(
         prompt_scores: prompts.scores,
         probe_by_length: prompts.by_length,
         line: line_of(c, cells),
+        rung: c.ladder.is_some(),
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)

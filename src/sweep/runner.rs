@@ -3,8 +3,10 @@
 //! go on.
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
+use crate::config::Method;
 use crate::data::{self, corpus};
 use crate::io::checkpoint;
+use crate::model::attention::{spec, Gates};
 use crate::run::report;
 use crate::util::atomic;
 use crate::util::fault;
@@ -42,21 +44,30 @@ pub(crate) fn read_status(cell_dir: &Path) -> Option<Status> {
 
 /// The full-attention usage a finished routed cell's evaluation measured: overall (mu_f) and
 /// gate by gate (`[layer][output]`: each head's for AHA, each layer's one gate for L2A and
-/// SwiAttn).
-fn usage_of(cell_dir: &Path) -> Result<(f64, Vec<Vec<f64>>)> {
+/// SwiAttn), as `method`'s Bernoulli gates read it.
+fn usage_of(cell_dir: &Path, method: Method) -> Result<(f64, Vec<Vec<f64>>)> {
     let eval = cell_dir.join("eval");
     let report = report::read_report(&eval)?
         .with_context(|| format!("{} holds no evaluation to match usage with", eval.display()))?;
     report
         .report
         .gates
-        .map(|g| (g.mu_f, g.per_head))
+        .map(|g| (g.mu_f, per_gate(&g, spec(method).gates)))
         .with_context(|| {
             format!(
                 "{} has no gates (its method routes nothing): match_usage needs a routed cell",
                 cell_dir.display()
             )
         })
+}
+
+/// A layer's rates, one a gate: a per-token gate's usage is its layer's (the report repeats
+/// it over the heads the gate covers), a per-head gate's its head's.
+fn per_gate(g: &report::GateReport, gates: Gates) -> Vec<Vec<f64>> {
+    match gates {
+        Gates::PerToken => g.per_layer.iter().map(|&u| vec![u]).collect(),
+        _ => g.per_head.clone(),
+    }
 }
 
 fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
@@ -730,7 +741,7 @@ fn cell_command(
                 // Matched gate by gate: random gates open where (which heads, which layers)
                 // and as often as the learned ones, so the control differs only in which
                 // tokens open them.
-                match usage_of(read) {
+                match usage_of(read, config.attention.method) {
                     Ok((mu_f, per_gate)) => {
                         config.attention.bernoulli_p = mu_f;
                         config.attention.bernoulli_rates = per_gate;
@@ -876,6 +887,38 @@ fn last_logged_step(log: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random gates matched to a routed cell read its usage gate by gate as its method's gates
+    /// sit: an L2A or SwiAttn layer's one rate (the report repeats it over the heads), an AHA
+    /// layer's rate a head; every matched config passes the config's check.
+    #[test]
+    fn matched_rates_have_one_entry_a_gate() {
+        let g = report::GateReport {
+            mu_f: 0.1,
+            per_layer: vec![0.0, 0.2],
+            per_head: vec![vec![0.0; 4], vec![0.1, 0.2, 0.3, 0.2]],
+            gaps: Vec::new(),
+            censored_heads: 0,
+            need: None,
+        };
+        assert_eq!(per_gate(&g, Gates::PerToken), [vec![0.0], vec![0.2]]);
+        assert_eq!(per_gate(&g, Gates::PerHead), g.per_head);
+        for (method, gates) in [("l2a", Gates::PerToken), ("aha", Gates::PerHead)] {
+            let mut c = crate::config::Config::load(
+                None,
+                &[
+                    format!("attention.method={method}"),
+                    "attention.router=bernoulli".into(),
+                    "model.num_hidden_layers=2".into(),
+                    "model.num_attention_heads=4".into(),
+                    "model.num_key_value_heads=4".into(),
+                ],
+            )
+            .unwrap();
+            c.attention.bernoulli_rates = per_gate(&g, gates);
+            c.validate().unwrap();
+        }
+    }
 
     /// A train cell's weights are its latest checkpoint's, a prune cell's its own
     /// `model.safetensors`; either missing is gone, and a `latest` naming nothing is an error
