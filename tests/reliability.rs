@@ -122,6 +122,79 @@ fn check_consistent(run: &Path) {
     }
 }
 
+/// An evaluation killed among its probe batches resumes after the last batch its journal
+/// holds, and answers and scores as an evaluation never killed does; the finished evaluation
+/// removes its journal; a journal of other weights is set aside, not mixed in.
+#[test]
+fn killed_probes_resume_after_their_last_finished_batch() {
+    let dir = scratch("probes");
+    // Probes read text: a byte-level data set.
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "the cat sat on the mat. ".repeat(2000)).unwrap();
+    let ds = dir.join("text-data");
+    let o = bin()
+        .args(["data", "prepare", "--input"])
+        .arg(&text)
+        .arg("--out")
+        .arg(&ds)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let data = format!("data.dir={}", ds.display());
+    let run = dir.join("run");
+    let settings = run_settings(&data, &["train.steps=4", "train.eval_every=0"]);
+    let o = train_cmd(&run, &settings).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let eval = |out: &Path| {
+        let mut c = bin();
+        c.arg("eval").arg("--run").arg(&run).arg("--out").arg(out);
+        for s in [
+            "eval.tasks=[passkey]",
+            "eval.lengths=[128]",
+            "eval.samples=6",
+            "eval.batch_size=2",
+            "eval.max_batches=1",
+        ] {
+            c.args(["--set", s]);
+        }
+        c.stdout(Stdio::null()).stderr(Stdio::piped());
+        c
+    };
+    let reference = dir.join("reference");
+    let o = eval(&reference).arg("-q").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let killed = dir.join("killed");
+    let journal = killed.join("probe_journal.jsonl");
+    let o = eval(&killed)
+        .arg("-q")
+        .env("ATTNSWEEP_CRASH_AT", "probe_batch:2")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && journal.is_file());
+    let o = eval(&killed).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("probes: 2 batches finished by an interrupted run"),
+        "{err}"
+    );
+    assert!(!journal.exists());
+    let read = |d: &Path, f: &str| std::fs::read_to_string(d.join(f)).unwrap();
+    for f in ["probe_samples.jsonl", "tasks.csv", "niah.csv"] {
+        assert_eq!(read(&reference, f), read(&killed, f), "{f}");
+    }
+    // A journal left by other weights (here: a key that is not this evaluation's) is set
+    // aside: the evaluation runs every batch and says nothing of resuming.
+    std::fs::write(&journal, "{\"key\":\"other weights\"}\n").unwrap();
+    let o = eval(&killed).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && !err.contains("interrupted run"),
+        "{err}"
+    );
+    assert_eq!(read(&reference, "tasks.csv"), read(&killed, "tasks.csv"));
+}
+
 #[test]
 fn killed_training_resumes_to_the_uninterrupted_result() {
     let dir = scratch("train");
@@ -136,7 +209,7 @@ fn killed_training_resumes_to_the_uninterrupted_result() {
     // Deterministic crashes inside every write path, at several occurrences.
     let training_points = attnsweep::util::fault::POINTS
         .iter()
-        .filter(|p| !p.starts_with("sweep"));
+        .filter(|p| !p.starts_with("sweep") && !p.starts_with("probe"));
     for point in training_points {
         for n in [1, 3] {
             let o = train_cmd(&run, &settings)

@@ -666,6 +666,19 @@ pub(crate) fn write_dataset(
     finish_text_dataset(out, &tok, train, val, Some(docs), None)
 }
 
+/// Tokens to generate for `probes`: room for the longest target, its stop character and a
+/// little more; RULER's tasks get at least RULER's budget.
+pub(crate) fn max_new_tokens(task: Task, probes: &[Probe], tok: &TextTokenizer) -> Result<usize> {
+    let mut max_new = match task {
+        Task::Ruler(r) => r.tokens_to_generate(),
+        _ => 0,
+    };
+    for p in probes {
+        max_new = max_new.max(tok.encode(&format!("{}.", p.target))?.len() + 2);
+    }
+    Ok(max_new)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

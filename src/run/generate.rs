@@ -61,7 +61,7 @@ fn position_means(out: &ForwardOutput) -> Option<Tensor> {
 /// Hard gates summed per layer and head over `positions` (row, position) pairs: AHA Fig. 3's
 /// usage map of the text they were summed over. A layer without gates (a pruned L2A layer)
 /// counts as window.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct HeadGates {
     pub(crate) sums: Vec<Vec<f64>>,
     pub(crate) positions: f64,

@@ -7,6 +7,7 @@ pub mod convert;
 pub(crate) mod eval;
 pub(crate) mod generate;
 pub(crate) mod gguf;
+pub(crate) mod journal;
 pub(crate) mod memory;
 pub(crate) mod optim;
 pub(crate) mod presets;

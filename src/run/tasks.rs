@@ -14,12 +14,15 @@ use crate::model::Llama;
 use crate::run::choice::{read_mc, score_mc, write_mc_samples};
 use crate::run::eval;
 use crate::run::generate::{greedy, HeadGates};
+use crate::run::journal::Journal;
 use crate::run::memory;
 use crate::util::atomic;
+use crate::util::fault;
 use crate::util::progress::{Progress, DEFAULT_STATUS_EVERY};
 use crate::util::rng::Rng;
 use crate::util::stats::{pooled_interval, wilson};
 use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -45,7 +48,7 @@ pub(crate) struct ProbeCell {
 }
 
 /// Inference cost of the probes of one (task, length).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Cost {
     pub(crate) rows: usize,
     pub(crate) length: usize,
@@ -62,6 +65,22 @@ pub(crate) struct Cost {
     pub(crate) decode_seconds: f64,
 }
 
+impl Cost {
+    /// Adds a batch's cost (its length is the same).
+    fn add(&mut self, b: &Cost) {
+        self.rows += b.rows;
+        self.batches += b.batches;
+        self.prefill_pairs += b.prefill_pairs;
+        self.decode_pairs += b.decode_pairs;
+        self.decode_tokens += b.decode_tokens;
+        self.full_decode_keys += b.full_decode_keys;
+        self.cache_bytes += b.cache_bytes;
+        self.full_cache_bytes += b.full_cache_bytes;
+        self.prefill_seconds += b.prefill_seconds;
+        self.decode_seconds += b.decode_seconds;
+    }
+}
+
 /// What the probes of `cfg.eval.tasks` measured: a cell per (task, length, depth), the
 /// inference cost per (task, length), and each task's head usage over its prompts (routed
 /// methods).
@@ -71,7 +90,8 @@ pub(crate) struct ProbeRun {
     pub(crate) head_gates: BTreeMap<Task, HeadGates>,
 }
 
-/// The probes of `cfg.eval.tasks` over lengths and depths.
+/// The probes of `cfg.eval.tasks` over lengths and depths; the batches `journal` holds are
+/// taken from it, the others run and appended to it.
 pub(crate) fn run_probes(
     model: &Llama,
     cfg: &Config,
@@ -79,6 +99,7 @@ pub(crate) fn run_probes(
     haystack: &Haystack,
     device: Device,
     show: bool,
+    journal: &mut Journal,
 ) -> Result<ProbeRun> {
     let e = &cfg.eval;
     let mut spec = e.probe_spec();
@@ -96,7 +117,6 @@ pub(crate) fn run_probes(
     // A batch of probes draws its own gates.
     let seed = eval::eval_gate_seed(cfg);
     let mut batch_index = 0u64;
-    let enc = |s: &str| tok.encode(s);
     let (mut cells, mut costs) = (Vec::new(), BTreeMap::new());
     let mut head_gates: BTreeMap<Task, HeadGates> = BTreeMap::new();
     let total = e.tasks.len() * lengths.len() * e.samples;
@@ -116,7 +136,7 @@ pub(crate) fn run_probes(
                     probes::generate(task, &spec, haystack, tok, length, depth, s as u64)
                 })
                 .collect::<Result<_>>()?;
-            let max_new = max_new_tokens(task, &probes, tok)?;
+            let max_new = probes::max_new_tokens(task, &probes, tok)?;
             let mut by_depth: Vec<ProbeCell> = depths
                 .iter()
                 .map(|&depth| ProbeCell {
@@ -133,65 +153,40 @@ pub(crate) fn run_probes(
             let cost: &mut Cost = costs.entry((task, length)).or_default();
             cost.length = length;
             for (c, chunk) in probes.chunks(e.batch_size).enumerate() {
-                let ids: Vec<i64> = chunk
-                    .iter()
-                    .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
-                    .collect();
-                let prompts = Tensor::from_slice(&ids)
-                    .view([chunk.len() as i64, length as i64])
-                    .to_device(device);
-                let spans = span_mask(chunk, length).to_device(device);
-                let ctx = ForwardCtx {
-                    gate_seed: Rng::derive(seed, &[batch_index]),
-                    gate_override: (e.gates == ProbeGates::Oracle)
-                        .then(|| GateOverride::Positions(spans.shallow_clone())),
-                    ..Default::default()
-                };
+                // Each batch draws its own gates, whether it runs or was run before.
+                let gate_seed = Rng::derive(seed, &[batch_index]);
                 batch_index += 1;
-                let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
+                let batch = match journal.take::<Batch>(name, length, c)? {
+                    Some(b) => b,
+                    None => {
+                        let at = (length, max_new, gate_seed);
+                        let b = run_batch(model, cfg, tok, chunk, at, device)?;
+                        journal.append(name, length, c, &b)?;
+                        fault::point("probe_batch");
+                        b
+                    }
+                };
                 done += chunk.len();
                 progress.update(done as u64, &format!("{name} at {length}"));
-                if let Some(pg) = &g.prompt_gates {
+                if let Some(pg) = &batch.head_gates {
                     head_gates
                         .entry(task)
                         .and_modify(|h| h.add(pg))
                         .or_insert_with(|| pg.clone());
                 }
-                let span_hits: Option<Vec<f64>> = g.prompt_positions.as_ref().map(|at| {
-                    let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
-                        / spans.sum_dim_intlist(1, false, Kind::Double);
-                    Vec::<f64>::try_from(hit).expect("span recall")
-                });
-                for (r, p) in chunk.iter().enumerate() {
+                for (r, row) in batch.rows.into_iter().enumerate() {
                     let cell = &mut by_depth[at[c * e.batch_size + r]];
-                    let text = tok.decode(&g.tokens[r]);
-                    let (em, rec) = p.score(&text);
-                    cell.outputs.push((p.target.clone(), text));
-                    cell.exact_match.push(em);
-                    cell.recall.push(rec);
-                    if let Some(hits) = &span_hits {
-                        cell.span_recall.get_or_insert_with(Vec::new).push(hits[r]);
+                    cell.outputs.push((row.target, row.text));
+                    cell.exact_match.push(row.exact_match);
+                    cell.recall.push(row.recall);
+                    if let Some(hit) = row.span_recall {
+                        cell.span_recall.get_or_insert_with(Vec::new).push(hit);
                     }
-                    if let Some(gates) = &g.gates {
-                        let n = enc(&p.target)?.len().clamp(1, gates[r].len());
-                        let ratio = gates[r][..n].iter().sum::<f64>() / n as f64;
+                    if let Some(ratio) = row.full_ratio {
                         cell.full_ratio.get_or_insert_with(Vec::new).push(ratio);
                     }
                 }
-                cost.rows += chunk.len();
-                cost.batches += 1;
-                cost.prefill_pairs += g.prefill_pairs;
-                cost.decode_pairs += g.decode_pairs.iter().sum::<f64>();
-                let steps = g.decode_pairs.len();
-                cost.decode_tokens += chunk.len() * steps;
-                // Decoding step s feeds position length + s - 1, which sees length + s keys.
-                cost.full_decode_keys +=
-                    (chunk.len() * (length * steps + steps * (steps + 1) / 2)) as f64;
-                cost.cache_bytes += g.cache_bytes;
-                cost.full_cache_bytes +=
-                    chunk.len() as f64 * model.full_kv_cache_bytes(length + steps);
-                cost.prefill_seconds += g.prefill_seconds;
-                cost.decode_seconds += g.decode_seconds;
+                cost.add(&batch.cost);
             }
             // Fewer prompts than depths leave the last depths without any.
             cells.extend(by_depth.into_iter().filter(|c| !c.recall.is_empty()));
@@ -205,25 +200,105 @@ pub(crate) fn run_probes(
     })
 }
 
+/// One batch of probes as it was scored: each row's answer and scores, what the batch cost,
+/// the gates over its prompts. The journal keeps it, so an evaluation cut off resumes after
+/// its last finished batch.
+#[derive(Serialize, Deserialize)]
+struct Batch {
+    rows: Vec<Row>,
+    cost: Cost,
+    head_gates: Option<HeadGates>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Row {
+    target: String,
+    text: String,
+    exact_match: f64,
+    recall: f64,
+    span_recall: Option<f64>,
+    full_ratio: Option<f64>,
+}
+
+/// Greedy decoding of one batch of `probes`, each `length` tokens, at most `max_new` new
+/// tokens, its gates drawn from `gate_seed`, scored.
+fn run_batch(
+    model: &Llama,
+    cfg: &Config,
+    tok: &TextTokenizer,
+    probes: &[Probe],
+    (length, max_new, gate_seed): (usize, usize, u64),
+    device: Device,
+) -> Result<Batch> {
+    let ids: Vec<i64> = probes
+        .iter()
+        .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
+        .collect();
+    let prompts = Tensor::from_slice(&ids)
+        .view([probes.len() as i64, length as i64])
+        .to_device(device);
+    let spans = span_mask(probes, length).to_device(device);
+    let ctx = ForwardCtx {
+        gate_seed,
+        gate_override: (cfg.eval.gates == ProbeGates::Oracle)
+            .then(|| GateOverride::Positions(spans.shallow_clone())),
+        ..Default::default()
+    };
+    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
+    let span_hits: Option<Vec<f64>> = g.prompt_positions.as_ref().map(|at| {
+        let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
+            / spans.sum_dim_intlist(1, false, Kind::Double);
+        Vec::<f64>::try_from(hit).expect("span recall")
+    });
+    let mut rows = Vec::with_capacity(probes.len());
+    for (r, p) in probes.iter().enumerate() {
+        let text = tok.decode(&g.tokens[r]);
+        let (exact_match, recall) = p.score(&text);
+        let full_ratio = match &g.gates {
+            Some(gates) => {
+                let n = tok.encode(&p.target)?.len().clamp(1, gates[r].len());
+                Some(gates[r][..n].iter().sum::<f64>() / n as f64)
+            }
+            None => None,
+        };
+        rows.push(Row {
+            target: p.target.clone(),
+            text,
+            exact_match,
+            recall,
+            span_recall: span_hits.as_ref().map(|h| h[r]),
+            full_ratio,
+        });
+    }
+    let steps = g.decode_pairs.len();
+    let n = probes.len();
+    let cost = Cost {
+        rows: n,
+        length,
+        prefill_pairs: g.prefill_pairs,
+        decode_pairs: g.decode_pairs.iter().sum::<f64>(),
+        decode_tokens: n * steps,
+        // Decoding step s feeds position length + s - 1, which sees length + s keys.
+        full_decode_keys: (n * (length * steps + steps * (steps + 1) / 2)) as f64,
+        cache_bytes: g.cache_bytes,
+        full_cache_bytes: n as f64 * model.full_kv_cache_bytes(length + steps),
+        prefill_seconds: g.prefill_seconds,
+        batches: 1,
+        decode_seconds: g.decode_seconds,
+    };
+    Ok(Batch {
+        rows,
+        cost,
+        head_gates: g.prompt_gates,
+    })
+}
+
 /// The depths a task's needles are put at: `eval.depths`, or none for a task without one.
 fn depths_of(task: Task, e: &crate::config::EvalConfig) -> Vec<Option<f64>> {
     match task.has_depth() {
         true => e.depths.iter().map(|&d| Some(d)).collect(),
         false => vec![None],
     }
-}
-
-/// Tokens to generate for `probes`: room for the longest target, its stop character and a
-/// little more; RULER's tasks get at least RULER's budget.
-fn max_new_tokens(task: Task, probes: &[Probe], tok: &TextTokenizer) -> Result<usize> {
-    let mut max_new = match task {
-        Task::Ruler(r) => r.tokens_to_generate(),
-        _ => 0,
-    };
-    for p in probes {
-        max_new = max_new.max(tok.encode(&format!("{}.", p.target))?.len() + 2);
-    }
-    Ok(max_new)
 }
 
 /// `[B, L]` (fp32): 1 at the positions each probe's answer rests on (`Probe::spans`).
@@ -335,14 +410,16 @@ pub(crate) fn run(
     preflight(cfg, meta, Some(device))?;
     let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
     atomic::ensure_writable_dir(dir)?;
+    let mut journal = Journal::of_evaluation(dir, cfg, model_path, opts.progress)?;
     let mut scores = Scores::default();
     if !e.tasks.is_empty() {
-        scores.probes(model, cfg, meta, &tok, device, dir, opts)?;
+        scores.probes(model, cfg, meta, &tok, device, dir, opts, &mut journal)?;
     }
     for path in &e.mc {
         scores.multiple_choice(model, cfg, &tok, device, dir, path, opts)?;
     }
     scores.write(cfg, device, dir, model_path)?;
+    journal.finish()?;
     Ok(scores.results)
 }
 
@@ -433,6 +510,7 @@ impl Scores {
         device: Device,
         dir: &Path,
         opts: &RunOptions,
+        journal: &mut Journal,
     ) -> Result<()> {
         let e = &cfg.eval;
         let hay = haystack(cfg, meta)?;
@@ -440,7 +518,7 @@ impl Scores {
             cells,
             costs,
             head_gates,
-        } = run_probes(model, cfg, tok, &hay, device, opts.progress)?;
+        } = run_probes(model, cfg, tok, &hay, device, opts.progress, journal)?;
         // Per task, and per (task, length) over a needle task's depths: exact match, recall,
         // full ratio and span recall over every prompt.
         type Metrics = [Vec<f64>; 4];
@@ -996,6 +1074,7 @@ mod tests {
                 &Haystack::Noise,
                 Device::Cpu,
                 false,
+                &mut Journal::off(),
             )
             .unwrap()
         };
@@ -1019,7 +1098,16 @@ mod tests {
         let b = Built::new(&c, Device::Cpu).unwrap();
         let tok = TextTokenizer::Bytes;
         let run = |c: &Config| {
-            run_probes(&b.model, c, &tok, &Haystack::Noise, Device::Cpu, false).unwrap()
+            run_probes(
+                &b.model,
+                c,
+                &tok,
+                &Haystack::Noise,
+                Device::Cpu,
+                false,
+                &mut Journal::off(),
+            )
+            .unwrap()
         };
         // The router starts open everywhere (sigmoid(1) > tau): its own span recall is 1 too.
         let learned = run(&c);
@@ -1077,7 +1165,16 @@ mod tests {
                 let usage = |c: &Config, dev: Device| {
                     let b = Built::new(c, dev).unwrap();
                     let tok = TextTokenizer::Bytes;
-                    let r = run_probes(&b.model, c, &tok, &Haystack::Noise, dev, false).unwrap();
+                    let r = run_probes(
+                        &b.model,
+                        c,
+                        &tok,
+                        &Haystack::Noise,
+                        dev,
+                        false,
+                        &mut Journal::off(),
+                    )
+                    .unwrap();
                     let recall = r.cells[0].span_recall.clone().expect("a routed model");
                     assert_eq!(recall, vec![1.0; 3], "{method:?} on {dev:?}");
                     r.head_gates[&Task::parse("passkey").unwrap()].usage()

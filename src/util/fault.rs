@@ -65,13 +65,15 @@ pub(crate) fn point(name: &str) {
 
 /// Every crash point: inside a checkpoint write (after the model file, before the rename;
 /// after the rename, before `latest`), after an optimizer step before its log row, after a
-/// log row, between the files of an evaluation report, and in a sweep runner after a cell's
-/// process finished but before its status is written.
-pub const POINTS: [&str; 6] = [
+/// log row, between the files of an evaluation report, after a batch of probes reached the
+/// evaluation's journal, and in a sweep runner after a cell's process finished but before its
+/// status is written.
+pub const POINTS: [&str; 7] = [
     "checkpoint_files",
     "checkpoint_renamed",
     "step_applied",
     "log_row",
     "eval_report",
+    "probe_batch",
     "sweep_cell_finished",
 ];
