@@ -114,6 +114,19 @@ void attnsweep_dist_free(void* dist) {
     delete d;
 }
 
+// Ends the membership of a rank whose work is done: its backends shut down as at a normal
+// exit (NCCL destroys its communicators once their work is done; a process group destroyed
+// without it warns that it may leak them). Returns 0, or 1 with a message; either way the
+// membership is to be freed after.
+int attnsweep_dist_close(void* dist, char* err, size_t err_len) {
+    return attnsweep::guarded(err, err_len, 1, [&] {
+        auto* d = static_cast<Dist*>(dist);
+        d->reducer.reset();
+        d->group->shutdown();
+        return 0;
+    });
+}
+
 // Sums each of the n tensors over the ranks, in place. Returns 0, or 1 with a message.
 int attnsweep_dist_sum(void* dist, void* const* ts, size_t n, char* err, size_t err_len) {
     return attnsweep::guarded(err, err_len, 1, [&] {

@@ -135,6 +135,11 @@ impl Team {
         })
     }
 
+    /// Leaves the job once this rank's last collective is done.
+    pub(crate) fn close(self) -> Result<()> {
+        self.dist.close()
+    }
+
     /// Rank 0's values of `params` on every rank (as DDP starts: one model, whatever each
     /// rank built or loaded).
     pub(crate) fn share(&self, params: &BTreeMap<String, Tensor>) -> Result<()> {

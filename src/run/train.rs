@@ -760,8 +760,12 @@ impl<'a> Trainer<'a> {
 
     /// The final evaluation (`eval/`) once every step is done, or a note that the run stopped
     /// early and can be resumed.
-    fn finish(self) -> Result<()> {
+    fn finish(mut self) -> Result<()> {
         self.progress.finish();
+        // The last collective is behind every rank: the final evaluation is rank 0's alone.
+        if let Some(team) = self.team.take() {
+            team.close()?;
+        }
         if !self.args.leads() {
             return Ok(());
         }

@@ -60,6 +60,15 @@ impl Dist {
         })
     }
 
+    /// Leaves the job at a normal exit, its work done: the backends shut down (NCCL's
+    /// communicators destroyed once their work is done) before the membership is freed.
+    /// Dropped without it, as after an error, the membership is freed as it stands.
+    pub(crate) fn close(self) -> Result<()> {
+        status("leaving the data-parallel job", |e, n| unsafe {
+            (self.kern.f.dist_close)(self.raw, e, n)
+        })
+    }
+
     /// Each of `ts` summed over the ranks, in place.
     pub(crate) fn sum(&self, ts: &[Tensor]) -> Result<()> {
         let p = pointers(ts);

@@ -189,6 +189,8 @@ entry_points! {
         usize,
     ) -> *mut c_void;
     dist_free: unsafe extern "C" fn(*mut c_void);
+    /// Shuts the membership's backends down as at a normal exit (before `dist_free`).
+    dist_close: unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> i32;
     /// tensors, n: each summed over the ranks, in place.
     dist_sum: unsafe extern "C" fn(*mut c_void, *const *const c_void, usize, *mut c_char, usize) -> i32;
     /// tensors, n: rank 0's values given to every rank, in place.
