@@ -1,6 +1,7 @@
 //! The budget ladder: each line's loss, usage and probes against the training tokens behind
 //! its models, where a grid trains the same set-up at several budgets (a stage and the lower
-//! rungs that name it in `ladder`): the table `budget.csv` and the figure `budget_ladder`.
+//! rungs that name it in `ladder`): the table `budget.csv` and the figures `budget_ladder` and
+//! `budget_positions`.
 //! A line is `Row::line`: a train stage with its settings, an evaluation of it with the
 //! settings it changes, or the grid's pretrained model (0 tokens, the start of every line).
 
@@ -75,6 +76,8 @@ pub(crate) struct Rung {
     /// Per (task, prompt length), and per length over every task (task `ALL_TASKS`): the
     /// probes' exact match, and the prompts a replicate (the most of any).
     pub(crate) probes: BTreeMap<(String, u64), (Estimate, usize)>,
+    /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it.
+    pub(crate) by_position: BTreeMap<(usize, usize), Estimate>,
 }
 
 /// The task name of a rung's probes pooled over its tasks.
@@ -162,6 +165,12 @@ fn rung(line: String, tokens: f64, rows: &[&Row]) -> Rung {
     }
     let measured: Vec<&Row> = models.values().filter_map(|m| m.measured).collect();
     let losses: Vec<f64> = measured.iter().map(|r| r.loss()).collect();
+    let mut positions: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
+    for r in &measured {
+        for p in &r.report.by_position {
+            positions.entry((p.from, p.to)).or_default().push(p.loss);
+        }
+    }
     let usage: Vec<f64> = measured.iter().filter_map(|r| r.mu_f()).collect();
     // Each model's prompts per (task, length), and per length over its tasks.
     let mut groups: BTreeMap<(String, u64), Vec<Vec<f64>>> = BTreeMap::new();
@@ -198,6 +207,10 @@ fn rung(line: String, tokens: f64, rows: &[&Row]) -> Rung {
         loss: Estimate::of(&losses, None),
         mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
         probes,
+        by_position: positions
+            .into_iter()
+            .filter_map(|(k, v)| Estimate::of(&v, None).map(|e| (k, e)))
+            .collect(),
     }
 }
 
@@ -359,6 +372,29 @@ mod tests {
                 .map(|s| s.points[0].1)
         };
         assert_eq!((start(0), start(2)), (Some(2.2), Some(0.5)));
+
+        // Loss by position: a panel per budget of the lines split by position, each line's
+        // buckets at their ends, the pretrained model's beside them in every panel.
+        let Some((_, Figure::Panels { panels, .. })) =
+            figs.iter().find(|(stem, _)| stem == "budget_positions")
+        else {
+            panic!("no budget_positions figure");
+        };
+        assert_eq!(panels.len(), 2, "a panel per budget");
+        for p in panels {
+            let names: Vec<&str> = p.series.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(
+                names,
+                ["full", "pretrained, before training"],
+                "{}",
+                p.title
+            );
+            let base = &p.series[1].points;
+            assert_eq!(base, &[(4.0, 2.2 + 0.3), (8.0, 2.2)]);
+        }
+        let full: Vec<(f64, f64)> = panels.iter().map(|p| p.series[0].points[1]).collect();
+        assert_eq!(full, [(8.0, 1.95), (8.0, 1.8)]);
+        assert!(panels[0].title.contains("after") && panels[0].series[0].points[0].1 > 1.95);
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

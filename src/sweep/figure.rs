@@ -343,7 +343,7 @@ fn line_axes(series: &[Series], x_axis: XAxis) -> LineAxes {
 
 /// A count in three significant digits with its unit: 2097152 as 2.1M, 20054016 as 20.1M,
 /// 999 as 999.
-fn short_count(v: f64) -> String {
+pub(crate) fn short_count(v: f64) -> String {
     let (scaled, unit) = match v.abs() {
         a if a >= 1e9 => (v / 1e9, "G"),
         a if a >= 1e6 => (v / 1e6, "M"),

@@ -6,7 +6,7 @@
 use super::series::with_line;
 use crate::model::attention::{spec, Report};
 use crate::sweep::budget::{self, Estimate, Rung, ALL_TASKS};
-use crate::sweep::figure::{series, sorted, Figure, Panel, Series, XAxis};
+use crate::sweep::figure::{series, short_count, sorted, Figure, Look, Panel, Series, XAxis};
 use crate::sweep::rows::Row;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -99,6 +99,84 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
         Figure::Panels {
             title: "Each set-up against its training budget (means of replicates, 95 % intervals)"
                 .into(),
+            panels,
+        },
+    ));
+}
+
+/// The figure `budget_positions`, where a ladder's evaluations split their loss by position:
+/// a panel per training budget, the loss in each bucket of positions (at the bucket's last
+/// position) of every set-up at that budget, the pretrained model's beside them.
+pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
+    let rungs = budget::rungs(all);
+    let Some(seq_len) = rungs.iter().find(|r| r.trained).map(|r| r.eval_seq_len) else {
+        return;
+    };
+    // Rungs measured on the trained lines' sequences, each by position.
+    let split: Vec<&Rung> = rungs
+        .iter()
+        .filter(|r| r.eval_seq_len == seq_len && !r.by_position.is_empty())
+        .collect();
+    let curve = |r: &Rung, name: String| {
+        let points: Vec<(f64, f64)> = r
+            .by_position
+            .iter()
+            .map(|(&(_, to), e)| (to as f64, e.mean))
+            .collect();
+        let mut s = series(name, points, true);
+        s.errors = r.by_position.values().map(|e| (e.low, e.high)).collect();
+        s
+    };
+    let base: Vec<Series> = split
+        .iter()
+        .filter(|r| r.tokens == 0.0)
+        .take(1)
+        .map(|r| {
+            let mut s = curve(r, "pretrained, before training".into());
+            s.look = Look::Chosen {
+                colour: 6,
+                shape: 0,
+                hollow: true,
+                dashed: true,
+            };
+            s
+        })
+        .collect();
+    let budgets: BTreeSet<u64> = split
+        .iter()
+        .filter(|r| r.tokens > 0.0)
+        .map(|r| r.tokens.to_bits())
+        .collect();
+    let panels: Vec<Panel> = budgets
+        .into_iter()
+        .map(|bits| {
+            let tokens = f64::from_bits(bits);
+            let mut lines: Vec<Series> = split
+                .iter()
+                .filter(|r| r.tokens == tokens)
+                .map(|r| curve(r, r.line.clone()))
+                .collect();
+            lines = sorted(lines);
+            lines.extend(base.iter().cloned());
+            Panel {
+                title: format!("after {} training tokens", short_count(tokens)),
+                x: "positions up to".into(),
+                y: "loss (nats/token)".into(),
+                series: lines,
+                x_axis: XAxis::LogSwept,
+            }
+        })
+        .collect();
+    if panels.is_empty() {
+        return;
+    }
+    figs.push((
+        "budget_positions".into(),
+        Figure::Panels {
+            title: format!(
+                "Loss by position in {seq_len}-token sequences at each budget (means of \
+                 replicates, 95 % intervals)"
+            ),
             panels,
         },
     ));

@@ -22,6 +22,7 @@
 //! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |
 //! | `prefill_time` | L2A Figs. 14-15: forward, prefill and decoding time against length, cells timed alone |
 //! | `budget_ladder` | L2A Fig. 3's usage and each paper's key statistic against training tokens: loss, full-attention share (with the paper's value) and the probes at each length, a line per set-up over its budgets (`budget.rs`) |
+//! | `budget_positions` | the loss by position in the sequence of every set-up of a budget ladder, a panel per budget, the pretrained model's beside them (`budget.rs`) |
 
 mod budget;
 mod cells;
@@ -77,6 +78,7 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     cells::cell_files(&all, &mut figs);
     figs.extend(pareto::pareto_figures(&all));
     budget::budget_ladder(&all, &mut figs);
+    budget::budget_positions(&all, &mut figs);
     Ok(figs)
 }
 
