@@ -410,16 +410,19 @@ pub(crate) fn run(
     preflight(cfg, meta, Some(device))?;
     let tok = data::tokenizer_of(&cfg.data.dir, meta)?;
     atomic::ensure_writable_dir(dir)?;
-    let mut journal = Journal::of_evaluation(dir, cfg, model_path, opts.progress)?;
     let mut scores = Scores::default();
+    let mut journal = None;
     if !e.tasks.is_empty() {
-        scores.probes(model, cfg, meta, &tok, device, dir, opts, &mut journal)?;
+        let j = journal.insert(Journal::of_evaluation(dir, cfg, model_path, opts.progress)?);
+        scores.probes(model, cfg, meta, &tok, device, dir, opts, j)?;
     }
     for path in &e.mc {
         scores.multiple_choice(model, cfg, &tok, device, dir, path, opts)?;
     }
     scores.write(cfg, device, dir, model_path)?;
-    journal.finish()?;
+    if let Some(j) = journal {
+        j.finish()?;
+    }
     Ok(scores.results)
 }
 
