@@ -11,6 +11,7 @@ pub(crate) mod journal;
 pub(crate) mod memory;
 pub(crate) mod optim;
 pub(crate) mod presets;
+pub(crate) mod probe_batch;
 pub(crate) mod prune;
 pub(crate) mod ranks;
 pub(crate) mod report;

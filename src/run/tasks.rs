@@ -9,24 +9,24 @@ use crate::config::{Config, HaystackKind, ProbeGates};
 use crate::data::probes::{self, Haystack, Probe, Task};
 use crate::data::ruler;
 use crate::data::{self, Split, TextTokenizer};
-use crate::model::attention::{spec, ForwardCtx, GateOverride, Gates};
+use crate::model::attention::{spec, Gates};
 use crate::model::Llama;
 use crate::run::choice::{read_mc, score_mc, write_mc_samples};
 use crate::run::eval;
-use crate::run::generate::{greedy, HeadGates};
+use crate::run::generate::HeadGates;
 use crate::run::journal::Journal;
 use crate::run::memory;
+use crate::run::probe_batch::{run_batch, Batch, Cost};
 use crate::util::atomic;
 use crate::util::fault;
 use crate::util::progress::{Progress, DEFAULT_STATUS_EVERY};
 use crate::util::rng::Rng;
 use crate::util::stats::{pooled_interval, wilson};
 use anyhow::{bail, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
 /// Scores of one (task, length, depth) cell of the probe grid.
 #[derive(Clone, Debug)]
@@ -45,40 +45,6 @@ pub(crate) struct ProbeCell {
     pub(crate) span_recall: Option<Vec<f64>>,
     /// Per probe, the target and the generated text, for inspection.
     pub(crate) outputs: Vec<(String, String)>,
-}
-
-/// Inference cost of the probes of one (task, length).
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub(crate) struct Cost {
-    pub(crate) rows: usize,
-    pub(crate) length: usize,
-    pub(crate) prefill_pairs: f64,
-    pub(crate) decode_pairs: f64,
-    pub(crate) decode_tokens: usize,
-    /// Keys full causal attention would read for the same decoded tokens (per layer and head).
-    pub(crate) full_decode_keys: f64,
-    pub(crate) cache_bytes: f64,
-    /// Cache bytes full attention would hold for the same sequences.
-    pub(crate) full_cache_bytes: f64,
-    pub(crate) prefill_seconds: f64,
-    pub(crate) batches: usize,
-    pub(crate) decode_seconds: f64,
-}
-
-impl Cost {
-    /// Adds a batch's cost (its length is the same).
-    fn add(&mut self, b: &Cost) {
-        self.rows += b.rows;
-        self.batches += b.batches;
-        self.prefill_pairs += b.prefill_pairs;
-        self.decode_pairs += b.decode_pairs;
-        self.decode_tokens += b.decode_tokens;
-        self.full_decode_keys += b.full_decode_keys;
-        self.cache_bytes += b.cache_bytes;
-        self.full_cache_bytes += b.full_cache_bytes;
-        self.prefill_seconds += b.prefill_seconds;
-        self.decode_seconds += b.decode_seconds;
-    }
 }
 
 /// What the probes of `cfg.eval.tasks` measured: a cell per (task, length, depth), the
@@ -154,14 +120,29 @@ pub(crate) fn run_probes(
             cost.length = length;
             for (c, chunk) in probes.chunks(e.batch_size).enumerate() {
                 // Each batch draws its own gates, whether it runs or was run before.
-                let gate_seed = Rng::derive(seed, &[batch_index]);
+                let (index, gate_seed) = (batch_index, Rng::derive(seed, &[batch_index]));
                 batch_index += 1;
-                let batch = match journal.take::<Batch>(name, length, c)? {
-                    Some(b) => b,
+                let batch = match journal.take::<Batch>(name, length, index)? {
+                    Some(b) => {
+                        let ours = b.rows.len() == chunk.len()
+                            && b.rows.iter().zip(chunk).all(|(r, p)| r.target == p.target);
+                        ensure!(
+                            ours,
+                            "the probe journal's batch {index} ({name} at {length}) holds other \
+                             prompts than this evaluation draws; remove {} to run the probes \
+                             from their first batch",
+                            journal.path().display()
+                        );
+                        b
+                    }
                     None => {
                         let at = (length, max_new, gate_seed);
                         let b = run_batch(model, cfg, tok, chunk, at, device)?;
-                        journal.append(name, length, c, &b)?;
+                        // A non-finite score would not read back as written: such a batch
+                        // runs again on a resume.
+                        if b.finite() {
+                            journal.append(name, length, index, &b)?;
+                        }
                         fault::point("probe_batch");
                         b
                     }
@@ -200,118 +181,12 @@ pub(crate) fn run_probes(
     })
 }
 
-/// One batch of probes as it was scored: each row's answer and scores, what the batch cost,
-/// the gates over its prompts. The journal keeps it, so an evaluation cut off resumes after
-/// its last finished batch.
-#[derive(Serialize, Deserialize)]
-struct Batch {
-    rows: Vec<Row>,
-    cost: Cost,
-    head_gates: Option<HeadGates>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Row {
-    target: String,
-    text: String,
-    exact_match: f64,
-    recall: f64,
-    span_recall: Option<f64>,
-    full_ratio: Option<f64>,
-}
-
-/// Greedy decoding of one batch of `probes`, each `length` tokens, at most `max_new` new
-/// tokens, its gates drawn from `gate_seed`, scored.
-fn run_batch(
-    model: &Llama,
-    cfg: &Config,
-    tok: &TextTokenizer,
-    probes: &[Probe],
-    (length, max_new, gate_seed): (usize, usize, u64),
-    device: Device,
-) -> Result<Batch> {
-    let ids: Vec<i64> = probes
-        .iter()
-        .flat_map(|p| p.prompt.iter().map(|&t| t as i64))
-        .collect();
-    let prompts = Tensor::from_slice(&ids)
-        .view([probes.len() as i64, length as i64])
-        .to_device(device);
-    let spans = span_mask(probes, length).to_device(device);
-    let ctx = ForwardCtx {
-        gate_seed,
-        gate_override: (cfg.eval.gates == ProbeGates::Oracle)
-            .then(|| GateOverride::Positions(spans.shallow_clone())),
-        ..Default::default()
-    };
-    let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
-    let span_hits: Option<Vec<f64>> = g.prompt_positions.as_ref().map(|at| {
-        let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
-            / spans.sum_dim_intlist(1, false, Kind::Double);
-        Vec::<f64>::try_from(hit).expect("span recall")
-    });
-    let mut rows = Vec::with_capacity(probes.len());
-    for (r, p) in probes.iter().enumerate() {
-        let text = tok.decode(&g.tokens[r]);
-        let (exact_match, recall) = p.score(&text);
-        let full_ratio = match &g.gates {
-            Some(gates) => {
-                let n = tok.encode(&p.target)?.len().clamp(1, gates[r].len());
-                Some(gates[r][..n].iter().sum::<f64>() / n as f64)
-            }
-            None => None,
-        };
-        rows.push(Row {
-            target: p.target.clone(),
-            text,
-            exact_match,
-            recall,
-            span_recall: span_hits.as_ref().map(|h| h[r]),
-            full_ratio,
-        });
-    }
-    let steps = g.decode_pairs.len();
-    let n = probes.len();
-    let cost = Cost {
-        rows: n,
-        length,
-        prefill_pairs: g.prefill_pairs,
-        decode_pairs: g.decode_pairs.iter().sum::<f64>(),
-        decode_tokens: n * steps,
-        // Decoding step s feeds position length + s - 1, which sees length + s keys.
-        full_decode_keys: (n * (length * steps + steps * (steps + 1) / 2)) as f64,
-        cache_bytes: g.cache_bytes,
-        full_cache_bytes: n as f64 * model.full_kv_cache_bytes(length + steps),
-        prefill_seconds: g.prefill_seconds,
-        batches: 1,
-        decode_seconds: g.decode_seconds,
-    };
-    Ok(Batch {
-        rows,
-        cost,
-        head_gates: g.prompt_gates,
-    })
-}
-
 /// The depths a task's needles are put at: `eval.depths`, or none for a task without one.
 fn depths_of(task: Task, e: &crate::config::EvalConfig) -> Vec<Option<f64>> {
     match task.has_depth() {
         true => e.depths.iter().map(|&d| Some(d)).collect(),
         false => vec![None],
     }
-}
-
-/// `[B, L]` (fp32): 1 at the positions each probe's answer rests on (`Probe::spans`).
-fn span_mask(probes: &[Probe], length: usize) -> Tensor {
-    let mut mask = vec![0f32; probes.len() * length];
-    for (r, p) in probes.iter().enumerate() {
-        for &(a, b) in &p.spans {
-            for m in &mut mask[r * length + a.min(length)..r * length + b.min(length)] {
-                *m = 1.0;
-            }
-        }
-    }
-    Tensor::from_slice(&mask).view([probes.len() as i64, length as i64])
 }
 
 /// The haystack of the probes: noise, or the val split of `eval.haystack_dir` (default the
@@ -839,16 +714,7 @@ fn write_efficiency(
     for c in costs.values() {
         let t = by_len.entry(c.length).or_default();
         t.length = c.length;
-        t.rows += c.rows;
-        t.batches += c.batches;
-        t.prefill_pairs += c.prefill_pairs;
-        t.decode_pairs += c.decode_pairs;
-        t.decode_tokens += c.decode_tokens;
-        t.full_decode_keys += c.full_decode_keys;
-        t.cache_bytes += c.cache_bytes;
-        t.full_cache_bytes += c.full_cache_bytes;
-        t.prefill_seconds += c.prefill_seconds;
-        t.decode_seconds += c.decode_seconds;
+        t.add(c);
     }
     let m = &cfg.model;
     let (layers, heads, hd) = (
@@ -902,6 +768,20 @@ fn write_efficiency(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::attention::ForwardCtx;
+    use crate::run::generate::greedy;
+    use tch::{Kind, Tensor};
+
+    /// A journal of its own for a test that probes without an evaluation's folder.
+    fn scratch_journal() -> Journal {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let d = std::env::temp_dir().join(format!("attnsweep-probes-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join(format!("journal-{n}.jsonl"));
+        let _ = std::fs::remove_file(&p);
+        Journal::open(&p, "test").unwrap()
+    }
     use crate::config::Method;
     use crate::config::ModelConfig;
     use crate::data::BYTE_EOT;
@@ -1077,7 +957,7 @@ mod tests {
                 &Haystack::Noise,
                 Device::Cpu,
                 false,
-                &mut Journal::off(),
+                &mut scratch_journal(),
             )
             .unwrap()
         };
@@ -1108,7 +988,7 @@ mod tests {
                 &Haystack::Noise,
                 Device::Cpu,
                 false,
-                &mut Journal::off(),
+                &mut scratch_journal(),
             )
             .unwrap()
         };
@@ -1175,7 +1055,7 @@ mod tests {
                         &Haystack::Noise,
                         dev,
                         false,
-                        &mut Journal::off(),
+                        &mut scratch_journal(),
                     )
                     .unwrap();
                     let recall = r.cells[0].span_recall.clone().expect("a routed model");

@@ -763,8 +763,12 @@ impl<'a> Trainer<'a> {
     fn finish(mut self) -> Result<()> {
         self.progress.finish();
         // The last collective is behind every rank: the final evaluation is rank 0's alone.
+        // A shutdown that fails costs the run nothing (its steps are done, the membership is
+        // freed either way): a warning, not a failed run.
         if let Some(team) = self.team.take() {
-            team.close()?;
+            if let Err(e) = team.close() {
+                eprintln!("warning: {e:#}");
+            }
         }
         if !self.args.leads() {
             return Ok(());

@@ -76,7 +76,8 @@ pub(crate) struct Rung {
     /// Per (task, prompt length), and per length over every task (task `ALL_TASKS`): the
     /// probes' exact match, and the prompts a replicate (the most of any).
     pub(crate) probes: BTreeMap<(String, u64), (Estimate, usize)>,
-    /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it.
+    /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it
+    /// (over the replicates that did: every replicate of a line is evaluated alike).
     pub(crate) by_position: BTreeMap<(usize, usize), Estimate>,
 }
 

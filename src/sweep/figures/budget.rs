@@ -21,12 +21,7 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let tokens = "training tokens";
     let mut panels = Vec::new();
     // Loss, where the lines' own evaluations measured it (their length).
-    let base_loss = base
-        .iter()
-        .find(|r| r.eval_seq_len == seq_len && r.probes.is_empty())
-        .or_else(|| base.iter().find(|r| r.eval_seq_len == seq_len))
-        .and_then(|r| r.loss)
-        .map(|e| e.mean);
+    let base_loss = base_at(&base, seq_len).and_then(|r| r.loss).map(|e| e.mean);
     panels.push(Panel {
         title: format!("validation loss at {seq_len} tokens"),
         x: tokens.into(),
@@ -104,9 +99,20 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     ));
 }
 
+/// The pretrained model's rung measured on `seq_len`-token sequences: its evaluation without
+/// probes (the loss of the most tokens), else any.
+fn base_at<'a>(base: &[&'a Rung], seq_len: usize) -> Option<&'a Rung> {
+    let at = |r: &&&Rung| r.eval_seq_len == seq_len;
+    base.iter()
+        .filter(at)
+        .find(|r| r.probes.is_empty())
+        .or_else(|| base.iter().find(at))
+        .copied()
+}
+
 /// The figure `budget_positions`, where a ladder's evaluations split their loss by position:
-/// a panel per training budget, the loss in each bucket of positions (at the bucket's last
-/// position) of every set-up at that budget, the pretrained model's beside them.
+/// a panel per training budget, the loss in each bucket of positions (drawn at the bucket's
+/// end) of every set-up at that budget, the pretrained model's beside them.
 pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let rungs = budget::rungs(all);
     let Some(seq_len) = rungs.iter().find(|r| r.trained).map(|r| r.eval_seq_len) else {
@@ -127,10 +133,9 @@ pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
         s.errors = r.by_position.values().map(|e| (e.low, e.high)).collect();
         s
     };
-    let base: Vec<Series> = split
-        .iter()
-        .filter(|r| r.tokens == 0.0)
-        .take(1)
+    let pretrained: Vec<&Rung> = split.iter().copied().filter(|r| r.tokens == 0.0).collect();
+    let base: Vec<Series> = base_at(&pretrained, seq_len)
+        .into_iter()
         .map(|r| {
             let mut s = curve(r, "pretrained, before training".into());
             s.look = Look::Chosen {
