@@ -453,17 +453,7 @@ fn a_dry_run_finds_cells_that_cannot_start() {
 fn a_dry_run_checks_the_pretrained_model_and_the_probes() {
     let dir = scratch("dry-run-reads");
     let synth_data = synth(&dir, 6000);
-    let text = dir.join("text.txt");
-    std::fs::write(&text, "the cat sat on the mat. ".repeat(2000)).unwrap();
-    let text_data = dir.join("text-data");
-    let o = bin()
-        .args(["data", "prepare", "--input"])
-        .arg(&text)
-        .arg("--out")
-        .arg(&text_data)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    let text_data = common::text_data(&dir);
     // A tiny model of the grids' shape, trained for two steps: the pretrained model.
     let model = [
         "model.hidden_size=16",

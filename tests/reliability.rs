@@ -129,18 +129,7 @@ fn check_consistent(run: &Path) {
 fn killed_probes_resume_after_their_last_finished_batch() {
     let dir = scratch("probes");
     // Probes read text: a byte-level data set.
-    let text = dir.join("text.txt");
-    std::fs::write(&text, "the cat sat on the mat. ".repeat(2000)).unwrap();
-    let ds = dir.join("text-data");
-    let o = bin()
-        .args(["data", "prepare", "--input"])
-        .arg(&text)
-        .arg("--out")
-        .arg(&ds)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let data = format!("data.dir={}", ds.display());
+    let data = format!("data.dir={}", common::text_data(&dir).display());
     let run = dir.join("run");
     let settings = run_settings(&data, &["train.steps=4", "train.eval_every=0"]);
     let o = train_cmd(&run, &settings).output().unwrap();

@@ -101,6 +101,23 @@ pub fn synth(dir: &Path, train_tokens: usize) -> String {
     format!("data.dir={}", data.display())
 }
 
+/// A byte-level text data set (one sentence repeated) in `dir/text-data`, which probes can
+/// read; returns its folder.
+pub fn text_data(dir: &Path) -> PathBuf {
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "the cat sat on the mat. ".repeat(2000)).unwrap();
+    let data = dir.join("text-data");
+    let o = bin()
+        .args(["data", "prepare", "--input"])
+        .arg(&text)
+        .arg("--out")
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    data
+}
+
 /// The `[base]` tables of a tiny CPU grid (2 layers of width 32, 3 steps) on the corpus at `data`.
 pub fn tiny_base(data: &Path) -> String {
     format!(
