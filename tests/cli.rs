@@ -770,6 +770,11 @@ fn json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// The usage (`mu_f`) an evaluation report records.
+fn mu_f_of(eval_json: &Path) -> f64 {
+    json(eval_json)["report"]["gates"]["mu_f"].as_f64().unwrap()
+}
+
 fn weights(path: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
     tch::Tensor::read_safetensors(path)
         .unwrap()
@@ -826,9 +831,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         .flag("--run", &aha_run)
         .set(["attention.tau=0.99"])
         .ok();
-    let hi = json(&aha_run.join("eval-attention.tau_0.99/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let hi = mu_f_of(&aha_run.join("eval-attention.tau_0.99/eval.json"));
     assert!(hi < mu_f, "tau 0.99 gave mu_f {hi}, tau 0.5 gave {mu_f}");
 
     // Static top-k heads from that ranking, continued from the same base.
@@ -846,9 +849,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         base_s,
     ]);
     train(&d, &data, "static", &st);
-    let g = json(&d.join("static/eval/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let g = mu_f_of(&d.join("static/eval/eval.json"));
     assert!(
         (g - 3.0 / 8.0).abs() < 1e-9,
         "3 of 8 heads always full: mu_f {g}"
@@ -873,9 +874,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         .map(|r| r.split(',').nth(col.unwrap()).unwrap().parse().unwrap())
         .collect();
     assert_eq!(usage, [0.0, 2.0 / 8.0, 3.0 / 8.0], "{log}");
-    let g = json(&d.join("ramped/eval/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let g = mu_f_of(&d.join("ramped/eval/eval.json"));
     assert!((g - 3.0 / 8.0).abs() < 1e-9, "after training: mu_f {g}");
     std::fs::write(&ramp, "step,loss,mu_f\n1,3,0.1\n2,3,0.0\n").unwrap();
     let err = ramped
@@ -898,9 +897,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         base_s,
     ]);
     train(&d, &data, "aha_started", &started);
-    let g = json(&d.join("aha_started/eval/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let g = mu_f_of(&d.join("aha_started/eval/eval.json"));
     assert!(
         (g - 3.0 / 8.0).abs() < 0.02,
         "AHA started at 3 of 8 heads: mu_f {g}"
@@ -920,9 +917,7 @@ fn routed_methods_train_eval_rank_heads_and_prune() {
         "attention.bernoulli_p=0.5",
     ]);
     train(&d, &data, "bernoulli", &be);
-    let b = json(&d.join("bernoulli/eval/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let b = mu_f_of(&d.join("bernoulli/eval/eval.json"));
     assert!((b - 0.5).abs() < 0.05, "Bernoulli(0.5) gates: mu_f {b}");
 
     // L2A from the base with frozen MLPs: the global module starts as a copy of the base
@@ -1080,9 +1075,7 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
         .iter()
         .find(|c| json(&c.join("cell.json"))["settings"]["attention.window"] == 4)
         .unwrap();
-    let mu_f = json(&aha4.join("eval/eval.json"))["report"]["gates"]["mu_f"]
-        .as_f64()
-        .unwrap();
+    let mu_f = mu_f_of(&aha4.join("eval/eval.json"));
     let drawn = json(&random.join("eval/eval.json"))["config"]["attention"]["bernoulli_p"]
         .as_f64()
         .unwrap();

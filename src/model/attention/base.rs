@@ -257,11 +257,11 @@ impl Build<'_> {
     ) -> GateSource {
         let (p, m, a) = (self.p, self.m, self.a);
         if a.router == Router::Bernoulli {
-            // This layer's rates, one a gate (or one for all), else the one rate everywhere.
+            // This layer's rates, one a gate or one for all (the config refuses other
+            // lengths), else the one rate everywhere.
             let rates = a
                 .bernoulli_rates
                 .get(self.layer)
-                .filter(|r| r.len() as i64 == outputs || r.len() == 1)
                 .cloned()
                 .unwrap_or_else(|| vec![a.bernoulli_p]);
             // On the device once: a decoding step captured as a graph copies nothing from the

@@ -3,10 +3,10 @@
 //! model, a line per set-up, with the pretrained model and each method's paper usage
 //! (`Report::PaperUsage`) as reference lines.
 
-use super::series::with_line;
+use super::series::{reference_look, with_line};
 use crate::model::attention::{spec, Report};
 use crate::sweep::budget::{self, Estimate, Rung, ALL_TASKS};
-use crate::sweep::figure::{series, short_count, sorted, Figure, Look, Panel, Series, XAxis};
+use crate::sweep::figure::{series, short_count, sorted, Figure, Panel, Series, XAxis};
 use crate::sweep::rows::Row;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -124,29 +124,19 @@ pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
         .filter(|r| r.eval_seq_len == seq_len && !r.by_position.is_empty())
         .collect();
     let curve = |r: &Rung, name: String| {
-        let points: Vec<(f64, f64)> = r
+        let points: Vec<(f64, Estimate)> = r
             .by_position
             .iter()
-            .map(|(&(_, to), e)| (to as f64, e.mean))
+            .map(|(&(_, to), e)| (to as f64, *e))
             .collect();
-        let mut s = series(name, points, true);
-        s.errors = r.by_position.values().map(|e| (e.low, e.high)).collect();
-        s
+        with_intervals(name, &points)
     };
     let pretrained: Vec<&Rung> = split.iter().copied().filter(|r| r.tokens == 0.0).collect();
-    let base: Vec<Series> = base_at(&pretrained, seq_len)
-        .into_iter()
-        .map(|r| {
-            let mut s = curve(r, "pretrained, before training".into());
-            s.look = Look::Chosen {
-                colour: 6,
-                shape: 0,
-                hollow: true,
-                dashed: true,
-            };
-            s
-        })
-        .collect();
+    let base: Option<Series> = base_at(&pretrained, seq_len).map(|r| {
+        let mut s = curve(r, "pretrained, before training".into());
+        s.look = reference_look(6);
+        s
+    });
     let budgets: BTreeSet<u64> = split
         .iter()
         .filter(|r| r.tokens > 0.0)
@@ -162,7 +152,7 @@ pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
                 .map(|r| curve(r, r.line.clone()))
                 .collect();
             lines = sorted(lines);
-            lines.extend(base.iter().cloned());
+            lines.extend(base.clone());
             Panel {
                 title: format!("after {} training tokens", short_count(tokens)),
                 x: "positions up to".into(),
@@ -200,14 +190,19 @@ fn lines(rungs: &[&Rung], value: impl Fn(&Rung) -> Option<Estimate>) -> Vec<Seri
             .into_iter()
             .map(|(name, mut points)| {
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                let mut s = series(
-                    name.to_string(),
-                    points.iter().map(|(x, e)| (*x, e.mean)).collect(),
-                    true,
-                );
-                s.errors = points.iter().map(|(_, e)| (e.low, e.high)).collect();
-                s
+                with_intervals(name.to_string(), &points)
             })
             .collect(),
     )
+}
+
+/// A line through the means of `points`, each with its interval.
+fn with_intervals(name: String, points: &[(f64, Estimate)]) -> Series {
+    let mut s = series(
+        name,
+        points.iter().map(|(x, e)| (*x, e.mean)).collect(),
+        true,
+    );
+    s.errors = points.iter().map(|(_, e)| (e.low, e.high)).collect();
+    s
 }

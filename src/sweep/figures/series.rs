@@ -192,13 +192,19 @@ pub(super) fn with_line(
     });
     if let (Some(y), true) = (y, lo < hi) {
         let mut line = series(name.into(), vec![(lo, y), (hi, y)], true);
-        line.look = Look::Chosen {
-            colour,
-            shape: 0,
-            hollow: true,
-            dashed: true,
-        };
+        line.look = reference_look(colour);
         lines.push(line);
     }
     lines
+}
+
+/// How a reference (a paper's value, the model before training) is drawn: dashed, hollow,
+/// in palette colour `colour`.
+pub(super) fn reference_look(colour: usize) -> Look {
+    Look::Chosen {
+        colour,
+        shape: 0,
+        hollow: true,
+        dashed: true,
+    }
 }
