@@ -27,8 +27,9 @@ pub(super) struct SweepCmd {
     /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<usize>,
-    /// GPUs of --devices each train cell gets: it trains data parallel over them
-    /// (train.ranks); evaluations and prunings run one a GPU, as many at once as --devices
+    /// GPUs of --devices each train cell gets: it trains data parallel over them, whatever
+    /// train.ranks its config names (the global batch kept: 1 trains one rank over all the
+    /// micro-batches); evaluations and prunings run one a GPU, as many at once as --devices
     /// names. Default: the largest train.ranks of the grid's cells.
     #[arg(long, value_name = "K")]
     gpus_per_cell: Option<usize>,

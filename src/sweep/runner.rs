@@ -766,8 +766,10 @@ fn cell_command(
                     cmd.arg("--init-from").arg(d);
                 }
             }
-            // Data parallel over the GPUs of its slot.
-            if args.gpus_per_cell > 1 && !args.devices.is_empty() {
+            // Data parallel over the GPUs of its slot, however many ranks the grid's config
+            // names: a slot of one GPU trains one rank over all the micro-batches (the same
+            // global batch), where the config's ranks would not find their GPUs.
+            if !args.devices.is_empty() {
                 cmd.arg("--gpus").arg(args.gpus_per_cell.to_string());
             }
         }
@@ -961,6 +963,41 @@ mod tests {
             quiet: true,
             status_every: 30,
         }
+    }
+
+    /// A train cell placed on GPUs trains over its slot's: one rank on a slot of one GPU
+    /// whatever train.ranks its grid names (four ranks cannot share one GPU), and no rank
+    /// count is imposed where no devices are named.
+    #[test]
+    fn train_cells_train_over_their_slot() {
+        let grid: super::super::Grid = toml::from_str(
+            "name = \"t\"\n[base.train]\nranks = 4\ngrad_accum = 4\n[[stage]]\nname = \"full\"\n",
+        )
+        .unwrap();
+        let cells = super::super::expand(&grid).unwrap();
+        let root = std::env::temp_dir().join(format!("attnsweep-slot-{}", std::process::id()));
+        let dir = root.join("cell");
+        std::fs::create_dir_all(&dir).unwrap();
+        let gpus = |devices: Vec<usize>, k: usize| {
+            let a = SweepArgs {
+                out: root.clone(),
+                ..args(devices, k, 1)
+            };
+            let cmd = cell_command(&cells[0], &a, Path::new("attnsweep"), &dir)
+                .unwrap()
+                .unwrap();
+            let v: Vec<String> = cmd
+                .get_args()
+                .map(|x| x.to_string_lossy().into_owned())
+                .collect();
+            v.iter()
+                .position(|x| x == "--gpus")
+                .map(|i| v[i + 1].clone())
+        };
+        assert_eq!(gpus(vec![0], 1).as_deref(), Some("1"));
+        assert_eq!(gpus(vec![0, 1], 2).as_deref(), Some("2"));
+        assert_eq!(gpus(vec![], 1), None);
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     /// `--cell` lists cells in any order and runs them in the grid's; a listed cell waits on
