@@ -11,7 +11,7 @@ use crate::config::{name_of, Method};
 use crate::util::stats::{mean_interval, pooled_interval, wilson};
 use anyhow::Result;
 use polars::prelude::*;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A mean with its 95 % interval (NaN bounds for one measurement that has no count).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -125,9 +125,21 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
             .or_default()
             .push(r);
     }
+    // The validation tokens the ladders' train cells measured their loss on, per sequence
+    // length: an evaluation's loss is comparable with theirs only on as many tokens.
+    let mut scale: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.kind == StageKind::Train && ladders.contains(&r.line))
+    {
+        scale
+            .entry(r.report.seq_len)
+            .or_default()
+            .insert(r.report.tokens);
+    }
     let mut out: Vec<Rung> = groups
         .into_iter()
-        .map(|((line, tokens), rows)| rung(line, f64::from_bits(tokens), &rows))
+        .map(|((line, tokens), rows)| rung(line, f64::from_bits(tokens), &rows, &scale))
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
     out
@@ -143,12 +155,24 @@ struct Model<'a> {
 /// The rung of `line` at `tokens` from its rows. Its replicates are the models they measure:
 /// each train cell, or each model the evaluations act on (the cell behind them; the
 /// pretrained model). Several evaluations of one model are one replicate: its prompts merged,
-/// its loss and usage the train cell's own evaluation, else one without probes, else any.
-fn rung(line: String, tokens: f64, rows: &[&Row]) -> Rung {
-    let rank = |r: &Row| match (r.kind, r.probe_by_length.is_empty()) {
-        (StageKind::Train, _) => 0,
-        (_, true) => 1,
-        (_, false) => 2,
+/// its loss and usage the train cell's own evaluation, else one without probes, else any;
+/// among evaluations, one over as many validation tokens as the ladders' train cells at its
+/// length (`scale`) first. A loss measured on other tokens is left out (a probe evaluation of
+/// a third of the tokens is not the start of a line measured on all of them).
+fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeSet<u64>>) -> Rung {
+    let comparable = |r: &Row| {
+        r.kind == StageKind::Train
+            || scale
+                .get(&r.report.seq_len)
+                .is_none_or(|t| t.contains(&r.report.tokens))
+    };
+    let rank = |r: &Row| {
+        let kind = match (r.kind, r.probe_by_length.is_empty()) {
+            (StageKind::Train, _) => 0,
+            (_, true) => 1,
+            (_, false) => 2,
+        };
+        kind + if comparable(r) { 0 } else { 3 }
     };
     let mut models: BTreeMap<&str, Model> = BTreeMap::new();
     for &r in rows {
@@ -165,9 +189,10 @@ fn rung(line: String, tokens: f64, rows: &[&Row]) -> Rung {
         }
     }
     let measured: Vec<&Row> = models.values().filter_map(|m| m.measured).collect();
-    let losses: Vec<f64> = measured.iter().map(|r| r.loss()).collect();
+    let lossy: Vec<&Row> = measured.iter().copied().filter(|r| comparable(r)).collect();
+    let losses: Vec<f64> = lossy.iter().map(|r| r.loss()).collect();
     let mut positions: BTreeMap<(usize, usize), Vec<f64>> = BTreeMap::new();
-    for r in &measured {
+    for r in &lossy {
         for p in &r.report.by_position {
             positions.entry((p.from, p.to)).or_default().push(p.loss);
         }
@@ -396,6 +421,50 @@ mod tests {
         let full: Vec<(f64, f64)> = panels.iter().map(|p| p.series[0].points[1]).collect();
         assert_eq!(full, [(8.0, 1.95), (8.0, 1.8)]);
         assert!(panels[0].title.contains("after") && panels[0].series[0].points[0].1 > 1.95);
+    }
+
+    /// The pretrained model's loss starts a line only where it was measured on as many
+    /// validation tokens as the ladders' train cells: its evaluation without probes on other
+    /// tokens gives way to a probe evaluation on the same ones, and where none is, the rung
+    /// has no loss (its probes stay) and the loss panel no start line.
+    #[test]
+    fn a_start_measured_on_other_tokens_is_left_out() {
+        let dir = sweep_dir_with_ladders("ladders-scale");
+        let retoken = |id: &str| {
+            let eval = dir.join(id).join("eval/eval.json");
+            let mut file: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&eval).unwrap()).unwrap();
+            let tokens = file["report"]["tokens"].as_u64().unwrap();
+            file["report"]["tokens"] = serde_json::json!(tokens / 3);
+            std::fs::write(&eval, file.to_string()).unwrap();
+        };
+        let base = |dir: &std::path::Path| {
+            let all = rows(dir).unwrap().rows;
+            let rung = rungs(&all).into_iter().find(|r| r.tokens == 0.0).unwrap();
+            (
+                rung.loss.map(|e| e.mean),
+                rung.probes.len(),
+                rung.by_position.len(),
+            )
+        };
+        retoken("pre-0");
+        assert_eq!(base(&dir), (Some(2.3), 2, 0), "the probe evaluation's loss");
+        retoken("prepr-0");
+        let (loss, probes, _) = base(&dir);
+        assert_eq!((loss, probes), (None, 2));
+        let figs = figures(&dir).unwrap();
+        let Some((_, Figure::Panels { panels, .. })) =
+            figs.iter().find(|(stem, _)| stem == "budget_ladder")
+        else {
+            panic!("no budget_ladder figure");
+        };
+        let starts = |p: usize| {
+            panels[p]
+                .series
+                .iter()
+                .any(|s| s.name.starts_with("pretrained"))
+        };
+        assert!(!starts(0) && starts(2));
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

@@ -744,13 +744,26 @@ impl Figure {
         legend_width(panels_legend(panels))
     }
 
-    /// Writes `<stem>.png` and `<stem>.svg`.
+    /// Writes `<stem>.png` and `<stem>.svg`. The PNG is drawn in memory and encoded at the
+    /// best compression with adaptive filters: the bitmap backend's own file encoder
+    /// compresses fast, and committed figures came out about twice as large.
     pub(crate) fn save(&self, stem: &Path) -> Result<Vec<PathBuf>> {
+        use image::codecs::png::{CompressionType, FilterType, PngEncoder};
+        use image::ImageEncoder;
         let png = stem.with_extension("png");
         let svg = stem.with_extension("svg");
         let size = self.size();
+        let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
+        {
+            let root = BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area();
+            self.draw(&root)?;
+            root.present().map_err(err)?;
+        }
         atomic::write_with(&png, |tmp| {
-            self.draw(&BitMapBackend::new(tmp, size).into_drawing_area())
+            let file = std::io::BufWriter::new(std::fs::File::create(tmp)?);
+            PngEncoder::new_with_quality(file, CompressionType::Best, FilterType::Adaptive)
+                .write_image(&rgb, size.0, size.1, image::ColorType::Rgb8)?;
+            Ok(())
         })?;
         atomic::write_with(&svg, |tmp| {
             self.draw(&SVGBackend::new(tmp, size).into_drawing_area())
