@@ -142,26 +142,12 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         println!("wrote Slurm job arrays; submit with {}", submit.display());
         return Ok(());
     }
-    let gpus_per_cell = c
-        .gpus_per_cell
-        .unwrap_or_else(|| match c.devices.is_empty() {
-            true => 1,
-            false => cells
-                .iter()
-                .map(|x| x.config.train.ranks)
-                .max()
-                .unwrap_or(1),
-        });
-    anyhow::ensure!(
-        gpus_per_cell >= 1 && (c.devices.is_empty() || c.devices.len() % gpus_per_cell == 0),
-        "--gpus-per-cell {gpus_per_cell} does not divide the {} GPUs of --devices into whole \
-         slots",
-        c.devices.len()
-    );
-    anyhow::ensure!(
-        gpus_per_cell == 1 || !c.devices.is_empty(),
-        "--gpus-per-cell {gpus_per_cell} places cells on GPUs: name them with --devices"
-    );
+    let ranks = cells
+        .iter()
+        .map(|x| x.config.train.ranks)
+        .max()
+        .unwrap_or(1);
+    let gpus_per_cell = slot_size(c.gpus_per_cell, &c.devices, ranks)?;
     let args = sweep::SweepArgs {
         out: out.clone(),
         jobs: c.jobs,
@@ -202,4 +188,60 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         failed.join(", ")
     );
     Ok(())
+}
+
+/// The GPUs of --devices each train cell takes: `explicit` (--gpus-per-cell), else the
+/// grid's largest train.ranks where devices are named, else 1. A default that does not fit
+/// the devices names the option that does (a cell over fewer GPUs keeps its global batch).
+fn slot_size(explicit: Option<usize>, devices: &[usize], ranks: usize) -> Result<usize> {
+    let k = explicit.unwrap_or(if devices.is_empty() { 1 } else { ranks });
+    if explicit.is_none() && !devices.is_empty() && devices.len() % k != 0 {
+        let fits: Vec<String> = (1..=devices.len())
+            .filter(|d| devices.len() % d == 0 && ranks % d == 0)
+            .map(|d| d.to_string())
+            .collect();
+        anyhow::bail!(
+            "the grid's cells train over {ranks} GPUs (train.ranks) and --devices names {}: \
+             pass --gpus-per-cell {} to train each cell over fewer (the same global batch, \
+             train.grad_accum shared out among them)",
+            devices.len(),
+            fits.join(" or ")
+        );
+    }
+    anyhow::ensure!(
+        k >= 1 && (devices.is_empty() || devices.len() % k == 0),
+        "--gpus-per-cell {k} does not divide the {} GPUs of --devices into whole slots",
+        devices.len()
+    );
+    anyhow::ensure!(
+        k == 1 || !devices.is_empty(),
+        "--gpus-per-cell {k} places cells on GPUs: name them with --devices"
+    );
+    Ok(k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot_size;
+
+    /// A slot defaults to the grid's ranks where devices are named and to 1 without them;
+    /// a default that does not fit the devices names the sizes that do, an explicit size
+    /// that does not divide them is refused, and a slot of several GPUs needs devices.
+    #[test]
+    fn slots_default_to_the_ranks_and_name_what_fits() {
+        assert_eq!(slot_size(None, &[0, 1, 2, 3], 4).unwrap(), 4);
+        assert_eq!(slot_size(None, &[], 4).unwrap(), 1);
+        assert_eq!(slot_size(Some(1), &[0], 4).unwrap(), 1);
+        let e = slot_size(None, &[0], 4).unwrap_err().to_string();
+        assert!(
+            e.contains("--gpus-per-cell 1 ") && e.contains("train.ranks"),
+            "{e}"
+        );
+        let e = slot_size(None, &[0, 1], 4).unwrap_err().to_string();
+        assert!(e.contains("--gpus-per-cell 1 or 2 "), "{e}");
+        let e = slot_size(Some(3), &[0, 1], 4).unwrap_err().to_string();
+        assert!(e.contains("does not divide"), "{e}");
+        let e = slot_size(Some(2), &[], 4).unwrap_err().to_string();
+        assert!(e.contains("name them with --devices"), "{e}");
+    }
 }
