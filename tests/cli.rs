@@ -1016,6 +1016,27 @@ fn cell_dirs(out: &Path, stage: &str) -> Vec<PathBuf> {
     v
 }
 
+/// On GPUs, a sweep refuses a slot whose ranks cannot share out a train cell's micro-batches
+/// before any cell runs, naming the cell and the option to change.
+#[test]
+fn sweep_refuses_slots_that_cannot_share_a_step() {
+    let d = scratch("slots");
+    let grid = tiny_grid(&d, "", "");
+    let out = d.join("out");
+    let err = cli("sweep")
+        .flag("--grid", grid.to_str().unwrap())
+        .flag("--out", out.to_str().unwrap())
+        .words("--devices 0,1 --gpus-per-cell 2")
+        .fails();
+    assert!(
+        err.contains("train.grad_accum = 1")
+            && err.contains("cannot share out evenly")
+            && err.contains("--gpus-per-cell"),
+        "{err}"
+    );
+    assert!(!out.exists(), "nothing is written");
+}
+
 #[test]
 fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
     let d = scratch("sweep");

@@ -148,6 +148,23 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         .max()
         .unwrap_or(1);
     let gpus_per_cell = slot_size(c.gpus_per_cell, &c.devices, ranks)?;
+    // A cell on a slot of k GPUs trains k ranks, each a share of the step's micro-batches:
+    // refused here, before any cell runs, where they do not share out evenly.
+    let uneven = cells.iter().find(|x| {
+        x.kind == sweep::StageKind::Train
+            && !c.devices.is_empty()
+            && (c.cell.is_empty() || c.cell.contains(&x.index))
+            && x.config.train.grad_accum % gpus_per_cell != 0
+    });
+    if let Some(x) = uneven {
+        anyhow::bail!(
+            "cell {} ({}) takes train.grad_accum = {} micro-batches a step, which {gpus_per_cell} \
+             GPUs a cell cannot share out evenly: pass a --gpus-per-cell that divides it",
+            x.index,
+            x.id,
+            x.config.train.grad_accum
+        );
+    }
     let args = sweep::SweepArgs {
         out: out.clone(),
         jobs: c.jobs,

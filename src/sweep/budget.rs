@@ -156,12 +156,16 @@ struct Model<'a> {
 /// each train cell, or each model the evaluations act on (the cell behind them; the
 /// pretrained model). Several evaluations of one model are one replicate: its prompts merged,
 /// its loss and usage the train cell's own evaluation, else one without probes, else any;
-/// among evaluations, one over as many validation tokens as the ladders' train cells at its
-/// length (`scale`) first. A loss measured on other tokens is left out (a probe evaluation of
-/// a third of the tokens is not the start of a line measured on all of them).
+/// among the pretrained model's evaluations, one over as many validation tokens as the
+/// ladders' train cells at its length (`scale`) first, and a loss on other tokens left out (a
+/// probe evaluation of a third of the tokens is not the start of a line measured on all of
+/// them). A trained model's evaluations are lines of their own, read as they were measured.
 fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeSet<u64>>) -> Rung {
+    let start = rows
+        .iter()
+        .all(|r| r.kind == StageKind::Eval && r.source.is_empty());
     let comparable = |r: &Row| {
-        r.kind == StageKind::Train
+        !start
             || scale
                 .get(&r.report.seq_len)
                 .is_none_or(|t| t.contains(&r.report.tokens))

@@ -759,12 +759,12 @@ impl Figure {
             self.draw(&root)?;
             root.present().map_err(err)?;
         }
-        atomic::write_with(&png, |tmp| {
-            let file = std::io::BufWriter::new(std::fs::File::create(tmp)?);
-            PngEncoder::new_with_quality(file, CompressionType::Best, FilterType::Adaptive)
-                .write_image(&rgb, size.0, size.1, image::ColorType::Rgb8)?;
-            Ok(())
-        })?;
+        // Encoded whole in memory: the encoder writes its last chunk when dropped, where a
+        // file's write error would be lost.
+        let mut encoded = Vec::new();
+        PngEncoder::new_with_quality(&mut encoded, CompressionType::Best, FilterType::Adaptive)
+            .write_image(&rgb, size.0, size.1, image::ColorType::Rgb8)?;
+        atomic::write_with(&png, |tmp| Ok(std::fs::write(tmp, &encoded)?))?;
         atomic::write_with(&svg, |tmp| {
             self.draw(&SVGBackend::new(tmp, size).into_drawing_area())
         })?;
@@ -1173,11 +1173,25 @@ pub(super) mod tests {
     fn saved_png_has_the_right_size() {
         let dir = std::env::temp_dir().join(format!("attnsweep-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let files = fixtures().remove(0).save(&dir.join("f")).unwrap();
+        let fig = fixtures().remove(0);
+        let files = fig.save(&dir.join("f")).unwrap();
         let png = std::fs::read(&files[0]).unwrap();
         assert_eq!(&png[1..4], b"PNG");
         let be = |o: usize| u32::from_be_bytes(png[o..o + 4].try_into().unwrap());
         assert_eq!((be(16), be(20)), SIZE);
+        // The file decodes whole to the pixels the figure draws.
+        let mut drawn = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
+        {
+            let root = BitMapBackend::with_buffer(&mut drawn, SIZE).into_drawing_area();
+            fig.draw(&root).unwrap();
+            root.present().unwrap();
+        }
+        let decoded = image::load_from_memory(&png).unwrap().into_rgb8();
+        assert_eq!(decoded.dimensions(), SIZE);
+        assert!(
+            decoded.into_raw() == drawn,
+            "the PNG's pixels differ from the drawing"
+        );
         assert!(std::fs::read_to_string(&files[1])
             .unwrap()
             .starts_with("<svg"));
