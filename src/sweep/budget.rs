@@ -8,7 +8,9 @@
 use super::grid::StageKind;
 use super::rows::Row;
 use crate::config::{name_of, Method};
-use crate::util::stats::{mean_interval, pooled_interval, wilson};
+use crate::util::stats::{
+    holm, mean_interval, paired_difference, pooled_interval, unpaired_difference, wilson,
+};
 use anyhow::Result;
 use polars::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -76,6 +78,8 @@ pub(crate) struct Rung {
     /// Per (task, prompt length), and per length over every task (task `ALL_TASKS`): the
     /// probes' exact match, and the prompts a replicate (the most of any).
     pub(crate) probes: BTreeMap<(String, u64), (Estimate, usize)>,
+    /// Per (task, prompt length): each replicate's prompts, for paired comparisons.
+    pub(crate) prompt_sets: BTreeMap<(String, u64), Vec<Prompts>>,
     /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it
     /// (over the replicates that did: every replicate of a line is evaluated alike).
     pub(crate) by_position: BTreeMap<(usize, usize), Estimate>,
@@ -149,7 +153,14 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
 #[derive(Default)]
 struct Model<'a> {
     measured: Option<&'a Row>,
-    prompts: BTreeMap<(String, u64), Vec<f64>>,
+    prompts: BTreeMap<(String, u64), Prompts>,
+}
+
+/// One model's prompts of one task at one length: each one's score and what it was.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Prompts {
+    pub(crate) scores: Vec<f64>,
+    pub(crate) ids: Vec<String>,
 }
 
 /// The rung of `line` at `tokens` from its rows. Its replicates are the models they measure:
@@ -189,7 +200,10 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
             m.measured = Some(r);
         }
         for (key, prompts) in &r.probe_by_length {
-            m.prompts.entry(key.clone()).or_default().extend(prompts);
+            let p = m.prompts.entry(key.clone()).or_default();
+            p.scores.extend(prompts);
+            p.ids
+                .extend(r.probe_ids.get(key).into_iter().flatten().cloned());
         }
     }
     let measured: Vec<&Row> = models.values().filter_map(|m| m.measured).collect();
@@ -204,14 +218,19 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
     let usage: Vec<f64> = measured.iter().filter_map(|r| r.mu_f()).collect();
     // Each model's prompts per (task, length), and per length over its tasks.
     let mut groups: BTreeMap<(String, u64), Vec<Vec<f64>>> = BTreeMap::new();
+    let mut prompt_sets: BTreeMap<(String, u64), Vec<Prompts>> = BTreeMap::new();
     for m in models.values() {
         let mut all: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
         for ((task, len), prompts) in &m.prompts {
             groups
                 .entry((task.clone(), *len))
                 .or_default()
+                .push(prompts.scores.clone());
+            prompt_sets
+                .entry((task.clone(), *len))
+                .or_default()
                 .push(prompts.clone());
-            all.entry(*len).or_default().extend(prompts);
+            all.entry(*len).or_default().extend(&prompts.scores);
         }
         for (len, prompts) in all {
             groups
@@ -237,6 +256,7 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
         loss: Estimate::of(&losses, None),
         mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
         probes,
+        prompt_sets,
         by_position: positions
             .into_iter()
             .filter_map(|(k, v)| Estimate::of(&v, None).map(|e| (k, e)))
@@ -291,6 +311,91 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "probe_exact_match" => probe(|e| e.mean),
         "probe_ci95_low" => probe(|e| e.low),
         "probe_ci95_high" => probe(|e| e.high),
+    )?;
+    Ok(Some(df))
+}
+
+/// `budget_differences.csv`: each rung's probes against the pretrained model's on the same
+/// task and prompt length (the rung less the start), so that a rung that reads above or below
+/// the start gets a test, not a look at two intervals. Paired over the prompts where every
+/// replicate answered the start's prompts (the same ones, in order: exact McNemar for one
+/// replicate's 0/1 scores), else the unpaired bootstrap over seeds and prompts; Holm's
+/// adjustment over the table's rows. A verdict "differs" needs the p-value (Holm's, for
+/// `verdict_holm`) below 0.05 and the 95 % interval clear of 0. None without a ladder or a
+/// probed start.
+pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
+    let rungs = rungs(rows);
+    let starts: Vec<&Rung> = rungs
+        .iter()
+        .filter(|r| !r.trained && r.tokens == 0.0)
+        .collect();
+    let start_of = |key: &(String, u64)| {
+        starts
+            .iter()
+            .find_map(|s| s.prompt_sets.get(key).filter(|sets| sets.len() == 1))
+            .map(|sets| &sets[0])
+    };
+    let mut out: Vec<(&Rung, &(String, u64), usize, [f64; 4], &str)> = Vec::new();
+    for r in rungs.iter().filter(|r| r.tokens > 0.0) {
+        for (key, sets) in &r.prompt_sets {
+            let Some(start) = start_of(key) else {
+                continue;
+            };
+            let same = |p: &Prompts| p.ids == start.ids && p.scores.len() == start.scores.len();
+            let paired = sets.iter().all(same);
+            let (d, lo, hi, p) = match paired {
+                true => paired_difference(
+                    &sets
+                        .iter()
+                        .map(|p| {
+                            p.scores
+                                .iter()
+                                .copied()
+                                .zip(start.scores.iter().copied())
+                                .collect()
+                        })
+                        .collect::<Vec<Vec<(f64, f64)>>>(),
+                ),
+                false => {
+                    let groups: Vec<Vec<f64>> = sets.iter().map(|p| p.scores.clone()).collect();
+                    unpaired_difference(&groups, std::slice::from_ref(&start.scores))
+                }
+            };
+            let test = match paired {
+                true => "paired over the same prompts",
+                false => "unpaired bootstrap over seeds and prompts",
+            };
+            let prompts = sets.iter().map(|p| p.scores.len()).max().unwrap_or(0);
+            out.push((r, key, prompts, [d, lo, hi, p], test));
+        }
+    }
+    if out.is_empty() {
+        return Ok(None);
+    }
+    let ps: Vec<f64> = out.iter().map(|o| o.3[3]).collect();
+    let adjusted = holm(&ps);
+    let verdict =
+        |p: f64, lo: f64, hi: f64| match (p.is_nan(), p < 0.05 && !(lo <= 0.0 && hi >= 0.0)) {
+            (true, _) => "no test",
+            (false, true) => "differs",
+            (false, false) => "within noise",
+        };
+    let col = |i: usize| out.iter().map(|o| o.3[i]).collect::<Vec<f64>>();
+    let df = df!(
+        "line" => out.iter().map(|o| o.0.line.clone()).collect::<Vec<_>>(),
+        "budget_tokens" => out.iter().map(|o| o.0.tokens).collect::<Vec<_>>(),
+        "replicates" => out.iter().map(|o| o.0.replicates as u64).collect::<Vec<_>>(),
+        "probe_task" => out.iter().map(|o| o.1 .0.clone()).collect::<Vec<_>>(),
+        "probe_length" => out.iter().map(|o| o.1 .1).collect::<Vec<_>>(),
+        "probe_prompts" => out.iter().map(|o| o.2 as u64).collect::<Vec<_>>(),
+        "difference" => col(0),
+        "ci95_low" => col(1),
+        "ci95_high" => col(2),
+        "p" => col(3),
+        "verdict" => out.iter().map(|o| verdict(o.3[3], o.3[1], o.3[2])).collect::<Vec<_>>(),
+        "p_holm" => adjusted.clone(),
+        "verdict_holm" => out.iter().zip(&adjusted).map(|(o, &p)| verdict(p, o.3[1], o.3[2])).collect::<Vec<_>>(),
+        "test" => out.iter().map(|o| o.4).collect::<Vec<_>>(),
     )?;
     Ok(Some(df))
 }
@@ -469,6 +574,54 @@ mod tests {
                 .any(|s| s.name.starts_with("pretrained"))
         };
         assert!(!starts(0) && starts(2));
+    }
+
+    /// Each rung's probes against the start's on the same task and length: a rung whose
+    /// prompts are the start's is paired over them (exact McNemar for 0/1 scores), one whose
+    /// prompts differ is compared unpaired, keys the start lacks are left out, and Holm's
+    /// adjustment covers the table.
+    #[test]
+    fn rungs_are_tested_against_the_start_on_its_prompts() {
+        let dir = sweep_dir_with_ladders("ladders-diff");
+        let all = rows(&dir).unwrap().rows;
+        let df = differences(&all).unwrap().expect("a table");
+        let text = |c: &str| {
+            df.column(c)
+                .unwrap()
+                .str()
+                .unwrap()
+                .into_no_null_iter()
+                .map(String::from)
+                .collect::<Vec<_>>()
+        };
+        let num = |c: &str| {
+            df.column(c)
+                .unwrap()
+                .f64()
+                .unwrap()
+                .into_no_null_iter()
+                .collect::<Vec<_>>()
+        };
+        // Full attention's two rungs at niah_single, 8 tokens (the start's only key): the
+        // lower rung on the start's two prompts ([0, 0] against [0, 1]), the top rung on three.
+        assert_eq!(df.height(), 2, "{df}");
+        assert_eq!(text("probe_task"), ["niah_single", "niah_single"]);
+        assert_eq!(
+            text("test"),
+            [
+                "paired over the same prompts",
+                "unpaired bootstrap over seeds and prompts"
+            ]
+        );
+        let (d, p) = (num("difference"), num("p"));
+        assert_eq!(
+            (d[0], p[0]),
+            (-0.5, 1.0),
+            "one discordant prompt: McNemar's p is 1"
+        );
+        assert!((d[1] - (2.0 / 3.0 - 0.5)).abs() < 1e-12, "{}", d[1]);
+        assert!(num("p_holm").iter().zip(&p).all(|(h, p)| h >= p));
+        assert!(text("verdict_holm").iter().all(|v| v == "within noise"));
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

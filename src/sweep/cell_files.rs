@@ -158,6 +158,9 @@ pub(crate) struct PromptScores {
     pub(crate) scores: BTreeMap<String, Vec<f64>>,
     /// Per (task, prompt length): each prompt's exact match, in the file's order.
     pub(crate) by_length: BTreeMap<(String, u64), Vec<f64>>,
+    /// Beside `by_length`: what each prompt was (its sample index and target as the file
+    /// writes them), so that two models' scores are paired only on the same prompts.
+    pub(crate) ids_by_length: BTreeMap<(String, u64), Vec<String>>,
 }
 
 /// The prompts of a cell's probes; empty without the file.
@@ -185,10 +188,12 @@ pub(crate) fn prompt_scores(path: &Path) -> Result<PromptScores> {
         }
         let exact = v["exact_match"].as_f64().filter(|x| x.is_finite());
         if let (Some(length), Some(x)) = (v["length"].as_u64(), exact) {
-            out.by_length
-                .entry((task.to_string(), length))
+            let key = (task.to_string(), length);
+            out.by_length.entry(key.clone()).or_default().push(x);
+            out.ids_by_length
+                .entry(key)
                 .or_default()
-                .push(x);
+                .push(format!("{}|{}", v["sample"], v["target"]));
         }
     }
     Ok(out)

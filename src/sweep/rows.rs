@@ -77,8 +77,10 @@ pub(crate) struct Row {
     /// Per probe score (`<task>.exact_match`, `<task>.recall`), each prompt's value in the
     /// order the evaluation wrote them (`eval/probe_samples.jsonl`).
     pub(crate) prompt_scores: BTreeMap<String, Vec<f64>>,
-    /// Its probes per (task, prompt length): each prompt's exact match.
+    /// Its probes per (task, prompt length): each prompt's exact match, and beside it what
+    /// each prompt was (`PromptScores::ids_by_length`).
     pub(crate) probe_by_length: BTreeMap<(String, u64), Vec<f64>>,
+    pub(crate) probe_ids: BTreeMap<(String, u64), Vec<String>>,
     /// The set-up it measures, as a budget ladder draws it (`line_of`): its train stage's
     /// name (a lower rung's, the stage it names in `ladder`) with that stage's varied settings
     /// but the seed; an evaluation's or pruning's, that of the train cell it acts on with the
@@ -422,6 +424,7 @@ fn row_of(
         note,
         prompt_scores: prompts.scores,
         probe_by_length: prompts.by_length,
+        probe_ids: prompts.ids_by_length,
         line: line_of(c, cells),
         rung: c.ladder.is_some(),
     };

@@ -460,6 +460,11 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     }
     write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
     write_or_remove(&out.join("budget.csv"), budget::table(&rows)?, &mut written)?;
+    write_or_remove(
+        &out.join("budget_differences.csv"),
+        budget::differences(&rows)?,
+        &mut written,
+    )?;
     write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
     write_or_remove(
         &out.join("layer_usage.csv"),
