@@ -9,7 +9,8 @@ use super::grid::StageKind;
 use super::rows::Row;
 use crate::config::{name_of, Method};
 use crate::util::stats::{
-    holm, mean_interval, paired_difference, pooled_interval, unpaired_difference, wilson,
+    holm, mcnemar_exact, mean_interval, newcombe_paired, paired_difference, pooled_interval,
+    unpaired_difference, wilson,
 };
 use anyhow::Result;
 use polars::prelude::*;
@@ -160,7 +161,20 @@ struct Model<'a> {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Prompts {
     pub(crate) scores: Vec<f64>,
-    pub(crate) ids: Vec<String>,
+    pub(crate) ids: Vec<Option<String>>,
+}
+
+impl Prompts {
+    /// Whether these are `start`'s prompts, one for one: every prompt named, none twice, the
+    /// same ones in the same order.
+    fn same_as(&self, start: &Prompts) -> bool {
+        let named = |p: &Prompts| {
+            let ids: Vec<&String> = p.ids.iter().flatten().collect();
+            let unique: std::collections::BTreeSet<&&String> = ids.iter().collect();
+            ids.len() == p.scores.len() && unique.len() == ids.len()
+        };
+        named(self) && named(start) && self.ids == start.ids
+    }
 }
 
 /// The rung of `line` at `tokens` from its rows. Its replicates are the models they measure:
@@ -316,86 +330,124 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 }
 
 /// `budget_differences.csv`: each rung's probes against the pretrained model's on the same
-/// task and prompt length (the rung less the start), so that a rung that reads above or below
-/// the start gets a test, not a look at two intervals. Paired over the prompts where every
-/// replicate answered the start's prompts (the same ones, in order: exact McNemar for one
-/// replicate's 0/1 scores), else the unpaired bootstrap over seeds and prompts; Holm's
-/// adjustment over the table's rows. A verdict "differs" needs the p-value (Holm's, for
-/// `verdict_holm`) below 0.05 and the 95 % interval clear of 0. None without a ladder or a
-/// probed start.
+/// task and prompt length (the rung less the start, named in `start`), so that a rung that
+/// reads above or below the start gets a test, not a look at two intervals. One replicate on
+/// the start's own prompts (`Prompts::same_as`) is paired over them: exact McNemar with
+/// Newcombe's interval for 0/1 scores, else the paired bootstrap; anything else (several
+/// replicates, other prompts) the unpaired bootstrap over seeds and prompts. Holm's
+/// adjustment covers the table's rows; "differs" needs the p-value (Holm's, for
+/// `verdict_holm`) below 0.05 and the 95 % interval clear of 0 (at the margin, five
+/// discordant prompts all one way, Newcombe's asymptotic interval leaves 0 out where the exact
+/// test does not reject: the verdict follows both). A key probed by several
+/// pretrained lines has no row (which start is meant is not known). None without a ladder or
+/// a probed start.
 pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
     let rungs = rungs(rows);
     let starts: Vec<&Rung> = rungs
         .iter()
         .filter(|r| !r.trained && r.tokens == 0.0)
         .collect();
-    let start_of = |key: &(String, u64)| {
-        starts
-            .iter()
-            .find_map(|s| s.prompt_sets.get(key).filter(|sets| sets.len() == 1))
-            .map(|sets| &sets[0])
+    // The one pretrained line probed on `key`, with its one model's prompts.
+    let start_of = |key: &(String, u64)| match starts
+        .iter()
+        .filter_map(|s| Some((*s, &s.prompt_sets.get(key)?[..])))
+        .collect::<Vec<_>>()[..]
+    {
+        [(s, [p])] => Some((s, p)),
+        _ => None,
     };
-    let mut out: Vec<(&Rung, &(String, u64), usize, [f64; 4], &str)> = Vec::new();
+    struct Out<'a> {
+        rung: &'a Rung,
+        start: &'a Rung,
+        key: &'a (String, u64),
+        replicates: usize,
+        prompts: usize,
+        test: [f64; 4],
+        how: &'static str,
+    }
+    let mut out: Vec<Out> = Vec::new();
     for r in rungs.iter().filter(|r| r.tokens > 0.0) {
         for (key, sets) in &r.prompt_sets {
-            let Some(start) = start_of(key) else {
+            let Some((start, base)) = start_of(key) else {
                 continue;
             };
-            let same = |p: &Prompts| p.ids == start.ids && p.scores.len() == start.scores.len();
-            let paired = sets.iter().all(same);
-            let (d, lo, hi, p) = match paired {
-                true => paired_difference(
-                    &sets
+            let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
+            let (test, how) = match &sets[..] {
+                [one] if one.same_as(base) && binary(&one.scores) && binary(&base.scores) => {
+                    let pair = |x: f64, y: f64| {
+                        one.scores
+                            .iter()
+                            .zip(&base.scores)
+                            .filter(|&(&a, &b)| a == x && b == y)
+                            .count() as u64
+                    };
+                    let (a, b, c, d) = (
+                        pair(1.0, 1.0),
+                        pair(1.0, 0.0),
+                        pair(0.0, 1.0),
+                        pair(0.0, 0.0),
+                    );
+                    let (lo, hi) = newcombe_paired(a, b, c, d);
+                    let diff = (b as f64 - c as f64) / one.scores.len() as f64;
+                    (
+                        [diff, lo, hi, mcnemar_exact(b, c)],
+                        "paired over the same prompts: McNemar, Newcombe's interval",
+                    )
+                }
+                [one] if one.same_as(base) => {
+                    let pairs = vec![one
+                        .scores
                         .iter()
-                        .map(|p| {
-                            p.scores
-                                .iter()
-                                .copied()
-                                .zip(start.scores.iter().copied())
-                                .collect()
-                        })
-                        .collect::<Vec<Vec<(f64, f64)>>>(),
-                ),
-                false => {
+                        .copied()
+                        .zip(base.scores.iter().copied())
+                        .collect()];
+                    let (d, lo, hi, p) = paired_difference(&pairs);
+                    ([d, lo, hi, p], "paired over the same prompts: bootstrap")
+                }
+                _ => {
                     let groups: Vec<Vec<f64>> = sets.iter().map(|p| p.scores.clone()).collect();
-                    unpaired_difference(&groups, std::slice::from_ref(&start.scores))
+                    let (d, lo, hi, p) =
+                        unpaired_difference(&groups, std::slice::from_ref(&base.scores));
+                    ([d, lo, hi, p], "unpaired bootstrap over seeds and prompts")
                 }
             };
-            let test = match paired {
-                true => "paired over the same prompts",
-                false => "unpaired bootstrap over seeds and prompts",
-            };
-            let prompts = sets.iter().map(|p| p.scores.len()).max().unwrap_or(0);
-            out.push((r, key, prompts, [d, lo, hi, p], test));
+            out.push(Out {
+                rung: r,
+                start,
+                key,
+                replicates: sets.len(),
+                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                test,
+                how,
+            });
         }
     }
     if out.is_empty() {
         return Ok(None);
     }
-    let ps: Vec<f64> = out.iter().map(|o| o.3[3]).collect();
-    let adjusted = holm(&ps);
-    let verdict =
-        |p: f64, lo: f64, hi: f64| match (p.is_nan(), p < 0.05 && !(lo <= 0.0 && hi >= 0.0)) {
-            (true, _) => "no test",
-            (false, true) => "differs",
-            (false, false) => "within noise",
-        };
-    let col = |i: usize| out.iter().map(|o| o.3[i]).collect::<Vec<f64>>();
+    let adjusted = holm(&out.iter().map(|o| o.test[3]).collect::<Vec<_>>());
+    let verdict = |p: f64, o: &Out| match p.is_nan() {
+        true => "no test",
+        false if p < 0.05 && (o.test[1] > 0.0 || o.test[2] < 0.0) => "differs",
+        false => "within noise",
+    };
+    let col = |i: usize| out.iter().map(|o| o.test[i]).collect::<Vec<f64>>();
     let df = df!(
-        "line" => out.iter().map(|o| o.0.line.clone()).collect::<Vec<_>>(),
-        "budget_tokens" => out.iter().map(|o| o.0.tokens).collect::<Vec<_>>(),
-        "replicates" => out.iter().map(|o| o.0.replicates as u64).collect::<Vec<_>>(),
-        "probe_task" => out.iter().map(|o| o.1 .0.clone()).collect::<Vec<_>>(),
-        "probe_length" => out.iter().map(|o| o.1 .1).collect::<Vec<_>>(),
-        "probe_prompts" => out.iter().map(|o| o.2 as u64).collect::<Vec<_>>(),
+        "line" => out.iter().map(|o| o.rung.line.clone()).collect::<Vec<_>>(),
+        "budget_tokens" => out.iter().map(|o| o.rung.tokens).collect::<Vec<_>>(),
+        "start" => out.iter().map(|o| o.start.line.clone()).collect::<Vec<_>>(),
+        "probe_task" => out.iter().map(|o| o.key.0.clone()).collect::<Vec<_>>(),
+        "probe_length" => out.iter().map(|o| o.key.1).collect::<Vec<_>>(),
+        "probe_replicates" => out.iter().map(|o| o.replicates as u64).collect::<Vec<_>>(),
+        "probe_prompts" => out.iter().map(|o| o.prompts as u64).collect::<Vec<_>>(),
         "difference" => col(0),
         "ci95_low" => col(1),
         "ci95_high" => col(2),
         "p" => col(3),
-        "verdict" => out.iter().map(|o| verdict(o.3[3], o.3[1], o.3[2])).collect::<Vec<_>>(),
+        "verdict" => out.iter().map(|o| verdict(o.test[3], o)).collect::<Vec<_>>(),
         "p_holm" => adjusted.clone(),
-        "verdict_holm" => out.iter().zip(&adjusted).map(|(o, &p)| verdict(p, o.3[1], o.3[2])).collect::<Vec<_>>(),
-        "test" => out.iter().map(|o| o.4).collect::<Vec<_>>(),
+        "verdict_holm" => out.iter().zip(&adjusted).map(|(o, &p)| verdict(p, o)).collect::<Vec<_>>(),
+        "test" => out.iter().map(|o| o.how).collect::<Vec<_>>(),
     )?;
     Ok(Some(df))
 }
@@ -576,52 +628,70 @@ mod tests {
         assert!(!starts(0) && starts(2));
     }
 
-    /// Each rung's probes against the start's on the same task and length: a rung whose
-    /// prompts are the start's is paired over them (exact McNemar for 0/1 scores), one whose
-    /// prompts differ is compared unpaired, keys the start lacks are left out, and Holm's
-    /// adjustment covers the table.
+    /// Each rung's probes against the start's on the same task and length: one replicate on
+    /// the start's own prompts is paired (exact McNemar, Newcombe's interval), one on other
+    /// prompts (as many, but other targets; or unnamed) or on more of them is compared
+    /// unpaired, keys the start lacks are left out, and Holm's adjustment covers the table.
     #[test]
     fn rungs_are_tested_against_the_start_on_its_prompts() {
         let dir = sweep_dir_with_ladders("ladders-diff");
-        let all = rows(&dir).unwrap().rows;
-        let df = differences(&all).unwrap().expect("a table");
-        let text = |c: &str| {
-            df.column(c)
+        let table = |dir: &std::path::Path| {
+            let df = differences(&rows(dir).unwrap().rows)
                 .unwrap()
-                .str()
-                .unwrap()
-                .into_no_null_iter()
-                .map(String::from)
-                .collect::<Vec<_>>()
-        };
-        let num = |c: &str| {
-            df.column(c)
-                .unwrap()
-                .f64()
-                .unwrap()
-                .into_no_null_iter()
-                .collect::<Vec<_>>()
+                .expect("a table");
+            let text = |c: &str| -> Vec<String> {
+                let s = df.column(c).unwrap().str().unwrap().clone();
+                s.into_no_null_iter().map(String::from).collect()
+            };
+            let num = |c: &str| -> Vec<f64> {
+                let s = df.column(c).unwrap().f64().unwrap().clone();
+                s.into_no_null_iter().collect()
+            };
+            (
+                text("test"),
+                num("difference"),
+                num("ci95_low"),
+                num("ci95_high"),
+                num("p"),
+                num("p_holm"),
+                text("verdict_holm"),
+                text("start"),
+            )
         };
         // Full attention's two rungs at niah_single, 8 tokens (the start's only key): the
         // lower rung on the start's two prompts ([0, 0] against [0, 1]), the top rung on three.
-        assert_eq!(df.height(), 2, "{df}");
-        assert_eq!(text("probe_task"), ["niah_single", "niah_single"]);
-        assert_eq!(
-            text("test"),
-            [
-                "paired over the same prompts",
-                "unpaired bootstrap over seeds and prompts"
-            ]
+        let (test, d, lo, hi, p, holm_p, verdict, start) = table(&dir);
+        assert_eq!(test.len(), 2, "{test:?}");
+        assert!(
+            test[0].starts_with("paired") && test[1].starts_with("unpaired"),
+            "{test:?}"
         );
-        let (d, p) = (num("difference"), num("p"));
         assert_eq!(
             (d[0], p[0]),
             (-0.5, 1.0),
             "one discordant prompt: McNemar's p is 1"
         );
+        assert_eq!((lo[0], hi[0]), newcombe_paired(0, 0, 1, 1));
+        assert!(lo[0] < 0.0 && hi[0] > 0.0);
         assert!((d[1] - (2.0 / 3.0 - 0.5)).abs() < 1e-12, "{}", d[1]);
-        assert!(num("p_holm").iter().zip(&p).all(|(h, p)| h >= p));
-        assert!(text("verdict_holm").iter().all(|v| v == "within noise"));
+        assert!(holm_p.iter().zip(&p).all(|(h, p)| h >= p));
+        assert!(verdict.iter().all(|v| v == "within noise"));
+        assert!(start.iter().all(|s| s == "pretrained"));
+        // The lower rung's two prompts with other targets, then unnamed: no longer paired.
+        let file = dir.join("proberung-0/eval/probe_samples.jsonl");
+        let text = std::fs::read_to_string(&file).unwrap();
+        std::fs::write(&file, text.replace("niah_single-8-", "other-")).unwrap();
+        assert!(table(&dir).0[0].starts_with("unpaired"));
+        let unnamed: Vec<String> = text
+            .lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v.as_object_mut().unwrap().remove("target");
+                v.to_string()
+            })
+            .collect();
+        std::fs::write(&file, unnamed.join("\n")).unwrap();
+        assert!(table(&dir).0[0].starts_with("unpaired"));
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

@@ -158,9 +158,10 @@ pub(crate) struct PromptScores {
     pub(crate) scores: BTreeMap<String, Vec<f64>>,
     /// Per (task, prompt length): each prompt's exact match, in the file's order.
     pub(crate) by_length: BTreeMap<(String, u64), Vec<f64>>,
-    /// Beside `by_length`: what each prompt was (its sample index and target as the file
-    /// writes them), so that two models' scores are paired only on the same prompts.
-    pub(crate) ids_by_length: BTreeMap<(String, u64), Vec<String>>,
+    /// Beside `by_length`: what each prompt was (its depth, sample index and target as the
+    /// file writes them; None where the file names none), so that two models' scores are
+    /// paired only on prompts known to be the same.
+    pub(crate) ids_by_length: BTreeMap<(String, u64), Vec<Option<String>>>,
 }
 
 /// The prompts of a cell's probes; empty without the file.
@@ -190,10 +191,11 @@ pub(crate) fn prompt_scores(path: &Path) -> Result<PromptScores> {
         if let (Some(length), Some(x)) = (v["length"].as_u64(), exact) {
             let key = (task.to_string(), length);
             out.by_length.entry(key.clone()).or_default().push(x);
-            out.ids_by_length
-                .entry(key)
-                .or_default()
-                .push(format!("{}|{}", v["sample"], v["target"]));
+            let id = match (&v["sample"], &v["target"]) {
+                (serde_json::Value::Null, _) | (_, serde_json::Value::Null) => None,
+                (s, t) => Some(format!("{}|{s}|{t}", v["depth"])),
+            };
+            out.ids_by_length.entry(key).or_default().push(id);
         }
     }
     Ok(out)

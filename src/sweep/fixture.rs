@@ -571,11 +571,18 @@ pub(crate) fn sweep_dir_with_ladders(name: &str) -> PathBuf {
         ]);
         std::fs::write(&eval, file.to_string()).unwrap();
     }
+    // Each prompt named as an evaluation names it (depth, index, target): the n-th prompt of
+    // a task and length is the same prompt in every cell.
     let samples = |id: &str, prompts: &[(&str, u64, f64)]| {
+        let mut seen: std::collections::BTreeMap<(&str, u64), usize> = Default::default();
         let lines: Vec<String> = prompts
             .iter()
-            .map(|(task, length, x)| {
-                serde_json::json!({ "task": task, "length": length, "exact_match": x }).to_string()
+            .map(|&(task, length, x)| {
+                let n = seen.entry((task, length)).or_default();
+                *n += 1;
+                serde_json::json!({ "task": task, "length": length, "exact_match": x,
+                    "depth": 0.5, "sample": *n - 1, "target": format!("{task}-{length}-{n}") })
+                .to_string()
             })
             .collect();
         std::fs::write(

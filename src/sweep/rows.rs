@@ -80,7 +80,7 @@ pub(crate) struct Row {
     /// Its probes per (task, prompt length): each prompt's exact match, and beside it what
     /// each prompt was (`PromptScores::ids_by_length`).
     pub(crate) probe_by_length: BTreeMap<(String, u64), Vec<f64>>,
-    pub(crate) probe_ids: BTreeMap<(String, u64), Vec<String>>,
+    pub(crate) probe_ids: BTreeMap<(String, u64), Vec<Option<String>>>,
     /// The set-up it measures, as a budget ladder draws it (`line_of`): its train stage's
     /// name (a lower rung's, the stage it names in `ladder`) with that stage's varied settings
     /// but the seed; an evaluation's or pruning's, that of the train cell it acts on with the
@@ -424,12 +424,32 @@ fn row_of(
         note,
         prompt_scores: prompts.scores,
         probe_by_length: prompts.by_length,
-        probe_ids: prompts.ids_by_length,
+        probe_ids: prompted(prompts.ids_by_length, &ev.config.eval),
         line: line_of(c, cells),
         rung: c.ladder.is_some(),
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)
+}
+
+/// Prompt identities with the settings that render a prompt around its answer (the haystack
+/// and the chat template): two evaluations that differ in them ask different prompts with the
+/// same sample indices and targets.
+fn prompted(
+    ids: BTreeMap<(String, u64), Vec<Option<String>>>,
+    eval: &crate::config::EvalConfig,
+) -> BTreeMap<(String, u64), Vec<Option<String>>> {
+    let how = format!("{:?}|{}", eval.haystack, eval.chat);
+    ids.into_iter()
+        .map(|(k, v)| {
+            (
+                k,
+                v.into_iter()
+                    .map(|i| i.map(|i| format!("{i}|{how}")))
+                    .collect(),
+            )
+        })
+        .collect()
 }
 
 /// Settings of an evaluation that say how it ran, not what it evaluated: two evaluations
