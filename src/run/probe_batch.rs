@@ -83,6 +83,7 @@ impl Batch {
     }
 }
 
+/// One prompt of a batch as scored: its target, the generated text and its scores.
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Row {
     pub(crate) target: String,

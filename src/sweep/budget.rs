@@ -114,7 +114,6 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     // A row's line reaches a ladder when it is the ladder's, or an evaluation of it (the
     // ladder's name and then the settings the evaluation changes); the pretrained model's
     // evaluations (no cell behind them) start every line.
-    let pretrained = |r: &Row| r.kind == StageKind::Eval && r.source.is_empty();
     let reached = |r: &Row| {
         r.kind != StageKind::Prune
             && (pretrained(r)
@@ -148,6 +147,12 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
     out
+}
+
+/// Whether `r` evaluates the grid's pretrained model (no cell behind it): the start of every
+/// line.
+fn pretrained(r: &Row) -> bool {
+    r.kind == StageKind::Eval && r.source.is_empty()
 }
 
 /// One model of a rung: the row that measured its loss and usage, and its probes' prompts.
@@ -186,9 +191,7 @@ impl Prompts {
 /// probe evaluation of a third of the tokens is not the start of a line measured on all of
 /// them). A trained model's evaluations are lines of their own, read as they were measured.
 fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeSet<u64>>) -> Rung {
-    let start = rows
-        .iter()
-        .all(|r| r.kind == StageKind::Eval && r.source.is_empty());
+    let start = rows.iter().all(|r| pretrained(r));
     let comparable = |r: &Row| {
         !start
             || scale

@@ -728,6 +728,14 @@ impl Figure {
         Ok(())
     }
 
+    /// The figure drawn in memory: `size()`'s pixels, 3 bytes (RGB) each.
+    pub(crate) fn rgb(&self) -> Result<Vec<u8>> {
+        let size = self.size();
+        let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
+        self.draw(&BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area())?;
+        Ok(rgb)
+    }
+
     /// Pixels of the figure: panels side by side and long legend names widen it.
     pub(crate) fn size(&self) -> (u32, u32) {
         match self {
@@ -753,12 +761,7 @@ impl Figure {
         let png = stem.with_extension("png");
         let svg = stem.with_extension("svg");
         let size = self.size();
-        let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
-        {
-            let root = BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area();
-            self.draw(&root)?;
-            root.present().map_err(err)?;
-        }
+        let rgb = self.rgb()?;
         // Encoded whole in memory: the encoder writes its last chunk when dropped, where a
         // file's write error would be lost.
         let mut encoded = Vec::new();
@@ -1180,12 +1183,7 @@ pub(super) mod tests {
         let be = |o: usize| u32::from_be_bytes(png[o..o + 4].try_into().unwrap());
         assert_eq!((be(16), be(20)), SIZE);
         // The file decodes whole to the pixels the figure draws.
-        let mut drawn = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
-        {
-            let root = BitMapBackend::with_buffer(&mut drawn, SIZE).into_drawing_area();
-            fig.draw(&root).unwrap();
-            root.present().unwrap();
-        }
+        let drawn = fig.rgb().unwrap();
         let decoded = image::load_from_memory(&png).unwrap().into_rgb8();
         assert_eq!(decoded.dimensions(), SIZE);
         assert!(
