@@ -96,6 +96,11 @@ pub(super) fn niah_figures(
                 series(format!("L={}", tick_format(1.0)(&len)), pts, true)
             })
             .collect();
+        // A file with the column but no ratio in it (a method without routers, probed in a
+        // grid that has some) draws no empty axes.
+        if lines.iter().all(|s| s.points.is_empty()) {
+            return out;
+        }
         if let Some(w) = window {
             for &len in &lengths {
                 let at = (1.0 - w / len).clamp(0.0, 1.0);

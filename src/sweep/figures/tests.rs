@@ -355,3 +355,21 @@ fn niah_csv_gives_heatmap_and_depth_curve() {
         assert!(render(f).0 > 5_000);
     }
 }
+
+#[test]
+fn niah_csv_without_ratios_draws_no_depth_curve() {
+    // Full attention's probes in a grid with routed methods: the column is there, empty.
+    let dir = std::env::temp_dir().join(format!("attnsweep-niah-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("niah.csv");
+    std::fs::write(
+        &p,
+        "depth,length,accuracy,full_ratio\n0.0,64,1.0,\n0.5,64,0.5,\n",
+    )
+    .unwrap();
+    let niah = cell_files::niah(&p).unwrap().unwrap();
+    let figs = niah_figures(&niah, "c", "m", Some(32.0));
+    let names: Vec<&str> = figs.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(names, ["niah_heatmap"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
