@@ -10,7 +10,7 @@ use crate::model::attention::{spec, Gates};
 use crate::run::report;
 use crate::util::atomic;
 use crate::util::fault;
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -253,16 +253,39 @@ fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
         }
     }
     listed.sort_by_key(|c| c.index);
+    // Every missing dependency at once, by index, so one corrected command runs them all (a
+    // results folder keeps its tables but not its cells' folders: on a fresh clone a finished
+    // dependency is missing too, and is trained again by listing it).
+    let mut missing: Vec<(usize, &str, usize)> = Vec::new();
     for c in &listed {
         for dep in c.depends_on.iter().chain(&c.reads) {
-            let st = read_status(&args.out.join(dep));
-            ensure!(
-                st.is_some_and(|s| s.state == State::Done) || listed.iter().any(|l| &l.id == dep),
-                "--cell {}: its dependency {dep} is not finished; finish it first or list its \
-                 cell too",
-                c.index
-            );
+            let done = read_status(&args.out.join(dep)).is_some_and(|s| s.state == State::Done);
+            if done || listed.iter().any(|l| &l.id == dep) {
+                continue;
+            }
+            let at = cells.iter().find(|d| &d.id == dep).map(|d| d.index);
+            let at =
+                at.with_context(|| format!("cell {} depends on {dep}, not in the grid", c.id))?;
+            missing.push((c.index, dep.as_str(), at));
         }
+    }
+    if !missing.is_empty() {
+        let what: Vec<String> = missing
+            .iter()
+            .map(|(c, dep, at)| format!("--cell {c}: its dependency {dep} (cell {at})"))
+            .collect();
+        let mut all: Vec<usize> = listed.iter().map(|c| c.index).collect();
+        all.extend(missing.iter().map(|m| m.2));
+        all.sort_unstable();
+        all.dedup();
+        let all: Vec<String> = all.iter().map(usize::to_string).collect();
+        bail!(
+            "{} not finished in {} (a results folder keeps tables, not the cells' folders); \
+             finish it first or list it too: --cell {}",
+            what.join(", "),
+            args.out.display(),
+            all.join(",")
+        );
     }
     Ok(listed)
 }
@@ -1023,11 +1046,14 @@ mod tests {
             indices(chosen(&cells, &args(vec![2, 0, 2])).unwrap()),
             [0, 2]
         );
-        let e = format!("{:#}", chosen(&cells, &args(vec![1])).unwrap_err());
+        // Both listed cells wait on the unfinished base: one error names it by index and
+        // gives the list that runs them all.
+        let e = format!("{:#}", chosen(&cells, &args(vec![2, 1])).unwrap_err());
         assert!(
-            e.contains("--cell 1") && e.contains("list its cell too"),
+            e.contains("--cell 1: its dependency") && e.contains("--cell 2: its dependency"),
             "{e}"
         );
+        assert!(e.contains("(cell 0)") && e.ends_with("--cell 0,1,2"), "{e}");
         let e = format!("{:#}", chosen(&cells, &args(vec![0, 7])).unwrap_err());
         assert!(e.contains("--cell 7") && e.contains("0 ..= 2"), "{e}");
     }
