@@ -56,6 +56,27 @@ pub(crate) fn sweep_dir_with_sinks(name: &str) -> PathBuf {
     )
 }
 
+/// The fixture sweep with a second window (SWA at 0.6 of the pairs beside swa-0 at 0.2), so
+/// that the other methods between them have a window line at their pairs.
+pub(crate) fn sweep_dir_with_windows(name: &str) -> PathBuf {
+    sweep_dir_with(
+        name,
+        &[Spec {
+            id: "swa-6",
+            kind: StageKind::Train,
+            dep: Some("base-0"),
+            loss: 1.9,
+            density: 0.6,
+            gates: false,
+            threshold: None,
+            edit: |c| {
+                c.attention.method = Method::Swa;
+                c.attention.window = 77
+            },
+        }],
+    )
+}
+
 fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("attnsweep-fixture-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -66,6 +66,7 @@ mod axes;
 mod budget;
 mod cell_files;
 mod check;
+mod equal_work;
 mod figure;
 mod figures;
 #[cfg(test)]
@@ -76,6 +77,7 @@ mod replicates;
 mod rows;
 mod runner;
 mod slurm;
+mod status;
 pub(crate) mod tables;
 
 pub(crate) use tables::unread_report;
@@ -85,8 +87,9 @@ pub(crate) use figure::{Figure, Look, Panel, Series, XAxis};
 pub(crate) use figures::write_all;
 pub(crate) use grid::StageKind;
 pub use grid::{expand, read_grid, Cell, Grid};
-pub(crate) use runner::{failed_cells, read_status, run, SweepArgs};
+pub(crate) use runner::{failed_cells, run, SweepArgs};
 pub(crate) use slurm::emit_slurm;
+pub(crate) use status::read_status;
 
 /// `(cell, why)` pairs gathered by reason, in the order the reasons first come: each reason
 /// with its cells written out, at most `most` named (`a, b, c and 4 more`).

@@ -133,6 +133,23 @@ fn group(rows: &[Row]) -> Vec<&Row> {
         .collect()
 }
 
+/// `rows` by setting (a stage's cells that differ only in their seed), in the order each first
+/// appears: the setting's first cell, which names it, and its cells.
+pub(crate) fn by_setting(rows: &[Row]) -> Vec<(&Row, Vec<&Row>)> {
+    let mut groups: Vec<(&Row, Vec<&Row>)> = Vec::new();
+    for r in rows {
+        let setting = r.setting_text();
+        match groups
+            .iter_mut()
+            .find(|(g, _)| g.stage == r.stage && g.setting_text() == setting)
+        {
+            Some((_, rs)) => rs.push(r),
+            None => groups.push((r, vec![r])),
+        }
+    }
+    groups
+}
+
 /// For each (cost, loss) point, whether no other point is at least as good on both and better
 /// on one. Points with a missing or non-finite value are never on the front.
 pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {

@@ -4,7 +4,7 @@
 
 use super::cell_files::{self, Log, Niah};
 use super::grid::{Cell, StageKind, SEED_KEY};
-use super::runner::{State, Status};
+use super::status::{State, Status};
 use crate::config::{AttentionConfig, Method, Router};
 use crate::model::attention::{spec, CellKind, Provenance, TableCell};
 use crate::run::prune::PruneReport;

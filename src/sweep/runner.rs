@@ -3,6 +3,7 @@
 //! go on.
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
+use super::status::{read_status, write_status, State, Status};
 use crate::config::Method;
 use crate::data::{self, corpus};
 use crate::io::checkpoint;
@@ -10,9 +11,8 @@ use crate::model::attention::{spec, Gates};
 use crate::run::report;
 use crate::util::atomic;
 use crate::util::fault;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -20,27 +20,6 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
-
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum State {
-    Running,
-    Done,
-    Failed,
-}
-
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub(crate) struct Status {
-    pub(crate) state: State,
-    pub(crate) attempts: u32,
-    pub(crate) error: Option<String>,
-}
-
-pub(crate) fn read_status(cell_dir: &Path) -> Option<Status> {
-    std::fs::read_to_string(cell_dir.join("status.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-}
 
 /// The full-attention usage a finished routed cell's evaluation measured: overall (mu_f) and
 /// gate by gate (`[layer][output]`: each head's for AHA, each layer's one gate for L2A and
@@ -68,13 +47,6 @@ fn per_gate(g: &report::GateReport, gates: Gates) -> Vec<Vec<f64>> {
         Gates::PerToken => g.per_layer.iter().map(|&u| vec![u]).collect(),
         _ => g.per_head.clone(),
     }
-}
-
-fn write_status(cell_dir: &Path, status: &Status) -> Result<()> {
-    atomic::write_bytes(
-        &cell_dir.join("status.json"),
-        serde_json::to_string_pretty(status)?.as_bytes(),
-    )
 }
 
 /// Options of one `attnsweep sweep` invocation.
@@ -256,37 +228,34 @@ fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
     // Every missing dependency at once, by index, so one corrected command runs them all (a
     // results folder keeps its tables but not its cells' folders: on a fresh clone a finished
     // dependency is missing too, and is trained again by listing it).
-    let mut missing: Vec<(usize, &str, usize)> = Vec::new();
+    let (mut what, mut all) = (
+        Vec::new(),
+        BTreeSet::from_iter(listed.iter().map(|c| c.index)),
+    );
     for c in &listed {
         for dep in c.depends_on.iter().chain(&c.reads) {
             let done = read_status(&args.out.join(dep)).is_some_and(|s| s.state == State::Done);
-            if done || listed.iter().any(|l| &l.id == dep) {
-                continue;
+            if !done && !listed.iter().any(|l| &l.id == dep) {
+                let at = cells.iter().find(|d| &d.id == dep).map_or(0, |d| d.index);
+                what.push(format!(
+                    "--cell {}: its dependency {dep} (cell {at})",
+                    c.index
+                ));
+                all.insert(at);
             }
-            let at = cells.iter().find(|d| &d.id == dep).map(|d| d.index);
-            let at =
-                at.with_context(|| format!("cell {} depends on {dep}, not in the grid", c.id))?;
-            missing.push((c.index, dep.as_str(), at));
         }
     }
-    if !missing.is_empty() {
-        let what: Vec<String> = missing
-            .iter()
-            .map(|(c, dep, at)| format!("--cell {c}: its dependency {dep} (cell {at})"))
-            .collect();
-        let mut all: Vec<usize> = listed.iter().map(|c| c.index).collect();
-        all.extend(missing.iter().map(|m| m.2));
-        all.sort_unstable();
-        all.dedup();
-        let all: Vec<String> = all.iter().map(usize::to_string).collect();
-        bail!(
-            "{} not finished in {} (a results folder keeps tables, not the cells' folders); \
-             finish it first or list it too: --cell {}",
-            what.join(", "),
-            args.out.display(),
-            all.join(",")
-        );
-    }
+    ensure!(
+        what.is_empty(),
+        "{} not finished in {} (a results folder keeps tables, not the cells' folders); finish \
+         it first or list it too: --cell {}",
+        what.join(", "),
+        args.out.display(),
+        all.iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
     Ok(listed)
 }
 

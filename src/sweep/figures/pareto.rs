@@ -139,18 +139,12 @@ fn replicate_points<'a>(
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
     bounds: Option<(f64, f64)>,
 ) -> (Vec<(&'a Row, (f64, f64))>, Vec<(f64, f64)>) {
-    let mut groups: Vec<(&Row, Vec<(f64, f64)>)> = Vec::new();
-    for r in rows {
-        let Some(p) = xy(r) else { continue };
-        let setting = r.setting_text();
-        match groups
-            .iter_mut()
-            .find(|(g, _)| g.stage == r.stage && g.setting_text() == setting)
-        {
-            Some((_, ps)) => ps.push(p),
-            None => groups.push((r, vec![p])),
-        }
-    }
+    let groups = pareto::by_setting(rows)
+        .into_iter()
+        .filter_map(|(first, reps)| {
+            let ps: Vec<(f64, f64)> = reps.into_iter().filter_map(&xy).collect();
+            (!ps.is_empty()).then_some((first, ps))
+        });
     groups
         .into_iter()
         .map(|(r, ps)| {
