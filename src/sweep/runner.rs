@@ -225,23 +225,26 @@ fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
         }
     }
     listed.sort_by_key(|c| c.index);
-    // Every missing dependency at once, by index, so one corrected command runs them all (a
-    // results folder keeps its tables but not its cells' folders: on a fresh clone a finished
-    // dependency is missing too, and is trained again by listing it).
+    // Every missing dependency at once, and theirs in turn, by index, so one corrected
+    // command runs them all (a results folder keeps its tables but not its cells' folders: on
+    // a fresh clone a finished dependency is missing too, and is trained again by listing it).
     let (mut what, mut all) = (
         Vec::new(),
         BTreeSet::from_iter(listed.iter().map(|c| c.index)),
     );
-    for c in &listed {
+    let mut todo: Vec<&Cell> = listed.clone();
+    while let Some(c) = todo.pop() {
         for dep in c.depends_on.iter().chain(&c.reads) {
             let done = read_status(&args.out.join(dep)).is_some_and(|s| s.state == State::Done);
-            if !done && !listed.iter().any(|l| &l.id == dep) {
-                let at = cells.iter().find(|d| &d.id == dep).map_or(0, |d| d.index);
+            let Some(d) = cells.iter().find(|d| &d.id == dep).filter(|_| !done) else {
+                continue;
+            };
+            if all.insert(d.index) {
                 what.push(format!(
-                    "--cell {}: its dependency {dep} (cell {at})",
-                    c.index
+                    "--cell {}: its dependency {dep} (cell {})",
+                    c.index, d.index
                 ));
-                all.insert(at);
+                todo.push(d);
             }
         }
     }
@@ -1019,12 +1022,32 @@ mod tests {
         // gives the list that runs them all.
         let e = format!("{:#}", chosen(&cells, &args(vec![2, 1])).unwrap_err());
         assert!(
-            e.contains("--cell 1: its dependency") && e.contains("--cell 2: its dependency"),
+            e.contains("its dependency base-") && e.contains("(cell 0)"),
             "{e}"
         );
-        assert!(e.contains("(cell 0)") && e.ends_with("--cell 0,1,2"), "{e}");
+        assert!(e.ends_with("--cell 0,1,2"), "{e}");
         let e = format!("{:#}", chosen(&cells, &args(vec![0, 7])).unwrap_err());
         assert!(e.contains("--cell 7") && e.contains("0 ..= 2"), "{e}");
+        // An evaluation of an AHA cell waits on that cell and, through it, on the base: the
+        // list names both.
+        let grid: super::super::Grid = toml::from_str(
+            "name = \"t\"\n[[stage]]\nname = \"base\"\n[[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
+             set = { \"attention.method\" = \"aha\" }\naxes = { \"attention.window\" = [4, 8] }\n\
+             [[stage]]\nname = \"tau\"\nkind = \"eval\"\nof = \"aha\"\naxes = { \"attention.tau\" = [0.3] }\n",
+        )
+        .unwrap();
+        let cells = super::super::expand(&grid).unwrap();
+        let eval = cells
+            .iter()
+            .find(|c| c.id.starts_with("tau"))
+            .unwrap()
+            .index;
+        let e = format!("{:#}", chosen(&cells, &args(vec![eval])).unwrap_err());
+        let aha = cells
+            .iter()
+            .find(|c| Some(&c.id) == cells[eval].depends_on.as_ref());
+        let want = format!("--cell 0,{},{eval}", aha.unwrap().index);
+        assert!(e.ends_with(&want), "{e}");
     }
 
     /// On four GPUs at four a train cell, a train stage runs one cell over all four and an

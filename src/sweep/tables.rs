@@ -16,7 +16,7 @@
 //! | `timing.csv` | L2A Figs. 14-15; PPA's time against p | cells that had their device to themselves: prefill and decoding time by length (and p), medians of 3 runs with their spread, against full attention's |
 //! | `layer_usage.csv` | L2A Fig. 3, SwiAttn Fig. 5 | gated train cells: usage per layer, layers from 1 |
 //! | `pareto.csv` | - | every method of one budget on every cost, with the fronts (`pareto`) |
-//! | `equal_work.csv` | - | every method of that budget less SWA's loss at its attended pairs, interpolated between the two windows that bracket them, with 95 % intervals and Holm (`equal_work`) |
+//! | `equal_work.csv` | - | every method of that budget less SWA's loss at its attended pairs, interpolated in log pairs between the two windows that bracket them, with 95 % intervals and Holm (`equal_work`) |
 //! | `budget.csv` | - | a grid with budget ladders (stages with `ladder`): each line's loss, usage and probes by prompt length against its training tokens, replicates pooled with 95 % intervals (`budget`) |
 //! | `replicates.csv` | - | a grid with `seeds`: each setting's mean, sd, n and 95 % interval per metric |
 //! | `replicate_differences.csv` | - | every two settings of a stage: the difference, its 95 % Welch interval, "within noise" or "differs" |
@@ -852,15 +852,23 @@ pub(super) mod tests {
         write_all(&dir, &dir).unwrap();
         let t = csv(&dir.join("equal_work.csv"));
         let col = |name: &str| t[0].iter().position(|c| c == name).unwrap();
-        // StaticHybrid at 0.4 of the pairs lies half-way along SWA's line from (0.2, 2.1) to
-        // (0.6, 1.9): a window there would read 2.0, and the hybrid's 1.9 is 0.1 below it.
+        // StaticHybrid at 0.4 of the pairs lies ln 2 / ln 3 of the way in log pairs along
+        // SWA's line from (0.2, 2.1) to (0.6, 1.9).
         let hyb = t
             .iter()
             .find(|r| r[col("name")].starts_with("StaticHybrid"))
             .unwrap();
         let num = |r: &Vec<String>, c: &str| r[col(c)].parse::<f64>().unwrap();
-        assert!((num(hyb, "window_line_loss") - 2.0).abs() < 1e-9, "{hyb:?}");
-        assert!((num(hyb, "difference") + 0.1).abs() < 1e-9, "{hyb:?}");
+        let w = 2f64.ln() / 3f64.ln();
+        let line = (1.0 - w) * 2.1 + w * 1.9;
+        assert!(
+            (num(hyb, "window_line_loss") - line).abs() < 1e-9,
+            "{hyb:?}"
+        );
+        assert!(
+            (num(hyb, "difference") - (1.9 - line)).abs() < 1e-9,
+            "{hyb:?}"
+        );
         assert_eq!(hyb[col("verdict")], "one replicate");
         // Nothing is extrapolated (full attention at 1.0, PPA at 0.15) and no window is
         // compared with its own line.

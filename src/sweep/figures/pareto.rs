@@ -139,14 +139,14 @@ fn replicate_points<'a>(
     xy: impl Fn(&Row) -> Option<(f64, f64)>,
     bounds: Option<(f64, f64)>,
 ) -> (Vec<(&'a Row, (f64, f64))>, Vec<(f64, f64)>) {
+    // Each setting named by its first cell with a point.
     let groups = pareto::by_setting(rows)
         .into_iter()
-        .filter_map(|(first, reps)| {
-            let ps: Vec<(f64, f64)> = reps.into_iter().filter_map(&xy).collect();
-            (!ps.is_empty()).then_some((first, ps))
+        .filter_map(|(_, reps)| {
+            let first = *reps.iter().find(|r| xy(r).is_some())?;
+            Some((first, reps.into_iter().filter_map(&xy).collect::<Vec<_>>()))
         });
     groups
-        .into_iter()
         .map(|(r, ps)| {
             let (xs, ys): (Vec<f64>, Vec<f64>) = ps.into_iter().unzip();
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
