@@ -321,6 +321,8 @@ pub(crate) struct Plotted {
     pub(crate) noted: Vec<(String, String)>,
     /// No cell could be read, and the replicate tables were rebuilt from `tidy.csv`.
     pub(crate) from_tidy: bool,
+    /// Figures of this sweep's cells that an earlier plot drew and this one did not.
+    pub(crate) removed: Vec<PathBuf>,
 }
 
 /// `summary` with a `note` column saying what of each cell could not be read, and a row for
@@ -380,6 +382,12 @@ pub(crate) fn unread_report(p: &Plotted) -> String {
             out += &format!("  {why}: {cells}\n");
         }
     }
+    for f in &p.removed {
+        out += &format!(
+            "plot: removed {}: this plot draws it no longer\n",
+            f.display()
+        );
+    }
     if !p.noted.is_empty() {
         out += &format!(
             "plot: {} rows lack part of their files (summary.csv's note column):\n",
@@ -413,6 +421,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
             unread,
             noted,
             from_tidy,
+            removed: vec![],
         });
     }
     let summary = summary_frame(&rows)?;
@@ -483,6 +492,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
         unread,
         noted,
         from_tidy: false,
+        removed: vec![],
     })
 }
 

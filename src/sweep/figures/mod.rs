@@ -101,8 +101,28 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     let mut plotted = tables::write_all(sweep, out)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;
-    for (stem, fig) in figures(sweep)? {
-        plotted.written.extend(fig.save(&dir.join(stem))?);
+    let all = figures(sweep)?;
+    let mut drawn = Vec::new();
+    for (stem, fig) in &all {
+        drawn.extend(fig.save(&dir.join(stem))?);
     }
+    // A cell's own figure that this plot no longer draws (its data changed: an empty
+    // full-ratio figure of a cell without routers) would otherwise stay beside the new ones
+    // and be read as current. Only figures named after a cell read here are touched.
+    let cells: Vec<String> = rows(sweep)?.rows.into_iter().map(|r| r.cell).collect();
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let ext = path.extension().and_then(|e| e.to_str());
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default();
+        let of_cell = cells.iter().any(|c| stem.ends_with(&format!("_{c}")));
+        if matches!(ext, Some("png" | "svg")) && of_cell && !drawn.contains(&path) {
+            std::fs::remove_file(&path)?;
+            plotted.removed.push(path);
+        }
+    }
+    plotted.written.extend(drawn);
     Ok(plotted)
 }

@@ -249,6 +249,16 @@ fn every_figure_of_a_fixture_sweep_renders() {
     }
     let written = write_all(&dir, &dir).unwrap().written;
     assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
+    // A figure of a cell read here that this plot does not draw goes, with a word; one named
+    // after no cell (put there by hand) stays.
+    let stale = dir.join("figures/full_ratio_vs_depth_swa-0.png");
+    let own = dir.join("figures/my_notes.png");
+    std::fs::write(&stale, b"old").unwrap();
+    std::fs::write(&own, b"mine").unwrap();
+    let plotted = write_all(&dir, &dir).unwrap();
+    assert_eq!(plotted.removed, [stale.clone()]);
+    assert!(!stale.exists() && own.exists());
+    assert!(crate::sweep::unread_report(&plotted).contains("draws it no longer"));
     // L2A Fig. 13 has the trained threshold among the test-time ones, in order of tau.
     let Some((_, Figure::Lines { series, .. })) = figs.iter().find(|(s, _)| s == "threshold_sweep")
     else {
