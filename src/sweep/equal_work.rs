@@ -99,10 +99,8 @@ pub(crate) fn compare(s: &Setting, windows: &[Setting]) -> Option<Comparison> {
         between: sides.iter().map(|(_, w)| w.name.clone()).collect(),
         weight: t,
         window_replicates: sides.iter().map(|(_, w)| w.losses.len()).min()?,
-        reference: sides
-            .iter()
-            .map(|(c, w)| c * summarize(&w.losses).mean)
-            .sum(),
+        // The window terms carry minus their weights.
+        reference: terms[1..].iter().map(|(c, m)| -c * m.mean).sum(),
         difference,
         interval,
         p,

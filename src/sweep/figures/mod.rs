@@ -44,8 +44,13 @@ use anyhow::Result;
 use std::path::Path;
 
 /// Every figure the sweep directory's cells can fill, as (file stem, figure).
+#[cfg(test)]
 pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
-    let all = rows(sweep)?.rows;
+    Ok(figures_of(&rows(sweep)?.rows))
+}
+
+/// Every figure `all` (a sweep directory's rows) can fill.
+fn figures_of(all: &[Row]) -> Vec<(String, Figure)> {
     let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
     let mut figs: Vec<(String, Figure)> = Vec::new();
     gates::mu_f_vs_window(&train, &mut figs);
@@ -63,23 +68,23 @@ pub(crate) fn figures(sweep: &Path) -> Result<Vec<(String, Figure)>> {
     for rows in reporting(&every, |r| matches!(r, Report::ThresholdSweep)) {
         gates::threshold_sweep(&rows, &mut figs);
     }
-    gates::layer_sparsity(&all, &mut figs);
+    gates::layer_sparsity(all, &mut figs);
     curves::loss_curves(&train, &mut figs);
     gates::router_curves(&train, &mut figs);
-    curves::bucket_loss(&all, &mut figs);
+    curves::bucket_loss(all, &mut figs);
     for s in all_methods() {
         for r in s.reports {
             if let Report::Curve(c) = r {
-                curves::setting_curve(s, c, &all, &train, &mut figs);
+                curves::setting_curve(s, c, all, &train, &mut figs);
             }
         }
     }
-    curves::prefill_time(&all, &mut figs);
-    cells::cell_files(&all, &mut figs);
-    figs.extend(pareto::pareto_figures(&all));
-    budget::budget_ladder(&all, &mut figs);
-    budget::budget_positions(&all, &mut figs);
-    Ok(figs)
+    curves::prefill_time(all, &mut figs);
+    cells::cell_files(all, &mut figs);
+    figs.extend(pareto::pareto_figures(all));
+    budget::budget_ladder(all, &mut figs);
+    budget::budget_positions(all, &mut figs);
+    figs
 }
 
 /// The rows of each method whose `MethodSpec::reports` has a report `wanted` picks, a list
@@ -101,15 +106,14 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
     let mut plotted = tables::write_all(sweep, out)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;
-    let all = figures(sweep)?;
+    let all = rows(sweep)?.rows;
     let mut drawn = Vec::new();
-    for (stem, fig) in &all {
+    for (stem, fig) in figures_of(&all) {
         drawn.extend(fig.save(&dir.join(stem))?);
     }
     // A cell's own figure that this plot no longer draws (its data changed: an empty
     // full-ratio figure of a cell without routers) would otherwise stay beside the new ones
     // and be read as current. Only figures named after a cell read here are touched.
-    let cells: Vec<String> = rows(sweep)?.rows.into_iter().map(|r| r.cell).collect();
     for entry in std::fs::read_dir(&dir)? {
         let path = entry?.path();
         let ext = path.extension().and_then(|e| e.to_str());
@@ -117,7 +121,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
             .file_stem()
             .and_then(|s| s.to_str())
             .unwrap_or_default();
-        let of_cell = cells.iter().any(|c| stem.ends_with(&format!("_{c}")));
+        let of_cell = all.iter().any(|r| stem.ends_with(&format!("_{}", r.cell)));
         if matches!(ext, Some("png" | "svg")) && of_cell && !drawn.contains(&path) {
             std::fs::remove_file(&path)?;
             plotted.removed.push(path);
