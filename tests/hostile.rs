@@ -595,6 +595,56 @@ fn the_demo_writes_nothing_git_tracks() {
     );
 }
 
+/// A results folder keeps each cell's record and none of its weights: git sees a cell's status,
+/// config, logs and evaluation (what `plot` reads), and ignores its checkpoints, weights and
+/// locks, so a clone draws the tables again and adds cells beside them.
+#[test]
+fn a_results_folder_commits_each_cells_record_and_no_weights() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if !root.join(".git").exists() {
+        eprintln!("skipped: not a git checkout");
+        return;
+    }
+    let cell = "results/some_grid/aha-0123abcd";
+    let ignored = |p: &str| {
+        std::process::Command::new("git")
+            .args(["check-ignore", "-q", "--no-index", p])
+            .current_dir(root)
+            .status()
+            .expect("git runs")
+            .success()
+    };
+    for kept in [
+        "status.json",
+        "cell.json",
+        "config.toml",
+        "train_log.csv",
+        "val_log.csv",
+        "log.txt",
+        "prune.json",
+        "eval/eval.json",
+        "eval/probe_samples.jsonl",
+    ] {
+        assert!(!ignored(&format!("{cell}/{kept}")), "{kept} is ignored");
+    }
+    for dropped in [
+        "checkpoints/step_00000016/model.safetensors",
+        "checkpoints/latest",
+        "model.safetensors",
+        "lock",
+        "train.lock",
+        "before_retrain/train_log.csv",
+    ] {
+        assert!(
+            ignored(&format!("{cell}/{dropped}")),
+            "{dropped} is not ignored"
+        );
+    }
+    // A folder that is not a cell's stays out, as before.
+    assert!(ignored("results/some_grid/scratch/x.csv"));
+    assert!(!ignored("results/some_grid/figures/x.png"));
+}
+
 /// Reliability III, item 15: on the CPU the memory check's estimate grows with the batch as
 /// the process's peak resident memory does, from below and within a third of it (it grew
 /// at about half the rate, and let runs through that the kernel then killed). Two one-step

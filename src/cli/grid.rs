@@ -180,7 +180,7 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
     };
     let o = sweep::run(&grid, &cells, &args)?;
     if args.cell.is_empty() {
-        tables::write_all(&out, &out)?;
+        tables::write_all(&out, &out, false)?;
     }
     eprintln!(
         "{}: {} cells done, {} failed, {} skipped",

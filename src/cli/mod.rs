@@ -92,6 +92,10 @@ struct PlotCmd {
     /// Where tables and figures go [default: the sweep directory].
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Draw even where cells whose rows the tables hold have no folder here: their rows
+    /// leave every table (without it such a plot is refused, naming the cells).
+    #[arg(long)]
+    drop_absent: bool,
 }
 
 #[derive(Subcommand)]
@@ -471,7 +475,7 @@ fn run() -> Result<()> {
         Command::Sweep(c) => run_sweep(c),
         Command::Plot(c) => {
             let out = c.out.unwrap_or_else(|| c.sweep.clone());
-            let plotted = sweep::write_all(&c.sweep, &out)?;
+            let plotted = sweep::write_all(&c.sweep, &out, c.drop_absent)?;
             for w in &plotted.written {
                 println!("{}", w.display());
             }

@@ -529,7 +529,7 @@ mod tests {
 
         let out = dir.join("out");
         std::fs::create_dir_all(&out).unwrap();
-        crate::sweep::tables::write_all(&dir, &out).unwrap();
+        crate::sweep::tables::write_all(&dir, &out, false).unwrap();
         let table = csv(&out.join("budget.csv"));
         // full-0: four rows at 8 (every task among them), two at 16; its rung two at each;
         // AHA's two rungs; the control's one; the pretrained model's two.

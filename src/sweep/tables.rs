@@ -401,10 +401,14 @@ pub(crate) fn unread_report(p: &Plotted) -> String {
 }
 
 /// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
-/// returns the files written and what could not be read.
-pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
+/// returns the files written and what could not be read. Refused, unless `drop_absent`,
+/// where cells that `out`'s tables hold rows of have no folder in `sweep` (`absent_rows`).
+pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<Plotted> {
     atomic::ensure_writable_dir(out)?;
     let SweepRows { rows, unread } = rows(sweep)?;
+    if !rows.is_empty() && !drop_absent {
+        absent_rows(sweep, out, &unread)?;
+    }
     let noted: Vec<(String, String)> = rows
         .iter()
         .filter(|r| !r.note.is_empty())
@@ -494,6 +498,62 @@ pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
         from_tidy: false,
         removed: vec![],
     })
+}
+
+/// Refuses a plot that would drop rows: cells whose rows `out`'s `tidy.csv` holds (an earlier
+/// plot read them) and whose folders are not in `sweep` now. A results folder's cells travel
+/// without their weights, but a folder drawn before they did, or a clone that lacks some,
+/// would otherwise lose those cells' results from every table in silence.
+fn absent_rows(sweep: &Path, out: &Path, unread: &[Unread]) -> Result<()> {
+    let path = out.join("tidy.csv");
+    if !path.is_file() {
+        return Ok(());
+    }
+    let mut rdr = ::csv::Reader::from_path(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let at = rdr
+        .headers()
+        .ok()
+        .and_then(|h| h.iter().position(|c| c == "cell"))
+        .with_context(|| format!("{} has no cell column", path.display()))?;
+    let mut held = std::collections::BTreeSet::new();
+    for r in rdr.records() {
+        let r = r.with_context(|| format!("{} is malformed", path.display()))?;
+        held.extend(r.get(at).map(String::from));
+    }
+    let gone: Vec<&Unread> = unread
+        .iter()
+        .filter(|u| held.contains(&u.cell) && !sweep.join(&u.cell).exists())
+        .collect();
+    let Some(first) = gone.first() else {
+        return Ok(());
+    };
+    let mut indices: Vec<String> = Vec::new();
+    let cells = read_cells(sweep)?;
+    for u in &gone {
+        indices.extend(
+            cells
+                .iter()
+                .find(|c| c.id == u.cell)
+                .map(|c| c.index.to_string()),
+        );
+    }
+    bail!(
+        "{} holds rows of {} cells whose folders are not in {} ({}{}): drawing now would drop \
+         them from every table. Bring their folders back, or run them again (`attnsweep sweep \
+         --grid <the folder's grid> --out {} --cell {}`), or plot with --drop-absent to draw \
+         without them",
+        path.display(),
+        gone.len(),
+        sweep.display(),
+        first.cell,
+        match gone.len() {
+            1 => String::new(),
+            n => format!(" and {} more", n - 1),
+        },
+        sweep.display(),
+        indices.join(",")
+    )
 }
 
 /// `replicates.csv`, `replicate_differences.csv` and `stage_differences.csv` from the tidy
@@ -779,7 +839,7 @@ pub(super) mod tests {
     #[test]
     fn cells_that_cannot_be_read_are_named_and_their_rows_marked() {
         let dir = sweep_dir("unread");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let whole = csv(&dir.join("summary.csv"));
         assert!(!whole[0].contains(&"note".to_string()));
         let status = std::fs::read_to_string(dir.join("aha-4/status.json")).unwrap();
@@ -788,7 +848,7 @@ pub(super) mod tests {
         std::fs::remove_dir_all(dir.join("swa-0/eval")).unwrap();
         let log = std::fs::read_to_string(dir.join("aha-16/train_log.csv")).unwrap();
         std::fs::write(dir.join("aha-16/train_log.csv"), format!("{log}40,3,0.0")).unwrap();
-        let plotted = write_all(&dir, &dir).unwrap();
+        let plotted = write_all(&dir, &dir, true).unwrap();
         // Read as CSV proper: the notes hold commas and quotes.
         let mut rdr = ::csv::Reader::from_path(dir.join("summary.csv")).unwrap();
         let t: Vec<Vec<String>> = std::iter::once(rdr.headers().unwrap().clone())
@@ -825,12 +885,48 @@ pub(super) mod tests {
         }
     }
 
+    /// A plot that would drop the rows of cells whose folders are gone is refused, naming
+    /// them and the cells to run, and leaves every table as it was; `--drop-absent` draws
+    /// without them. A cell whose folder is here but unfinished is not refused.
+    #[test]
+    fn a_plot_that_would_drop_rows_of_absent_cells_is_refused() {
+        let dir = sweep_dir("absent");
+        write_all(&dir, &dir, false).unwrap();
+        let before = std::fs::read(dir.join("tidy.csv")).unwrap();
+        let index = read_cells(&dir)
+            .unwrap()
+            .into_iter()
+            .find(|c| c.id == "ppa-5")
+            .unwrap()
+            .index;
+        std::fs::remove_dir_all(dir.join("ppa-5")).unwrap();
+        let e = format!("{:#}", write_all(&dir, &dir, false).err().expect("refused"));
+        assert!(
+            e.contains("rows of 1 cells") && e.contains("(ppa-5)"),
+            "{e}"
+        );
+        assert!(
+            e.contains(&format!("--cell {index}")) && e.contains("--drop-absent"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(dir.join("tidy.csv")).unwrap(), before);
+        // Unfinished, not absent: its folder says why it has no row.
+        std::fs::remove_file(dir.join("aha-4/status.json")).unwrap();
+        let e = format!("{:#}", write_all(&dir, &dir, false).err().expect("refused"));
+        assert!(!e.contains("aha-4"), "{e}");
+        write_all(&dir, &dir, true).unwrap();
+        let tidy = std::fs::read_to_string(dir.join("tidy.csv")).unwrap();
+        assert!(!tidy.contains("ppa-5") && !tidy.contains("aha-4,"));
+        // The next plot holds only what the tables hold now.
+        write_all(&dir, &dir, false).unwrap();
+    }
+
     /// `layer_usage.csv` holds each gated train cell's usage per layer, layers from 1, and no
     /// row of a cell without gates.
     #[test]
     fn layer_usage_lists_each_gated_cells_layers_from_one() {
         let dir = sweep_dir("layer-usage");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("layer_usage.csv"));
         assert_eq!(t[0], ["cell", "stage", "setting", "seed", "layer", "mu_f"]);
         let gated = rows(&dir)
@@ -856,10 +952,10 @@ pub(super) mod tests {
     fn equal_work_reads_each_method_against_the_window_line() {
         // One window alone draws no line: no table.
         let dir = sweep_dir("equal-work-one");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         assert!(!dir.join("equal_work.csv").exists());
         let dir = crate::sweep::fixture::sweep_dir_with_windows("equal-work");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("equal_work.csv"));
         let col = |name: &str| t[0].iter().position(|c| c == name).unwrap();
         // StaticHybrid at 0.4 of the pairs lies ln 2 / ln 3 of the way in log pairs along
@@ -892,7 +988,7 @@ pub(super) mod tests {
     #[test]
     fn pareto_table_compares_one_budget_on_every_cost() {
         let dir = sweep_dir("pareto");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("pareto.csv"));
         let col = |name: &str| t[0].iter().position(|c| c == name).unwrap();
         let of = |cell: &str| t.iter().find(|r| r[col("cell")] == cell).unwrap();
@@ -954,7 +1050,7 @@ pub(super) mod tests {
         // Timed alone, probe-16b's timing becomes aha-16b's, and the prefill front holds the
         // cells timed alone only: one, so it is on it.
         time_alone(&dir, &["probe-16b", "full-0"], ("probe-16b", 3.0));
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("pareto.csv"));
         let of = |cell: &str| t.iter().find(|r| r[col("cell")] == cell).unwrap();
         assert_eq!(of("aha-16b")[col("prefill_ms")], "3.0");
@@ -969,7 +1065,7 @@ pub(super) mod tests {
         // Trained each alone on its device, every cell at one rate: full attention alone is on
         // the time front.
         crate::sweep::fixture::trained_alone(&dir);
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("pareto.csv"));
         let on: Vec<&str> = t[1..]
             .iter()
@@ -1013,10 +1109,10 @@ pub(super) mod tests {
     #[test]
     fn timing_lists_the_cells_timed_alone_against_full_attention() {
         let dir = sweep_dir("timing");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         assert!(!dir.join("timing.csv").exists());
         time_alone(&dir, &["full-0", "zs-0", "ppa-5"], ("zs-0", 4.0));
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let t = csv(&dir.join("timing.csv"));
         let at = |name: &str| t[0].iter().position(|c| c == name).unwrap();
         let row = |cell: &str| t.iter().find(|r| r[at("cell")] == cell).unwrap().clone();
@@ -1037,7 +1133,7 @@ pub(super) mod tests {
             c["exclusive"] = true.into();
         }
         std::fs::write(&path, cells.to_string()).unwrap();
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         assert_eq!(csv(&dir.join("timing.csv")).len(), 4);
     }
 
@@ -1048,10 +1144,10 @@ pub(super) mod tests {
     #[test]
     fn sinks_join_the_summary_the_baselines_and_the_pareto_table() {
         let plain = sweep_dir("no-sinks");
-        write_all(&plain, &plain).unwrap();
+        write_all(&plain, &plain, false).unwrap();
         assert!(!csv(&plain.join("summary.csv"))[0].contains(&"sink_tokens".to_string()));
         let dir = crate::sweep::fixture::sweep_dir_with_sinks("sinks");
-        write_all(&dir, &dir).unwrap();
+        write_all(&dir, &dir, false).unwrap();
         let summary = csv(&dir.join("summary.csv"));
         let col = |t: &[Vec<String>], name: &str| t[0].iter().position(|c| c == name).unwrap();
         let row = |t: &[Vec<String>], cell: &str| {
@@ -1087,7 +1183,7 @@ pub(super) mod tests {
     #[test]
     fn every_paper_table_from_a_fixture_sweep() {
         let dir = sweep_dir("tables");
-        let written = write_all(&dir, &dir).unwrap().written;
+        let written = write_all(&dir, &dir, false).unwrap().written;
         let names: Vec<String> = written
             .iter()
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())

@@ -101,9 +101,10 @@ fn reporting<'a>(rows: &[&'a Row], wanted: fn(&Report) -> bool) -> Vec<Vec<&'a R
         .collect()
 }
 
-/// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`.
-pub(crate) fn write_all(sweep: &Path, out: &Path) -> Result<Plotted> {
-    let mut plotted = tables::write_all(sweep, out)?;
+/// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`
+/// (`tables::write_all`, which says what `drop_absent` allows).
+pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<Plotted> {
+    let mut plotted = tables::write_all(sweep, out, drop_absent)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;
     let all = rows(sweep)?.rows;

@@ -247,7 +247,7 @@ fn every_figure_of_a_fixture_sweep_renders() {
         assert!(ink > 5_000, "{stem}: only {ink} drawn pixels");
         assert!(svg.contains(f.title()), "{stem}: title missing");
     }
-    let written = write_all(&dir, &dir).unwrap().written;
+    let written = write_all(&dir, &dir, false).unwrap().written;
     assert!(written.iter().any(|p| p.ends_with("figures/pareto.png")));
     // A figure of a cell read here that this plot does not draw goes, with a word; one named
     // after no cell (put there by hand) stays.
@@ -255,7 +255,7 @@ fn every_figure_of_a_fixture_sweep_renders() {
     let own = dir.join("figures/my_notes.png");
     std::fs::write(&stale, b"old").unwrap();
     std::fs::write(&own, b"mine").unwrap();
-    let plotted = write_all(&dir, &dir).unwrap();
+    let plotted = write_all(&dir, &dir, false).unwrap();
     assert_eq!(plotted.removed, [stale.clone()]);
     assert!(!stale.exists() && own.exists());
     assert!(crate::sweep::unread_report(&plotted).contains("draws it no longer"));
