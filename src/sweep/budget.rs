@@ -334,11 +334,14 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 
 /// `budget_differences.csv`: each rung's probes against the pretrained model's on the same
 /// task and prompt length (the rung less the start, named in `start`), so that a rung that
-/// reads above or below the start gets a test, not a look at two intervals. One replicate on
-/// the start's own prompts (`Prompts::same_as`) is paired over them: exact McNemar with
-/// Newcombe's interval for 0/1 scores, else the paired bootstrap; anything else (several
-/// replicates, other prompts) the unpaired bootstrap over seeds and prompts. Holm's
-/// adjustment covers the table's rows; "differs" needs the p-value (Holm's, for
+/// reads above or below the start gets a test, not a look at two intervals; and each
+/// evaluation with gates other than the model's own (`eval.gates`, the oracle's) against the
+/// same model with its learned gates at the same budget (`start` names that line): what the
+/// router costs the probes. One replicate on the reference's own prompts
+/// (`Prompts::same_as`) is paired over them: exact McNemar with Newcombe's interval for 0/1
+/// scores, else the paired bootstrap; anything else (several replicates, other prompts) the
+/// unpaired bootstrap over seeds and prompts (`compared`). Holm's adjustment covers the
+/// table's rows; "differs" needs the p-value (Holm's, for
 /// `verdict_holm`) below 0.05 and the 95 % interval clear of 0 (at the margin, five
 /// discordant prompts all one way, Newcombe's asymptotic interval leaves 0 out where the exact
 /// test does not reject: the verdict follows both). A key probed by several
@@ -374,49 +377,33 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             let Some((start, base)) = start_of(key) else {
                 continue;
             };
-            let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
-            let (test, how) = match &sets[..] {
-                [one] if one.same_as(base) && binary(&one.scores) && binary(&base.scores) => {
-                    let pair = |x: f64, y: f64| {
-                        one.scores
-                            .iter()
-                            .zip(&base.scores)
-                            .filter(|&(&a, &b)| a == x && b == y)
-                            .count() as u64
-                    };
-                    let (a, b, c, d) = (
-                        pair(1.0, 1.0),
-                        pair(1.0, 0.0),
-                        pair(0.0, 1.0),
-                        pair(0.0, 0.0),
-                    );
-                    let (lo, hi) = newcombe_paired(a, b, c, d);
-                    let diff = (b as f64 - c as f64) / one.scores.len() as f64;
-                    (
-                        [diff, lo, hi, mcnemar_exact(b, c)],
-                        "paired over the same prompts: McNemar, Newcombe's interval",
-                    )
-                }
-                [one] if one.same_as(base) => {
-                    let pairs = vec![one
-                        .scores
-                        .iter()
-                        .copied()
-                        .zip(base.scores.iter().copied())
-                        .collect()];
-                    let (d, lo, hi, p) = paired_difference(&pairs);
-                    ([d, lo, hi, p], "paired over the same prompts: bootstrap")
-                }
-                _ => {
-                    let groups: Vec<Vec<f64>> = sets.iter().map(|p| p.scores.clone()).collect();
-                    let (d, lo, hi, p) =
-                        unpaired_difference(&groups, std::slice::from_ref(&base.scores));
-                    ([d, lo, hi, p], "unpaired bootstrap over seeds and prompts")
-                }
-            };
+            let (test, how) = compared(sets, std::slice::from_ref(base));
             out.push(Out {
                 rung: r,
                 start,
+                key,
+                replicates: sets.len(),
+                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                test,
+                how,
+            });
+        }
+    }
+    for r in rungs.iter().filter(|r| r.tokens > 0.0) {
+        let Some(own) = learned_line(&r.line) else {
+            continue;
+        };
+        let Some(learned) = rungs.iter().find(|q| q.line == own && q.tokens == r.tokens) else {
+            continue;
+        };
+        for (key, sets) in &r.prompt_sets {
+            let Some(base) = learned.prompt_sets.get(key) else {
+                continue;
+            };
+            let (test, how) = compared(sets, base);
+            out.push(Out {
+                rung: r,
+                start: learned,
                 key,
                 replicates: sets.len(),
                 prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
@@ -453,6 +440,65 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         "test" => out.iter().map(|o| o.how).collect::<Vec<_>>(),
     )?;
     Ok(Some(df))
+}
+
+/// Probes `sets` less the reference's `base` on one task and length, with how it was tested:
+/// one replicate on the reference's one set of the same prompts paired over them (exact
+/// McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap), anything else
+/// unpaired over seeds and prompts. `[difference, low, high, p]`.
+fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 4], &'static str) {
+    let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
+    match (sets, base) {
+        ([one], [base]) if one.same_as(base) && binary(&one.scores) && binary(&base.scores) => {
+            let pair = |x: f64, y: f64| {
+                one.scores
+                    .iter()
+                    .zip(&base.scores)
+                    .filter(|&(&a, &b)| a == x && b == y)
+                    .count() as u64
+            };
+            let (a, b, c, d) = (
+                pair(1.0, 1.0),
+                pair(1.0, 0.0),
+                pair(0.0, 1.0),
+                pair(0.0, 0.0),
+            );
+            let (lo, hi) = newcombe_paired(a, b, c, d);
+            let diff = (b as f64 - c as f64) / one.scores.len() as f64;
+            (
+                [diff, lo, hi, mcnemar_exact(b, c)],
+                "paired over the same prompts: McNemar, Newcombe's interval",
+            )
+        }
+        ([one], [base]) if one.same_as(base) => {
+            let pairs = vec![one
+                .scores
+                .iter()
+                .copied()
+                .zip(base.scores.iter().copied())
+                .collect()];
+            let (d, lo, hi, p) = paired_difference(&pairs);
+            ([d, lo, hi, p], "paired over the same prompts: bootstrap")
+        }
+        _ => {
+            let groups =
+                |ps: &[Prompts]| -> Vec<Vec<f64>> { ps.iter().map(|p| p.scores.clone()).collect() };
+            let (d, lo, hi, p) = unpaired_difference(&groups(sets), &groups(base));
+            ([d, lo, hi, p], "unpaired bootstrap over seeds and prompts")
+        }
+    }
+}
+
+/// The line of the same model evaluated with its learned gates, for a line that evaluates it
+/// with others (`... eval.gates=oracle`); None for any other line.
+fn learned_line(line: &str) -> Option<String> {
+    let parts: Vec<&str> = line.split(' ').collect();
+    let kept: Vec<&str> = parts
+        .iter()
+        .copied()
+        .filter(|p| !p.starts_with("eval.gates="))
+        .collect();
+    (kept.len() < parts.len()).then(|| kept.join(" "))
 }
 
 #[cfg(test)]
@@ -631,6 +677,17 @@ mod tests {
         assert!(!starts(0) && starts(2));
     }
 
+    /// A text column of a table, and a number column.
+    fn texts(df: &DataFrame, c: &str) -> Vec<String> {
+        let s = df.column(c).unwrap().str().unwrap().clone();
+        s.into_no_null_iter().map(String::from).collect()
+    }
+
+    fn numbers(df: &DataFrame, c: &str) -> Vec<f64> {
+        let s = df.column(c).unwrap().f64().unwrap().clone();
+        s.into_no_null_iter().collect()
+    }
+
     /// Each rung's probes against the start's on the same task and length: one replicate on
     /// the start's own prompts is paired (exact McNemar, Newcombe's interval), one on other
     /// prompts (as many, but other targets; or unnamed) or on more of them is compared
@@ -642,14 +699,7 @@ mod tests {
             let df = differences(&rows(dir).unwrap().rows)
                 .unwrap()
                 .expect("a table");
-            let text = |c: &str| -> Vec<String> {
-                let s = df.column(c).unwrap().str().unwrap().clone();
-                s.into_no_null_iter().map(String::from).collect()
-            };
-            let num = |c: &str| -> Vec<f64> {
-                let s = df.column(c).unwrap().f64().unwrap().clone();
-                s.into_no_null_iter().collect()
-            };
+            let (text, num) = (|c| texts(&df, c), |c| numbers(&df, c));
             (
                 text("test"),
                 num("difference"),
@@ -695,6 +745,90 @@ mod tests {
             .collect();
         std::fs::write(&file, unnamed.join("\n")).unwrap();
         assert!(table(&dir).0[0].starts_with("unpaired"));
+    }
+
+    /// An evaluation with the oracle's gates is tested against the same model with its learned
+    /// gates at the same budget, paired over the same prompts, beside the rows against the
+    /// start; Holm's adjustment covers both.
+    #[test]
+    fn other_gates_are_tested_against_the_models_own() {
+        let dir = sweep_dir_with_ladders("ladders-oracle");
+        let path = dir.join("cells.json");
+        let mut cells: Vec<crate::sweep::grid::Cell> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut oracle = cells
+            .iter()
+            .find(|c| c.id == "proberung-0")
+            .unwrap()
+            .clone();
+        oracle.id = "proberungor-0".into();
+        oracle.index = cells.len();
+        oracle
+            .settings
+            .insert("eval.gates".into(), toml::Value::String("oracle".into()));
+        cells.push(oracle);
+        std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+        let (from, to) = (dir.join("proberung-0"), dir.join("proberungor-0"));
+        std::fs::create_dir_all(to.join("eval")).unwrap();
+        for f in ["status.json", "eval/eval.json"] {
+            std::fs::copy(from.join(f), to.join(f)).unwrap();
+        }
+        // The learned gates' prompts at 8 tokens score 0, 0; the oracle's 1, 1; at 16 both 1, 1.
+        let lines: Vec<String> = [(8, 1), (8, 2), (16, 1), (16, 2)]
+            .iter()
+            .map(|&(length, n)| {
+                serde_json::json!({ "task": "niah_single", "length": length, "exact_match": 1.0,
+                    "depth": 0.5, "sample": n - 1, "target": format!("niah_single-{length}-{n}") })
+                .to_string()
+            })
+            .collect();
+        std::fs::write(to.join("eval/probe_samples.jsonl"), lines.join("\n")).unwrap();
+        let df = differences(&rows(&dir).unwrap().rows)
+            .unwrap()
+            .expect("a table");
+        let (text, num) = (|c| texts(&df, c), |c| numbers(&df, c));
+        let (line, start, test) = (text("line"), text("start"), text("test"));
+        let (d, p, holm_p) = (num("difference"), num("p"), num("p_holm"));
+        let lengths: Vec<u64> = df
+            .column("probe_length")
+            .unwrap()
+            .u64()
+            .unwrap()
+            .into_no_null_iter()
+            .collect();
+        let gated: Vec<usize> = (0..line.len())
+            .filter(|&i| line[i] == "full eval.gates=oracle" && start[i] == "full")
+            .collect();
+        assert_eq!(gated.len(), 2, "{line:?} {start:?}");
+        for &i in &gated {
+            assert!(test[i].starts_with("paired"), "{}", test[i]);
+            match lengths[i] {
+                // Two discordant prompts, both one way: exact McNemar's p is 2 x 0.5^2.
+                8 => assert!(
+                    d[i] == 1.0 && (p[i] - 0.5).abs() < 1e-12,
+                    "{} {}",
+                    d[i],
+                    p[i]
+                ),
+                _ => assert!(
+                    d[i] == 0.0 && (p[i] - 1.0).abs() < 1e-12,
+                    "{} {}",
+                    d[i],
+                    p[i]
+                ),
+            }
+        }
+        // The oracle's rows against the start are there too, and Holm counts every row.
+        assert!(line
+            .iter()
+            .zip(&start)
+            .any(|(l, s)| l == "full eval.gates=oracle" && s == "pretrained"));
+        assert!(holm_p.iter().zip(&p).all(|(h, p)| h >= p));
+        assert_eq!(learned_line("aha attention.window=256"), None);
+        assert_eq!(
+            learned_line("aha attention.window=256 eval.gates=oracle").as_deref(),
+            Some("aha attention.window=256")
+        );
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts
