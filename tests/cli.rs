@@ -1594,7 +1594,7 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
             let keys: f64 = eff[0][2].parse().unwrap();
             assert!((keys - (8.0 * 96.0 - 28.0) / 96.0).abs() < 1e-9, "{keys}");
         }
-        let samples = std::fs::read_to_string(ev.join("probe_samples.jsonl")).unwrap();
+        let samples = common::probe_samples(&ev);
         assert_eq!(samples.lines().count(), 6 + 6);
         let tidy = std::fs::read_to_string(ev.join("tasks.csv")).unwrap();
         assert!(tidy.starts_with("task,length,depth,metric,value,n,ci95_low,ci95_high\n"));
@@ -1622,7 +1622,7 @@ fn probes_and_multiple_choice_evaluate_end_to_end() {
         .ok();
     assert_eq!(std::fs::read(swa.join("eval/eval.json")).unwrap(), report);
     let tasks_dir = swa.join("eval-eval.samples_2_eval.depths__0.5_-tasks");
-    let probes = std::fs::read_to_string(tasks_dir.join("probe_samples.jsonl")).unwrap();
+    let probes = common::probe_samples(&tasks_dir);
     for line in probes.lines() {
         let target = serde_json::from_str::<serde_json::Value>(line).unwrap()["target"]
             .as_str()

@@ -623,7 +623,7 @@ fn a_results_folder_commits_each_cells_record_and_no_weights() {
         "log.txt",
         "prune.json",
         "eval/eval.json",
-        "eval/probe_samples.jsonl",
+        "eval/probe_samples.jsonl.gz",
     ] {
         assert!(!ignored(&format!("{cell}/{kept}")), "{kept} is ignored");
     }

@@ -471,7 +471,7 @@ impl Scores {
             write_ruler(&dir.join("ruler.csv"), &ruler_scores, effective)?;
         }
         write_niah(&dir.join("niah.csv"), &cells)?;
-        write_samples(&dir.join("probe_samples.jsonl"), &cells)?;
+        write_samples(&dir.join(SAMPLES), &cells)?;
         write_efficiency(&dir.join("efficiency.csv"), &costs, cfg, device)?;
         if !head_gates.is_empty() {
             write_probe_head_usage(&dir.join("probe_head_usage.csv"), &head_gates)?;
@@ -624,7 +624,35 @@ fn write_ruler(path: &Path, scores: &[(usize, f64)], effective: Option<usize>) -
     atomic::write_csv(path, &header, &rows)
 }
 
-/// `probe_samples.jsonl`: every probe's target and generation (the harness's logged samples).
+/// Every probe's target and generation (the harness's logged samples), one JSON object a
+/// line, gzip-compressed (`zcat` reads it): the generations are most of a probe cell's record,
+/// which a results folder keeps, and they compress about sevenfold.
+pub(crate) const SAMPLES: &str = "probe_samples.jsonl.gz";
+
+/// What an evaluation wrote before its samples were compressed, still read beside `SAMPLES`.
+const PLAIN_SAMPLES: &str = "probe_samples.jsonl";
+
+/// The probe samples in evaluation folder `dir` (`SAMPLES`, or the plain file of an earlier
+/// evaluation), with the file read; None where there are none.
+pub(crate) fn read_samples(dir: &Path) -> Result<Option<(PathBuf, String)>> {
+    let gz = dir.join(SAMPLES);
+    if gz.is_file() {
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut flate2::read::GzDecoder::new(std::fs::File::open(&gz)?),
+            &mut text,
+        )
+        .with_context(|| format!("{} is not gzip-compressed text (cut short?)", gz.display()))?;
+        return Ok(Some((gz, text)));
+    }
+    let plain = dir.join(PLAIN_SAMPLES);
+    match plain.is_file() {
+        true => Ok(Some((plain.clone(), std::fs::read_to_string(&plain)?))),
+        false => Ok(None),
+    }
+}
+
+/// `SAMPLES`: a line per probe prompt.
 fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
     let mut text = String::new();
     for c in cells {
@@ -638,7 +666,9 @@ fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
             text.push('\n');
         }
     }
-    atomic::write_bytes(path, text.as_bytes())
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    std::io::Write::write_all(&mut gz, text.as_bytes())?;
+    atomic::write_bytes(path, &gz.finish()?)
 }
 
 /// `probe_head_usage.csv`: per task, layer and head, the share of prompt positions whose gate

@@ -1,9 +1,10 @@
 //! What a finished cell's own files hold beyond its evaluation report, read once for its row
 //! (`rows.rs`): its training and validation logs, its probes' head usage per task
 //! (`eval/probe_head_usage.csv`), its NIAH grid (`eval/niah.csv`) and every prompt's scores
-//! (`eval/probe_samples.jsonl`). Tables and figures read them from the row, never from the
-//! files.
+//! (`eval/probe_samples.jsonl.gz`, or the plain file of an earlier evaluation). Tables and
+//! figures read them from the row, never from the files.
 
+use crate::run::tasks;
 use anyhow::{anyhow, bail, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -164,13 +165,15 @@ pub(crate) struct PromptScores {
     pub(crate) ids_by_length: BTreeMap<(String, u64), Vec<Option<String>>>,
 }
 
-/// The prompts of a cell's probes; empty without the file.
-pub(crate) fn prompt_scores(path: &Path) -> Result<PromptScores> {
+/// The prompts of the probes in a cell's evaluation folder `eval` (`tasks::read_samples`);
+/// empty without them.
+pub(crate) fn prompt_scores(eval: &Path) -> Result<PromptScores> {
     let mut out = PromptScores::default();
-    if !path.is_file() {
+    let Some((path, text)) = tasks::read_samples(eval)? else {
         return Ok(out);
-    }
-    for (i, line) in std::fs::read_to_string(path)?.lines().enumerate() {
+    };
+    let path = path.as_path();
+    for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
@@ -199,4 +202,42 @@ pub(crate) fn prompt_scores(path: &Path) -> Result<PromptScores> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compressed samples an evaluation writes and the plain ones of earlier evaluations
+    /// read alike; a cut-short compressed file is an error naming it, not an empty cell.
+    #[test]
+    fn compressed_and_plain_samples_read_alike() {
+        let dir = std::env::temp_dir().join(format!("attnsweep-samples-{}", std::process::id()));
+        let (gz, plain) = (dir.join("gz"), dir.join("plain"));
+        for d in [&gz, &plain] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let text = "{\"task\":\"niah_single_1\",\"length\":8,\"depth\":0.5,\"sample\":0,\
+                    \"target\":\"7\",\"exact_match\":1.0,\"recall\":1.0}\n\
+                    {\"task\":\"niah_single_1\",\"length\":8,\"depth\":0.5,\"sample\":1,\
+                    \"target\":\"3\",\"exact_match\":0.0,\"recall\":0.5}\n";
+        std::fs::write(plain.join("probe_samples.jsonl"), text).unwrap();
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut enc, text.as_bytes()).unwrap();
+        let bytes = enc.finish().unwrap();
+        std::fs::write(gz.join(tasks::SAMPLES), &bytes).unwrap();
+        let (a, b) = (prompt_scores(&gz).unwrap(), prompt_scores(&plain).unwrap());
+        assert_eq!(a.scores, b.scores);
+        assert_eq!(a.by_length, b.by_length);
+        assert_eq!(a.ids_by_length, b.ids_by_length);
+        assert_eq!(a.scores["niah_single_1.recall"], [1.0, 0.5]);
+        assert!(
+            prompt_scores(&dir).unwrap().scores.is_empty(),
+            "no samples: empty"
+        );
+        std::fs::write(gz.join(tasks::SAMPLES), &bytes[..bytes.len() / 2]).unwrap();
+        let e = format!("{:#}", prompt_scores(&gz).unwrap_err());
+        assert!(e.contains("probe_samples.jsonl.gz"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -75,7 +75,7 @@ pub(crate) struct Row {
     /// could.
     pub(crate) note: Vec<String>,
     /// Per probe score (`<task>.exact_match`, `<task>.recall`), each prompt's value in the
-    /// order the evaluation wrote them (`eval/probe_samples.jsonl`).
+    /// order the evaluation wrote them (`eval/probe_samples.jsonl.gz`).
     pub(crate) prompt_scores: BTreeMap<String, Vec<f64>>,
     /// Its probes per (task, prompt length): each prompt's exact match, and beside it what
     /// each prompt was (`PromptScores::ids_by_length`).
@@ -379,10 +379,7 @@ fn row_of(
         &mut note,
     );
     let niah = or_note(cell_files::niah(&dir.join("eval/niah.csv")), &mut note);
-    let prompts = or_note(
-        cell_files::prompt_scores(&dir.join("eval/probe_samples.jsonl")),
-        &mut note,
-    );
+    let prompts = or_note(cell_files::prompt_scores(&dir.join("eval")), &mut note);
     let mut row = Row {
         cell: c.id.clone(),
         stage: c.stage.clone(),

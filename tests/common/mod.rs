@@ -221,3 +221,11 @@ pub fn tables(out: &Path) -> Vec<(String, Vec<String>)> {
         })
         .collect()
 }
+
+/// The probe samples an evaluation wrote into `eval` (`probe_samples.jsonl.gz`), as text.
+pub fn probe_samples(eval: &Path) -> String {
+    let file = std::fs::File::open(eval.join("probe_samples.jsonl.gz")).unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text).unwrap();
+    text
+}
