@@ -634,6 +634,7 @@ fn a_results_folder_commits_each_cells_record_and_no_weights() {
         "lock",
         "train.lock",
         "before_retrain/train_log.csv",
+        "eval/probe_journal.jsonl",
     ] {
         assert!(
             ignored(&format!("{cell}/{dropped}")),

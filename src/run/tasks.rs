@@ -377,7 +377,7 @@ fn tidy_row(
 
 impl Scores {
     /// The long-context probes: every (task, length, depth) cell, each task overall, and the
-    /// files beside them (`niah.csv`, `probe_samples.jsonl`, `efficiency.csv`, and for routed
+    /// files beside them (`niah.csv`, `SAMPLES`, `efficiency.csv`, and for routed
     /// models `probe_head_usage.csv`).
     fn probes(
         &mut self,
@@ -637,17 +637,25 @@ const PLAIN_SAMPLES: &str = "probe_samples.jsonl";
 pub(crate) fn read_samples(dir: &Path) -> Result<Option<(PathBuf, String)>> {
     let gz = dir.join(SAMPLES);
     if gz.is_file() {
+        let file =
+            std::fs::File::open(&gz).with_context(|| format!("cannot open {}", gz.display()))?;
         let mut text = String::new();
-        std::io::Read::read_to_string(
-            &mut flate2::read::GzDecoder::new(std::fs::File::open(&gz)?),
-            &mut text,
-        )
-        .with_context(|| format!("{} is not gzip-compressed text (cut short?)", gz.display()))?;
+        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text)
+            .with_context(|| {
+                format!(
+                    "{} is not gzip-compressed UTF-8 text (cut short?)",
+                    gz.display()
+                )
+            })?;
         return Ok(Some((gz, text)));
     }
     let plain = dir.join(PLAIN_SAMPLES);
     match plain.is_file() {
-        true => Ok(Some((plain.clone(), std::fs::read_to_string(&plain)?))),
+        true => {
+            let text = std::fs::read_to_string(&plain)
+                .with_context(|| format!("cannot read {}", plain.display()))?;
+            Ok(Some((plain, text)))
+        }
         false => Ok(None),
     }
 }
@@ -668,7 +676,15 @@ fn write_samples(path: &Path, cells: &[ProbeCell]) -> Result<()> {
     }
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
     std::io::Write::write_all(&mut gz, text.as_bytes())?;
-    atomic::write_bytes(path, &gz.finish()?)
+    atomic::write_bytes(path, &gz.finish()?)?;
+    // An earlier evaluation's plain file would stay beside it and read as current.
+    let stale = path.with_file_name(PLAIN_SAMPLES);
+    match std::fs::remove_file(&stale) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("cannot remove {}", stale.display()))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// `probe_head_usage.csv`: per task, layer and head, the share of prompt positions whose gate

@@ -162,11 +162,13 @@ struct Model<'a> {
     prompts: BTreeMap<(String, u64), Prompts>,
 }
 
-/// One model's prompts of one task at one length: each one's score and what it was.
+/// One model's prompts of one task at one length: each one's score and what it was, and the
+/// model (the train cell behind it; "" for the pretrained model).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Prompts {
     pub(crate) scores: Vec<f64>,
     pub(crate) ids: Vec<Option<String>>,
+    pub(crate) model: String,
 }
 
 impl Prompts {
@@ -218,6 +220,7 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
         }
         for (key, prompts) in &r.probe_by_length {
             let p = m.prompts.entry(key.clone()).or_default();
+            p.model = of.to_string();
             p.scores.extend(prompts);
             p.ids
                 .extend(r.probe_ids.get(key).into_iter().flatten().cloned());
@@ -389,7 +392,7 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             });
         }
     }
-    for r in rungs.iter().filter(|r| r.tokens > 0.0) {
+    for r in rungs.iter().filter(|r| r.tokens > 0.0 && !r.trained) {
         let Some(own) = learned_line(&r.line) else {
             continue;
         };
@@ -400,7 +403,11 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             let Some(base) = learned.prompt_sets.get(key) else {
                 continue;
             };
-            let (test, how) = compared(sets, base);
+            let pairs = same_models(sets, base);
+            if pairs.is_empty() {
+                continue;
+            }
+            let (test, how) = compared_per_model(&pairs);
             out.push(Out {
                 rung: r,
                 start: learned,
@@ -486,6 +493,47 @@ fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 4], &'static str) {
             let (d, lo, hi, p) = unpaired_difference(&groups(sets), &groups(base));
             ([d, lo, hi, p], "unpaired bootstrap over seeds and prompts")
         }
+    }
+}
+
+/// Each of `sets` beside the set of `base` that measured the same model (a model `base`
+/// lacks is left out): the evaluations of one model with two kinds of gates.
+fn same_models<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts, &'a Prompts)> {
+    sets.iter()
+        .filter_map(|s| base.iter().find(|b| b.model == s.model).map(|b| (s, b)))
+        .collect()
+}
+
+/// Probes less the same models' probes with other gates (`same_models`), one pair a model:
+/// one model as `compared` reads one replicate; several on the same prompts each, the paired
+/// bootstrap over models and prompts; else unpaired over the models.
+fn compared_per_model(pairs: &[(&Prompts, &Prompts)]) -> ([f64; 4], &'static str) {
+    let side = |first: bool| -> Vec<Prompts> {
+        pairs
+            .iter()
+            .map(|(a, b)| if first { (*a).clone() } else { (*b).clone() })
+            .collect()
+    };
+    match pairs {
+        [_] => compared(&side(true), &side(false)),
+        _ if pairs.iter().all(|(a, b)| a.same_as(b)) => {
+            let zipped: Vec<Vec<(f64, f64)>> = pairs
+                .iter()
+                .map(|(a, b)| {
+                    a.scores
+                        .iter()
+                        .copied()
+                        .zip(b.scores.iter().copied())
+                        .collect()
+                })
+                .collect();
+            let (d, lo, hi, p) = paired_difference(&zipped);
+            (
+                [d, lo, hi, p],
+                "paired over the same models and prompts: bootstrap",
+            )
+        }
+        _ => compared(&side(true), &side(false)),
     }
 }
 
@@ -818,17 +866,47 @@ mod tests {
                 ),
             }
         }
-        // The oracle's rows against the start are there too, and Holm counts every row.
+        // The oracle's rows against the start are there too, and Holm counts every row: the
+        // 8-token row's p of 0.5 is multiplied past 1.
         assert!(line
             .iter()
             .zip(&start)
             .any(|(l, s)| l == "full eval.gates=oracle" && s == "pretrained"));
-        assert!(holm_p.iter().zip(&p).all(|(h, p)| h >= p));
+        let eight = gated.iter().find(|&&i| lengths[i] == 8).unwrap();
+        assert!(line.len() >= 3 && holm_p[*eight] == 1.0, "{holm_p:?}");
         assert_eq!(learned_line("aha attention.window=256"), None);
         assert_eq!(
             learned_line("aha attention.window=256 eval.gates=oracle").as_deref(),
             Some("aha attention.window=256")
         );
+    }
+
+    /// Other gates are read against the same models only: a model the learned side lacks is
+    /// left out, one model is McNemar's, several on the same prompts the paired bootstrap.
+    #[test]
+    fn other_gates_pair_with_the_same_models() {
+        let set = |model: &str, scores: &[f64]| Prompts {
+            scores: scores.to_vec(),
+            ids: (0..scores.len()).map(|i| Some(format!("p{i}"))).collect(),
+            model: model.into(),
+        };
+        let oracle = [set("a", &[1.0, 1.0, 1.0]), set("b", &[1.0, 0.0, 1.0])];
+        let learned = [set("b", &[0.0, 0.0, 1.0]), set("c", &[0.0, 0.0, 0.0])];
+        let pairs = same_models(&oracle, &learned);
+        assert_eq!(pairs.len(), 1);
+        assert_eq!(
+            (pairs[0].0.model.as_str(), pairs[0].1.model.as_str()),
+            ("b", "b")
+        );
+        let (test, how) = compared_per_model(&pairs);
+        assert!(how.contains("McNemar"), "{how}");
+        assert!((test[0] - 1.0 / 3.0).abs() < 1e-12);
+        let learned = [set("a", &[0.0, 1.0, 1.0]), set("b", &[0.0, 0.0, 1.0])];
+        let pairs = same_models(&oracle, &learned);
+        let (test, how) = compared_per_model(&pairs);
+        assert_eq!(how, "paired over the same models and prompts: bootstrap");
+        assert!((test[0] - 1.0 / 3.0).abs() < 1e-12, "{}", test[0]);
+        assert!(same_models(&oracle, &[set("c", &[0.0])]).is_empty());
     }
 
     /// Replicates pool as the mean of their means, the interval from seeds and prompts

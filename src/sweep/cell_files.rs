@@ -151,7 +151,7 @@ pub(crate) fn niah(path: &Path) -> Result<Option<Niah>> {
     }))
 }
 
-/// A cell's probe prompts as `eval/probe_samples.jsonl` lists them.
+/// A cell's probe prompts as its samples (`tasks::SAMPLES`) list them.
 #[derive(Debug, Default)]
 pub(crate) struct PromptScores {
     /// Per probe score (`<task>.exact_match`, and `<task>.recall` where the file has it),

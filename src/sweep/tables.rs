@@ -407,7 +407,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<P
     atomic::ensure_writable_dir(out)?;
     let SweepRows { rows, unread } = rows(sweep)?;
     if !rows.is_empty() && !drop_absent {
-        absent_rows(sweep, out, &unread)?;
+        absent_rows(sweep, out, &rows)?;
     }
     let noted: Vec<(String, String)> = rows
         .iter()
@@ -504,55 +504,71 @@ pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<P
 /// plot read them) and whose folders are not in `sweep` now. A results folder's cells travel
 /// without their weights, but a folder drawn before they did, or a clone that lacks some,
 /// would otherwise lose those cells' results from every table in silence.
-fn absent_rows(sweep: &Path, out: &Path, unread: &[Unread]) -> Result<()> {
+fn absent_rows(sweep: &Path, out: &Path, rows: &[Row]) -> Result<()> {
     let path = out.join("tidy.csv");
     if !path.is_file() {
         return Ok(());
     }
-    let mut rdr = ::csv::Reader::from_path(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    let unreadable = || {
+        format!(
+            "{} cannot be read, so plot cannot tell which cells' rows it would drop; mend or \
+             remove it, or plot with --drop-absent",
+            path.display()
+        )
+    };
+    let mut rdr = ::csv::Reader::from_path(&path).with_context(unreadable)?;
     let at = rdr
         .headers()
         .ok()
         .and_then(|h| h.iter().position(|c| c == "cell"))
-        .with_context(|| format!("{} has no cell column", path.display()))?;
+        .with_context(unreadable)?;
     let mut held = std::collections::BTreeSet::new();
     for r in rdr.records() {
-        let r = r.with_context(|| format!("{} is malformed", path.display()))?;
-        held.extend(r.get(at).map(String::from));
+        held.extend(r.with_context(unreadable)?.get(at).map(String::from));
     }
-    let gone: Vec<&Unread> = unread
+    let gone: Vec<&String> = held
         .iter()
-        .filter(|u| held.contains(&u.cell) && !sweep.join(&u.cell).exists())
+        .filter(|c| !rows.iter().any(|r| &&r.cell == c) && !sweep.join(c).exists())
         .collect();
     let Some(first) = gone.first() else {
         return Ok(());
     };
-    let mut indices: Vec<String> = Vec::new();
     let cells = read_cells(sweep)?;
-    for u in &gone {
-        indices.extend(
-            cells
-                .iter()
-                .find(|c| c.id == u.cell)
-                .map(|c| c.index.to_string()),
-        );
-    }
+    let indices: Vec<String> = gone
+        .iter()
+        .filter_map(|g| cells.iter().find(|c| &&c.id == g))
+        .map(|c| c.index.to_string())
+        .collect();
+    let rerun = match indices.len() {
+        0 => String::new(),
+        _ => format!(
+            ", or run them again (`attnsweep sweep --grid <the folder's grid> --out {} --cell \
+             {}`)",
+            sweep.display(),
+            indices.join(",")
+        ),
+    };
+    let outside = match gone.len() - indices.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} of them are no longer in its cells.json (the grid changed since they ran)"
+        ),
+    };
     bail!(
-        "{} holds rows of {} cells whose folders are not in {} ({}{}): drawing now would drop \
-         them from every table. Bring their folders back, or run them again (`attnsweep sweep \
-         --grid <the folder's grid> --out {} --cell {}`), or plot with --drop-absent to draw \
-         without them",
+        "{} holds rows of {} whose folders are not in {} ({}{}){outside}: drawing now would \
+         drop them from every table. Bring their folders back{rerun}, or plot with \
+         --drop-absent to draw without them",
         path.display(),
-        gone.len(),
+        match gone.len() {
+            1 => "1 cell".to_string(),
+            n => format!("{n} cells"),
+        },
         sweep.display(),
-        first.cell,
+        first,
         match gone.len() {
             1 => String::new(),
             n => format!(" and {} more", n - 1),
         },
-        sweep.display(),
-        indices.join(",")
     )
 }
 
@@ -902,7 +918,7 @@ pub(super) mod tests {
         std::fs::remove_dir_all(dir.join("ppa-5")).unwrap();
         let e = format!("{:#}", write_all(&dir, &dir, false).err().expect("refused"));
         assert!(
-            e.contains("rows of 1 cells") && e.contains("(ppa-5)"),
+            e.contains("rows of 1 cell whose") && e.contains("(ppa-5)"),
             "{e}"
         );
         assert!(
@@ -914,6 +930,17 @@ pub(super) mod tests {
         std::fs::remove_file(dir.join("aha-4/status.json")).unwrap();
         let e = format!("{:#}", write_all(&dir, &dir, false).err().expect("refused"));
         assert!(!e.contains("aha-4"), "{e}");
+        // A cell the grid no longer lists (its id changed with its settings) is refused too.
+        let path = dir.join("cells.json");
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replace("\"swa-0\"", "\"swa-9\"")).unwrap();
+        std::fs::rename(dir.join("swa-0"), dir.join("swa-9")).unwrap();
+        std::fs::remove_dir_all(dir.join("swa-9")).unwrap();
+        let e = format!("{:#}", write_all(&dir, &dir, false).err().expect("refused"));
+        assert!(
+            e.contains("2 cells") && e.contains("1 of them are no longer"),
+            "{e}"
+        );
         write_all(&dir, &dir, true).unwrap();
         let tidy = std::fs::read_to_string(dir.join("tidy.csv")).unwrap();
         assert!(!tidy.contains("ppa-5") && !tidy.contains("aha-4,"));
