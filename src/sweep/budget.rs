@@ -508,33 +508,28 @@ fn same_models<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts
 /// one model as `compared` reads one replicate; several on the same prompts each, the paired
 /// bootstrap over models and prompts; else unpaired over the models.
 fn compared_per_model(pairs: &[(&Prompts, &Prompts)]) -> ([f64; 4], &'static str) {
-    let side = |first: bool| -> Vec<Prompts> {
-        pairs
+    if pairs.len() > 1 && pairs.iter().all(|(a, b)| a.same_as(b)) {
+        let zipped: Vec<Vec<(f64, f64)>> = pairs
             .iter()
-            .map(|(a, b)| if first { (*a).clone() } else { (*b).clone() })
-            .collect()
-    };
-    match pairs {
-        [_] => compared(&side(true), &side(false)),
-        _ if pairs.iter().all(|(a, b)| a.same_as(b)) => {
-            let zipped: Vec<Vec<(f64, f64)>> = pairs
-                .iter()
-                .map(|(a, b)| {
-                    a.scores
-                        .iter()
-                        .copied()
-                        .zip(b.scores.iter().copied())
-                        .collect()
-                })
-                .collect();
-            let (d, lo, hi, p) = paired_difference(&zipped);
-            (
-                [d, lo, hi, p],
-                "paired over the same models and prompts: bootstrap",
-            )
-        }
-        _ => compared(&side(true), &side(false)),
+            .map(|(a, b)| {
+                a.scores
+                    .iter()
+                    .copied()
+                    .zip(b.scores.iter().copied())
+                    .collect()
+            })
+            .collect();
+        let (d, lo, hi, p) = paired_difference(&zipped);
+        return (
+            [d, lo, hi, p],
+            "paired over the same models and prompts: bootstrap",
+        );
     }
+    let (sets, base): (Vec<Prompts>, Vec<Prompts>) = pairs
+        .iter()
+        .map(|(a, b)| ((*a).clone(), (*b).clone()))
+        .unzip();
+    compared(&sets, &base)
 }
 
 /// The line of the same model evaluated with its learned gates, for a line that evaluates it

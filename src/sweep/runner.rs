@@ -226,8 +226,9 @@ fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
     }
     listed.sort_by_key(|c| c.index);
     // Every missing dependency at once, and theirs in turn, by index, so one corrected
-    // command runs them all (a results folder keeps its tables but not its cells' folders: on
-    // a fresh clone a finished dependency is missing too, and is trained again by listing it).
+    // command runs them all (a folder of results drawn before its cells' records were kept
+    // has tables only: there a finished dependency is missing too, and is run again by
+    // listing it).
     let (mut what, mut all) = (
         Vec::new(),
         BTreeSet::from_iter(listed.iter().map(|c| c.index)),
@@ -250,7 +251,8 @@ fn chosen<'a>(cells: &'a [Cell], args: &SweepArgs) -> Result<Vec<&'a Cell>> {
     }
     ensure!(
         what.is_empty(),
-        "{} not finished in {} (a results folder keeps tables, not the cells' folders); finish \
+        "{} not finished in {} (a folder of results drawn before its cells' records were kept \
+         has tables only); finish \
          it first or list it too: --cell {}",
         what.join(", "),
         args.out.display(),

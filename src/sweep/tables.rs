@@ -400,14 +400,25 @@ pub(crate) fn unread_report(p: &Plotted) -> String {
     out
 }
 
-/// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`;
-/// returns the files written and what could not be read. Refused, unless `drop_absent`,
-/// where cells that `out`'s tables hold rows of have no folder in `sweep` (`absent_rows`).
+/// Writes `tidy.csv`, `summary.csv` and every paper table with at least one row into `out`
+/// from the cells of `sweep` (`write_rows`).
 pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<Plotted> {
+    write_rows(sweep, out, &rows(sweep)?, drop_absent)
+}
+
+/// Writes the tables of `read` (the rows of `sweep`'s cells) into `out`; returns the files
+/// written and what could not be read. Refused, unless `drop_absent`, where cells that
+/// `out`'s tables hold rows of have no folder in `sweep` (`absent_rows`).
+pub(crate) fn write_rows(
+    sweep: &Path,
+    out: &Path,
+    read: &SweepRows,
+    drop_absent: bool,
+) -> Result<Plotted> {
     atomic::ensure_writable_dir(out)?;
-    let SweepRows { rows, unread } = rows(sweep)?;
+    let (rows, unread) = (&read.rows, read.unread.clone());
     if !rows.is_empty() && !drop_absent {
-        absent_rows(sweep, out, &rows)?;
+        absent_rows(sweep, out, rows)?;
     }
     let noted: Vec<(String, String)> = rows
         .iter()
@@ -428,14 +439,14 @@ pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<P
             removed: vec![],
         });
     }
-    let summary = summary_frame(&rows)?;
+    let summary = summary_frame(rows)?;
     let mut tidy = tidy_frame(&summary)?;
-    let mut marked = with_notes(summary.clone(), &rows, &unread)?;
+    let mut marked = with_notes(summary.clone(), rows, &unread)?;
     for (df, name) in [(&mut marked, "summary.csv"), (&mut tidy, "tidy.csv")] {
         write_csv(df, &out.join(name))?;
         written.push(out.join(name));
     }
-    written.extend(write_replicates(&rows, &tidy, out)?);
+    written.extend(write_replicates(rows, &tidy, out)?);
     // The tables that set methods beside their baselines name each row so.
     let baselines: Vec<&str> = rows
         .iter()
@@ -454,7 +465,7 @@ pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<P
                         .any(|r| holds(r) && (t.subject)(&r.table_cell()));
                     let df = match subject {
                         true => Some(
-                            filtered(&with_baseline, &rows, holds)?
+                            filtered(&with_baseline, rows, holds)?
                                 .select(t.columns.iter().copied())?
                                 .sort(t.sort.iter().copied(), SortMultipleOptions::default())?,
                         ),
@@ -473,22 +484,22 @@ pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<P
             }
         }
     }
-    write_or_remove(&out.join("pareto.csv"), pareto::table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("pareto.csv"), pareto::table(rows)?, &mut written)?;
     write_or_remove(
         &out.join("equal_work.csv"),
-        equal_work::table(&rows)?,
+        equal_work::table(rows)?,
         &mut written,
     )?;
-    write_or_remove(&out.join("budget.csv"), budget::table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("budget.csv"), budget::table(rows)?, &mut written)?;
     write_or_remove(
         &out.join("budget_differences.csv"),
-        budget::differences(&rows)?,
+        budget::differences(rows)?,
         &mut written,
     )?;
-    write_or_remove(&out.join("timing.csv"), timing_table(&rows)?, &mut written)?;
+    write_or_remove(&out.join("timing.csv"), timing_table(rows)?, &mut written)?;
     write_or_remove(
         &out.join("layer_usage.csv"),
-        layer_table(&rows)?,
+        layer_table(rows)?,
         &mut written,
     )?;
     Ok(Plotted {

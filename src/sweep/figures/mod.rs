@@ -102,14 +102,16 @@ fn reporting<'a>(rows: &[&'a Row], wanted: fn(&Report) -> bool) -> Vec<Vec<&'a R
 }
 
 /// Renders every figure of `sweep` into `out/figures/` and writes the tables into `out`
-/// (`tables::write_all`, which says what `drop_absent` allows).
+/// (`tables::write_rows`, which says what `drop_absent` allows).
 pub(crate) fn write_all(sweep: &Path, out: &Path, drop_absent: bool) -> Result<Plotted> {
-    let mut plotted = tables::write_all(sweep, out, drop_absent)?;
+    // The cells are read once, for the tables and the figures alike.
+    let read = rows(sweep)?;
+    let mut plotted = tables::write_rows(sweep, out, &read, drop_absent)?;
     let dir = out.join("figures");
     atomic::ensure_writable_dir(&dir)?;
-    let all = rows(sweep)?.rows;
+    let all = &read.rows;
     let mut drawn = Vec::new();
-    for (stem, fig) in figures_of(&all) {
+    for (stem, fig) in figures_of(all) {
         drawn.extend(fig.save(&dir.join(stem))?);
     }
     // A cell's own figure that this plot no longer draws (its data changed: an empty
