@@ -24,7 +24,9 @@ pub(super) struct SweepCmd {
     /// Cells run at once on the CPU (each gets an equal share of the cores).
     #[arg(long, default_value_t = 1)]
     jobs: usize,
-    /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1.
+    /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1. A GPU named
+    /// twice runs two cells at once (a small model leaves it idle between launches); their
+    /// records then say they shared it, and their rates are not taken as timings.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<usize>,
     /// GPUs of --devices each train cell gets: it trains data parallel over them, whatever
@@ -234,6 +236,19 @@ fn slot_size(explicit: Option<usize>, devices: &[usize], ranks: usize) -> Result
         k == 1 || !devices.is_empty(),
         "--gpus-per-cell {k} places cells on GPUs: name them with --devices"
     );
+    // A cell's ranks need a GPU each (NCCL refuses two ranks on one).
+    for slot in devices.chunks(k) {
+        if let Some(g) = slot
+            .iter()
+            .find(|g| slot.iter().filter(|x| x == g).count() > 1)
+        {
+            anyhow::bail!(
+                "--devices names GPU {g} twice in one cell's slot of {k} GPUs, and a cell's \
+                 ranks cannot share a GPU: to run two cells on each GPU, repeat the whole list \
+                 (e.g. --devices 0,1,0,1 --gpus-per-cell 2)"
+            );
+        }
+    }
     Ok(k)
 }
 
@@ -260,5 +275,10 @@ mod tests {
         assert!(e.contains("does not divide"), "{e}");
         let e = slot_size(Some(2), &[], 4).unwrap_err().to_string();
         assert!(e.contains("name them with --devices"), "{e}");
+        // Two cells a GPU: allowed where each slot names distinct GPUs.
+        assert_eq!(slot_size(Some(1), &[0, 0], 4).unwrap(), 1);
+        assert_eq!(slot_size(Some(2), &[0, 1, 0, 1], 4).unwrap(), 2);
+        let e = slot_size(Some(2), &[0, 0], 4).unwrap_err().to_string();
+        assert!(e.contains("GPU 0 twice") && e.contains("0,1,0,1"), "{e}");
     }
 }

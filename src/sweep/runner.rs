@@ -353,9 +353,10 @@ impl Pool<'_> {
                     }
                     let i = next.fetch_add(1, Ordering::SeqCst);
                     let Some(cell) = pending.get(i) else { break };
-                    // A cell has its device to itself on its own GPU slot, or where it is the
-                    // only one running.
-                    let alone = !self.args.devices.is_empty() || at.workers == 1;
+                    // A cell has its device to itself on a GPU slot no other worker names,
+                    // or where it is the only one running.
+                    let alone = at.workers == 1
+                        || (at.slot > 0 && !shares_a_gpu(&self.args.devices, at, w));
                     if let Some(dir) = self.run_one(cell, w, at, alone) {
                         held_elsewhere.lock().unwrap().push(dir);
                     }
@@ -475,6 +476,18 @@ struct Placement {
     workers: usize,
     slot: usize,
     threads: usize,
+}
+
+/// Whether worker `w`'s GPUs are also another running worker's (`--devices` naming a GPU
+/// more than once runs several cells on it).
+fn shares_a_gpu(devices: &[usize], at: Placement, w: usize) -> bool {
+    let slots: Vec<&[usize]> = devices.chunks(at.slot).take(at.workers).collect();
+    slots.get(w).is_some_and(|mine| {
+        slots
+            .iter()
+            .enumerate()
+            .any(|(v, other)| v != w && other.iter().any(|g| mine.contains(g)))
+    })
 }
 
 /// The placement of a stage: on GPUs, a train stage's cells take `--gpus-per-cell` devices
@@ -1071,5 +1084,14 @@ mod tests {
         let cpu = args(vec![], 1, 3);
         assert_eq!(placement(&cpu, true, false, 2), at(3, 0, 1));
         assert_eq!(placement(&cpu, false, true, 8), at(1, 0, 8));
+        // Two cells on GPU 0, one on GPU 1: the first two share, the third is alone; an
+        // evaluation slot of one GPU on [0, 1, 0, 1] shares with the worker two along.
+        let twice = args(vec![0, 0, 1], 1, 1);
+        let t = placement(&twice, true, false, 48);
+        assert_eq!(t, at(3, 1, 16));
+        let shared: Vec<bool> = (0..3).map(|w| shares_a_gpu(&twice.devices, t, w)).collect();
+        assert_eq!(shared, [true, true, false]);
+        assert!(!shares_a_gpu(&four.devices, at(4, 1, 16), 2));
+        assert!(shares_a_gpu(&[0, 1, 0, 1], at(4, 1, 16), 1));
     }
 }
