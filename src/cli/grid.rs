@@ -25,8 +25,9 @@ pub(super) struct SweepCmd {
     #[arg(long, default_value_t = 1)]
     jobs: usize,
     /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1. A GPU named
-    /// twice runs two cells at once (a small model leaves it idle between launches); their
-    /// records then say they shared it, and their rates are not taken as timings.
+    /// twice is shared: a stage runs two cells on it at once (worth it only where one cell
+    /// leaves it idle), and the cells placed on it are recorded as not alone, their rates not
+    /// taken as timings.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<usize>,
     /// GPUs of --devices each train cell gets: it trains data parallel over them, whatever

@@ -63,6 +63,7 @@ impl Batch {
             [r.exact_match, r.recall]
                 .into_iter()
                 .chain(r.span_recall)
+                .chain(r.prompt_gate)
                 .chain(r.full_ratio)
                 .all(f64::is_finite)
         });
@@ -91,6 +92,11 @@ pub(crate) struct Row {
     pub(crate) exact_match: f64,
     pub(crate) recall: f64,
     pub(crate) span_recall: Option<f64>,
+    /// The mean gate over every position of the prompt: the rate `span_recall` is read
+    /// against (gates blind to where the evidence is open it that often). Absent from the
+    /// journals of earlier evaluations.
+    #[serde(default)]
+    pub(crate) prompt_gate: Option<f64>,
     pub(crate) full_ratio: Option<f64>,
 }
 
@@ -119,10 +125,15 @@ pub(crate) fn run_batch(
         ..Default::default()
     };
     let g = greedy(model, &prompts, max_new, tok.eot(), &ctx, true);
-    let span_hits: Option<Vec<f64>> = g.prompt_positions.as_ref().map(|at| {
+    // Per row, the mean gate over the evidence's positions and over all of them.
+    let span_hits: Option<(Vec<f64>, Vec<f64>)> = g.prompt_positions.as_ref().map(|at| {
         let hit = (at * &spans).sum_dim_intlist(1, false, Kind::Double)
             / spans.sum_dim_intlist(1, false, Kind::Double);
-        Vec::<f64>::try_from(hit).expect("span recall")
+        let all = at.mean_dim(1, false, Kind::Double);
+        (
+            Vec::<f64>::try_from(hit).expect("span recall"),
+            Vec::<f64>::try_from(all).expect("prompt gate"),
+        )
     });
     let mut rows = Vec::with_capacity(probes.len());
     for (r, p) in probes.iter().enumerate() {
@@ -140,7 +151,8 @@ pub(crate) fn run_batch(
             text,
             exact_match,
             recall,
-            span_recall: span_hits.as_ref().map(|h| h[r]),
+            span_recall: span_hits.as_ref().map(|h| h.0[r]),
+            prompt_gate: span_hits.as_ref().map(|h| h.1[r]),
             full_ratio,
         });
     }

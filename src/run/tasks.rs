@@ -43,6 +43,9 @@ pub(crate) struct ProbeCell {
     /// and question, `Probe::spans`): 1 for the oracle's gates, where a learned router falls
     /// below it.
     pub(crate) span_recall: Option<Vec<f64>>,
+    /// Per probe, the mean gate over all of its prompt's positions: what `span_recall` is
+    /// read against (gates blind to the evidence open it as often).
+    pub(crate) prompt_gate: Option<Vec<f64>>,
     /// Per probe, the target and the generated text, for inspection.
     pub(crate) outputs: Vec<(String, String)>,
 }
@@ -113,6 +116,7 @@ pub(crate) fn run_probes(
                     recall: vec![],
                     full_ratio: None,
                     span_recall: None,
+                    prompt_gate: None,
                     outputs: vec![],
                 })
                 .collect();
@@ -163,6 +167,9 @@ pub(crate) fn run_probes(
                     if let Some(hit) = row.span_recall {
                         cell.span_recall.get_or_insert_with(Vec::new).push(hit);
                     }
+                    if let Some(g) = row.prompt_gate {
+                        cell.prompt_gate.get_or_insert_with(Vec::new).push(g);
+                    }
                     if let Some(ratio) = row.full_ratio {
                         cell.full_ratio.get_or_insert_with(Vec::new).push(ratio);
                     }
@@ -174,6 +181,14 @@ pub(crate) fn run_probes(
         }
     }
     progress.finish();
+    // Batches resumed from an earlier binary's journal lack the prompts' gate: the whole
+    // evaluation then reports none rather than a mean over some of its prompts.
+    let partial = cells
+        .iter()
+        .any(|c| c.prompt_gate.as_ref().map(Vec::len) != c.span_recall.as_ref().map(Vec::len));
+    if partial {
+        cells.iter_mut().for_each(|c| c.prompt_gate = None);
+    }
     Ok(ProbeRun {
         cells,
         costs,
@@ -398,9 +413,15 @@ impl Scores {
             head_gates,
         } = run_probes(model, cfg, tok, &hay, device, opts.progress, journal)?;
         // Per task, and per (task, length) over a needle task's depths: exact match, recall,
-        // full ratio and span recall over every prompt.
-        type Metrics = [Vec<f64>; 4];
-        const METRICS: [&str; 4] = ["exact_match", "recall", "full_ratio", "span_recall"];
+        // full ratio, span recall and the prompts' mean gate over every prompt.
+        type Metrics = [Vec<f64>; 5];
+        const METRICS: [&str; 5] = [
+            "exact_match",
+            "recall",
+            "full_ratio",
+            "span_recall",
+            "prompt_gate",
+        ];
         let mut by_task: BTreeMap<&str, Metrics> = BTreeMap::new();
         let mut by_length: BTreeMap<(&str, usize), Metrics> = BTreeMap::new();
         for c in &cells {
@@ -410,6 +431,7 @@ impl Scores {
                 Some(&c.recall),
                 c.full_ratio.as_ref(),
                 c.span_recall.as_ref(),
+                c.prompt_gate.as_ref(),
             ];
             for (i, v) in values.into_iter().enumerate() {
                 let Some(v) = v else { continue };
@@ -1016,6 +1038,53 @@ mod tests {
         assert_eq!(depths, [Some(0.25), Some(0.75)]);
     }
 
+    /// A journal written before the prompts' gate was measured resumes without it: one such
+    /// batch drops the metric from the whole evaluation, not from that batch's prompts alone,
+    /// and leaves every other score as the journal holds it.
+    #[test]
+    fn a_journal_without_the_prompts_gate_drops_it_everywhere() {
+        let mut c = passkey_config(Method::Aha);
+        c.attention.window = 4;
+        c.eval.samples = 4;
+        c.eval.batch_size = 2;
+        let b = Built::new(&c, Device::Cpu).unwrap();
+        let mut journal = scratch_journal();
+        let path = journal.path().to_path_buf();
+        let run = |journal: &mut Journal| {
+            let tok = TextTokenizer::Bytes;
+            run_probes(
+                &b.model,
+                &c,
+                &tok,
+                &Haystack::Noise,
+                Device::Cpu,
+                false,
+                journal,
+            )
+            .unwrap()
+        };
+        let first = run(&mut journal);
+        assert!(first.cells.iter().all(|c| c.prompt_gate.is_some()));
+        // The first batch as an earlier binary wrote it: its rows without the field.
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut lines: Vec<String> = text.lines().map(String::from).collect();
+        let mut line: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
+        for row in line["record"]["rows"].as_array_mut().unwrap() {
+            assert!(row.as_object_mut().unwrap().remove("prompt_gate").is_some());
+        }
+        lines[1] = line.to_string();
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let again = run(&mut Journal::open(&path, "test").unwrap());
+        assert!(again.cells.iter().all(|c| c.prompt_gate.is_none()));
+        let recall = |r: &ProbeRun| -> Vec<Vec<f64>> {
+            r.cells
+                .iter()
+                .map(|c| c.span_recall.clone().unwrap())
+                .collect()
+        };
+        assert_eq!(recall(&again), recall(&first));
+    }
+
     /// The oracle's gates open exactly a probe's needles and question in every layer and head
     /// (span recall 1), whatever the router learned; a model's own gates report where they
     /// fall on the same spans; probes differ with the replicate's seed; and a model without
@@ -1049,6 +1118,18 @@ mod tests {
         oracle_cfg.eval.gates = ProbeGates::Oracle;
         let oracle = run(&oracle_cfg);
         assert_eq!(oracle.cells[0].span_recall.clone().unwrap(), vec![1.0; 3]);
+        // Read against the gates' rate over each whole prompt: every gate open for the
+        // untrained router; for the oracle the spans' share, a fraction whose mean over the
+        // three prompts (all of one length) is each head's usage over them.
+        assert_eq!(learned.cells[0].prompt_gate.clone().unwrap(), vec![1.0; 3]);
+        let gate = oracle.cells[0].prompt_gate.clone().unwrap();
+        let heads = oracle.head_gates[&Task::parse("passkey").unwrap()].usage();
+        let mean = gate.iter().sum::<f64>() / 3.0;
+        assert!(gate.iter().all(|&g| g > 0.0 && g < 0.5), "{gate:?}");
+        assert!(
+            heads.iter().flatten().all(|&u| (u - mean).abs() < 1e-6),
+            "{mean} {heads:?}"
+        );
         // The oracle's usage over the prompts: the spans' share, well under every gate.
         let usage = &oracle.head_gates[&Task::parse("passkey").unwrap()].usage();
         assert!(

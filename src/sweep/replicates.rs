@@ -97,6 +97,7 @@ pub(crate) fn bounds(metric: &str) -> Option<(f64, f64)> {
             "exact_match",
             "recall",
             "span_recall",
+            "prompt_gate",
             "full_ratio",
             "acc",
             "acc_norm",

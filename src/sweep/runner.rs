@@ -353,8 +353,8 @@ impl Pool<'_> {
                     }
                     let i = next.fetch_add(1, Ordering::SeqCst);
                     let Some(cell) = pending.get(i) else { break };
-                    // A cell has its device to itself on a GPU slot no other worker names,
-                    // or where it is the only one running.
+                    // A cell has its device to itself on a GPU slot whose GPUs --devices names
+                    // once, or where it is the only one running.
                     let alone = at.workers == 1
                         || (at.slot > 0 && !shares_a_gpu(&self.args.devices, at, w));
                     if let Some(dir) = self.run_one(cell, w, at, alone) {
@@ -478,15 +478,12 @@ struct Placement {
     threads: usize,
 }
 
-/// Whether worker `w`'s GPUs are also another running worker's (`--devices` naming a GPU
-/// more than once runs several cells on it).
+/// Whether worker `w`'s slot holds a GPU that `--devices` names more than once: a GPU the
+/// user declared shared, whether or not another cell runs on it at the moment.
 fn shares_a_gpu(devices: &[usize], at: Placement, w: usize) -> bool {
-    let slots: Vec<&[usize]> = devices.chunks(at.slot).take(at.workers).collect();
-    slots.get(w).is_some_and(|mine| {
-        slots
-            .iter()
-            .enumerate()
-            .any(|(v, other)| v != w && other.iter().any(|g| mine.contains(g)))
+    devices.chunks(at.slot).nth(w).is_some_and(|mine| {
+        mine.iter()
+            .any(|g| devices.iter().filter(|x| *x == g).count() > 1)
     })
 }
 
