@@ -1,7 +1,8 @@
 //! The budget ladder: each line's loss, usage and probes against the training tokens behind
 //! its models, where a grid trains the same set-up at several budgets (a stage and the lower
 //! rungs that name it in `ladder`): the table `budget.csv` and the figures `budget_ladder` and
-//! `budget_positions`.
+//! `budget_positions`. The grid's other train lines, each at its one budget, join the tables
+//! (their probes tested against the start with the rest), not the figures.
 //! A line is `Row::line`: a train stage with its settings, an evaluation of it with the
 //! settings it changes, or the grid's pretrained model (0 tokens, the start of every line).
 
@@ -72,6 +73,9 @@ pub(crate) struct Rung {
     pub(crate) replicates: usize,
     /// Its replicates are train cells (with their evaluations), not only evaluations.
     pub(crate) trained: bool,
+    /// Its line is a ladder's (two budgets or more, or a lower rung among its cells), an
+    /// evaluation of one, or the pretrained start: what the figures draw.
+    pub(crate) ladder: bool,
     /// Length of the sequences its loss was measured on.
     pub(crate) eval_seq_len: usize,
     pub(crate) loss: Option<Estimate>,
@@ -89,38 +93,35 @@ pub(crate) struct Rung {
 /// The task name of a rung's probes pooled over its tasks.
 pub(crate) const ALL_TASKS: &str = "all";
 
-/// The rungs of every line a ladder reaches, in line then token order: each train line with
-/// two budgets or more or a lower rung among its cells (a control run on a lower rung before
-/// its top one), the evaluations of those lines (at whichever budgets they ran), and the
-/// pretrained model's evaluations. Empty when no train line is a ladder's.
+/// The rungs of a grid with a ladder, in line then token order: each train line with two
+/// budgets or more or a lower rung among its cells (a control run on a lower rung before its
+/// top one), every other train line at its budget, the evaluations of those lines (at
+/// whichever budgets they ran), and the pretrained model's evaluations. Empty when no train
+/// line is a ladder's.
 pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
-    let mut budgets: BTreeMap<String, (Vec<u64>, bool)> = BTreeMap::new();
+    let mut budgets: BTreeMap<String, (BTreeSet<u64>, bool)> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
         let (b, rung) = budgets.entry(r.line.clone()).or_default();
-        b.push(r.budget_tokens.to_bits());
+        b.insert(r.budget_tokens.to_bits());
         *rung |= r.rung;
     }
-    let ladders: Vec<String> = budgets
-        .into_iter()
-        .filter_map(|(l, (mut b, rung))| {
-            b.sort_unstable();
-            b.dedup();
-            (b.len() >= 2 || rung).then_some(l)
-        })
+    let ladders: Vec<&String> = budgets
+        .iter()
+        .filter_map(|(l, (b, rung))| (b.len() >= 2 || *rung).then_some(l))
         .collect();
     if ladders.is_empty() {
         return Vec::new();
     }
-    // A row's line reaches a ladder when it is the ladder's, or an evaluation of it (the
-    // ladder's name and then the settings the evaluation changes); the pretrained model's
-    // evaluations (no cell behind them) start every line.
-    let reached = |r: &Row| {
-        r.kind != StageKind::Prune
-            && (pretrained(r)
-                || ladders
-                    .iter()
-                    .any(|l| r.line == *l || r.line.starts_with(&format!("{l} "))))
+    // A line of `lines` or an evaluation of one (its name and then the settings the
+    // evaluation changes).
+    let of = |line: &str, lines: &[&String]| {
+        lines
+            .iter()
+            .any(|l| line == l.as_str() || line.starts_with(&format!("{l} ")))
     };
+    let trained: Vec<&String> = budgets.keys().collect();
+    // The pretrained model's evaluations (no cell behind them) start every line.
+    let reached = |r: &Row| r.kind != StageKind::Prune && (pretrained(r) || of(&r.line, &trained));
     let mut groups: BTreeMap<(String, u64), Vec<&Row>> = BTreeMap::new();
     for r in rows.iter().filter(|r| reached(r)) {
         let tokens = if pretrained(r) { 0.0 } else { r.budget_tokens };
@@ -129,13 +130,10 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
             .or_default()
             .push(r);
     }
-    // The validation tokens the ladders' train cells measured their loss on, per sequence
-    // length: an evaluation's loss is comparable with theirs only on as many tokens.
+    // The validation tokens the train cells measured their loss on, per sequence length: an
+    // evaluation's loss is comparable with theirs only on as many tokens.
     let mut scale: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
-    for r in rows
-        .iter()
-        .filter(|r| r.kind == StageKind::Train && ladders.contains(&r.line))
-    {
+    for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
         scale
             .entry(r.report.seq_len)
             .or_default()
@@ -143,7 +141,13 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     }
     let mut out: Vec<Rung> = groups
         .into_iter()
-        .map(|((line, tokens), rows)| rung(line, f64::from_bits(tokens), &rows, &scale))
+        .map(|((line, tokens), rows)| {
+            let ladder = tokens == 0 || of(&line, &ladders);
+            Rung {
+                ladder,
+                ..rung(line, f64::from_bits(tokens), &rows, &scale)
+            }
+        })
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
     out
@@ -272,6 +276,7 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
         tokens,
         replicates: models.len(),
         trained: rows.iter().any(|r| r.kind == StageKind::Train),
+        ladder: true,
         eval_seq_len: measured[0].report.seq_len,
         loss: Estimate::of(&losses, None),
         mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
@@ -562,7 +567,20 @@ mod tests {
     fn ladders_pool_each_lines_rungs_and_probes_by_length() {
         let dir = sweep_dir_with_ladders("ladders");
         let all = rows(&dir).unwrap().rows;
-        let rungs = rungs(&all);
+        let every = rungs(&all);
+        // SWA's and the static hybrid's lines have one budget and no lower rung: each is one
+        // rung at its budget, for the tables, and no ladder's.
+        for one in [
+            "swa attention.method=swa",
+            "hyb attention.method=static_hybrid",
+        ] {
+            let at: Vec<&Rung> = every.iter().filter(|r| r.line == one).collect();
+            assert!(
+                at.len() == 1 && at[0].trained && !at[0].ladder,
+                "{every:#?}"
+            );
+        }
+        let rungs: Vec<Rung> = every.into_iter().filter(|r| r.ladder).collect();
         let full: Vec<&Rung> = rungs.iter().filter(|r| r.line == "full").collect();
         let aha: Vec<&Rung> = rungs
             .iter()
@@ -573,13 +591,6 @@ mod tests {
         assert_eq!(
             (full.len(), aha.len(), base.len(), ctl.len(), rungs.len()),
             (2, 2, 1, 1, 6),
-            "{rungs:#?}"
-        );
-        // SWA's and the static hybrid's lines have one budget and no lower rung.
-        assert!(
-            rungs
-                .iter()
-                .all(|r| !r.line.starts_with("swa") && !r.line.starts_with("hyb")),
             "{rungs:#?}"
         );
         assert_eq!(ctl[0].loss.unwrap().mean, 2.05);
@@ -621,8 +632,12 @@ mod tests {
         crate::sweep::tables::write_all(&dir, &out, false).unwrap();
         let table = csv(&out.join("budget.csv"));
         // full-0: four rows at 8 (every task among them), two at 16; its rung two at each;
-        // AHA's two rungs; the control's one; the pretrained model's two.
-        assert_eq!(table.len(), 1 + 6 + 4 + 2 + 1 + 2, "{table:?}");
+        // AHA's two rungs; the control's one; the pretrained model's two; and a row for each
+        // of the 13 lines at one budget, none probed.
+        assert_eq!(table.len(), 1 + 6 + 4 + 2 + 1 + 2 + 13, "{table:?}");
+        assert!(table
+            .iter()
+            .any(|r| r[0] == "swa attention.method=swa" && r[11].is_empty()));
         assert!(table.iter().any(|r| r[0] == "full"
             && r[11] == "all"
             && r[12] == "8"

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// The figure `budget_ladder`, where some line of the sweep has two budgets or more.
 pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
-    let rungs = budget::rungs(all);
+    let rungs = ladders(all);
     let trained: Vec<&Rung> = rungs.iter().filter(|r| r.trained).collect();
     let Some(seq_len) = trained.first().map(|r| r.eval_seq_len) else {
         return;
@@ -114,7 +114,7 @@ fn base_at<'a>(base: &[&'a Rung], seq_len: usize) -> Option<&'a Rung> {
 /// a panel per training budget, the loss in each bucket of positions (drawn at the bucket's
 /// end) of every set-up at that budget, the pretrained model's beside them.
 pub(super) fn budget_positions(all: &[Row], figs: &mut Vec<(String, Figure)>) {
-    let rungs = budget::rungs(all);
+    let rungs = ladders(all);
     let Some(seq_len) = rungs.iter().find(|r| r.trained).map(|r| r.eval_seq_len) else {
         return;
     };
@@ -194,6 +194,15 @@ fn lines(rungs: &[&Rung], value: impl Fn(&Rung) -> Option<Estimate>) -> Vec<Seri
             })
             .collect(),
     )
+}
+
+/// The rungs of the ladders, their evaluations and the start: a line at one budget alone
+/// (a control) is a point with nothing to join, read in `budget.csv`.
+fn ladders(all: &[Row]) -> Vec<Rung> {
+    budget::rungs(all)
+        .into_iter()
+        .filter(|r| r.ladder)
+        .collect()
 }
 
 /// A line through the means of `points`, each with its interval.
