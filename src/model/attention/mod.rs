@@ -39,8 +39,8 @@ pub(crate) use methods::{all as all_methods, spec, UsageRamp, HEAD_RANKING_COLUM
 pub(crate) use patterns::{KeyPattern, MaskCache};
 pub(crate) use shared::routed_paths;
 pub(crate) use spec::{
-    BenchKnobs, BenchVariant, CellKind, Gates, MethodSpec, Provenance, Report, SettingColumn,
-    SettingCurve, TableCell, Value, SHARED_COLUMNS,
+    BenchKnobs, BenchVariant, CellKind, Gates, MethodSpec, PaperUsageAt, Provenance, Report,
+    SettingColumn, SettingCurve, TableCell, Value, SHARED_COLUMNS,
 };
 // What the kernels' tests compare with: the reference attention, gates and pair counts.
 #[cfg(test)]

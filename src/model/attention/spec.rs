@@ -207,8 +207,12 @@ pub(crate) enum Report {
     HeadGaps { file: &'static str },
     /// Its learned routers' layer x head usage maps and every head sorted (AHA Figs. 3/4).
     HeadUsage,
-    /// Its learned routers' usage and loss against lambda (AHA Table 4).
-    LambdaAblation,
+    /// Its learned routers' usage and loss against lambda (AHA Table 4), beside the usage its
+    /// paper reports at each (window, lambda) it ran, named by `source`.
+    LambdaAblation {
+        paper: &'static [PaperUsageAt],
+        source: &'static str,
+    },
     /// Its learned cells' loss against attention work as the test-time threshold moves (L2A
     /// Fig. 13).
     ThresholdSweep,
@@ -217,6 +221,14 @@ pub(crate) enum Report {
     /// The share of full attention (mu_f) its paper reports at its headline setting, and
     /// where: the reference line of the budget figure's usage panel.
     PaperUsage { mu_f: f64, source: &'static str },
+}
+
+/// A share of full attention a paper reports at one window and lambda.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PaperUsageAt {
+    pub(crate) window: f64,
+    pub(crate) lambda: f64,
+    pub(crate) mu_f: f64,
 }
 
 /// One configuration of a method that the generated tests run (`examples`).

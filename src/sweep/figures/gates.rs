@@ -3,12 +3,12 @@
 //! SwiAttn Fig. 5) and the routers' learning curves.
 
 use super::series::{
-    first_replicate, full_reference, grouped, replicate_means, setting_legend, short_key,
-    with_reference, UNIT,
+    first_replicate, full_reference, grouped, reference_look, replicate_means, setting_legend,
+    short_key, with_reference, UNIT,
 };
 use crate::config::{name_of, Router};
-use crate::model::attention::{spec, Gates};
-use crate::sweep::figure::{sorted, Figure, Look, Panel, Series, XAxis};
+use crate::model::attention::{spec, Gates, PaperUsageAt};
+use crate::sweep::figure::{series, sorted, Figure, Look, Panel, Series, XAxis};
 use crate::sweep::grid::StageKind;
 use crate::sweep::rows::Row;
 use crate::util::stats::summarize;
@@ -146,8 +146,13 @@ pub(super) fn head_usage(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
 }
 
 /// AHA Table 4: usage and loss against lambda, at the windows where lambdas vary (one
-/// method's learned train cells).
-pub(super) fn lambda_ablation(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
+/// method's learned train cells), with the paper's usage at those windows as hollow dashed
+/// references (`paper`, named by its source).
+pub(super) fn lambda_ablation(
+    cells: &[&Row],
+    (paper, source): (&[PaperUsageAt], &str),
+    figs: &mut Vec<(String, Figure)>,
+) {
     let lambda = |r: &Row| r.grid_attention.lambda;
     let lambdas_at = |w: f64| -> BTreeSet<u64> {
         cells
@@ -165,18 +170,32 @@ pub(super) fn lambda_ablation(cells: &[&Row], figs: &mut Vec<(String, Figure)>) 
         return;
     }
     let key = |r: &Row| format!("window={}", r.window);
+    let mut usage = grouped(
+        &varied,
+        LAMBDA,
+        key,
+        |r| r.mu_f().map(|m| (lambda(r), m)),
+        UNIT,
+    );
+    let windows: BTreeSet<u64> = varied.iter().map(|r| r.window.to_bits()).collect();
+    for (i, w) in windows.iter().map(|&w| f64::from_bits(w)).enumerate() {
+        let points: Vec<(f64, f64)> = paper
+            .iter()
+            .filter(|p| p.window == w)
+            .map(|p| (p.lambda, p.mu_f))
+            .collect();
+        if !points.is_empty() {
+            let mut s = series(format!("{source}, w {w}"), points, true);
+            s.look = reference_look([12, 9][i % 2]);
+            usage.push(s);
+        }
+    }
     figs.push((
         "lambda_ablation".into(),
         usage_and_loss(
             "Full-attention usage and quality against lambda",
             "lambda",
-            grouped(
-                &varied,
-                LAMBDA,
-                key,
-                |r| r.mu_f().map(|m| (lambda(r), m)),
-                UNIT,
-            ),
+            usage,
             grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss())), None),
         ),
     ));

@@ -61,8 +61,17 @@ fn figures_of(all: &[Row]) -> Vec<(String, Figure)> {
     for rows in reporting(&learned_train, |r| matches!(r, Report::HeadUsage)) {
         gates::head_usage(&rows, &mut figs);
     }
-    for rows in reporting(&learned_train, |r| matches!(r, Report::LambdaAblation)) {
-        gates::lambda_ablation(&rows, &mut figs);
+    for s in all_methods() {
+        for report in s.reports {
+            if let Report::LambdaAblation { paper, source } = report {
+                let rows: Vec<&Row> = learned_train
+                    .iter()
+                    .copied()
+                    .filter(|r| r.method == s.method)
+                    .collect();
+                gates::lambda_ablation(&rows, (paper, source), &mut figs);
+            }
+        }
     }
     let every: Vec<&Row> = all.iter().filter(learned).collect();
     for rows in reporting(&every, |r| matches!(r, Report::ThresholdSweep)) {

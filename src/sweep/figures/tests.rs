@@ -383,3 +383,57 @@ fn niah_csv_without_ratios_draws_no_depth_curve() {
     assert_eq!(names, ["niah_heatmap"]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The lambda figure draws the paper's usage at each window whose lambdas the sweep varies,
+/// as a hollow dashed reference in the usage panel only, and none at a window it did not run.
+#[test]
+fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
+    use crate::config::{Method, Router};
+    use crate::model::attention::PaperUsageAt;
+    use crate::sweep::figure::{Look, Series};
+    use crate::sweep::grid::StageKind;
+    let dir = fixture::sweep_dir("lambda-paper");
+    let all = rows(&dir).unwrap().rows;
+    let aha: Vec<&Row> = all
+        .iter()
+        .filter(|r| {
+            r.method == Method::Aha && r.kind == StageKind::Train && r.router == Router::Learned
+        })
+        .collect();
+    let at = |window, lambda, mu_f| PaperUsageAt {
+        window,
+        lambda,
+        mu_f,
+    };
+    let paper = [
+        at(16.0, 1e-3, 0.2),
+        at(16.0, 1e-2, 0.1),
+        at(128.0, 3e-4, 0.1),
+    ];
+    let mut figs = Vec::new();
+    gates::lambda_ablation(&aha, (&paper, "paper"), &mut figs);
+    let Some((_, Figure::Panels { panels, .. })) = figs.first() else {
+        panic!("no lambda figure");
+    };
+    let refs: Vec<&Series> = panels[0]
+        .series
+        .iter()
+        .filter(|s| s.name.starts_with("paper"))
+        .collect();
+    let names: Vec<&str> = panels[0].series.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(refs.len(), 1, "{names:?}");
+    assert_eq!(refs[0].name, "paper, w 16");
+    assert_eq!(refs[0].points, [(1e-3, 0.2), (1e-2, 0.1)]);
+    assert!(matches!(
+        refs[0].look,
+        Look::Chosen {
+            hollow: true,
+            dashed: true,
+            ..
+        }
+    ));
+    assert!(panels[1]
+        .series
+        .iter()
+        .all(|s| !s.name.starts_with("paper")));
+}

@@ -16,7 +16,8 @@ use crate::model::attention::patterns::KERNEL_FAILED;
 use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
 use crate::model::attention::spec::{
     never_forced, no_extra_params, no_setup, no_variant, BenchKnobs, BenchVariant, CellKind,
-    Example, Gates, HeadRanks, MethodSpec, PaperTable, Report, SettingColumn, TableCell, Value,
+    Example, Gates, HeadRanks, MethodSpec, PaperTable, PaperUsageAt, Report, SettingColumn,
+    TableCell, Value,
 };
 use crate::model::kernels::Kernels;
 use crate::model::nn::Linear;
@@ -545,7 +546,32 @@ pub(super) const AHA: MethodSpec = MethodSpec {
         },
         // Figs. 3/4 and Table 4's curves.
         Report::HeadUsage,
-        Report::LambdaAblation,
+        Report::LambdaAblation {
+            // Table 4 ("Avg Full %", w 128) and Table 2's w 256 at the default lambda.
+            paper: &[
+                PaperUsageAt {
+                    window: 128.0,
+                    lambda: 1e-4,
+                    mu_f: 0.535,
+                },
+                PaperUsageAt {
+                    window: 128.0,
+                    lambda: 3e-4,
+                    mu_f: 0.116,
+                },
+                PaperUsageAt {
+                    window: 128.0,
+                    lambda: 1e-3,
+                    mu_f: 0.045,
+                },
+                PaperUsageAt {
+                    window: 256.0,
+                    lambda: 3e-4,
+                    mu_f: 0.067,
+                },
+            ],
+            source: "AHA paper, Tables 4 and 2",
+        },
     ],
     hf: include_str!("aha.py"),
     examples: &[
