@@ -130,10 +130,13 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
             .or_default()
             .push(r);
     }
-    // The validation tokens the train cells measured their loss on, per sequence length: an
-    // evaluation's loss is comparable with theirs only on as many tokens.
+    // The validation tokens the ladders' train cells measured their loss on, per sequence
+    // length: the start's loss is comparable with theirs only on as many tokens.
     let mut scale: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
-    for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
+    for r in rows
+        .iter()
+        .filter(|r| r.kind == StageKind::Train && ladders.contains(&&r.line))
+    {
         scale
             .entry(r.report.seq_len)
             .or_default()
@@ -560,7 +563,8 @@ mod tests {
     /// Each line with two budgets is a ladder: its rungs in token order, a train cell's loss
     /// and usage, the probes of its evaluations merged per model and pooled per task and
     /// prompt length with Wilson's interval (one replicate of 0/1 prompts); lines of one
-    /// budget stay out unless a lower rung is among their cells; the pretrained model's evaluations are one model at 0 tokens, its loss
+    /// budget without a lower rung among their cells join as one rung each, no ladder's (in
+    /// the table, not the figure); the pretrained model's evaluations are one model at 0 tokens, its loss
     /// the evaluation without probes; the table has a row per rung, task and length, the
     /// figure a panel per quantity and length, with AHA's paper usage as a reference line.
     #[test]
@@ -653,6 +657,12 @@ mod tests {
         let titles: Vec<&str> = panels.iter().map(|p| p.title.as_str()).collect();
         assert_eq!(titles.len(), 4, "{titles:?}");
         assert!(titles[2].contains("probes at 8") && titles[3].contains("probes at 16"));
+        // The lines at one budget are in the table, not the figure.
+        let drawn: Vec<&str> = panels[0].series.iter().map(|s| s.name.as_str()).collect();
+        assert!(
+            drawn.contains(&"full") && !drawn.iter().any(|n| n.starts_with("swa")),
+            "{drawn:?}"
+        );
         assert!(panels[1]
             .series
             .iter()

@@ -1,4 +1,4 @@
-//! The budget ladder (`budget::rungs`): validation loss, the share of full attention and the
+//! The budget ladder (`budget::rungs`, its ladders' rungs): validation loss, the share of full attention and the
 //! probes' exact match at each prompt length, each against the training tokens behind the
 //! model, a line per set-up, with the pretrained model and each method's paper usage
 //! (`Report::PaperUsage`) as reference lines.

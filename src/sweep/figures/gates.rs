@@ -177,17 +177,23 @@ pub(super) fn lambda_ablation(
         |r| r.mu_f().map(|m| (lambda(r), m)),
         UNIT,
     );
+    // The paper's usage at each swept window, inside the lambdas swept there: a point beyond
+    // them would stretch this panel's axis away from the loss panel's beside it.
     let windows: BTreeSet<u64> = varied.iter().map(|r| r.window.to_bits()).collect();
-    for (i, w) in windows.iter().map(|&w| f64::from_bits(w)).enumerate() {
+    let mut drawn = 0;
+    for w in windows.iter().map(|&w| f64::from_bits(w)) {
+        let swept = lambdas_at(w).into_iter().map(f64::from_bits);
+        let (lo, hi) = swept.fold((f64::INFINITY, 0.0f64), |(a, b), l| (a.min(l), b.max(l)));
         let points: Vec<(f64, f64)> = paper
             .iter()
-            .filter(|p| p.window == w)
+            .filter(|p| p.window == w && (lo..=hi).contains(&p.lambda))
             .map(|p| (p.lambda, p.mu_f))
             .collect();
         if !points.is_empty() {
             let mut s = series(format!("{source}, w {w}"), points, true);
-            s.look = reference_look([12, 9][i % 2]);
+            s.look = reference_look([12, 9][drawn % 2]);
             usage.push(s);
+            drawn += 1;
         }
     }
     figs.push((

@@ -11,7 +11,7 @@
 //! | `head_usage_<cell>` | AHA Fig. 3: layer x head usage heatmap with a colour bar |
 //! | `head_usage_<cell>_<task>` | AHA Fig. 3 per task, from a cell's `eval/probe_head_usage.csv` |
 //! | `head_usage_sorted` | AHA Fig. 4: every head's usage, sorted |
-//! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda |
+//! | `lambda_ablation` | AHA Table 4: usage and validation loss against lambda, the paper's usage as references |
 //! | `threshold_sweep` | L2A Fig. 13: quality against attention work as tau varies |
 //! | `layer_sparsity_<cell>` | L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer |
 //! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |

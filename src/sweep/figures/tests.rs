@@ -405,9 +405,11 @@ fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
         lambda,
         mu_f,
     };
+    // The fixture sweeps lambda 3e-4 and 0.1 at w 16: 1e-5 lies outside, w 128 is not run.
     let paper = [
         at(16.0, 1e-3, 0.2),
         at(16.0, 1e-2, 0.1),
+        at(16.0, 1e-5, 0.9),
         at(128.0, 3e-4, 0.1),
     ];
     let mut figs = Vec::new();
@@ -436,4 +438,5 @@ fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
         .series
         .iter()
         .all(|s| !s.name.starts_with("paper")));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -467,6 +467,9 @@ fn top_k_name(a: &AttentionConfig, heads: usize, mu_f: Option<f64>) -> String {
     }
 }
 
+/// The paper's Table 2, "Avg %" at w 256 (lambda 3e-4): its headline usage.
+const TABLE2_W256: f64 = 0.067;
+
 pub(super) const AHA: MethodSpec = MethodSpec {
     method: Method::Aha,
     label: "AHA",
@@ -496,9 +499,8 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     baseline: None,
     head_budget: |_, _, _, _| "AHA".into(),
     reports: &[
-        // Table 2, "Avg %" at w 256.
         Report::PaperUsage {
-            mu_f: 0.067,
+            mu_f: TABLE2_W256,
             source: "AHA paper, Table 2 at w 256: 6.7 %",
         },
         // Tables 1/2: quality, retain % and usage by window; Table 4: by lambda.
@@ -567,7 +569,7 @@ pub(super) const AHA: MethodSpec = MethodSpec {
                 PaperUsageAt {
                     window: 256.0,
                     lambda: 3e-4,
-                    mu_f: 0.067,
+                    mu_f: TABLE2_W256,
                 },
             ],
             source: "AHA paper, Tables 4 and 2",
