@@ -146,10 +146,7 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
         .into_iter()
         .map(|((line, tokens), rows)| {
             let ladder = tokens == 0 || of(&line, &ladders);
-            Rung {
-                ladder,
-                ..rung(line, f64::from_bits(tokens), &rows, &scale)
-            }
+            rung(line, f64::from_bits(tokens), ladder, &rows, &scale)
         })
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
@@ -199,7 +196,14 @@ impl Prompts {
 /// ladders' train cells at its length (`scale`) first, and a loss on other tokens left out (a
 /// probe evaluation of a third of the tokens is not the start of a line measured on all of
 /// them). A trained model's evaluations are lines of their own, read as they were measured.
-fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeSet<u64>>) -> Rung {
+/// `ladder`: whether the figures draw it (`Rung::ladder`).
+fn rung(
+    line: String,
+    tokens: f64,
+    ladder: bool,
+    rows: &[&Row],
+    scale: &BTreeMap<usize, BTreeSet<u64>>,
+) -> Rung {
     let start = rows.iter().all(|r| pretrained(r));
     let comparable = |r: &Row| {
         !start
@@ -279,7 +283,7 @@ fn rung(line: String, tokens: f64, rows: &[&Row], scale: &BTreeMap<usize, BTreeS
         tokens,
         replicates: models.len(),
         trained: rows.iter().any(|r| r.kind == StageKind::Train),
-        ladder: true,
+        ladder,
         eval_seq_len: measured[0].report.seq_len,
         loss: Estimate::of(&losses, None),
         mu_f: Estimate::of(&usage, Some((0.0, 1.0))),
@@ -564,8 +568,9 @@ mod tests {
     /// and usage, the probes of its evaluations merged per model and pooled per task and
     /// prompt length with Wilson's interval (one replicate of 0/1 prompts); lines of one
     /// budget without a lower rung among their cells join as one rung each, no ladder's (in
-    /// the table, not the figure); the pretrained model's evaluations are one model at 0 tokens, its loss
-    /// the evaluation without probes; the table has a row per rung, task and length, the
+    /// the table, not the figure); the pretrained model's evaluations are one model at 0
+    /// tokens, its loss the evaluation without probes; the table has a row per rung, task
+    /// and length, the
     /// figure a panel per quantity and length, with AHA's paper usage as a reference line.
     #[test]
     fn ladders_pool_each_lines_rungs_and_probes_by_length() {

@@ -1,6 +1,6 @@
-//! The budget ladder (`budget::rungs`, its ladders' rungs): validation loss, the share of full attention and the
-//! probes' exact match at each prompt length, each against the training tokens behind the
-//! model, a line per set-up, with the pretrained model and each method's paper usage
+//! The budget ladder (`budget::rungs`, its ladders' rungs): validation loss, the share of
+//! full attention and the probes' exact match at each prompt length, each against the
+//! training tokens behind the model, a line per set-up, with the pretrained model and each method's paper usage
 //! (`Report::PaperUsage`) as reference lines.
 
 use super::series::{reference_look, with_line};

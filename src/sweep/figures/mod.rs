@@ -58,23 +58,20 @@ fn figures_of(all: &[Row]) -> Vec<(String, Figure)> {
     // routers (in the registry's order of the methods that report them).
     let learned = |r: &&Row| r.router == Router::Learned;
     let learned_train: Vec<&Row> = train.iter().copied().filter(learned).collect();
-    for rows in reporting(&learned_train, |r| matches!(r, Report::HeadUsage)) {
+    let head_usage = |r: &Report| matches!(r, Report::HeadUsage).then_some(());
+    for ((), rows) in reporting(&learned_train, head_usage) {
         gates::head_usage(&rows, &mut figs);
     }
-    for s in all_methods() {
-        for report in s.reports {
-            if let Report::LambdaAblation { paper, source } = report {
-                let rows: Vec<&Row> = learned_train
-                    .iter()
-                    .copied()
-                    .filter(|r| r.method == s.method)
-                    .collect();
-                gates::lambda_ablation(&rows, (paper, source), &mut figs);
-            }
-        }
+    let lambda = |r: &'static Report| match r {
+        Report::LambdaAblation { paper, source } => Some((*paper, *source)),
+        _ => None,
+    };
+    for (paper, rows) in reporting(&learned_train, lambda) {
+        gates::lambda_ablation(&rows, paper, &mut figs);
     }
     let every: Vec<&Row> = all.iter().filter(learned).collect();
-    for rows in reporting(&every, |r| matches!(r, Report::ThresholdSweep)) {
+    let threshold = |r: &Report| matches!(r, Report::ThresholdSweep).then_some(());
+    for ((), rows) in reporting(&every, threshold) {
         gates::threshold_sweep(&rows, &mut figs);
     }
     gates::layer_sparsity(all, &mut figs);
@@ -96,16 +93,21 @@ fn figures_of(all: &[Row]) -> Vec<(String, Figure)> {
     figs
 }
 
-/// The rows of each method whose `MethodSpec::reports` has a report `wanted` picks, a list
-/// per such method in the registry's order.
-fn reporting<'a>(rows: &[&'a Row], wanted: fn(&Report) -> bool) -> Vec<Vec<&'a Row>> {
+/// For each method whose `MethodSpec::reports` has a report that `pick` takes, what it took
+/// and the method's rows, in the registry's order.
+fn reporting<'a, T>(
+    rows: &[&'a Row],
+    pick: impl Fn(&'static Report) -> Option<T>,
+) -> Vec<(T, Vec<&'a Row>)> {
     all_methods()
-        .filter(|s| s.reports.iter().any(wanted))
-        .map(|s| {
-            rows.iter()
+        .filter_map(|s| {
+            let took = s.reports.iter().find_map(&pick)?;
+            let mine = rows
+                .iter()
                 .copied()
                 .filter(|r| r.method == s.method)
-                .collect()
+                .collect();
+            Some((took, mine))
         })
         .collect()
 }
