@@ -349,19 +349,23 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 
 /// `budget_differences.csv`: each rung's probes against the pretrained model's on the same
 /// task and prompt length (the rung less the start, named in `start`), so that a rung that
-/// reads above or below the start gets a test, not a look at two intervals; and each
-/// evaluation with gates other than the model's own (`eval.gates`, the oracle's) against the
-/// same model with its learned gates at the same budget (`start` names that line): what the
-/// router costs the probes. One replicate on the reference's own prompts
-/// (`Prompts::same_as`) is paired over them: exact McNemar with Newcombe's interval for 0/1
-/// scores, else the paired bootstrap; anything else (several replicates, other prompts) the
-/// unpaired bootstrap over seeds and prompts (`compared`). Holm's adjustment covers the
-/// table's rows; "differs" needs the p-value (Holm's, for
+/// reads above or below the start gets a test, not a look at two intervals; each evaluation
+/// with gates other than the model's own (`eval.gates`, the oracle's) against the same model
+/// with its learned gates at the same budget (`start` names that line): what the router costs
+/// the probes; and each trained line of another method against full attention trained on as
+/// many tokens (`start` names it), the reference a method's probes are read against at equal
+/// work. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
+/// them: exact McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap;
+/// anything else (several replicates, other prompts) the unpaired bootstrap over seeds and
+/// prompts (`compared`). Holm's adjustment covers the table's rows that their test could make
+/// differ (`min_p`, the smallest p it could give these prompts, below 0.05: Tarone's argument
+/// that a row no outcome can reject adds nothing to the family but its count); the others are
+/// "within noise" with no adjusted p. "differs" needs the p-value (Holm's, for
 /// `verdict_holm`) below 0.05 and the 95 % interval clear of 0 (at the margin, five
 /// discordant prompts all one way, Newcombe's asymptotic interval leaves 0 out where the exact
-/// test does not reject: the verdict follows both). A key probed by several
-/// pretrained lines has no row (which start is meant is not known). None without a ladder or
-/// a probed start.
+/// test does not reject: the verdict follows both). A key probed by several pretrained lines,
+/// or by several full-attention lines at one budget, has no row against them (which is meant
+/// is not known). None without a ladder or a probed start.
 pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
     let rungs = rungs(rows);
     let starts: Vec<&Rung> = rungs
@@ -383,7 +387,8 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         key: &'a (String, u64),
         replicates: usize,
         prompts: usize,
-        test: [f64; 4],
+        /// `[difference, low, high, p, min_p]` (`compared`).
+        test: [f64; 5],
         how: &'static str,
     }
     let mut out: Vec<Out> = Vec::new();
@@ -419,7 +424,7 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             if pairs.is_empty() {
                 continue;
             }
-            let (test, how) = compared_per_model(&pairs);
+            let (test, how) = compared_pairs(&pairs, SAME_MODELS);
             out.push(Out {
                 rung: r,
                 start: learned,
@@ -431,11 +436,47 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             });
         }
     }
+    // The one full-attention line trained on `tokens` and probed on `key`.
+    let reference_of = |tokens: f64, key: &(String, u64)| match rungs
+        .iter()
+        .filter(|q| q.trained && q.method == Method::Full && q.tokens == tokens)
+        .filter(|q| q.prompt_sets.contains_key(key))
+        .collect::<Vec<_>>()[..]
+    {
+        [one] => Some(one),
+        _ => None,
+    };
+    for r in rungs
+        .iter()
+        .filter(|r| r.trained && r.tokens > 0.0 && r.method != Method::Full)
+    {
+        for (key, sets) in &r.prompt_sets {
+            let Some(full) = reference_of(r.tokens, key) else {
+                continue;
+            };
+            let base = &full.prompt_sets[key];
+            let pairs = same_prompts(sets, base);
+            let (test, how) = match pairs.len() == sets.len() {
+                true => compared_pairs(&pairs, SAME_PROMPTS),
+                false => compared(sets, base),
+            };
+            out.push(Out {
+                rung: r,
+                start: full,
+                key,
+                replicates: sets.len(),
+                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                test,
+                how,
+            });
+        }
+    }
     if out.is_empty() {
         return Ok(None);
     }
-    let adjusted = holm(&out.iter().map(|o| o.test[3]).collect::<Vec<_>>());
+    let adjusted = holm_within_reach(&out.iter().map(|o| o.test).collect::<Vec<_>>());
     let verdict = |p: f64, o: &Out| match p.is_nan() {
+        true if o.test[4] >= 0.05 && !o.test[3].is_nan() => "within noise",
         true => "no test",
         false if p < 0.05 && (o.test[1] > 0.0 || o.test[2] < 0.0) => "differs",
         false => "within noise",
@@ -453,6 +494,7 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         "ci95_low" => col(1),
         "ci95_high" => col(2),
         "p" => col(3),
+        "min_p" => col(4),
         "verdict" => out.iter().map(|o| verdict(o.test[3], o)).collect::<Vec<_>>(),
         "p_holm" => adjusted.clone(),
         "verdict_holm" => out.iter().zip(&adjusted).map(|(o, &p)| verdict(p, o)).collect::<Vec<_>>(),
@@ -461,11 +503,25 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
     Ok(Some(df))
 }
 
+/// Holm's adjustment of the tests' p-values (`[.., p, min_p]`, as `compared` gives them)
+/// over the family of those whose `min_p` is below 0.05; NaN for the others, which no outcome
+/// of their prompts could make differ (so they are not counted against the rest).
+fn holm_within_reach(tests: &[[f64; 5]]) -> Vec<f64> {
+    let p: Vec<f64> = tests
+        .iter()
+        .map(|t| if t[4] < 0.05 { t[3] } else { f64::NAN })
+        .collect();
+    holm(&p)
+}
+
 /// Probes `sets` less the reference's `base` on one task and length, with how it was tested:
 /// one replicate on the reference's one set of the same prompts paired over them (exact
 /// McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap), anything else
-/// unpaired over seeds and prompts. `[difference, low, high, p]`.
-fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 4], &'static str) {
+/// unpaired over seeds and prompts. `[difference, low, high, p, min_p]`: `min_p` is the
+/// smallest p the test could give these prompts (McNemar's with every discordant prompt one
+/// way; for a bootstrap 1 where nothing differs, every pair tied or one score everywhere,
+/// else 0).
+fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 5], &'static str) {
     let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
     match (sets, base) {
         ([one], [base]) if one.same_as(base) && binary(&one.scores) && binary(&base.scores) => {
@@ -485,25 +541,25 @@ fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 4], &'static str) {
             let (lo, hi) = newcombe_paired(a, b, c, d);
             let diff = (b as f64 - c as f64) / one.scores.len() as f64;
             (
-                [diff, lo, hi, mcnemar_exact(b, c)],
+                [diff, lo, hi, mcnemar_exact(b, c), mcnemar_exact(b + c, 0)],
                 "paired over the same prompts: McNemar, Newcombe's interval",
             )
         }
-        ([one], [base]) if one.same_as(base) => {
-            let pairs = vec![one
-                .scores
-                .iter()
-                .copied()
-                .zip(base.scores.iter().copied())
-                .collect()];
-            let (d, lo, hi, p) = paired_difference(&pairs);
-            ([d, lo, hi, p], "paired over the same prompts: bootstrap")
-        }
+        ([one], [base]) if one.same_as(base) => (
+            paired_bootstrap(&[(one, base)]),
+            "paired over the same prompts: bootstrap",
+        ),
         _ => {
             let groups =
                 |ps: &[Prompts]| -> Vec<Vec<f64>> { ps.iter().map(|p| p.scores.clone()).collect() };
             let (d, lo, hi, p) = unpaired_difference(&groups(sets), &groups(base));
-            ([d, lo, hi, p], "unpaired bootstrap over seeds and prompts")
+            let mut all = sets.iter().chain(base).flat_map(|p| &p.scores);
+            let first = all.next().copied();
+            let constant = all.all(|&x| Some(x) == first);
+            (
+                [d, lo, hi, p, if constant { 1.0 } else { 0.0 }],
+                "unpaired bootstrap over seeds and prompts",
+            )
         }
     }
 }
@@ -516,32 +572,52 @@ fn same_models<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts
         .collect()
 }
 
-/// Probes less the same models' probes with other gates (`same_models`), one pair a model:
-/// one model as `compared` reads one replicate; several on the same prompts each, the paired
-/// bootstrap over models and prompts; else unpaired over the models.
-fn compared_per_model(pairs: &[(&Prompts, &Prompts)]) -> ([f64; 4], &'static str) {
+/// Each of `sets` beside the set of `base` on the same prompts (`Prompts::same_as`; a set
+/// with none there is left out): two models' replicates of one seed's prompts.
+fn same_prompts<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts, &'a Prompts)> {
+    sets.iter()
+        .filter_map(|s| base.iter().find(|b| s.same_as(b)).map(|b| (s, b)))
+        .collect()
+}
+
+/// How `compared_pairs` names the paired bootstrap over pairs of one model.
+const SAME_MODELS: &str = "paired over the same models and prompts: bootstrap";
+/// How `compared_pairs` names it over pairs of two models on one seed's prompts.
+const SAME_PROMPTS: &str = "paired over each seed's prompts: bootstrap";
+
+/// Probes less those they are paired with (`same_models`, `same_prompts`): several pairs,
+/// each on one set of prompts, by the paired bootstrap over the pairs and their prompts (named
+/// `several`); else as `compared` reads them.
+fn compared_pairs(
+    pairs: &[(&Prompts, &Prompts)],
+    several: &'static str,
+) -> ([f64; 5], &'static str) {
     if pairs.len() > 1 && pairs.iter().all(|(a, b)| a.same_as(b)) {
-        let zipped: Vec<Vec<(f64, f64)>> = pairs
-            .iter()
-            .map(|(a, b)| {
-                a.scores
-                    .iter()
-                    .copied()
-                    .zip(b.scores.iter().copied())
-                    .collect()
-            })
-            .collect();
-        let (d, lo, hi, p) = paired_difference(&zipped);
-        return (
-            [d, lo, hi, p],
-            "paired over the same models and prompts: bootstrap",
-        );
+        return (paired_bootstrap(pairs), several);
     }
     let (sets, base): (Vec<Prompts>, Vec<Prompts>) = pairs
         .iter()
         .map(|(a, b)| ((*a).clone(), (*b).clone()))
         .unzip();
     compared(&sets, &base)
+}
+
+/// The paired bootstrap of pairs of sets on the same prompts, as `compared` gives it (its
+/// `min_p` 1 where every pair of scores is tied).
+fn paired_bootstrap(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
+    let zipped: Vec<Vec<(f64, f64)>> = pairs
+        .iter()
+        .map(|(a, b)| {
+            a.scores
+                .iter()
+                .copied()
+                .zip(b.scores.iter().copied())
+                .collect()
+        })
+        .collect();
+    let (d, lo, hi, p) = paired_difference(&zipped);
+    let tied = zipped.iter().flatten().all(|(a, b)| a == b);
+    [d, lo, hi, p, if tied { 1.0 } else { 0.0 }]
 }
 
 /// The line of the same model evaluated with its learned gates, for a line that evaluates it
@@ -800,7 +876,7 @@ mod tests {
         assert_eq!((lo[0], hi[0]), newcombe_paired(0, 0, 1, 1));
         assert!(lo[0] < 0.0 && hi[0] > 0.0);
         assert!((d[1] - (2.0 / 3.0 - 0.5)).abs() < 1e-12, "{}", d[1]);
-        assert!(holm_p.iter().zip(&p).all(|(h, p)| h >= p));
+        assert!(holm_p.iter().zip(&p).all(|(h, p)| h.is_nan() || h >= p));
         assert!(verdict.iter().all(|v| v == "within noise"));
         assert!(start.iter().all(|s| s == "pretrained"));
         // The lower rung's two prompts with other targets, then unnamed: no longer paired.
@@ -820,33 +896,32 @@ mod tests {
         assert!(table(&dir).0[0].starts_with("unpaired"));
     }
 
-    /// An evaluation with the oracle's gates is tested against the same model with its learned
-    /// gates at the same budget, paired over the same prompts, beside the rows against the
-    /// start; Holm's adjustment covers both.
-    #[test]
-    fn other_gates_are_tested_against_the_models_own() {
-        let dir = sweep_dir_with_ladders("ladders-oracle");
+    /// `budget_differences.csv` of the ladder fixture with one more probe cell, `id`: the
+    /// lower rung's probe cell copied and changed by `edit` (given the grid's cells), its every
+    /// prompt of niah_single at 8 and 16 tokens scored 1.
+    fn probed_beside_the_lower_rung(
+        dir: &std::path::Path,
+        id: &str,
+        edit: impl FnOnce(&mut crate::sweep::grid::Cell, &[crate::sweep::grid::Cell]),
+    ) -> DataFrame {
         let path = dir.join("cells.json");
         let mut cells: Vec<crate::sweep::grid::Cell> =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let mut oracle = cells
+        let mut probe = cells
             .iter()
             .find(|c| c.id == "proberung-0")
             .unwrap()
             .clone();
-        oracle.id = "proberungor-0".into();
-        oracle.index = cells.len();
-        oracle
-            .settings
-            .insert("eval.gates".into(), toml::Value::String("oracle".into()));
-        cells.push(oracle);
+        probe.id = id.into();
+        probe.index = cells.len();
+        edit(&mut probe, &cells);
+        cells.push(probe);
         std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
-        let (from, to) = (dir.join("proberung-0"), dir.join("proberungor-0"));
+        let (from, to) = (dir.join("proberung-0"), dir.join(id));
         std::fs::create_dir_all(to.join("eval")).unwrap();
         for f in ["status.json", "eval/eval.json"] {
             std::fs::copy(from.join(f), to.join(f)).unwrap();
         }
-        // The learned gates' prompts at 8 tokens score 0, 0; the oracle's 1, 1; at 16 both 1, 1.
         let lines: Vec<String> = [(8, 1), (8, 2), (16, 1), (16, 2)]
             .iter()
             .map(|&(length, n)| {
@@ -856,9 +931,23 @@ mod tests {
             })
             .collect();
         std::fs::write(to.join("eval/probe_samples.jsonl"), lines.join("\n")).unwrap();
-        let df = differences(&rows(&dir).unwrap().rows)
+        differences(&rows(dir).unwrap().rows)
             .unwrap()
-            .expect("a table");
+            .expect("a table")
+    }
+
+    /// An evaluation with the oracle's gates is tested against the same model with its learned
+    /// gates at the same budget, paired over the same prompts, beside the rows against the
+    /// start; Holm's adjustment covers both.
+    #[test]
+    fn other_gates_are_tested_against_the_models_own() {
+        let dir = sweep_dir_with_ladders("ladders-oracle");
+        // The learned gates' prompts at 8 tokens score 0, 0; the oracle's 1, 1; at 16 both 1, 1.
+        let df = probed_beside_the_lower_rung(&dir, "proberungor-0", |oracle, _| {
+            oracle
+                .settings
+                .insert("eval.gates".into(), toml::Value::String("oracle".into()));
+        });
         let (text, num) = (|c| texts(&df, c), |c| numbers(&df, c));
         let (line, start, test) = (text("line"), text("start"), text("test"));
         let (d, p, holm_p) = (num("difference"), num("p"), num("p_holm"));
@@ -891,19 +980,86 @@ mod tests {
                 ),
             }
         }
-        // The oracle's rows against the start are there too, and Holm counts every row: the
-        // 8-token row's p of 0.5 is multiplied past 1.
+        // The oracle's rows against the start are there too.
         assert!(line
             .iter()
             .zip(&start)
             .any(|(l, s)| l == "full eval.gates=oracle" && s == "pretrained"));
-        let eight = gated.iter().find(|&&i| lengths[i] == 8).unwrap();
-        assert!(line.len() >= 3 && holm_p[*eight] == 1.0, "{holm_p:?}");
+        // Two discordant prompts can give no p below 0.5: the 8-token row is out of Holm's
+        // family, within noise with no adjusted p.
+        let eight = *gated.iter().find(|&&i| lengths[i] == 8).unwrap();
+        let (min_p, verdict) = (num("min_p"), text("verdict_holm"));
+        assert!((min_p[eight] - 0.5).abs() < 1e-12, "{}", min_p[eight]);
+        assert!(
+            holm_p[eight].is_nan() && verdict[eight] == "within noise",
+            "{holm_p:?}"
+        );
         assert_eq!(learned_line("aha attention.window=256"), None);
         assert_eq!(
             learned_line("aha attention.window=256 eval.gates=oracle").as_deref(),
             Some("aha attention.window=256")
         );
+    }
+
+    /// A trained line of another method is tested against full attention trained on as many
+    /// tokens, paired over the prompts they share.
+    #[test]
+    fn methods_are_tested_against_full_attention_at_their_budget() {
+        let dir = sweep_dir_with_ladders("ladders-reference");
+        // Full attention's lower rung scores 0, 0 at 8 tokens and 1, 1 at 16; AHA 1, 1 and 1, 1.
+        let df = probed_beside_the_lower_rung(&dir, "probeaha-0", |probe, cells| {
+            let aha = cells.iter().find(|c| c.id == "aharung-16").unwrap();
+            probe.depends_on = Some(aha.id.clone());
+            probe.assignment = aha.assignment.clone();
+            probe.settings = aha.settings.clone();
+            probe.config = aha.config.clone();
+        });
+        let (text, num) = (|c| texts(&df, c), |c| numbers(&df, c));
+        let (line, start, test) = (text("line"), text("start"), text("test"));
+        let (d, min_p, holm_p) = (num("difference"), num("min_p"), num("p_holm"));
+        let against: Vec<usize> = (0..line.len())
+            .filter(|&i| line[i].starts_with("aha ") && start[i] == "full")
+            .collect();
+        assert_eq!(against.len(), 2, "{line:?} {start:?}");
+        for &i in &against {
+            assert!(test[i].contains("McNemar"), "{}", test[i]);
+            assert!(
+                holm_p[i].is_nan(),
+                "two prompts cannot differ: {}",
+                min_p[i]
+            );
+        }
+        assert!(d[against[0]] == 1.0 && (min_p[against[0]] - 0.5).abs() < 1e-12);
+        assert_eq!((d[against[1]], min_p[against[1]]), (0.0, 1.0));
+        // Full attention's own rungs have no row against themselves.
+        assert!(!(0..line.len()).any(|i| line[i] == "full" && start[i] == "full"));
+    }
+
+    /// Holm's family holds the rows whose test could give p below 0.05: a row no outcome can
+    /// reject keeps no adjusted p and does not raise the others'.
+    #[test]
+    fn holm_counts_only_the_rows_that_could_differ() {
+        let t = |p: f64, min_p: f64| [0.0, 0.0, 0.0, p, min_p];
+        let adjusted =
+            holm_within_reach(&[t(0.01, 0.001), t(0.02, 0.001), t(0.5, 0.5), t(1.0, 1.0)]);
+        assert_eq!(adjusted[..2], [0.02, 0.02]);
+        assert!(adjusted[2].is_nan() && adjusted[3].is_nan());
+        // Six discordant prompts all one way are the fewest McNemar can reject on.
+        assert!(mcnemar_exact(6, 0) < 0.05 && mcnemar_exact(5, 0) >= 0.05);
+        let one = |scores: &[f64]| Prompts {
+            scores: scores.to_vec(),
+            ids: (0..scores.len()).map(|i| Some(format!("p{i}"))).collect(),
+            model: "m".into(),
+        };
+        let (tied, split) = (one(&[1.0, 0.5]), one(&[0.5, 1.0]));
+        assert_eq!(compared(&[tied.clone()], &[tied.clone()]).0[4], 1.0);
+        assert_eq!(compared(&[tied.clone()], &[split]).0[4], 0.0);
+        let zero = Prompts {
+            ids: vec![None; 2],
+            ..one(&[0.0, 0.0])
+        };
+        let (unpaired, how) = compared(&[zero.clone()], &[zero]);
+        assert!(how.starts_with("unpaired") && unpaired[4] == 1.0, "{how}");
     }
 
     /// Other gates are read against the same models only: a model the learned side lacks is
@@ -923,12 +1079,12 @@ mod tests {
             (pairs[0].0.model.as_str(), pairs[0].1.model.as_str()),
             ("b", "b")
         );
-        let (test, how) = compared_per_model(&pairs);
+        let (test, how) = compared_pairs(&pairs, SAME_MODELS);
         assert!(how.contains("McNemar"), "{how}");
         assert!((test[0] - 1.0 / 3.0).abs() < 1e-12);
         let learned = [set("a", &[0.0, 1.0, 1.0]), set("b", &[0.0, 0.0, 1.0])];
         let pairs = same_models(&oracle, &learned);
-        let (test, how) = compared_per_model(&pairs);
+        let (test, how) = compared_pairs(&pairs, SAME_MODELS);
         assert_eq!(how, "paired over the same models and prompts: bootstrap");
         assert!((test[0] - 1.0 / 3.0).abs() < 1e-12, "{}", test[0]);
         assert!(same_models(&oracle, &[set("c", &[0.0])]).is_empty());
