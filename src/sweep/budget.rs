@@ -10,7 +10,7 @@ use super::grid::StageKind;
 use super::rows::Row;
 use crate::config::{name_of, Method};
 use crate::util::stats::{
-    holm, mcnemar_exact, mean_interval, newcombe_paired, paired_difference, pooled_interval,
+    holm, mcnemar_exact, mean_interval, newcombe_paired, paired_bootstrap, pooled_interval,
     unpaired_difference, wilson,
 };
 use anyhow::Result;
@@ -355,9 +355,12 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 /// the probes; and each trained line of another method against full attention trained on as
 /// many tokens (`start` names it), the reference a method's probes are read against at equal
 /// work. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
-/// them: exact McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap;
-/// anything else (several replicates, other prompts) the unpaired bootstrap over seeds and
-/// prompts (`compared`). Holm's adjustment covers the table's rows that their test could make
+/// them: exact McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap.
+/// Several replicates each paired with the reference's on the same prompts (the same model
+/// with other gates; the same seed's prompts for the reference, whose replicates without a
+/// partner are left out) take the paired bootstrap over the pairs and their prompts, its own
+/// p (`compared_pairs`); the rest, the unpaired bootstrap over seeds and prompts
+/// (`compared`). Holm's adjustment covers the table's rows that their test could make
 /// differ (`min_p`, the smallest p it could give these prompts, below 0.05: Tarone's argument
 /// that a row no outcome can reject adds nothing to the family but its count); the others are
 /// "within noise" with no adjusted p. "differs" needs the p-value (Holm's, for
@@ -437,21 +440,12 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         }
     }
     // The one full-attention line trained on `tokens` and probed on `key`.
-    let reference_of = |tokens: f64, key: &(String, u64)| match rungs
-        .iter()
-        .filter(|q| q.trained && q.method == Method::Full && q.tokens == tokens)
-        .filter(|q| q.prompt_sets.contains_key(key))
-        .collect::<Vec<_>>()[..]
-    {
-        [one] => Some(one),
-        _ => None,
-    };
     for r in rungs
         .iter()
         .filter(|r| r.trained && r.tokens > 0.0 && r.method != Method::Full)
     {
         for (key, sets) in &r.prompt_sets {
-            let Some(full) = reference_of(r.tokens, key) else {
+            let Some(full) = reference_of(&rungs, r.tokens, key) else {
                 continue;
             };
             let base = &full.prompt_sets[key];
@@ -546,7 +540,7 @@ fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 5], &'static str) {
             )
         }
         ([one], [base]) if one.same_as(base) => (
-            paired_bootstrap(&[(one, base)]),
+            paired_bootstrap_of(&[(one, base)]),
             "paired over the same prompts: bootstrap",
         ),
         _ => {
@@ -572,6 +566,20 @@ fn same_models<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts
         .collect()
 }
 
+/// The one full-attention line trained on `tokens` and probed on `key`: the reference of a
+/// method's probes at that budget (None where there are none or several).
+fn reference_of<'a>(rungs: &'a [Rung], tokens: f64, key: &(String, u64)) -> Option<&'a Rung> {
+    match rungs
+        .iter()
+        .filter(|q| q.trained && q.method == Method::Full && q.tokens == tokens)
+        .filter(|q| q.prompt_sets.contains_key(key))
+        .collect::<Vec<_>>()[..]
+    {
+        [one] => Some(one),
+        _ => None,
+    }
+}
+
 /// Each of `sets` beside the set of `base` on the same prompts (`Prompts::same_as`; a set
 /// with none there is left out): two models' replicates of one seed's prompts.
 fn same_prompts<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts, &'a Prompts)> {
@@ -580,7 +588,7 @@ fn same_prompts<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompt
         .collect()
 }
 
-/// How `compared_pairs` names the paired bootstrap over pairs of one model.
+/// How `compared_pairs` names the paired bootstrap over pairs of one model's evaluations.
 const SAME_MODELS: &str = "paired over the same models and prompts: bootstrap";
 /// How `compared_pairs` names it over pairs of two models on one seed's prompts.
 const SAME_PROMPTS: &str = "paired over each seed's prompts: bootstrap";
@@ -593,7 +601,7 @@ fn compared_pairs(
     several: &'static str,
 ) -> ([f64; 5], &'static str) {
     if pairs.len() > 1 && pairs.iter().all(|(a, b)| a.same_as(b)) {
-        return (paired_bootstrap(pairs), several);
+        return (paired_bootstrap_of(pairs), several);
     }
     let (sets, base): (Vec<Prompts>, Vec<Prompts>) = pairs
         .iter()
@@ -602,9 +610,10 @@ fn compared_pairs(
     compared(&sets, &base)
 }
 
-/// The paired bootstrap of pairs of sets on the same prompts, as `compared` gives it (its
-/// `min_p` 1 where every pair of scores is tied).
-fn paired_bootstrap(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
+/// Pairs of sets on the same prompts by the paired bootstrap (`stats::paired_bootstrap`: its
+/// interval and its own p, also for 0/1 scores, since several pairs are several models), as
+/// `compared` gives it: `min_p` 1 where every pair of scores is tied, else 0 (no floor known).
+fn paired_bootstrap_of(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
     let zipped: Vec<Vec<(f64, f64)>> = pairs
         .iter()
         .map(|(a, b)| {
@@ -615,7 +624,7 @@ fn paired_bootstrap(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
                 .collect()
         })
         .collect();
-    let (d, lo, hi, p) = paired_difference(&zipped);
+    let (d, lo, hi, p) = paired_bootstrap(&zipped);
     let tied = zipped.iter().flatten().all(|(a, b)| a == b);
     [d, lo, hi, p, if tied { 1.0 } else { 0.0 }]
 }
@@ -840,7 +849,8 @@ mod tests {
     /// Each rung's probes against the start's on the same task and length: one replicate on
     /// the start's own prompts is paired (exact McNemar, Newcombe's interval), one on other
     /// prompts (as many, but other targets; or unnamed) or on more of them is compared
-    /// unpaired, keys the start lacks are left out, and Holm's adjustment covers the table.
+    /// unpaired, keys the start lacks are left out, and Holm's adjustment covers the rows
+    /// whose test could differ.
     #[test]
     fn rungs_are_tested_against_the_start_on_its_prompts() {
         let dir = sweep_dir_with_ladders("ladders-diff");
@@ -876,7 +886,9 @@ mod tests {
         assert_eq!((lo[0], hi[0]), newcombe_paired(0, 0, 1, 1));
         assert!(lo[0] < 0.0 && hi[0] > 0.0);
         assert!((d[1] - (2.0 / 3.0 - 0.5)).abs() < 1e-12, "{}", d[1]);
-        assert!(holm_p.iter().zip(&p).all(|(h, p)| h.is_nan() || h >= p));
+        // One discordant prompt can give no p below 1: out of Holm's family; the unpaired
+        // row is its only member, so Holm leaves its p as it is.
+        assert!(holm_p[0].is_nan() && holm_p[1] == p[1], "{holm_p:?} {p:?}");
         assert!(verdict.iter().all(|v| v == "within noise"));
         assert!(start.iter().all(|s| s == "pretrained"));
         // The lower rung's two prompts with other targets, then unnamed: no longer paired.
@@ -938,7 +950,7 @@ mod tests {
 
     /// An evaluation with the oracle's gates is tested against the same model with its learned
     /// gates at the same budget, paired over the same prompts, beside the rows against the
-    /// start; Holm's adjustment covers both.
+    /// start.
     #[test]
     fn other_gates_are_tested_against_the_models_own() {
         let dir = sweep_dir_with_ladders("ladders-oracle");
@@ -1035,6 +1047,65 @@ mod tests {
         assert!(!(0..line.len()).any(|i| line[i] == "full" && start[i] == "full"));
     }
 
+    /// Against full attention: each seed's replicate is paired with the reference's on the
+    /// same prompts and read by the bootstrap's own p; a seed without a partner sends the row
+    /// to the unpaired bootstrap; two full-attention lines at one budget leave no reference.
+    #[test]
+    fn references_pair_by_seed_and_must_be_one() {
+        let set = |seed: u32, scores: &[f64]| Prompts {
+            scores: scores.to_vec(),
+            ids: (0..scores.len())
+                .map(|i| Some(format!("s{seed}-p{i}")))
+                .collect(),
+            model: format!("m{seed}"),
+        };
+        let aha = [set(1, &[1.0, 0.0, 1.0]), set(2, &[1.0, 1.0, 0.0])];
+        let full = [
+            set(2, &[1.0, 1.0, 1.0]),
+            set(1, &[1.0, 1.0, 1.0]),
+            set(3, &[0.0]),
+        ];
+        let pairs = same_prompts(&aha, &full);
+        assert_eq!(pairs.len(), 2);
+        assert!(pairs.iter().all(|(a, b)| a.ids == b.ids));
+        let (test, how) = compared_pairs(&pairs, SAME_PROMPTS);
+        assert_eq!(how, SAME_PROMPTS);
+        assert!(
+            (test[0] + 1.0 / 3.0).abs() < 1e-12 && test[4] == 0.0,
+            "{test:?}"
+        );
+        assert!(same_prompts(&aha, &full[2..]).is_empty());
+        let rung = |line: &str, method: Method, tokens: f64| Rung {
+            line: line.into(),
+            method,
+            tokens,
+            replicates: 1,
+            trained: true,
+            ladder: true,
+            eval_seq_len: 8,
+            loss: None,
+            mu_f: None,
+            probes: BTreeMap::new(),
+            prompt_sets: [(("niah".to_string(), 8), vec![set(1, &[1.0])])].into(),
+            by_position: BTreeMap::new(),
+        };
+        let key = ("niah".to_string(), 8);
+        let one = [
+            rung("full", Method::Full, 2.0),
+            rung("aha", Method::Aha, 2.0),
+        ];
+        assert_eq!(
+            reference_of(&one, 2.0, &key).map(|r| r.line.as_str()),
+            Some("full")
+        );
+        assert!(reference_of(&one, 3.0, &key).is_none());
+        let two = [
+            rung("full", Method::Full, 2.0),
+            rung("full w", Method::Full, 2.0),
+        ];
+        assert!(reference_of(&two, 2.0, &key).is_none());
+    }
+
     /// Holm's family holds the rows whose test could give p below 0.05: a row no outcome can
     /// reject keeps no adjusted p and does not raise the others'.
     #[test]
@@ -1085,7 +1156,14 @@ mod tests {
         let learned = [set("a", &[0.0, 1.0, 1.0]), set("b", &[0.0, 0.0, 1.0])];
         let pairs = same_models(&oracle, &learned);
         let (test, how) = compared_pairs(&pairs, SAME_MODELS);
-        assert_eq!(how, "paired over the same models and prompts: bootstrap");
+        assert_eq!(how, SAME_MODELS);
+        // Two discordant prompts of six over the two models, both one way: the bootstrap's own
+        // p (not McNemar's over every pair, 0.5, which would take the models for prompts), and
+        // no floor known.
+        assert!(
+            test[4] == 0.0 && test[3] > 0.05 && test[3] != 0.5,
+            "{test:?}"
+        );
         assert!((test[0] - 1.0 / 3.0).abs() < 1e-12, "{}", test[0]);
         assert!(same_models(&oracle, &[set("c", &[0.0])]).is_empty());
     }

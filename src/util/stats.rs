@@ -372,31 +372,48 @@ fn two_sided_share(draws: &[f64]) -> f64 {
 /// A paired comparison of two settings scored on the same prompts: `pairs` holds, per
 /// replicate, each prompt's (a, b). The mean of a - b, its 95 % two-level bootstrap interval
 /// (replicates, then prompts), and the two-sided p-value: exact McNemar's where every score is
-/// 0 or 1, else the bootstrap's (twice the share of draws on the far side of 0).
+/// 0 or 1, else the bootstrap's (as `paired_bootstrap`).
 pub(crate) fn paired_difference(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f64) {
+    let binary = pairs
+        .iter()
+        .flatten()
+        .all(|(a, b)| (*a == 0.0 || *a == 1.0) && (*b == 0.0 || *b == 1.0));
+    if !binary {
+        return paired_bootstrap(pairs);
+    }
+    let Some((_, mean, lo, hi)) = paired_interval(pairs) else {
+        return (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+    };
+    let only_a = pairs.iter().flatten().filter(|(a, b)| a > b).count() as u64;
+    let only_b = pairs.iter().flatten().filter(|(a, b)| a < b).count() as u64;
+    (mean, lo, hi, mcnemar_exact(only_a, only_b))
+}
+
+/// `paired_difference` with the bootstrap's own two-sided p whatever the scores (twice the
+/// share of redrawn means on the far side of 0): the test for pairs of replicates that are
+/// separate models, whose spread the prompts alone do not hold.
+pub(crate) fn paired_bootstrap(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f64) {
+    let Some((diffs, mean, lo, hi)) = paired_interval(pairs) else {
+        return (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+    };
+    let p = two_sided_share(&bootstrap_means(&diffs, 0x7E57_0001));
+    (mean, lo, hi, p)
+}
+
+/// Each replicate's differences a - b, their mean and its 95 % two-level bootstrap interval;
+/// None without a pair.
+fn paired_interval(pairs: &[Vec<(f64, f64)>]) -> Option<(Vec<Vec<f64>>, f64, f64, f64)> {
     let diffs: Vec<Vec<f64>> = pairs
         .iter()
         .map(|g| g.iter().map(|(a, b)| a - b).collect())
         .collect();
     let all: Vec<f64> = diffs.iter().flatten().copied().collect();
     if all.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+        return None;
     }
     let mean = all.iter().sum::<f64>() / all.len() as f64;
     let (lo, hi) = pooled_interval(&diffs);
-    let binary = pairs
-        .iter()
-        .flatten()
-        .all(|(a, b)| (*a == 0.0 || *a == 1.0) && (*b == 0.0 || *b == 1.0));
-    let p = if binary {
-        let only_a = pairs.iter().flatten().filter(|(a, b)| a > b).count() as u64;
-        let only_b = pairs.iter().flatten().filter(|(a, b)| a < b).count() as u64;
-        mcnemar_exact(only_a, only_b)
-    } else {
-        // The bootstrap's own test: how often a redrawn mean falls on either side of 0.
-        two_sided_share(&bootstrap_means(&diffs, 0x7E57_0001))
-    };
-    (mean, lo, hi, p)
+    Some((diffs, mean, lo, hi))
 }
 
 #[cfg(test)]
