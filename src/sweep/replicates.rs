@@ -9,15 +9,16 @@
 //! accuracies, precision and recall, probe scores) the same on the logit scale, so they stay
 //! inside it; for a probe score with its prompts' outcomes, a two-level bootstrap over the
 //! replicates and their prompts (the prompts differ by seed). Differences: Welch's test; a
-//! probe score of two settings on the same prompts (the same seeds) paired, with exact
-//! McNemar's test for 0/1 scores. Each table carries the raw verdict and the one after Holm's
+//! probe score of two settings on the same prompts (the same seeds) paired: one seed's 0/1
+//! scores by exact McNemar's test, several seeds by the paired bootstrap's own p (each seed
+//! a pair of separate models, whose spread the prompts alone do not hold). Each table carries the raw verdict and the one after Holm's
 //! adjustment over all its rows; a side with one replicate is "one replicate", two sides
 //! without spread on a metric the configuration does not fix are "no spread measured".
 
 use crate::util::atomic;
 use crate::util::stats::{
-    holm, mean_interval, paired_difference, pooled_interval, summarize, unpaired_difference,
-    welch_test, Summary,
+    holm, mean_interval, paired_bootstrap, paired_difference, pooled_interval, summarize,
+    unpaired_difference, welch_test, Summary,
 };
 use anyhow::Result;
 use std::collections::BTreeMap;
@@ -350,12 +351,16 @@ fn compared(metric: &str, a: &[Rep], b: &[Rep]) -> [String; 6] {
             })
             .collect();
         let paired = pairs.len() == a.len() && pairs.len() == b.len();
-        let ((d, lo, hi, p), test) = match paired {
-            true => (
+        let ((d, lo, hi, p), test) = match (paired, pairs.len()) {
+            (true, 1) => (
                 paired_difference(&pairs),
                 "paired over prompts (McNemar or bootstrap)",
             ),
-            false => (
+            (true, _) => (
+                paired_bootstrap(&pairs),
+                "paired over seeds and prompts: bootstrap",
+            ),
+            (false, _) => (
                 unpaired_difference(&ga, &gb),
                 "unpaired bootstrap over seeds and prompts",
             ),
@@ -584,10 +589,14 @@ mod tests {
         let diffs = read("replicate_differences.csv");
         let diff = |metric: &str| diffs.iter().find(|r| r[1] == metric).unwrap().clone();
         let probe = diff("niah.exact_match");
-        // 19 prompts only a found, none only b: McNemar's p = 2 / 2^19.
-        assert_eq!(probe[11], "paired over prompts (McNemar or bootstrap)");
+        // 19 prompts only a found, none only b, over two seeds: the bootstrap's own p (no
+        // redrawn mean at or below 0), not McNemar's 2 / 2^19 over the pooled prompts.
+        assert_eq!(probe[11], "paired over seeds and prompts: bootstrap");
         let p: f64 = probe[7].parse().unwrap();
-        assert!((p - 2.0 / 524_288.0).abs() < 1e-15, "{probe:?}");
+        assert!(
+            p < 0.001 && (p - 2.0 / 524_288.0).abs() > 1e-15,
+            "{probe:?}"
+        );
         assert_eq!(
             (probe[8].as_str(), probe[10].as_str()),
             ("differs", "differs")
