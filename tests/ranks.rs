@@ -241,3 +241,58 @@ fn a_sweep_of_two_rank_cells_equals_one_of_single_processes() {
         "{script}"
     );
 }
+
+/// `sweep --join-micro-batches` trains a cell's share of each step as one pass: the same
+/// cells by id, each run's config recording `train.micro_batch` (4 sequences: 2 micro-batches
+/// of 2), and the losses of the sweep that trains them one micro-batch a pass, to rounding.
+#[test]
+fn a_sweep_joining_micro_batches_keeps_its_cells_and_losses() {
+    let dir = scratch("join");
+    let data = dir.join("data");
+    synth(&dir, 20_000);
+    let g = dir.join("grid.toml");
+    std::fs::write(
+        &g,
+        format!(
+            "name = \"join\"\n{}\n[[stage]]\nname = \"base\"\n\
+             set = {{ \"attention.method\" = \"full\", \"train.batch_size\" = 2, \"train.grad_accum\" = 2 }}\n",
+            tiny_base(&data)
+        ),
+    )
+    .unwrap();
+    let sweep = |join: bool| {
+        let out = dir.join(format!("out-{join}"));
+        let c = cli("sweep -q").flag("--grid", &g).flag("--out", &out);
+        match join {
+            true => c.arg("--join-micro-batches").ok(),
+            false => c.ok(),
+        };
+        out
+    };
+    let (apart, joined) = (sweep(false), sweep(true));
+    let summary = |out: &Path| -> Vec<(String, f64)> {
+        let mut r = csv::Reader::from_path(out.join("summary.csv")).unwrap();
+        let head = r.headers().unwrap().clone();
+        let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+        let (cell, loss) = (col("cell"), col("loss"));
+        r.records()
+            .map(|x| x.unwrap())
+            .map(|x| (x[cell].to_string(), x[loss].parse().unwrap()))
+            .collect()
+    };
+    let (a, b) = (summary(&apart), summary(&joined));
+    assert_eq!(a.len(), 1);
+    assert_eq!(
+        a[0].0, b[0].0,
+        "joining changes where the work runs, not the cell"
+    );
+    assert!((a[0].1 - b[0].1).abs() < 1e-4, "{a:?} {b:?}");
+    let config =
+        |out: &Path| std::fs::read_to_string(out.join(&a[0].0).join("config.toml")).unwrap();
+    assert!(
+        config(&joined).contains("micro_batch = 4"),
+        "{}",
+        config(&joined)
+    );
+    assert!(!config(&apart).contains("micro_batch = 4"));
+}

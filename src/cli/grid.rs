@@ -54,6 +54,13 @@ pub(super) struct SweepCmd {
     /// is twice the size of its weights: over a grid of many cells it fills a disk.
     #[arg(long)]
     drop_optimizer: bool,
+    /// Train each rank's share of a step's micro-batches as one forward and backward pass
+    /// (train.micro_batch): the same sequences and mean loss in fewer, larger kernels, for the
+    /// activations of the whole share at once. Worth it where one micro-batch leaves kernels
+    /// small (a small model on a slot of fewer GPUs than its ranks); a share that does not fit
+    /// the GPU fails its cell with the memory plan's advice.
+    #[arg(long)]
+    join_micro_batches: bool,
     /// Make again the weights of each finished train or prune cell whose weights are gone (a
     /// results folder is kept without them) when a cell this run starts evaluates, prunes or
     /// continues from it, and of what that cell read in turn. Its earlier files move to
@@ -176,6 +183,7 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         cell: c.cell,
         retry_failed: c.retry_failed,
         drop_optimizer: c.drop_optimizer,
+        join_micro_batches: c.join_micro_batches,
         retrain: c.retrain,
         stop_after: c.stop_after.map(std::time::Duration::from_secs),
         quiet: c.quiet,

@@ -195,10 +195,11 @@ impl Config {
         let defaults = TrainConfig::default();
         Config {
             attention: self.attention.canonical(),
-            // How many ranks share the global batch changes where the work runs, not what
-            // it computes.
+            // How many ranks share the global batch, and how many micro-batches a pass joins,
+            // change where and how the work runs, not what it computes.
             train: TrainConfig {
                 ranks: defaults.ranks,
+                micro_batch: defaults.micro_batch,
                 dist_timeout_s: defaults.dist_timeout_s,
                 ..self.train.clone()
             },
@@ -282,6 +283,7 @@ pub(crate) const RESUME_MAY_CHANGE: &[&str] = &[
     "train.eval_every",
     "train.activation_checkpointing",
     "train.loss_chunk_tokens",
+    "train.micro_batch",
     "attention.attn_impl",
     "eval",
 ];

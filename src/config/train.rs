@@ -105,6 +105,13 @@ pub struct TrainConfig {
     /// time, forward and backward, so the logits never exist whole. 0 chooses: the whole
     /// micro-batch where its logits take at most 1 GiB, else chunks of about 1 GiB of logits.
     pub loss_chunk_tokens: usize,
+    /// Sequences one forward and backward pass takes: a rank's consecutive micro-batches
+    /// joined into passes of this many (a multiple of batch_size, whose count divides the
+    /// rank's grad_accum / ranks micro-batches); 0 takes batch_size. The same sequences in the
+    /// same order and, every micro-batch holding as many tokens, the same mean loss: fewer,
+    /// larger kernels for more activation memory, the same computation up to rounding, so like
+    /// ranks it changes where and how the work runs, not a run's identity.
+    pub micro_batch: usize,
 }
 
 impl Default for TrainConfig {
@@ -136,6 +143,7 @@ impl Default for TrainConfig {
             router_lr_mult: 1.0,
             activation_checkpointing: Checkpointing::Auto,
             loss_chunk_tokens: 0,
+            micro_batch: 0,
         }
     }
 }
@@ -147,6 +155,25 @@ impl DataConfig {
 }
 
 impl TrainConfig {
+    /// Sequences a forward pass takes (`micro_batch`, or `batch_size` where it is 0).
+    pub(crate) fn forward_batch(&self) -> usize {
+        match self.micro_batch {
+            0 => self.batch_size,
+            m => m,
+        }
+    }
+
+    /// Micro-batches a forward pass joins.
+    pub(crate) fn joined(&self) -> usize {
+        self.forward_batch() / self.batch_size
+    }
+
+    /// Sequences a rank trains a step on when the step is shared by `ranks`: its whole share
+    /// as one pass is `train.micro_batch` at this value.
+    pub(crate) fn share(&self, ranks: usize) -> usize {
+        self.batch_size * self.grad_accum / ranks
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         let t = self;
         check("train.steps", t.steps, 1, 1 << 40)?;
@@ -162,6 +189,24 @@ impl TrainConfig {
             t.ranks,
             t.ranks
         );
+        if t.micro_batch != 0 {
+            let mine = t.grad_accum / t.ranks;
+            let fits: Vec<String> = (1..=mine)
+                .filter(|j| mine % j == 0)
+                .map(|j| (j * t.batch_size).to_string())
+                .collect();
+            ensure!(
+                t.micro_batch % t.batch_size == 0 && mine % (t.micro_batch / t.batch_size) == 0,
+                "train.micro_batch = {} does not join a whole number of a rank's {mine} \
+                 micro-batches of {} sequences (grad_accum {} over {} ranks): use one of {} \
+                 (or 0, one micro-batch a pass)",
+                t.micro_batch,
+                t.batch_size,
+                t.grad_accum,
+                t.ranks,
+                fits.join(", ")
+            );
+        }
         check_open_f("train.dist_timeout_s", t.dist_timeout_s, 0.0, 86_400.0)?;
         check_open_f("train.lr", t.lr, 0.0, 10.0)?;
         check("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)?;

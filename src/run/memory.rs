@@ -193,7 +193,7 @@ fn block_bytes_per_token(cfg: &Config) -> f64 {
 /// input, one recomputed block's activations while its backward runs, and the final norm's
 /// input and output.
 pub(crate) fn activation_bytes(cfg: &Config, recomputed: usize) -> f64 {
-    let tokens = (cfg.train.batch_size * cfg.data.seq_len) as f64;
+    let tokens = (cfg.train.forward_batch() * cfg.data.seq_len) as f64;
     let layers = cfg.model.num_hidden_layers;
     let final_norm = 2.0 * cfg.model.hidden_size as f64 * elt(cfg);
     let kept = (layers - recomputed) as f64 * block_bytes_per_token(cfg) + final_norm;
@@ -212,7 +212,7 @@ const LOSS_CHUNK_BYTES: f64 = GIB;
 /// at once. 0 chooses: whole where the micro-batch's logits take at most `LOSS_CHUNK_BYTES`,
 /// else chunks of about that much (a multiple of 256 tokens).
 pub(crate) fn loss_chunk(cfg: &Config) -> Option<usize> {
-    let rows = cfg.train.batch_size * cfg.data.seq_len;
+    let rows = cfg.train.forward_batch() * cfg.data.seq_len;
     let row_bytes = cfg.model.vocab_size.max(1) as f64 * elt(cfg);
     match cfg.train.loss_chunk_tokens {
         0 if rows as f64 * row_bytes <= LOSS_CHUNK_BYTES => None,
@@ -291,7 +291,7 @@ fn training_parts(cfg: &Config, checkpointing: Checkpointing) -> Vec<(&'static s
     let (t, e) = (&cfg.train, &cfg.eval);
     let len = cfg.data.seq_len;
     let trained = parameters(cfg) - frozen_parameters(cfg);
-    let chunk_rows = loss_chunk(cfg).unwrap_or(t.batch_size * len);
+    let chunk_rows = loss_chunk(cfg).unwrap_or(t.forward_batch() * len);
     let recomputed = StepPlan::new(checkpointing, cfg.model.num_hidden_layers, None)
         .recompute
         .iter()
@@ -320,8 +320,8 @@ fn training_parts(cfg: &Config, checkpointing: Checkpointing) -> Vec<(&'static s
 }
 
 const TRAINING_ADVICE: &str = "set train.activation_checkpointing = \"auto\" (it tries \"full\" \
-     too) and a smaller train.loss_chunk_tokens, or lower train.batch_size (train.grad_accum keeps \
-     the tokens per step), data.seq_len, eval.batch_size or the model's size";
+     too) and a smaller train.loss_chunk_tokens, or lower train.micro_batch where it is set, or \
+     train.batch_size (train.grad_accum keeps the tokens per step), data.seq_len, eval.batch_size or the model's size";
 
 /// Training, before the model is built: on the CPU, the first checkpointing
 /// `train.activation_checkpointing` allows whose lower bound fits the host's memory, refused
@@ -472,7 +472,7 @@ fn predict(
     fused_loss: bool,
 ) -> f64 {
     let m = &cfg.model;
-    let (b, l) = (cfg.train.batch_size as f64, cfg.data.seq_len as f64);
+    let (b, l) = (cfg.train.forward_batch() as f64, cfg.data.seq_len as f64);
     let e = elt(cfg);
     // One hidden state of the micro-batch: the embeddings, a recomputed block's input, a
     // gradient between blocks.

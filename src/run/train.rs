@@ -593,14 +593,23 @@ impl<'a> Trainer<'a> {
         }
         let mut sums = [0.0, 0.0, 0.0];
         let (mut has_reg, mut has_mu) = (false, false);
+        // This rank's micro-batches run `joined` a pass: their sequences drawn one after the
+        // other as for separate passes, so the pass's mean is the mean of theirs (each holds
+        // as many tokens), counted once for each.
+        let (join, seq) = (t.joined(), self.cfg.data.seq_len);
+        let passes = mine.len() / join;
         for j in 0..t.grad_accum {
-            let (split, seq) = (&self.prepared.train_split, self.cfg.data.seq_len);
+            let split = &self.prepared.train_split;
             if !mine.contains(&j) {
                 split.skip(&mut self.rng, t.batch_size, seq)?;
                 continue;
             }
-            let b = split.sample(&mut self.rng, t.batch_size, seq, self.prepared.device)?;
-            let last = j + 1 == mine.end;
+            if (j - mine.start) % join != 0 {
+                continue;
+            }
+            let rows = t.batch_size * join;
+            let b = split.sample(&mut self.rng, rows, seq, self.prepared.device)?;
+            let last = j + join == mine.end;
             if let (true, Some(team)) = (last, &self.team) {
                 team.arm()?;
             }
@@ -610,17 +619,18 @@ impl<'a> Trainer<'a> {
                 &b.y,
                 &self.ctx,
                 &self.plan.step,
-                mine.len(),
+                passes,
             );
             if let (true, Some(team)) = (last, &self.team) {
                 team.finish()?;
             }
-            sums[0] += m.loss;
+            let n = join as f64;
+            sums[0] += m.loss * n;
             if let Some(r) = m.reg {
-                (sums[1], has_reg) = (sums[1] + r, true);
+                (sums[1], has_reg) = (sums[1] + r * n, true);
             }
             if let Some(mu) = m.full_usage {
-                (sums[2], has_mu) = (sums[2] + mu, true);
+                (sums[2], has_mu) = (sums[2] + mu * n, true);
             }
         }
         if let Some(team) = &self.team {
@@ -893,7 +903,8 @@ fn static_ramp(cfg: &Config) -> Result<Option<(UsageRamp, usize)>> {
 mod tests {
     use super::*;
     use crate::config::Method;
-    use tch::Device;
+    use std::collections::BTreeMap;
+    use tch::{Device, Tensor};
 
     /// Of every parameter an untied L2A model has, freeze_mlp fixes exactly the MLPs, the
     /// embedding and the head.
@@ -924,13 +935,9 @@ mod tests {
         );
     }
 
-    /// Training stopped halfway and resumed gives the weights of training straight through,
-    /// bit for bit, for every method's examples (`MethodSpec::examples`): the checkpoint
-    /// holds everything a method's training reads (its routers, the gates' seeds, L2A's
-    /// forced steps, Bernoulli draws).
-    #[test]
-    fn a_resumed_run_equals_an_uninterrupted_one_for_every_method() {
-        let dir = crate::util::scratch_dir("resume-every-method");
+    /// A tiny model of every method's example (`MethodSpec::examples`) over synthetic data in
+    /// `dir`: 4 steps of 2 sequences of 32 tokens on the CPU, a checkpoint every 2.
+    fn tiny_runs(dir: &Path) -> Vec<(&'static str, Config)> {
         let data = dir.join("data");
         crate::data::synth(
             &crate::data::SynthSpec {
@@ -943,56 +950,134 @@ mod tests {
         )
         .unwrap();
         let examples = crate::model::attention::all_methods().flat_map(|s| s.examples);
-        for e in examples {
-            let mut c = Config::default();
-            c.model.vocab_size = 256;
-            c.model.hidden_size = 16;
-            c.model.intermediate_size = 24;
-            c.model.num_hidden_layers = 2;
-            c.model.num_attention_heads = 2;
-            c.model.num_key_value_heads = 2;
-            c.attention.window = 4;
-            c.attention.hybrid_every = 2;
-            (e.set)(&mut c.attention);
-            c.data.dir = data.clone();
-            c.data.seq_len = 32;
-            c.train.device = "cpu".into();
-            c.train.batch_size = 2;
-            c.train.steps = 4;
-            c.train.warmup_steps = 1;
-            c.train.ckpt_every = 2;
-            c.train.eval_every = 0;
-            c.eval.max_batches = 1;
-            let args = |out: &Path, resume: bool, stop_at: Option<usize>| TrainArgs {
-                out: out.to_path_buf(),
-                resume,
-                init_from: None,
-                stop_at,
-                quiet: true,
-                status_every: 0,
-                place: None,
-            };
-            let (straight, resumed) = (dir.join(e.name), dir.join(format!("{}-resumed", e.name)));
+        examples
+            .map(|e| {
+                let mut c = Config {
+                    model: crate::config::ModelConfig {
+                        vocab_size: 256,
+                        hidden_size: 16,
+                        intermediate_size: 24,
+                        num_hidden_layers: 2,
+                        num_attention_heads: 2,
+                        num_key_value_heads: 2,
+                        ..Default::default()
+                    },
+                    train: crate::config::TrainConfig {
+                        device: "cpu".into(),
+                        batch_size: 2,
+                        steps: 4,
+                        warmup_steps: 1,
+                        ckpt_every: 2,
+                        eval_every: 0,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                (c.attention.window, c.attention.hybrid_every) = (4, 2);
+                (e.set)(&mut c.attention);
+                (c.data.dir, c.data.seq_len) = (data.clone(), 32);
+                c.eval.max_batches = 1;
+                (e.name, c)
+            })
+            .collect()
+    }
+
+    fn args(out: &Path, resume: bool, stop_at: Option<usize>) -> TrainArgs {
+        TrainArgs {
+            out: out.to_path_buf(),
+            resume,
+            init_from: None,
+            stop_at,
+            quiet: true,
+            status_every: 0,
+            place: None,
+        }
+    }
+
+    fn weights(run: &Path) -> BTreeMap<String, Tensor> {
+        let path = checkpoint::weights_in(run)
+            .unwrap()
+            .expect("a trained model");
+        checkpoint::read_tensors(&path)
+            .unwrap()
+            .into_iter()
+            .collect()
+    }
+
+    /// For every method's examples (`MethodSpec::examples`), training stopped halfway and
+    /// resumed gives the weights of training straight through, bit for bit: the checkpoint
+    /// holds everything a method's training reads (its routers, the gates' seeds, L2A's forced
+    /// steps, Bernoulli draws). And a step's two micro-batches of 2 joined into one pass of 4
+    /// (`train.micro_batch`) train the same weights to rounding, with the same logged loss and
+    /// gradient norm, for every method whose gates draw nothing at random (a joined pass
+    /// draws context-free gates once where two passes draw them twice). One test, so that
+    /// its runs never start beside each other: a run's initial weights come from libtorch's
+    /// one global generator.
+    #[test]
+    fn every_method_trains_alike_resumed_and_joined() {
+        let dir = crate::util::scratch_dir("resume-join-every-method");
+        let random = |name: &str| name.contains("bernoulli") || name.contains("sampled");
+        let runs = tiny_runs(&dir);
+        assert!(runs.iter().filter(|(n, _)| !random(n)).count() >= 10);
+        for (name, mut c) in runs {
+            c.train.grad_accum = 2;
+            let (straight, resumed) = (dir.join(name), dir.join(format!("{name}-resumed")));
             train(c.clone(), &args(&straight, false, None)).unwrap();
             train(c.clone(), &args(&resumed, false, Some(2))).unwrap();
             train(c.clone(), &args(&resumed, true, None)).unwrap();
-            let weights = |run: &Path| {
-                let path = checkpoint::weights_in(run)
-                    .unwrap()
-                    .expect("a trained model");
-                checkpoint::read_tensors(&path).unwrap()
-            };
             let (a, b) = (weights(&straight), weights(&resumed));
             assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-            for (name, t) in &a {
-                assert!(
-                    t.equal(&b[name]),
-                    "{}: {name} differs after resuming",
-                    e.name
-                );
+            for (key, t) in &a {
+                assert!(t.equal(&b[key]), "{name}: {key} differs after resuming");
             }
+            if random(name) {
+                continue;
+            }
+            let joined = dir.join(format!("{name}-joined"));
+            c.train.micro_batch = 4;
+            train(c.clone(), &args(&joined, false, None)).unwrap();
+            let b = weights(&joined);
+            for (key, t) in &a {
+                let gap = (t - &b[key]).abs().max().double_value(&[]);
+                assert!(gap < 1e-5, "{name}: {key} differs by {gap} when joined");
+            }
+            // The logged loss and gradient norm (columns 1 and 3): Adam's update hardly moves
+            // with the gradient's scale, its norm does.
+            let logged = |run: &Path| -> Vec<Vec<f64>> {
+                let text = std::fs::read_to_string(run.join("train_log.csv")).unwrap();
+                text.lines()
+                    .skip(1)
+                    .map(|l| {
+                        let v: Vec<&str> = l.split(',').collect();
+                        [v[1], v[3]].iter().map(|x| x.parse().unwrap()).collect()
+                    })
+                    .collect()
+            };
+            let (la, lb) = (logged(&straight), logged(&joined));
+            assert_eq!(la.len(), lb.len());
+            let close =
+                |x: &Vec<f64>, y: &Vec<f64>| x.iter().zip(y).all(|(p, q)| (p - q).abs() < 1e-5);
+            assert!(
+                la.iter().zip(&lb).all(|(x, y)| close(x, y)),
+                "{name}: {la:?} {lb:?}"
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A join that does not divide a rank's share of the micro-batches is refused, naming the
+    /// ones that do.
+    #[test]
+    fn a_join_must_divide_a_ranks_micro_batches() {
+        let mut c = Config::default();
+        (c.train.batch_size, c.train.grad_accum, c.train.micro_batch) = (2, 4, 6);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("use one of 2, 4, 8"), "{e}");
+        c.train.ranks = 2;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("use one of 2, 4 "), "{e}");
+        c.train.micro_batch = 4;
+        c.validate().unwrap();
     }
 
     /// A log of an earlier version's columns gets the new header, its rows padded, the

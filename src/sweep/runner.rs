@@ -63,6 +63,8 @@ pub(crate) struct SweepArgs {
     pub(crate) retry_failed: bool,
     /// Remove each finished train cell's optimizer state (`sweep --drop-optimizer`).
     pub(crate) drop_optimizer: bool,
+    /// A rank runs its share of a step's micro-batches as one pass (`train.micro_batch`).
+    pub(crate) join_micro_batches: bool,
     /// Train again the finished train cells whose weights are gone and which a cell still to
     /// run reads (`sweep --retrain`).
     pub(crate) retrain: bool,
@@ -773,15 +775,19 @@ fn cell_command(
                     cmd.arg("--init-from").arg(d);
                 }
             }
-            // Data parallel over the GPUs of its slot, however many ranks the grid's config
-            // names: a slot of one GPU trains one rank over all the micro-batches (the same
-            // global batch), where the config's ranks would not find their GPUs.
+            // Data parallel over its slot's GPUs, whatever ranks the grid's config names: a
+            // slot of one GPU trains one rank over all the micro-batches (the same global batch).
+            let mut ranks = config.train.ranks;
             if !args.devices.is_empty() {
-                cmd.arg("--gpus").arg(args.gpus_per_cell.to_string());
+                ranks = args.gpus_per_cell;
+                cmd.arg("--gpus").arg(ranks.to_string());
+            }
+            if args.join_micro_batches {
+                cmd.arg("--set")
+                    .arg(format!("train.micro_batch={}", config.train.share(ranks)));
             }
         }
-        // The pretrained model evaluated as the cell's config describes it: a run directory
-        // of that config (`model/`) over the pretrained weights.
+        // The pretrained weights evaluated as the cell's config (`model/`) describes them.
         StageKind::Eval if dep_dir.is_none() => {
             let weights = cell
                 .pretrained
@@ -965,6 +971,7 @@ mod tests {
             cell: vec![],
             retry_failed: false,
             drop_optimizer: false,
+            join_micro_batches: false,
             retrain: false,
             stop_after: None,
             quiet: true,
