@@ -263,6 +263,7 @@ fn a_sweep_joining_micro_batches_keeps_its_cells_and_losses() {
     let sweep = |join: bool| {
         let out = dir.join(format!("out-{join}"));
         let c = cli("sweep -q").flag("--grid", &g).flag("--out", &out);
+        let c = c.flag("--devices", "0");
         match join {
             true => c.arg("--join-micro-batches").ok(),
             false => c.ok(),
@@ -270,6 +271,11 @@ fn a_sweep_joining_micro_batches_keeps_its_cells_and_losses() {
         out
     };
     let (apart, joined) = (sweep(false), sweep(true));
+    let e = cli("sweep -q --join-micro-batches")
+        .flag("--grid", &g)
+        .flag("--out", dir.join("refused"))
+        .fails();
+    assert!(e.contains("give --devices"), "{e}");
     let summary = |out: &Path| -> Vec<(String, f64)> {
         let mut r = csv::Reader::from_path(out.join("summary.csv")).unwrap();
         let head = r.headers().unwrap().clone();
@@ -294,5 +300,5 @@ fn a_sweep_joining_micro_batches_keeps_its_cells_and_losses() {
         "{}",
         config(&joined)
     );
-    assert!(!config(&apart).contains("micro_batch = 4"));
+    assert!(config(&apart).contains("micro_batch = 0"));
 }

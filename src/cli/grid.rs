@@ -57,8 +57,10 @@ pub(super) struct SweepCmd {
     /// Train each rank's share of a step's micro-batches as one forward and backward pass
     /// (train.micro_batch): the same sequences and mean loss in fewer, larger kernels, for the
     /// activations of the whole share at once. Worth it where one micro-batch leaves kernels
-    /// small (a small model on a slot of fewer GPUs than its ranks); a share that does not fit
-    /// the GPU fails its cell with the memory plan's advice.
+    /// small (a small model on a slot of fewer GPUs than its ranks); where the share needs
+    /// activation checkpointing to fit, the memory plan turns it on, which can cost more than
+    /// joining saves (compare with `bench train`). Cells whose gates are drawn at random run
+    /// their passes apart. Needs --devices.
     #[arg(long)]
     join_micro_batches: bool,
     /// Make again the weights of each finished train or prune cell whose weights are gone (a
@@ -103,7 +105,20 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
          with --emit or --cell, which run one cell, leave it out (run the sweep with --retrain \
          where the weights are to be made)"
     );
+    anyhow::ensure!(
+        !c.join_micro_batches || (c.emit.is_none() && !c.devices.is_empty()),
+        "--join-micro-batches joins the micro-batches a cell's slot of --devices shares out; \
+         give --devices, and leave it out with --emit"
+    );
     let cells = sweep::expand(&grid)?;
+    if let Some(x) = cells.iter().find(|x| x.config.train.micro_batch != 0) {
+        anyhow::bail!(
+            "cell {} ({}) sets train.micro_batch, which depends on the GPUs a run gets, not on \
+             what a cell computes: remove it from the grid and pass sweep --join-micro-batches",
+            x.index,
+            x.id
+        );
+    }
     let out = c
         .out
         .unwrap_or_else(|| PathBuf::from("results").join(&grid.name));

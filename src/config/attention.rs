@@ -277,6 +277,13 @@ impl AttentionConfig {
         keys
     }
 
+    /// Whether its method's gates are drawn at random, by the row of a pass: context-free
+    /// (Bernoulli) gates, or straight-through gates sampled (`ste_sample` below 1).
+    pub(crate) fn draws_gates(&self) -> bool {
+        let a = self.canonical();
+        a.router == Router::Bernoulli || a.ste_sample < 1.0
+    }
+
     /// The same computation with every setting its method does not read (`reads`) at its
     /// default: `lambda` on a full-attention model, `ppa_power` on a window, the regulariser of
     /// context-free gates.

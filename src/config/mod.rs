@@ -47,7 +47,21 @@ impl Config {
         self.attention.validate(&self.model, &self.train)?;
         self.data.validate()?;
         self.train.validate()?;
+        anyhow::ensure!(
+            self.train.joined() == 1 || !self.draws_gates(),
+            "train.micro_batch = {} joins micro-batches, but this model's gates are drawn at \
+             random for each sequence of a pass (attention.router = \"bernoulli\" or \
+             attention.ste_sample < 1), so a joined pass would draw other gates than separate \
+             ones: leave train.micro_batch at 0",
+            self.train.micro_batch
+        );
         self.eval.validate()
+    }
+
+    /// Whether training draws gates at random by a pass's row (`AttentionConfig::draws_gates`):
+    /// what joining micro-batches into one pass would change.
+    pub(crate) fn draws_gates(&self) -> bool {
+        self.attention.draws_gates()
     }
 
     /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`

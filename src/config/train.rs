@@ -110,7 +110,8 @@ pub struct TrainConfig {
     /// rank's grad_accum / ranks micro-batches); 0 takes batch_size. The same sequences in the
     /// same order and, every micro-batch holding as many tokens, the same mean loss: fewer,
     /// larger kernels for more activation memory, the same computation up to rounding, so like
-    /// ranks it changes where and how the work runs, not a run's identity.
+    /// ranks it changes where and how the work runs, not a run's identity. Refused for gates
+    /// drawn at random by a pass's row (`Config::draws_gates`), which a join would redraw.
     pub micro_batch: usize,
 }
 

@@ -967,6 +967,7 @@ mod tests {
                         batch_size: 2,
                         steps: 4,
                         warmup_steps: 1,
+                        log_every: 1,
                         ckpt_every: 2,
                         eval_every: 0,
                         ..Default::default()
@@ -1008,18 +1009,20 @@ mod tests {
     /// resumed gives the weights of training straight through, bit for bit: the checkpoint
     /// holds everything a method's training reads (its routers, the gates' seeds, L2A's forced
     /// steps, Bernoulli draws). And a step's two micro-batches of 2 joined into one pass of 4
-    /// (`train.micro_batch`) train the same weights to rounding, with the same logged loss and
-    /// gradient norm, for every method whose gates draw nothing at random (a joined pass
-    /// draws context-free gates once where two passes draw them twice). One test, so that
+    /// (`train.micro_batch`) train the same weights to rounding, with the same logged loss,
+    /// gradient norm, regulariser and usage, for every method whose
+    /// gates draw nothing at random (those draws hash the row of a pass, so a joined pass
+    /// would draw others: the join is refused there). One test, so that
     /// its runs never start beside each other: a run's initial weights come from libtorch's
     /// one global generator.
     #[test]
     fn every_method_trains_alike_resumed_and_joined() {
         let dir = crate::util::scratch_dir("resume-join-every-method");
-        let random = |name: &str| name.contains("bernoulli") || name.contains("sampled");
         let runs = tiny_runs(&dir);
+        let random = |name: &str| runs.iter().any(|(n, c)| *n == name && c.draws_gates());
         assert!(runs.iter().filter(|(n, _)| !random(n)).count() >= 10);
-        for (name, mut c) in runs {
+        assert!(runs.iter().filter(|(n, _)| random(n)).count() >= 2);
+        for (name, mut c) in runs.clone() {
             c.train.grad_accum = 2;
             let (straight, resumed) = (dir.join(name), dir.join(format!("{name}-resumed")));
             train(c.clone(), &args(&straight, false, None)).unwrap();
@@ -1030,30 +1033,33 @@ mod tests {
             for (key, t) in &a {
                 assert!(t.equal(&b[key]), "{name}: {key} differs after resuming");
             }
+            c.train.micro_batch = 4;
             if random(name) {
+                let e = c.validate().unwrap_err().to_string();
+                assert!(e.contains("leave train.micro_batch at 0"), "{e}");
                 continue;
             }
             let joined = dir.join(format!("{name}-joined"));
-            c.train.micro_batch = 4;
             train(c.clone(), &args(&joined, false, None)).unwrap();
             let b = weights(&joined);
             for (key, t) in &a {
                 let gap = (t - &b[key]).abs().max().double_value(&[]);
                 assert!(gap < 1e-5, "{name}: {key} differs by {gap} when joined");
             }
-            // The logged loss and gradient norm (columns 1 and 3): Adam's update hardly moves
-            // with the gradient's scale, its norm does.
+            // The logged loss, gradient norm, regulariser and usage of every step (columns 1,
+            // 3, 6, 7; Adam's update hardly moves with the gradient's scale, its norm does).
             let logged = |run: &Path| -> Vec<Vec<f64>> {
                 let text = std::fs::read_to_string(run.join("train_log.csv")).unwrap();
                 text.lines()
                     .skip(1)
                     .map(|l| {
                         let v: Vec<&str> = l.split(',').collect();
-                        [v[1], v[3]].iter().map(|x| x.parse().unwrap()).collect()
+                        [1, 3, 6, 7].map(|i| v[i].parse().unwrap_or(0.0)).to_vec()
                     })
                     .collect()
             };
             let (la, lb) = (logged(&straight), logged(&joined));
+            assert_eq!(la.len(), 4);
             assert_eq!(la.len(), lb.len());
             let close =
                 |x: &Vec<f64>, y: &Vec<f64>| x.iter().zip(y).all(|(p, q)| (p - q).abs() < 1e-5);
@@ -1078,6 +1084,13 @@ mod tests {
         assert!(e.contains("use one of 2, 4 "), "{e}");
         c.train.micro_batch = 4;
         c.validate().unwrap();
+        // The memory plan sizes a pass by the sequences it takes.
+        let bytes = |c: &Config| memory::activation_bytes(c, 0);
+        let mut four = c.clone();
+        (four.train.batch_size, four.train.micro_batch) = (4, 0);
+        assert_eq!(bytes(&c), bytes(&four));
+        c.train.micro_batch = 0;
+        assert!(bytes(&c) < bytes(&four));
     }
 
     /// A log of an earlier version's columns gets the new header, its rows padded, the

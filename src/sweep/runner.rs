@@ -782,10 +782,10 @@ fn cell_command(
                 ranks = args.gpus_per_cell;
                 cmd.arg("--gpus").arg(ranks.to_string());
             }
-            if args.join_micro_batches {
-                cmd.arg("--set")
-                    .arg(format!("train.micro_batch={}", config.train.share(ranks)));
-            }
+            // Always said, so a cell resumed without the flag runs its passes apart again.
+            let join = args.join_micro_batches && !config.draws_gates();
+            let micro = if join { config.train.share(ranks) } else { 0 };
+            cmd.arg("--set").arg(format!("train.micro_batch={micro}"));
         }
         // The pretrained weights evaluated as the cell's config (`model/`) describes them.
         StageKind::Eval if dep_dir.is_none() => {
