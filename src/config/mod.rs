@@ -48,7 +48,7 @@ impl Config {
         self.data.validate()?;
         self.train.validate()?;
         anyhow::ensure!(
-            self.train.joined() == 1 || !self.draws_gates(),
+            self.train.joined() == 1 || !self.attention.draws_gates(),
             "train.micro_batch = {} joins micro-batches, but this model's gates are drawn at \
              random for each sequence of a pass (attention.router = \"bernoulli\" or \
              attention.ste_sample < 1), so a joined pass would draw other gates than separate \
@@ -56,12 +56,6 @@ impl Config {
             self.train.micro_batch
         );
         self.eval.validate()
-    }
-
-    /// Whether training draws gates at random by a pass's row (`AttentionConfig::draws_gates`):
-    /// what joining micro-batches into one pass would change.
-    pub(crate) fn draws_gates(&self) -> bool {
-        self.attention.draws_gates()
     }
 
     /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`

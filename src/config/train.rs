@@ -111,7 +111,7 @@ pub struct TrainConfig {
     /// same order and, every micro-batch holding as many tokens, the same mean loss: fewer,
     /// larger kernels for more activation memory, the same computation up to rounding, so like
     /// ranks it changes where and how the work runs, not a run's identity. Refused for gates
-    /// drawn at random by a pass's row (`Config::draws_gates`), which a join would redraw.
+    /// drawn at random by a pass's row (`AttentionConfig::draws_gates`), which a join would redraw.
     pub micro_batch: usize,
 }
 

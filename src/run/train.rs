@@ -1019,7 +1019,10 @@ mod tests {
     fn every_method_trains_alike_resumed_and_joined() {
         let dir = crate::util::scratch_dir("resume-join-every-method");
         let runs = tiny_runs(&dir);
-        let random = |name: &str| runs.iter().any(|(n, c)| *n == name && c.draws_gates());
+        let random = |name: &str| {
+            runs.iter()
+                .any(|(n, c)| *n == name && c.attention.draws_gates())
+        };
         assert!(runs.iter().filter(|(n, _)| !random(n)).count() >= 10);
         assert!(runs.iter().filter(|(n, _)| random(n)).count() >= 2);
         for (name, mut c) in runs.clone() {

@@ -388,8 +388,8 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         rung: &'a Rung,
         start: &'a Rung,
         key: &'a (String, u64),
-        replicates: usize,
-        prompts: usize,
+        /// The line's replicates on `key`.
+        sets: &'a [Prompts],
         /// `[difference, low, high, p, min_p]` (`compared`).
         test: [f64; 5],
         how: &'static str,
@@ -405,8 +405,7 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
                 rung: r,
                 start,
                 key,
-                replicates: sets.len(),
-                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                sets,
                 test,
                 how,
             });
@@ -432,14 +431,13 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
                 rung: r,
                 start: learned,
                 key,
-                replicates: sets.len(),
-                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                sets,
                 test,
                 how,
             });
         }
     }
-    // The one full-attention line trained on `tokens` and probed on `key`.
+    // Each trained line of another method against full attention at its budget.
     for r in rungs
         .iter()
         .filter(|r| r.trained && r.tokens > 0.0 && r.method != Method::Full)
@@ -458,8 +456,7 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
                 rung: r,
                 start: full,
                 key,
-                replicates: sets.len(),
-                prompts: sets.iter().map(|p| p.scores.len()).max().unwrap_or(0),
+                sets,
                 test,
                 how,
             });
@@ -482,8 +479,8 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         "start" => out.iter().map(|o| o.start.line.clone()).collect::<Vec<_>>(),
         "probe_task" => out.iter().map(|o| o.key.0.clone()).collect::<Vec<_>>(),
         "probe_length" => out.iter().map(|o| o.key.1).collect::<Vec<_>>(),
-        "probe_replicates" => out.iter().map(|o| o.replicates as u64).collect::<Vec<_>>(),
-        "probe_prompts" => out.iter().map(|o| o.prompts as u64).collect::<Vec<_>>(),
+        "probe_replicates" => out.iter().map(|o| o.sets.len() as u64).collect::<Vec<_>>(),
+        "probe_prompts" => out.iter().map(|o| o.sets.iter().map(|p| p.scores.len() as u64).max().unwrap_or(0)).collect::<Vec<_>>(),
         "difference" => col(0),
         "ci95_low" => col(1),
         "ci95_high" => col(2),

@@ -783,7 +783,7 @@ fn cell_command(
                 cmd.arg("--gpus").arg(ranks.to_string());
             }
             // Always said, so a cell resumed without the flag runs its passes apart again.
-            let join = args.join_micro_batches && !config.draws_gates();
+            let join = args.join_micro_batches && !config.attention.draws_gates();
             let micro = if join { config.train.share(ranks) } else { 0 };
             cmd.arg("--set").arg(format!("train.micro_batch={micro}"));
         }
