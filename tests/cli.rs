@@ -1990,12 +1990,45 @@ fn seeds_replicate_cells_and_plot_summarises_them() {
         let error = status(&c)["error"].to_string();
         assert!(error.contains("--retrain"), "{error}");
     }
+    // One timed cell by --cell: refused until the cells whose weights it needs are listed
+    // too (its window and the base that window continued from), then run with that list,
+    // which the refusal names.
+    let cells = json(&out.join("cells.json"));
+    let cells = cells.as_array().unwrap();
+    let index_of = |dir: &Path| {
+        let id = dir.file_name().unwrap().to_str().unwrap();
+        cells.iter().find(|c| c["id"] == id).unwrap()["index"]
+            .as_u64()
+            .unwrap()
+    };
+    let timed = cell_dirs(&out, "timed")[0].clone();
+    let one = index_of(&timed);
     let err = cli("sweep")
         .flag("--grid", gs)
         .flag("--out", os)
-        .words("--cell 0 --retrain")
+        .flag("--cell", one.to_string())
+        .words("--retrain --retry-failed")
         .fails();
-    assert!(err.contains("--retrain") && err.contains("--cell"), "{err}");
+    let list = err.rsplit("--cell ").next().unwrap().trim().to_string();
+    assert!(err.contains("list them too"), "{err}");
+    assert_eq!(
+        list.split(',').count(),
+        3,
+        "the timed cell, its window, the base: {err}"
+    );
+    assert!(list.split(',').any(|k| k == one.to_string()), "{err}");
+    sweep(
+        &grid,
+        &out,
+        &["--cell", &list, "--retrain", "--retry-failed"],
+    );
+    assert_eq!(status(&timed)["state"], "done");
+    let err = cli("sweep")
+        .flag("--grid", gs)
+        .flag("--out", os)
+        .words("--retrain --emit slurm")
+        .fails();
+    assert!(err.contains("--retrain") && err.contains("--emit"), "{err}");
     sweep(&grid, &out, &["--retrain", "--retry-failed"]);
     for c in cell_dirs(&out, "timed") {
         assert_eq!(status(&c)["state"], "done");

@@ -126,6 +126,56 @@ fn two_ranks_train_one_processs_model_bit_for_bit() {
     assert!(e.contains("not a multiple of train.ranks = 3"), "{e}");
 }
 
+/// Two ranks, each joining its two micro-batches of a step into one pass (`train.micro_batch`
+/// 4), train as two ranks running them apart: every step's logged loss, learning rate and
+/// gradient norm, and the weights, to rounding (a pass of 4 sums in another order than two of
+/// 2). Each run's output says how many passes of how many sequences a rank runs a step.
+#[test]
+fn two_ranks_joining_their_micro_batches_train_as_apart() {
+    let dir = scratch("join_ranks");
+    let sets = settings(&synth(&dir, 6000));
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let o = cli("train --gpus 2")
+            .flag("--out", &out)
+            .set(&sets)
+            .set(["train.grad_accum=4"])
+            .set(extra)
+            .ok();
+        (out, String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let ((apart, said_apart), (joined, said_joined)) =
+        (run("apart", &[]), run("joined", &["train.micro_batch=4"]));
+    assert!(
+        said_apart.contains("2 passes of 2 sequences a step on each rank"),
+        "{said_apart}"
+    );
+    assert!(
+        said_joined.contains("1 pass of 4 sequences a step on each rank"),
+        "{said_joined}"
+    );
+    let numbers = |run: &Path| -> Vec<Vec<f64>> {
+        log(run)
+            .iter()
+            .skip(1)
+            .map(|l| l.split(',').map(|v| v.parse().unwrap_or(0.0)).collect())
+            .collect()
+    };
+    let (a, b) = (numbers(&apart), numbers(&joined));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            x.iter().zip(y).all(|(p, q)| (p - q).abs() < 1e-5),
+            "{x:?} {y:?}"
+        );
+    }
+    for ((n, x), (_, y)) in weights(&apart).iter().zip(&weights(&joined)) {
+        let gap = (x - y).abs().max().double_value(&[]);
+        assert!(gap < 1e-5, "{n} differs by {gap} when joined");
+    }
+}
+
 /// A job stopped after 2 steps resumes with another rank count, and ends where one process
 /// training straight through ends.
 #[test]

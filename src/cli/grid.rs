@@ -67,7 +67,8 @@ pub(super) struct SweepCmd {
     /// results folder is kept without them) when a cell this run starts evaluates, prunes or
     /// continues from it, and of what that cell read in turn. Its earlier files move to
     /// before_retrain/ in its folder. Cells that failed for want of those weights run again
-    /// with --retry-failed.
+    /// with --retry-failed. With --cell, the cells to train again must be listed too (the
+    /// refusal names the list).
     #[arg(long)]
     retrain: bool,
     /// Instead of running, write a scheduler script: `slurm` writes one job array per stage
@@ -100,10 +101,10 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         grid.keep_first_seeds(n)?;
     }
     anyhow::ensure!(
-        !c.retrain || (c.emit.is_none() && c.cell.is_empty()),
-        "--retrain trains a cell's dependencies again before the cell, in one run of the grid; \
-         with --emit or --cell, which run one cell, leave it out (run the sweep with --retrain \
-         where the weights are to be made)"
+        !c.retrain || c.emit.is_none(),
+        "--retrain trains a cell's dependencies again before the cell, in one run; a scheduler's \
+         job array runs its cells apart, so leave it out with --emit (run the sweep with \
+         --retrain where the weights are to be made, then emit the rest)"
     );
     anyhow::ensure!(
         !c.join_micro_batches || (c.emit.is_none() && !c.devices.is_empty()),

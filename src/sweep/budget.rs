@@ -11,7 +11,7 @@ use super::rows::Row;
 use crate::config::{name_of, Method};
 use crate::util::stats::{
     holm, mcnemar_exact, mean_interval, newcombe_paired, paired_bootstrap, pooled_interval,
-    unpaired_difference, wilson,
+    unpaired_difference, wilson, BOOTSTRAP_MIN_P,
 };
 use anyhow::Result;
 use polars::prelude::*;
@@ -511,7 +511,7 @@ fn holm_within_reach(tests: &[[f64; 5]]) -> Vec<f64> {
 /// unpaired over seeds and prompts. `[difference, low, high, p, min_p]`: `min_p` is the
 /// smallest p the test could give these prompts (McNemar's with every discordant prompt one
 /// way; for a bootstrap 1 where nothing differs, every pair tied or one score everywhere,
-/// else 0).
+/// else the resolution of its p, `BOOTSTRAP_MIN_P`).
 fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 5], &'static str) {
     let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
     match (sets, base) {
@@ -548,7 +548,7 @@ fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 5], &'static str) {
             let first = all.next().copied();
             let constant = all.all(|&x| Some(x) == first);
             (
-                [d, lo, hi, p, if constant { 1.0 } else { 0.0 }],
+                [d, lo, hi, p, if constant { 1.0 } else { BOOTSTRAP_MIN_P }],
                 "unpaired bootstrap over seeds and prompts",
             )
         }
@@ -609,7 +609,8 @@ fn compared_pairs(
 
 /// Pairs of sets on the same prompts by the paired bootstrap (`stats::paired_bootstrap`: its
 /// interval and its own p, also for 0/1 scores, since several pairs are several models), as
-/// `compared` gives it: `min_p` 1 where every pair of scores is tied, else 0 (no floor known).
+/// `compared` gives it: `min_p` 1 where every pair of scores is tied, else the resolution of
+/// its p.
 fn paired_bootstrap_of(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
     let zipped: Vec<Vec<(f64, f64)>> = pairs
         .iter()
@@ -623,7 +624,7 @@ fn paired_bootstrap_of(pairs: &[(&Prompts, &Prompts)]) -> [f64; 5] {
         .collect();
     let (d, lo, hi, p) = paired_bootstrap(&zipped);
     let tied = zipped.iter().flatten().all(|(a, b)| a == b);
-    [d, lo, hi, p, if tied { 1.0 } else { 0.0 }]
+    [d, lo, hi, p, if tied { 1.0 } else { BOOTSTRAP_MIN_P }]
 }
 
 /// The line of the same model evaluated with its learned gates, for a line that evaluates it
@@ -1068,7 +1069,7 @@ mod tests {
         let (test, how) = compared_pairs(&pairs, SAME_PROMPTS);
         assert_eq!(how, SAME_PROMPTS);
         assert!(
-            (test[0] + 1.0 / 3.0).abs() < 1e-12 && test[4] == 0.0,
+            (test[0] + 1.0 / 3.0).abs() < 1e-12 && test[4] == BOOTSTRAP_MIN_P,
             "{test:?}"
         );
         assert!(same_prompts(&aha, &full[2..]).is_empty());
@@ -1121,7 +1122,7 @@ mod tests {
         };
         let (tied, split) = (one(&[1.0, 0.5]), one(&[0.5, 1.0]));
         assert_eq!(compared(&[tied.clone()], &[tied.clone()]).0[4], 1.0);
-        assert_eq!(compared(&[tied.clone()], &[split]).0[4], 0.0);
+        assert_eq!(compared(&[tied.clone()], &[split]).0[4], BOOTSTRAP_MIN_P);
         let zero = Prompts {
             ids: vec![None; 2],
             ..one(&[0.0, 0.0])
@@ -1155,10 +1156,10 @@ mod tests {
         let (test, how) = compared_pairs(&pairs, SAME_MODELS);
         assert_eq!(how, SAME_MODELS);
         // Two discordant prompts of six over the two models, both one way: the bootstrap's own
-        // p (not McNemar's over every pair, 0.5, which would take the models for prompts), and
-        // no floor known.
+        // p (not McNemar's over every pair, 0.5, which would take the models for prompts), its
+        // floor the bootstrap's resolution.
         assert!(
-            test[4] == 0.0 && test[3] > 0.05 && test[3] != 0.5,
+            test[4] == BOOTSTRAP_MIN_P && test[3] > 0.05 && test[3] != 0.5,
             "{test:?}"
         );
         assert!((test[0] - 1.0 / 3.0).abs() < 1e-12, "{}", test[0]);

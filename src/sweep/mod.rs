@@ -74,6 +74,7 @@ mod fixture;
 mod grid;
 pub(crate) mod pareto;
 mod replicates;
+mod retrain;
 mod rows;
 mod runner;
 mod slurm;

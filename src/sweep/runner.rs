@@ -3,6 +3,7 @@
 //! go on.
 
 use super::grid::{has_placeholder, Cell, Grid, StageKind};
+use super::retrain;
 use super::status::{read_status, write_status, State, Status};
 use crate::config::Method;
 use crate::data::{self, corpus};
@@ -449,7 +450,8 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         stopped: std::sync::atomic::AtomicBool::new(false),
     };
     if args.retrain {
-        pool.retrain = to_retrain(&chosen, &args.out, |s| pool.will_run(s));
+        pool.retrain = retrain::to_retrain(cells, &chosen, &args.out, |s| pool.will_run(s));
+        retrain::ensure_listed(&pool.retrain, cells, &chosen)?;
     }
     let mut stages: Vec<&str> = Vec::new();
     for c in &chosen {
@@ -511,76 +513,6 @@ fn placement(args: &SweepArgs, train: bool, exclusive: bool, cores: usize) -> Pl
     }
 }
 
-/// Whether a finished cell's folder lacks the weights it made (a results folder is kept
-/// without them): a train cell's latest checkpoint's, a prune cell's `model.safetensors`. An
-/// unreadable `checkpoints/latest` is an error, not weights gone.
-fn weights_gone(dir: &Path) -> Result<bool> {
-    Ok(checkpoint::weights_in(dir)?.is_none())
-}
-
-/// Whether running `cell` now reads the weights of the cell it depends on: an evaluation or a
-/// pruning always, a train cell only when it starts (one resuming reads its own checkpoint).
-fn reads_dependency(cell: &Cell, dir: &Path) -> bool {
-    cell.depends_on.is_some()
-        && (cell.kind != StageKind::Train || !dir.join("config.toml").exists())
-}
-
-/// The finished cells among `chosen` that made weights (train and prune cells) whose weights
-/// are gone and which a cell of `chosen` that this run will start reads, and what those read
-/// in turn where their weights are gone too. `will_run` says which unfinished cells run.
-fn to_retrain(
-    chosen: &[&Cell],
-    out: &Path,
-    will_run: impl Fn(&Status) -> bool,
-) -> BTreeSet<String> {
-    let done = |id: &str| read_status(&out.join(id)).is_some_and(|s| s.state == State::Done);
-    let makers: BTreeMap<&str, &Cell> = chosen
-        .iter()
-        .filter(|c| c.kind != StageKind::Eval)
-        .map(|c| (c.id.as_str(), *c))
-        .collect();
-    let mut needed: Vec<&str> = chosen
-        .iter()
-        .filter(|c| read_status(&out.join(&c.id)).is_none_or(|s| will_run(&s)))
-        .filter(|c| reads_dependency(c, &out.join(&c.id)))
-        .filter_map(|c| c.depends_on.as_deref())
-        .collect();
-    let mut again = BTreeSet::new();
-    while let Some(id) = needed.pop() {
-        let Some(cell) = makers.get(id) else { continue };
-        let gone = weights_gone(&out.join(id)).unwrap_or(false);
-        if again.contains(id) || !done(id) || !gone {
-            continue;
-        }
-        again.insert(id.to_string());
-        needed.extend(cell.depends_on.as_deref());
-    }
-    again
-}
-
-/// Moves a cell's files, all but its lock, into a new `before_retrain/` (or
-/// `before_retrain.N/`) of its folder, so a cell trained again loses none of its earlier run.
-fn set_aside(dir: &Path) -> Result<()> {
-    let aside = (0..)
-        .map(|n| match n {
-            0 => dir.join("before_retrain"),
-            n => dir.join(format!("before_retrain.{n}")),
-        })
-        .find(|p| !p.exists())
-        .expect("an unused name");
-    std::fs::create_dir(&aside).with_context(|| format!("cannot create {}", aside.display()))?;
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        if name == "lock" || name.starts_with("before_retrain") {
-            continue;
-        }
-        std::fs::rename(&path, aside.join(&*name))
-            .with_context(|| format!("cannot move {} aside", path.display()))?;
-    }
-    Ok(())
-}
-
 enum CellRun {
     Done,
     Failed(String),
@@ -610,8 +542,8 @@ fn run_cell(
         return Ok(CellRun::HeldElsewhere);
     };
     let mut previous = read_status(&dir);
-    if retrain && weights_gone(&dir).unwrap_or(false) {
-        if let Err(e) = set_aside(&dir) {
+    if retrain && retrain::weights_gone(&dir).unwrap_or(false) {
+        if let Err(e) = retrain::set_aside(&dir) {
             // Whatever moved stays in before_retrain/; the cell says why it did not run.
             let error = format!("moving its earlier run aside to train it again: {e:#}");
             write_status(
@@ -719,8 +651,11 @@ fn cell_command(
             return Ok(Err(format!("dependency {} did not finish", d.display())));
         }
     }
-    if let Some(d) = dep_dir.as_ref().filter(|_| reads_dependency(cell, dir)) {
-        match weights_gone(d) {
+    if let Some(d) = dep_dir
+        .as_ref()
+        .filter(|_| retrain::reads_dependency(cell, dir))
+    {
+        match retrain::weights_gone(d) {
             Ok(false) => {}
             Ok(true) => {
                 return Ok(Err(format!(
@@ -933,32 +868,6 @@ mod tests {
             c.attention.bernoulli_rates = per_gate(&g, gates);
             c.validate().unwrap();
         }
-    }
-
-    /// A train cell's weights are its latest checkpoint's, a prune cell's its own
-    /// `model.safetensors`; either missing is gone, and a `latest` naming nothing is an error
-    /// to show, not weights to make again.
-    #[test]
-    fn weights_are_found_where_each_kind_of_cell_writes_them() {
-        let root = std::env::temp_dir().join(format!("attnsweep-weights-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let (train, prune) = (root.join("train"), root.join("prune"));
-        let step = train.join("checkpoints/step_00000004");
-        std::fs::create_dir_all(&step).unwrap();
-        std::fs::create_dir_all(&prune).unwrap();
-        std::fs::write(train.join("checkpoints/latest"), "step_00000004").unwrap();
-        std::fs::write(step.join("model.safetensors"), b"w").unwrap();
-        std::fs::write(prune.join("model.safetensors"), b"w").unwrap();
-        assert!(!weights_gone(&train).unwrap());
-        assert!(!weights_gone(&prune).unwrap());
-        std::fs::remove_file(step.join("model.safetensors")).unwrap();
-        std::fs::remove_file(prune.join("model.safetensors")).unwrap();
-        assert!(weights_gone(&train).unwrap());
-        assert!(weights_gone(&prune).unwrap());
-        std::fs::write(train.join("checkpoints/latest"), "step_00000008").unwrap();
-        let e = format!("{:#}", weights_gone(&train).unwrap_err());
-        assert!(e.contains("does not exist"), "{e}");
-        let _ = std::fs::remove_dir_all(&root);
     }
 
     /// A sweep's options with these devices, GPUs a train cell and CPU jobs, the rest off.

@@ -252,14 +252,29 @@ pub(crate) fn newcombe_paired(a: u64, b: u64, c: u64, d: u64) -> (f64, f64) {
         return (f64::NAN, f64::NAN);
     }
     let (a, b, c, d) = (a as f64, b as f64, c as f64, d as f64);
-    let (p1, p2) = ((a + b) / n, (a + c) / n);
-    let ((l1, u1), (l2, u2)) = (wilson(a + b, n), wilson(a + c, n));
     let den = (a + b) * (c + d) * (a + c) * (b + d);
     let phi = if den > 0.0 {
         (a * d - b * c) / den.sqrt()
     } else {
         0.0
     };
+    newcombe((a + b, n), (a + c, n), phi)
+}
+
+/// Newcombe's interval (1998, method 10) for the difference of two independent proportions,
+/// `k1` of `n1` less `k2` of `n2`: the paired form with no correlation. NaN without trials.
+pub(crate) fn newcombe_unpaired(k1: f64, n1: f64, k2: f64, n2: f64) -> (f64, f64) {
+    if n1 <= 0.0 || n2 <= 0.0 {
+        return (f64::NAN, f64::NAN);
+    }
+    newcombe((k1, n1), (k2, n2), 0.0)
+}
+
+/// Newcombe's method 10 from each proportion's (successes, trials) and their correlation
+/// `phi`: the difference with its Wilson intervals' distances joined.
+fn newcombe((k1, n1): (f64, f64), (k2, n2): (f64, f64), phi: f64) -> (f64, f64) {
+    let (p1, p2) = (k1 / n1, k2 / n2);
+    let ((l1, u1), (l2, u2)) = (wilson(k1, n1), wilson(k2, n2));
     let side = |x: f64, y: f64| (x * x - 2.0 * phi * x * y + y * y).max(0.0).sqrt();
     let theta = p1 - p2;
     (
@@ -335,17 +350,41 @@ fn bootstrap_means(groups: &[Vec<f64>], seed: u64) -> Vec<f64> {
 /// The 95 % interval of a score pooled over replicates: `groups` holds each replicate's
 /// per-prompt values, and the bootstrap draws replicates, then prompts within each, so the
 /// interval holds both the seeds' spread and the prompts' sampling; it stays inside the
-/// values' range. Deterministic (a fixed generator).
+/// values' range, and for 0/1 scores holds Wilson's interval of the pooled prompts (`hull`).
+/// Deterministic (a fixed generator).
 pub(crate) fn pooled_interval(groups: &[Vec<f64>]) -> (f64, f64) {
+    let drawn = drawn_interval(groups);
+    let all: Vec<f64> = groups.iter().flatten().copied().collect();
+    if !binary(&all) {
+        return drawn;
+    }
+    hull(drawn, wilson(all.iter().sum(), all.len() as f64))
+}
+
+/// The two-level bootstrap's 95 % interval of `groups`' pooled mean; NaN without values.
+fn drawn_interval(groups: &[Vec<f64>]) -> (f64, f64) {
     if groups.iter().all(|g| g.is_empty()) {
         return (f64::NAN, f64::NAN);
     }
     percentiles(bootstrap_means(groups, 0x5EED_B007))
 }
 
+/// Whether every score is 0 or 1 (a proportion's trials).
+fn binary(xs: &[f64]) -> bool {
+    xs.iter().all(|&x| x == 0.0 || x == 1.0)
+}
+
+/// The bootstrap's interval widened to hold the binomial one of the pooled trials: a
+/// bootstrap over few seeds whose prompts all scored alike draws one value ([1, 1] for 200
+/// prompts of 200), while the prompts' sampling alone leaves at least the binomial interval.
+fn hull(drawn: (f64, f64), binomial: (f64, f64)) -> (f64, f64) {
+    (drawn.0.min(binomial.0), drawn.1.max(binomial.1))
+}
+
 /// Two settings' pooled scores compared on different prompts: the difference of their pooled
-/// means, its 95 % interval from independent two-level bootstraps of each, and the two-sided
-/// p-value of that bootstrap (twice the share of draws on the far side of 0).
+/// means, its 95 % interval from independent two-level bootstraps of each (widened to hold
+/// Newcombe's unpaired interval of the pooled counts where every score is 0 or 1), and the
+/// two-sided p-value of that bootstrap (`two_sided_share`).
 pub(crate) fn unpaired_difference(a: &[Vec<f64>], b: &[Vec<f64>]) -> (f64, f64, f64, f64) {
     let pooled = |g: &[Vec<f64>]| {
         let all: Vec<f64> = g.iter().flatten().copied().collect();
@@ -357,14 +396,29 @@ pub(crate) fn unpaired_difference(a: &[Vec<f64>], b: &[Vec<f64>]) -> (f64, f64, 
     );
     let diffs: Vec<f64> = ma.iter().zip(&mb).map(|(x, y)| x - y).collect();
     let p = two_sided_share(&diffs);
-    let (lo, hi) = percentiles(diffs);
-    (pooled(a) - pooled(b), lo, hi, p)
+    let mut interval = percentiles(diffs);
+    let (all_a, all_b): (Vec<f64>, Vec<f64>) = (
+        a.iter().flatten().copied().collect(),
+        b.iter().flatten().copied().collect(),
+    );
+    if binary(&all_a) && binary(&all_b) {
+        let count = |xs: &[f64]| (xs.iter().sum::<f64>(), xs.len() as f64);
+        let ((ka, na), (kb, nb)) = (count(&all_a), count(&all_b));
+        interval = hull(interval, newcombe_unpaired(ka, na, kb, nb));
+    }
+    (pooled(a) - pooled(b), interval.0, interval.1, p)
 }
 
-/// Twice the share of bootstrap draws on the far side of 0 (a draw at 0 counts for both).
+/// The smallest p a bootstrap test of `DRAWS` draws gives (`two_sided_share` with no draw
+/// on the far side of 0): the resolution of its p, never 0.
+pub(crate) const BOOTSTRAP_MIN_P: f64 = 2.0 / (DRAWS as f64 + 1.0);
+
+/// The bootstrap's two-sided p: twice the share of draws on the far side of 0 (a draw at 0
+/// counts for both), each share counted as (k + 1) / (draws + 1) (Davison and Hinkley, 1997,
+/// eq. 4.11), so that a test of finitely many draws never claims p 0.
 fn two_sided_share(draws: &[f64]) -> f64 {
     let share = |keep: &dyn Fn(f64) -> bool| {
-        draws.iter().filter(|&&m| keep(m)).count() as f64 / draws.len() as f64
+        (draws.iter().filter(|&&m| keep(m)).count() as f64 + 1.0) / (draws.len() as f64 + 1.0)
     };
     (2.0 * share(&|m| m <= 0.0).min(share(&|m| m >= 0.0))).min(1.0)
 }
@@ -374,11 +428,7 @@ fn two_sided_share(draws: &[f64]) -> f64 {
 /// (replicates, then prompts), and the two-sided p-value: exact McNemar's where every score is
 /// 0 or 1, else the bootstrap's (as `paired_bootstrap`).
 pub(crate) fn paired_difference(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f64) {
-    let binary = pairs
-        .iter()
-        .flatten()
-        .all(|(a, b)| (*a == 0.0 || *a == 1.0) && (*b == 0.0 || *b == 1.0));
-    if !binary {
+    if !binary_pairs(pairs) {
         return paired_bootstrap(pairs);
     }
     let Some((_, mean, lo, hi)) = paired_interval(pairs) else {
@@ -400,8 +450,9 @@ pub(crate) fn paired_bootstrap(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f64
     (mean, lo, hi, p)
 }
 
-/// Each replicate's differences a - b, their mean and its 95 % two-level bootstrap interval;
-/// None without a pair.
+/// Each replicate's differences a - b, their mean and its 95 % two-level bootstrap interval
+/// (widened to hold Newcombe's over the pooled pairs where every score is 0 or 1, as
+/// `pooled_interval` holds Wilson's); None without a pair.
 fn paired_interval(pairs: &[Vec<(f64, f64)>]) -> Option<(Vec<Vec<f64>>, f64, f64, f64)> {
     let diffs: Vec<Vec<f64>> = pairs
         .iter()
@@ -412,8 +463,29 @@ fn paired_interval(pairs: &[Vec<(f64, f64)>]) -> Option<(Vec<Vec<f64>>, f64, f64
         return None;
     }
     let mean = all.iter().sum::<f64>() / all.len() as f64;
-    let (lo, hi) = pooled_interval(&diffs);
-    Some((diffs, mean, lo, hi))
+    let mut interval = drawn_interval(&diffs);
+    if binary_pairs(pairs) {
+        let count = |x: f64, y: f64| {
+            pairs
+                .iter()
+                .flatten()
+                .filter(|&&(a, b)| a == x && b == y)
+                .count() as u64
+        };
+        let binomial = newcombe_paired(
+            count(1.0, 1.0),
+            count(1.0, 0.0),
+            count(0.0, 1.0),
+            count(0.0, 0.0),
+        );
+        interval = hull(interval, binomial);
+    }
+    Some((diffs, mean, interval.0, interval.1))
+}
+
+/// Whether both scores of every pair are 0 or 1.
+fn binary_pairs(pairs: &[Vec<(f64, f64)>]) -> bool {
+    pairs.iter().flatten().all(|&(a, b)| binary(&[a, b]))
 }
 
 #[cfg(test)]
@@ -440,6 +512,14 @@ mod tests {
             "4 against 0 of 100: McNemar's p is 0.125"
         );
         assert!(newcombe_paired(0, 0, 0, 0).0.is_nan());
+        // Method 10 for independent proportions on Newcombe's example (a), 56/70 - 48/80:
+        // 0.0524 to 0.3339.
+        let (lo, hi) = newcombe_unpaired(56.0, 70.0, 48.0, 80.0);
+        assert!(
+            (lo - 0.0524).abs() < 5e-5 && (hi - 0.3339).abs() < 5e-5,
+            "{lo} {hi}"
+        );
+        assert!(newcombe_unpaired(1.0, 0.0, 1.0, 2.0).0.is_nan());
     }
 
     #[test]
@@ -543,14 +623,29 @@ mod tests {
         );
         let (lo, hi) = pooled_interval(&[vec![1.0; 4], vec![0.0; 4]]);
         assert!(lo >= 0.0 && hi <= 1.0 && lo < 0.5 && hi > 0.5, "{lo} {hi}");
-        assert_eq!(pooled_interval(&[vec![1.0; 10]]), (1.0, 1.0));
+        // Every prompt of two seeds right: the bootstrap draws only 1, the interval is
+        // Wilson's for 20 of 20 (z^2 / (n + z^2) below 1); scores not 0/1 keep the bootstrap.
+        let z2 = 1.959_963_984_540_054f64.powi(2);
+        assert_eq!(
+            pooled_interval(&[vec![1.0; 10], vec![1.0; 10]]),
+            (1.0 - z2 / (20.0 + z2), 1.0)
+        );
+        assert_eq!(pooled_interval(&[vec![0.5; 10]]), (0.5, 0.5));
         let (d, lo, hi, p) = paired_difference(&[vec![(1.0, 0.0); 10]]);
-        assert_eq!((d, lo, hi), (1.0, 1.0, 1.0));
+        assert_eq!((d, hi), (1.0, 1.0));
+        assert_eq!(lo, newcombe_paired(0, 10, 0, 0).0);
+        assert!(lo < 1.0);
         assert!((p - 2.0 / 1024.0).abs() < 1e-12);
-        // On different prompts: independent bootstraps.
+        // On different prompts: independent bootstraps, the interval at least Newcombe's
+        // unpaired one, the p at the bootstrap's resolution (no draw past 0 is not p 0).
         let (d, lo, hi, p) = unpaired_difference(&[vec![1.0; 20]], &[vec![0.0; 20]]);
-        assert_eq!((d, lo, hi), (1.0, 1.0, 1.0));
-        assert_eq!(p, 0.0);
+        assert_eq!(
+            (d, lo, hi),
+            (1.0, newcombe_unpaired(20.0, 20.0, 0.0, 20.0).0, 1.0)
+        );
+        assert!(lo < 1.0);
+        assert_eq!(p, BOOTSTRAP_MIN_P);
+        assert!(BOOTSTRAP_MIN_P > 0.0 && BOOTSTRAP_MIN_P < 1e-3);
         // Scores that are not 0 or 1 (recall) take the bootstrap's test.
         let (d, _, _, p) = paired_difference(&[vec![(0.5, 0.5); 20]]);
         assert_eq!(d, 0.0);
