@@ -129,7 +129,8 @@ fn two_ranks_train_one_processs_model_bit_for_bit() {
 /// Two ranks, each joining its two micro-batches of a step into one pass (`train.micro_batch`
 /// 4), train as two ranks running them apart: every step's logged loss, learning rate and
 /// gradient norm, and the weights, to rounding (a pass of 4 sums in another order than two of
-/// 2). Each run's output says how many passes of how many sequences a rank runs a step.
+/// 2). Each run says how many passes of how many sequences its step ran on a rank, so a join
+/// that ran its micro-batches apart anyway shows.
 #[test]
 fn two_ranks_joining_their_micro_batches_train_as_apart() {
     let dir = scratch("join_ranks");
@@ -147,11 +148,11 @@ fn two_ranks_joining_their_micro_batches_train_as_apart() {
     let ((apart, said_apart), (joined, said_joined)) =
         (run("apart", &[]), run("joined", &["train.micro_batch=4"]));
     assert!(
-        said_apart.contains("2 passes of 2 sequences a step on each rank"),
+        said_apart.contains("runs 2 passes of 2 sequences on each rank"),
         "{said_apart}"
     );
     assert!(
-        said_joined.contains("1 pass of 4 sequences a step on each rank"),
+        said_joined.contains("runs 1 pass of 4 sequences on each rank"),
         "{said_joined}"
     );
     let numbers = |run: &Path| -> Vec<Vec<f64>> {

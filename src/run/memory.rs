@@ -243,8 +243,7 @@ impl MemoryPlan {
     }
 
     /// One line for the run's output: the checkpointing (and what chose it), the loss's
-    /// chunks, the forward passes a rank runs a step (its micro-batches apart or joined,
-    /// `train.micro_batch`), and the predicted peak where a GPU's was planned.
+    /// chunks, and the predicted peak where a GPU's was planned.
     pub(crate) fn describe(&self, cfg: &Config, planned: Option<f64>) -> String {
         let how = match cfg.train.activation_checkpointing {
             Checkpointing::Auto => " (auto)",
@@ -257,14 +256,9 @@ impl MemoryPlan {
         let peak = planned.map_or(String::new(), |p| {
             format!(", predicted peak {:.2} GiB on the GPU", p / GIB)
         });
-        let t = &cfg.train;
-        let passes = t.share(t.ranks) / t.forward_batch();
         format!(
-            "memory: activation checkpointing {}{how}, {loss}, {passes} pass{} of {} sequences \
-             a step on each rank{peak}",
-            format!("{:?}", self.checkpointing).to_lowercase(),
-            if passes == 1 { "" } else { "es" },
-            t.forward_batch()
+            "memory: activation checkpointing {}{how}, {loss}{peak}",
+            format!("{:?}", self.checkpointing).to_lowercase()
         )
     }
 }

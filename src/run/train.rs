@@ -17,6 +17,7 @@ use crate::run::memory::{MemoryPlan, GIB};
 use crate::run::optim::{is_router, learning_rate, penalty_scale, AdamW};
 use crate::run::ranks::{self, Place, Team};
 use crate::run::report;
+use crate::run::train_log::{append_row, truncate_log, LOG_HEADER, VAL_LOG_HEADER};
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
 use crate::util::fault;
@@ -60,79 +61,6 @@ impl TrainArgs {
     }
 }
 
-/// The validation log's columns.
-const VAL_LOG_HEADER: [&str; 2] = ["step", "val_loss"];
-
-/// `reg` is the regulariser added to the loss and `mu_f` the mean hard gate; both empty for
-/// methods without them. On a GPU, `peak_gib` is the most its tensors held since the row
-/// before and `planned_gib` the memory plan's prediction of it (`memory::plan_on_device`).
-/// On the CPU, `peak_gib` is the process's peak resident memory so far (the libraries'
-/// own included) and `planned_gib` the lower bound the host was checked against
-/// (`memory::check_training`).
-const LOG_HEADER: [&str; 10] = [
-    "step",
-    "loss",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "tokens_seen",
-    "reg",
-    "mu_f",
-    "peak_gib",
-    "planned_gib",
-];
-
-/// Keeps the header and rows up to `step` of a CSV log whose first column is the step, so a
-/// resumed run does not repeat the rows an interrupted run wrote after its last checkpoint.
-/// A row cut short by a crash (fewer fields than the header) is dropped too. A log written
-/// with fewer columns than `header` (by an earlier version) gets `header`, its rows empty
-/// fields for the new columns.
-fn truncate_log(path: &Path, step: usize, header: &[&str]) -> Result<()> {
-    if !path.exists() {
-        return Ok(());
-    }
-    let text = std::fs::read_to_string(path)?;
-    let old = text.lines().next().unwrap_or_default();
-    let fields = old.split(',').count();
-    let widen = header.starts_with(&old.split(',').collect::<Vec<_>>()) && header.len() > fields;
-    let pad = match widen {
-        true => ",".repeat(header.len() - fields),
-        false => String::new(),
-    };
-    let mut keep = String::new();
-    for (i, line) in text.lines().enumerate() {
-        let s: Option<usize> = line.split(',').next().and_then(|v| v.parse().ok());
-        let whole = line.split(',').count() == fields;
-        if i == 0 && widen {
-            keep.push_str(&header.join(","));
-            keep.push('\n');
-        } else if i == 0 || (whole && s.is_some_and(|s| s <= step)) {
-            keep.push_str(line);
-            keep.push_str(if i == 0 { "" } else { &pad });
-            keep.push('\n');
-        }
-    }
-    atomic::write_bytes(path, keep.as_bytes())
-}
-
-fn append_row(path: &Path, header: &[&str], row: &[String]) -> Result<()> {
-    let fresh = !path.exists();
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    fault::write_error().with_context(|| format!("cannot write {}", path.display()))?;
-    let mut w = csv::Writer::from_writer(f);
-    if fresh {
-        w.write_record(header)?;
-    }
-    w.write_record(row)?;
-    w.flush()?;
-    fault::point("log_row");
-    Ok(())
-}
-
 /// What a resumed run changes against the config.toml it was started with: only settings that
 /// leave the run's computation as it was (`config::RESUME_MAY_CHANGE`); any other difference
 /// is an error naming each setting, before anything is written.
@@ -165,8 +93,16 @@ pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let last = args
         .stop_at
         .map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
+    let mut first = true;
     while t.state.step < last {
         let step = t.step()?;
+        if first && !args.quiet && args.leads() {
+            // What the step ran, not what the config asks: a join that ran apart would show.
+            let (n, rows) = step.passes;
+            let plural = if n == 1 { "" } else { "es" };
+            eprintln!("a step runs {n} pass{plural} of {rows} sequences on each rank");
+        }
+        first = false;
         t.record(&step, last)?;
     }
     t.finish()
@@ -393,6 +329,8 @@ struct Step {
     /// Sums over the micro-batches of the regulariser and mu_f, for methods with them.
     reg_sum: Option<f64>,
     mu_sum: Option<f64>,
+    /// Forward and backward passes this rank ran, and the sequences of each.
+    passes: (usize, usize),
 }
 
 impl<'a> Trainer<'a> {
@@ -593,6 +531,7 @@ impl<'a> Trainer<'a> {
         }
         let mut sums = [0.0, 0.0, 0.0];
         let (mut has_reg, mut has_mu) = (false, false);
+        let mut ran = (0, 0);
         // This rank's micro-batches run `joined` a pass: their sequences drawn one after the
         // other as for separate passes, so the pass's mean is the mean of theirs (each holds
         // as many tokens), counted once for each.
@@ -621,6 +560,7 @@ impl<'a> Trainer<'a> {
                 &self.plan.step,
                 passes,
             );
+            ran = (ran.0 + 1, rows);
             if let (true, Some(team)) = (last, &self.team) {
                 team.finish()?;
             }
@@ -665,6 +605,7 @@ impl<'a> Trainer<'a> {
             grad_norm,
             reg_sum,
             mu_sum,
+            passes: ran,
         })
     }
 
@@ -1094,25 +1035,5 @@ mod tests {
         assert_eq!(bytes(&c), bytes(&four));
         c.train.micro_batch = 0;
         assert!(bytes(&c) < bytes(&four));
-    }
-
-    /// A log of an earlier version's columns gets the new header, its rows padded, the
-    /// rows past the step and a cut row dropped; a current log keeps its rows as they are.
-    #[test]
-    fn resumed_logs_keep_their_rows_under_the_new_columns() {
-        let dir = crate::util::scratch_dir("truncate-log");
-        let path = dir.join("train_log.csv");
-        std::fs::write(&path, "step,loss\n1,2.5\n2,2.4\n3,2.3\n4\n").unwrap();
-        truncate_log(&path, 2, &["step", "loss", "peak_gib"]).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(&path).unwrap(),
-            "step,loss,peak_gib\n1,2.5,\n2,2.4,\n"
-        );
-        truncate_log(&path, 1, &["step", "loss", "peak_gib"]).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(&path).unwrap(),
-            "step,loss,peak_gib\n1,2.5,\n"
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -304,11 +304,13 @@ fn named(k: &Key) -> String {
     format!("{} ({})", k.2, k.3).trim_start().to_string()
 }
 
-/// The verdict of a test at 5 %: "differs" or "within noise"; a verdict that is not a test's
-/// ("one replicate", "no spread measured") stands as it is.
+/// The adjusted verdict of a test at 5 %: "differs" where the raw verdict did (its interval
+/// leaves 0 out) and the adjusted p is below 0.05, else "within noise" (an interval widened
+/// to hold the binomial one can keep 0 while the bootstrap's p is small); a verdict that is
+/// not a test's ("one replicate", "no spread measured") stands as it is.
 fn verdict_of(p: f64, raw: &str) -> String {
     match (raw, p.is_nan()) {
-        ("differs" | "within noise", false) if p < 0.05 => "differs".into(),
+        ("differs", false) if p < 0.05 => "differs".into(),
         ("differs" | "within noise", false) => "within noise".into(),
         _ => raw.into(),
     }
@@ -516,6 +518,17 @@ mod tests {
         assert!(!dir.join("replicates.csv").exists());
         assert!(!dir.join("stage_differences.csv").exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Holm's verdict differs only where the raw one did: an interval that holds 0 (widened to
+    /// the binomial one) stays within noise whatever the bootstrap's p; a verdict that is no
+    /// test's stands.
+    #[test]
+    fn adjusted_verdicts_follow_the_interval() {
+        assert_eq!(verdict_of(0.01, "differs"), "differs");
+        assert_eq!(verdict_of(0.2, "differs"), "within noise");
+        assert_eq!(verdict_of(0.01, "within noise"), "within noise");
+        assert_eq!(verdict_of(f64::NAN, "one replicate"), "one replicate");
     }
 
     /// A bounded rate keeps its interval inside [0, 1]; a probe score pools its replicates'

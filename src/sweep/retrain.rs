@@ -18,10 +18,12 @@ pub(super) fn weights_gone(dir: &Path) -> Result<bool> {
 }
 
 /// Whether running `cell` now reads the weights of the cell it depends on: an evaluation or a
-/// pruning always, a train cell only when it starts (one resuming reads its own checkpoint).
+/// pruning always, a train cell unless it has a checkpoint of its own to resume from (one
+/// stopped before its first checkpoint starts again from the dependency's weights). An
+/// unreadable `checkpoints/latest` is left to the cell's own run to report.
 pub(super) fn reads_dependency(cell: &Cell, dir: &Path) -> bool {
     cell.depends_on.is_some()
-        && (cell.kind != StageKind::Train || !dir.join("config.toml").exists())
+        && (cell.kind != StageKind::Train || matches!(checkpoint::weights_in(dir), Ok(None)))
 }
 
 /// The finished cells of the grid (`cells`) that made weights (train and prune cells) whose
@@ -98,7 +100,7 @@ pub(super) fn ensure_listed(
     all.extend(unlisted.iter().map(|c| c.index));
     ensure!(
         unlisted.is_empty(),
-        "--retrain makes again only cells --cell lists, and the listed cells read the weights \
+        "--retrain makes again only cells --cell lists, and the listed cells need the weights \
          of {}, which are gone; list {} too: --cell {}",
         unlisted
             .iter()
@@ -120,7 +122,8 @@ mod tests {
 
     /// A train cell's weights are its latest checkpoint's, a prune cell's its own
     /// `model.safetensors`; either missing is gone, and a `latest` naming nothing is an error
-    /// to show, not weights to make again.
+    /// to show, not weights to make again. A continued cell reads its dependency's weights
+    /// until it has a checkpoint of its own.
     #[test]
     fn weights_are_found_where_each_kind_of_cell_writes_them() {
         let root = std::env::temp_dir().join(format!("attnsweep-weights-{}", std::process::id()));
@@ -134,6 +137,22 @@ mod tests {
         std::fs::write(prune.join("model.safetensors"), b"w").unwrap();
         assert!(!weights_gone(&train).unwrap());
         assert!(!weights_gone(&prune).unwrap());
+        // A continued train cell with a checkpoint of its own resumes from it; one stopped
+        // before its first (a config written, no weights) starts from its dependency again.
+        let grid: super::super::Grid = toml::from_str(
+            "name = \"t\"\n[[stage]]\nname = \"base\"\n[[stage]]\nname = \"more\"\n\
+             init_from = \"base\"\n",
+        )
+        .unwrap();
+        let cells = super::super::expand(&grid).unwrap();
+        let more = cells.iter().find(|c| c.stage == "more").unwrap();
+        assert!(!reads_dependency(more, &train));
+        std::fs::write(root.join("config.toml"), "").unwrap();
+        assert!(reads_dependency(more, &root));
+        assert!(
+            !reads_dependency(&cells[0], &root),
+            "the base depends on nothing"
+        );
         std::fs::remove_file(step.join("model.safetensors")).unwrap();
         std::fs::remove_file(prune.join("model.safetensors")).unwrap();
         assert!(weights_gone(&train).unwrap());
