@@ -16,7 +16,8 @@
 //! # that corpus, which then goes to probes.mix_with
 //! [base]                            # an experiment config ([base.model], [base.train], ...)
 //! data.dir = "runs/demo/data"
-//! [[stage]]                         # stages run in order
+//! [[stage]]                         # stages run in order (a stage that waits for no cell of
+//!                                   #   the one before, and places its cells alike, runs beside it)
 //! name = "base"
 //! set = { "attention.method" = "full" }
 //! [[stage]]

@@ -305,13 +305,14 @@ impl Pool<'_> {
         }
     }
 
-    /// The cells of `stage` among `chosen` still to run: never started, interrupted (a runner
-    /// died while it ran: resume), failed (with --retry-failed), or finished and retrained.
-    fn pending<'c>(&self, chosen: &[&'c Cell], stage: &str) -> Vec<&'c Cell> {
+    /// The cells of `wave`'s stages among `chosen` still to run: never started, interrupted (a
+    /// runner died while it ran: resume), failed (with --retry-failed), or finished and
+    /// retrained.
+    fn pending<'c>(&self, chosen: &[&'c Cell], wave: &[&str]) -> Vec<&'c Cell> {
         chosen
             .iter()
             .copied()
-            .filter(|c| c.stage == stage)
+            .filter(|c| wave.contains(&c.stage.as_str()))
             .filter(|c| !self.attempted.lock().unwrap().contains(&c.id))
             .filter(|c| match read_status(&self.args.out.join(&c.id)) {
                 Some(s) if s.state == State::Done => self.retrain.contains(&c.id),
@@ -321,11 +322,11 @@ impl Pool<'_> {
             .collect()
     }
 
-    /// Runs every cell of `stage` to a final state, as `at` places them: cells another runner
-    /// holds are waited for, and taken over if that runner dies before finishing them.
-    fn run_stage(&self, chosen: &[&Cell], stage: &str, at: Placement) {
+    /// Runs every cell of `wave`'s stages to a final state, as `at` places them: cells another
+    /// runner holds are waited for, and taken over if that runner dies before finishing them.
+    fn run_wave(&self, chosen: &[&Cell], wave: &[&str], at: Placement) {
         loop {
-            let pending = self.pending(chosen, stage);
+            let pending = self.pending(chosen, wave);
             if pending.is_empty() || self.past_deadline() {
                 return;
             }
@@ -453,24 +454,61 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         pool.retrain = retrain::to_retrain(cells, &chosen, &args.out, |s| pool.will_run(s));
         retrain::ensure_listed(&pool.retrain, cells, &chosen)?;
     }
-    let mut stages: Vec<&str> = Vec::new();
-    for c in &chosen {
-        if !stages.contains(&c.stage.as_str()) {
-            stages.push(&c.stage);
-        }
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    for stage in stages {
-        let of_stage = || chosen.iter().filter(|c| c.stage == stage);
-        let exclusive = of_stage().any(|c| c.exclusive);
-        let train = of_stage().any(|c| c.kind == StageKind::Train);
-        pool.run_stage(&chosen, stage, placement(args, train, exclusive, cores));
+    for wave in waves(&chosen) {
+        let of_wave = || chosen.iter().filter(|c| wave.contains(&c.stage.as_str()));
+        let exclusive = of_wave().any(|c| c.exclusive);
+        let train = of_wave().any(|c| c.kind == StageKind::Train);
+        pool.run_wave(&chosen, &wave, placement(args, train, exclusive, cores));
     }
     pool.overall.finish_and_clear();
     let mut o = pool.outcome.into_inner().unwrap();
     o.skipped = chosen.len() - o.done - o.failed;
     o.stopped = pool.stopped.into_inner();
     Ok(o)
+}
+
+/// The stages of `chosen`, in the grid's order, gathered into waves whose cells run at once: a
+/// stage joins the wave before it where both train or both do not (one placement serves
+/// them), neither is exclusive, and none of its cells continues from, evaluates or reads a
+/// cell of that wave (it would have to wait for it). So `--devices 0,1 --cell 1,7` trains full
+/// attention's cell and AHA's side by side, where stage by stage one GPU would idle.
+fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Vec<&'c str>> {
+    // Each stage's name, whether it trains, whether it is exclusive, its cells' ids and what
+    // they wait for.
+    let mut stages: Vec<(&str, bool, bool, BTreeSet<&str>, Vec<&str>)> = Vec::new();
+    for c in chosen {
+        let at = match stages.iter().position(|s| s.0 == c.stage) {
+            Some(i) => i,
+            None => {
+                stages.push((&c.stage, false, false, BTreeSet::new(), Vec::new()));
+                stages.len() - 1
+            }
+        };
+        let s = &mut stages[at];
+        s.1 |= c.kind == StageKind::Train;
+        s.2 |= c.exclusive;
+        s.3.insert(&c.id);
+        s.4.extend(c.depends_on.iter().chain(&c.reads).map(String::as_str));
+    }
+    let mut out: Vec<Vec<&str>> = Vec::new();
+    let mut last: Option<(bool, bool, BTreeSet<&str>)> = None;
+    for (stage, train, exclusive, ids, waits) in stages {
+        let joins = last.as_ref().is_some_and(|(t, x, held)| {
+            *t == train && !x && !exclusive && waits.iter().all(|d| !held.contains(d))
+        });
+        match (joins, out.last_mut(), last.as_mut()) {
+            (true, Some(wave), Some(l)) => {
+                wave.push(stage);
+                l.2.extend(ids);
+            }
+            _ => {
+                out.push(vec![stage]);
+                last = Some((train, exclusive, ids));
+            }
+        }
+    }
+    out
 }
 
 /// How a stage's cells are placed: `workers` run at once, each on a slot of `slot` devices of
@@ -886,6 +924,40 @@ mod tests {
             quiet: true,
             status_every: 30,
         }
+    }
+
+    /// Stages run together where nothing between them waits: two train stages that do not
+    /// continue from each other, then the evaluations of both; a stage that continues from
+    /// the one before it, or one marked exclusive, starts a wave of its own.
+    #[test]
+    fn independent_stages_run_in_one_wave() {
+        let grid: super::super::Grid = toml::from_str(
+            "name = \"t\"\n[[stage]]\nname = \"base\"\n\
+             [[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
+             set = { \"attention.method\" = \"aha\" }\n\
+             [[stage]]\nname = \"full\"\nset = { \"train.lr\" = 2e-3 }\n\
+             [[stage]]\nname = \"probes_aha\"\nkind = \"eval\"\nof = \"aha\"\n\
+             [[stage]]\nname = \"probes_full\"\nkind = \"eval\"\nof = \"full\"\n\
+             [[stage]]\nname = \"timed\"\nkind = \"eval\"\nof = \"full\"\nexclusive = true\n",
+        )
+        .unwrap();
+        let cells = super::super::expand(&grid).unwrap();
+        let all: Vec<&Cell> = cells.iter().collect();
+        assert_eq!(
+            waves(&all),
+            [
+                vec!["base"],
+                vec!["aha", "full"],
+                vec!["probes_aha", "probes_full"],
+                vec!["timed"]
+            ]
+        );
+        // A run of some cells (`--cell`) gathers those it runs.
+        let some: Vec<&Cell> = cells
+            .iter()
+            .filter(|c| ["full", "probes_full", "aha"].contains(&c.stage.as_str()))
+            .collect();
+        assert_eq!(waves(&some), [vec!["aha", "full"], vec!["probes_full"]]);
     }
 
     /// A train cell placed on GPUs trains over its slot's: one rank on a slot of one GPU
