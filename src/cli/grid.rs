@@ -25,7 +25,7 @@ pub(super) struct SweepCmd {
     #[arg(long, default_value_t = 1)]
     jobs: usize,
     /// GPUs to place cells on, one cell per GPU at a time, e.g. --devices 0,1. A GPU named
-    /// twice is shared: a stage runs two cells on it at once (worth it only where one cell
+    /// twice is shared: a sweep runs two cells on it at once (worth it only where one cell
     /// leaves it idle), and the cells placed on it are recorded as not alone, their rates not
     /// taken as timings.
     #[arg(long, value_delimiter = ',')]

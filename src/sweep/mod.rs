@@ -17,7 +17,8 @@
 //! [base]                            # an experiment config ([base.model], [base.train], ...)
 //! data.dir = "runs/demo/data"
 //! [[stage]]                         # stages run in order (a stage that waits for no cell of
-//!                                   #   the one before, and places its cells alike, runs beside it)
+//!                                   #   the wave before it, places its cells alike and is not
+//!                                   #   exclusive runs beside it; `--emit slurm` runs them apart)
 //! name = "base"
 //! set = { "attention.method" = "full" }
 //! [[stage]]

@@ -309,10 +309,13 @@ impl Pool<'_> {
     /// runner died while it ran: resume), failed (with --retry-failed), or finished and
     /// retrained.
     fn pending<'c>(&self, chosen: &[&'c Cell], wave: &[&str]) -> Vec<&'c Cell> {
+        let mut seen = BTreeSet::new();
         chosen
             .iter()
             .copied()
             .filter(|c| wave.contains(&c.stage.as_str()))
+            // Two stages that compute the same thing share a cell: listed once, run once.
+            .filter(|c| seen.insert(c.id.as_str()))
             .filter(|c| !self.attempted.lock().unwrap().contains(&c.id))
             .filter(|c| match read_status(&self.args.out.join(&c.id)) {
                 Some(s) if s.state == State::Done => self.retrain.contains(&c.id),
@@ -511,7 +514,7 @@ fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Vec<&'c str>> {
     out
 }
 
-/// How a stage's cells are placed: `workers` run at once, each on a slot of `slot` devices of
+/// How a wave's cells are placed: `workers` run at once, each on a slot of `slot` devices of
 /// `--devices` (none on the CPU), with `threads` host threads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Placement {
@@ -529,7 +532,7 @@ fn shares_a_gpu(devices: &[usize], at: Placement, w: usize) -> bool {
     })
 }
 
-/// The placement of a stage: on GPUs, a train stage's cells take `--gpus-per-cell` devices
+/// The placement of a wave (`waves`): on GPUs, a train stage's cells take `--gpus-per-cell` devices
 /// each and an evaluation's or pruning's one (they run on one GPU, and the others would idle);
 /// on the CPU, `--jobs` at once. An `exclusive` stage runs one cell at a time. The host's
 /// `cores` are shared equally among the cells running at once.
@@ -927,20 +930,32 @@ mod tests {
     }
 
     /// Stages run together where nothing between them waits: two train stages that do not
-    /// continue from each other, then the evaluations of both; a stage that continues from
-    /// the one before it, or one marked exclusive, starts a wave of its own.
+    /// continue from each other, then the evaluations of both. A stage starts a wave of its
+    /// own where it continues from or reads a cell of the wave before (any of its stages, not
+    /// only the last), where it trains and the wave evaluates or the other way round, and
+    /// where it or the wave is exclusive.
     #[test]
     fn independent_stages_run_in_one_wave() {
-        let grid: super::super::Grid = toml::from_str(
-            "name = \"t\"\n[[stage]]\nname = \"base\"\n\
-             [[stage]]\nname = \"aha\"\ninit_from = \"base\"\n\
-             set = { \"attention.method\" = \"aha\" }\n\
-             [[stage]]\nname = \"full\"\nset = { \"train.lr\" = 2e-3 }\n\
-             [[stage]]\nname = \"probes_aha\"\nkind = \"eval\"\nof = \"aha\"\n\
-             [[stage]]\nname = \"probes_full\"\nkind = \"eval\"\nof = \"full\"\n\
-             [[stage]]\nname = \"timed\"\nkind = \"eval\"\nof = \"full\"\nexclusive = true\n",
-        )
-        .unwrap();
+        let stage = |name: &str, rest: &str| format!("[[stage]]\nname = \"{name}\"\n{rest}\n");
+        let lr = |x: &str| format!("set = {{ \"train.lr\" = {x} }}");
+        let text = [
+            "name = \"t\"\n".to_string(),
+            stage("base", ""),
+            stage("aha", "init_from = \"base\"\nset = { \"attention.method\" = \"aha\" }"),
+            stage("full", &lr("2e-3")),
+            stage("ranked", &format!("init_from = \"base\"\nreads = \"aha\"\n{}", lr("3e-3"))),
+            stage("after_aha", &format!("init_from = \"aha\"\n{}", lr("4e-3"))),
+            stage("after_ranked", &format!("init_from = \"ranked\"\n{}", lr("5e-3"))),
+            stage("probes_base", "kind = \"eval\"\nof = \"base\""),
+            stage("probes_full", "kind = \"eval\"\nof = \"full\""),
+            stage(
+                "timed",
+                "kind = \"eval\"\nof = \"full\"\nexclusive = true\nset = { \"eval.timing\" = true }",
+            ),
+            stage("last", "kind = \"eval\"\nof = \"aha\""),
+        ]
+        .concat();
+        let grid: super::super::Grid = toml::from_str(&text).unwrap();
         let cells = super::super::expand(&grid).unwrap();
         let all: Vec<&Cell> = cells.iter().collect();
         assert_eq!(
@@ -948,8 +963,11 @@ mod tests {
             [
                 vec!["base"],
                 vec!["aha", "full"],
-                vec!["probes_aha", "probes_full"],
-                vec!["timed"]
+                vec!["ranked", "after_aha"],
+                vec!["after_ranked"],
+                vec!["probes_base", "probes_full"],
+                vec!["timed"],
+                vec!["last"],
             ]
         );
         // A run of some cells (`--cell`) gathers those it runs.
