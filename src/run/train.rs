@@ -93,16 +93,15 @@ pub(crate) fn train(mut cfg: Config, args: &TrainArgs) -> Result<()> {
     let last = args
         .stop_at
         .map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
-    let mut first = true;
+    let start = t.state.step;
     while t.state.step < last {
         let step = t.step()?;
-        if first && !args.quiet && args.leads() {
+        if t.state.step == start + 1 && !args.quiet && args.leads() {
             // What the step ran, not what the config asks: a join that ran apart would show.
             let (n, rows) = step.passes;
             let plural = if n == 1 { "" } else { "es" };
             eprintln!("a step runs {n} pass{plural} of {rows} sequences on each rank");
         }
-        first = false;
         t.record(&step, last)?;
     }
     t.finish()

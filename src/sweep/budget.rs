@@ -10,8 +10,8 @@ use super::grid::StageKind;
 use super::rows::Row;
 use crate::config::{name_of, Method};
 use crate::util::stats::{
-    holm, mcnemar_exact, mean_interval, newcombe_paired, paired_bootstrap, pooled_interval,
-    unpaired_difference, wilson, BOOTSTRAP_MIN_P,
+    binary, concordance, holm, mcnemar_exact, mean_interval, newcombe_paired, paired_bootstrap,
+    pooled_interval, unpaired_difference, wilson, BOOTSTRAP_MIN_P,
 };
 use anyhow::Result;
 use polars::prelude::*;
@@ -513,22 +513,10 @@ fn holm_within_reach(tests: &[[f64; 5]]) -> Vec<f64> {
 /// way; for a bootstrap 1 where nothing differs, every pair tied or one score everywhere,
 /// else the resolution of its p, `BOOTSTRAP_MIN_P`).
 fn compared(sets: &[Prompts], base: &[Prompts]) -> ([f64; 5], &'static str) {
-    let binary = |xs: &[f64]| xs.iter().all(|&x| x == 0.0 || x == 1.0);
     match (sets, base) {
         ([one], [base]) if one.same_as(base) && binary(&one.scores) && binary(&base.scores) => {
-            let pair = |x: f64, y: f64| {
-                one.scores
-                    .iter()
-                    .zip(&base.scores)
-                    .filter(|&(&a, &b)| a == x && b == y)
-                    .count() as u64
-            };
-            let (a, b, c, d) = (
-                pair(1.0, 1.0),
-                pair(1.0, 0.0),
-                pair(0.0, 1.0),
-                pair(0.0, 0.0),
-            );
+            let pairs = one.scores.iter().copied().zip(base.scores.iter().copied());
+            let [a, b, c, d] = concordance(&[pairs.collect()]);
             let (lo, hi) = newcombe_paired(a, b, c, d);
             let diff = (b as f64 - c as f64) / one.scores.len() as f64;
             (

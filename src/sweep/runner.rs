@@ -458,11 +458,9 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
         retrain::ensure_listed(&pool.retrain, cells, &chosen)?;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    for wave in waves(&chosen) {
-        let of_wave = || chosen.iter().filter(|c| wave.contains(&c.stage.as_str()));
-        let exclusive = of_wave().any(|c| c.exclusive);
-        let train = of_wave().any(|c| c.kind == StageKind::Train);
-        pool.run_wave(&chosen, &wave, placement(args, train, exclusive, cores));
+    for w in waves(&chosen) {
+        let at = placement(args, w.train, w.exclusive, cores);
+        pool.run_wave(&chosen, &w.stages, at);
     }
     pool.overall.finish_and_clear();
     let mut o = pool.outcome.into_inner().unwrap();
@@ -476,42 +474,46 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
 /// them), neither is exclusive, and none of its cells continues from, evaluates or reads a
 /// cell of that wave (it would have to wait for it). So `--devices 0,1 --cell 1,7` trains full
 /// attention's cell and AHA's side by side, where stage by stage one GPU would idle.
-fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Vec<&'c str>> {
-    // Each stage's name, whether it trains, whether it is exclusive, its cells' ids and what
-    // they wait for.
-    let mut stages: Vec<(&str, bool, bool, BTreeSet<&str>, Vec<&str>)> = Vec::new();
+fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Wave<'c>> {
+    let mut out: Vec<Wave> = Vec::new();
+    let mut stages: Vec<&str> = Vec::new();
     for c in chosen {
-        let at = match stages.iter().position(|s| s.0 == c.stage) {
-            Some(i) => i,
-            None => {
-                stages.push((&c.stage, false, false, BTreeSet::new(), Vec::new()));
-                stages.len() - 1
-            }
-        };
-        let s = &mut stages[at];
-        s.1 |= c.kind == StageKind::Train;
-        s.2 |= c.exclusive;
-        s.3.insert(&c.id);
-        s.4.extend(c.depends_on.iter().chain(&c.reads).map(String::as_str));
+        if !stages.contains(&c.stage.as_str()) {
+            stages.push(&c.stage);
+        }
     }
-    let mut out: Vec<Vec<&str>> = Vec::new();
-    let mut last: Option<(bool, bool, BTreeSet<&str>)> = None;
-    for (stage, train, exclusive, ids, waits) in stages {
-        let joins = last.as_ref().is_some_and(|(t, x, held)| {
-            *t == train && !x && !exclusive && waits.iter().all(|d| !held.contains(d))
-        });
-        match (joins, out.last_mut(), last.as_mut()) {
-            (true, Some(wave), Some(l)) => {
-                wave.push(stage);
-                l.2.extend(ids);
+    for stage in stages {
+        let of = || chosen.iter().filter(|c| c.stage == stage);
+        let one = Wave {
+            stages: vec![stage],
+            train: of().any(|c| c.kind == StageKind::Train),
+            exclusive: of().any(|c| c.exclusive),
+            ids: of().map(|c| c.id.as_str()).collect(),
+        };
+        let waits = || of().flat_map(|c| c.depends_on.iter().chain(&c.reads));
+        match out.last_mut() {
+            Some(w)
+                if w.train == one.train
+                    && !w.exclusive
+                    && !one.exclusive
+                    && waits().all(|d| !w.ids.contains(d.as_str())) =>
+            {
+                w.stages.push(stage);
+                w.ids.extend(one.ids);
             }
-            _ => {
-                out.push(vec![stage]);
-                last = Some((train, exclusive, ids));
-            }
+            _ => out.push(one),
         }
     }
     out
+}
+
+/// Stages whose cells run at once (`waves`), with what places them: whether they train,
+/// whether one is exclusive, and their cells' ids (what a later stage may wait for).
+struct Wave<'c> {
+    stages: Vec<&'c str>,
+    train: bool,
+    exclusive: bool,
+    ids: BTreeSet<&'c str>,
 }
 
 /// How a wave's cells are placed: `workers` run at once, each on a slot of `slot` devices of
@@ -957,9 +959,13 @@ mod tests {
         .concat();
         let grid: super::super::Grid = toml::from_str(&text).unwrap();
         let cells = super::super::expand(&grid).unwrap();
+        let stages = |chosen: &[&Cell]| -> Vec<Vec<String>> {
+            let names = |w: Wave| w.stages.iter().map(|s| s.to_string()).collect();
+            waves(chosen).into_iter().map(names).collect()
+        };
         let all: Vec<&Cell> = cells.iter().collect();
         assert_eq!(
-            waves(&all),
+            stages(&all),
             [
                 vec!["base"],
                 vec!["aha", "full"],
@@ -975,7 +981,7 @@ mod tests {
             .iter()
             .filter(|c| ["full", "probes_full", "aha"].contains(&c.stage.as_str()))
             .collect();
-        assert_eq!(waves(&some), [vec!["aha", "full"], vec!["probes_full"]]);
+        assert_eq!(stages(&some), [vec!["aha", "full"], vec!["probes_full"]]);
     }
 
     /// A train cell placed on GPUs trains over its slot's: one rank on a slot of one GPU

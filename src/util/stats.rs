@@ -370,7 +370,7 @@ fn drawn_interval(groups: &[Vec<f64>]) -> (f64, f64) {
 }
 
 /// Whether every score is 0 or 1 (a proportion's trials).
-fn binary(xs: &[f64]) -> bool {
+pub(crate) fn binary(xs: &[f64]) -> bool {
     xs.iter().all(|&x| x == 0.0 || x == 1.0)
 }
 
@@ -463,8 +463,7 @@ pub(crate) fn paired_difference(pairs: &[Vec<(f64, f64)>]) -> (f64, f64, f64, f6
     let Some((_, mean, lo, hi)) = paired_interval(pairs) else {
         return (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
     };
-    let only_a = pairs.iter().flatten().filter(|(a, b)| a > b).count() as u64;
-    let only_b = pairs.iter().flatten().filter(|(a, b)| a < b).count() as u64;
+    let [_, only_a, only_b, _] = concordance(pairs);
     (mean, lo, hi, mcnemar_exact(only_a, only_b))
 }
 
@@ -496,22 +495,28 @@ fn paired_interval(pairs: &[Vec<(f64, f64)>]) -> Option<(Vec<Vec<f64>>, f64, f64
     let mean = all.iter().sum::<f64>() / all.len() as f64;
     let mut interval = drawn_interval(&diffs);
     if binary_pairs(pairs) {
-        let count = |x: f64, y: f64| {
-            pairs
-                .iter()
-                .flatten()
-                .filter(|&&(a, b)| a == x && b == y)
-                .count() as u64
-        };
-        let binomial = newcombe_paired(
-            count(1.0, 1.0),
-            count(1.0, 0.0),
-            count(0.0, 1.0),
-            count(0.0, 0.0),
-        );
-        interval = hull(interval, binomial);
+        let [a, b, c, d] = concordance(pairs);
+        interval = hull(interval, newcombe_paired(a, b, c, d));
     }
     Some((diffs, mean, interval.0, interval.1))
+}
+
+/// Pairs of 0/1 scores counted as McNemar's and Newcombe's tables take them: both succeeded,
+/// only the first, only the second, neither.
+pub(crate) fn concordance(pairs: &[Vec<(f64, f64)>]) -> [u64; 4] {
+    let count = |x: f64, y: f64| {
+        pairs
+            .iter()
+            .flatten()
+            .filter(|&&(a, b)| a == x && b == y)
+            .count() as u64
+    };
+    [
+        count(1.0, 1.0),
+        count(1.0, 0.0),
+        count(0.0, 1.0),
+        count(0.0, 0.0),
+    ]
 }
 
 /// Whether both scores of every pair are 0 or 1.
