@@ -851,14 +851,16 @@ void attnsweep_event_free(void* event) {
 // Memory of CUDA device `device`, in bytes, written to out[0..5]: what the caching allocator
 // holds in tensors now and at most since the last reset, what it has reserved from the driver
 // (tensors and its cache), then the device's free and total memory (the driver's count, in
-// which the allocator's cache is not free). With reset, the peak starts again from now.
-// Returns 0, or 1 with a message.
-int attnsweep_cuda_memory(int64_t device, int reset, double* out, char* err, size_t err_len) {
+// which the allocator's cache is not free). Flags: 1, the peak starts again from now; 2, the
+// allocator first gives its cached blocks back to the driver (a CUDA graph's capture then
+// takes them into its own pool instead of taking as much again). Returns 0, or 1 with a message.
+int attnsweep_cuda_memory(int64_t device, int flags, double* out, char* err, size_t err_len) {
     return guarded(err, err_len, 1, [&] {
 #ifdef ATTNSWEEP_CUDA
         TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), "no CUDA device ", device);
         const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
         namespace alloc = c10::cuda::CUDACachingAllocator;
+        if (flags & 2) alloc::emptyCache();
         const auto stats = alloc::getDeviceStats((c10::DeviceIndex)device);
         const auto& bytes = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
         size_t free = 0, total = 0;
@@ -868,7 +870,7 @@ int attnsweep_cuda_memory(int64_t device, int reset, double* out, char* err, siz
         out[2] = (double)stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
         out[3] = (double)free;
         out[4] = (double)total;
-        if (reset) alloc::resetPeakStats((c10::DeviceIndex)device);
+        if (flags & 1) alloc::resetPeakStats((c10::DeviceIndex)device);
 #else
         TORCH_CHECK(false, "this kernel library was built without CUDA");
 #endif

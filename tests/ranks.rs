@@ -327,6 +327,11 @@ fn a_sweep_joining_micro_batches_keeps_its_cells_and_losses() {
         .flag("--out", dir.join("refused"))
         .fails();
     assert!(e.contains("give --devices"), "{e}");
+    let e = cli("sweep -q --cuda-graph")
+        .flag("--grid", &g)
+        .flag("--out", dir.join("refused"))
+        .fails();
+    assert!(e.contains("--cuda-graph captures a cell's step"), "{e}");
     let summary = |out: &Path| -> Vec<(String, f64)> {
         let mut r = csv::Reader::from_path(out.join("summary.csv")).unwrap();
         let head = r.headers().unwrap().clone();

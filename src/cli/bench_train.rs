@@ -23,6 +23,7 @@ use crate::config::{Checkpointing, Config, ModelConfig};
 use crate::model::attention::{BenchKnobs, ForwardCtx};
 use crate::model::kernels;
 use crate::model::step::forward_backward;
+use crate::model::step_graph::{CtxKey, StepGraph};
 use crate::run::memory::{self, GIB};
 use crate::run::optim::AdamW;
 use crate::run::Built;
@@ -354,24 +355,34 @@ impl TrainBench {
             calibrate_routers(&built, self.full_usage, len);
         }
         let name = method.name();
-        let mut best: Option<(f64, i64, TrainRow)> = None;
+        let mut best: Option<(f64, (i64, bool), TrainRow)> = None;
         let mut tried = Vec::new();
-        for micro in self.micro_batch_sizes(len) {
+        // The whole step in one pass also runs as a captured CUDA graph (`StepGraph`), captured
+        // in the second warm-up step.
+        let graphs = self.warmup >= 2;
+        let batch = self.batch(len);
+        let tries = self.micro_batch_sizes(len).into_iter().flat_map(|m| {
+            [(m, false)]
+                .into_iter()
+                .chain((graphs && m == batch).then_some((m, true)))
+        });
+        for (micro, graph) in tries {
+            let label = format!("{micro}{}", if graph { " graphed" } else { "" });
             // A micro-batch that does not fit (refused by the plan, or out of memory) is
             // recorded and the search goes on.
-            match caught(|| self.time_steps(&built, &cfg, name, micro, kern, None)) {
+            match caught(|| self.time_steps(&built, &cfg, name, micro, graph, kern, None)) {
                 Ok(row) => {
                     let ms = row.step_ms.unwrap_or(f64::INFINITY);
-                    tried.push(format!("{micro}: {ms:.1} ms"));
+                    tried.push(format!("{label}: {ms:.1} ms"));
                     if best.as_ref().is_none_or(|(b, ..)| ms < *b) {
-                        best = Some((ms, micro, row));
+                        best = Some((ms, (micro, graph), row));
                     }
                 }
-                Err(why) => tried.push(format!("{micro}: {}", short(&why))),
+                Err(why) => tried.push(format!("{label}: {}", short(&why))),
             }
         }
         let tried = tried.join(" / ");
-        let Some((_, micro, mut row)) = best else {
+        let Some((_, (micro, graph), mut row)) = best else {
             bail!("no micro-batch ran: {tried}");
         };
         // After the timed steps, so the profiler's cost is in none of them.
@@ -383,8 +394,9 @@ impl TrainBench {
             ));
             // One more run of the chosen micro-batch, the profiled step after it: a failure
             // leaves the measured row, with why in its note.
-            row.note = caught(|| self.time_steps(&built, &cfg, name, micro, kern, Some(&trace)))
-                .map_or_else(|why| format!("no profile: {why}"), |r| r.note);
+            row.note =
+                caught(|| self.time_steps(&built, &cfg, name, micro, graph, kern, Some(&trace)))
+                    .map_or_else(|why| format!("no profile: {why}"), |r| r.note);
         }
         row.setup = format!("{}; tried {tried}", row.setup);
         Ok(row)
@@ -392,13 +404,17 @@ impl TrainBench {
 
     /// Median step time of `built` at micro-batches of `micro` sequences (the step's tokens
     /// accumulated over them) under the memory plan training would use, with its peak
-    /// memory; with `profile`, one more step under the profiler, its trace there.
+    /// memory; `graph` (one micro-batch a step): after the first warm-up step, the forward
+    /// and backward captured as a CUDA graph and replayed. With `profile`, one more step
+    /// under the profiler, its trace there.
+    #[allow(clippy::too_many_arguments)]
     fn time_steps(
         &self,
         built: &Built,
         cfg: &Config,
         method: &str,
         micro: i64,
+        graph: bool,
         kern: &'static kernels::Kernels,
         profile: Option<&Path>,
     ) -> Result<TrainRow> {
@@ -420,29 +436,78 @@ impl TrainBench {
             ..Default::default()
         };
         let accum = cfg.train.grad_accum;
-        let mut step = || {
-            opt.zero_grad();
+        ensure!(
+            !graph || accum == 1,
+            "a captured step runs the whole step in one micro-batch"
+        );
+        ensure!(
+            !graph || self.warmup >= 2,
+            "a captured step needs an eager warm-up step and its capture before the timed \
+             ones (--warmup 2 or more)"
+        );
+        let graphed: Vec<Tensor> = trained
+            .iter()
+            .filter(|p| p.requires_grad())
+            .map(Tensor::shallow_clone)
+            .collect();
+        if graph {
+            built.model.pin_sequence(len, Device::Cuda(0));
+        }
+        let key = CtxKey::of(&ctx, cfg.attention.draws_gates())
+            .context("the bench's forward options cannot be captured")?;
+        let mut captured: Option<StepGraph> = None;
+        let mut step = |warm: bool| -> Result<Vec<f64>> {
             let mut usage = Vec::new();
-            for i in 0..accum as i64 {
+            let rows = |i: i64| {
                 let rows = ids.narrow(0, i * micro, micro);
-                let (x, y) = (rows.narrow(1, 0, len), rows.narrow(1, 1, len));
-                let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, accum);
-                usage.extend(stats.full_usage);
+                (rows.narrow(1, 0, len), rows.narrow(1, 1, len))
+            };
+            match (&captured, graph && warm) {
+                (Some(g), _) => {
+                    let (x, y) = rows(0);
+                    usage.extend(g.run(&x, &y, &key)?.full_usage);
+                }
+                (None, true) => {
+                    let (x, y) = rows(0);
+                    let g = StepGraph::capture(
+                        kern,
+                        &built.model,
+                        &graphed,
+                        &x,
+                        &y,
+                        &ctx,
+                        key.clone(),
+                        &plan.step,
+                    )?;
+                    usage.extend(g.run(&x, &y, &key)?.full_usage);
+                    captured = Some(g);
+                }
+                (None, false) => {
+                    opt.zero_grad();
+                    for i in 0..accum as i64 {
+                        let (x, y) = rows(i);
+                        let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, accum);
+                        usage.extend(stats.full_usage);
+                    }
+                }
             }
             opt.clip_grad_norm(cfg.train.grad_clip);
             // Learning rate 0: the same arithmetic, and the gate pattern stays as calibrated.
             opt.update(0.0, &cfg.train);
             tch::Cuda::synchronize(0);
-            usage
+            Ok(usage)
         };
         let (mut times, mut usage) = (Vec::new(), Vec::new());
+        // The peak from the capture on, for a graph: its pool is allocated there, and the
+        // replays allocate nothing.
+        let peak_from = if graph { 1 } else { self.warmup };
         for i in 0..self.warmup + self.steps {
-            if i == self.warmup {
+            if i == peak_from {
                 kern.cuda_memory(0, true)?;
             }
             tch::Cuda::synchronize(0);
             let start = Instant::now();
-            let used = step();
+            let used = step(i >= 1)?;
             if i >= self.warmup {
                 times.push(start.elapsed().as_secs_f64() * 1e3);
                 usage.extend(used);
@@ -450,9 +515,16 @@ impl TrainBench {
         }
         let peak = kern.cuda_memory(0, false)?.peak;
         let note = match profile {
-            Some(trace) => profile_step(kern, trace, || {
-                step();
-            }),
+            Some(trace) => {
+                let mut failed = None;
+                let note = profile_step(kern, trace, || {
+                    failed = step(true).err();
+                });
+                match failed {
+                    Some(e) => return Err(e),
+                    None => note,
+                }
+            }
             None => String::new(),
         };
         Ok(TrainRow {
@@ -461,7 +533,11 @@ impl TrainBench {
             peak_gib: Some(peak / GIB),
             planned_gib: Some(plan.peak / GIB),
             full_usage: (!usage.is_empty()).then(|| median(usage)),
-            setup: format!("{}; micro-batch {micro} x {accum}", setup_of(&plan)),
+            setup: format!(
+                "{}; micro-batch {micro} x {accum}{}",
+                setup_of(&plan),
+                if graph { "; CUDA graph" } else { "" }
+            ),
             note,
             ..self.row(method, len)
         })

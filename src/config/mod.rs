@@ -55,7 +55,30 @@ impl Config {
              ones: leave train.micro_batch at 0",
             self.train.micro_batch
         );
+        if let Some(why) = self.graph_refusal().filter(|_| self.train.cuda_graph) {
+            anyhow::bail!("{why}: leave train.cuda_graph off");
+        }
         self.eval.validate()
+    }
+
+    /// Why `train.cuda_graph` could not replay this config's step, where it could not: gates
+    /// drawn afresh each step, which a replay would repeat, or a forward changed every step,
+    /// which no capture would outlive. What the run's place decides (one GPU, one pass a step)
+    /// is the trainer's to check.
+    pub(crate) fn graph_refusal(&self) -> Option<&'static str> {
+        if self.attention.draws_gates() {
+            return Some(
+                "train.cuda_graph replays one captured step, but this model's gates are drawn \
+                 afresh each step (attention.router = \"bernoulli\" or attention.ste_sample < 1), \
+                 which a replay would repeat",
+            );
+        }
+        let ramp = !self.attention.canonical().top_k_ramp.as_os_str().is_empty();
+        (self.train.lambda_ramp || ramp).then_some(
+            "train.cuda_graph replays one captured step, but train.lambda_ramp and \
+             attention.top_k_ramp change the step's forward every step, so no capture would be \
+             replayed",
+        )
     }
 
     /// The length of the sequences evaluation measures: `eval.seq_len`, or `data.seq_len`
@@ -208,6 +231,7 @@ impl Config {
             train: TrainConfig {
                 ranks: defaults.ranks,
                 micro_batch: defaults.micro_batch,
+                cuda_graph: defaults.cuda_graph,
                 dist_timeout_s: defaults.dist_timeout_s,
                 ..self.train.clone()
             },
@@ -292,6 +316,7 @@ pub(crate) const RESUME_MAY_CHANGE: &[&str] = &[
     "train.activation_checkpointing",
     "train.loss_chunk_tokens",
     "train.micro_batch",
+    "train.cuda_graph",
     "attention.attn_impl",
     "eval",
 ];

@@ -113,6 +113,13 @@ pub struct TrainConfig {
     /// ranks it changes where and how the work runs, not a run's identity. Refused for gates
     /// drawn at random by a pass's row (`AttentionConfig::draws_gates`), which a join would redraw.
     pub micro_batch: usize,
+    /// Capture the step's forward and backward as a CUDA graph after its first eager run and
+    /// replay it (`run/train_graph.rs`): the same kernels on the same data without the host
+    /// launching each (1.02-1.33x at SmolLM2-135M's shapes, PERFORMANCE.md). Needs the
+    /// kernel library on a GPU, one process, one pass a step (grad_accum / micro_batch's join
+    /// of 1) and gates that draw nothing at random; changes how the work runs, not what it
+    /// computes.
+    pub cuda_graph: bool,
 }
 
 impl Default for TrainConfig {
@@ -145,6 +152,7 @@ impl Default for TrainConfig {
             activation_checkpointing: Checkpointing::Auto,
             loss_chunk_tokens: 0,
             micro_batch: 0,
+            cuda_graph: false,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::model::kernels::Kernels;
 use crate::model::nn::{cast, cast_copy, inv_freq, joined, upcast, Linear, RmsNorm, Rope};
 use anyhow::Result;
 use std::cell::RefCell;
+use std::rc::Rc;
 use tch::{nn, Device, Kind, Tensor};
 
 pub(crate) struct Mlp {
@@ -148,6 +149,14 @@ pub struct Llama {
     pub(crate) compute: Kind,
     /// The kernel library the attention layers use, None on the reference path.
     pub(crate) kernels: Option<&'static Kernels>,
+    /// A sequence kept from one forward to the next (`pin_sequence`).
+    pinned: RefCell<Option<Rc<Sequence>>>,
+}
+
+/// The masks and rotary angles of a whole sequence ([`Llama::sequence`]).
+pub(crate) struct Sequence {
+    pub(crate) masks: MaskCache,
+    pub(crate) rope: Rope,
 }
 
 impl Llama {
@@ -215,6 +224,7 @@ impl Llama {
             lm_head,
             compute,
             kernels,
+            pinned: RefCell::new(None),
         })
     }
 
@@ -237,15 +247,33 @@ impl Llama {
 
     /// `ids: [B, L]` int64 token ids.
     pub fn forward(&self, ids: &Tensor, ctx: &ForwardCtx) -> ForwardOutput {
-        let (masks, rope) = self.sequence(ids.size()[1], ids.device());
-        self.run(ids, &rope, |_| Keys::Chunk(&masks), ctx, false)
+        let seq = self.sequence(ids.size()[1], ids.device());
+        self.run(ids, &seq.rope, |_| Keys::Chunk(&seq.masks), ctx, false)
     }
 
-    /// The masks and rotary angles of a whole sequence of `len` tokens.
-    pub(crate) fn sequence(&self, len: i64, device: Device) -> (MaskCache, Rope) {
-        let masks = MaskCache::new(len as usize, device);
-        let rope = Rope::new(len, &inv_freq(&self.cfg), self.compute, device);
-        (masks, rope)
+    /// The masks and rotary angles of a whole sequence of `len` tokens: the pinned ones where
+    /// they are of this length and device, else built afresh (and dropped after the forward).
+    pub(crate) fn sequence(&self, len: i64, device: Device) -> Rc<Sequence> {
+        if let Some(seq) = self.pinned.borrow().as_ref() {
+            if seq.masks.fits(len as usize, device) {
+                return Rc::clone(seq);
+            }
+        }
+        Rc::new(Sequence {
+            masks: MaskCache::new(len as usize, device),
+            rope: Rope::new(len, &inv_freq(&self.cfg), self.compute, device),
+        })
+    }
+
+    /// Keeps the masks and angles of sequences of `len` tokens on `device` for every later
+    /// forward of that length, as each builds them lazily the first time: a forward captured
+    /// as a CUDA graph (`StepGraph`) after an eager one copies nothing from the host.
+    pub(crate) fn pin_sequence(&self, len: i64, device: Device) {
+        let seq = Rc::new(Sequence {
+            masks: MaskCache::new(len as usize, device),
+            rope: Rope::new(len, &inv_freq(&self.cfg), self.compute, device),
+        });
+        *self.pinned.borrow_mut() = Some(seq);
     }
 
     /// An empty decoding cache for `forward_cached` of sequences reaching `capacity` tokens

@@ -8,5 +8,6 @@ pub(crate) mod kernels;
 pub(crate) mod llama;
 pub(crate) mod nn;
 pub(crate) mod step;
+pub(crate) mod step_graph;
 
 pub use llama::*;

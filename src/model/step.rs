@@ -26,7 +26,7 @@ use crate::model::llama::{mean_term, usage, Llama};
 use crate::model::nn::token_nll;
 use tch::{Kind, Tensor};
 
-/// What one forward and backward over a micro-batch measured.
+/// What one forward and backward over a micro-batch measured, read on the host.
 pub(crate) struct MicroStep {
     /// Language-model loss (mean token NLL).
     pub(crate) loss: f64,
@@ -34,6 +34,25 @@ pub(crate) struct MicroStep {
     pub(crate) reg: Option<f64>,
     /// Full-attention usage mu_f, for routed methods.
     pub(crate) full_usage: Option<f64>,
+}
+
+/// What a micro-step measured, left on the device: read once its backward is queued (so the
+/// host does not wait for the forward before queuing the backward), or after a captured
+/// step's replay (`StepGraph`), whose capture may read nothing back.
+pub(crate) struct StepStats {
+    pub(crate) loss: Tensor,
+    pub(crate) reg: Option<Tensor>,
+    pub(crate) full_usage: Option<Tensor>,
+}
+
+impl StepStats {
+    pub(crate) fn read(&self) -> MicroStep {
+        MicroStep {
+            loss: self.loss.double_value(&[]),
+            reg: self.reg.as_ref().map(|r| r.double_value(&[])),
+            full_usage: self.full_usage.as_ref().map(|mu| mu.double_value(&[])),
+        }
+    }
 }
 
 /// How a micro-step keeps what its backward needs.
@@ -92,15 +111,15 @@ pub(crate) fn forward_loss(
     x: &Tensor,
     y: &Tensor,
     ctx: &ForwardCtx,
-) -> (Tensor, MicroStep) {
+) -> (Tensor, StepStats) {
     let fwd = model.forward(x, ctx);
     let nll = nll_of(model, &fwd.logits, y);
     let lm = nll.mean(Kind::Float);
     let reg = fwd.regulariser(&nll);
-    let stats = MicroStep {
-        loss: lm.double_value(&[]),
-        reg: reg.as_ref().map(|r| r.double_value(&[])),
-        full_usage: fwd.full_usage().map(|mu| mu.double_value(&[])),
+    let stats = StepStats {
+        loss: lm.detach(),
+        reg: reg.as_ref().map(Tensor::detach),
+        full_usage: fwd.full_usage().map(|mu| mu.detach()),
     };
     let total = match reg {
         Some(r) => lm + r,
@@ -119,6 +138,18 @@ pub(crate) fn forward_backward(
     plan: &StepPlan,
     accum: usize,
 ) -> MicroStep {
+    queue_forward_backward(model, x, y, ctx, plan, accum).read()
+}
+
+/// [`forward_backward`]'s work queued, its measures left on the device.
+pub(crate) fn queue_forward_backward(
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+    ctx: &ForwardCtx,
+    plan: &StepPlan,
+    accum: usize,
+) -> StepStats {
     if plan.plain() {
         let (total, stats) = forward_loss(model, x, y, ctx);
         (total / accum as f64).backward();
@@ -173,9 +204,10 @@ fn staged(
     ctx: &ForwardCtx,
     plan: &StepPlan,
     accum: usize,
-) -> MicroStep {
-    let (masks, rope) = model.sequence(x.size()[1], x.device());
-    let keys = Keys::Chunk(&masks);
+) -> StepStats {
+    let seq = model.sequence(x.size()[1], x.device());
+    let (masks, rope) = (&seq.masks, &seq.rope);
+    let keys = Keys::Chunk(masks);
     let layers = model.layers.len();
     assert_eq!(
         plan.recompute.len(),
@@ -192,7 +224,7 @@ fn staged(
     let mut reg_layers = 0;
     for i in 0..layers {
         let input = h.set_requires_grad(true);
-        let (out, attn) = model.block(i, &input, &rope, &keys, ctx);
+        let (out, attn) = model.block(i, &input, rope, &keys, ctx);
         reg_layers += usize::from(attn.reg.is_some());
         if let Some(g) = &attn.gates {
             means.push(tch::no_grad(|| g.mean(Kind::Float)));
@@ -281,7 +313,7 @@ fn staged(
             Some(out) => (out, k.reg, k.input),
             None => {
                 let input = k.input.set_requires_grad(true);
-                let (out, attn) = model.block(i, &input, &rope, &keys, ctx);
+                let (out, attn) = model.block(i, &input, rope, &keys, ctx);
                 (out, attn.reg, input)
             }
         };
@@ -297,10 +329,10 @@ fn staged(
     }
     terms.reverse();
     embedding_backward(&embedded, &g, &weight, head_grad);
-    MicroStep {
-        loss: nll.mean(Kind::Float).double_value(&[]),
-        reg: mean_term(terms).map(|r| r.double_value(&[])),
-        full_usage: usage(means, layers).map(|mu| mu.double_value(&[])),
+    StepStats {
+        loss: nll.mean(Kind::Float),
+        reg: mean_term(terms),
+        full_usage: usage(means, layers),
     }
 }
 

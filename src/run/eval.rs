@@ -743,7 +743,7 @@ mod tests {
         let mu = report.gates.unwrap().mu_f;
         // The zero-initialised router opens every gate of layer 1; layer 0 has none.
         assert!((mu - 0.5).abs() < 1e-12, "{mu}");
-        assert!((step.full_usage.unwrap() - mu).abs() < 1e-12);
+        assert!((step.read().full_usage.unwrap() - mu).abs() < 1e-12);
     }
 
     /// When timing is asked for, every figure is a positive time or rate, the attention layers are

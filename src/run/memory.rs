@@ -432,13 +432,14 @@ fn probe_blocks(
         let mut kept = Vec::new();
         let mut transient = Vec::new();
         for &l in &lengths {
-            let (masks, rope) = model.sequence(l as i64, device);
+            let seq = model.sequence(l as i64, device);
+            let (masks, rope) = (&seq.masks, &seq.rope);
             let x = Tensor::randn([1, l as i64, d], (Kind::Float, device))
                 .to_kind(model.compute)
                 .set_requires_grad(true);
             sync(device);
             let before = kern.cuda_memory(index, false)?.allocated;
-            let (y, attn) = model.block(i, &x, &rope, &Keys::Chunk(&masks), &ctx);
+            let (y, attn) = model.block(i, &x, rope, &Keys::Chunk(masks), &ctx);
             let g = y.ones_like();
             sync(device);
             let after = kern.cuda_memory(index, true)?.allocated;

@@ -17,6 +17,7 @@ pub(crate) mod ranks;
 pub(crate) mod report;
 pub mod tasks;
 pub(crate) mod train;
+pub(crate) mod train_graph;
 pub(crate) mod train_log;
 
 use crate::config::{parse_device, Config, DeviceSpec, Dtype};

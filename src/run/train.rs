@@ -17,6 +17,7 @@ use crate::run::memory::{MemoryPlan, GIB};
 use crate::run::optim::{is_router, learning_rate, penalty_scale, AdamW};
 use crate::run::ranks::{self, Place, Team};
 use crate::run::report;
+use crate::run::train_graph::{self, Graphs};
 use crate::run::train_log::{append_row, truncate_log, LOG_HEADER, VAL_LOG_HEADER};
 use crate::run::{resolve_device, resolve_with_data, Built};
 use crate::util::atomic;
@@ -309,6 +310,8 @@ struct Trainer<'a> {
     static_ramp: Option<(UsageRamp, usize)>,
     /// Its part in a data-parallel job, if it is one rank of several.
     team: Option<Team>,
+    /// The step captured as a CUDA graph (`train.cuda_graph`).
+    graphs: Option<Graphs>,
     /// The routers' weights, kept out of the update while `train.router_hold_steps` holds them.
     routers: Vec<Tensor>,
     log_path: PathBuf,
@@ -393,6 +396,16 @@ impl<'a> Trainer<'a> {
             }
             None => None,
         };
+        let trained: Vec<Tensor> = trainable.values().map(Tensor::shallow_clone).collect();
+        let passes = t.grad_accum / t.joined();
+        let graphs = Graphs::new(
+            cfg,
+            &built.model,
+            &trained,
+            passes,
+            team.is_some(),
+            prepared.device,
+        )?;
         let log_path = out.join("train_log.csv");
         let val_log_path = out.join("val_log.csv");
         if args.resume {
@@ -456,6 +469,7 @@ impl<'a> Trainer<'a> {
             p_force: (spec(cfg.attention.method).force_global)(&cfg.attention),
             static_ramp: static_ramp(&cfg)?,
             team,
+            graphs,
             routers,
             log_path,
             val_log_path,
@@ -503,7 +517,10 @@ impl<'a> Trainer<'a> {
     fn step(&mut self) -> Result<Step> {
         let t = &self.cfg.train;
         let lr = learning_rate(t, self.state.step);
-        self.opt.zero_grad();
+        // A captured step zeroes the gradients itself.
+        if self.graphs.is_none() {
+            self.opt.zero_grad();
+        }
         // A forced global step (L2A's anti-collapse draw): once per optimizer step, from the
         // gate generator.
         self.ctx.force_global = self.p_force > 0.0 && self.gate_rng.uniform() < self.p_force;
@@ -551,14 +568,11 @@ impl<'a> Trainer<'a> {
             if let (true, Some(team)) = (last, &self.team) {
                 team.arm()?;
             }
-            let m = forward_backward(
-                &self.built.model,
-                &b.x,
-                &b.y,
-                &self.ctx,
-                &self.plan.step,
-                passes,
-            );
+            let model = &self.built.model;
+            let m = match &mut self.graphs {
+                Some(g) => g.pass(model, &b.x, &b.y, &self.ctx, &self.plan.step)?,
+                None => forward_backward(model, &b.x, &b.y, &self.ctx, &self.plan.step, passes),
+            };
             ran = (ran.0 + 1, rows);
             if let (true, Some(team)) = (last, &self.team) {
                 team.finish()?;
@@ -673,6 +687,9 @@ impl<'a> Trainer<'a> {
         }
         self.progress.update(step as u64, &self.status);
         if t.eval_every > 0 && step % t.eval_every == 0 && step < t.steps {
+            if let Some(g) = &mut self.graphs {
+                g.release();
+            }
             let r = eval::evaluate(
                 &self.built.model,
                 &self.prepared.val_split,
@@ -723,6 +740,7 @@ impl<'a> Trainer<'a> {
         if !self.args.leads() {
             return Ok(());
         }
+        self.graphs = None;
         let (cfg, args, t) = (self.cfg, self.args, &self.cfg.train);
         let (model, device) = (&self.built.model, self.prepared.device);
         if self.state.step == t.steps {
@@ -737,6 +755,12 @@ impl<'a> Trainer<'a> {
             )?;
             report::write_report(&args.out.join("eval"), &r, cfg)?;
             if !args.quiet {
+                if t.cuda_graph {
+                    eprintln!(
+                        "{} steps replayed a captured CUDA graph",
+                        train_graph::replayed()
+                    );
+                }
                 eprintln!(
                     "done: {} steps, val loss {:.4} (ppl {:.2}), results in {}",
                     t.steps,
@@ -1012,6 +1036,61 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// On a GPU, `train.cuda_graph` trains the weights eager steps train (bf16, so to cuBLAS's
+    /// choice of algorithm on another stream), with the same logged losses, for full attention
+    /// and AHA, with an evaluation every two steps (the graph dropped and captured again):
+    /// every step after the first and each evaluation's next runs from a replay.
+    #[test]
+    #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
+    fn cuda_graph_steps_train_the_eager_weights() {
+        crate::model::kernels::tests::on_cuda("cuda_graph_steps_train_the_eager_weights", |_| {
+            let dir = crate::util::scratch_dir("cuda-graph-steps");
+            let runs = tiny_runs(&dir).into_iter().enumerate();
+            for (i, (name, mut c)) in runs {
+                if (name != "full" && name != "aha") || c.attention.draws_gates() {
+                    continue;
+                }
+                let name = format!("{name}-{i}");
+                (c.model.hidden_size, c.model.intermediate_size) = (128, 256);
+                c.train.device = "cuda".into();
+                c.train.dtype = crate::config::Dtype::Bf16;
+                c.attention.attn_impl = crate::config::AttnImpl::Cuda;
+                (c.train.steps, c.train.eval_every) = (6, 2);
+                let eager = dir.join(format!("{name}-eager"));
+                train(c.clone(), &args(&eager, false, None)).unwrap();
+                c.train.cuda_graph = true;
+                let graphed = dir.join(format!("{name}-graphed"));
+                let before = train_graph::replayed();
+                train(c.clone(), &args(&graphed, false, None)).unwrap();
+                // Step 1 eager, step 2 captured, steps 3-6 replayed or captured after the
+                // evaluations of steps 2 and 4.
+                assert_eq!(train_graph::replayed() - before, 5, "{name}");
+                let (a, b) = (weights(&eager), weights(&graphed));
+                for (key, t) in &a {
+                    let scale = t.abs().max().double_value(&[]).max(1e-6);
+                    let gap = (t - &b[key]).abs().max().double_value(&[]);
+                    assert!(gap <= 2e-2 * scale, "{name}: {key} differs by {gap}");
+                }
+                let losses = |run: &Path| -> Vec<f64> {
+                    let text = std::fs::read_to_string(run.join("train_log.csv")).unwrap();
+                    text.lines()
+                        .skip(1)
+                        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+                        .collect()
+                };
+                let (la, lb) = (losses(&eager), losses(&graphed));
+                assert_eq!(la.len(), 6);
+                assert!(
+                    la.iter()
+                        .zip(&lb)
+                        .all(|(p, q)| (p - q).abs() <= 1e-2 * p.abs()),
+                    "{name}: {la:?} {lb:?}"
+                );
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        });
     }
 
     /// A join that does not divide a rank's share of the micro-batches is refused, naming the

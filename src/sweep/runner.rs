@@ -66,6 +66,8 @@ pub(crate) struct SweepArgs {
     pub(crate) drop_optimizer: bool,
     /// A rank runs its share of a step's micro-batches as one pass (`train.micro_batch`).
     pub(crate) join_micro_batches: bool,
+    /// A train cell's step captured as a CUDA graph where it can be (`train.cuda_graph`).
+    pub(crate) cuda_graph: bool,
     /// Train again the finished train cells whose weights are gone and which a cell still to
     /// run reads (`sweep --retrain`).
     pub(crate) retrain: bool,
@@ -764,6 +766,13 @@ fn cell_command(
             let join = args.join_micro_batches && !config.attention.draws_gates();
             let micro = if join { config.train.share(ranks) } else { 0 };
             cmd.arg("--set").arg(format!("train.micro_batch={micro}"));
+            // A step captured where one GPU runs it as one pass, and the config lets a replay
+            // stand for every step; the others run eagerly, as without the flag.
+            let graph = args.cuda_graph
+                && ranks == 1
+                && (join || config.train.grad_accum == 1)
+                && config.graph_refusal().is_none();
+            cmd.arg("--set").arg(format!("train.cuda_graph={graph}"));
         }
         // The pretrained weights evaluated as the cell's config (`model/`) describes them.
         StageKind::Eval if dep_dir.is_none() => {
@@ -924,6 +933,7 @@ mod tests {
             retry_failed: false,
             drop_optimizer: false,
             join_micro_batches: false,
+            cuda_graph: false,
             retrain: false,
             stop_after: None,
             quiet: true,

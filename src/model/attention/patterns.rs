@@ -277,6 +277,11 @@ impl MaskCache {
         }
     }
 
+    /// Whether this cache is of sequences of `len` tokens on `device`.
+    pub(crate) fn fits(&self, len: usize, device: Device) -> bool {
+        self.len == len && self.device == device
+    }
+
     /// PPA `pattern`'s offsets beyond its window at this length (int32, on the device),
     /// built and copied at most once per forward; None where no offset reaches beyond the
     /// window, so the window kernels alone run it.

@@ -568,9 +568,11 @@ fn a_block_hands_l2a_its_stream() {
         let _ = g.shallow_clone().fill_(3.0);
     });
     let h = Tensor::randn([1, 5, 16], (Kind::Float, Device::Cpu));
-    let (masks, rope) = b.model.sequence(5, Device::Cpu);
-    let keys = Keys::Chunk(&masks);
-    let (_, attn) = b.model.block(0, &h, &rope, &keys, &ForwardCtx::default());
+    let seq = b.model.sequence(5, Device::Cpu);
+    let keys = Keys::Chunk(&seq.masks);
+    let (_, attn) = b
+        .model
+        .block(0, &h, &seq.rope, &keys, &ForwardCtx::default());
     let got = vec64(attn.scores.as_ref().unwrap());
     // By hand: x = RMSNorm(h) * 3, s the window attention of x, u = RMSNorm_g(h + s).
     let eps = cfg.model.rms_norm_eps;
@@ -579,7 +581,7 @@ fn a_block_hands_l2a_its_stream() {
         .flat_map(|t| rms_norm64(&hs[t * 16..t * 16 + 16], &[3.0; 16], eps))
         .collect();
     let x = Tensor::from_slice(&x).view([1, 5, 16]).to_kind(Kind::Float);
-    let s = window_output(&b, &cfg, &x, &rope, &keys);
+    let s = window_output(&b, &cfg, &x, &seq.rope, &keys);
     let w = vec64(&b.params()["model.layers.0.self_attn.router.weight"]);
     for t in 0..5 {
         let stream: Vec<f64> = (0..16).map(|c| hs[t * 16 + c] + s[t * 16 + c]).collect();

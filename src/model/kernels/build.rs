@@ -65,7 +65,7 @@ const SOURCES: [(&str, &str); 27] = [
 ];
 /// Version of the library's C interface: compiled into it (`ATTNSWEEP_ABI`), and checked
 /// when it loads, so a library built from other sources is refused rather than misread.
-pub(super) const ABI: i64 = 17;
+pub(super) const ABI: i64 = 18;
 pub(super) const LIB: &str = "libattnsweep_kernels.so";
 
 /// The kernel sources: those compiled into this binary, or, for kernel development, the files

@@ -439,9 +439,19 @@ impl Kernels {
     /// Memory of CUDA device `device` now (`CudaMemory`); with `reset`, the peak starts again
     /// from now. An error where the library was built without CUDA.
     pub(crate) fn cuda_memory(&self, device: usize, reset: bool) -> Result<CudaMemory> {
+        self.memory_call(device, i32::from(reset))
+    }
+
+    /// Gives the caching allocator's unused blocks on `device` back to the driver
+    /// (`torch.cuda.empty_cache`), then its memory as [`Kernels::cuda_memory`] reads it.
+    pub(crate) fn release_cache(&self, device: usize) -> Result<CudaMemory> {
+        self.memory_call(device, 2)
+    }
+
+    fn memory_call(&self, device: usize, flags: i32) -> Result<CudaMemory> {
         let mut out = [0f64; 5];
         status("CUDA memory", |e, n| unsafe {
-            (self.f.cuda_memory)(device as i64, i32::from(reset), out.as_mut_ptr(), e, n)
+            (self.f.cuda_memory)(device as i64, flags, out.as_mut_ptr(), e, n)
         })?;
         let [allocated, peak, reserved, free, total] = out;
         Ok(CudaMemory {
