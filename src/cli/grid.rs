@@ -64,7 +64,7 @@ pub(super) struct SweepCmd {
     #[arg(long)]
     join_micro_batches: bool,
     /// Capture each train cell's step as a CUDA graph and replay it (train.cuda_graph): the
-    /// same kernels without the host launching each, 1.02-1.33x at SmolLM2-135M's shapes.
+    /// same kernels without the host launching each (PERFORMANCE.md, the CUDA-graph entry).
     /// Taken where a cell trains on one GPU in one pass a step (with --join-micro-batches, or
     /// train.grad_accum 1) and its gates draw nothing at random; other cells run as without
     /// it. Needs --devices.

@@ -115,7 +115,7 @@ pub struct TrainConfig {
     pub micro_batch: usize,
     /// Capture the step's forward and backward as a CUDA graph after its first eager run and
     /// replay it (`run/train_graph.rs`): the same kernels on the same data without the host
-    /// launching each (1.02-1.33x at SmolLM2-135M's shapes, PERFORMANCE.md). Needs the
+    /// launching each (PERFORMANCE.md, the CUDA-graph entry). Needs the
     /// kernel library on a GPU, one process, one pass a step (grad_accum / micro_batch's join
     /// of 1) and gates that draw nothing at random; changes how the work runs, not what it
     /// computes.
