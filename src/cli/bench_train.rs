@@ -486,7 +486,8 @@ impl TrainBench {
                     opt.zero_grad();
                     for i in 0..accum as i64 {
                         let (x, y) = rows(i);
-                        let stats = forward_backward(&built.model, &x, &y, &ctx, &plan.step, accum);
+                        let stats =
+                            forward_backward(&built.model, &x, &y, &ctx, &plan.step, accum).read();
                         usage.extend(stats.full_usage);
                     }
                 }

@@ -129,20 +129,8 @@ pub(crate) fn forward_loss(
 }
 
 /// Forward and backward of one micro-batch under `plan`, gradients scaled by `1 / accum` and
-/// added to the parameters' gradients.
+/// added to the parameters' gradients; its measures left on the device (`StepStats::read`).
 pub(crate) fn forward_backward(
-    model: &Llama,
-    x: &Tensor,
-    y: &Tensor,
-    ctx: &ForwardCtx,
-    plan: &StepPlan,
-    accum: usize,
-) -> MicroStep {
-    queue_forward_backward(model, x, y, ctx, plan, accum).read()
-}
-
-/// [`forward_backward`]'s work queued, its measures left on the device.
-pub(crate) fn queue_forward_backward(
     model: &Llama,
     x: &Tensor,
     y: &Tensor,
@@ -432,7 +420,7 @@ mod tests {
                 .remainder(37)
                 .view([2, 24]);
             let (x, y) = (ids.narrow(1, 0, 23), ids.narrow(1, 1, 23));
-            m = Some(forward_backward(&b.model, &x, &y, &ctx, plan, accum));
+            m = Some(forward_backward(&b.model, &x, &y, &ctx, plan, accum).read());
         }
         let m = m.expect("at least one micro-step");
         let grads = b
@@ -616,7 +604,7 @@ mod tests {
                         compute_logits: b.model.kernels.is_some(),
                         ..Default::default()
                     };
-                    let m = forward_backward(&b.model, &x, &y, &ctx, plan, 1);
+                    let m = forward_backward(&b.model, &x, &y, &ctx, plan, 1).read();
                     let grads: BTreeMap<String, Tensor> = b
                         .params()
                         .into_iter()

@@ -24,7 +24,7 @@
 use crate::model::attention::ForwardCtx;
 use crate::model::kernels::{CudaGraph, Kernels};
 use crate::model::llama::Llama;
-use crate::model::step::{queue_forward_backward, MicroStep, StepPlan, StepStats};
+use crate::model::step::{forward_backward, MicroStep, StepPlan, StepStats};
 use anyhow::{bail, Result};
 use tch::{Device, Tensor};
 
@@ -107,7 +107,7 @@ impl StepGraph {
             for p in params {
                 let _ = p.grad().zero_();
             }
-            stats = Some(queue_forward_backward(model, &xs, &ys, ctx, plan, 1));
+            stats = Some(forward_backward(model, &xs, &ys, ctx, plan, 1));
         })?;
         if grads("after the capture")? != before {
             bail!(
@@ -153,7 +153,6 @@ mod tests {
     use super::*;
     use crate::config::{AttnImpl, Config, Dtype, Method, ModelConfig};
     use crate::model::attention::all_methods;
-    use crate::model::step::forward_backward;
     use crate::run::Built;
     use std::collections::BTreeMap;
     use tch::Kind;
@@ -223,7 +222,7 @@ mod tests {
                             let _ = g.zero_();
                         }
                     }
-                    let m = forward_backward(&built.model, x, y, &ctx, &plan, 1);
+                    let m = forward_backward(&built.model, x, y, &ctx, &plan, 1).read();
                     (m, grads())
                 };
                 built.model.pin_sequence(512, dev);

@@ -571,7 +571,9 @@ impl<'a> Trainer<'a> {
             let model = &self.built.model;
             let m = match &mut self.graphs {
                 Some(g) => g.pass(model, &b.x, &b.y, &self.ctx, &self.plan.step)?,
-                None => forward_backward(model, &b.x, &b.y, &self.ctx, &self.plan.step, passes),
+                None => {
+                    forward_backward(model, &b.x, &b.y, &self.ctx, &self.plan.step, passes).read()
+                }
             };
             ran = (ran.0 + 1, rows);
             if let (true, Some(team)) = (last, &self.team) {

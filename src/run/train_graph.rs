@@ -114,7 +114,7 @@ impl Graphs {
             }
         }
         self.warm = key;
-        Ok(forward_backward(model, x, y, ctx, plan, 1))
+        Ok(forward_backward(model, x, y, ctx, plan, 1).read())
     }
 
     /// Drops the graph, its memory free for an evaluation; the next step captures it again.
