@@ -27,19 +27,19 @@ use crate::model::step_graph::{CtxKey, StepGraph};
 use crate::run::memory::{self, GIB};
 use crate::run::optim::AdamW;
 use crate::run::Built;
-use crate::sweep::{Figure, Look, Panel, Series, XAxis};
 use crate::util::atomic;
 use crate::util::flags::each_once;
 use crate::util::stats::median;
 use anyhow::{bail, ensure, Context, Result};
+use figure::figure;
+use row::{optional_number, reads_power, TrainRow, HEADER, OURS};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
-/// The dense bf16 peak the utilisation divides by: an H100 SXM's (and an H200's), 989.4
-/// TFLOP/s without sparsity.
-pub(crate) const PEAK_FLOPS: f64 = 989.4e12;
+mod figure;
+mod row;
 
 pub(crate) struct TrainBench {
     pub(crate) lengths: Vec<i64>,
@@ -129,199 +129,6 @@ impl TrainBench {
             "the model's vocabulary must hold at least 2 tokens"
         );
         Ok(())
-    }
-}
-
-/// The `impl` column of our rows.
-const OURS: &str = "attnsweep";
-
-/// A method's place in the registry's order of bench variants (unknown names last).
-fn method_rank(name: &str) -> usize {
-    TrainMethod::all()
-        .position(|m| m.name() == name)
-        .unwrap_or(usize::MAX)
-}
-
-/// Whether the variant named `method` reads PPA's power (`BenchVariant::reads_power`).
-fn reads_power(method: &str) -> bool {
-    TrainMethod::parse(method).is_ok_and(|m| m.variant.reads_power)
-}
-
-/// One case measured (or refused): a row of `train_bench.csv`.
-#[derive(Clone, Debug, PartialEq)]
-struct TrainRow {
-    model: String,
-    imp: String,
-    method: String,
-    window: usize,
-    /// The usage the gates were set to open at (`--full-usage`).
-    usage_set: f64,
-    /// PPA's power (`--ppa-power`), for a method that reads it; None for the others, and for
-    /// rows of a CSV written before the column was.
-    ppa_power: Option<f64>,
-    len: i64,
-    batch: i64,
-    /// How the case keeps its activations and computes its loss.
-    setup: String,
-    /// None where the case failed (`note` says why).
-    step_ms: Option<f64>,
-    peak_gib: Option<f64>,
-    planned_gib: Option<f64>,
-    /// mu_f measured on the timed steps.
-    full_usage: Option<f64>,
-    /// The utilisation as last written: kept for a model whose shape this run cannot resolve
-    /// (`write_outputs`).
-    mfu: Option<f64>,
-    note: String,
-}
-
-/// The settings a row's method reads (`BenchVariant::reads_window`, `reads_usage`,
-/// `reads_power`): its window, its gates' usage and PPA's power (as written in the CSV), None
-/// for one it does not read.
-type Case = (Option<usize>, Option<String>, Option<String>);
-
-const HEADER: [&str; 18] = [
-    "model",
-    "impl",
-    "method",
-    "window",
-    "usage_set",
-    "ppa_power",
-    "L",
-    "batch",
-    "setup",
-    "step_ms",
-    "tokens_per_s",
-    "peak_gib",
-    "planned_gib",
-    "mfu",
-    "full_usage",
-    "vs_same_impl_full",
-    "vs_compile_full",
-    "note",
-];
-
-/// Model FLOPs a token of `m` takes in a training step at length `len`: 6 per parameter of
-/// every matrix product (projections, MLP, head; the embedding lookup is none), and 12 per
-/// query dimension and attended key for attention (QK and PV, forward and backward), with
-/// full causal attention's (len + 1) / 2 keys a query: the dense model's count, the same for
-/// every method, so a sparse method's utilisation reads as throughput in dense-model units.
-pub(crate) fn flops_per_token(m: &ModelConfig, len: i64) -> f64 {
-    let (d, f, v) = (
-        m.hidden_size as f64,
-        m.intermediate_size as f64,
-        m.vocab_size as f64,
-    );
-    let q = (m.num_attention_heads * m.head_dim()) as f64;
-    let kv = (m.num_key_value_heads * m.head_dim()) as f64;
-    let layer = d * q * 2.0 + d * kv * 2.0 + 3.0 * d * f;
-    let matmul = m.num_hidden_layers as f64 * layer + v * d;
-    6.0 * matmul + 12.0 * m.num_hidden_layers as f64 * q * (len as f64 + 1.0) / 2.0
-}
-
-impl TrainRow {
-    /// The case a row measures: a setting its method does not read does not tell two rows
-    /// apart (full attention at another `--window` is the same case).
-    fn key(&self) -> (String, String, String, Case, i64) {
-        (
-            self.model.clone(),
-            self.imp.clone(),
-            self.method.clone(),
-            self.case(),
-            self.len,
-        )
-    }
-
-    fn case(&self) -> Case {
-        let (window, usage, power) =
-            TrainMethod::parse(&self.method).map_or((true, true, true), |m| {
-                (
-                    m.variant.reads_window,
-                    m.variant.reads_usage,
-                    m.variant.reads_power,
-                )
-            });
-        (
-            window.then_some(self.window),
-            usage.then(|| format!("{}", self.usage_set)),
-            self.ppa_power.filter(|_| power).map(|p| format!("{p}")),
-        )
-    }
-
-    fn tokens_per_s(&self) -> Option<f64> {
-        self.step_ms
-            .map(|ms| (self.batch * self.len) as f64 / ms * 1e3)
-    }
-
-    fn record(&self, rows: &[TrainRow], models: &BTreeMap<String, ModelConfig>) -> Vec<String> {
-        let full_of = |imp: &str| {
-            rows.iter()
-                .find(|r| {
-                    r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
-                })
-                .and_then(|r| r.tokens_per_s())
-        };
-        // Of throughputs, not step times: rows of runs with other --tokens hold other batches.
-        let ratio = |base: Option<f64>| match (base, self.tokens_per_s()) {
-            (Some(b), Some(t)) => format!("{:.3}", t / b),
-            _ => String::new(),
-        };
-        let opt =
-            |v: Option<f64>, digits: usize| v.map_or(String::new(), |v| format!("{v:.digits$}"));
-        let mfu = match (self.tokens_per_s(), models.get(&self.model)) {
-            (Some(t), Some(m)) => Some(t * flops_per_token(m, self.len) / PEAK_FLOPS),
-            _ => self.mfu,
-        };
-        vec![
-            self.model.clone(),
-            self.imp.clone(),
-            self.method.clone(),
-            self.window.to_string(),
-            self.usage_set.to_string(),
-            self.ppa_power.map_or(String::new(), |p| p.to_string()),
-            self.len.to_string(),
-            self.batch.to_string(),
-            self.setup.clone(),
-            opt(self.step_ms, 3),
-            opt(self.tokens_per_s(), 0),
-            opt(self.peak_gib, 2),
-            opt(self.planned_gib, 2),
-            opt(mfu, 3),
-            opt(self.full_usage, 4),
-            ratio(full_of(&self.imp)),
-            ratio(full_of("torch_compile")),
-            self.note.clone(),
-        ]
-    }
-
-    /// A row of an earlier run's CSV, its fields found by `columns` (the file's header).
-    fn parse(r: &csv::StringRecord, columns: &[String]) -> Result<TrainRow> {
-        let get = |name: &str| {
-            columns
-                .iter()
-                .position(|c| c == name)
-                .and_then(|i| r.get(i))
-                .unwrap_or_default()
-                .to_string()
-        };
-        let num = |name: &str| optional_number(&get(name), name);
-        Ok(TrainRow {
-            model: get("model"),
-            imp: get("impl"),
-            method: get("method"),
-            window: get("window").parse().context("window is not an integer")?,
-            usage_set: num("usage_set")?.context("usage_set is empty")?,
-            ppa_power: num("ppa_power")?,
-            len: get("L").parse().context("L is not an integer")?,
-            batch: get("batch").parse().context("batch is not an integer")?,
-            setup: get("setup"),
-            step_ms: num("step_ms")?,
-            peak_gib: num("peak_gib")?,
-            planned_gib: num("planned_gib")?,
-            full_usage: num("full_usage")?,
-            mfu: num("mfu")?,
-            note: get("note"),
-        })
     }
 }
 
@@ -450,9 +257,9 @@ impl TrainBench {
             .filter(|p| p.requires_grad())
             .map(Tensor::shallow_clone)
             .collect();
-        if graph {
-            built.model.pin_sequence(len, Device::Cuda(0));
-        }
+        // Every try keeps the sequence's masks and angles, which a captured step needs: the
+        // eager and captured steps differ in the capture alone.
+        built.model.pin_sequence(len, Device::Cuda(0));
         let key = CtxKey::of(&ctx, cfg.attention.draws_gates())
             .context("the bench's forward options cannot be captured")?;
         let mut captured: Option<StepGraph> = None;
@@ -617,18 +424,6 @@ fn setup_of(plan: &memory::MemoryPlan) -> String {
         Some(n) => format!("checkpointing {ckpt}; loss in chunks of {n}"),
         None => format!("checkpointing {ckpt}"),
     }
-}
-
-/// A number of a CSV field named `what`: None where empty, else a finite number.
-fn optional_number(s: &str, what: &str) -> Result<Option<f64>> {
-    if s.is_empty() {
-        return Ok(None);
-    }
-    let v: f64 = s
-        .parse()
-        .with_context(|| format!("{what} = {s:?} is not a number"))?;
-    ensure!(v.is_finite(), "{what} = {s} is not finite");
-    Ok(Some(v))
 }
 
 /// The rows of `train_bench.csv` in `out` from earlier runs (none where there is no file).
@@ -844,142 +639,12 @@ pub(crate) fn file_safe(name: &str) -> String {
         .collect()
 }
 
-/// Tokens/s and peak memory against the length for `model`'s rows that ran, a line per
-/// (implementation, method, case): None where none ran. A method (with its case) keeps one
-/// colour; ours is drawn solid with filled circles, the compiled peer dashed with hollow
-/// squares, the eager one dashed with crosses.
-fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
-    type Line = (String, String, Case);
-    let mut lines: Vec<Line> = rows
-        .iter()
-        .filter(|r| r.model == model && r.step_ms.is_some())
-        .map(|r| (r.imp.clone(), r.method.clone(), r.case()))
-        .collect();
-    // Ours first, then the peers; methods in the order `all_methods` names them.
-    let imp_rank = |imp: &str| {
-        [OURS, "torch_compile", "torch_eager"]
-            .iter()
-            .position(|i| *i == imp)
-            .unwrap_or(3)
-    };
-    lines.sort_by(|a, b| {
-        (imp_rank(&a.0), method_rank(&a.1), &a.2)
-            .partial_cmp(&(imp_rank(&b.0), method_rank(&b.1), &b.2))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
-    lines.dedup();
-    if lines.is_empty() {
-        return None;
-    }
-    // Where every line with a window has the same one (or usage), the names leave it out.
-    let distinct = |f: fn(&Case) -> Option<String>| {
-        let mut v: Vec<String> = lines.iter().filter_map(|l| f(&l.2)).collect();
-        v.sort();
-        v.dedup();
-        v.len() > 1
-    };
-    // PPA's rows of a CSV written before the `ppa_power` column have no power: "p=?", told
-    // apart from a power measured since.
-    let mut powers: Vec<&Option<String>> = lines
-        .iter()
-        .filter(|l| reads_power(&l.1))
-        .map(|l| &l.2 .2)
-        .collect();
-    powers.sort();
-    powers.dedup();
-    let (name_windows, name_usages, name_powers) = (
-        distinct(|c| c.0.map(|w| w.to_string())),
-        distinct(|c| c.1.clone()),
-        powers.len() > 1,
-    );
-    // A colour per (method, case), in the order of the methods.
-    let mut kinds: Vec<(usize, &Case)> = lines.iter().map(|l| (method_rank(&l.1), &l.2)).collect();
-    kinds.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    kinds.dedup();
-    let look = |imp: &str, method: &str, case: &Case| Look::Chosen {
-        colour: kinds
-            .iter()
-            .position(|k| *k == (method_rank(method), case))
-            .unwrap_or(0),
-        shape: match imp {
-            OURS => 0,
-            "torch_compile" => 2,
-            _ => 4,
-        },
-        hollow: imp != OURS,
-        dashed: imp != OURS,
-    };
-    let panel = |title: &str, y: &str, value: fn(&TrainRow) -> Option<f64>| Panel {
-        title: title.into(),
-        x: "sequence length L (tokens)".into(),
-        y: y.into(),
-        series: lines
-            .iter()
-            .filter_map(|(imp, method, case)| {
-                let mut points: Vec<(f64, f64, String)> = rows
-                    .iter()
-                    .filter(|r| {
-                        r.model == model
-                            && &r.imp == imp
-                            && &r.method == method
-                            && &r.case() == case
-                    })
-                    .filter_map(|r| value(r).map(|v| (r.len as f64, v, set_up(r))))
-                    .collect();
-                points.sort_by(|a, b| a.0.total_cmp(&b.0));
-                // A line joins lengths run one way only; where the tokens a step or the
-                // checkpointing change with the length the points stand alone, each named by
-                // its set-up.
-                let one_set_up = points.windows(2).all(|p| p[0].2 == p[1].2);
-                let mut name = format!("{imp} {method}");
-                if let (true, Some(w)) = (name_windows, case.0) {
-                    name += &format!(" w={w}");
-                }
-                if let (true, Some(u)) = (name_usages, &case.1) {
-                    name += &format!(" u={u}");
-                }
-                if name_powers && reads_power(method) {
-                    name += &format!(" p={}", case.2.as_deref().unwrap_or("?"));
-                }
-                (!points.is_empty()).then(|| Series {
-                    name,
-                    labels: match one_set_up {
-                        true => vec![],
-                        false => points.iter().map(|p| p.2.clone()).collect(),
-                    },
-                    points: points.iter().map(|p| (p.0, p.1)).collect(),
-                    line: one_set_up,
-                    errors: vec![],
-                    look: look(imp, method, case),
-                })
-            })
-            .collect(),
-        x_axis: XAxis::LogSwept,
-    };
-    Some(Figure::Panels {
-        title: format!("Training steps of {model}: ours beside plain PyTorch"),
-        panels: vec![
-            panel("throughput", "tokens/s", |r| r.tokens_per_s()),
-            panel("peak memory", "peak GPU memory (GiB)", |r| r.peak_gib),
-        ],
-    })
-}
-
-/// A row's set-up as a short point label: its tokens a step (batch x L; the batch itself
-/// shrinks as L grows at equal tokens) and its checkpointing (the part of `setup` before the
-/// loss's chunks), e.g. "16K tok, ckpt none" for batch 2 at 8,192 with "checkpointing none".
-fn set_up(r: &TrainRow) -> String {
-    let checkpointing = r.setup.split(';').next().unwrap_or_default().trim();
-    let mode = checkpointing
-        .strip_prefix("checkpointing ")
-        .unwrap_or_else(|| checkpointing.trim_end_matches(" checkpointing"));
-    format!("{}K tok, ckpt {mode}", r.batch * r.len / 1024)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::row::{flops_per_token, PEAK_FLOPS};
     use super::*;
     use crate::run::presets;
+    use crate::sweep::{Figure, Look};
 
     /// The utilisation's FLOPs: 6 per matrix parameter and the causal attention term, for
     /// Qwen2.5-1.5B at 8192 tokens (about 9.3 GFLOP of matrices plus 2.1 of attention).

@@ -66,8 +66,9 @@ pub(super) struct SweepCmd {
     /// Capture each train cell's step as a CUDA graph and replay it (train.cuda_graph): the
     /// same kernels without the host launching each (PERFORMANCE.md, the CUDA-graph entry).
     /// Taken where a cell trains on one GPU in one pass a step (with --join-micro-batches, or
-    /// train.grad_accum 1) and its gates draw nothing at random; other cells run as without
-    /// it. Needs --devices.
+    /// train.grad_accum 1) on the kernel library (bf16, head_dim 64 or 128), its gates drawing
+    /// nothing at random and no ramp changing its forward each step; other cells run as
+    /// without it. Needs --devices.
     #[arg(long)]
     cuda_graph: bool,
     /// Make again the weights of each finished train or prune cell whose weights are gone (a
@@ -96,17 +97,9 @@ pub(super) struct SweepCmd {
     stop_after: Option<u64>,
 }
 
-pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
-    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
-    let mut grid = sweep::read_grid(&c.grid)?;
-    if let Some(n) = c.seeds {
-        anyhow::ensure!(
-            c.emit.is_none() && c.cell.is_empty(),
-            "--seeds runs a first part of the grid here; with --emit or --cell, whose indexes \
-             are the whole grid's, leave it out"
-        );
-        grid.keep_first_seeds(n)?;
-    }
+/// The flags that place or run a sweep's work, against where it runs: --emit's job array and
+/// --devices.
+fn check_placement(c: &SweepCmd) -> Result<()> {
     anyhow::ensure!(
         !c.retrain || c.emit.is_none(),
         "--retrain trains a cell's dependencies again before the cell, in one run; a scheduler's \
@@ -128,6 +121,21 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         "--cuda-graph captures a cell's step as a CUDA graph, and this machine has no CUDA \
          GPU: leave it out"
     );
+    Ok(())
+}
+
+pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
+    anyhow::ensure!(c.jobs >= 1, "--jobs must be at least 1 (got 0)");
+    let mut grid = sweep::read_grid(&c.grid)?;
+    if let Some(n) = c.seeds {
+        anyhow::ensure!(
+            c.emit.is_none() && c.cell.is_empty(),
+            "--seeds runs a first part of the grid here; with --emit or --cell, whose indexes \
+             are the whole grid's, leave it out"
+        );
+        grid.keep_first_seeds(n)?;
+    }
+    check_placement(&c)?;
     let cells = sweep::expand(&grid)?;
     if let Some(x) = cells.iter().find(|x| x.config.train.micro_batch != 0) {
         anyhow::bail!(

@@ -61,11 +61,22 @@ impl Config {
         self.eval.validate()
     }
 
-    /// Why `train.cuda_graph` could not replay this config's step, where it could not: gates
-    /// drawn afresh each step, which a replay would repeat, or a forward changed every step,
-    /// which no capture would outlive. What the run's place decides (one GPU, one pass a step)
-    /// is the trainer's to check.
+    /// Why `train.cuda_graph` could not replay this config's step, where it could not: a model
+    /// off the kernel library (which the capture runs on), gates drawn afresh each step, which
+    /// a replay would repeat, or a forward changed every step, which no capture would outlive.
+    /// What the run's place decides (a GPU, one process, one pass a step) is the trainer's.
     pub(crate) fn graph_refusal(&self) -> Option<&'static str> {
+        let head_dim = self.model.head_dim();
+        if self.attention.attn_impl == AttnImpl::Reference
+            || self.train.dtype != Dtype::Bf16
+            || !(head_dim == 64 || head_dim == 128)
+        {
+            return Some(
+                "train.cuda_graph captures the step the kernel library runs, which takes \
+                 train.dtype = \"bf16\", head_dim 64 or 128 and attention.attn_impl other than \
+                 \"reference\"",
+            );
+        }
         if self.attention.draws_gates() {
             return Some(
                 "train.cuda_graph replays one captured step, but this model's gates are drawn \

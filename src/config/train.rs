@@ -116,9 +116,9 @@ pub struct TrainConfig {
     /// Capture the step's forward and backward as a CUDA graph after its first eager run and
     /// replay it (`run/train_graph.rs`): the same kernels on the same data without the host
     /// launching each (PERFORMANCE.md, the CUDA-graph entry). Needs the
-    /// kernel library on a GPU, one process, one pass a step (grad_accum / micro_batch's join
-    /// of 1) and gates that draw nothing at random; changes how the work runs, not what it
-    /// computes.
+    /// kernel library on a GPU (dtype bf16, head_dim 64 or 128), one process, one pass a step
+    /// (grad_accum / micro_batch's join of 1), gates that draw nothing at random and no ramp
+    /// (lambda_ramp, attention.top_k_ramp); changes how the work runs, not what it computes.
     pub cuda_graph: bool,
 }
 

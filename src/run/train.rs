@@ -1041,9 +1041,10 @@ mod tests {
     }
 
     /// On a GPU, `train.cuda_graph` trains the weights eager steps train (bf16, so to cuBLAS's
-    /// choice of algorithm on another stream), with the same logged losses, for full attention
-    /// and AHA, with an evaluation every two steps (the graph dropped and captured again):
-    /// every step after the first and each evaluation's next runs from a replay.
+    /// choice of algorithm on another stream), with the same logged losses, for full attention,
+    /// AHA and L2A, with an evaluation every two steps (the graph dropped and captured again):
+    /// every step after the first runs from a replay, but L2A's forced global steps (drawn at
+    /// its p_force), which run eagerly.
     #[test]
     #[ignore = "needs a CUDA GPU and the kernel library: run with --ignored on a GPU machine"]
     fn cuda_graph_steps_train_the_eager_weights() {
@@ -1051,7 +1052,7 @@ mod tests {
             let dir = crate::util::scratch_dir("cuda-graph-steps");
             let runs = tiny_runs(&dir).into_iter().enumerate();
             for (i, (name, mut c)) in runs {
-                if (name != "full" && name != "aha") || c.attention.draws_gates() {
+                if !["full", "aha", "l2a"].contains(&name) || c.attention.draws_gates() {
                     continue;
                 }
                 let name = format!("{name}-{i}");
@@ -1068,7 +1069,11 @@ mod tests {
                 train(c.clone(), &args(&graphed, false, None)).unwrap();
                 // Step 1 eager, step 2 captured, steps 3-6 replayed or captured after the
                 // evaluations of steps 2 and 4.
-                assert_eq!(train_graph::replayed() - before, 5, "{name}");
+                let replayed = train_graph::replayed() - before;
+                match name.starts_with("l2a") {
+                    true => assert!((1..=5).contains(&replayed), "{name}: {replayed}"),
+                    false => assert_eq!(replayed, 5, "{name}"),
+                }
                 let (a, b) = (weights(&eager), weights(&graphed));
                 for (key, t) in &a {
                     let scale = t.abs().max().double_value(&[]).max(1e-6);

@@ -1,11 +1,13 @@
 //! `train.cuda_graph`: a run's step captured as a CUDA graph and replayed (`StepGraph`).
 //!
 //! A step runs eagerly first (its gradients, the sequence's pinned masks and the libraries'
-//! handles come into being), and a step whose forward takes the same constants as the one
-//! before it (`CtxKey`) is captured, then replayed at every later step with those constants.
-//! A step under others (L2A's forced global step, the routers' hold) runs eagerly and the
-//! graph waits for the constants it holds. Before an evaluation the graph is dropped, its
-//! memory given to the evaluation, and the next step captures it again.
+//! handles come into being). A step whose forward takes the constants (`CtxKey`) of the step
+//! before it, or of the graph last captured, is captured and replayed, and every later step
+//! with those constants replays it. A step under others (L2A's forced global step, the
+//! routers' hold) drops the graph first, so its eager activations never sit beside the graph's
+//! pool (the memory plan counts one step's), and the next step with the graph's constants
+//! captures it again. So does the step after an evaluation, which the graph's memory is given
+//! to. A capture that fails is reported once and the run goes on eagerly.
 
 use crate::config::Config;
 use crate::model::attention::ForwardCtx;
@@ -14,6 +16,7 @@ use crate::model::step::{forward_backward, MicroStep, StepPlan};
 use crate::model::step_graph::{CtxKey, StepGraph};
 use crate::model::Llama;
 use anyhow::{bail, Result};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tch::{Device, Tensor};
 
@@ -30,9 +33,12 @@ pub(crate) struct Graphs {
     draws: bool,
     /// The trained parameters, whose gradients the graph zeroes and adds into.
     trained: Vec<Tensor>,
-    /// The constants of the last eager step: a step under the same is captured.
-    warm: Option<CtxKey>,
+    /// The constants of the step before, and of the graph last captured.
+    last: Option<CtxKey>,
+    captured: Option<CtxKey>,
     graph: Option<StepGraph>,
+    /// Set once a capture failed: every later step runs eagerly.
+    failed: bool,
 }
 
 impl Graphs {
@@ -65,8 +71,9 @@ impl Graphs {
         }
         let (Device::Cuda(_), Some(kern)) = (device, model.kernels) else {
             bail!(
-                "train.cuda_graph captures the step on a CUDA GPU through the kernel library \
-                 (attnsweep kernels build); this run has no such GPU: set train.cuda_graph = false"
+                "train.cuda_graph captures the step the kernel library runs on a CUDA GPU, and \
+                 this run has no GPU or no library (attnsweep kernels build): set \
+                 train.cuda_graph = false"
             );
         };
         model.pin_sequence(cfg.data.seq_len as i64, device);
@@ -74,14 +81,16 @@ impl Graphs {
             kern,
             draws: cfg.attention.draws_gates(),
             trained: trained.iter().map(Tensor::shallow_clone).collect(),
-            warm: None,
+            last: None,
+            captured: None,
             graph: None,
+            failed: false,
         }))
     }
 
     /// The step's one pass on `x -> y`, gradients from zero: replayed where the graph holds
-    /// `ctx`'s constants, captured and replayed where the eager step before had them, else
-    /// eagerly.
+    /// `ctx`'s constants, captured and replayed where the step before or the graph last
+    /// captured had them, else eagerly.
     pub(crate) fn pass(
         &mut self,
         model: &Llama,
@@ -90,22 +99,35 @@ impl Graphs {
         ctx: &ForwardCtx,
         plan: &StepPlan,
     ) -> Result<MicroStep> {
-        let key = CtxKey::of(ctx, self.draws);
-        if let (Some(g), Some(k)) = (&self.graph, &key) {
-            if g.fits(x, k) {
+        let key = CtxKey::of(ctx, self.draws).filter(|_| !self.failed);
+        let last = std::mem::replace(&mut self.last, key.clone());
+        if let Some(k) = &key {
+            if let Some(g) = self.graph.as_ref().filter(|g| g.fits(x, k)) {
                 REPLAYED.fetch_add(1, Ordering::Relaxed);
                 return g.run(x, y, k);
             }
         }
-        if let Some(k) = key.as_ref().filter(|k| self.warm.as_ref() == Some(*k)) {
-            // One graph at a time: the old one's memory goes before the new one takes its own.
-            self.graph = None;
-            let g =
-                StepGraph::capture(self.kern, model, &self.trained, x, y, ctx, k.clone(), plan)?;
-            let m = g.run(x, y, k)?;
-            REPLAYED.fetch_add(1, Ordering::Relaxed);
-            self.graph = Some(g);
-            return Ok(m);
+        // Whatever runs now, the graph's pool goes first.
+        self.graph = None;
+        let seen = |k: &CtxKey| last.as_ref() == Some(k) || self.captured.as_ref() == Some(k);
+        if let Some(k) = key.as_ref().filter(|k| seen(k)) {
+            let captured = catch_unwind(AssertUnwindSafe(|| {
+                StepGraph::capture(self.kern, model, &self.trained, x, y, ctx, k.clone(), plan)
+            }));
+            match captured {
+                Ok(Ok(g)) => {
+                    let m = g.run(x, y, k)?;
+                    REPLAYED.fetch_add(1, Ordering::Relaxed);
+                    (self.graph, self.captured) = (Some(g), Some(k.clone()));
+                    return Ok(m);
+                }
+                Ok(Err(e)) => eprintln!("warning: {e:#}; the run goes on without a CUDA graph"),
+                Err(_) => eprintln!(
+                    "warning: capturing the step as a CUDA graph failed (above); the run goes \
+                     on without one"
+                ),
+            }
+            self.failed = true;
         }
         for p in &self.trained {
             let mut g = p.grad();
@@ -113,7 +135,6 @@ impl Graphs {
                 let _ = g.zero_();
             }
         }
-        self.warm = key;
         Ok(forward_backward(model, x, y, ctx, plan, 1).read())
     }
 
@@ -140,7 +161,7 @@ mod tests {
             c.model.hidden_size,
             c.model.intermediate_size,
             c.model.vocab_size,
-        ) = (16, 24, 64);
+        ) = (128, 24, 64);
         (c.model.num_attention_heads, c.model.num_key_value_heads) = (2, 2);
         c.train.device = "cpu".into();
         let b = Built::new(&c, Device::Cpu).unwrap();
@@ -150,16 +171,16 @@ mod tests {
         };
         assert!(new(&c, 2, true).unwrap().is_none(), "off by default");
         c.train.cuda_graph = true;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("takes train.dtype = \"bf16\""), "{e}");
+        c.train.dtype = crate::config::Dtype::Bf16;
         c.validate().unwrap();
         let e = format!("{:#}", new(&c, 1, true).err().unwrap());
         assert!(e.contains("a data-parallel rank's step"), "{e}");
         let e = format!("{:#}", new(&c, 2, false).err().unwrap());
         assert!(e.contains("this run's step takes 2"), "{e}");
         let e = format!("{:#}", new(&c, 1, false).err().unwrap());
-        assert!(
-            e.contains("no such GPU: set train.cuda_graph = false"),
-            "{e}"
-        );
+        assert!(e.contains("no GPU or no library"), "{e}");
         c.attention.method = Method::Aha;
         c.attention.router = Router::Bernoulli;
         let e = c.validate().unwrap_err().to_string();

@@ -766,9 +766,9 @@ fn cell_command(
             let join = args.join_micro_batches && !config.attention.draws_gates();
             let micro = if join { config.train.share(ranks) } else { 0 };
             cmd.arg("--set").arg(format!("train.micro_batch={micro}"));
-            // A step captured where one GPU runs it as one pass, and the config lets a replay
-            // stand for every step; the others run eagerly, as without the flag.
-            let graph = args.cuda_graph
+            // A step captured (by the flag or the grid) where one GPU runs it as one pass and
+            // the config lets a replay stand for the steps; the others run eagerly.
+            let graph = (args.cuda_graph || config.train.cuda_graph)
                 && ranks == 1
                 && (join || config.train.grad_accum == 1)
                 && config.graph_refusal().is_none();

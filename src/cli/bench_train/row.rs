@@ -1,0 +1,220 @@
+//! A row of `bench train`'s table (`train_bench.csv`): one case measured or refused, the
+//! columns it writes and reads back, and the model FLOPs its utilisation counts.
+
+use crate::cli::bench_methods::TrainMethod;
+use crate::config::ModelConfig;
+use anyhow::{ensure, Context, Result};
+use std::collections::BTreeMap;
+
+/// The dense bf16 peak the utilisation divides by: an H100 SXM's (and an H200's), 989.4
+/// TFLOP/s without sparsity.
+pub(super) const PEAK_FLOPS: f64 = 989.4e12;
+
+/// The `impl` column of our rows.
+pub(super) const OURS: &str = "attnsweep";
+
+/// A method's place in the registry's order of bench variants (unknown names last).
+pub(super) fn method_rank(name: &str) -> usize {
+    TrainMethod::all()
+        .position(|m| m.name() == name)
+        .unwrap_or(usize::MAX)
+}
+
+/// Whether the variant named `method` reads PPA's power (`BenchVariant::reads_power`).
+pub(super) fn reads_power(method: &str) -> bool {
+    TrainMethod::parse(method).is_ok_and(|m| m.variant.reads_power)
+}
+
+/// One case measured (or refused): a row of `train_bench.csv`.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct TrainRow {
+    pub(super) model: String,
+    pub(super) imp: String,
+    pub(super) method: String,
+    pub(super) window: usize,
+    /// The usage the gates were set to open at (`--full-usage`).
+    pub(super) usage_set: f64,
+    /// PPA's power (`--ppa-power`), for a method that reads it; None for the others, and for
+    /// rows of a CSV written before the column was.
+    pub(super) ppa_power: Option<f64>,
+    pub(super) len: i64,
+    pub(super) batch: i64,
+    /// How the case keeps its activations and computes its loss.
+    pub(super) setup: String,
+    /// None where the case failed (`note` says why).
+    pub(super) step_ms: Option<f64>,
+    pub(super) peak_gib: Option<f64>,
+    pub(super) planned_gib: Option<f64>,
+    /// mu_f measured on the timed steps.
+    pub(super) full_usage: Option<f64>,
+    /// The utilisation as last written: kept for a model whose shape this run cannot resolve
+    /// (`write_outputs`).
+    pub(super) mfu: Option<f64>,
+    pub(super) note: String,
+}
+
+/// The settings a row's method reads (`BenchVariant::reads_window`, `reads_usage`,
+/// `reads_power`): its window, its gates' usage and PPA's power (as written in the CSV), None
+/// for one it does not read.
+pub(super) type Case = (Option<usize>, Option<String>, Option<String>);
+
+pub(super) const HEADER: [&str; 18] = [
+    "model",
+    "impl",
+    "method",
+    "window",
+    "usage_set",
+    "ppa_power",
+    "L",
+    "batch",
+    "setup",
+    "step_ms",
+    "tokens_per_s",
+    "peak_gib",
+    "planned_gib",
+    "mfu",
+    "full_usage",
+    "vs_same_impl_full",
+    "vs_compile_full",
+    "note",
+];
+
+/// Model FLOPs a token of `m` takes in a training step at length `len`: 6 per parameter of
+/// every matrix product (projections, MLP, head; the embedding lookup is none), and 12 per
+/// query dimension and attended key for attention (QK and PV, forward and backward), with
+/// full causal attention's (len + 1) / 2 keys a query: the dense model's count, the same for
+/// every method, so a sparse method's utilisation reads as throughput in dense-model units.
+pub(super) fn flops_per_token(m: &ModelConfig, len: i64) -> f64 {
+    let (d, f, v) = (
+        m.hidden_size as f64,
+        m.intermediate_size as f64,
+        m.vocab_size as f64,
+    );
+    let q = (m.num_attention_heads * m.head_dim()) as f64;
+    let kv = (m.num_key_value_heads * m.head_dim()) as f64;
+    let layer = d * q * 2.0 + d * kv * 2.0 + 3.0 * d * f;
+    let matmul = m.num_hidden_layers as f64 * layer + v * d;
+    6.0 * matmul + 12.0 * m.num_hidden_layers as f64 * q * (len as f64 + 1.0) / 2.0
+}
+
+impl TrainRow {
+    /// The case a row measures: a setting its method does not read does not tell two rows
+    /// apart (full attention at another `--window` is the same case).
+    pub(super) fn key(&self) -> (String, String, String, Case, i64) {
+        (
+            self.model.clone(),
+            self.imp.clone(),
+            self.method.clone(),
+            self.case(),
+            self.len,
+        )
+    }
+
+    pub(super) fn case(&self) -> Case {
+        let (window, usage, power) =
+            TrainMethod::parse(&self.method).map_or((true, true, true), |m| {
+                (
+                    m.variant.reads_window,
+                    m.variant.reads_usage,
+                    m.variant.reads_power,
+                )
+            });
+        (
+            window.then_some(self.window),
+            usage.then(|| format!("{}", self.usage_set)),
+            self.ppa_power.filter(|_| power).map(|p| format!("{p}")),
+        )
+    }
+
+    pub(super) fn tokens_per_s(&self) -> Option<f64> {
+        self.step_ms
+            .map(|ms| (self.batch * self.len) as f64 / ms * 1e3)
+    }
+
+    pub(super) fn record(
+        &self,
+        rows: &[TrainRow],
+        models: &BTreeMap<String, ModelConfig>,
+    ) -> Vec<String> {
+        let full_of = |imp: &str| {
+            rows.iter()
+                .find(|r| {
+                    r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
+                })
+                .and_then(|r| r.tokens_per_s())
+        };
+        // Of throughputs, not step times: rows of runs with other --tokens hold other batches.
+        let ratio = |base: Option<f64>| match (base, self.tokens_per_s()) {
+            (Some(b), Some(t)) => format!("{:.3}", t / b),
+            _ => String::new(),
+        };
+        let opt =
+            |v: Option<f64>, digits: usize| v.map_or(String::new(), |v| format!("{v:.digits$}"));
+        let mfu = match (self.tokens_per_s(), models.get(&self.model)) {
+            (Some(t), Some(m)) => Some(t * flops_per_token(m, self.len) / PEAK_FLOPS),
+            _ => self.mfu,
+        };
+        vec![
+            self.model.clone(),
+            self.imp.clone(),
+            self.method.clone(),
+            self.window.to_string(),
+            self.usage_set.to_string(),
+            self.ppa_power.map_or(String::new(), |p| p.to_string()),
+            self.len.to_string(),
+            self.batch.to_string(),
+            self.setup.clone(),
+            opt(self.step_ms, 3),
+            opt(self.tokens_per_s(), 0),
+            opt(self.peak_gib, 2),
+            opt(self.planned_gib, 2),
+            opt(mfu, 3),
+            opt(self.full_usage, 4),
+            ratio(full_of(&self.imp)),
+            ratio(full_of("torch_compile")),
+            self.note.clone(),
+        ]
+    }
+
+    /// A row of an earlier run's CSV, its fields found by `columns` (the file's header).
+    pub(super) fn parse(r: &csv::StringRecord, columns: &[String]) -> Result<TrainRow> {
+        let get = |name: &str| {
+            columns
+                .iter()
+                .position(|c| c == name)
+                .and_then(|i| r.get(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        let num = |name: &str| optional_number(&get(name), name);
+        Ok(TrainRow {
+            model: get("model"),
+            imp: get("impl"),
+            method: get("method"),
+            window: get("window").parse().context("window is not an integer")?,
+            usage_set: num("usage_set")?.context("usage_set is empty")?,
+            ppa_power: num("ppa_power")?,
+            len: get("L").parse().context("L is not an integer")?,
+            batch: get("batch").parse().context("batch is not an integer")?,
+            setup: get("setup"),
+            step_ms: num("step_ms")?,
+            peak_gib: num("peak_gib")?,
+            planned_gib: num("planned_gib")?,
+            full_usage: num("full_usage")?,
+            mfu: num("mfu")?,
+            note: get("note"),
+        })
+    }
+}
+
+/// A number of a CSV field named `what`: None where empty, else a finite number.
+pub(super) fn optional_number(s: &str, what: &str) -> Result<Option<f64>> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let v: f64 = s
+        .parse()
+        .with_context(|| format!("{what} = {s:?} is not a number"))?;
+    ensure!(v.is_finite(), "{what} = {s} is not finite");
+    Ok(Some(v))
+}
