@@ -39,8 +39,9 @@ pub(crate) struct CtxKey {
 
 impl CtxKey {
     /// The key of `ctx`; `draws`: the method draws its gates from `ctx.gate_seed`
-    /// (`AttentionConfig::draws_gates`). None where no capture can stand for the forward: gates overridden
-    /// (by tensors a step may replace) or the attention timed (which synchronises).
+    /// (`AttentionConfig::draws_gates`). None where no capture can stand for the forward:
+    /// gates overridden (by tensors a step may replace) or the attention timed (which
+    /// synchronises).
     pub(crate) fn of(ctx: &ForwardCtx, draws: bool) -> Option<CtxKey> {
         if ctx.gate_override.is_some() || ctx.attention_seconds.get().is_some() {
             return None;
@@ -169,7 +170,7 @@ mod tests {
     fn captured_steps_give_the_eager_steps() {
         crate::model::kernels::tests::on_cuda("captured_steps_give_the_eager_steps", |kern| {
             let dev = Device::Cuda(0);
-            let mut failed = Vec::new();
+            let (mut failed, mut captured) = (Vec::new(), 0);
             let examples = all_methods().flat_map(|s| s.examples.iter().map(|e| (e.name, e.set)));
             for (name, set) in examples {
                 let mut c = Config::default();
@@ -255,6 +256,7 @@ mod tests {
                             continue;
                         }
                     };
+                    captured += 1;
                     for (x, y) in [(&x0, &y0), (&x1, &y1)] {
                         let got = graph.run(x, y, &key).unwrap();
                         let got_grads = grads();
@@ -282,6 +284,8 @@ mod tests {
                 }
             }
             assert!(failed.is_empty(), "{}", failed.join("\n"));
+            // Every example but those reading files (static heads), under both plans.
+            assert!(captured >= 20, "{captured} captures");
         });
     }
 }
