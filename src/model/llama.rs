@@ -259,21 +259,21 @@ impl Llama {
                 return Rc::clone(seq);
             }
         }
-        Rc::new(Sequence {
+        Rc::new(self.new_sequence(len, device))
+    }
+
+    fn new_sequence(&self, len: i64, device: Device) -> Sequence {
+        Sequence {
             masks: MaskCache::new(len as usize, device),
             rope: Rope::new(len, &inv_freq(&self.cfg), self.compute, device),
-        })
+        }
     }
 
     /// Keeps the masks and angles of sequences of `len` tokens on `device` for every later
     /// forward of that length, as each builds them lazily the first time: a forward captured
     /// as a CUDA graph (`StepGraph`) after an eager one copies nothing from the host.
     pub(crate) fn pin_sequence(&self, len: i64, device: Device) {
-        let seq = Rc::new(Sequence {
-            masks: MaskCache::new(len as usize, device),
-            rope: Rope::new(len, &inv_freq(&self.cfg), self.compute, device),
-        });
-        *self.pinned.borrow_mut() = Some(seq);
+        *self.pinned.borrow_mut() = Some(Rc::new(self.new_sequence(len, device)));
     }
 
     /// An empty decoding cache for `forward_cached` of sequences reaching `capacity` tokens

@@ -570,7 +570,7 @@ impl<'a> Trainer<'a> {
             }
             let model = &self.built.model;
             let m = match &mut self.graphs {
-                Some(g) => g.pass(model, &b.x, &b.y, &self.ctx, &self.plan.step)?,
+                Some(g) => g.pass(model, &b.x, &b.y, &self.ctx, &self.plan.step, &self.opt)?,
                 None => {
                     forward_backward(model, &b.x, &b.y, &self.ctx, &self.plan.step, passes).read()
                 }

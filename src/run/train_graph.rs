@@ -15,6 +15,7 @@ use crate::model::kernels::Kernels;
 use crate::model::step::{forward_backward, MicroStep, StepPlan};
 use crate::model::step_graph::{CtxKey, StepGraph};
 use crate::model::Llama;
+use crate::run::optim::AdamW;
 use anyhow::{bail, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -90,7 +91,7 @@ impl Graphs {
 
     /// The step's one pass on `x -> y`, gradients from zero: replayed where the graph holds
     /// `ctx`'s constants, captured and replayed where the step before or the graph last
-    /// captured had them, else eagerly.
+    /// captured had them, else eagerly (`opt` zeroes the gradients first).
     pub(crate) fn pass(
         &mut self,
         model: &Llama,
@@ -98,6 +99,7 @@ impl Graphs {
         y: &Tensor,
         ctx: &ForwardCtx,
         plan: &StepPlan,
+        opt: &AdamW,
     ) -> Result<MicroStep> {
         let key = CtxKey::of(ctx, self.draws).filter(|_| !self.failed);
         let last = std::mem::replace(&mut self.last, key.clone());
@@ -129,12 +131,7 @@ impl Graphs {
             }
             self.failed = true;
         }
-        for p in &self.trained {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
-        }
+        opt.zero_grad();
         Ok(forward_backward(model, x, y, ctx, plan, 1).read())
     }
 
