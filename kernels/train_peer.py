@@ -18,8 +18,8 @@ masks wherever a mask is not plain causal:
                  paper's formulation)
   l2a            window attention s, then a second attention module (own projections) over s
                  for the queries whose gate is open only, compacted (FlexAttention over the
-                 open queries' positions): o = s + d a; gates drawn Bernoulli(full_usage) per
-                 token
+                 open queries' positions): o = s + d a; round(full_usage L) queries open,
+                 drawn at random each step
   swiattn        per-token router on the normed input, both branches computed (own output
                  projection each) and mixed by the straight-through gate, with the adaptive
                  regulariser gamma_base / (eps + NLL_t + alpha D_t) * softplus(r_t)
@@ -188,16 +188,16 @@ class Block(nn.Module):
         ga = self.global_attn
         b, l, _ = s_loc.shape
         gq, gk, gv = ga.qkv(s_loc, cos, sin)
-        open_ = torch.rand(l, device=x.device) < self.full_usage
-        pos = open_.nonzero().squeeze(-1)
-        n = pos.numel()
-        if n == 0:
-            return s_loc, {"usage": open_.float().mean()}
+        # A fixed count of open queries, drawn afresh each step: the shapes stay static, so the
+        # compiled peer neither breaks its graph on a data-dependent count nor recompiles for
+        # each count it meets (a careful user's padding of the routed tokens to one size).
+        n = max(1, round(self.full_usage * l))
+        pos = torch.randperm(l, device=x.device)[:n].sort().values
         mask = create_block_mask(lambda b_, h_, qi, ki: ki <= pos[qi], None, None, n, l, device=x.device, _compile=True)
         a = masks["flex"](gq[:, :, pos].contiguous(), gk, gv, block_mask=mask, enable_gqa=ga.h != ga.kv)
         rows = torch.zeros(b, l, s_loc.shape[-1], device=x.device, dtype=s_loc.dtype)
         rows = rows.index_copy(1, pos, ga.out(a).to(s_loc.dtype))
-        out["usage"] = open_.float().mean()
+        out["usage"] = torch.tensor(n / l, device=x.device)
         return s_loc + rows, out
 
     def forward(self, x, cos, sin, masks):
@@ -437,6 +437,13 @@ def run_case(a, m, impl, l, batch, micro, checkpointed, mode="default"):
     masks = inner.masks(l, dev) if a.method != "full" else {}
     times, usage = [], None
     accum = batch // micro
+    # Under reduce-overhead the first micro-batch's backward would install its graph's output
+    # buffers as the .grad tensors, and the next micro-batch's replay overwrites them (PyTorch
+    # issue 169545); gradients that exist before the first backward are added into instead.
+    keep_grads = mode == "reduce-overhead" and accum > 1
+    if keep_grads:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
 
     def step():
         for i in range(accum):
@@ -451,7 +458,7 @@ def run_case(a, m, impl, l, batch, micro, checkpointed, mode="default"):
                 (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not keep_grads)
         loss.item()
         return usage
 
