@@ -32,7 +32,7 @@ use crate::util::flags::each_once;
 use crate::util::stats::median;
 use anyhow::{bail, ensure, Context, Result};
 use figure::figure;
-use row::{optional_number, reads_power, TrainRow, HEADER, OURS};
+use row::{combine_runs, known_header, optional_number, reads_power, TrainRow, HEADER, OURS};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -75,6 +75,9 @@ pub(crate) struct TrainBench {
     /// One more step of each case (ours and the peers') under PyTorch's profiler: its trace in
     /// `out/profiles/`, summed by kernel and by kind (`profile::summarise`).
     pub(crate) profile: bool,
+    /// Runs of the whole bench, ours and the peers' alternating which goes first: each case's
+    /// row the mean of its runs, with every run's time and the paired ratio's interval.
+    pub(crate) repeats: usize,
 }
 
 impl TrainBench {
@@ -98,6 +101,15 @@ impl TrainBench {
             self.ste_sample
         );
         ensure!(self.steps >= 1, "--steps must be at least 1");
+        ensure!(
+            (1..=20).contains(&self.repeats),
+            "--repeats must be 1 to 20 (got {})",
+            self.repeats
+        );
+        ensure!(
+            !(self.profile && self.repeats > 1),
+            "--profile traces one run: give --repeats 1 with it"
+        );
         ensure!(
             self.micro_batches >= 1,
             "--micro-batches must be at least 1"
@@ -389,6 +401,7 @@ impl TrainBench {
             step_ms: None,
             peak_gib: None,
             planned_gib: None,
+            runs_ms: Vec::new(),
             full_usage: None,
             mfu: None,
             note: String::new(),
@@ -434,9 +447,8 @@ fn earlier_rows(path: &Path) -> Result<Vec<TrainRow>> {
     let mut r =
         csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
     let header: Vec<String> = r.headers()?.iter().map(String::from).collect();
-    // A file written before the `ppa_power` column reads as one without PPA's power.
-    let before_power = HEADER.iter().filter(|c| **c != "ppa_power");
-    if header != HEADER && !header.iter().map(String::as_str).eq(before_power.copied()) {
+    // A file written before some columns were (`ADDED`) reads as one without them.
+    if !known_header(&header) {
         bail!(
             "{} holds a bench of another format (columns {}); choose another --out or move it away",
             path.display(),
@@ -503,7 +515,32 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
     }
     let csv_path = b.out.join("train_bench.csv");
     let rows = earlier_rows(&csv_path)?;
-    let mut fresh: Vec<TrainRow> = Vec::new();
+    let mut runs = Vec::new();
+    for run in 0..b.repeats {
+        // Which side goes first alternates, so a drift over the runs (the GPU's clocks, a
+        // neighbour) falls on both alike.
+        let peers_first = run % 2 == 0;
+        if b.repeats > 1 {
+            eprintln!("run {} of {}", run + 1, b.repeats);
+        }
+        let mut fresh = Vec::new();
+        if peers_first {
+            fresh.extend(peers_run(b)?);
+        }
+        fresh.extend(our_run(b, kern));
+        if !peers_first {
+            fresh.extend(peers_run(b)?);
+        }
+        runs.push(fresh);
+    }
+    let fresh = combine_runs(runs);
+    let rows = merge(rows, fresh);
+    write_outputs(&b.out, &rows, Some((&b.model_name, &b.model)))
+}
+
+/// The peers' rows of one run of the bench (none where none runs).
+fn peers_run(b: &TrainBench) -> Result<Vec<TrainRow>> {
+    let mut fresh = Vec::new();
     // The variants the peers implement (`BenchVariant::peer`).
     let peer_methods: Vec<&str> = b.methods.iter().filter_map(|m| m.variant.peer).collect();
     // A list of variants without a peer (aha-sampled) leaves the peers nothing to run.
@@ -542,6 +579,12 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
         )?;
         fresh.extend(peer_rows(b, &printed)?);
     }
+    Ok(fresh)
+}
+
+/// Our rows of one run of the bench, a failed case recorded with its reason.
+fn our_run(b: &TrainBench, kern: &'static kernels::Kernels) -> Vec<TrainRow> {
+    let mut fresh = Vec::new();
     for &len in &b.lengths {
         for &m in &b.methods {
             // One failed case (out of memory at a long length) is recorded with its reason,
@@ -556,8 +599,7 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             }));
         }
     }
-    let rows = merge(rows, fresh);
-    write_outputs(&b.out, &rows, Some((&b.model_name, &b.model)))
+    fresh
 }
 
 /// `earlier` with the `fresh` rows in place of the rows of their cases.
@@ -641,7 +683,7 @@ pub(crate) fn file_safe(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::row::{flops_per_token, PEAK_FLOPS};
+    use super::row::{flops_per_token, ADDED, PEAK_FLOPS};
     use super::*;
     use crate::run::presets;
     use crate::sweep::{Figure, Look};
@@ -680,6 +722,7 @@ mod tests {
             peers: vec![],
             peer_modes: vec!["default".into()],
             profile: false,
+            repeats: 1,
         }
     }
 
@@ -730,6 +773,17 @@ mod tests {
         assert_eq!(rows[1].step_ms, None);
         assert_eq!(rows[1].note, "out of memory, even so");
         assert!(peer_rows(&b, "torch_eager,full,1024,4,nan,1,,1,x,\n").is_err());
+        // Beside them a row of ours that reads PPA's power; one run of the bench: each
+        // measured row's run is its step time.
+        let mut rows = rows;
+        rows.push(TrainRow {
+            imp: OURS.into(),
+            step_ms: Some(40.0),
+            ..b.row("ppa", 1024)
+        });
+        let rows = combine_runs(vec![rows]);
+        assert_eq!(rows[0].runs_ms, vec![50.0]);
+        assert!(rows[1].runs_ms.is_empty());
 
         let dir = crate::util::scratch_dir("bench-train-csv");
         let path = dir.join("train_bench.csv");
@@ -753,29 +807,105 @@ mod tests {
         // MFU of the compiled full row: 81920 tokens/s times the model's FLOPs over the peak.
         let mfu = 81920.0 * flops_per_token(&b.model, 1024) / PEAK_FLOPS;
         assert!(text.contains(&format!("{mfu:.3}")), "{text}");
-        // A CSV written before the ppa_power column reads, its rows without a power.
-        let before: Vec<&str> = HEADER
-            .iter()
-            .copied()
-            .filter(|c| *c != "ppa_power")
-            .collect();
-        let power_at = HEADER.iter().position(|c| *c == "ppa_power").unwrap();
-        let old_records: Vec<Vec<String>> = records
-            .iter()
-            .map(|r| {
-                let mut r = r.clone();
-                r.remove(power_at);
-                r
-            })
-            .collect();
-        atomic::write_csv(&path, &before, &old_records).unwrap();
-        let old = earlier_rows(&path).unwrap();
-        assert_eq!(old.len(), rows.len());
-        assert!(old.iter().all(|r| r.ppa_power.is_none()));
-        assert_eq!(old[0].step_ms, Some(50.0));
+        // CSVs written before the repeats' columns, and before the ppa_power column too, read:
+        // their rows without a power where it is missing, each step time its one run.
+        for dropped in [&ADDED[1..], &ADDED[..]] {
+            let kept: Vec<usize> = (0..HEADER.len())
+                .filter(|&i| !dropped.contains(&HEADER[i]))
+                .collect();
+            let header: Vec<&str> = kept.iter().map(|&i| HEADER[i]).collect();
+            let old_records: Vec<Vec<String>> = records
+                .iter()
+                .map(|r| kept.iter().map(|&i| r[i].clone()).collect())
+                .collect();
+            atomic::write_csv(&path, &header, &old_records).unwrap();
+            let old = earlier_rows(&path).unwrap();
+            assert_eq!(old.len(), rows.len());
+            assert_eq!(old[0].step_ms, Some(50.0));
+            assert_eq!(old[0].runs_ms, vec![50.0]);
+            let power = (!dropped.contains(&"ppa_power")).then_some(0.5);
+            assert_eq!(old[2].ppa_power, power);
+        }
+        // Columns out of order, or a required one missing, are another format.
+        let mut swapped: Vec<&str> = HEADER.to_vec();
+        swapped.swap(0, 1);
+        atomic::write_csv(&path, &swapped, &[] as &[Vec<String>]).unwrap();
+        assert!(earlier_rows(&path).is_err());
         std::fs::write(&path, "a,b\n1,2\n").unwrap();
         let e = format!("{:#}", earlier_rows(&path).unwrap_err());
         assert!(e.contains("another format"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Several runs of the bench make one row a case: the mean of the runs that measured it,
+    /// each run kept, the first measuring run's setup, the largest peak; the ratio to the
+    /// compiled peer's full attention gets the interval of its run-by-run pairs (Student's t on
+    /// the log scale, computed here by hand); one run has no interval.
+    #[test]
+    fn repeated_runs_make_one_row_with_a_paired_interval() {
+        let mut b = bench();
+        b.repeats = 0;
+        assert!(format!("{:#}", b.validate().unwrap_err()).contains("--repeats must be 1 to 20"));
+        b.repeats = 2;
+        assert!(b.validate().is_ok());
+        b.profile = true;
+        assert!(format!("{:#}", b.validate().unwrap_err()).contains("--profile traces one run"));
+        let b = bench();
+        let row = |imp: &str, method: &str, ms: Option<f64>, setup: &str, peak: f64| TrainRow {
+            imp: imp.into(),
+            step_ms: ms,
+            setup: setup.into(),
+            peak_gib: Some(peak),
+            ..b.row(method, 1024)
+        };
+        let runs = vec![
+            vec![
+                row("torch_compile", "full", Some(100.0), "peer", 9.0),
+                row(OURS, "full", Some(90.0), "first", 5.0),
+                row(OURS, "aha", None, "out of memory", 0.0),
+            ],
+            vec![
+                row(OURS, "full", Some(88.0), "second", 6.0),
+                row(OURS, "aha", Some(80.0), "fits", 4.0),
+                row("torch_compile", "full", Some(110.0), "peer", 8.0),
+            ],
+        ];
+        let rows = combine_runs(runs);
+        assert_eq!(rows.len(), 3);
+        let ours = &rows[1];
+        assert_eq!(ours.runs_ms, vec![90.0, 88.0]);
+        assert_eq!(ours.step_ms, Some(89.0));
+        assert_eq!(ours.setup, "first");
+        assert_eq!(ours.peak_gib, Some(6.0));
+        assert_eq!(rows[0].runs_ms, vec![100.0, 110.0]);
+        assert_eq!(rows[0].peak_gib, Some(9.0));
+        // The case the first run could not measure takes the run that did.
+        assert_eq!(rows[2].runs_ms, vec![80.0]);
+        assert_eq!(rows[2].setup, "fits");
+        // Pairs 100 / 90 and 110 / 88: the log ratios' mean +- t(1) 12.706 x their sd / sqrt 2.
+        let logs = [(100.0f64 / 90.0).ln(), (110.0f64 / 88.0).ln()];
+        let mean = (logs[0] + logs[1]) / 2.0;
+        let half = 12.706 * (logs[0] - logs[1]).abs() / 2f64.sqrt() / 2f64.sqrt();
+        let (low, high) = ours.paired_ratio_interval(&rows[0]);
+        assert!(((mean - half).exp() - low).abs() < 1e-9, "{low}");
+        assert!(((mean + half).exp() - high).abs() < 1e-9, "{high}");
+        assert!(low < 1.0 && high > 1.1, "({low}, {high})");
+        assert!(rows[2].paired_ratio_interval(&rows[0]).0.is_nan());
+        let models = BTreeMap::new();
+        let record = ours.record(&rows, &models);
+        assert_eq!(record.len(), HEADER.len());
+        assert_eq!(record[18], "90.000/88.000");
+        assert_eq!(record[19], format!("{low:.3}"));
+        assert_eq!(record[20], format!("{high:.3}"));
+        // The row's ratio is of the mean throughputs: 100 ms of the peer's on average over 89.
+        assert_eq!(record[16], format!("{:.3}", 105.0 / 89.0));
+        // Read back, the runs are the row's.
+        let dir = crate::util::scratch_dir("bench-train-repeats");
+        let records: Vec<Vec<String>> = rows.iter().map(|r| r.record(&rows, &models)).collect();
+        atomic::write_csv(&dir.join("train_bench.csv"), &HEADER, &records).unwrap();
+        let back = earlier_rows(&dir.join("train_bench.csv")).unwrap();
+        assert_eq!(back[1].runs_ms, vec![90.0, 88.0]);
+        assert_eq!(back[1].step_ms, Some(89.0));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -833,8 +963,8 @@ mod tests {
             .lines()
             .find(|l| l.contains(",aha,") && l.contains(",0.2,"))
             .unwrap();
-        // vs_same_impl_full 1.250; no compiled peer here.
-        assert!(line.ends_with(",1.250,,"), "{line}");
+        // vs_same_impl_full 1.250; no compiled peer here, no runs of the row (made by hand).
+        assert!(line.ends_with(",1.250,,,,,"), "{line}");
         assert!(aha.mfu.is_some());
         let custom = back.iter().find(|r| r.model.starts_with("custom")).unwrap();
         assert_eq!(custom.mfu, Some(0.25));

@@ -217,6 +217,11 @@ struct BenchTrainCmd {
     /// and by kind).
     #[arg(long)]
     profile: bool,
+    /// Runs of the whole bench, ours and the peers' alternating which goes first: each row the
+    /// mean of its case's runs, with each run's step time (step_ms_runs) and the 95 % interval
+    /// of the ratio to the compiled peer's full attention, run by run.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
 }
 
 /// `--checkpointing`'s values: `train.activation_checkpointing`'s, read as the config reads
@@ -645,6 +650,7 @@ fn run_bench_train(c: BenchTrainCmd) -> Result<()> {
         peers: if c.no_peers { Vec::new() } else { c.peers },
         peer_modes: c.peer_modes,
         profile: c.profile,
+        repeats: c.repeats,
     };
     b.validate()?;
     println!("{}", bench_train::run_train(&b)?.display());

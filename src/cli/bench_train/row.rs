@@ -3,6 +3,7 @@
 
 use crate::cli::bench_methods::TrainMethod;
 use crate::config::ModelConfig;
+use crate::util::stats::mean_interval;
 use anyhow::{ensure, Context, Result};
 use std::collections::BTreeMap;
 
@@ -41,8 +42,12 @@ pub(super) struct TrainRow {
     pub(super) batch: i64,
     /// How the case keeps its activations and computes its loss.
     pub(super) setup: String,
-    /// None where the case failed (`note` says why).
+    /// None where the case failed (`note` says why); over several runs of the bench
+    /// (`--repeats`), the mean of `runs_ms`.
     pub(super) step_ms: Option<f64>,
+    /// Each run's step time, in the order the runs went (one where the bench ran once; none
+    /// for a failed case or a row of a CSV written before the column was).
+    pub(super) runs_ms: Vec<f64>,
     pub(super) peak_gib: Option<f64>,
     pub(super) planned_gib: Option<f64>,
     /// mu_f measured on the timed steps.
@@ -58,7 +63,7 @@ pub(super) struct TrainRow {
 /// for one it does not read.
 pub(super) type Case = (Option<usize>, Option<String>, Option<String>);
 
-pub(super) const HEADER: [&str; 18] = [
+pub(super) const HEADER: [&str; 21] = [
     "model",
     "impl",
     "method",
@@ -77,7 +82,27 @@ pub(super) const HEADER: [&str; 18] = [
     "vs_same_impl_full",
     "vs_compile_full",
     "note",
+    "step_ms_runs",
+    "vs_compile_full_ci95_low",
+    "vs_compile_full_ci95_high",
 ];
+
+/// The columns a CSV of an earlier version may lack (`ppa_power` and the repeats' three): such
+/// a file reads as one whose rows hold no power and one run each.
+pub(super) const ADDED: [&str; 4] = [
+    "ppa_power",
+    "step_ms_runs",
+    "vs_compile_full_ci95_low",
+    "vs_compile_full_ci95_high",
+];
+
+/// Whether `header` is `HEADER` less some of the columns added since (`ADDED`), in order.
+pub(super) fn known_header(header: &[String]) -> bool {
+    let kept = HEADER
+        .iter()
+        .filter(|h| !ADDED.contains(h) || header.iter().any(|c| c == *h));
+    header.iter().map(String::as_str).eq(kept.copied())
+}
 
 /// Model FLOPs a token of `m` takes in a training step at length `len`: 6 per parameter of
 /// every matrix product (projections, MLP, head; the embedding lookup is none), and 12 per
@@ -136,13 +161,12 @@ impl TrainRow {
         rows: &[TrainRow],
         models: &BTreeMap<String, ModelConfig>,
     ) -> Vec<String> {
-        let full_of = |imp: &str| {
-            rows.iter()
-                .find(|r| {
-                    r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
-                })
-                .and_then(|r| r.tokens_per_s())
+        let full_row = |imp: &str| {
+            rows.iter().find(|r| {
+                r.model == self.model && r.imp == imp && r.method == "full" && r.len == self.len
+            })
         };
+        let full_of = |imp: &str| full_row(imp).and_then(TrainRow::tokens_per_s);
         // Of throughputs, not step times: rows of runs with other --tokens hold other batches.
         let ratio = |base: Option<f64>| match (base, self.tokens_per_s()) {
             (Some(b), Some(t)) => format!("{:.3}", t / b),
@@ -154,7 +178,7 @@ impl TrainRow {
             (Some(t), Some(m)) => Some(t * flops_per_token(m, self.len) / PEAK_FLOPS),
             _ => self.mfu,
         };
-        vec![
+        let mut record = vec![
             self.model.clone(),
             self.imp.clone(),
             self.method.clone(),
@@ -173,7 +197,34 @@ impl TrainRow {
             ratio(full_of(&self.imp)),
             ratio(full_of("torch_compile")),
             self.note.clone(),
-        ]
+            self.runs_ms
+                .iter()
+                .map(|ms| format!("{ms:.3}"))
+                .collect::<Vec<_>>()
+                .join("/"),
+        ];
+        let (low, high) = full_row("torch_compile")
+            .map_or((f64::NAN, f64::NAN), |f| self.paired_ratio_interval(f));
+        record.push(opt(Some(low).filter(|v| v.is_finite()), 3));
+        record.push(opt(Some(high).filter(|v| v.is_finite()), 3));
+        record
+    }
+
+    /// The 95 % interval of this row's throughput over `base`'s, run by run: the i-th run of
+    /// each paired (the bench runs both sides once a run), each pair's ratio one replicate,
+    /// Student's t on the log scale (a ratio is positive). NaN with fewer than two pairs.
+    pub(super) fn paired_ratio_interval(&self, base: &TrainRow) -> (f64, f64) {
+        let rate = |r: &TrainRow, ms: f64| (r.batch * r.len) as f64 / ms;
+        let ratios: Vec<f64> = self
+            .runs_ms
+            .iter()
+            .zip(&base.runs_ms)
+            .map(|(&a, &b)| rate(self, a) / rate(base, b))
+            .collect();
+        match ratios.len() {
+            0 | 1 => (f64::NAN, f64::NAN),
+            _ => mean_interval(&ratios, Some((0.0, f64::INFINITY))),
+        }
     }
 
     /// A row of an earlier run's CSV, its fields found by `columns` (the file's header).
@@ -198,6 +249,17 @@ impl TrainRow {
             batch: get("batch").parse().context("batch is not an integer")?,
             setup: get("setup"),
             step_ms: num("step_ms")?,
+            // A row of a CSV without the column: its step time is its one run.
+            runs_ms: match get("step_ms_runs").as_str() {
+                "" => num("step_ms")?.into_iter().collect(),
+                runs => runs
+                    .split('/')
+                    .map(|ms| {
+                        optional_number(ms, "a run of step_ms_runs")?
+                            .context("step_ms_runs holds an empty run")
+                    })
+                    .collect::<Result<_>>()?,
+            },
             peak_gib: num("peak_gib")?,
             planned_gib: num("planned_gib")?,
             full_usage: num("full_usage")?,
@@ -217,4 +279,43 @@ pub(super) fn optional_number(s: &str, what: &str) -> Result<Option<f64>> {
         .with_context(|| format!("{what} = {s:?} is not a number"))?;
     ensure!(v.is_finite(), "{what} = {s} is not finite");
     Ok(Some(v))
+}
+
+/// One row per case from several runs of the bench (`--repeats`), each run's rows in the order
+/// they were measured: a case's row is the first run's that measured it (its setup, usage and
+/// notes), its peak the largest of the runs', `runs_ms` every measuring run's step time and
+/// `step_ms` their mean. A case no run measured keeps the first run's refusal.
+pub(super) fn combine_runs(runs: Vec<Vec<TrainRow>>) -> Vec<TrainRow> {
+    let mut out: Vec<TrainRow> = Vec::new();
+    for r in runs.into_iter().flatten() {
+        let ms = r.step_ms;
+        let peak = r.peak_gib;
+        let i = match out.iter().position(|o| o.key() == r.key()) {
+            Some(i) if out[i].runs_ms.is_empty() && ms.is_some() => {
+                out[i] = TrainRow {
+                    runs_ms: Vec::new(),
+                    ..r
+                };
+                i
+            }
+            Some(i) => i,
+            None => {
+                out.push(TrainRow {
+                    runs_ms: Vec::new(),
+                    ..r
+                });
+                out.len() - 1
+            }
+        };
+        if let Some(ms) = ms {
+            let o = &mut out[i];
+            o.runs_ms.push(ms);
+            o.step_ms = Some(o.runs_ms.iter().sum::<f64>() / o.runs_ms.len() as f64);
+            o.peak_gib = match (o.peak_gib, peak) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+        }
+    }
+    out
 }
