@@ -891,6 +891,19 @@ mod tests {
         assert!(((mean + half).exp() - high).abs() < 1e-9, "{high}");
         assert!(low < 1.0 && high > 1.1, "({low}, {high})");
         assert!(rows[2].paired_ratio_interval(&rows[0]).0.is_nan());
+        // The throughput's interval: the step times' on the log scale, as tokens/s.
+        let logs = [90f64.ln(), 88f64.ln()];
+        let (mean, half) = (
+            (logs[0] + logs[1]) / 2.0,
+            12.706 * (logs[0] - logs[1]).abs() / 2.0,
+        );
+        let tokens = 4.0 * 1024.0 * 1e3;
+        let (slow, fast) = ours.tokens_per_s_interval();
+        assert!((tokens / (mean + half).exp() - slow).abs() < 1e-6, "{slow}");
+        assert!((tokens / (mean - half).exp() - fast).abs() < 1e-6, "{fast}");
+        let rate = ours.tokens_per_s().unwrap();
+        assert!(slow < rate && rate < fast);
+        assert!(rows[2].tokens_per_s_interval().0.is_nan());
         let models = BTreeMap::new();
         let record = ours.record(&rows, &models);
         assert_eq!(record.len(), HEADER.len());
@@ -906,6 +919,9 @@ mod tests {
         let back = earlier_rows(&dir.join("train_bench.csv")).unwrap();
         assert_eq!(back[1].runs_ms, vec![90.0, 88.0]);
         assert_eq!(back[1].step_ms, Some(89.0));
+        // The figure draws the rows with their intervals.
+        write_outputs(&dir, &back, Some((&b.model_name, &b.model))).unwrap();
+        assert!(dir.join("train_bench_smollm2-135m.png").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

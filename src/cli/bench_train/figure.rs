@@ -1,5 +1,5 @@
-//! `bench train`'s figure: tokens/s and peak memory against the length, a line per
-//! (implementation, method, case).
+//! `bench train`'s figure: tokens/s (with its 95 % interval where a case ran several times)
+//! and peak memory against the length, a line per (implementation, method, case).
 
 use super::row::{method_rank, reads_power, Case, TrainRow, OURS};
 use crate::sweep::{Figure, Look, Panel, Series, XAxis};
@@ -69,14 +69,16 @@ pub(super) fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         hollow: imp != OURS,
         dashed: imp != OURS,
     };
-    let panel = |title: &str, y: &str, value: fn(&TrainRow) -> Option<f64>| Panel {
+    // A value and its 95 % interval (NaN where the row is one run).
+    type Value = fn(&TrainRow) -> Option<(f64, (f64, f64))>;
+    let panel = |title: &str, y: &str, value: Value| Panel {
         title: title.into(),
         x: "sequence length L (tokens)".into(),
         y: y.into(),
         series: lines
             .iter()
             .filter_map(|(imp, method, case)| {
-                let mut points: Vec<(f64, f64, String)> = rows
+                let mut points: Vec<(f64, (f64, (f64, f64)), String)> = rows
                     .iter()
                     .filter(|r| {
                         r.model == model
@@ -87,6 +89,7 @@ pub(super) fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                     .filter_map(|r| value(r).map(|v| (r.len as f64, v, set_up(r))))
                     .collect();
                 points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let errors: Vec<(f64, f64)> = points.iter().map(|p| p.1 .1).collect();
                 // A line joins lengths run one way only; where the tokens a step or the
                 // checkpointing change with the length the points stand alone, each named by
                 // its set-up.
@@ -107,9 +110,13 @@ pub(super) fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
                         true => vec![],
                         false => points.iter().map(|p| p.2.clone()).collect(),
                     },
-                    points: points.iter().map(|p| (p.0, p.1)).collect(),
+                    points: points.iter().map(|p| (p.0, p.1 .0)).collect(),
                     line: one_set_up,
-                    errors: vec![],
+                    // Bars only where some point is a mean of runs.
+                    errors: match errors.iter().any(|e| e.0.is_finite()) {
+                        true => errors,
+                        false => vec![],
+                    },
                     look: look(imp, method, case),
                 })
             })
@@ -119,8 +126,12 @@ pub(super) fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
     Some(Figure::Panels {
         title: format!("Training steps of {model}: ours beside plain PyTorch"),
         panels: vec![
-            panel("throughput", "tokens/s", |r| r.tokens_per_s()),
-            panel("peak memory", "peak GPU memory (GiB)", |r| r.peak_gib),
+            panel("throughput", "tokens/s", |r| {
+                r.tokens_per_s().map(|t| (t, r.tokens_per_s_interval()))
+            }),
+            panel("peak memory", "peak GPU memory (GiB)", |r| {
+                r.peak_gib.map(|p| (p, (f64::NAN, f64::NAN)))
+            }),
         ],
     })
 }

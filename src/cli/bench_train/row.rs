@@ -156,6 +156,18 @@ impl TrainRow {
             .map(|ms| (self.batch * self.len) as f64 / ms * 1e3)
     }
 
+    /// The 95 % interval of the throughput over the runs (`--repeats`): the step time's
+    /// interval (Student's t on the log scale, a time being positive) as tokens/s; NaN for one
+    /// run.
+    pub(super) fn tokens_per_s_interval(&self) -> (f64, f64) {
+        if self.runs_ms.len() < 2 {
+            return (f64::NAN, f64::NAN);
+        }
+        let (low_ms, high_ms) = mean_interval(&self.runs_ms, Some((0.0, f64::INFINITY)));
+        let tokens = (self.batch * self.len) as f64 * 1e3;
+        (tokens / high_ms, tokens / low_ms)
+    }
+
     pub(super) fn record(
         &self,
         rows: &[TrainRow],
