@@ -28,3 +28,11 @@ bench --out lane3 --model qwen2.5-1.5b --lengths 131072 --tokens 131072 --method
 # PPA's mask as one bit test (ppa_mask/, an H100, ec373c2 against its parent 0a1ef9e).
 attnsweep bench attention --lengths 16384 --head-dims 128 --windows 256,16384 --sparsities 0.9 \
     --routed-usages 0.1 --ppa-powers 0.5,0.75,0.875 --ppa-window 64 --out ppa_mask
+
+# CUDA graphs on both sides (cuda_graph/; one H200 of a host of two to itself, the binary of
+# 8f630da): one method a run, the GPU tests before each; full, aha and swiattn's rows merged
+# into train_bench.csv, then `bench train --redraw` on both folders.
+for M in full aha swiattn l2a; do
+    bench --out cuda_graph_$M --model smollm2-135m --lengths 2048,8192 --tokens 32768 --steps 3 --warmup 2 \
+        --micro-batches 2 --methods $M --window 256 --full-usage 0.067 --peers compile --peer-modes default,reduce-overhead
+done
