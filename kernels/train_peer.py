@@ -19,7 +19,7 @@ masks wherever a mask is not plain causal:
   l2a            window attention s, then a second attention module (own projections) over s
                  for the queries whose gate is open only, compacted (FlexAttention over the
                  open queries' positions): o = s + d a; round(full_usage L) queries open,
-                 drawn at random each step
+                 drawn at random at each call
   swiattn        per-token router on the normed input, both branches computed (own output
                  projection each) and mixed by the straight-through gate, with the adaptive
                  regulariser gamma_base / (eps + NLL_t + alpha D_t) * softplus(r_t)
@@ -188,7 +188,7 @@ class Block(nn.Module):
         ga = self.global_attn
         b, l, _ = s_loc.shape
         gq, gk, gv = ga.qkv(s_loc, cos, sin)
-        # A fixed count of open queries, drawn afresh each step: the shapes stay static, so the
+        # A fixed count of open queries, drawn afresh each call: the shapes stay static, so the
         # compiled peer neither breaks its graph on a data-dependent count nor recompiles for
         # each count it meets (a careful user's padding of the routed tokens to one size).
         n = max(1, round(self.full_usage * l))
@@ -197,7 +197,7 @@ class Block(nn.Module):
         a = masks["flex"](gq[:, :, pos].contiguous(), gk, gv, block_mask=mask, enable_gqa=ga.h != ga.kv)
         rows = torch.zeros(b, l, s_loc.shape[-1], device=x.device, dtype=s_loc.dtype)
         rows = rows.index_copy(1, pos, ga.out(a).to(s_loc.dtype))
-        out["usage"] = torch.tensor(n / l, device=x.device)
+        out["usage"] = torch.full((), n / l, device=x.device)
         return s_loc + rows, out
 
     def forward(self, x, cos, sin, masks):

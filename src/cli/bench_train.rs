@@ -110,6 +110,8 @@ impl TrainBench {
             !(self.profile && self.repeats > 1),
             "--profile traces one run: give --repeats 1 with it"
         );
+        let names: Vec<&str> = self.methods.iter().map(|m| m.name()).collect();
+        each_once("--methods", &names)?;
         ensure!(
             self.micro_batches >= 1,
             "--micro-batches must be at least 1"
@@ -402,6 +404,7 @@ impl TrainBench {
             peak_gib: None,
             planned_gib: None,
             runs_ms: Vec::new(),
+            bench_run: None,
             full_usage: None,
             mfu: None,
             note: String::new(),
@@ -515,6 +518,10 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
     }
     let csv_path = b.out.join("train_bench.csv");
     let rows = earlier_rows(&csv_path)?;
+    // This bench's name for its rows: they are paired run by run with each other only.
+    let bench_run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let mut runs = Vec::new();
     for run in 0..b.repeats {
         // Which side goes first alternates, so a drift over the runs (the GPU's clocks, a
@@ -532,10 +539,17 @@ pub(crate) fn run_train(b: &TrainBench) -> Result<PathBuf> {
             fresh.extend(peers_run(b)?);
         }
         runs.push(fresh);
+        // Written after every run, so a run that stops the bench loses none before it (the
+        // runs not yet made read as slots empty).
+        let mut so_far = runs.clone();
+        so_far.resize(b.repeats, Vec::new());
+        write_outputs(
+            &b.out,
+            &merge(rows.clone(), combine_runs(so_far, bench_run)),
+            Some((&b.model_name, &b.model)),
+        )?;
     }
-    let fresh = combine_runs(runs);
-    let rows = merge(rows, fresh);
-    write_outputs(&b.out, &rows, Some((&b.model_name, &b.model)))
+    Ok(csv_path)
 }
 
 /// The peers' rows of one run of the bench (none where none runs).
@@ -781,9 +795,10 @@ mod tests {
             step_ms: Some(40.0),
             ..b.row("ppa", 1024)
         });
-        let rows = combine_runs(vec![rows]);
-        assert_eq!(rows[0].runs_ms, vec![50.0]);
-        assert!(rows[1].runs_ms.is_empty());
+        let rows = combine_runs(vec![rows], 7);
+        assert_eq!(rows[0].runs_ms, vec![Some(50.0)]);
+        assert_eq!(rows[1].runs_ms, vec![None]);
+        assert_eq!(rows[1].note, "out of memory, even so");
 
         let dir = crate::util::scratch_dir("bench-train-csv");
         let path = dir.join("train_bench.csv");
@@ -822,7 +837,8 @@ mod tests {
             let old = earlier_rows(&path).unwrap();
             assert_eq!(old.len(), rows.len());
             assert_eq!(old[0].step_ms, Some(50.0));
-            assert_eq!(old[0].runs_ms, vec![50.0]);
+            assert_eq!(old[0].runs_ms, vec![Some(50.0)]);
+            assert_eq!(old[0].bench_run, None);
             let power = (!dropped.contains(&"ppa_power")).then_some(0.5);
             assert_eq!(old[2].ppa_power, power);
         }
@@ -850,38 +866,50 @@ mod tests {
         assert!(b.validate().is_ok());
         b.profile = true;
         assert!(format!("{:#}", b.validate().unwrap_err()).contains("--profile traces one run"));
+        b.profile = false;
+        // A method named twice would be counted as two runs of one case.
+        b.methods = vec![TrainMethod::parse("full").unwrap(); 2];
+        assert!(format!("{:#}", b.validate().unwrap_err()).contains("--methods lists full twice"));
         let b = bench();
         let row = |imp: &str, method: &str, ms: Option<f64>, setup: &str, peak: f64| TrainRow {
             imp: imp.into(),
             step_ms: ms,
             setup: setup.into(),
             peak_gib: Some(peak),
+            note: if ms.is_none() {
+                "out of memory".into()
+            } else {
+                String::new()
+            },
             ..b.row(method, 1024)
         };
         let runs = vec![
             vec![
-                row("torch_compile", "full", Some(100.0), "peer", 9.0),
-                row(OURS, "full", Some(90.0), "first", 5.0),
-                row(OURS, "aha", None, "out of memory", 0.0),
+                row("torch_compile", "full", Some(100.0), "peer; tried a", 9.0),
+                row(OURS, "full", Some(90.0), "first; tried b", 5.0),
+                row(OURS, "aha", None, "", 0.0),
             ],
             vec![
-                row(OURS, "full", Some(88.0), "second", 6.0),
+                row(OURS, "full", Some(88.0), "second; tried c", 6.0),
                 row(OURS, "aha", Some(80.0), "fits", 4.0),
-                row("torch_compile", "full", Some(110.0), "peer", 8.0),
+                row("torch_compile", "full", Some(110.0), "peer; tried d", 8.0),
             ],
         ];
-        let rows = combine_runs(runs);
+        let rows = combine_runs(runs, 42);
         assert_eq!(rows.len(), 3);
         let ours = &rows[1];
-        assert_eq!(ours.runs_ms, vec![90.0, 88.0]);
+        assert_eq!(ours.runs_ms, vec![Some(90.0), Some(88.0)]);
         assert_eq!(ours.step_ms, Some(89.0));
-        assert_eq!(ours.setup, "first");
+        assert_eq!(ours.setup, "first; tried b");
+        assert_eq!(ours.note, "run 2 of 2 chose second");
         assert_eq!(ours.peak_gib, Some(6.0));
-        assert_eq!(rows[0].runs_ms, vec![100.0, 110.0]);
-        assert_eq!(rows[0].peak_gib, Some(9.0));
-        // The case the first run could not measure takes the run that did.
-        assert_eq!(rows[2].runs_ms, vec![80.0]);
+        assert_eq!(rows[0].runs_ms, vec![Some(100.0), Some(110.0)]);
+        assert_eq!((rows[0].peak_gib, rows[0].note.as_str()), (Some(9.0), ""));
+        // The case the first run could not measure takes the run that did, its failure named.
+        assert_eq!(rows[2].runs_ms, vec![None, Some(80.0)]);
+        assert_eq!(rows[2].step_ms, Some(80.0));
         assert_eq!(rows[2].setup, "fits");
+        assert_eq!(rows[2].note, "run 1 of 2 failed: out of memory");
         // Pairs 100 / 90 and 110 / 88: the log ratios' mean +- t(1) 12.706 x their sd / sqrt 2.
         let logs = [(100.0f64 / 90.0).ln(), (110.0f64 / 88.0).ln()];
         let mean = (logs[0] + logs[1]) / 2.0;
@@ -891,6 +919,33 @@ mod tests {
         assert!(((mean + half).exp() - high).abs() < 1e-9, "{high}");
         assert!(low < 1.0 && high > 1.1, "({low}, {high})");
         assert!(rows[2].paired_ratio_interval(&rows[0]).0.is_nan());
+        // Rows of another bench are not paired with these.
+        let other = TrainRow {
+            bench_run: Some(43),
+            ..rows[0].clone()
+        };
+        assert!(ours.paired_ratio_interval(&other).0.is_nan());
+        // A run one side missed pairs nothing: ours failed in run 1 of 3, so runs 2 and 3 pair
+        // (110 / 88 and 120 / 96, 1.25 both: no spread), not run 2 with the peer's run 1.
+        let three = combine_runs(
+            vec![
+                vec![
+                    row("torch_compile", "full", Some(100.0), "p", 9.0),
+                    row(OURS, "full", None, "", 0.0),
+                ],
+                vec![
+                    row(OURS, "full", Some(88.0), "o", 5.0),
+                    row("torch_compile", "full", Some(110.0), "p", 9.0),
+                ],
+                vec![
+                    row("torch_compile", "full", Some(120.0), "p", 9.0),
+                    row(OURS, "full", Some(96.0), "o", 5.0),
+                ],
+            ],
+            44,
+        );
+        assert_eq!(three[1].runs_ms, vec![None, Some(88.0), Some(96.0)]);
+        assert_eq!(three[1].paired_ratio_interval(&three[0]), (1.25, 1.25));
         // The throughput's interval: the step times' on the log scale, as tokens/s.
         let logs = [90f64.ln(), 88f64.ln()];
         let (mean, half) = (
@@ -910,15 +965,24 @@ mod tests {
         assert_eq!(record[18], "90.000/88.000");
         assert_eq!(record[19], format!("{low:.3}"));
         assert_eq!(record[20], format!("{high:.3}"));
-        // The row's ratio is of the mean throughputs: 100 ms of the peer's on average over 89.
+        assert_eq!(record[21], "42");
+        assert_eq!(rows[2].record(&rows, &models)[18], "-/80.000");
+        // The row's ratio is of the mean throughputs: 105 ms of the peer's on average over 89.
         assert_eq!(record[16], format!("{:.3}", 105.0 / 89.0));
         // Read back, the runs are the row's.
         let dir = crate::util::scratch_dir("bench-train-repeats");
         let records: Vec<Vec<String>> = rows.iter().map(|r| r.record(&rows, &models)).collect();
         atomic::write_csv(&dir.join("train_bench.csv"), &HEADER, &records).unwrap();
         let back = earlier_rows(&dir.join("train_bench.csv")).unwrap();
-        assert_eq!(back[1].runs_ms, vec![90.0, 88.0]);
-        assert_eq!(back[1].step_ms, Some(89.0));
+        assert_eq!(
+            back,
+            rows.iter()
+                .map(|r| TrainRow {
+                    mfu: None,
+                    ..r.clone()
+                })
+                .collect::<Vec<_>>()
+        );
         // The figure draws the rows with their intervals.
         write_outputs(&dir, &back, Some((&b.model_name, &b.model))).unwrap();
         assert!(dir.join("train_bench_smollm2-135m.png").exists());
@@ -979,8 +1043,8 @@ mod tests {
             .lines()
             .find(|l| l.contains(",aha,") && l.contains(",0.2,"))
             .unwrap();
-        // vs_same_impl_full 1.250; no compiled peer here, no runs of the row (made by hand).
-        assert!(line.ends_with(",1.250,,,,,"), "{line}");
+        // vs_same_impl_full 1.250; no compiled peer here, no runs of the row (made by hand), no bench run.
+        assert!(line.ends_with(",1.250,,,,,,"), "{line}");
         assert!(aha.mfu.is_some());
         let custom = back.iter().find(|r| r.model.starts_with("custom")).unwrap();
         assert_eq!(custom.mfu, Some(0.25));

@@ -43,11 +43,15 @@ pub(super) struct TrainRow {
     /// How the case keeps its activations and computes its loss.
     pub(super) setup: String,
     /// None where the case failed (`note` says why); over several runs of the bench
-    /// (`--repeats`), the mean of `runs_ms`.
+    /// (`--repeats`), the mean of the runs that measured it.
     pub(super) step_ms: Option<f64>,
-    /// Each run's step time, in the order the runs went (one where the bench ran once; none
-    /// for a failed case or a row of a CSV written before the column was).
-    pub(super) runs_ms: Vec<f64>,
+    /// A slot per run of the bench that made the row, in the order the runs went: its step
+    /// time, None where that run did not measure the case (empty for a row of a CSV written
+    /// before the column was, and for a row made by hand).
+    pub(super) runs_ms: Vec<Option<f64>>,
+    /// When the bench that made the row started (seconds since 1970): rows of one bench are
+    /// paired run by run, rows of two are not.
+    pub(super) bench_run: Option<u64>,
     pub(super) peak_gib: Option<f64>,
     pub(super) planned_gib: Option<f64>,
     /// mu_f measured on the timed steps.
@@ -63,7 +67,7 @@ pub(super) struct TrainRow {
 /// for one it does not read.
 pub(super) type Case = (Option<usize>, Option<String>, Option<String>);
 
-pub(super) const HEADER: [&str; 21] = [
+pub(super) const HEADER: [&str; 22] = [
     "model",
     "impl",
     "method",
@@ -85,15 +89,17 @@ pub(super) const HEADER: [&str; 21] = [
     "step_ms_runs",
     "vs_compile_full_ci95_low",
     "vs_compile_full_ci95_high",
+    "bench_run",
 ];
 
-/// The columns a CSV of an earlier version may lack (`ppa_power` and the repeats' three): such
-/// a file reads as one whose rows hold no power and one run each.
-pub(super) const ADDED: [&str; 4] = [
+/// The columns a CSV of an earlier version may lack (`ppa_power` and the repeats' four): such
+/// a file reads as one whose rows hold no power and one run each, of no bench run named.
+pub(super) const ADDED: [&str; 5] = [
     "ppa_power",
     "step_ms_runs",
     "vs_compile_full_ci95_low",
     "vs_compile_full_ci95_high",
+    "bench_run",
 ];
 
 /// Whether `header` is `HEADER` less some of the columns added since (`ADDED`), in order.
@@ -160,10 +166,11 @@ impl TrainRow {
     /// interval (Student's t on the log scale, a time being positive) as tokens/s; NaN for one
     /// run.
     pub(super) fn tokens_per_s_interval(&self) -> (f64, f64) {
-        if self.runs_ms.len() < 2 {
+        let runs: Vec<f64> = self.runs_ms.iter().flatten().copied().collect();
+        if runs.len() < 2 {
             return (f64::NAN, f64::NAN);
         }
-        let (low_ms, high_ms) = mean_interval(&self.runs_ms, Some((0.0, f64::INFINITY)));
+        let (low_ms, high_ms) = mean_interval(&runs, Some((0.0, f64::INFINITY)));
         let tokens = (self.batch * self.len) as f64 * 1e3;
         (tokens / high_ms, tokens / low_ms)
     }
@@ -209,9 +216,10 @@ impl TrainRow {
             ratio(full_of(&self.imp)),
             ratio(full_of("torch_compile")),
             self.note.clone(),
+            // A run that did not measure the case is "-" ("" is a row of no runs).
             self.runs_ms
                 .iter()
-                .map(|ms| format!("{ms:.3}"))
+                .map(|ms| ms.map_or("-".to_string(), |ms| format!("{ms:.3}")))
                 .collect::<Vec<_>>()
                 .join("/"),
         ];
@@ -219,19 +227,28 @@ impl TrainRow {
             .map_or((f64::NAN, f64::NAN), |f| self.paired_ratio_interval(f));
         record.push(opt(Some(low).filter(|v| v.is_finite()), 3));
         record.push(opt(Some(high).filter(|v| v.is_finite()), 3));
+        record.push(self.bench_run.map_or(String::new(), |t| t.to_string()));
         record
     }
 
-    /// The 95 % interval of this row's throughput over `base`'s, run by run: the i-th run of
-    /// each paired (the bench runs both sides once a run), each pair's ratio one replicate,
-    /// Student's t on the log scale (a ratio is positive). NaN with fewer than two pairs.
+    /// The 95 % interval of this row's throughput over `base`'s, run by run: rows of one
+    /// bench (`bench_run`) with a slot per run each, the runs both measured paired (the bench
+    /// runs both sides once a run), each pair's ratio one replicate, Student's t on the log
+    /// scale (a ratio is positive). Its centre is the pairs' geometric mean, not the ratio of
+    /// the mean throughputs that `vs_compile_full` reports. NaN with fewer than two pairs.
     pub(super) fn paired_ratio_interval(&self, base: &TrainRow) -> (f64, f64) {
+        let one_bench = self.bench_run.is_some()
+            && self.bench_run == base.bench_run
+            && self.runs_ms.len() == base.runs_ms.len();
+        if !one_bench {
+            return (f64::NAN, f64::NAN);
+        }
         let rate = |r: &TrainRow, ms: f64| (r.batch * r.len) as f64 / ms;
         let ratios: Vec<f64> = self
             .runs_ms
             .iter()
             .zip(&base.runs_ms)
-            .map(|(&a, &b)| rate(self, a) / rate(base, b))
+            .filter_map(|(a, b)| Some(rate(self, (*a)?) / rate(base, (*b)?)))
             .collect();
         match ratios.len() {
             0 | 1 => (f64::NAN, f64::NAN),
@@ -263,14 +280,21 @@ impl TrainRow {
             step_ms: num("step_ms")?,
             // A row of a CSV without the column: its step time is its one run.
             runs_ms: match get("step_ms_runs").as_str() {
-                "" => num("step_ms")?.into_iter().collect(),
+                "" => num("step_ms")?.into_iter().map(Some).collect(),
                 runs => runs
                     .split('/')
-                    .map(|ms| {
-                        optional_number(ms, "a run of step_ms_runs")?
-                            .context("step_ms_runs holds an empty run")
+                    .map(|ms| match ms {
+                        "-" => Ok(None),
+                        ms => Ok(Some(
+                            optional_number(ms, "a run of step_ms_runs")?
+                                .context("step_ms_runs holds an empty run")?,
+                        )),
                     })
                     .collect::<Result<_>>()?,
+            },
+            bench_run: match get("bench_run").as_str() {
+                "" => None,
+                t => Some(t.parse().context("bench_run is not a whole number")?),
             },
             peak_gib: num("peak_gib")?,
             planned_gib: num("planned_gib")?,
@@ -293,41 +317,81 @@ pub(super) fn optional_number(s: &str, what: &str) -> Result<Option<f64>> {
     Ok(Some(v))
 }
 
-/// One row per case from several runs of the bench (`--repeats`), each run's rows in the order
-/// they were measured: a case's row is the first run's that measured it (its setup, usage and
-/// notes), its peak the largest of the runs', `runs_ms` every measuring run's step time and
-/// `step_ms` their mean. A case no run measured keeps the first run's refusal.
-pub(super) fn combine_runs(runs: Vec<Vec<TrainRow>>) -> Vec<TrainRow> {
+/// One row per case from the runs of one bench (`--repeats`; `bench_run` its start), each
+/// run's rows in the order they were measured: a case's row is the first run's that measured
+/// it (its setup, usage and notes), its peak the largest of the runs', `runs_ms` a slot per run
+/// and `step_ms` the mean of the runs that measured it. A run that could not measure the case,
+/// or chose another set-up for it, is named in the row's note. A case no run measured keeps
+/// the first run's refusal, the others' named beside it.
+pub(super) fn combine_runs(runs: Vec<Vec<TrainRow>>, bench_run: u64) -> Vec<TrainRow> {
+    let n = runs.len();
     let mut out: Vec<TrainRow> = Vec::new();
-    for r in runs.into_iter().flatten() {
-        let ms = r.step_ms;
-        let peak = r.peak_gib;
-        let i = match out.iter().position(|o| o.key() == r.key()) {
-            Some(i) if out[i].runs_ms.is_empty() && ms.is_some() => {
-                out[i] = TrainRow {
-                    runs_ms: Vec::new(),
-                    ..r
+    // The choice a setup names, less the times of the tries behind it.
+    let chosen = |setup: &str| {
+        setup
+            .split("; tried ")
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    for (k, run) in runs.into_iter().enumerate() {
+        for r in run {
+            let run_note = |what: &str| format!("run {} of {n} {what}", k + 1);
+            let Some(i) = out.iter().position(|o| o.key() == r.key()) else {
+                let mut row = TrainRow {
+                    runs_ms: vec![None; n],
+                    bench_run: Some(bench_run),
+                    ..r.clone()
                 };
-                i
-            }
-            Some(i) => i,
-            None => {
-                out.push(TrainRow {
-                    runs_ms: Vec::new(),
-                    ..r
-                });
-                out.len() - 1
-            }
-        };
-        if let Some(ms) = ms {
-            let o = &mut out[i];
-            o.runs_ms.push(ms);
-            o.step_ms = Some(o.runs_ms.iter().sum::<f64>() / o.runs_ms.len() as f64);
-            o.peak_gib = match (o.peak_gib, peak) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
+                if let Some(ms) = r.step_ms {
+                    row.runs_ms[k] = Some(ms);
+                } else if n > 1 {
+                    row.note = run_note(&format!("failed: {}", r.note));
+                }
+                out.push(row);
+                continue;
             };
+            let o = &mut out[i];
+            match (o.step_ms, r.step_ms) {
+                (_, None) => {
+                    o.note = join_notes(&o.note, &run_note(&format!("failed: {}", r.note)));
+                }
+                // The runs before failed: this run's row stands, their notes kept.
+                (None, Some(ms)) => {
+                    let before = std::mem::take(&mut o.note);
+                    let mut slots = std::mem::take(&mut o.runs_ms);
+                    slots[k] = Some(ms);
+                    *o = TrainRow {
+                        runs_ms: slots,
+                        bench_run: Some(bench_run),
+                        note: join_notes(&before, &r.note),
+                        ..r.clone()
+                    };
+                }
+                (Some(_), Some(ms)) => {
+                    o.runs_ms[k] = Some(ms);
+                    if chosen(&r.setup) != chosen(&o.setup) {
+                        let other = run_note(&format!("chose {}", chosen(&r.setup)));
+                        o.note = join_notes(&o.note, &other);
+                    }
+                    o.peak_gib = match (o.peak_gib, r.peak_gib) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        (a, b) => a.or(b),
+                    };
+                    let measured: Vec<f64> = o.runs_ms.iter().flatten().copied().collect();
+                    o.step_ms = Some(measured.iter().sum::<f64>() / measured.len() as f64);
+                }
+            }
         }
     }
     out
+}
+
+/// Two notes as one ("; " between), either of them possibly empty.
+fn join_notes(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_string(),
+        (_, true) => a.to_string(),
+        _ => format!("{a}; {b}"),
+    }
 }
