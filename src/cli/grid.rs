@@ -183,6 +183,7 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
             tokens as f64 / 1e6,
             cells.len() - trains.len()
         );
+        println!("{}", sweep::plan(&out, &cells, &c.cell).describe());
         let problems = sweep::problems(&grid, &cells);
         anyhow::ensure!(problems.is_empty(), "{}", sweep::describe(&problems));
         return Ok(());

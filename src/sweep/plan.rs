@@ -1,0 +1,194 @@
+//! What a grid's train cells still to run cost in GPU time, at the throughput its finished
+//! cells measured: the dry run's plan, so that the cells of a device session are chosen to fit
+//! it before anything runs.
+
+use super::cell_files::Log;
+use super::grid::{Cell, StageKind};
+use super::status::{read_status, State};
+use crate::config::name_of;
+use crate::util::stats::median;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A method at a sequence length: the cells of one are taken to train at one rate.
+type Kind = (String, usize);
+
+fn kind(c: &Cell) -> Kind {
+    (name_of(c.config.attention.method), c.config.data.seq_len)
+}
+
+/// The tokens a train cell trains on.
+fn tokens(c: &Cell) -> f64 {
+    let t = &c.config.train;
+    (t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len) as f64
+}
+
+/// Per kind, the median over its finished train cells of each one's last logged tokens/s
+/// (`train_log.csv`): the rate as those cells ran, on the GPUs each had.
+fn measured_rates(out: &Path, cells: &[Cell]) -> BTreeMap<Kind, f64> {
+    let mut rates: BTreeMap<Kind, Vec<f64>> = BTreeMap::new();
+    for c in cells.iter().filter(|c| c.kind == StageKind::Train) {
+        let dir = out.join(&c.id);
+        if !read_status(&dir).is_some_and(|s| s.state == State::Done) {
+            continue;
+        }
+        let (Some(log), _) = Log::read(&dir.join("train_log.csv")) else {
+            continue;
+        };
+        let last = log
+            .select(&["tokens_per_s"])
+            .and_then(|rows| rows.last().map(|r| r[0]));
+        if let Some(rate) = last.filter(|r| *r > 0.0) {
+            rates.entry(kind(c)).or_default().push(rate);
+        }
+    }
+    rates.into_iter().map(|(k, v)| (k, median(v))).collect()
+}
+
+/// The train cells to run (those of `picked`, where it names any, else every one) that have
+/// not finished, and what they cost at the measured rates.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Plan {
+    pub(crate) cells: usize,
+    pub(crate) tokens: f64,
+    /// Of the cells whose kind has a measured rate: how many, and their seconds of training.
+    pub(crate) timed: usize,
+    pub(crate) seconds: f64,
+    /// The kinds no finished cell has measured yet ("aha at 2048").
+    pub(crate) unmeasured: Vec<String>,
+}
+
+pub(crate) fn plan(out: &Path, cells: &[Cell], picked: &[usize]) -> Plan {
+    let rates = measured_rates(out, cells);
+    let mut p = Plan {
+        cells: 0,
+        tokens: 0.0,
+        timed: 0,
+        seconds: 0.0,
+        unmeasured: Vec::new(),
+    };
+    let to_run = cells.iter().filter(|c| {
+        c.kind == StageKind::Train
+            && (picked.is_empty() || picked.contains(&c.index))
+            && !read_status(&out.join(&c.id)).is_some_and(|s| s.state == State::Done)
+    });
+    for c in to_run {
+        p.cells += 1;
+        p.tokens += tokens(c);
+        match rates.get(&kind(c)) {
+            Some(rate) => {
+                p.timed += 1;
+                p.seconds += tokens(c) / rate;
+            }
+            None => {
+                let (method, len) = kind(c);
+                let name = format!("{method} at {len}");
+                if !p.unmeasured.contains(&name) {
+                    p.unmeasured.push(name);
+                }
+            }
+        }
+    }
+    p
+}
+
+impl Plan {
+    /// One line for the dry run.
+    pub(crate) fn describe(&self) -> String {
+        if self.cells == 0 {
+            return "to run: no train cells".into();
+        }
+        let mut line = format!(
+            "to run: {} train cells, {:.1}M tokens",
+            self.cells,
+            self.tokens / 1e6
+        );
+        if self.timed > 0 {
+            line += &format!(
+                "; at the rates this grid's finished cells of the same method and length \
+                 measured (each as it ran), about {:.0} minutes of training for {} of them, \
+                 their starts and evaluations besides",
+                self.seconds / 60.0,
+                self.timed
+            );
+        }
+        if !self.unmeasured.is_empty() {
+            line += &format!("; no rate measured yet for {}", self.unmeasured.join(", "));
+        }
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sweep::grid::{expand, Grid};
+    use crate::sweep::status::{write_status, Status};
+
+    /// A finished cell's logged rate times the tokens of the cells of its kind still to run;
+    /// a kind no finished cell measured is named; `--cell` narrows the cells counted.
+    #[test]
+    fn pending_cells_cost_their_kinds_measured_rate() {
+        let grid: Grid = toml::from_str(
+            r#"
+name = "t"
+seeds = 2
+[base.data]
+dir = "/tmp/none"
+seq_len = 128
+[base.train]
+steps = 10
+warmup_steps = 1
+batch_size = 4
+grad_accum = 2
+[[stage]]
+name = "full"
+set = { "attention.method" = "full" }
+[[stage]]
+name = "swa"
+set = { "attention.method" = "swa", "attention.window" = 32 }
+"#,
+        )
+        .unwrap();
+        let cells = expand(&grid).unwrap();
+        assert_eq!(cells.len(), 4);
+        let out = crate::util::scratch_dir("sweep-plan");
+        // The first full-attention cell finished at 512 tokens/s (its last row), having
+        // logged 100 first; the cell of the other seed waits.
+        let done = out.join(&cells[0].id);
+        std::fs::create_dir_all(&done).unwrap();
+        let status = Status {
+            state: State::Done,
+            attempts: 1,
+            error: None,
+        };
+        write_status(&done, &status).unwrap();
+        std::fs::write(
+            done.join("train_log.csv"),
+            "step,loss,tokens_per_s\n5,2.0,100\n10,1.9,512\n",
+        )
+        .unwrap();
+        let p = plan(&out, &cells, &[]);
+        // 10 steps x 4 x 2 sequences x 128 tokens = 10,240 tokens a cell, three to run.
+        assert_eq!((p.cells, p.tokens, p.timed), (3, 3.0 * 10240.0, 1));
+        assert!((p.seconds - 10240.0 / 512.0).abs() < 1e-9, "{}", p.seconds);
+        assert_eq!(p.unmeasured, vec!["swa at 128".to_string()]);
+        let line = p.describe();
+        assert!(
+            line.starts_with("to run: 3 train cells, 0.0M tokens"),
+            "{line}"
+        );
+        assert!(
+            line.contains("for 1 of them") && line.contains("swa at 128"),
+            "{line}"
+        );
+        // Only the SWA cells picked: none timed.
+        let p = plan(&out, &cells, &[2, 3]);
+        assert_eq!((p.cells, p.timed), (2, 0));
+        assert_eq!(
+            plan(&out, &cells, &[0]).describe(),
+            "to run: no train cells"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
