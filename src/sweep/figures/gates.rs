@@ -150,6 +150,7 @@ pub(super) fn head_usage(cells: &[&Row], figs: &mut Vec<(String, Figure)>) {
 /// references (`paper`, named by its source).
 pub(super) fn lambda_ablation(
     cells: &[&Row],
+    train: &[&Row],
     (paper, source): (&[PaperUsageAt], &str),
     figs: &mut Vec<(String, Figure)>,
 ) {
@@ -189,20 +190,42 @@ pub(super) fn lambda_ablation(
             .filter(|p| p.window == w && (lo..=hi).contains(&p.lambda))
             .map(|p| (p.lambda, p.mu_f))
             .collect();
-        if !points.is_empty() {
-            let mut s = series(format!("{source}, w {w}"), points, true);
-            s.look = reference_look([12, 9][drawn % 2]);
-            usage.push(s);
-            drawn += 1;
-        }
+        // One value at a window (Table 2's at w 256) is the level the sweep is reaching for:
+        // a line across the swept lambdas, through the paper's point at its own lambda.
+        let s = match points[..] {
+            [] => continue,
+            [(at, mu)] => series(
+                format!("{source}, w {w}: its usage at lambda {at}, as a level"),
+                vec![(lo, mu), (hi, mu)],
+                true,
+            ),
+            _ => series(format!("{source}, w {w}"), points, true),
+        };
+        usage.push(Series {
+            look: reference_look([12, 9][drawn % 2]),
+            ..s
+        });
+        drawn += 1;
     }
+    // Full attention trained as long as the sweep's longest cells: the loss each lambda gives
+    // up against.
+    let budget = varied.iter().map(|r| r.budget_tokens).fold(0.0, f64::max);
+    let longest: Vec<&Row> = varied
+        .iter()
+        .copied()
+        .filter(|r| r.budget_tokens == budget)
+        .collect();
+    let full = full_reference(train.iter().copied(), &longest, |r| Some(r.loss()));
     figs.push((
         "lambda_ablation".into(),
         usage_and_loss(
             "Full-attention usage and quality against lambda",
             "lambda",
             usage,
-            grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss())), None),
+            with_reference(
+                grouped(&varied, LAMBDA, key, |r| Some((lambda(r), r.loss())), None),
+                full,
+            ),
         ),
     ));
 }

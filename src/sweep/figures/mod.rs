@@ -67,7 +67,7 @@ fn figures_of(all: &[Row]) -> Vec<(String, Figure)> {
         _ => None,
     };
     for (paper, rows) in reporting(&learned_train, lambda) {
-        gates::lambda_ablation(&rows, paper, &mut figs);
+        gates::lambda_ablation(&rows, &train, paper, &mut figs);
     }
     let every: Vec<&Row> = all.iter().filter(learned).collect();
     let threshold = |r: &Report| matches!(r, Report::ThresholdSweep).then_some(());

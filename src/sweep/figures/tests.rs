@@ -412,8 +412,9 @@ fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
         at(16.0, 1e-5, 0.9),
         at(128.0, 3e-4, 0.1),
     ];
+    let train: Vec<&Row> = all.iter().filter(|r| r.kind == StageKind::Train).collect();
     let mut figs = Vec::new();
-    gates::lambda_ablation(&aha, (&paper, "paper"), &mut figs);
+    gates::lambda_ablation(&aha, &train, (&paper, "paper"), &mut figs);
     let Some((_, Figure::Panels { panels, .. })) = figs.first() else {
         panic!("no lambda figure");
     };
@@ -438,5 +439,25 @@ fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
         .series
         .iter()
         .all(|s| !s.name.starts_with("paper")));
+    // The quality panel has full attention trained as long as its reference.
+    let names: Vec<&str> = panels[1].series.iter().map(|s| s.name.as_str()).collect();
+    assert!(names.contains(&"full attention, trained as long"), "{names:?}");
+    // One value at a window is drawn as a level across the lambdas swept there (3e-4 to 0.1),
+    // through the paper's own lambda.
+    let mut figs = Vec::new();
+    gates::lambda_ablation(&aha, &train, (&[at(16.0, 1e-3, 0.2)], "paper"), &mut figs);
+    let Some((_, Figure::Panels { panels, .. })) = figs.first() else {
+        panic!("no lambda figure");
+    };
+    let level = panels[0]
+        .series
+        .iter()
+        .find(|s| s.name.starts_with("paper"))
+        .unwrap();
+    assert_eq!(
+        level.name,
+        "paper, w 16: its usage at lambda 0.001, as a level"
+    );
+    assert_eq!(level.points, [(3e-4, 0.2), (0.1, 0.2)]);
     let _ = std::fs::remove_dir_all(&dir);
 }
