@@ -441,7 +441,10 @@ fn lambda_ablation_draws_the_papers_usage_at_its_windows() {
         .all(|s| !s.name.starts_with("paper")));
     // The quality panel has full attention trained as long as its reference.
     let names: Vec<&str> = panels[1].series.iter().map(|s| s.name.as_str()).collect();
-    assert!(names.contains(&"full attention, trained as long"), "{names:?}");
+    assert!(
+        names.contains(&"full attention, trained as long"),
+        "{names:?}"
+    );
     // One value at a window is drawn as a level across the lambdas swept there (3e-4 to 0.1),
     // through the paper's own lambda.
     let mut figs = Vec::new();
