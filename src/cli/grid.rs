@@ -155,11 +155,15 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
             grid.stages.len(),
             out.display()
         );
-        for cell in &cells {
-            let state = sweep::read_status(&out.join(&cell.id))
-                .map_or("pending".to_string(), |s| {
+        let states: Vec<String> = cells
+            .iter()
+            .map(|cell| {
+                sweep::read_status(&out.join(&cell.id)).map_or("pending".to_string(), |s| {
                     format!("{:?}", s.state).to_lowercase()
-                });
+                })
+            })
+            .collect();
+        for (cell, state) in cells.iter().zip(&states) {
             println!(
                 "{:>4}  {:<22} {:<8} {:<10} {}",
                 cell.index, cell.id, state, cell.stage, cell.label
@@ -170,20 +174,15 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
             .iter()
             .filter(|c| c.kind == sweep::StageKind::Train)
             .collect();
-        let tokens: usize = trains
-            .iter()
-            .map(|c| {
-                let t = &c.config.train;
-                t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len
-            })
-            .sum();
+        let tokens: usize = trains.iter().map(|c| c.train_tokens()).sum();
         println!(
             "{} train cells, {:.1}M training tokens in all; {} eval and prune cells",
             trains.len(),
             tokens as f64 / 1e6,
             cells.len() - trains.len()
         );
-        println!("{}", sweep::plan(&out, &cells, &c.cell).describe());
+        let done: Vec<bool> = states.iter().map(|s| s == "done").collect();
+        println!("{}", sweep::plan(&out, &cells, &done, &c.cell).describe());
         let problems = sweep::problems(&grid, &cells);
         anyhow::ensure!(problems.is_empty(), "{}", sweep::describe(&problems));
         return Ok(());

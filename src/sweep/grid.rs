@@ -168,6 +168,12 @@ impl Cell {
         }
         varied
     }
+
+    /// The tokens a train cell trains on: its steps of `batch_size x grad_accum` sequences.
+    pub(crate) fn train_tokens(&self) -> usize {
+        let t = &self.config.train;
+        t.steps * t.batch_size * t.grad_accum * self.config.data.seq_len
+    }
 }
 
 impl Grid {

@@ -4,7 +4,6 @@
 
 use super::cell_files::Log;
 use super::grid::{Cell, StageKind};
-use super::status::{read_status, State};
 use crate::config::name_of;
 use crate::util::stats::median;
 use std::collections::BTreeMap;
@@ -17,22 +16,16 @@ fn kind(c: &Cell) -> Kind {
     (name_of(c.config.attention.method), c.config.data.seq_len)
 }
 
-/// The tokens a train cell trains on.
-fn tokens(c: &Cell) -> f64 {
-    let t = &c.config.train;
-    (t.steps * t.batch_size * t.grad_accum * c.config.data.seq_len) as f64
-}
-
-/// Per kind, the median over its finished train cells of each one's last logged tokens/s
-/// (`train_log.csv`): the rate as those cells ran, on the GPUs each had.
-fn measured_rates(out: &Path, cells: &[Cell]) -> BTreeMap<Kind, f64> {
+/// Per kind, the median over its finished train cells (`done`, a flag per cell) of each one's
+/// last logged tokens/s (`train_log.csv`): the rate as those cells ran, on the GPUs each had.
+fn measured_rates(out: &Path, cells: &[Cell], done: &[bool]) -> BTreeMap<Kind, f64> {
     let mut rates: BTreeMap<Kind, Vec<f64>> = BTreeMap::new();
-    for c in cells.iter().filter(|c| c.kind == StageKind::Train) {
-        let dir = out.join(&c.id);
-        if !read_status(&dir).is_some_and(|s| s.state == State::Done) {
-            continue;
-        }
-        let (Some(log), _) = Log::read(&dir.join("train_log.csv")) else {
+    let finished = cells
+        .iter()
+        .zip(done)
+        .filter(|(c, &d)| d && c.kind == StageKind::Train);
+    for (c, _) in finished {
+        let (Some(log), _) = Log::read(&out.join(&c.id).join("train_log.csv")) else {
             continue;
         };
         let last = log
@@ -46,7 +39,8 @@ fn measured_rates(out: &Path, cells: &[Cell]) -> BTreeMap<Kind, f64> {
 }
 
 /// The train cells to run (those of `picked`, where it names any, else every one) that have
-/// not finished, and what they cost at the measured rates.
+/// not finished (`done`: a flag per cell, as the dry run read their states), and what they
+/// cost at the measured rates.
 #[derive(Debug, PartialEq)]
 pub(crate) struct Plan {
     pub(crate) cells: usize,
@@ -58,8 +52,8 @@ pub(crate) struct Plan {
     pub(crate) unmeasured: Vec<String>,
 }
 
-pub(crate) fn plan(out: &Path, cells: &[Cell], picked: &[usize]) -> Plan {
-    let rates = measured_rates(out, cells);
+pub(crate) fn plan(out: &Path, cells: &[Cell], done: &[bool], picked: &[usize]) -> Plan {
+    let rates = measured_rates(out, cells, done);
     let mut p = Plan {
         cells: 0,
         tokens: 0.0,
@@ -67,18 +61,17 @@ pub(crate) fn plan(out: &Path, cells: &[Cell], picked: &[usize]) -> Plan {
         seconds: 0.0,
         unmeasured: Vec::new(),
     };
-    let to_run = cells.iter().filter(|c| {
-        c.kind == StageKind::Train
-            && (picked.is_empty() || picked.contains(&c.index))
-            && !read_status(&out.join(&c.id)).is_some_and(|s| s.state == State::Done)
+    let to_run = cells.iter().zip(done).filter(|(c, &d)| {
+        !d && c.kind == StageKind::Train && (picked.is_empty() || picked.contains(&c.index))
     });
-    for c in to_run {
+    for (c, _) in to_run {
+        let tokens = c.train_tokens() as f64;
         p.cells += 1;
-        p.tokens += tokens(c);
+        p.tokens += tokens;
         match rates.get(&kind(c)) {
             Some(rate) => {
                 p.timed += 1;
-                p.seconds += tokens(c) / rate;
+                p.seconds += tokens / rate;
             }
             None => {
                 let (method, len) = kind(c);
@@ -123,7 +116,6 @@ impl Plan {
 mod tests {
     use super::*;
     use crate::sweep::grid::{expand, Grid};
-    use crate::sweep::status::{write_status, Status};
 
     /// A finished cell's logged rate times the tokens of the cells of its kind still to run;
     /// a kind no finished cell measured is named; `--cell` narrows the cells counted.
@@ -157,18 +149,13 @@ set = { "attention.method" = "swa", "attention.window" = 32 }
         // logged 100 first; the cell of the other seed waits.
         let done = out.join(&cells[0].id);
         std::fs::create_dir_all(&done).unwrap();
-        let status = Status {
-            state: State::Done,
-            attempts: 1,
-            error: None,
-        };
-        write_status(&done, &status).unwrap();
         std::fs::write(
             done.join("train_log.csv"),
             "step,loss,tokens_per_s\n5,2.0,100\n10,1.9,512\n",
         )
         .unwrap();
-        let p = plan(&out, &cells, &[]);
+        let finished = [true, false, false, false];
+        let p = plan(&out, &cells, &finished, &[]);
         // 10 steps x 4 x 2 sequences x 128 tokens = 10,240 tokens a cell, three to run.
         assert_eq!((p.cells, p.tokens, p.timed), (3, 3.0 * 10240.0, 1));
         assert!((p.seconds - 10240.0 / 512.0).abs() < 1e-9, "{}", p.seconds);
@@ -183,10 +170,10 @@ set = { "attention.method" = "swa", "attention.window" = 32 }
             "{line}"
         );
         // Only the SWA cells picked: none timed.
-        let p = plan(&out, &cells, &[2, 3]);
+        let p = plan(&out, &cells, &finished, &[2, 3]);
         assert_eq!((p.cells, p.timed), (2, 0));
         assert_eq!(
-            plan(&out, &cells, &[0]).describe(),
+            plan(&out, &cells, &finished, &[0]).describe(),
             "to run: no train cells"
         );
         std::fs::remove_dir_all(&out).unwrap();
