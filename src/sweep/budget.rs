@@ -101,9 +101,11 @@ pub(crate) const ALL_TASKS: &str = "all";
 pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     let mut budgets: BTreeMap<String, (BTreeSet<u64>, bool)> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
-        let (b, rung) = budgets.entry(r.line.clone()).or_default();
-        b.insert(r.budget_tokens.to_bits());
-        *rung |= r.rung;
+        for line in lines(r) {
+            let (b, rung) = budgets.entry(line.clone()).or_default();
+            b.insert(r.budget_tokens.to_bits());
+            *rung |= r.rung;
+        }
     }
     let ladders: Vec<&String> = budgets
         .iter()
@@ -121,21 +123,22 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     };
     let trained: Vec<&String> = budgets.keys().collect();
     // The pretrained model's evaluations (no cell behind them) start every line.
-    let reached = |r: &Row| r.kind != StageKind::Prune && (pretrained(r) || of(&r.line, &trained));
     let mut groups: BTreeMap<(String, u64), Vec<&Row>> = BTreeMap::new();
-    for r in rows.iter().filter(|r| reached(r)) {
+    for r in rows.iter().filter(|r| r.kind != StageKind::Prune) {
         let tokens = if pretrained(r) { 0.0 } else { r.budget_tokens };
-        groups
-            .entry((r.line.clone(), tokens.to_bits()))
-            .or_default()
-            .push(r);
+        for line in lines(r).filter(|l| pretrained(r) || of(l, &trained)) {
+            groups
+                .entry((line.clone(), tokens.to_bits()))
+                .or_default()
+                .push(r);
+        }
     }
     // The validation tokens the ladders' train cells measured their loss on, per sequence
     // length: the start's loss is comparable with theirs only on as many tokens.
     let mut scale: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
     for r in rows
         .iter()
-        .filter(|r| r.kind == StageKind::Train && ladders.contains(&&r.line))
+        .filter(|r| r.kind == StageKind::Train && lines(r).any(|l| ladders.contains(&l)))
     {
         scale
             .entry(r.report.seq_len)
@@ -151,6 +154,12 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
         .collect();
     out.sort_by(|a, b| a.line.cmp(&b.line).then(a.tokens.total_cmp(&b.tokens)));
     out
+}
+
+/// The lines a row is a replicate of: its own, and its line in each other stage that shares
+/// the cell (`Row::also`).
+fn lines(r: &Row) -> impl Iterator<Item = &String> {
+    std::iter::once(&r.line).chain(r.also.iter().map(|m| &m.line))
 }
 
 /// Whether `r` evaluates the grid's pretrained model (no cell behind it): the start of every
@@ -1164,5 +1173,83 @@ mod tests {
         let f = Estimate::pooled(&[vec![0.5, 0.25]]).unwrap();
         assert!(f.low >= 0.25 && f.high <= 0.5, "{f:?}");
         assert!(Estimate::pooled(&[vec![]]).is_none());
+    }
+
+    /// A cell that several stages share (one id, run once) is a replicate of each: the first
+    /// stage's row names the others (`Row::also`), the replicate tables count it in every
+    /// stage (read from the cells, and from `tidy.csv` alone), and an evaluation of it listed
+    /// in a later stage joins that stage's line through the membership it depends on.
+    #[test]
+    fn a_shared_cell_counts_in_every_stage_that_lists_it() {
+        use crate::sweep::Cell;
+        let dir = sweep_dir_with_ladders("shared");
+        let path = dir.join("cells.json");
+        let mut cells: Vec<Cell> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let member = |cells: &[Cell], id: &str, stage: &str, seed: i64, of: Option<&str>| {
+            let mut c = cells.iter().find(|c| c.id == id).unwrap().clone();
+            c.index = cells.len();
+            c.stage = stage.into();
+            c.assignment = [("train.seed".to_string(), toml::Value::from(seed))].into();
+            c.depends_on_stage = of.map(String::from);
+            c.ladder = None;
+            c
+        };
+        for (id, stage, seed, of) in [
+            ("full-0", "regime", 1, None),
+            ("fullrung-0", "regime", 2, None),
+            ("probefull-0", "proberegime", 1, Some("regime")),
+        ] {
+            let c = member(&cells, id, stage, seed, of);
+            cells.push(c);
+        }
+        std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+
+        let all = rows(&dir).unwrap().rows;
+        let row = |id: &str| all.iter().find(|r| r.cell == id).unwrap();
+        assert_eq!(all.iter().filter(|r| r.cell == "full-0").count(), 1);
+        let also: Vec<(&str, &str)> = row("full-0")
+            .also
+            .iter()
+            .map(|m| (m.stage.as_str(), m.line.as_str()))
+            .collect();
+        assert_eq!(also, [("regime", "regime")]);
+        assert_eq!(row("probefull-0").also[0].line, "regime");
+        assert_eq!(row("probefull-0").line, "full");
+        let every = rungs(&all);
+        let regime: Vec<&Rung> = every.iter().filter(|r| r.line == "regime").collect();
+        assert_eq!(regime.len(), 2, "{every:#?}");
+        let top = regime[1];
+        assert_eq!(top.loss.unwrap().mean, 1.8);
+        assert_eq!(
+            top.probes[&("niah_single".to_string(), 8)].0.mean,
+            2.0 / 3.0
+        );
+        // Full attention's own line keeps the cell.
+        assert!(every
+            .iter()
+            .any(|r| r.line == "full" && r.loss.is_some_and(|l| l.mean == 1.8)));
+
+        let out = dir.join("out");
+        std::fs::create_dir_all(&out).unwrap();
+        crate::sweep::tables::write_all(&dir, &out, false).unwrap();
+        let regime_loss = |table: &[Vec<String>]| -> Vec<String> {
+            table
+                .iter()
+                .find(|r| r[0] == "regime" && r[1] == "loss")
+                .cloned()
+                .unwrap_or_else(|| panic!("{table:?}"))
+        };
+        let replicates = csv(&out.join("replicates.csv"));
+        let row = regime_loss(&replicates);
+        assert_eq!((row[4].as_str(), row[5].as_str()), ("2", "1.875"));
+        // From tidy.csv and cells.json alone (a results folder without its cells).
+        let bare = dir.join("bare");
+        std::fs::create_dir_all(&bare).unwrap();
+        std::fs::copy(&path, bare.join("cells.json")).unwrap();
+        std::fs::copy(out.join("tidy.csv"), bare.join("tidy.csv")).unwrap();
+        crate::sweep::tables::write_all(&bare, &bare, false).unwrap();
+        let row = regime_loss(&csv(&bare.join("replicates.csv")));
+        assert_eq!((row[4].as_str(), row[5].as_str()), ("2", "1.875"));
     }
 }

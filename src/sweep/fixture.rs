@@ -490,6 +490,7 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
             assignment: varied(&config),
             settings: Default::default(),
             depends_on: s.dep.map(String::from),
+            depends_on_stage: None,
             reads: None,
             match_usage: false,
             exclusive: false,

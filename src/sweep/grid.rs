@@ -132,6 +132,11 @@ pub struct Cell {
     pub(crate) settings: BTreeMap<String, toml::Value>,
     /// Cell this one starts from (train) or works on (eval, prune).
     pub(crate) depends_on: Option<String>,
+    /// The stage that cell was expanded in: a cell several stages share (one id) is a member
+    /// of each, and this says which membership the dependent builds on (absent in sweeps
+    /// written before it was recorded, where the cell's first stage stands).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) depends_on_stage: Option<String>,
     /// Cell whose files this one reads (a stage's `reads`).
     #[serde(default)]
     pub(crate) reads: Option<String>,
@@ -779,6 +784,7 @@ fn new_cell(
         label: lab,
         assignment: shown,
         settings,
+        depends_on_stage: dep.as_ref().map(|d| d.stage.clone()),
         depends_on: dep.map(|d| d.id),
         reads: read,
         match_usage: stage.match_usage,

@@ -89,6 +89,21 @@ pub(crate) struct Row {
     /// A lower rung of a budget ladder (its stage names another in `ladder`): its line is
     /// drawn as a ladder's even while it has one budget.
     pub(crate) rung: bool,
+    /// The other stages that list the cell: one that computes what an earlier stage's cell
+    /// computes shares its id and runs once, yet is a replicate of each stage (a regime's
+    /// first seed that is also a sweep's point). Replicate tables and budget ladders count
+    /// it in every one.
+    pub(crate) also: Vec<Membership>,
+}
+
+/// A cell's place in a stage other than the first that lists it.
+#[derive(Debug, Clone)]
+pub(crate) struct Membership {
+    pub(crate) stage: String,
+    /// The settings its label names in that stage (`Row::varied`'s counterpart).
+    pub(crate) varied: Vec<(String, String)>,
+    /// Its line there (`Row::line`).
+    pub(crate) line: String,
 }
 
 /// A cell the sweep lists that has no row: not finished, or its files unreadable.
@@ -276,13 +291,24 @@ pub(crate) fn read_cells(sweep: &Path) -> Result<Vec<Cell>> {
 }
 
 /// The finished cells of a sweep directory, each once (cells that several stages share
-/// appear under the first), and every other cell it lists with the reason it has no row.
+/// appear under the first, the others named in `also`), and every other cell it lists with
+/// the reason it has no row.
 pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
     let cells = read_cells(sweep)?;
     let budget = budgets(&cells);
     let (mut out, mut unread): (Vec<Row>, Vec<Unread>) = (Vec::new(), Vec::new());
     for c in &cells {
-        if out.iter().any(|r| r.cell == c.id) || unread.iter().any(|u| u.cell == c.id) {
+        if let Some(r) = out.iter_mut().find(|r| r.cell == c.id) {
+            if r.stage != c.stage && r.also.iter().all(|m| m.stage != c.stage) {
+                r.also.push(Membership {
+                    stage: c.stage.clone(),
+                    varied: c.varied(),
+                    line: line_of(c, &cells),
+                });
+            }
+            continue;
+        }
+        if unread.iter().any(|u| u.cell == c.id) {
             continue;
         }
         match row_of(c, &cells, &sweep.join(&c.id), &budget) {
@@ -424,6 +450,7 @@ fn row_of(
         probe_ids: prompted(prompts.ids_by_length, &ev.config.eval),
         line: line_of(c, cells),
         rung: c.ladder.is_some(),
+        also: Vec::new(),
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)
@@ -491,12 +518,22 @@ fn restates(config: &toml::Table, key: &str, v: &toml::Value) -> bool {
 /// grid's pretrained model: `pretrained` and the settings it evaluates with. Settings that
 /// only say how an evaluation ran (`RUN_ONLY`) or restate the model's own are left out.
 fn line_of(c: &Cell, cells: &[Cell]) -> String {
-    let cell = |id: &Option<String>| id.as_ref().and_then(|d| cells.iter().find(|x| &x.id == d));
+    // The dependency as the stage it was expanded in lists it (a shared cell's membership
+    // there), else its first entry.
+    let dependency = |t: &Cell| {
+        let d = t.depends_on.as_ref()?;
+        let of = |x: &&Cell| &x.id == d;
+        cells
+            .iter()
+            .filter(of)
+            .find(|x| t.depends_on_stage.as_ref() == Some(&x.stage))
+            .or_else(|| cells.iter().find(of))
+    };
     let mut thresholds = Vec::new();
     let mut train = Some(c);
     while let Some(t) = train.filter(|t| t.kind != StageKind::Train) {
         thresholds.extend(t.threshold);
-        train = cell(&t.depends_on);
+        train = dependency(t);
     }
     let shown = |k: &str, v: &toml::Value| format!("{k}={}", super::grid::value_str(v));
     // The train cell's resolved config, once, for the keys it leaves at the base's values.

@@ -607,23 +607,42 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
         text("metric")?,
     );
     let value: Vec<f64> = tidy.column("value")?.f64()?.into_no_null_iter().collect();
-    let measured: Vec<replicates::Measured> = (0..tidy.height())
-        .map(|i| {
-            let row = by_cell.get(cell[i]);
-            replicates::Measured {
-                stage: stage[i],
-                kind: kind[i],
-                method: method[i],
-                setting: settings.get(cell[i]).map_or("", String::as_str),
-                seed: row.map_or("", |r| r.seed()),
-                metric: metric[i],
-                value: value[i],
-                prompts: row
-                    .and_then(|r| r.prompt_scores.get(metric[i]))
-                    .map(Vec::as_slice),
-            }
+    // A cell that several stages share is a replicate of each (`Row::also`).
+    let also: BTreeMap<&str, Vec<(&str, String, &str)>> = rows
+        .iter()
+        .map(|r| {
+            let each = r.also.iter().map(|m| {
+                let setting = setting_text_of(&m.varied);
+                (m.stage.as_str(), setting, seed_of(&m.varied))
+            });
+            (r.cell.as_str(), each.collect())
         })
         .collect();
+    let mut measured: Vec<replicates::Measured> = Vec::with_capacity(tidy.height());
+    for i in 0..tidy.height() {
+        let row = by_cell.get(cell[i]);
+        let m = replicates::Measured {
+            stage: stage[i],
+            kind: kind[i],
+            method: method[i],
+            setting: settings.get(cell[i]).map_or("", String::as_str),
+            seed: row.map_or("", |r| r.seed()),
+            metric: metric[i],
+            value: value[i],
+            prompts: row
+                .and_then(|r| r.prompt_scores.get(metric[i]))
+                .map(Vec::as_slice),
+        };
+        for (stage, setting, seed) in also.get(cell[i]).into_iter().flatten() {
+            measured.push(replicates::Measured {
+                stage,
+                setting,
+                seed,
+                ..m
+            });
+        }
+        measured.push(m);
+    }
     replicates::write(&measured, out)
 }
 
@@ -635,7 +654,6 @@ fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     #[derive(serde::Deserialize)]
     struct Tidy {
         cell: String,
-        stage: String,
         kind: String,
         method: String,
         metric: String,
@@ -653,13 +671,18 @@ fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
         .deserialize()
         .collect::<std::result::Result<_, _>>()
         .with_context(bad)?;
-    let varied: BTreeMap<String, Vec<(String, String)>> = read_cells(sweep)?
-        .into_iter()
-        .map(|c| (c.id.clone(), c.varied()))
-        .collect();
+    // Each cell's varied settings in every stage that lists it: a cell several stages share
+    // has its row under the first and is a replicate of each.
+    let mut varied: BTreeMap<String, Vec<(String, Vec<(String, String)>)>> = BTreeMap::new();
+    for c in read_cells(sweep)? {
+        varied
+            .entry(c.id.clone())
+            .or_default()
+            .push((c.stage.clone(), c.varied()));
+    }
     let mut settings = Vec::with_capacity(tidy.len());
     for (i, t) in tidy.iter().enumerate() {
-        let Some(v) = varied.get(&t.cell) else {
+        let Some(memberships) = varied.get(&t.cell) else {
             bail!(
                 "{} row {}: cell {} is not in cells.json; give `plot` the sweep the table came from",
                 path.display(),
@@ -676,13 +699,15 @@ fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
             t.cell,
             t.value
         );
-        settings.push((setting_text_of(v), seed_of(v).to_string()));
+        // Its row's stage (the first that lists it) and every other that does.
+        for (stage, v) in memberships {
+            settings.push((t, stage, setting_text_of(v), seed_of(v)));
+        }
     }
-    let measured: Vec<replicates::Measured> = tidy
+    let measured: Vec<replicates::Measured> = settings
         .iter()
-        .zip(&settings)
-        .map(|(t, (setting, seed))| replicates::Measured {
-            stage: &t.stage,
+        .map(|(t, stage, setting, seed)| replicates::Measured {
+            stage,
             kind: &t.kind,
             method: &t.method,
             setting,
