@@ -257,7 +257,10 @@ pub(crate) fn launch(ranks: usize) -> Result<()> {
     });
     let mut children: Vec<Child> = Vec::with_capacity(ranks);
     for r in 0..ranks {
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        // A killed launcher stops its ranks rather than leave them holding the GPUs.
+        crate::util::process::tie_to_parent(&mut cmd);
+        let child = cmd
             .args(&args)
             .envs(unset_multicast())
             .env("OMP_NUM_THREADS", &threads)
@@ -332,10 +335,8 @@ fn describe(status: ExitStatus) -> String {
 fn stop(children: &mut [Child]) {
     for c in children.iter_mut() {
         if let Ok(None) = c.try_wait() {
-            // SIGTERM: the rank's process ends as a killed one does; its files are whole.
-            unsafe {
-                libc_kill(c.id() as i32, 15);
-            }
+            // The rank's process ends as a killed one does; its files are whole.
+            crate::util::process::terminate(c.id());
         }
     }
     let until = Instant::now() + Duration::from_secs(10);
@@ -346,11 +347,6 @@ fn stop(children: &mut [Child]) {
         let _ = c.kill();
         let _ = c.wait();
     }
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
 #[cfg(test)]

@@ -842,6 +842,9 @@ fn watch_child(
         }
     };
     bar.set_message(format!("{} {}", cell.stage, cell.label));
+    // A killed sweep stops its cells (each resumes when the sweep runs again) rather than
+    // leave them training on, orphaned, on GPUs a restarted sweep would place others on.
+    crate::util::process::tie_to_parent(&mut cmd);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start {}", exe.display()))?;

@@ -3,6 +3,7 @@
 pub(crate) mod atomic;
 pub mod fault;
 pub(crate) mod flags;
+pub(crate) mod process;
 pub(crate) mod progress;
 pub mod rng;
 pub(crate) mod stats;
