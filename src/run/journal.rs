@@ -1,5 +1,5 @@
 //! An evaluation's journal of finished work (`probe_journal.jsonl` beside its outputs): each
-//! batch of probes is appended as it finishes, so an evaluation cut off (a lease's end, a
+//! batch of probes is appended as it finishes, so an evaluation cut off (an allocation's end, a
 //! kill, a job's time limit) resumes at its first unfinished batch rather than at its first.
 //! The first line holds the key of what was evaluated (the journal's format, the whole config,
 //! the data sets it reads and the weights file as found): a journal of another evaluation, or

@@ -490,7 +490,14 @@ pub(super) const AHA: MethodSpec = MethodSpec {
         .map(Some),
     },
     force_global: never_forced,
-    describe: |a, _, _| vec![format!("λ {}", a.lambda)],
+    // The penalty, and the sampled straight-through gradient where it stands for the exact one.
+    describe: |a, _, _| {
+        let mut parts = vec![format!("λ {}", a.lambda)];
+        if a.ste_sample < 1.0 {
+            parts.push(format!("STE sampled {}", a.ste_sample));
+        }
+        parts
+    },
     variant: no_variant,
     reference: false,
     zero_shot: false,

@@ -218,10 +218,14 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
     },
     fixed_heads: no_fixed_heads,
     force_global: never_forced,
-    // Alpha, and the other regulariser variants by their Table 4 names.
+    // Alpha, the regulariser's weight where it is not the paper's, and the other regulariser
+    // variants by their Table 4 names.
     describe: |a, _, _| {
         let name = variant(a);
         let mut parts = vec![format!("α {}", a.swiattn_alpha)];
+        if a.swiattn_gamma_base != AttentionConfig::default().swiattn_gamma_base {
+            parts.push(format!("γ {}", a.swiattn_gamma_base));
+        }
         if name != "SwiAttn" && !name.starts_with("alpha=") {
             parts.push(name);
         }
