@@ -213,12 +213,14 @@ fn rung(
     rows: &[&Row],
     scale: &BTreeMap<usize, BTreeSet<u64>>,
 ) -> Rung {
-    let start = rows.iter().all(|r| pretrained(r));
+    // A loss measured on other validation tokens than the ladders' train cells at its length
+    // (a probe cell's few batches, the start's evaluation) is not theirs to compare: an
+    // evaluation's line that changes only what its probes see (oracle gates) would otherwise
+    // read its fewer batches' loss as a gain.
     let comparable = |r: &Row| {
-        !start
-            || scale
-                .get(&r.report.seq_len)
-                .is_none_or(|t| t.contains(&r.report.tokens))
+        scale
+            .get(&r.report.seq_len)
+            .is_none_or(|t| t.contains(&r.report.tokens))
     };
     let rank = |r: &Row| {
         let kind = match (r.kind, r.probe_by_length.is_empty()) {
@@ -789,7 +791,8 @@ mod tests {
     /// The pretrained model's loss starts a line only where it was measured on as many
     /// validation tokens as the ladders' train cells: its evaluation without probes on other
     /// tokens gives way to a probe evaluation on the same ones, and where none is, the rung
-    /// has no loss (its probes stay) and the loss panel no start line.
+    /// has no loss (its probes stay) and the loss panel no start line. An evaluation's own
+    /// line likewise.
     #[test]
     fn a_start_measured_on_other_tokens_is_left_out() {
         let dir = sweep_dir_with_ladders("ladders-scale");
@@ -828,6 +831,26 @@ mod tests {
                 .any(|s| s.name.starts_with("pretrained"))
         };
         assert!(!starts(0) && starts(2));
+
+        // So with an evaluation's own line: oracle gates on full attention's model, whose
+        // loss its fewer batches measured with the model's own gates.
+        let path = dir.join("cells.json");
+        let mut cells: Vec<crate::sweep::Cell> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for c in cells.iter_mut().filter(|c| c.id == "probefull2-0") {
+            c.settings.insert("eval.gates".into(), "oracle".into());
+        }
+        std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+        let oracle = || {
+            let all = rows(&dir).unwrap().rows;
+            let line = rungs(&all)
+                .into_iter()
+                .find(|r| r.line == "full eval.gates=oracle");
+            line.map(|r| (r.loss.map(|e| e.mean), r.probes.len()))
+        };
+        assert_eq!(oracle(), Some((Some(1.81), 2)));
+        retoken("probefull2-0");
+        assert_eq!(oracle(), Some((None, 2)));
     }
 
     /// A text column of a table, and a number column.
