@@ -81,13 +81,24 @@ pub(crate) struct Rung {
     pub(crate) loss: Option<Estimate>,
     pub(crate) mu_f: Option<Estimate>,
     /// Per (task, prompt length), and per length over every task (task `ALL_TASKS`): the
-    /// probes' exact match, and the prompts a replicate (the most of any).
-    pub(crate) probes: BTreeMap<(String, u64), (Estimate, usize)>,
+    /// probes' exact match, with the prompts and replicates behind it.
+    pub(crate) probes: BTreeMap<(String, u64), Probed>,
     /// Per (task, prompt length): each replicate's prompts, for paired comparisons.
     pub(crate) prompt_sets: BTreeMap<(String, u64), Vec<Prompts>>,
     /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it
     /// (over the replicates that did: every replicate of a line is evaluated alike).
     pub(crate) by_position: BTreeMap<(usize, usize), Estimate>,
+}
+
+/// A rung's probes of one task (or all) at one prompt length.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Probed {
+    /// Exact match pooled over the replicates and their prompts.
+    pub(crate) score: Estimate,
+    /// Prompts a replicate (the most of any).
+    pub(crate) prompts: usize,
+    /// The models probed: fewer than the rung's replicates where some went unprobed.
+    pub(crate) replicates: usize,
 }
 
 /// The task name of a rung's probes pooled over its tasks.
@@ -284,8 +295,18 @@ fn rung(
     let probes = groups
         .into_iter()
         .filter_map(|(key, groups)| {
-            let most = groups.iter().map(Vec::len).max().unwrap_or(0);
-            Estimate::pooled(&groups).map(|e| (key, (e, most)))
+            let prompts = groups.iter().map(Vec::len).max().unwrap_or(0);
+            Estimate::pooled(&groups).map(|score| {
+                let replicates = groups.len();
+                (
+                    key,
+                    Probed {
+                        score,
+                        prompts,
+                        replicates,
+                    },
+                )
+            })
         })
         .collect();
     Rung {
@@ -316,7 +337,7 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         return Ok(None);
     }
     // (rung, its probes of one task at one length)
-    type Probe<'a> = (&'a (String, u64), &'a (Estimate, usize));
+    type Probe<'a> = (&'a (String, u64), &'a Probed);
     let mut flat: Vec<(&Rung, Option<Probe>)> = Vec::new();
     for r in &rungs {
         match r.probes.is_empty() {
@@ -331,7 +352,7 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
     };
     let probe = |g: fn(&Estimate) -> f64| {
         flat.iter()
-            .map(|(_, p)| p.map(|(_, (e, _))| g(e)))
+            .map(|(_, p)| p.map(|(_, probed)| g(&probed.score)))
             .collect::<Vec<Option<f64>>>()
     };
     let loss = |r: &Rung| r.loss;
@@ -350,7 +371,8 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
         "mu_f_ci95_high" => est(&mu_f, |e| e.high),
         "probe_task" => flat.iter().map(|(_, p)| p.map(|p| p.0 .0.clone())).collect::<Vec<_>>(),
         "probe_length" => flat.iter().map(|(_, p)| p.map(|p| p.0 .1)).collect::<Vec<_>>(),
-        "probe_prompts" => flat.iter().map(|(_, p)| p.map(|p| p.1 .1 as u64)).collect::<Vec<_>>(),
+        "probe_replicates" => flat.iter().map(|(_, p)| p.map(|p| p.1.replicates as u64)).collect::<Vec<_>>(),
+        "probe_prompts" => flat.iter().map(|(_, p)| p.map(|p| p.1.prompts as u64)).collect::<Vec<_>>(),
         "probe_exact_match" => probe(|e| e.mean),
         "probe_ci95_low" => probe(|e| e.low),
         "probe_ci95_high" => probe(|e| e.high),
@@ -699,13 +721,18 @@ mod tests {
         let usage: Vec<f64> = aha.iter().map(|r| r.mu_f.unwrap().mean).collect();
         assert_eq!(usage, [0.9, 0.6]);
         let at = |r: &Rung, task: &str, len: u64| r.probes[&(task.to_string(), len)];
-        let (e, prompts) = at(full[1], ALL_TASKS, 8);
+        let Probed {
+            score: e,
+            prompts,
+            replicates,
+        } = at(full[1], ALL_TASKS, 8);
+        assert_eq!(replicates, 1);
         assert_eq!((e.mean, prompts), (0.8, 5));
         assert_eq!((e.low, e.high), wilson(4.0, 5.0));
-        assert_eq!(at(full[1], "niah_single", 16).0.mean, 0.5);
-        assert_eq!(at(full[1], "niah_multikey", 8).0.mean, 1.0);
-        assert_eq!(at(full[1], "niah_single", 8).0.mean, 2.0 / 3.0);
-        assert_eq!(at(full[0], ALL_TASKS, 8).0, {
+        assert_eq!(at(full[1], "niah_single", 16).score.mean, 0.5);
+        assert_eq!(at(full[1], "niah_multikey", 8).score.mean, 1.0);
+        assert_eq!(at(full[1], "niah_single", 8).score.mean, 2.0 / 3.0);
+        assert_eq!(at(full[0], ALL_TASKS, 8).score, {
             let (low, high) = wilson(0.0, 2.0);
             Estimate {
                 mean: 0.0,
@@ -716,7 +743,7 @@ mod tests {
         assert!(aha.iter().all(|r| r.probes.is_empty()));
         assert!(!base[0].trained && base[0].replicates == 1 && base[0].line == "pretrained");
         assert_eq!(loss(base[0]).mean, 2.2);
-        assert_eq!(at(base[0], ALL_TASKS, 8).0.mean, 0.5);
+        assert_eq!(at(base[0], ALL_TASKS, 8).score.mean, 0.5);
 
         let out = dir.join("out");
         std::fs::create_dir_all(&out).unwrap();
@@ -732,8 +759,9 @@ mod tests {
         assert!(table.iter().any(|r| r[0] == "full"
             && r[11] == "all"
             && r[12] == "8"
-            && r[13] == "5"
-            && r[14] == "0.8"));
+            && r[13] == "1"
+            && r[14] == "5"
+            && r[15] == "0.8"));
 
         let figs = figures(&dir).unwrap();
         let Some((_, Figure::Panels { panels, .. })) =
@@ -1245,7 +1273,7 @@ mod tests {
         let top = regime[1];
         assert_eq!(top.loss.unwrap().mean, 1.8);
         assert_eq!(
-            top.probes[&("niah_single".to_string(), 8)].0.mean,
+            top.probes[&("niah_single".to_string(), 8)].score.mean,
             2.0 / 3.0
         );
         // Full attention's own line keeps the cell.

@@ -70,7 +70,7 @@ pub(super) fn budget_ladder(all: &[Row], figs: &mut Vec<(String, Figure)>) {
         .collect();
     for len in lengths {
         let key = (ALL_TASKS.to_string(), len);
-        let at = |r: &Rung| r.probes.get(&key).map(|p| p.0);
+        let at = |r: &Rung| r.probes.get(&key).map(|p| p.score);
         let probed: Vec<&Rung> = rungs
             .iter()
             .filter(|r| r.tokens > 0.0 && at(r).is_some())
