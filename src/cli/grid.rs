@@ -59,8 +59,8 @@ pub(super) struct SweepCmd {
     /// activations of the whole share at once. Worth it where one micro-batch leaves kernels
     /// small (a small model on a slot of fewer GPUs than its ranks); where the share needs
     /// activation checkpointing to fit, the memory plan turns it on, which can cost more than
-    /// joining saves (compare with `bench train`). Cells whose gates are drawn at random run
-    /// their passes apart. Needs --devices.
+    /// joining saves (compare with `bench train`). Gates drawn at random are drawn alike
+    /// joined or apart. Needs --devices.
     #[arg(long)]
     join_micro_batches: bool,
     /// Capture each train cell's step as a CUDA graph and replay it (train.cuda_graph): the

@@ -277,7 +277,7 @@ impl AttentionConfig {
         keys
     }
 
-    /// Whether its method's gates are drawn at random, by the row of a pass: context-free
+    /// Whether its method's gates are drawn at random, afresh each step: context-free
     /// (Bernoulli) gates, or straight-through gates sampled (`ste_sample` below 1).
     pub(crate) fn draws_gates(&self) -> bool {
         let a = self.canonical();

@@ -47,14 +47,6 @@ impl Config {
         self.attention.validate(&self.model, &self.train)?;
         self.data.validate()?;
         self.train.validate()?;
-        anyhow::ensure!(
-            self.train.joined() == 1 || !self.attention.draws_gates(),
-            "train.micro_batch = {} joins micro-batches, but this model's gates are drawn at \
-             random for each sequence of a pass (attention.router = \"bernoulli\" or \
-             attention.ste_sample < 1), so a joined pass would draw other gates than separate \
-             ones: leave train.micro_batch at 0",
-            self.train.micro_batch
-        );
         if let Some(why) = self.graph_refusal().filter(|_| self.train.cuda_graph) {
             anyhow::bail!("{why}: leave train.cuda_graph off");
         }

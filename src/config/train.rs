@@ -110,8 +110,8 @@ pub struct TrainConfig {
     /// rank's grad_accum / ranks micro-batches); 0 takes batch_size. The same sequences in the
     /// same order and, every micro-batch holding as many tokens, the same mean loss: fewer,
     /// larger kernels for more activation memory, the same computation up to rounding, so like
-    /// ranks it changes where and how the work runs, not a run's identity. Refused for gates
-    /// drawn at random by a pass's row (`AttentionConfig::draws_gates`), which a join would redraw.
+    /// ranks it changes where and how the work runs, not a run's identity (gates drawn at
+    /// random hash the step's row of a sequence, so a join draws them alike).
     pub micro_batch: usize,
     /// Capture the step's forward and backward as a CUDA graph after its first eager run and
     /// replay it (`run/train_graph.rs`): the same kernels on the same data without the host

@@ -34,7 +34,7 @@ pub(crate) struct CtxKey {
     force_global: bool,
     penalty_scale: Option<u64>,
     static_heads: Option<usize>,
-    gate_seed: Option<u64>,
+    gate_seed: Option<(u64, i64)>,
 }
 
 impl CtxKey {
@@ -50,7 +50,7 @@ impl CtxKey {
             force_global: ctx.force_global,
             penalty_scale: ctx.penalty_scale.map(f64::to_bits),
             static_heads: ctx.static_heads,
-            gate_seed: draws.then_some(ctx.gate_seed),
+            gate_seed: draws.then_some((ctx.gate_seed, ctx.gate_row)),
         })
     }
 }

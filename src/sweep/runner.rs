@@ -763,14 +763,16 @@ fn cell_command(
                 cmd.arg("--gpus").arg(ranks.to_string());
             }
             // Always said, so a cell resumed without the flag runs its passes apart again.
-            let join = args.join_micro_batches && !config.attention.draws_gates();
-            let micro = if join { config.train.share(ranks) } else { 0 };
+            let micro = match args.join_micro_batches {
+                true => config.train.share(ranks),
+                false => 0,
+            };
             cmd.arg("--set").arg(format!("train.micro_batch={micro}"));
             // A step captured (by the flag or the grid) where one GPU runs it as one pass and
             // the config lets a replay stand for the steps; the others run eagerly.
             let graph = (args.cuda_graph || config.train.cuda_graph)
                 && ranks == 1
-                && (join || config.train.grad_accum == 1)
+                && (args.join_micro_batches || config.train.grad_accum == 1)
                 && config.graph_refusal().is_none();
             cmd.arg("--set").arg(format!("train.cuda_graph={graph}"));
         }

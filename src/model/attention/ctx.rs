@@ -15,9 +15,14 @@ pub struct ForwardCtx {
     /// Static heads ramped along a run's usage (`attention.top_k_ramp`): how many of the
     /// ranked full heads run full in this step; None: all of them.
     pub(crate) static_heads: Option<usize>,
-    /// Seed of Bernoulli gates: each gate is a hash of (seed, layer, batch row, position,
-    /// head), so a token's gate does not depend on how the sequence is cut into chunks.
+    /// Seed of drawn gates (Bernoulli gates, the sampled straight-through gradient's probes):
+    /// each draw is a hash of (seed, layer, batch row, position, head), so a token's gate does
+    /// not depend on how the sequence is cut into chunks.
     pub(crate) gate_seed: u64,
+    /// The step's row that this pass's first row is (a training pass of micro-batch j starts
+    /// at row j x batch_size): rows are counted over the step, so a pass joining micro-batches,
+    /// or a rank's share of them, draws for each sequence what separate passes draw.
+    pub(crate) gate_row: i64,
     /// Leave the logits in the compute dtype (training's fused loss reads them so) instead
     /// of fp32.
     pub(crate) compute_logits: bool,
@@ -31,6 +36,13 @@ impl ForwardCtx {
     /// The share of `attention.lambda` the routers' penalty carries in this forward.
     pub(crate) fn penalty_scale(&self) -> f64 {
         self.penalty_scale.unwrap_or(1.0)
+    }
+
+    /// The seed a layer's drawn gates hash in this pass: `gate_seed` with the pass's first
+    /// row folded in (`gates::seed_at_row`), so the pass's row r draws the step's row
+    /// `gate_row + r`.
+    pub(crate) fn layer_gate_seed(&self, layer: usize) -> u64 {
+        super::gates::seed_at_row(self.gate_seed, layer, self.gate_row)
     }
 }
 

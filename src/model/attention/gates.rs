@@ -119,7 +119,7 @@ impl GateSource {
                     // Drawn on the device from a hash of (seed, layer, row, position, head): the
                     // same gates whatever the chunking, at the cost of a few integer kernels
                     // (one keyed generator per gate on the host cost eight forwards).
-                    let u = hash_uniform(ctx.gate_seed, layer, like, positions);
+                    let u = hash_uniform(ctx.layer_gate_seed(layer), layer, like, positions);
                     let hard = u.lt_tensor(&rates.view([1, 1, -1])).to_kind(Kind::Float);
                     (hard.shallow_clone(), hard)
                 }
@@ -166,6 +166,24 @@ pub(super) fn router_input(norm: &Option<RmsNorm>, x: &Tensor) -> Tensor {
     }
 }
 
+/// The hash's salt of (seed, layer): what `hash_uniform` and the kernels' `walk.cuh` add to
+/// a draw's mix of row, position and head.
+fn salt(seed: u64, layer: usize) -> u64 {
+    (seed ^ (seed >> 32) ^ (layer as u64).wrapping_mul(0x9E37_79B9)) & 0xFFFF_FFFF
+}
+
+/// Multiplier of the batch row in the hash's mix.
+const ROW_MUL: u64 = 0x2545_F491;
+
+/// The seed whose draws for rows `b` are `seed`'s for rows `row0 + b` at `layer`: the hash
+/// adds the row times `ROW_MUL` to its salt (all modulo 2^32), so a row offset folds into the
+/// salt, and a seed below 2^32 sets the salt it wants (`seed ^ layer's term`). Kernels that
+/// hash rows of their own pass take the offset so, unchanged.
+pub(crate) fn seed_at_row(seed: u64, layer: usize, row0: i64) -> u64 {
+    let shifted = salt(seed, layer).wrapping_add((row0 as u64).wrapping_mul(ROW_MUL)) & 0xFFFF_FFFF;
+    shifted ^ ((layer as u64).wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF)
+}
+
 /// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk at
 /// `positions: [T]` (int64, on the device): an integer hash of (seed, layer, row, position, head) computed on the
 /// device, so it does not depend on the device, the chunking, or any generator's state.
@@ -174,9 +192,8 @@ pub(crate) fn hash_uniform(seed: u64, layer: usize, shape: [i64; 3], positions: 
     let device = positions.device();
     let ar = |n: i64, at: i64| Tensor::arange_start(at, at + n, (Kind::Int64, device));
     let mask = 0xFFFF_FFFFi64;
-    let salt =
-        ((seed ^ (seed >> 32) ^ (layer as u64).wrapping_mul(0x9E37_79B9)) & 0xFFFF_FFFF) as i64;
-    let mut x = ar(b, 0).view([b, 1, 1]) * 0x2545_F491i64
+    let salt = salt(seed, layer) as i64;
+    let mut x = ar(b, 0).view([b, 1, 1]) * ROW_MUL as i64
         + positions.view([1, l, 1]) * 0x1B87_3593i64
         + ar(h, 0).view([1, 1, h]) * 0x5BD1_E995i64
         + salt;

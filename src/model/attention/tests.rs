@@ -1114,6 +1114,40 @@ fn hash_uniform_is_uniform_and_independent_of_chunking() {
     .equal(&piece));
 }
 
+/// A pass's rows drawn with the seed of its first row (`seed_at_row`) are the step's rows
+/// from that one: a pass joining micro-batches, or any one of them apart, draws the same gates
+/// for the same sequence, at every layer (whose salt the seed sets differently).
+#[test]
+fn a_row_offset_folded_into_the_seed_draws_the_steps_rows() {
+    use super::gates::seed_at_row;
+    let positions = Tensor::arange(9, (Kind::Int64, Device::Cpu));
+    for (seed, layer) in [(42u64, 0usize), (0xDEAD_BEEF_1234_5678, 7), (u64::MAX, 29)] {
+        let step = hash_uniform(seed, layer, [12, 9, 3], &positions);
+        for r0 in [0i64, 1, 4, 11] {
+            let rows = 12 - r0;
+            let pass = hash_uniform(
+                seed_at_row(seed, layer, r0),
+                layer,
+                [rows, 9, 3],
+                &positions,
+            );
+            assert!(
+                pass.equal(&step.narrow(0, r0, rows)),
+                "seed {seed}, layer {layer}, row {r0}"
+            );
+        }
+        // A far row (a rank's share of a large step) lands where counting there would.
+        let far = hash_uniform(seed, layer, [3, 9, 3], &positions);
+        let shifted = hash_uniform(
+            seed_at_row(seed, layer, 1 << 20),
+            layer,
+            [3, 9, 3],
+            &positions,
+        );
+        assert!(!shifted.equal(&far));
+    }
+}
+
 /// With ste_sample < 1 the router gradient is an unbiased estimate of the exact
 /// straight-through gradient: its mean over many draws approaches the exact one, while
 /// a single draw differs from it.

@@ -160,7 +160,8 @@ impl PerHead {
         // of the window-picking pairs computes the full path, and their router
         // gradient is scaled up by 1 / ste_sample; the other window pairs send none.
         let probe = (learned && self.ste_sample < 1.0 && q.requires_grad()).then(|| {
-            let u = hash_uniform(ctx.gate_seed, layer.layer, [b, l, h], &positions);
+            let seed = ctx.layer_gate_seed(layer.layer);
+            let u = hash_uniform(seed, layer.layer, [b, l, h], &positions);
             u.lt(self.ste_sample).logical_and(&g.hard.le(0.5))
         });
         let values = match (&probe, learned) {
@@ -279,7 +280,15 @@ impl PerHead {
         let sample = if grad { self.ste_sample } else { 1.0 };
         let w = layer.window as i64;
         let g = kern
-            .aha_gates(&scores, tau, sample, ctx.gate_seed, layer.layer, start, w)
+            .aha_gates(
+                &scores,
+                tau,
+                sample,
+                ctx.layer_gate_seed(layer.layer),
+                layer.layer,
+                start,
+                w,
+            )
             .expect(KERNEL_FAILED);
         let chosen = kern
             .routed_attention(q, k, v, &g.chosen, w)
