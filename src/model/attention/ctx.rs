@@ -37,13 +37,6 @@ impl ForwardCtx {
     pub(crate) fn penalty_scale(&self) -> f64 {
         self.penalty_scale.unwrap_or(1.0)
     }
-
-    /// The seed a layer's drawn gates hash in this pass: `gate_seed` with the pass's first
-    /// row folded in (`gates::seed_at_row`), so the pass's row r draws the step's row
-    /// `gate_row + r`.
-    pub(crate) fn layer_gate_seed(&self, layer: usize) -> u64 {
-        super::gates::seed_at_row(self.gate_seed, layer, self.gate_row)
-    }
 }
 
 /// Replaces the gates a layer would compute, for analysis and tests.

@@ -119,7 +119,7 @@ impl GateSource {
                     // Drawn on the device from a hash of (seed, layer, row, position, head): the
                     // same gates whatever the chunking, at the cost of a few integer kernels
                     // (one keyed generator per gate on the host cost eight forwards).
-                    let u = hash_uniform(ctx.layer_gate_seed(layer), layer, like, positions);
+                    let u = hash_uniform(layer_seed(ctx, layer), layer, like, positions);
                     let hard = u.lt_tensor(&rates.view([1, 1, -1])).to_kind(Kind::Float);
                     (hard.shallow_clone(), hard)
                 }
@@ -182,6 +182,12 @@ const ROW_MUL: u64 = 0x2545_F491;
 pub(crate) fn seed_at_row(seed: u64, layer: usize, row0: i64) -> u64 {
     let shifted = salt(seed, layer).wrapping_add((row0 as u64).wrapping_mul(ROW_MUL)) & 0xFFFF_FFFF;
     shifted ^ ((layer as u64).wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF)
+}
+
+/// The seed a layer's drawn gates hash in this forward: the context's, with its pass's first
+/// row folded in (`seed_at_row`), so the pass's row r draws the step's row `gate_row + r`.
+pub(crate) fn layer_seed(ctx: &ForwardCtx, layer: usize) -> u64 {
+    seed_at_row(ctx.gate_seed, layer, ctx.gate_row)
 }
 
 /// A uniform draw in [0, 1) per (batch row, position, head) of a `[B, T, H]` chunk at

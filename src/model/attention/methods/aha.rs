@@ -10,7 +10,7 @@ use crate::config::{AttentionConfig, Method, ModelConfig, Router};
 use crate::model::attention::base::{AttnOutput, Base, Build, Chunk, Exec, Regulariser, Route};
 use crate::model::attention::cache::Keys;
 use crate::model::attention::ctx::ForwardCtx;
-use crate::model::attention::gates::{hash_uniform, router_input, GateSource};
+use crate::model::attention::gates::{hash_uniform, layer_seed, router_input, GateSource};
 use crate::model::attention::patterns::Keep;
 use crate::model::attention::patterns::KERNEL_FAILED;
 use crate::model::attention::shared::{branches, query_paths, routed_attention, routed_pairs};
@@ -160,7 +160,7 @@ impl PerHead {
         // of the window-picking pairs computes the full path, and their router
         // gradient is scaled up by 1 / ste_sample; the other window pairs send none.
         let probe = (learned && self.ste_sample < 1.0 && q.requires_grad()).then(|| {
-            let seed = ctx.layer_gate_seed(layer.layer);
+            let seed = layer_seed(ctx, layer.layer);
             let u = hash_uniform(seed, layer.layer, [b, l, h], &positions);
             u.lt(self.ste_sample).logical_and(&g.hard.le(0.5))
         });
@@ -284,7 +284,7 @@ impl PerHead {
                 &scores,
                 tau,
                 sample,
-                ctx.layer_gate_seed(layer.layer),
+                layer_seed(ctx, layer.layer),
                 layer.layer,
                 start,
                 w,
