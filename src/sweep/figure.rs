@@ -269,12 +269,13 @@ fn marker<'a, DB: DrawingBackend + 'a, C: Clone + 'a>(
 const SWEPT_TICKS: usize = 12;
 
 /// The x values of every series, when there are few enough to label each one; vertical
-/// markers (a series at one x, such as a window's reach) are not swept values, unless no
-/// series varies.
+/// markers (several points at one x, such as a window's reach) are not swept values, unless
+/// no series varies. A lone point is (a setting run once beside a sweep of others).
 fn swept_values(series: &[Series]) -> Option<Vec<f64>> {
+    let marker = |s: &&Series| s.points.len() > 1 && s.points.iter().all(|p| p.0 == s.points[0].0);
     let mut xs: Vec<f64> = series
         .iter()
-        .filter(|s| s.points.iter().any(|p| p.0 != s.points[0].0))
+        .filter(|s| !marker(s))
         .flat_map(|s| s.points.iter().map(|p| p.0))
         .filter(|v| v.is_finite())
         .collect();

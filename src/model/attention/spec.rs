@@ -192,6 +192,8 @@ pub(crate) struct SettingCurve {
     /// The setting's value at which the method is full attention (PPA's p = 1), whose probes
     /// stand for full attention's where the sweep trained none.
     pub(crate) full_at: Option<f64>,
+    /// The setting is swept over decades (a regulariser's weight): a log axis.
+    pub(crate) log: bool,
 }
 
 /// A fixed per-head assignment, `[layer][head]`: a head's place in the ranking it was chosen

@@ -7,9 +7,9 @@ use super::series::{
     full_reference, grouped, legend, legend_name, replicate_means, setting_legend, with_line,
     with_reference, UNIT,
 };
-use crate::model::attention::{MethodSpec, SettingCurve};
+use crate::model::attention::{MethodSpec, Report, SettingCurve};
 use crate::run::report::Timing;
-use crate::sweep::figure::{series, sorted, Figure, Panel, Series, XAxis};
+use crate::sweep::figure::{series, short_count, sorted, Figure, Panel, Series, XAxis};
 use crate::sweep::pareto;
 use crate::sweep::rows::Row;
 use crate::sweep::tables;
@@ -195,30 +195,67 @@ pub(super) fn setting_curve(
         return;
     }
     let x = |r: &Row| (curve.value)(&r.grid_attention);
+    // A curve needs the setting at two values at least.
+    let values: BTreeSet<u64> = trained.iter().map(|r| x(r).to_bits()).collect();
+    if values.len() < 2 {
+        return;
+    }
+    // Cells of several budgets (a scan on a lower rung beside the top one's sweep) are lines
+    // of their own, each named by its tokens; full attention's reference is one budget's.
+    let budgets: BTreeSet<u64> = trained.iter().map(|r| r.budget_tokens.to_bits()).collect();
+    let one_budget = budgets.len() == 1;
     let by_window = |rows: &[&Row], f: &dyn Fn(&Row) -> Option<f64>, bounds| {
         grouped(
             rows,
             curve.key,
-            |r| format!("window={}", r.window),
+            |r| match one_budget {
+                true => format!("window={}", r.window),
+                false => format!(
+                    "window={}, {} tokens",
+                    r.window,
+                    short_count(r.budget_tokens)
+                ),
+            },
             |r| Some((x(r), f(r)?)),
             bounds,
         )
+    };
+    let reference = |rows: &[&Row], f: &dyn Fn(&Row) -> Option<f64>| {
+        one_budget
+            .then(|| full_reference(rows.iter().copied(), &trained, f))
+            .flatten()
     };
     let panel = |title: &str, y: &str, series| Panel {
         title: title.into(),
         x: curve.axis.into(),
         y: y.into(),
         series,
-        x_axis: XAxis::LinearSwept,
+        x_axis: match curve.log {
+            true => XAxis::LogSwept,
+            false => XAxis::LinearSwept,
+        },
     };
     let mut panels = vec![panel(
         "validation loss",
         "loss",
         with_reference(
             by_window(&trained, &|r| Some(r.loss()), None),
-            full_reference(train.iter().copied(), &trained, |r| Some(r.loss())),
+            reference(train, &|r| Some(r.loss())),
         ),
     )];
+    // A routed method's share of full attention, beside its paper's value.
+    let usage = by_window(&trained, &|r| r.mu_f(), UNIT);
+    if usage.iter().any(|s| !s.points.is_empty()) {
+        let paper = method.reports.iter().find_map(|r| match r {
+            Report::PaperUsage { mu_f, source } => Some((*mu_f, *source)),
+            _ => None,
+        });
+        let usage = match paper {
+            Some((mu_f, source)) => with_line(usage, source, Some(mu_f), 12),
+            None => usage,
+        };
+        panels.push(panel("share of full attention", "mu_f", usage));
+    }
     let probed: Vec<&Row> = all
         .iter()
         .filter(of_method)
@@ -228,7 +265,8 @@ pub(super) fn setting_curve(
         // Full attention's probes: those of full attention trained as long where the sweep
         // has it (not the untrained base), else the method's own at the setting where it is
         // full attention (PPA's p = 1: the same pattern).
-        let full = full_reference(all, &trained, pareto::probe_exact_match).or_else(|| {
+        let all: Vec<&Row> = all.iter().collect();
+        let full = reference(&all, &pareto::probe_exact_match).or_else(|| {
             let at_full: Vec<f64> = probed
                 .iter()
                 .filter(|r| curve.full_at == Some(x(r)))

@@ -17,6 +17,7 @@
 //! | `loss_curves` | validation loss during training, every train cell (PPA Fig. 2: curves by p) |
 //! | `router_curves` | every learned router's gate usage and training loss over its steps (L2A router collapse) |
 //! | `ppa_s_curve` | PPA Fig. 3 and Table 1 (a method's `Report::Curve`): final loss against p, the probes' accuracy, on the synthetic corpus the accuracy on dependencies at least w back, and the attention and prefill time of the cells timed alone |
+//! | `swiattn_gamma` | SwiAttn's regulariser weight (`Report::Curve`, a log axis): final loss, the full ratio beside the paper's ~0.13, and the probes against gamma_base, a line per budget |
 //! | `bucket_loss` | loss by dependency distance on the synthetic corpus, every evaluated cell |
 //! | `niah_heatmap_<cell>`, `full_ratio_vs_depth` | SwiAttn Fig. 3 and 6, from a cell's `eval/niah.csv` |
 //! | `pareto`, `pareto_time`, `pareto_memory`, `pareto_prefill` | every method of one budget: loss against attention work, measured training time, decode memory and prefill time timed alone, each with its Pareto front |

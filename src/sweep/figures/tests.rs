@@ -8,7 +8,7 @@ use crate::model::attention::spec;
 use crate::sweep::axes::cell_label;
 use crate::sweep::cell_files;
 use crate::sweep::figure::tests::render;
-use crate::sweep::figure::Figure;
+use crate::sweep::figure::{Figure, XAxis};
 use crate::sweep::fixture;
 
 const WINDOW: &str = "attention.window";
@@ -297,6 +297,54 @@ fn ppa_s_curve_plots_time_against_p_from_cells_timed_alone() {
         .unwrap();
     // The fixture times 8 ms for every cell but the one set to 6 ms.
     assert_eq!(prefill.points, [(0.0, 8.0), (0.5, 6.0)]);
+}
+
+/// SwiAttn's curve in its regulariser's weight: loss, and its full ratio beside the paper's
+/// ~0.13, on a log axis (the weight is swept over decades).
+#[test]
+fn swiattn_gamma_draws_the_full_ratio_beside_the_papers() {
+    let dir = fixture::sweep_dir("swiattn-gamma");
+    // A second SwiAttn cell, at ten times the regulariser's weight.
+    let path = dir.join("cells.json");
+    let mut cells: Vec<crate::sweep::Cell> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut twin = cells.iter().find(|c| c.id == "swi-0").unwrap().clone();
+    twin.id = "swi-1".into();
+    twin.index = cells.len();
+    twin.config.attention.swiattn_gamma_base *= 10.0;
+    let gamma = toml::Value::from(twin.config.attention.swiattn_gamma_base);
+    twin.assignment
+        .insert("attention.swiattn_gamma_base".into(), gamma);
+    cells.push(twin);
+    std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+    let copy = std::process::Command::new("cp")
+        .args(["-r", "swi-0", "swi-1"])
+        .current_dir(&dir)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let figs = figures(&dir).unwrap();
+    let Some((_, Figure::Panels { panels, .. })) =
+        figs.into_iter().find(|(s, _)| s == "swiattn_gamma")
+    else {
+        panic!("swiattn_gamma has panels");
+    };
+    let usage = panels
+        .iter()
+        .find(|p| p.title == "share of full attention")
+        .expect("a usage panel");
+    assert!(matches!(usage.x_axis, XAxis::LogSwept));
+    let paper = usage
+        .series
+        .iter()
+        .find(|s| s.name.starts_with("SwiAttn paper"))
+        .expect("the paper's ratio");
+    assert!(
+        paper.points.iter().all(|p| p.1 == 0.13),
+        "{:?}",
+        paper.points
+    );
+    assert!(usage.series.iter().any(|s| s.name.starts_with("window=")));
 }
 
 #[test]

@@ -166,6 +166,7 @@ pub(super) const PPA: MethodSpec = MethodSpec {
             axis: "power p",
             value: |a| a.ppa_power,
             full_at: Some(1.0),
+            log: false,
         }),
     ],
     ..fixed(

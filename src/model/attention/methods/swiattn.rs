@@ -14,7 +14,7 @@ use crate::model::attention::patterns::Keep;
 use crate::model::attention::shared::{branches, routed_pairs};
 use crate::model::attention::spec::{
     never_forced, no_fixed_heads, no_head_budget, BenchVariant, CellKind, Example, Gates,
-    MethodSpec, PaperTable, Report, SettingColumn, Value,
+    MethodSpec, PaperTable, Report, SettingColumn, SettingCurve, Value,
 };
 use crate::model::nn::Linear;
 use tch::{Kind, Tensor};
@@ -262,6 +262,17 @@ pub(super) const SWIATTN: MethodSpec = MethodSpec {
             mu_f: 0.13,
             source: "SwiAttn paper, Fig. 5: full ratio ~0.13",
         },
+        // The regulariser's weight that brings the full ratio to the paper's: quality and the
+        // ratio against gamma_base.
+        Report::Curve(SettingCurve {
+            key: "attention.swiattn_gamma_base",
+            stem: "swiattn_gamma",
+            symbol: "gamma_base",
+            axis: "regulariser weight gamma_base",
+            value: |a| a.swiattn_gamma_base,
+            full_at: None,
+            log: true,
+        }),
         // Tables 1-3: SwiAttn beside full attention, SWA-ZS, SWA-CPT and StaticHybrid (every
         // method with a name there: `MethodSpec::baseline`), written where it holds more than
         // full attention.
