@@ -182,6 +182,40 @@ pub(super) fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
 /// against p), beside the probes' accuracy (with chance and full attention as reference
 /// lines), on the synthetic corpus the recall of dependencies at least w back, and the
 /// attention and prefill time of its cells timed alone on the GPU.
+/// The method's attention and prefill time against the curve's setting: only cells timed
+/// alone on the GPU (`exclusive`), since a timing beside other cells measures their load as
+/// much as the setting. None where no cell was.
+fn timed_against(method: &MethodSpec, curve: &SettingCurve, all: &[Row]) -> Option<Vec<Series>> {
+    let timed: Vec<&Row> = tables::timed_alone(all)
+        .into_iter()
+        .filter(|(r, _)| r.method == method.method)
+        .map(|(r, _)| r)
+        .collect();
+    if timed.is_empty() {
+        return None;
+    }
+    let line = |what: &'static str, f: fn(&Timing) -> f64| {
+        grouped(
+            &timed,
+            curve.key,
+            move |r| {
+                let len = r.report.timing.as_ref().map_or(0, |t| t.seq_len);
+                format!("{what}, L={len} window={}", r.window)
+            },
+            move |r| {
+                Some((
+                    (curve.value)(&r.grid_attention),
+                    f(r.report.timing.as_ref()?),
+                ))
+            },
+            None,
+        )
+    };
+    let mut series = line("attention layers", |t| t.attention_ms);
+    series.extend(line("prefill", |t| t.prefill_ms));
+    Some(series)
+}
+
 pub(super) fn setting_curve(
     method: &MethodSpec,
     curve: &SettingCurve,
@@ -293,29 +327,7 @@ pub(super) fn setting_curve(
             far,
         ));
     }
-    // Its attention time against the setting: only cells timed alone on the GPU
-    // (`exclusive`), since a timing beside other cells measures their load as much as the
-    // setting.
-    let timed: Vec<&Row> = tables::timed_alone(all)
-        .into_iter()
-        .filter(|(r, _)| r.method == method.method)
-        .map(|(r, _)| r)
-        .collect();
-    if !timed.is_empty() {
-        let line = |what: &'static str, f: fn(&Timing) -> f64| {
-            grouped(
-                &timed,
-                curve.key,
-                move |r| {
-                    let len = r.report.timing.as_ref().map_or(0, |t| t.seq_len);
-                    format!("{what}, L={len} window={}", r.window)
-                },
-                move |r| Some((x(r), f(r.report.timing.as_ref()?))),
-                None,
-            )
-        };
-        let mut series = line("attention layers", |t| t.attention_ms);
-        series.extend(line("prefill", |t| t.prefill_ms));
+    if let Some(series) = timed_against(method, curve, all) {
         panels.push(panel("one sequence, alone on the GPU", "time (ms)", series));
     }
     let fig = match panels.len() {
