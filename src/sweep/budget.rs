@@ -170,7 +170,14 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
 /// The lines a row is a replicate of: its own, and its line in each other stage that shares
 /// the cell (`Row::also`).
 fn lines(r: &Row) -> impl Iterator<Item = &String> {
-    std::iter::once(&r.line).chain(r.also.iter().map(|m| &m.line))
+    let mut lines: Vec<&String> = vec![&r.line];
+    for m in &r.also {
+        // Two memberships on one line (a ladder's rung, an older cells.json) count once.
+        if !lines.contains(&&m.line) {
+            lines.push(&m.line);
+        }
+    }
+    lines.into_iter()
 }
 
 /// Whether `r` evaluates the grid's pretrained model (no cell behind it): the start of every
@@ -1294,6 +1301,18 @@ mod tests {
         let replicates = csv(&out.join("replicates.csv"));
         let row = regime_loss(&replicates);
         assert_eq!((row[4].as_str(), row[5].as_str()), ("2", "1.875"));
+        // The regime shares full-0 with full attention's own stage: not two samples, so that
+        // pair is not tested, while the regime against a stage apart from it is.
+        let across = csv(&out.join("stage_differences.csv"));
+        let pair = |a: &str, b: &str| {
+            across
+                .iter()
+                .any(|r| (r[1] == a && r[3] == b) || (r[1] == b && r[3] == a))
+        };
+        assert!(
+            !pair("full", "regime") && pair("swa", "regime"),
+            "{across:?}"
+        );
         // From tidy.csv and cells.json alone (a results folder without its cells).
         let bare = dir.join("bare");
         std::fs::create_dir_all(&bare).unwrap();

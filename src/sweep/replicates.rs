@@ -28,6 +28,9 @@ use std::path::Path;
 /// which its replicates share: `Row::setting_text`), seed, metric and value, with the
 /// per-prompt scores behind a probe metric.
 pub(crate) struct Measured<'a> {
+    /// The cell it was measured in ("" where unknown): a cell several stages share is a
+    /// replicate of each, and two stages holding the same cell are not compared as apart.
+    pub(crate) cell: &'a str,
     pub(crate) stage: &'a str,
     /// The stage's kind (`train`, `eval`, `prune`).
     pub(crate) kind: &'a str,
@@ -43,8 +46,9 @@ pub(crate) struct Measured<'a> {
 
 type Key = (String, String, String, String);
 
-/// One replicate of a setting: its seed, value and probe prompts' scores.
+/// One replicate of a setting: its cell, seed, value and probe prompts' scores.
 struct Rep<'a> {
+    cell: &'a str,
     seed: &'a str,
     value: f64,
     prompts: Option<&'a [f64]>,
@@ -125,6 +129,7 @@ fn groups<'a>(values: &'a [Measured<'a>]) -> BTreeMap<Key, Vec<Rep<'a>>> {
         ))
         .or_default()
         .push(Rep {
+            cell: m.cell,
             seed: m.seed,
             value: m.value,
             prompts: m.prompts,
@@ -260,7 +265,16 @@ pub(crate) fn write(values: &[Measured], out: &Path) -> Result<Vec<std::path::Pa
             .filter(|(k, _)| k.1 == metric && trained(k))
             .collect();
         for (i, (ka, a)) in of_metric.iter().enumerate() {
-            for (kb, b) in of_metric[i + 1..].iter().filter(|(kb, _)| kb.0 != ka.0) {
+            // Two stages that share a cell (one computation listed in both) are not two
+            // samples: their difference is not tested.
+            let shares = |b: &[Rep]| {
+                a.iter()
+                    .any(|x| !x.cell.is_empty() && b.iter().any(|y| y.cell == x.cell))
+            };
+            for (kb, b) in of_metric[i + 1..]
+                .iter()
+                .filter(|(kb, b)| kb.0 != ka.0 && !shares(b))
+            {
                 let mut row = vec![
                     metric.to_string(),
                     ka.0.clone(),
@@ -410,6 +424,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("attnsweep-repl-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let m = |setting: &'static str, seed, metric: &'static str, value| Measured {
+            cell: "",
             stage: "aha",
             kind: "train",
             method: "aha",
@@ -464,6 +479,7 @@ mod tests {
         // Another train stage and an eval stage: each aha setting against the swa one, on
         // loss; the eval stage and the metrics other than loss and pairs stay out.
         let other = |stage: &'static str, kind: &'static str, metric, value| Measured {
+            cell: "",
             stage,
             kind,
             method: stage,
@@ -545,6 +561,7 @@ mod tests {
             vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
         ];
         let m = |setting: &'static str, seed, metric: &'static str, value, prompts| Measured {
+            cell: "",
             stage: "probe",
             kind: "eval",
             method: "aha",

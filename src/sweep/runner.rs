@@ -649,8 +649,8 @@ fn run_cell(
         .append(true)
         .open(dir.join("log.txt"))?;
     // The child's stdin is the locked file, so the lock lives as long as the child does: a
-    // runner killed mid-cell leaves its child to finish, and no other runner starts the cell
-    // until both are gone.
+    // runner killed mid-cell asks its child to stop (`util::process::tie_to_parent`), and no
+    // other runner starts the cell until both are gone.
     cmd.stdin(Stdio::from(lock.try_clone()?))
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log));

@@ -622,6 +622,7 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
     for i in 0..tidy.height() {
         let row = by_cell.get(cell[i]);
         let m = replicates::Measured {
+            cell: cell[i],
             stage: stage[i],
             kind: kind[i],
             method: method[i],
@@ -675,10 +676,11 @@ fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     // has its row under the first and is a replicate of each.
     let mut varied: BTreeMap<String, Vec<(String, Vec<(String, String)>)>> = BTreeMap::new();
     for c in read_cells(sweep)? {
-        varied
-            .entry(c.id.clone())
-            .or_default()
-            .push((c.stage.clone(), c.varied()));
+        let memberships = varied.entry(c.id.clone()).or_default();
+        // A cell listed twice in one stage (settings its method ignores) counts once there.
+        if memberships.iter().all(|(stage, _)| *stage != c.stage) {
+            memberships.push((c.stage.clone(), c.varied()));
+        }
     }
     let mut settings = Vec::with_capacity(tidy.len());
     for (i, t) in tidy.iter().enumerate() {
@@ -707,6 +709,7 @@ fn replicates_from_tidy(sweep: &Path, out: &Path) -> Result<Vec<PathBuf>> {
     let measured: Vec<replicates::Measured> = settings
         .iter()
         .map(|(t, stage, setting, seed)| replicates::Measured {
+            cell: &t.cell,
             stage,
             kind: &t.kind,
             method: &t.method,

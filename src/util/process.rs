@@ -45,7 +45,8 @@ pub(crate) fn tie_to_parent(cmd: &mut Command) {
                 }
                 // The parent may have ended between fork and prctl: then no signal comes.
                 if libc_getppid() != parent {
-                    return Err(std::io::Error::other("its parent ended before it started"));
+                    // ESRCH, with nothing allocated in the forked child.
+                    return Err(std::io::Error::from_raw_os_error(3));
                 }
                 Ok(())
             });

@@ -178,10 +178,6 @@ pub(super) fn prefill_time(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     ));
 }
 
-/// A method's quality against one of its own settings (PPA Fig. 3 and Table 1: final loss
-/// against p), beside the probes' accuracy (with chance and full attention as reference
-/// lines), on the synthetic corpus the recall of dependencies at least w back, and the
-/// attention and prefill time of its cells timed alone on the GPU.
 /// The method's attention and prefill time against the curve's setting: only cells timed
 /// alone on the GPU (`exclusive`), since a timing beside other cells measures their load as
 /// much as the setting. None where no cell was.
@@ -216,6 +212,11 @@ fn timed_against(method: &MethodSpec, curve: &SettingCurve, all: &[Row]) -> Opti
     Some(series)
 }
 
+/// A method's quality against one of its own settings (PPA Fig. 3 and Table 1: final loss
+/// against p; SwiAttn's full ratio against gamma_base), beside the probes' accuracy (with
+/// chance and full attention as reference lines), on the synthetic corpus the recall of
+/// dependencies at least w back, and the attention and prefill time of its cells timed alone
+/// on the GPU.
 pub(super) fn setting_curve(
     method: &MethodSpec,
     curve: &SettingCurve,
