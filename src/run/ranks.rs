@@ -2,10 +2,10 @@
 //! launcher sets: torchrun's, Slurm's, or `launch`'s own), and `launch`, which starts the
 //! ranks of `train --gpus N` on this machine and stops them all when one fails.
 //!
-//! The launcher passes its whole environment on to every rank and adds only the rank's place
-//! and, unless set, `OMP_NUM_THREADS` (the machine's cores shared out between the ranks) and
-//! the settings that keep NVLink multicast off (`NO_MULTICAST`). A rank started by torchrun
-//! or srun sets those itself, where they are unset, before it joins the job.
+//! The launcher passes its whole environment on to every rank and adds only the rank's place,
+//! `OMP_NUM_THREADS` unless set (the machine's cores shared out between the ranks), and the
+//! settings that keep NVLink multicast off (`NO_MULTICAST`, over any other value). A rank
+//! started by torchrun or srun sets those itself before it joins the job.
 
 use crate::model::kernels;
 use crate::model::kernels::dist::{Dist, Rendezvous};
@@ -95,25 +95,18 @@ const FIRST_BUCKET: usize = 1 << 20;
 const BUCKET: usize = 25 << 20;
 
 /// NVLink multicast (NCCL's NVLS, torch's symmetric memory, NVSHMEM's) stays off: every rank
-/// runs with these unless its environment already sets them.
+/// runs with these, whatever its environment said.
 pub(crate) const NO_MULTICAST: [(&str, &str); 3] = [
     ("NCCL_NVLS_ENABLE", "0"),
     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
     ("NVSHMEM_DISABLE_NVLS", "1"),
 ];
 
-/// The `NO_MULTICAST` settings this process's environment leaves unset.
-fn unset_multicast() -> impl Iterator<Item = (&'static str, &'static str)> {
-    NO_MULTICAST
-        .into_iter()
-        .filter(|(k, _)| std::env::var_os(k).is_none())
-}
-
 impl Team {
     /// Joins the job from `device` (NCCL between GPUs, Gloo between CPU processes), with
-    /// multicast off where a launcher other than ours left it unset (before NCCL reads it).
+    /// multicast off whatever a launcher other than ours set (before NCCL reads it).
     pub(crate) fn join(place: &Place, device: Device, timeout_s: f64) -> Result<Team> {
-        for (k, v) in unset_multicast() {
+        for (k, v) in NO_MULTICAST {
             std::env::set_var(k, v);
         }
         let kern = match device {
@@ -262,7 +255,7 @@ pub(crate) fn launch(ranks: usize) -> Result<()> {
         crate::util::process::tie_to_parent(&mut cmd);
         let child = cmd
             .args(&args)
-            .envs(unset_multicast())
+            .envs(NO_MULTICAST)
             .env("OMP_NUM_THREADS", &threads)
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", ranks.to_string())

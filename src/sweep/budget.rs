@@ -145,7 +145,8 @@ pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
         }
     }
     // The validation tokens the ladders' train cells measured their loss on, per sequence
-    // length: the start's loss is comparable with theirs only on as many tokens.
+    // length: another rung's loss (the start's, an evaluation's) is comparable with theirs
+    // only on as many tokens.
     let mut scale: BTreeMap<usize, BTreeSet<u64>> = BTreeMap::new();
     for r in rows
         .iter()

@@ -41,7 +41,7 @@ fn measured_rates(out: &Path, cells: &[Cell], done: &[bool]) -> BTreeMap<Kind, f
 /// The train cells to run (those of `picked`, where it names any, else every one) that have
 /// not finished (`done`: a flag per cell, as the dry run read their states), and what they
 /// cost at the measured rates.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Default, PartialEq)]
 pub(crate) struct Plan {
     pub(crate) cells: usize,
     pub(crate) tokens: f64,
@@ -54,13 +54,7 @@ pub(crate) struct Plan {
 
 pub(crate) fn plan(out: &Path, cells: &[Cell], done: &[bool], picked: &[usize]) -> Plan {
     let rates = measured_rates(out, cells, done);
-    let mut p = Plan {
-        cells: 0,
-        tokens: 0.0,
-        timed: 0,
-        seconds: 0.0,
-        unmeasured: Vec::new(),
-    };
+    let mut p = Plan::default();
     let to_run = cells.iter().zip(done).filter(|(c, &d)| {
         !d && c.kind == StageKind::Train && (picked.is_empty() || picked.contains(&c.index))
     });

@@ -610,6 +610,7 @@ fn write_replicates(rows: &[Row], tidy: &DataFrame, out: &Path) -> Result<Vec<Pa
     // A cell that several stages share is a replicate of each (`Row::also`).
     let also: BTreeMap<&str, Vec<(&str, String, &str)>> = rows
         .iter()
+        .filter(|r| !r.also.is_empty())
         .map(|r| {
             let each = r.also.iter().map(|m| {
                 let setting = setting_text_of(&m.varied);

@@ -4,26 +4,25 @@
 //! locks; tied, each is asked to stop (SIGTERM) when the thread that started and waits on it
 //! ends, and what it wrote is whole (every file is written atomically) for the resume.
 
+use std::os::raw::{c_int, c_ulong};
 use std::process::Command;
 
-const SIGTERM: i32 = 15;
+const SIGTERM: c_int = 15;
 
 extern "C" {
     #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
+    fn libc_kill(pid: c_int, sig: c_int) -> c_int;
+    // Variadic in C, as declared here.
     #[cfg(target_os = "linux")]
     #[link_name = "prctl"]
-    fn libc_prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
-    #[cfg(target_os = "linux")]
-    #[link_name = "getppid"]
-    fn libc_getppid() -> i32;
+    fn libc_prctl(option: c_int, ...) -> c_int;
 }
 
 /// Asks process `pid` to stop (SIGTERM): it ends as a killed one does.
 pub(crate) fn terminate(pid: u32) {
     // SAFETY: kill(2) with a pid this process started and a valid signal number.
     unsafe {
-        libc_kill(pid as i32, SIGTERM);
+        libc_kill(pid as c_int, SIGTERM);
     }
 }
 
@@ -34,17 +33,17 @@ pub(crate) fn tie_to_parent(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
-        const PR_SET_PDEATHSIG: i32 = 1;
-        let parent = std::process::id() as i32;
+        const PR_SET_PDEATHSIG: c_int = 1;
+        let parent = std::process::id();
         // SAFETY: the closure runs in the forked child before exec and calls only prctl(2)
         // and getppid(2), both async-signal-safe; it allocates nothing.
         unsafe {
             cmd.pre_exec(move || {
-                if libc_prctl(PR_SET_PDEATHSIG, SIGTERM as u64, 0, 0, 0) != 0 {
+                if libc_prctl(PR_SET_PDEATHSIG, SIGTERM as c_ulong) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 // The parent may have ended between fork and prctl: then no signal comes.
-                if libc_getppid() != parent {
+                if std::os::unix::process::parent_id() != parent {
                     // ESRCH, with nothing allocated in the forked child.
                     return Err(std::io::Error::from_raw_os_error(3));
                 }

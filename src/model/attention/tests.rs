@@ -1136,15 +1136,13 @@ fn a_row_offset_folded_into_the_seed_draws_the_steps_rows() {
                 "seed {seed}, layer {layer}, row {r0}"
             );
         }
-        // A far row (a rank's share of a large step) lands where counting there would.
-        let far = hash_uniform(seed, layer, [3, 9, 3], &positions);
-        let shifted = hash_uniform(
-            seed_at_row(seed, layer, 1 << 20),
-            layer,
-            [3, 9, 3],
-            &positions,
-        );
-        assert!(!shifted.equal(&far));
+        // Offsets add up, so a far row (a rank's share of a large step) draws what counting
+        // from the step's first row would: 2^20 rows on, then 4 more, is 2^20 + 4 on.
+        let far = 1i64 << 20;
+        let draw = |seed| hash_uniform(seed, layer, [3, 9, 3], &positions);
+        let stepped = seed_at_row(seed_at_row(seed, layer, far), layer, 4);
+        assert!(draw(stepped).equal(&draw(seed_at_row(seed, layer, far + 4))));
+        assert!(!draw(seed_at_row(seed, layer, far)).equal(&draw(seed)));
     }
 }
 
