@@ -471,11 +471,12 @@ pub(crate) fn run(grid: &Grid, cells: &[Cell], args: &SweepArgs) -> Result<Outco
     Ok(o)
 }
 
-/// The stages of `chosen`, in the grid's order, gathered into waves whose cells run at once: a
-/// stage joins the wave before it where both train or both do not (one placement serves
-/// them), neither is exclusive, and none of its cells continues from, evaluates or reads a
-/// cell of that wave (it would have to wait for it). So `--devices 0,1 --cell 1,7` trains full
-/// attention's cell and AHA's side by side, where stage by stage one GPU would idle.
+/// The stages of `chosen` gathered into waves whose cells run at once, each stage in the
+/// earliest wave after every wave holding a cell it continues from, evaluates or reads, that
+/// trains where it trains (one placement serves them) and where neither is exclusive; else in a
+/// wave of its own at the end. So `--devices 0,1 --cell 1,7` trains full attention's cell and
+/// AHA's side by side, and two train stages with an evaluation listed between them still train
+/// together, where stage by stage one GPU would idle.
 fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Wave<'c>> {
     let mut out: Vec<Wave> = Vec::new();
     let mut stages: Vec<&str> = Vec::new();
@@ -493,17 +494,18 @@ fn waves<'c>(chosen: &[&'c Cell]) -> Vec<Wave<'c>> {
             ids: of().map(|c| c.id.as_str()).collect(),
         };
         let waits = || of().flat_map(|c| c.depends_on.iter().chain(&c.reads));
-        match out.last_mut() {
-            Some(w)
-                if w.train == one.train
-                    && !w.exclusive
-                    && !one.exclusive
-                    && waits().all(|d| !w.ids.contains(d.as_str())) =>
-            {
+        // The first wave it may run in: after the last one holding a cell it waits for.
+        let after = out
+            .iter()
+            .rposition(|w| waits().any(|d| w.ids.contains(d.as_str())))
+            .map_or(0, |i| i + 1);
+        let fits = |w: &Wave| w.train == one.train && !w.exclusive && !one.exclusive;
+        match out[after..].iter_mut().find(|w| fits(w)) {
+            Some(w) => {
                 w.stages.push(stage);
                 w.ids.extend(one.ids);
             }
-            _ => out.push(one),
+            None => out.push(one),
         }
     }
     out
@@ -946,11 +948,11 @@ mod tests {
         }
     }
 
-    /// Stages run together where nothing between them waits: two train stages that do not
-    /// continue from each other, then the evaluations of both. A stage starts a wave of its
-    /// own where it continues from or reads a cell of the wave before (any of its stages, not
-    /// only the last), where it trains and the wave evaluates or the other way round, and
-    /// where it or the wave is exclusive.
+    /// Stages run together where nothing between them waits: train stages that do not
+    /// continue from each other, then the evaluations of all. A stage joins the earliest wave
+    /// of its kind after every wave holding a cell it continues from, evaluates or reads (any
+    /// of a wave's stages, not only the last), even past a wave of the other kind; it starts a
+    /// wave of its own where none fits, and where it or the wave is exclusive.
     #[test]
     fn independent_stages_run_in_one_wave() {
         let stage = |name: &str, rest: &str| format!("[[stage]]\nname = \"{name}\"\n{rest}\n");
@@ -970,6 +972,7 @@ mod tests {
                 "kind = \"eval\"\nof = \"full\"\nexclusive = true\nset = { \"eval.timing\" = true }",
             ),
             stage("last", "kind = \"eval\"\nof = \"aha\""),
+            stage("late", &lr("6e-3")),
         ]
         .concat();
         let grid: super::super::Grid = toml::from_str(&text).unwrap();
@@ -982,15 +985,21 @@ mod tests {
         assert_eq!(
             stages(&all),
             [
-                vec!["base"],
-                vec!["aha", "full"],
+                vec!["base", "full", "late"],
+                vec!["aha"],
                 vec!["ranked", "after_aha"],
                 vec!["after_ranked"],
-                vec!["probes_base", "probes_full"],
+                vec!["probes_base", "probes_full", "last"],
                 vec!["timed"],
-                vec!["last"],
             ]
         );
+        // Two train stages with an evaluation listed between them train together (before,
+        // the second waited for the first's evaluation and one GPU idled).
+        let some: Vec<&Cell> = cells
+            .iter()
+            .filter(|c| ["aha", "last", "late"].contains(&c.stage.as_str()))
+            .collect();
+        assert_eq!(stages(&some), [vec!["aha", "late"], vec!["last"]]);
         // A run of some cells (`--cell`) gathers those it runs.
         let some: Vec<&Cell> = cells
             .iter()

@@ -513,7 +513,11 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     prunable: false,
     columns: &[],
     baseline: None,
-    head_budget: |_, _, _, _| "AHA".into(),
+    // Random gates at AHA's usage are Table 5's other control, not AHA: named apart.
+    head_budget: |a, _, _, _| match a.router {
+        Router::Learned => "AHA".into(),
+        Router::Bernoulli => "random gates (AHA's usage per head)".into(),
+    },
     reports: &[
         Report::PaperUsage {
             mu_f: TABLE2_W256,
@@ -735,6 +739,7 @@ fn example_ranking() -> std::path::PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::attention::spec::Provenance;
 
     /// A ramp reads a run's usage as shares of its last, by fraction of training; a step opens
     /// that share of the ranked heads (linear between the logged points, rounded, at most
@@ -772,5 +777,21 @@ mod tests {
         let places = read_head_assignment(&ranking, 1, 1, 2).unwrap();
         assert_eq!(places, vec![vec![None, Some(0)]]);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Table 5 holds AHA's learned gates and its random-gate control as two rows, not two
+    /// "AHA" rows a reader cannot tell apart.
+    #[test]
+    fn random_gates_have_their_own_table_5_row() {
+        let p = Provenance {
+            kind: CellKind::Trained,
+            from_reference: true,
+        };
+        let mut a = AttentionConfig::default();
+        a.method = Method::Aha;
+        assert_eq!((AHA.head_budget)(&a, &p, 270, Some(0.06)), "AHA");
+        a.router = Router::Bernoulli;
+        let name = (AHA.head_budget)(&a, &p, 270, Some(0.06));
+        assert!(name.starts_with("random gates"), "{name}");
     }
 }
