@@ -1288,6 +1288,16 @@ mod tests {
         assert!(every
             .iter()
             .any(|r| r.line == "full" && r.loss.is_some_and(|l| l.mean == 1.8)));
+        // The figures draw the regime once with both its cells, and no point of its one
+        // shared cell beside it (`by_setting`).
+        let settings = crate::sweep::pareto::by_setting(&all);
+        let holding = |id: &str| -> Vec<Vec<String>> {
+            let cells = |g: &Vec<&Row>| g.iter().map(|r| r.cell.clone()).collect();
+            let has = |g: &&(&Row, Vec<&Row>)| g.1.iter().any(|r| r.cell == id);
+            settings.iter().filter(has).map(|(_, g)| cells(g)).collect()
+        };
+        assert_eq!(holding("full-0"), [["full-0", "fullrung-0"]]);
+        assert_eq!(holding("fullrung-0"), [["full-0", "fullrung-0"]]);
 
         let out = dir.join("out");
         std::fs::create_dir_all(&out).unwrap();

@@ -4,7 +4,7 @@
 //! accuracy against it. `pareto.csv` and the `pareto*` figures are drawn from the same rows
 //! and fronts defined here.
 
-use super::rows::Row;
+use super::rows::{setting_text_of, Row};
 use crate::config::{name_of, AttentionConfig, Router};
 use crate::model::attention::{spec, Gates};
 use crate::run::report::{PrecisionRecall, Timing};
@@ -134,20 +134,44 @@ fn group(rows: &[Row]) -> Vec<&Row> {
 }
 
 /// `rows` by setting (a stage's cells that differ only in their seed), in the order each first
-/// appears: the setting's first cell, which names it, and its cells.
+/// appears: the setting's first cell, which names it, and its cells. A cell that several
+/// stages share counts in each (`Row::also`), and a setting whose cells all count in another
+/// with more (a lambda's first seed that is also the regime's first) is drawn once, as that
+/// one: not as a point of one replicate beside the mean of all.
 pub(crate) fn by_setting(rows: &[Row]) -> Vec<(&Row, Vec<&Row>)> {
-    let mut groups: Vec<(&Row, Vec<&Row>)> = Vec::new();
+    let mut groups: Vec<(&str, String, Vec<&Row>)> = Vec::new();
     for r in rows {
-        let setting = r.setting_text();
-        match groups
-            .iter_mut()
-            .find(|(g, _)| g.stage == r.stage && g.setting_text() == setting)
-        {
-            Some((_, rs)) => rs.push(r),
-            None => groups.push((r, vec![r])),
+        let places = std::iter::once((r.stage.as_str(), r.setting_text()));
+        let others = r
+            .also
+            .iter()
+            .map(|m| (m.stage.as_str(), setting_text_of(&m.varied)));
+        for (stage, setting) in places.chain(others) {
+            match groups
+                .iter_mut()
+                .find(|(g, s, _)| *g == stage && *s == setting)
+            {
+                Some((_, _, rs)) => rs.push(r),
+                None => groups.push((stage, setting, vec![r])),
+            }
         }
     }
+    let within = |g: &[&Row], h: &[&Row]| g.iter().all(|r| h.iter().any(|x| x.cell == r.cell));
+    let kept: Vec<bool> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, (_, _, g))| {
+            !groups.iter().enumerate().any(|(j, (_, _, h))| {
+                j != i && within(g, h) && (h.len() > g.len() || (h.len() == g.len() && j < i))
+            })
+        })
+        .collect();
     groups
+        .into_iter()
+        .zip(kept)
+        .filter(|(_, k)| *k)
+        .map(|((_, _, g), _)| (g[0], g))
+        .collect()
 }
 
 /// For each (cost, loss) point, whether no other point is at least as good on both and better
