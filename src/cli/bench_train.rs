@@ -1075,9 +1075,15 @@ mod tests {
         let mut peer = ran.clone();
         peer.imp = "torch_compile".into();
         let rows = [peer, ran, longer, failed, swa];
-        let Some(Figure::Panels { panels, .. }) = figure(&rows, "smollm2-135m") else {
+        let Some(Figure::Panels { panels, title }) = figure(&rows, "smollm2-135m") else {
             panic!("a figure");
         };
+        assert!(title.ends_with("ours beside plain PyTorch"), "{title}");
+        // Without peers the title names no peer.
+        let Some(Figure::Panels { title, .. }) = figure(&rows[1..], "smollm2-135m") else {
+            panic!("a figure");
+        };
+        assert!(title.ends_with("our methods"), "{title}");
         for p in &panels {
             let names: Vec<&str> = p.series.iter().map(|s| s.name.as_str()).collect();
             assert_eq!(

@@ -124,7 +124,11 @@ pub(super) fn figure(rows: &[TrainRow], model: &str) -> Option<Figure> {
         x_axis: XAxis::LogSwept,
     };
     Some(Figure::Panels {
-        title: format!("Training steps of {model}: ours beside plain PyTorch"),
+        // A run without peers (`--no-peers`) compares our methods with each other alone.
+        title: match lines.iter().any(|(imp, _, _)| *imp != OURS) {
+            true => format!("Training steps of {model}: ours beside plain PyTorch"),
+            false => format!("Training steps of {model}: our methods"),
+        },
         panels: vec![
             panel("throughput", "tokens/s", |r| {
                 r.tokens_per_s().map(|t| (t, r.tokens_per_s_interval()))
