@@ -88,6 +88,9 @@ pub(crate) struct Rung {
     /// Per bucket of positions (`from..to`): the loss there, where its evaluations split it
     /// (over the replicates that did: every replicate of a line is evaluated alike).
     pub(crate) by_position: BTreeMap<(usize, usize), Estimate>,
+    /// The lines every one of its train replicates reads (`Row::reads`): the set-up it is a
+    /// control of (empty for any other line).
+    pub(crate) reads: Vec<String>,
 }
 
 /// A rung's probes of one task (or all) at one prompt length.
@@ -333,7 +336,22 @@ fn rung(
             .into_iter()
             .filter_map(|(k, v)| Estimate::of(&v, None).map(|e| (k, e)))
             .collect(),
+        reads: read_by_all(rows),
     }
+}
+
+/// The lines that every train row of a rung reads (a shared cell read by the first seed is
+/// on two lines; the others' cells on one of them).
+fn read_by_all(rows: &[&Row]) -> Vec<String> {
+    let mut train = rows.iter().filter(|r| r.kind == StageKind::Train);
+    let Some(first) = train.next() else {
+        return Vec::new();
+    };
+    let mut lines = first.reads.clone();
+    for r in train {
+        lines.retain(|l| r.reads.contains(l));
+    }
+    lines
 }
 
 /// `budget.csv`: a row per rung and, for its probes, per task and prompt length (task
@@ -395,7 +413,9 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 /// with its learned gates at the same budget (`start` names that line): what the router costs
 /// the probes; and each trained line of another method against full attention trained on as
 /// many tokens (`start` names it), the reference a method's probes are read against at equal
-/// work. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
+/// work; and each control against the line it reads at its budget (`start` names it: static
+/// heads ranked by, or random gates drawn at the usage of, a routed model; `read_line`), the
+/// comparison Table 5 makes. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
 /// them: exact McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap.
 /// Several replicates each paired with the reference's on the same prompts (the same model
 /// with other gates; the same seed's prompts for the reference, whose replicates without a
@@ -436,20 +456,28 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
         how: &'static str,
     }
     let mut out: Vec<Out> = Vec::new();
+    let mut push = |rung, start, key, sets, (test, how)| {
+        out.push(Out {
+            rung,
+            start,
+            key,
+            sets,
+            test,
+            how,
+        })
+    };
     for r in rungs.iter().filter(|r| r.tokens > 0.0) {
         for (key, sets) in &r.prompt_sets {
             let Some((start, base)) = start_of(key) else {
                 continue;
             };
-            let (test, how) = compared(sets, std::slice::from_ref(base));
-            out.push(Out {
-                rung: r,
+            push(
+                r,
                 start,
                 key,
                 sets,
-                test,
-                how,
-            });
+                compared(sets, std::slice::from_ref(base)),
+            );
         }
     }
     for r in rungs.iter().filter(|r| r.tokens > 0.0 && !r.trained) {
@@ -467,40 +495,27 @@ pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
             if pairs.is_empty() {
                 continue;
             }
-            let (test, how) = compared_pairs(&pairs, SAME_MODELS);
-            out.push(Out {
-                rung: r,
-                start: learned,
-                key,
-                sets,
-                test,
-                how,
-            });
+            push(r, learned, key, sets, compared_pairs(&pairs, SAME_MODELS));
         }
     }
-    // Each trained line of another method against full attention at its budget.
-    for r in rungs
-        .iter()
-        .filter(|r| r.trained && r.tokens > 0.0 && r.method != Method::Full)
-    {
+    // Each trained line of another method against full attention at its budget, and each
+    // control against the line it reads there (static heads or random gates against the
+    // routed model they copy; `read_line`).
+    for r in rungs.iter().filter(|r| r.trained && r.tokens > 0.0) {
         for (key, sets) in &r.prompt_sets {
-            let Some(full) = reference_of(&rungs, r.tokens, key) else {
-                continue;
-            };
-            let base = &full.prompt_sets[key];
-            let pairs = same_prompts(sets, base);
-            let (test, how) = match pairs.len() == sets.len() {
-                true => compared_pairs(&pairs, SAME_PROMPTS),
-                false => compared(sets, base),
-            };
-            out.push(Out {
-                rung: r,
-                start: full,
-                key,
-                sets,
-                test,
-                how,
-            });
+            let full = (r.method != Method::Full)
+                .then(|| reference_of(&rungs, r.tokens, key))
+                .flatten();
+            let read = read_line(&rungs, r).filter(|q| q.prompt_sets.contains_key(key));
+            for start in full.into_iter().chain(read) {
+                let base = &start.prompt_sets[key];
+                let pairs = same_prompts(sets, base);
+                let test = match pairs.len() == sets.len() {
+                    true => compared_pairs(&pairs, SAME_PROMPTS),
+                    false => compared(sets, base),
+                };
+                push(r, start, key, sets, test);
+            }
         }
     }
     if out.is_empty() {
@@ -604,6 +619,17 @@ fn reference_of<'a>(rungs: &'a [Rung], tokens: f64, key: &(String, u64)) -> Opti
         [one] => Some(one),
         _ => None,
     }
+}
+
+/// The trained line that control `r` reads at its budget (`Rung::reads`), other than full
+/// attention's: of several (a shared first seed's two lines), the one with the most
+/// replicates.
+fn read_line<'a>(rungs: &'a [Rung], r: &Rung) -> Option<&'a Rung> {
+    rungs
+        .iter()
+        .filter(|q| q.trained && q.tokens == r.tokens && q.method != Method::Full)
+        .filter(|q| r.reads.contains(&q.line))
+        .max_by_key(|q| q.replicates)
 }
 
 /// Each of `sets` beside the set of `base` on the same prompts (`Prompts::same_as`; a set
@@ -1101,6 +1127,67 @@ mod tests {
         assert!(!(0..line.len()).any(|i| line[i] == "full" && start[i] == "full"));
     }
 
+    /// A control is tested against the line it reads at its budget (Table 5's comparison),
+    /// paired over the prompts they share; one that reads full attention has no second row
+    /// beside its row against the reference.
+    #[test]
+    fn controls_are_tested_against_the_line_they_read() {
+        let dir = sweep_dir_with_ladders("ladders-reads");
+        let path = dir.join("cells.json");
+        let reads = |of: &str| {
+            let mut cells: Vec<crate::sweep::grid::Cell> =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            for c in cells.iter_mut().filter(|c| c.id == "ctlrung-0") {
+                c.reads = Some(of.into());
+            }
+            std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+        };
+        reads("aharung-16");
+        let probe_of = |train: &'static str| {
+            move |probe: &mut crate::sweep::grid::Cell, cells: &[crate::sweep::grid::Cell]| {
+                let t = cells.iter().find(|c| c.id == train).unwrap();
+                probe.depends_on = Some(t.id.clone());
+                probe.assignment = t.assignment.clone();
+                probe.settings = t.settings.clone();
+                probe.config = t.config.clone();
+            }
+        };
+        probed_beside_the_lower_rung(&dir, "probeaha-0", probe_of("aharung-16"));
+        probed_beside_the_lower_rung(&dir, "probectl-0", probe_of("ctlrung-0"));
+        // The control misses both prompts at 8 tokens where AHA finds them.
+        let samples = dir.join("probectl-0/eval/probe_samples.jsonl");
+        let text = std::fs::read_to_string(&samples).unwrap();
+        let missed: Vec<String> = text
+            .lines()
+            .map(|l| match l.contains("\"length\":8") {
+                true => l.replace("\"exact_match\":1.0", "\"exact_match\":0.0"),
+                false => l.to_string(),
+            })
+            .collect();
+        std::fs::write(&samples, missed.join("\n")).unwrap();
+        let against = |df: &DataFrame, start: &str| -> Vec<(u64, f64, String)> {
+            let (line, from, test) = (texts(df, "line"), texts(df, "start"), texts(df, "test"));
+            let d = numbers(df, "difference");
+            let lengths = df.column("probe_length").unwrap().u64().unwrap();
+            (0..line.len())
+                .filter(|&i| line[i] == "ctl" && from[i].starts_with(start))
+                .map(|i| (lengths.get(i).unwrap(), d[i], test[i].clone()))
+                .collect()
+        };
+        let df = differences(&rows(&dir).unwrap().rows).unwrap().unwrap();
+        let rows_vs_aha = against(&df, "aha");
+        assert_eq!(rows_vs_aha.len(), 2, "{rows_vs_aha:?}");
+        for (length, d, test) in &rows_vs_aha {
+            assert!(test.contains("McNemar"), "{test}");
+            assert_eq!(*d, if *length == 8 { -1.0 } else { 0.0 });
+        }
+        // Reading full attention: its row against the reference, once.
+        reads("fullrung-0");
+        let df = differences(&rows(&dir).unwrap().rows).unwrap().unwrap();
+        assert!(against(&df, "aha").is_empty());
+        assert_eq!(against(&df, "full").len(), 2);
+    }
+
     /// Against full attention: each seed's replicate is paired with the reference's on the
     /// same prompts and read by the bootstrap's own p; a seed without a partner sends the row
     /// to the unpaired bootstrap; two full-attention lines at one budget leave no reference.
@@ -1142,6 +1229,7 @@ mod tests {
             probes: BTreeMap::new(),
             prompt_sets: [(("niah".to_string(), 8), vec![set(1, &[1.0])])].into(),
             by_position: BTreeMap::new(),
+            reads: Vec::new(),
         };
         let key = ("niah".to_string(), 8);
         let one = [

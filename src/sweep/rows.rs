@@ -94,6 +94,9 @@ pub(crate) struct Row {
     /// first seed that is also a sweep's point). Replicate tables and budget ladders count
     /// it in every one.
     pub(crate) also: Vec<Membership>,
+    /// The lines of the cell it reads (a stage's `reads`: the model whose usage or heads a
+    /// control copies), one per stage that lists that cell; empty where it reads none.
+    pub(crate) reads: Vec<String>,
 }
 
 /// A cell's place in a stage other than the first that lists it.
@@ -451,6 +454,11 @@ fn row_of(
         line: line_of(c, cells),
         rung: c.ladder.is_some(),
         also: Vec::new(),
+        reads: cells
+            .iter()
+            .filter(|x| c.reads.as_ref() == Some(&x.id))
+            .map(|x| line_of(x, cells))
+            .collect(),
     };
     row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
     Ok(row)
