@@ -5,6 +5,7 @@
 //! figures read them from the row, never from the files.
 
 use crate::run::tasks;
+use crate::util::stats::median;
 use anyhow::{anyhow, bail, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -66,6 +67,18 @@ impl Log {
                 .filter_map(|r| cols.iter().map(|&i| *r.get(i)?).collect())
                 .collect(),
         )
+    }
+
+    /// The median of a training log's `tokens_per_s` column (robust to the first steps, which
+    /// include compilation and warm-up), None without the column or a rate: the rate the
+    /// tables report and the dry run's plan costs cells at.
+    pub(crate) fn median_rate(&self) -> Option<f64> {
+        let rates: Vec<f64> = self
+            .select(&["tokens_per_s"])?
+            .into_iter()
+            .map(|r| r[0])
+            .collect();
+        (!rates.is_empty()).then(|| median(rates))
     }
 }
 

@@ -17,7 +17,8 @@ fn kind(c: &Cell) -> Kind {
 }
 
 /// Per kind, the median over its finished train cells (`done`, a flag per cell) of each one's
-/// last logged tokens/s (`train_log.csv`): the rate as those cells ran, on the GPUs each had.
+/// rate, its `train_log.csv`'s median tokens/s (`Log::median_rate`, the rate the tables
+/// report): as those cells ran, on the GPUs each had.
 fn measured_rates(out: &Path, cells: &[Cell], done: &[bool]) -> BTreeMap<Kind, f64> {
     let mut rates: BTreeMap<Kind, Vec<f64>> = BTreeMap::new();
     let finished = cells
@@ -28,10 +29,7 @@ fn measured_rates(out: &Path, cells: &[Cell], done: &[bool]) -> BTreeMap<Kind, f
         let (Some(log), _) = Log::read(&out.join(&c.id).join("train_log.csv")) else {
             continue;
         };
-        let last = log
-            .select(&["tokens_per_s"])
-            .and_then(|rows| rows.last().map(|r| r[0]));
-        if let Some(rate) = last.filter(|r| *r > 0.0) {
+        if let Some(rate) = log.median_rate().filter(|r| *r > 0.0) {
             rates.entry(kind(c)).or_default().push(rate);
         }
     }
@@ -93,7 +91,7 @@ impl Plan {
         if self.timed > 0 {
             line += &format!(
                 "; at the rates this grid's finished cells of the same method and length \
-                 measured (each as it ran), about {:.0} minutes of training for {} of them, \
+                 measured (each its log's median, as it ran), about {:.0} minutes of training for {} of them, \
                  their starts and evaluations besides",
                 self.seconds / 60.0,
                 self.timed
@@ -139,20 +137,20 @@ set = { "attention.method" = "swa", "attention.window" = 32 }
         let cells = expand(&grid).unwrap();
         assert_eq!(cells.len(), 4);
         let out = crate::util::scratch_dir("sweep-plan");
-        // The first full-attention cell finished at 512 tokens/s (its last row), having
-        // logged 100 first; the cell of the other seed waits.
+        // The first full-attention cell logged 100 tokens/s while warming up, then 480 and
+        // 512: its rate is the median, 480; the cell of the other seed waits.
         let done = out.join(&cells[0].id);
         std::fs::create_dir_all(&done).unwrap();
         std::fs::write(
             done.join("train_log.csv"),
-            "step,loss,tokens_per_s\n5,2.0,100\n10,1.9,512\n",
+            "step,loss,tokens_per_s\n3,2.1,100\n6,2.0,480\n10,1.9,512\n",
         )
         .unwrap();
         let finished = [true, false, false, false];
         let p = plan(&out, &cells, &finished, &[]);
         // 10 steps x 4 x 2 sequences x 128 tokens = 10,240 tokens a cell, three to run.
         assert_eq!((p.cells, p.tokens, p.timed), (3, 3.0 * 10240.0, 1));
-        assert!((p.seconds - 10240.0 / 512.0).abs() < 1e-9, "{}", p.seconds);
+        assert!((p.seconds - 10240.0 / 480.0).abs() < 1e-9, "{}", p.seconds);
         assert_eq!(p.unmeasured, vec!["swa at 128".to_string()]);
         let line = p.describe();
         assert!(

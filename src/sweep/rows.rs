@@ -9,7 +9,6 @@ use crate::config::{AttentionConfig, Method, Router};
 use crate::model::attention::{spec, CellKind, Provenance, TableCell};
 use crate::run::prune::PruneReport;
 use crate::run::report::{self, Bucket, EvalReport, GateReport};
-use crate::util::stats::median;
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -437,7 +436,7 @@ fn row_of(
         report: ev.report,
         prune,
         tasks: task_metrics(&dir.join("eval/results.json")),
-        tokens_per_s: train_log.as_ref().and_then(median_rate),
+        tokens_per_s: train_log.as_ref().and_then(Log::median_rate),
         train_log,
         val_log,
         probe_usage,
@@ -593,17 +592,6 @@ fn or_note<T: Default>(read: Result<T>, note: &mut Vec<String>) -> T {
         note.push(format!("{e:#}"));
         T::default()
     })
-}
-
-/// The median of a training log's `tokens_per_s` column (robust to the first steps, which
-/// include compilation and warm-up), None without the column or a rate.
-fn median_rate(log: &Log) -> Option<f64> {
-    let rates: Vec<f64> = log
-        .select(&["tokens_per_s"])?
-        .into_iter()
-        .map(|r| r[0])
-        .collect();
-    (!rates.is_empty()).then(|| median(rates))
 }
 
 fn read_json(p: &Path) -> Option<serde_json::Value> {
