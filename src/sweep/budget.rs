@@ -115,10 +115,14 @@ pub(crate) const ALL_TASKS: &str = "all";
 pub(crate) fn rungs(rows: &[Row]) -> Vec<Rung> {
     let mut budgets: BTreeMap<String, (BTreeSet<u64>, bool)> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.kind == StageKind::Train) {
-        for line in lines(r) {
+        // Each line with the cell's rung flag in its own stage (a lower rung shared with a
+        // stage of one budget makes no ladder of that stage).
+        let places =
+            std::iter::once((&r.line, r.rung)).chain(r.also.iter().map(|m| (&m.line, m.rung)));
+        for (line, is_rung) in places {
             let (b, rung) = budgets.entry(line.clone()).or_default();
             b.insert(r.budget_tokens.to_bits());
-            *rung |= r.rung;
+            *rung |= is_rung;
         }
     }
     let ladders: Vec<&String> = budgets
@@ -1346,6 +1350,7 @@ mod tests {
             ("full-0", "regime", 1, None),
             ("fullrung-0", "regime", 2, None),
             ("probefull-0", "proberegime", 1, Some("regime")),
+            ("fullrung-0", "onebudget", 1, None),
         ] {
             let c = member(&cells, id, stage, seed, of);
             cells.push(c);
@@ -1361,6 +1366,12 @@ mod tests {
             .map(|m| (m.stage.as_str(), m.line.as_str()))
             .collect();
         assert_eq!(also, [("regime", "regime")]);
+        let rung_also: Vec<(&str, bool)> = row("fullrung-0")
+            .also
+            .iter()
+            .map(|m| (m.stage.as_str(), m.rung))
+            .collect();
+        assert_eq!(rung_also, [("regime", false), ("onebudget", false)]);
         assert_eq!(row("probefull-0").also[0].line, "regime");
         assert_eq!(row("probefull-0").line, "full");
         let every = rungs(&all);
@@ -1372,6 +1383,10 @@ mod tests {
             top.probes[&("niah_single".to_string(), 8)].score.mean,
             2.0 / 3.0
         );
+        // A lower rung listed again by a stage of one budget makes no ladder of that stage:
+        // the rung flag is its own stage's.
+        let one = every.iter().find(|r| r.line == "onebudget").unwrap();
+        assert!(!one.ladder, "{one:?}");
         // Full attention's own line keeps the cell.
         assert!(every
             .iter()

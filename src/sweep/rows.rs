@@ -106,6 +106,8 @@ pub(crate) struct Membership {
     pub(crate) varied: Vec<(String, String)>,
     /// Its line there (`Row::line`).
     pub(crate) line: String,
+    /// A lower rung of a ladder there (`Row::rung`): another stage's rung flag is not its own.
+    pub(crate) rung: bool,
 }
 
 /// A cell the sweep lists that has no row: not finished, or its files unreadable.
@@ -306,6 +308,7 @@ pub(crate) fn rows(sweep: &Path) -> Result<SweepRows> {
                     stage: c.stage.clone(),
                     varied: c.varied(),
                     line: line_of(c, &cells),
+                    rung: c.ladder.is_some(),
                 });
             }
             continue;
