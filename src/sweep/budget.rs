@@ -417,9 +417,9 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 /// with its learned gates at the same budget (`start` names that line): what the router costs
 /// the probes; and each trained line of another method against full attention trained on as
 /// many tokens (`start` names it), the reference a method's probes are read against at equal
-/// work; and each control against the line it reads at its budget (`start` names it: static
-/// heads ranked by, or random gates drawn at the usage of, a routed model; `read_line`), the
-/// comparison Table 5 makes. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
+/// work; and each line built from another line's cells (`reads`: static heads ranked by it,
+/// random gates drawn at its usage, AHA started from its ranking) against that line at its
+/// budget (`start` names it; `read_line`), the comparison AHA's Table 5 makes. One replicate on the reference's own prompts (`Prompts::same_as`) is paired over
 /// them: exact McNemar with Newcombe's interval for 0/1 scores, else the paired bootstrap.
 /// Several replicates each paired with the reference's on the same prompts (the same model
 /// with other gates; the same seed's prompts for the reference, whose replicates without a
@@ -625,8 +625,9 @@ fn reference_of<'a>(rungs: &'a [Rung], tokens: f64, key: &(String, u64)) -> Opti
     }
 }
 
-/// The trained line that control `r` reads at its budget (`Rung::reads`), other than full
-/// attention's: of several (a shared first seed's two lines), the one with the most
+/// The trained line that control `r` reads at its budget (`Rung::reads`: the membership its
+/// stage names), other than full attention's; of several (a sweep written before
+/// `Cell::reads_stage`, whose shared first seed reads on two lines), the one with the most
 /// replicates.
 fn read_line<'a>(rungs: &'a [Rung], r: &Rung) -> Option<&'a Rung> {
     rungs
@@ -1185,6 +1186,28 @@ mod tests {
             assert!(test.contains("McNemar"), "{test}");
             assert_eq!(*d, if *length == 8 { -1.0 } else { 0.0 });
         }
+        // A read cell that a second stage shares (its probes that stage's): the control's line
+        // is tested against the membership its stage names (`reads_stage`), not the other.
+        let mut cells: Vec<crate::sweep::grid::Cell> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut shared = cells.iter().find(|c| c.id == "aharung-16").unwrap().clone();
+        (shared.index, shared.stage, shared.ladder) = (cells.len(), "twin".into(), None);
+        cells.push(shared);
+        for c in cells.iter_mut().filter(|c| c.id == "probeaha-0") {
+            c.depends_on_stage = Some("twin".into());
+        }
+        let name = |cells: &mut Vec<crate::sweep::grid::Cell>, stage: &str| {
+            for c in cells.iter_mut().filter(|c| c.id == "ctlrung-0") {
+                c.reads_stage = Some(stage.into());
+            }
+            std::fs::write(&path, serde_json::to_string(&cells).unwrap()).unwrap();
+            differences(&rows(&dir).unwrap().rows).unwrap().unwrap()
+        };
+        let df = name(&mut cells, "twin");
+        assert_eq!(against(&df, "twin").len(), 2);
+        assert!(against(&df, "aha").is_empty());
+        let df = name(&mut cells, "aharung");
+        assert!(against(&df, "twin").is_empty());
         // Reading full attention: its row against the reference, once.
         reads("fullrung-0");
         let df = differences(&rows(&dir).unwrap().rows).unwrap().unwrap();

@@ -492,6 +492,7 @@ fn sweep_dir_with(name: &str, extra: &[Spec]) -> PathBuf {
             depends_on: s.dep.map(String::from),
             depends_on_stage: None,
             reads: None,
+            reads_stage: None,
             match_usage: false,
             exclusive: false,
             ladder: None,

@@ -140,6 +140,10 @@ pub struct Cell {
     /// Cell whose files this one reads (a stage's `reads`).
     #[serde(default)]
     pub(crate) reads: Option<String>,
+    /// The stage that names the read cell (a stage's `reads`): of a cell several stages share,
+    /// the membership read (absent in sweeps written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) reads_stage: Option<String>,
     /// Its Bernoulli gates open at the read cell's measured usage (a stage's `match_usage`).
     #[serde(default)]
     pub(crate) match_usage: bool,
@@ -787,6 +791,7 @@ fn new_cell(
         depends_on_stage: dep.as_ref().map(|d| d.stage.clone()),
         depends_on: dep.map(|d| d.id),
         reads: read,
+        reads_stage: reads.map(String::from),
         match_usage: stage.match_usage,
         exclusive: stage.exclusive,
         ladder: stage.ladder.clone(),

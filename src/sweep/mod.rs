@@ -16,9 +16,9 @@
 //! # that corpus, which then goes to probes.mix_with
 //! [base]                            # an experiment config ([base.model], [base.train], ...)
 //! data.dir = "runs/demo/data"
-//! [[stage]]                         # stages run in order (a stage that waits for no cell of
-//!                                   #   the wave before it, places its cells alike and is not
-//!                                   #   exclusive runs beside it; `--emit slurm` runs them apart)
+//! [[stage]]                         # stages run in order, each in the earliest wave after every
+//!                                   #   cell it waits for whose cells it places alike (train or
+//!                                   #   not, neither exclusive); `--emit slurm` runs them apart
 //! name = "base"
 //! set = { "attention.method" = "full" }
 //! [[stage]]

@@ -134,10 +134,11 @@ fn group(rows: &[Row]) -> Vec<&Row> {
 }
 
 /// `rows` by setting (a stage's cells that differ only in their seed), in the order each first
-/// appears: the setting's first cell, which names it, and its cells. A cell that several
-/// stages share counts in each (`Row::also`), and a setting whose cells all count in another
-/// with more (a lambda's first seed that is also the regime's first) is drawn once, as that
-/// one: not as a point of one replicate beside the mean of all.
+/// appears: a cell of the setting's own stage, which names it, and its cells. A cell that
+/// several stages share counts in each (`Row::also`), and a setting whose cells all count in
+/// another with more (a lambda's first seed that is also the regime's first), or in an earlier
+/// one with as many, is drawn once, as that one: not as a point of one replicate beside the
+/// mean of all. Settings that share only some cells are both kept.
 pub(crate) fn by_setting(rows: &[Row]) -> Vec<(&Row, Vec<&Row>)> {
     let mut groups: Vec<(&str, String, Vec<&Row>)> = Vec::new();
     for r in rows {
@@ -166,11 +167,13 @@ pub(crate) fn by_setting(rows: &[Row]) -> Vec<(&Row, Vec<&Row>)> {
             })
         })
         .collect();
+    // Each named by a cell whose own stage is the group's where it has one (not a shared
+    // cell's first stage), so that what reads the setting's stage reads the right one.
     groups
         .into_iter()
         .zip(kept)
         .filter(|(_, k)| *k)
-        .map(|((_, _, g), _)| (g[0], g))
+        .map(|((stage, _, g), _)| (*g.iter().find(|r| r.stage == stage).unwrap_or(&g[0]), g))
         .collect()
 }
 

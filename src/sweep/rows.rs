@@ -456,14 +456,30 @@ fn row_of(
         line: line_of(c, cells),
         rung: c.ladder.is_some(),
         also: Vec::new(),
-        reads: cells
-            .iter()
-            .filter(|x| c.reads.as_ref() == Some(&x.id))
-            .map(|x| line_of(x, cells))
-            .collect(),
+        reads: read_lines(c, cells),
     };
-    row.head_budget = (spec(a.method).head_budget)(a, &row.provenance(), heads, row.mu_f());
+    // As evaluated: a grid's random gates get their per-head rates when they run
+    // (`match_usage`), which the name tells apart from one rate for every head.
+    row.head_budget =
+        (spec(a.method).head_budget)(&row.attention, &row.provenance(), heads, row.mu_f());
     Ok(row)
+}
+
+/// The lines of the cell `c` reads: its membership in the stage that names it
+/// (`Cell::reads_stage`), else (an older cells.json) every stage that lists it.
+fn read_lines(c: &Cell, cells: &[Cell]) -> Vec<String> {
+    let read: Vec<&Cell> = cells
+        .iter()
+        .filter(|x| c.reads.as_ref() == Some(&x.id))
+        .collect();
+    let named: Vec<&&Cell> = read
+        .iter()
+        .filter(|x| c.reads_stage.as_ref() == Some(&x.stage))
+        .collect();
+    match named.is_empty() {
+        true => read.iter().map(|x| line_of(x, cells)).collect(),
+        false => named.iter().map(|x| line_of(x, cells)).collect(),
+    }
 }
 
 /// Prompt identities with the settings that render a prompt around its answer (the haystack

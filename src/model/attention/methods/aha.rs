@@ -514,9 +514,10 @@ pub(super) const AHA: MethodSpec = MethodSpec {
     columns: &[],
     baseline: None,
     // Random gates at AHA's usage are Table 5's other control, not AHA: named apart.
-    head_budget: |a, _, _, _| match a.router {
-        Router::Learned => "AHA".into(),
-        Router::Bernoulli => "random gates (AHA's usage per head)".into(),
+    head_budget: |a, _, _, _| match (a.router, a.bernoulli_rates.is_empty()) {
+        (Router::Learned, _) => "AHA".into(),
+        (Router::Bernoulli, false) => "random gates (AHA's usage per head)".into(),
+        (Router::Bernoulli, true) => format!("random gates (p {} for every head)", a.bernoulli_p),
     },
     reports: &[
         Report::PaperUsage {
@@ -791,7 +792,11 @@ mod tests {
         a.method = Method::Aha;
         assert_eq!((AHA.head_budget)(&a, &p, 270, Some(0.06)), "AHA");
         a.router = Router::Bernoulli;
+        a.bernoulli_p = 0.06;
         let name = (AHA.head_budget)(&a, &p, 270, Some(0.06));
-        assert!(name.starts_with("random gates"), "{name}");
+        assert_eq!(name, "random gates (p 0.06 for every head)");
+        a.bernoulli_rates = vec![vec![0.1, 0.02]];
+        let name = (AHA.head_budget)(&a, &p, 270, Some(0.06));
+        assert_eq!(name, "random gates (AHA's usage per head)");
     }
 }
