@@ -93,7 +93,9 @@ struct PlotCmd {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Draw even where cells whose rows the tables hold have no folder here: their rows
-    /// leave every table (without it such a plot is refused, naming the cells).
+    /// leave every table (without it such a plot is refused, naming the cells); where no
+    /// cell's folder is here, rebuild the replicate tables from tidy.csv even if that drops
+    /// their intervals over the probes' prompts.
     #[arg(long)]
     drop_absent: bool,
 }

@@ -153,12 +153,16 @@ fn prompt_groups(reps: &[Rep]) -> Option<Vec<Vec<f64>>> {
         .collect()
 }
 
+/// How `replicates.csv` names an interval drawn over the probes' prompts, which only the
+/// cells' records (not `tidy.csv`) hold.
+pub(crate) const OVER_PROMPTS: &str = "bootstrap over seeds and prompts";
+
 /// A setting's row of `replicates.csv`: n, mean, sd, the 95 % interval and how it was drawn.
 fn summary_row(metric: &str, reps: &[Rep]) -> [String; 6] {
     let values: Vec<f64> = reps.iter().map(|r| r.value).collect();
     let s = summarize(&values);
     let ((lo, hi), how) = match prompt_groups(reps) {
-        Some(g) => (pooled_interval(&g), "bootstrap over seeds and prompts"),
+        Some(g) => (pooled_interval(&g), OVER_PROMPTS),
         None => (
             mean_interval(&values, bounds(metric)),
             match bounds(metric) {

@@ -429,6 +429,17 @@ pub(crate) fn write_rows(
     if rows.is_empty() {
         let from_tidy = sweep.join("tidy.csv").is_file();
         if from_tidy {
+            // Intervals over the probes' prompts come from the cells' records: tables that
+            // hold them are not replaced by ones without them unless asked.
+            let kept = std::fs::read_to_string(out.join("replicates.csv")).unwrap_or_default();
+            ensure!(
+                drop_absent || !kept.contains(replicates::OVER_PROMPTS),
+                "{}: no cell's folder is here, and its replicates.csv holds intervals over the \
+                 probes' prompts, which tidy.csv cannot give again; nothing was written. Run the \
+                 cells again (`attnsweep sweep --grid <its grid> --out <this folder>`), or pass \
+                 --drop-absent to rebuild the replicate tables from tidy.csv without them",
+                out.display()
+            );
             written = replicates_from_tidy(sweep, out)?;
         }
         return Ok(Plotted {
@@ -986,6 +997,39 @@ pub(super) mod tests {
         assert!(!tidy.contains("ppa-5") && !tidy.contains("aha-4,"));
         // The next plot holds only what the tables hold now.
         write_all(&dir, &dir, false).unwrap();
+    }
+
+    /// A folder without its cells' folders rebuilds its replicate tables from tidy.csv, but
+    /// not over tables that hold intervals over the probes' prompts (which tidy.csv cannot
+    /// give again) unless asked: refused, nothing written.
+    #[test]
+    fn a_plot_without_cells_keeps_intervals_over_prompts() {
+        let dir = sweep_dir("tidy-prompts");
+        write_all(&dir, &dir, false).unwrap();
+        let kept = dir.join("kept");
+        std::fs::create_dir_all(&kept).unwrap();
+        for f in ["cells.json", "tidy.csv"] {
+            std::fs::copy(dir.join(f), kept.join(f)).unwrap();
+        }
+        let table = kept.join("replicates.csv");
+        let held = format!(
+            "stage,metric,setting,method,n,mean,sd,ci95_low,ci95_high,interval\n\
+             probes,niah.exact_match,,full,1,0.5,,0.4,0.6,{}\n",
+            replicates::OVER_PROMPTS
+        );
+        std::fs::write(&table, &held).unwrap();
+        let e = format!(
+            "{:#}",
+            write_all(&kept, &kept, false).err().expect("refused")
+        );
+        assert!(
+            e.contains("intervals over the") && e.contains("--drop-absent"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_to_string(&table).unwrap(), held);
+        // Asked: rebuilt from tidy.csv (here without replicates, so no table is left).
+        write_all(&kept, &kept, true).unwrap();
+        assert_ne!(std::fs::read_to_string(&table).ok(), Some(held));
     }
 
     /// `layer_usage.csv` holds each gated train cell's usage per layer, layers from 1, and no
