@@ -432,8 +432,9 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 /// `verdict_holm`) below 0.05 and the 95 % interval clear of 0 (at the margin, five
 /// discordant prompts all one way, Newcombe's asymptotic interval leaves 0 out where the exact
 /// test does not reject: the verdict follows both). A key probed by several pretrained lines,
-/// or by several full-attention lines at one budget, has no row against them (which is meant
-/// is not known). None without a ladder or a probed start.
+/// or by several full-attention lines at one budget none of which holds the others' models
+/// (`reference_of`), has no row against them (which is meant is not known). None without a
+/// ladder or a probed start.
 pub(crate) fn differences(rows: &[Row]) -> Result<Option<DataFrame>> {
     let rungs = rungs(rows);
     let starts: Vec<&Rung> = rungs
@@ -611,18 +612,24 @@ fn same_models<'a>(sets: &'a [Prompts], base: &'a [Prompts]) -> Vec<(&'a Prompts
         .collect()
 }
 
-/// The one full-attention line trained on `tokens` and probed on `key`: the reference of a
-/// method's probes at that budget (None where there are none or several).
+/// The full-attention line trained on `tokens` and probed on `key`: the reference of a
+/// method's probes at that budget. Of several, the one whose probed models hold every other's
+/// (a stage of three seeds whose first is another line's cell); None where there is none, or
+/// where two are probed on models apart (which is meant is not known).
 fn reference_of<'a>(rungs: &'a [Rung], tokens: f64, key: &(String, u64)) -> Option<&'a Rung> {
-    match rungs
+    let probed: Vec<&Rung> = rungs
         .iter()
         .filter(|q| q.trained && q.method == Method::Full && q.tokens == tokens)
         .filter(|q| q.prompt_sets.contains_key(key))
-        .collect::<Vec<_>>()[..]
-    {
-        [one] => Some(one),
-        _ => None,
-    }
+        .collect();
+    let models = |q: &Rung| -> BTreeSet<String> {
+        q.prompt_sets[key].iter().map(|p| p.model.clone()).collect()
+    };
+    // Lines holding the same models are the same cells: any of them serves.
+    probed
+        .iter()
+        .find(|q| probed.iter().all(|o| models(o).is_subset(&models(q))))
+        .copied()
 }
 
 /// The trained line that control `r` reads at its budget (`Rung::reads`: the membership its
@@ -1268,11 +1275,19 @@ mod tests {
             Some("full")
         );
         assert!(reference_of(&one, 3.0, &key).is_none());
-        let two = [
-            rung("full", Method::Full, 2.0),
-            rung("full w", Method::Full, 2.0),
-        ];
+        // Two full-attention lines probed on models apart: neither is the reference.
+        let mut apart = rung("full w", Method::Full, 2.0);
+        apart.prompt_sets = [(key.clone(), vec![set(2, &[1.0])])].into();
+        let two = [rung("full", Method::Full, 2.0), apart];
         assert!(reference_of(&two, 2.0, &key).is_none());
+        // A line whose models hold the other's (its seeds, the first of them shared) is.
+        let mut seeds = rung("full seeds", Method::Full, 2.0);
+        seeds.prompt_sets = [(key.clone(), vec![set(1, &[1.0]), set(2, &[0.0])])].into();
+        let held = [rung("full", Method::Full, 2.0), seeds];
+        assert_eq!(
+            reference_of(&held, 2.0, &key).map(|r| r.line.as_str()),
+            Some("full seeds")
+        );
     }
 
     /// Holm's family holds the rows whose test could give p below 0.05: a row no outcome can
