@@ -13,12 +13,14 @@ pub(super) fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    let pad = if hi > lo {
-        (hi - lo) * 0.06
-    } else {
-        lo.abs().max(1.0) * 0.1
-    };
-    (lo - pad, hi + pad)
+    // Values apart only by rounding (two means of the same scores summed in another order)
+    // are one value: an axis a few ulps tall has no ticks to label.
+    if hi - lo > 1e-9 * lo.abs().max(hi.abs()) {
+        let pad = (hi - lo) * 0.06;
+        return (lo - pad, hi + pad);
+    }
+    let pad = lo.abs().max(1.0) * 0.1;
+    (lo - pad, lo + pad)
 }
 
 /// The label of the unit cell whose centre a tick at `v` marks ("" for ticks on cell edges),

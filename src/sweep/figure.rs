@@ -1076,6 +1076,15 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn values_apart_only_by_rounding_span_a_labelled_axis() {
+        // Two means of the same scores, summed in another order: one value, padded as one.
+        let (lo, hi) = bounds([0.4075, 0.40750000000000003].into_iter());
+        assert!(lo < 0.35 && hi > 0.45, "{lo} {hi}");
+        let (lo, hi) = bounds([1.0, 1.001].into_iter());
+        assert!(lo < 1.0 && hi > 1.001 && hi - lo < 0.002, "{lo} {hi}");
+    }
+
+    #[test]
     fn narrow_ranges_never_repeat_a_tick_label() {
         let f = tick_format((2.3459 - 2.3451) / 10.0);
         let labels: Vec<String> = (0..9).map(|i| f(&(2.3451 + 1e-4 * i as f64))).collect();

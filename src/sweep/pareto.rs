@@ -139,7 +139,9 @@ fn group(rows: &[Row]) -> Vec<&Row> {
 /// another with more (a lambda's first seed that is also the regime's first), or in an earlier
 /// one with as many, is drawn once, as that one: not as a point of one replicate beside the
 /// mean of all. Settings that share only some cells are both kept.
-pub(crate) fn by_setting(rows: &[Row]) -> Vec<(&Row, Vec<&Row>)> {
+pub(crate) fn by_setting<'a>(
+    rows: impl IntoIterator<Item = &'a Row>,
+) -> Vec<(&'a Row, Vec<&'a Row>)> {
     let mut groups: Vec<(&str, String, Vec<&Row>)> = Vec::new();
     for r in rows {
         let places = std::iter::once((r.stage.as_str(), r.setting_text()));

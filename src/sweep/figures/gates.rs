@@ -10,6 +10,7 @@ use crate::config::{name_of, Router};
 use crate::model::attention::{spec, Gates, PaperUsageAt};
 use crate::sweep::figure::{series, sorted, Figure, Look, Panel, Series, XAxis};
 use crate::sweep::grid::StageKind;
+use crate::sweep::pareto;
 use crate::sweep::rows::Row;
 use crate::util::stats::summarize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -335,25 +336,39 @@ pub(super) fn threshold_sweep(cells: &[&Row], figs: &mut Vec<(String, Figure)>) 
     ));
 }
 
-/// L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer of each trained per-token router.
+/// L2A Fig. 3 / SwiAttn Fig. 5: sparsity per layer of each trained per-token router's
+/// setting, the mean over its replicates (`layer_usage.csv` has each cell's), named by the
+/// setting's cell (`pareto::by_setting`: a setting within a larger one is drawn as that one).
 pub(super) fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
-    for r in all
+    let routed = all
         .iter()
-        .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train)
-        .filter(|r| first_replicate(r, all.iter()))
-    {
-        let Some(g) = r.gates() else { continue };
+        .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train);
+    for (named, cells) in pareto::by_setting(routed) {
+        let layers: Vec<&[f64]> = cells
+            .iter()
+            .filter_map(|r| Some(r.gates()?.per_layer.as_slice()))
+            .collect();
+        let Some(depth) = layers.first().map(|l| l.len()) else {
+            continue;
+        };
+        if layers.iter().any(|l| l.len() != depth) {
+            continue;
+        }
+        let of = match layers.len() {
+            1 => named.label.clone(),
+            n => format!("{}, mean of {n} seeds", setting_legend(named)),
+        };
         figs.push((
-            format!("layer_sparsity_{}", r.cell),
+            format!("layer_sparsity_{}", named.cell),
             Figure::Bars {
-                title: format!("Sparsity per layer: {} {}", name_of(r.method), r.label),
+                title: format!("Sparsity per layer: {} {of}", name_of(named.method)),
                 x: "layer (from 1, as the papers count)".into(),
                 y: "sparsity 1 - mu_f".into(),
-                bars: g
-                    .per_layer
-                    .iter()
-                    .enumerate()
-                    .map(|(l, m)| ((l + 1).to_string(), 1.0 - m))
+                bars: (0..depth)
+                    .map(|l| {
+                        let mean = layers.iter().map(|m| m[l]).sum::<f64>() / layers.len() as f64;
+                        ((l + 1).to_string(), 1.0 - mean)
+                    })
                     .collect(),
             },
         ));

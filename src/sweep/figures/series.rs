@@ -5,9 +5,10 @@
 use crate::model::attention::spec;
 use crate::sweep::figure::{series, sorted, Look, Series};
 use crate::sweep::grid::StageKind;
+use crate::sweep::pareto::by_setting;
 use crate::sweep::rows::Row;
 use crate::util::stats::{mean_interval, summarize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Groups rows by a key into named series of (x, y). A cell's other varied settings (its
 /// setting's but the x axis's setting `x_key` and what the key already names) are added to
@@ -15,6 +16,10 @@ use std::collections::BTreeMap;
 /// its own point, not a jump in the line). Rows of one series at one x that are replicates of
 /// one setting (they differ only in their seed) become one point, their mean, with its 95 %
 /// interval as an error bar: inside `bounds` where the quantity is bounded (usage, accuracy).
+/// A cell that several stages share counts in each of its settings, and a setting whose cells
+/// all belong to a larger one is drawn once, as that one (`pareto::by_setting`): a regime's
+/// three seeds are one point, not its first seed's cell of a sweep beside the mean of the
+/// other two.
 pub(super) fn grouped(
     rows: &[&Row],
     x_key: &str,
@@ -32,20 +37,51 @@ pub(super) fn grouped(
         }
         name
     };
-    // Per series, per x (by its bits), per setting: the ys.
-    type AtX = BTreeMap<u64, BTreeMap<String, Vec<f64>>>;
-    let mut groups: BTreeMap<String, AtX> = BTreeMap::new();
-    for r in rows {
-        if let Some((x, y)) = xy(r) {
-            groups
-                .entry(key(r))
-                .or_default()
-                .entry(x.to_bits())
-                .or_default()
-                .entry(r.setting_text())
-                .or_default()
-                .push(y);
+    // Each setting's points: its series, its stage, x (by its bits), its place among the
+    // settings, y.
+    let mut points: Vec<(String, &str, u64, usize, f64)> = Vec::new();
+    for (i, (named, cells)) in by_setting(rows.iter().copied()).into_iter().enumerate() {
+        let name = key(named);
+        for (x, y) in cells.into_iter().filter_map(&xy) {
+            points.push((name.clone(), named.stage.as_str(), x.to_bits(), i, y));
         }
+    }
+    // Two stages at one x of one series are variants the settings do not name (AHA and AHA
+    // with its sampled gradient at one window): each stage but the one with the most x values
+    // becomes a series of its own, named by its stage, so that no line joins them.
+    let mut xs: BTreeMap<(&str, &str), BTreeSet<u64>> = BTreeMap::new();
+    for (name, stage, x, _, _) in &points {
+        xs.entry((name.as_str(), *stage)).or_default().insert(*x);
+    }
+    let main_stage = |name: &str| -> Option<&str> {
+        let stages: Vec<(&str, &BTreeSet<u64>)> = xs
+            .iter()
+            .filter(|((n, _), _)| *n == name)
+            .map(|((_, s), x)| (*s, x))
+            .collect();
+        let clash = (0..stages.len())
+            .any(|i| (i + 1..stages.len()).any(|j| !stages[i].1.is_disjoint(stages[j].1)));
+        let most = stages
+            .iter()
+            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then(b.0.cmp(a.0)));
+        most.filter(|_| clash).map(|s| s.0)
+    };
+    // Per series, per x, per setting: the ys.
+    type AtX = BTreeMap<u64, BTreeMap<usize, Vec<f64>>>;
+    let mut groups: BTreeMap<String, AtX> = BTreeMap::new();
+    for (name, stage, x, setting, y) in &points {
+        let series = match main_stage(name) {
+            Some(main) if main != *stage => format!("{name} ({stage})"),
+            _ => name.clone(),
+        };
+        groups
+            .entry(series)
+            .or_default()
+            .entry(*x)
+            .or_default()
+            .entry(*setting)
+            .or_default()
+            .push(*y);
     }
     let series_of = |name: String, at_x: AtX| {
         let mut points: Vec<(f64, f64, (f64, f64))> = Vec::new();

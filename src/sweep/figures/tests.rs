@@ -28,16 +28,17 @@ fn varied(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 fn replicates_become_a_mean_with_an_error_bar() {
     let dir = fixture::sweep_dir("replicate-points");
     let all = rows(&dir).unwrap().rows;
-    let with = |settings: &[(&str, &str)], loss: f64| {
+    let with = |cell: &str, settings: &[(&str, &str)], loss: f64| {
         let mut r = all[0].clone();
+        r.cell = cell.into();
         r.varied = varied(settings);
         r.report.loss = loss;
         r
     };
     let (a, b, c) = (
-        with(&[(WINDOW, "8"), ("train.seed", "1")], 1.0),
-        with(&[(WINDOW, "8"), ("train.seed", "2")], 1.2),
-        with(&[(WINDOW, "4")], 3.0),
+        with("a", &[(WINDOW, "8"), ("train.seed", "1")], 1.0),
+        with("b", &[(WINDOW, "8"), ("train.seed", "2")], 1.2),
+        with("c", &[(WINDOW, "4")], 3.0),
     );
     let s = grouped(
         &[&a, &b, &c],
@@ -86,6 +87,59 @@ fn replicates_become_a_mean_with_an_error_bar() {
     );
     let fig = usage_and_loss("t", "x", s, again);
     assert!(render(&fig).0 > 0);
+    // A cell two stages share (a sweep's cell that is a regime's first seed) is one of the
+    // regime's three replicates, and the sweep's setting of that cell alone is no point of
+    // its own beside their mean.
+    let mut first = with("first", &[(WINDOW, "8"), ("train.seed", "1")], 1.0);
+    first.stage = "sweep".into();
+    first.also.push(crate::sweep::rows::Membership {
+        stage: "regime".into(),
+        varied: varied(&[("train.seed", "1")]),
+        line: "regime".into(),
+        rung: false,
+    });
+    let seed = |cell: &str, s: &str, loss: f64| {
+        let mut r = with(cell, &[("train.seed", s)], loss);
+        r.stage = "regime".into();
+        r
+    };
+    let (second, third) = (seed("second", "2", 1.2), seed("third", "3", 1.1));
+    let shared = grouped(
+        &[&first, &second, &third],
+        WINDOW,
+        |_| "s".into(),
+        |r| Some((8.0, r.loss())),
+        None,
+    );
+    assert_eq!(shared.len(), 1);
+    assert_eq!(shared[0].points.len(), 1);
+    assert!((shared[0].points[0].1 - 1.1).abs() < 1e-12);
+    let half = 4.303 * 0.1 / 3f64.sqrt();
+    assert!(
+        (shared[0].errors[0].1 - 1.1 - half).abs() < 1e-3,
+        "{:?}",
+        shared[0].errors
+    );
+    // Another stage at one of a line's x (a variant the settings do not name, such as AHA's
+    // sampled gradient) is a series of its own, named by its stage: no line joins them.
+    let at = |cell: &str, stage: &str, w: f64, loss: f64| {
+        let mut r = with(cell, &[(WINDOW, &w.to_string())], loss);
+        r.stage = stage.into();
+        r.window = w;
+        r
+    };
+    let line = [at("l4", "aha", 4.0, 1.0), at("l8", "aha", 8.0, 0.9)];
+    let variant = at("v8", "sampled", 8.0, 0.95);
+    let split = grouped(
+        &[&line[0], &line[1], &variant],
+        WINDOW,
+        |_| "aha".into(),
+        |r| Some((r.window, r.loss())),
+        None,
+    );
+    let names: Vec<&str> = split.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["aha", "aha (sampled)"]);
+    assert_eq!(split[0].points, [(4.0, 1.0), (8.0, 0.9)]);
 }
 
 /// The reference line is full attention trained as long, one set-up's: a second full-attention
@@ -183,6 +237,7 @@ fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
     let all = rows(&dir).unwrap().rows;
     let with = |settings: &[(&str, &str)], window: f64, loss: f64| {
         let mut r = all[0].clone();
+        r.cell = format!("{settings:?}");
         r.varied = varied(settings);
         r.window = window;
         r.report.loss = loss;
