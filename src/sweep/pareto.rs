@@ -347,6 +347,67 @@ pub(crate) fn table(rows: &[Row]) -> Result<Option<DataFrame>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sweep::fixture;
+    use crate::sweep::rows::{rows, Membership};
+
+    /// A setting's cells count in each stage that lists them: two stages of the same cells
+    /// are drawn once (the earlier), one within a larger is drawn as the larger, and two that
+    /// share only some cells are both kept, each with all of its own.
+    #[test]
+    fn settings_share_cells_by_membership() {
+        let base = rows(&fixture::sweep_dir("by-setting")).unwrap().rows[0].clone();
+        let cell = |id: &str, stage: &str, seed: &str, also: &[&str]| {
+            let mut r = base.clone();
+            r.cell = id.into();
+            r.stage = stage.into();
+            r.varied = vec![("train.seed".into(), seed.into())];
+            r.also = also
+                .iter()
+                .map(|s| Membership {
+                    stage: s.to_string(),
+                    varied: r.varied.clone(),
+                    line: s.to_string(),
+                    rung: false,
+                })
+                .collect();
+            r
+        };
+        let grouping = |rows: &[Row]| -> Vec<(String, Vec<String>)> {
+            by_setting(rows)
+                .into_iter()
+                .map(|(named, g)| {
+                    (
+                        named.stage.clone(),
+                        g.iter().map(|r| r.cell.clone()).collect(),
+                    )
+                })
+                .collect()
+        };
+        let equal = [cell("a", "x", "1", &["y"]), cell("b", "x", "2", &["y"])];
+        assert_eq!(
+            grouping(&equal),
+            [("x".into(), vec!["a".into(), "b".into()])]
+        );
+        let within = [
+            cell("a", "x", "1", &["y"]),
+            cell("b", "y", "2", &[]),
+            cell("c", "y", "3", &[]),
+        ];
+        let whole = vec!["a".to_string(), "b".into(), "c".into()];
+        assert_eq!(grouping(&within), [("y".to_string(), whole)]);
+        let partial = [
+            cell("a", "x", "1", &[]),
+            cell("b", "x", "2", &["y"]),
+            cell("c", "y", "3", &[]),
+        ];
+        assert_eq!(
+            grouping(&partial),
+            [
+                ("x".to_string(), vec!["a".to_string(), "b".into()]),
+                ("y".to_string(), vec!["b".to_string(), "c".into()]),
+            ]
+        );
+    }
 
     #[test]
     fn front_keeps_only_undominated_points() {

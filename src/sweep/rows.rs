@@ -468,17 +468,27 @@ fn row_of(
 /// The lines of the cell `c` reads: its membership in the stage that names it
 /// (`Cell::reads_stage`), else (an older cells.json) every stage that lists it.
 fn read_lines(c: &Cell, cells: &[Cell]) -> Vec<String> {
-    let read: Vec<&Cell> = cells
+    let Some(read) = &c.reads else {
+        return Vec::new();
+    };
+    memberships(cells, read, c.reads_stage.as_ref())
+        .into_iter()
+        .map(|x| line_of(x, cells))
+        .collect()
+}
+
+/// The entries of cell `id` in `cells` (a cell that several stages share is listed once per
+/// stage): the one of `stage` where a stage is named and lists it, else every one.
+fn memberships<'a>(cells: &'a [Cell], id: &str, stage: Option<&String>) -> Vec<&'a Cell> {
+    let all: Vec<&Cell> = cells.iter().filter(|x| x.id == id).collect();
+    let named: Vec<&Cell> = all
         .iter()
-        .filter(|x| c.reads.as_ref() == Some(&x.id))
-        .collect();
-    let named: Vec<&&Cell> = read
-        .iter()
-        .filter(|x| c.reads_stage.as_ref() == Some(&x.stage))
+        .copied()
+        .filter(|x| stage == Some(&x.stage))
         .collect();
     match named.is_empty() {
-        true => read.iter().map(|x| line_of(x, cells)).collect(),
-        false => named.iter().map(|x| line_of(x, cells)).collect(),
+        true => all,
+        false => named,
     }
 }
 
@@ -548,12 +558,9 @@ fn line_of(c: &Cell, cells: &[Cell]) -> String {
     // there), else its first entry.
     let dependency = |t: &Cell| {
         let d = t.depends_on.as_ref()?;
-        let of = |x: &&Cell| &x.id == d;
-        cells
-            .iter()
-            .filter(of)
-            .find(|x| t.depends_on_stage.as_ref() == Some(&x.stage))
-            .or_else(|| cells.iter().find(of))
+        memberships(cells, d, t.depends_on_stage.as_ref())
+            .first()
+            .copied()
     };
     let mut thresholds = Vec::new();
     let mut train = Some(c);
