@@ -87,10 +87,15 @@ pub(crate) struct BenchDecodeCmd {
     /// with kernel_time.csv and kernel_kinds.csv (GPU time by kernel and by kind).
     #[arg(long)]
     profile: bool,
+    /// Runs nothing: draws the figure again from --out's decode_bench.csv (its rows of
+    /// --model; the bandwidth floor's label from --hbm-tbps).
+    #[arg(long)]
+    redraw: bool,
 }
 
 /// `attnsweep bench decode`.
 pub(crate) fn run_cmd(c: BenchDecodeCmd) -> Result<()> {
+    let again = c.redraw;
     let b = DecodeBench {
         model: presets::model(&c.model)?,
         model_name: c.model,
@@ -113,6 +118,10 @@ pub(crate) fn run_cmd(c: BenchDecodeCmd) -> Result<()> {
         peers: !c.no_peers,
         profile: c.profile,
     };
+    if again {
+        println!("{}", redraw(&b)?.display());
+        return Ok(());
+    }
     b.validate()?;
     let kern = kernels::cuda()
         .context("bench decode needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
@@ -491,6 +500,28 @@ fn earlier_rows(csv: &std::path::Path) -> Result<Vec<DecodeRow>> {
         .collect()
 }
 
+/// Runs nothing: the figure of `b.out`'s decode_bench.csv drawn again (after a change to how
+/// figures are drawn); returns the PNG's path.
+pub(crate) fn redraw(b: &DecodeBench) -> Result<PathBuf> {
+    let csv = b.out.join("decode_bench.csv");
+    ensure!(
+        csv.exists(),
+        "{} does not exist: --redraw draws the figure from the CSV a bench wrote there",
+        csv.display()
+    );
+    let rows = earlier_rows(&csv)?;
+    ensure!(
+        rows.iter()
+            .any(|r| r.model == b.model_name && r.step_ms.is_finite()),
+        "{} holds no measured row of {}: name the model it ran with --model",
+        csv.display(),
+        b.model_name
+    );
+    let stem = b.out.join("decode_bench");
+    figure(b, &rows).save(&stem)?;
+    Ok(stem.with_extension("png"))
+}
+
 /// Runs the bench; returns the CSV's path.
 pub(crate) fn run(b: &DecodeBench, kern: &'static Kernels) -> Result<PathBuf> {
     std::fs::create_dir_all(&b.out)
@@ -657,5 +688,65 @@ fn figure(b: &DecodeBench, rows: &[DecodeRow]) -> Figure {
             b.model_name
         ),
         panels,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_figure_is_redrawn_from_the_csv() {
+        let out = crate::util::scratch_dir("decode-redraw");
+        let b = DecodeBench {
+            model_name: "smollm2-135m".into(),
+            model: presets::model("smollm2-135m").unwrap(),
+            methods: vec![],
+            contexts: vec![8192],
+            batches: vec![8],
+            window: 1024,
+            full_usage: 0.1,
+            ppa_power: 0.5,
+            short: 16,
+            new: 64,
+            reps: 1,
+            eager: false,
+            hbm_tbps: 4.8,
+            out: out.clone(),
+            python: "python3".into(),
+            peers: false,
+            profile: false,
+        };
+        assert!(format!("{:#}", redraw(&b).unwrap_err()).contains("does not exist"));
+        let row = |method: &str, context: i64, step_ms: f64| DecodeRow {
+            model: "smollm2-135m".into(),
+            window: String::new(),
+            imp: OURS.into(),
+            method: method.into(),
+            context,
+            batch: 8,
+            ttft_ms: 10.0,
+            step_ms,
+            step_ms_spread: 0.1,
+            floor_ms: Some(0.3),
+            kv_gib: Some(1.0),
+            peak_gib: 2.0,
+            runs: 3,
+            note: String::new(),
+        };
+        let rows = [
+            row("full", 8192, 1.5),
+            row("full", 16384, 2.1),
+            row("l2a", 8192, 4.6),
+        ];
+        let records: Vec<Vec<String>> = rows.iter().map(DecodeRow::record).collect();
+        atomic::write_csv(&out.join("decode_bench.csv"), &HEADER, &records).unwrap();
+        let png = redraw(&b).unwrap();
+        assert!(png.is_file() && out.join("decode_bench.svg").is_file());
+        let other = DecodeBench {
+            model_name: "olmo2-1b".into(),
+            ..b
+        };
+        assert!(format!("{:#}", redraw(&other).unwrap_err()).contains("no measured row"));
     }
 }

@@ -183,6 +183,12 @@ const LEGEND_W: u32 = 300;
 
 /// Pixels of the legend of `series`: the marker's column and the longest name at the
 /// legend's font (about 8 pixels a character).
+/// A generous width in pixels of `text` set in the figures' sans-serif at `font` pixels: an
+/// average character is about half the font's size wide, capitals and 'm' more.
+fn title_width(text: &str, font: u32) -> u32 {
+    text.chars().count() as u32 * font * 11 / 20
+}
+
 fn legend_width<'a>(series: impl IntoIterator<Item = &'a Series>) -> u32 {
     let longest = series
         .into_iter()
@@ -738,14 +744,22 @@ impl Figure {
     }
 
     /// Pixels of the figure: panels side by side and long legend names widen it.
+    /// Wide enough for its panels, its legend and its title (a title wider than the area it
+    /// is centred on would be cut at both edges).
     pub(crate) fn size(&self) -> (u32, u32) {
+        let fits = |width: u32, title: &str, font: u32| width.max(title_width(title, font) + 48);
         match self {
-            Figure::Panels { panels, .. } => (
-                Self::panels_legend_width(panels) + 560 * panels.len() as u32,
+            Figure::Panels { panels, title } => (
+                Self::panels_legend_width(panels) + fits(560 * panels.len() as u32, title, 22),
                 SIZE.1,
             ),
-            Figure::Lines { series, .. } => (SIZE.0 - LEGEND_W + legend_width(series), SIZE.1),
-            _ => SIZE,
+            Figure::Lines { series, title, .. } => (
+                fits(SIZE.0 - LEGEND_W, title, 20) + legend_width(series),
+                SIZE.1,
+            ),
+            Figure::Heatmap { title, .. } | Figure::Bars { title, .. } => {
+                (fits(SIZE.0, title, 22), SIZE.1)
+            }
         }
     }
 
@@ -1179,6 +1193,33 @@ pub(super) mod tests {
                     f.title()
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_long_title_widens_its_figure() {
+        let title = "Greedy decoding of smollm2-135m: a step against the context";
+        let mut figs = fixtures();
+        for f in &mut figs {
+            match f {
+                Figure::Lines { title: t, .. }
+                | Figure::Heatmap { title: t, .. }
+                | Figure::Bars { title: t, .. }
+                | Figure::Panels { title: t, .. } => *t = title.into(),
+            }
+            // The area the title is centred on, and the title's font there.
+            let (legend, font) = match &*f {
+                Figure::Lines { series, .. } => (legend_width(series), 20),
+                Figure::Panels { panels, .. } => (Figure::panels_legend_width(panels), 22),
+                _ => (0, 22),
+            };
+            let (w, _) = f.size();
+            assert!(
+                w - legend >= title_width(title, font),
+                "{w} for {:?}",
+                f.title()
+            );
+            assert!(render(f).0 > 5_000);
         }
     }
 
