@@ -1188,6 +1188,30 @@ fn sweep_isolates_failures_skips_finished_cells_and_reruns_failed_ones() {
         .contains("--dependency=afterany"));
 }
 
+/// A dry run refuses what the run would, before anything is written: a cell index past the
+/// grid, slots that --devices cannot hold.
+#[test]
+fn a_dry_run_refuses_cells_past_the_grid_and_slots_that_do_not_fit() {
+    let d = scratch("sweep-refused");
+    let grid = tiny_grid(&d, "", "");
+    let out = d.join("out");
+    let (g, o) = (grid.to_str().unwrap(), out.to_str().unwrap());
+    let refused = |words: &str| {
+        cli("sweep")
+            .flag("--grid", g)
+            .flag("--out", o)
+            .words(words)
+            .fails()
+    };
+    let err = refused("--cell 999 --dry-run");
+    assert!(err.contains("--cell 999: the grid has cells 0 to"), "{err}");
+    let err = refused("--devices 0 --gpus-per-cell 2 --dry-run");
+    assert!(err.contains("--gpus-per-cell 2 does not divide"), "{err}");
+    let err = refused("--devices 0 --gpus-per-cell 0 --dry-run");
+    assert!(err.contains("at least 1"), "{err}");
+    assert!(!out.exists());
+}
+
 #[test]
 fn sweep_resumes_an_interrupted_cell_and_two_runners_never_run_a_cell_twice() {
     let d = scratch("sweep2");

@@ -145,6 +145,17 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
             x.id
         );
     }
+    if let Some(i) = c.cell.iter().find(|&&i| i >= cells.len()) {
+        anyhow::bail!(
+            "--cell {i}: the grid has cells 0 to {} (`sweep --dry-run` lists them)",
+            cells.len() - 1
+        );
+    }
+    // Where the cells would run, checked before a dry run too: it refuses what the run would.
+    let gpus_per_cell = match c.emit {
+        Some(_) => 1,
+        None => placed(&c, &cells)?,
+    };
     let out = c
         .out
         .unwrap_or_else(|| PathBuf::from("results").join(&grid.name));
@@ -193,29 +204,6 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
         println!("wrote Slurm job arrays; submit with {}", submit.display());
         return Ok(());
     }
-    let ranks = cells
-        .iter()
-        .map(|x| x.config.train.ranks)
-        .max()
-        .unwrap_or(1);
-    let gpus_per_cell = slot_size(c.gpus_per_cell, &c.devices, ranks)?;
-    // A cell on a slot of k GPUs trains k ranks, each a share of the step's micro-batches:
-    // refused here, before any cell runs, where they do not share out evenly.
-    let uneven = cells.iter().find(|x| {
-        x.kind == sweep::StageKind::Train
-            && !c.devices.is_empty()
-            && (c.cell.is_empty() || c.cell.contains(&x.index))
-            && x.config.train.grad_accum % gpus_per_cell != 0
-    });
-    if let Some(x) = uneven {
-        anyhow::bail!(
-            "cell {} ({}) takes train.grad_accum = {} micro-batches a step, which {gpus_per_cell} \
-             GPUs a cell cannot share out evenly: pass a --gpus-per-cell that divides it",
-            x.index,
-            x.id,
-            x.config.train.grad_accum
-        );
-    }
     let args = sweep::SweepArgs {
         out: out.clone(),
         jobs: c.jobs,
@@ -263,7 +251,39 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
 /// The GPUs of --devices each train cell takes: `explicit` (--gpus-per-cell), else the
 /// grid's largest train.ranks where devices are named, else 1. A default that does not fit
 /// the devices names the option that does (a cell over fewer GPUs keeps its global batch).
+/// The GPUs a cell's slot of --devices holds, refused before any cell runs where the slots or
+/// the cells' micro-batches do not share out.
+fn placed(c: &SweepCmd, cells: &[sweep::Cell]) -> Result<usize> {
+    let ranks = cells
+        .iter()
+        .map(|x| x.config.train.ranks)
+        .max()
+        .unwrap_or(1);
+    let gpus_per_cell = slot_size(c.gpus_per_cell, &c.devices, ranks)?;
+    // A cell on a slot of k GPUs trains k ranks, each a share of the step's micro-batches.
+    let uneven = cells.iter().find(|x| {
+        x.kind == sweep::StageKind::Train
+            && !c.devices.is_empty()
+            && (c.cell.is_empty() || c.cell.contains(&x.index))
+            && x.config.train.grad_accum % gpus_per_cell != 0
+    });
+    if let Some(x) = uneven {
+        anyhow::bail!(
+            "cell {} ({}) takes train.grad_accum = {} micro-batches a step, which {gpus_per_cell} \
+             GPUs a cell cannot share out evenly: pass a --gpus-per-cell that divides it",
+            x.index,
+            x.id,
+            x.config.train.grad_accum
+        );
+    }
+    Ok(gpus_per_cell)
+}
+
 fn slot_size(explicit: Option<usize>, devices: &[usize], ranks: usize) -> Result<usize> {
+    anyhow::ensure!(
+        explicit != Some(0),
+        "--gpus-per-cell must be at least 1 (got 0)"
+    );
     let k = explicit.unwrap_or(if devices.is_empty() { 1 } else { ranks });
     if explicit.is_none() && !devices.is_empty() && devices.len() % k != 0 {
         let fits: Vec<String> = (1..=devices.len())
