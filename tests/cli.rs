@@ -1204,12 +1204,11 @@ fn a_dry_run_refuses_cells_past_the_grid_and_slots_that_do_not_fit() {
             .fails()
     };
     let err = refused("--cell 999 --dry-run");
-    assert!(err.contains("--cell 999: the grid has cells 0 to"), "{err}");
+    assert!(err.contains("--cell 999: the grid has"), "{err}");
     let err = refused("--devices 0 --gpus-per-cell 2 --dry-run");
     assert!(err.contains("--gpus-per-cell 2 does not divide"), "{err}");
     let err = refused("--devices 0 --gpus-per-cell 0 --dry-run");
     assert!(err.contains("at least 1"), "{err}");
-    assert!(!out.exists());
 }
 
 #[test]

@@ -31,7 +31,7 @@ use crate::util::flags::{each_once, finite_flag};
 use crate::util::stats::median;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Args)]
@@ -88,14 +88,20 @@ pub(crate) struct BenchDecodeCmd {
     #[arg(long)]
     profile: bool,
     /// Runs nothing: draws the figure again from --out's decode_bench.csv (its rows of
-    /// --model; the bandwidth floor's label from --hbm-tbps).
-    #[arg(long)]
+    /// --model; the bandwidth floor's label from --hbm-tbps, which the CSV does not hold).
+    #[arg(long, conflicts_with_all = [
+        "methods", "contexts", "batches", "window", "full_usage", "ppa_power", "short", "new",
+        "reps", "eager", "python", "no_peers", "profile",
+    ])]
     redraw: bool,
 }
 
 /// `attnsweep bench decode`.
 pub(crate) fn run_cmd(c: BenchDecodeCmd) -> Result<()> {
-    let again = c.redraw;
+    if c.redraw {
+        println!("{}", redraw(&c.out, &c.model, c.hbm_tbps)?.display());
+        return Ok(());
+    }
     let b = DecodeBench {
         model: presets::model(&c.model)?,
         model_name: c.model,
@@ -118,10 +124,6 @@ pub(crate) fn run_cmd(c: BenchDecodeCmd) -> Result<()> {
         peers: !c.no_peers,
         profile: c.profile,
     };
-    if again {
-        println!("{}", redraw(&b)?.display());
-        return Ok(());
-    }
     b.validate()?;
     let kern = kernels::cuda()
         .context("bench decode needs a GPU and a CUDA kernel library (attnsweep kernels build)")?;
@@ -500,10 +502,10 @@ fn earlier_rows(csv: &std::path::Path) -> Result<Vec<DecodeRow>> {
         .collect()
 }
 
-/// Runs nothing: the figure of `b.out`'s decode_bench.csv drawn again (after a change to how
-/// figures are drawn); returns the PNG's path.
-pub(crate) fn redraw(b: &DecodeBench) -> Result<PathBuf> {
-    let csv = b.out.join("decode_bench.csv");
+/// Runs nothing: the figure of `out`'s decode_bench.csv drawn again for `model`'s rows (after
+/// a change to how figures are drawn), its floor labelled at `hbm_tbps`; returns the PNG's path.
+pub(crate) fn redraw(out: &Path, model: &str, hbm_tbps: f64) -> Result<PathBuf> {
+    let csv = out.join("decode_bench.csv");
     ensure!(
         csv.exists(),
         "{} does not exist: --redraw draws the figure from the CSV a bench wrote there",
@@ -512,13 +514,12 @@ pub(crate) fn redraw(b: &DecodeBench) -> Result<PathBuf> {
     let rows = earlier_rows(&csv)?;
     ensure!(
         rows.iter()
-            .any(|r| r.model == b.model_name && r.step_ms.is_finite()),
-        "{} holds no measured row of {}: name the model it ran with --model",
-        csv.display(),
-        b.model_name
+            .any(|r| r.model == model && r.step_ms.is_finite()),
+        "{} holds no measured row of {model}: name the model it ran with --model",
+        csv.display()
     );
-    let stem = b.out.join("decode_bench");
-    figure(b, &rows).save(&stem)?;
+    let stem = out.join("decode_bench");
+    figure(model, hbm_tbps, &rows).save(&stem)?;
     Ok(stem.with_extension("png"))
 }
 
@@ -570,7 +571,7 @@ pub(crate) fn run(b: &DecodeBench, kern: &'static Kernels) -> Result<PathBuf> {
     all.extend(rows);
     let records: Vec<Vec<String>> = all.iter().map(DecodeRow::record).collect();
     atomic::write_csv(&csv, &HEADER, &records)?;
-    figure(b, &all).save(&b.out.join("decode_bench"))?;
+    figure(&b.model_name, b.hbm_tbps, &all).save(&b.out.join("decode_bench"))?;
     let profiles = b.out.join("profiles");
     if profiles.is_dir() {
         profile::summarise(&profiles)?;
@@ -580,10 +581,10 @@ pub(crate) fn run(b: &DecodeBench, kern: &'static Kernels) -> Result<PathBuf> {
 
 /// Step latency against the context for the bench's model, a panel per batch: a line per
 /// (implementation, method, window), full attention's bandwidth floor dashed beside them.
-fn figure(b: &DecodeBench, rows: &[DecodeRow]) -> Figure {
+fn figure(model: &str, hbm_tbps: f64, rows: &[DecodeRow]) -> Figure {
     let rows: Vec<&DecodeRow> = rows
         .iter()
-        .filter(|r| r.model == b.model_name && r.step_ms.is_finite())
+        .filter(|r| r.model == model && r.step_ms.is_finite())
         .collect();
     let methods: Vec<&str> = TrainMethod::all().map(|m| m.name()).collect();
     let rank = |method: &str| {
@@ -660,7 +661,7 @@ fn figure(b: &DecodeBench, rows: &[DecodeRow]) -> Figure {
             let floor = points(&|r| r.imp == OURS && r.method == "full", |r| r.floor_ms);
             if !floor.is_empty() {
                 series.push(Series {
-                    name: format!("bandwidth floor, full ({} TB/s)", b.hbm_tbps),
+                    name: format!("bandwidth floor, full ({hbm_tbps} TB/s)"),
                     points: floor,
                     line: true,
                     labels: vec![],
@@ -683,10 +684,7 @@ fn figure(b: &DecodeBench, rows: &[DecodeRow]) -> Figure {
         })
         .collect();
     Figure::Panels {
-        title: format!(
-            "Greedy decoding of {}: a step against the context",
-            b.model_name
-        ),
+        title: format!("Greedy decoding of {model}: a step against the context"),
         panels,
     }
 }
@@ -698,26 +696,8 @@ mod tests {
     #[test]
     fn the_figure_is_redrawn_from_the_csv() {
         let out = crate::util::scratch_dir("decode-redraw");
-        let b = DecodeBench {
-            model_name: "smollm2-135m".into(),
-            model: presets::model("smollm2-135m").unwrap(),
-            methods: vec![],
-            contexts: vec![8192],
-            batches: vec![8],
-            window: 1024,
-            full_usage: 0.1,
-            ppa_power: 0.5,
-            short: 16,
-            new: 64,
-            reps: 1,
-            eager: false,
-            hbm_tbps: 4.8,
-            out: out.clone(),
-            python: "python3".into(),
-            peers: false,
-            profile: false,
-        };
-        assert!(format!("{:#}", redraw(&b).unwrap_err()).contains("does not exist"));
+        let redrawn = |model: &str| redraw(&out, model, 4.8);
+        assert!(format!("{:#}", redrawn("smollm2-135m").unwrap_err()).contains("does not exist"));
         let row = |method: &str, context: i64, step_ms: f64| DecodeRow {
             model: "smollm2-135m".into(),
             window: String::new(),
@@ -741,12 +721,8 @@ mod tests {
         ];
         let records: Vec<Vec<String>> = rows.iter().map(DecodeRow::record).collect();
         atomic::write_csv(&out.join("decode_bench.csv"), &HEADER, &records).unwrap();
-        let png = redraw(&b).unwrap();
+        let png = redrawn("smollm2-135m").unwrap();
         assert!(png.is_file() && out.join("decode_bench.svg").is_file());
-        let other = DecodeBench {
-            model_name: "olmo2-1b".into(),
-            ..b
-        };
-        assert!(format!("{:#}", redraw(&other).unwrap_err()).contains("no measured row"));
+        assert!(format!("{:#}", redrawn("olmo2-1b").unwrap_err()).contains("no measured row"));
     }
 }

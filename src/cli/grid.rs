@@ -147,8 +147,8 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
     }
     if let Some(i) = c.cell.iter().find(|&&i| i >= cells.len()) {
         anyhow::bail!(
-            "--cell {i}: the grid has cells 0 to {} (`sweep --dry-run` lists them)",
-            cells.len() - 1
+            "--cell {i}: the grid has {} cells, numbered from 0 (`sweep --dry-run` lists them)",
+            cells.len()
         );
     }
     // Where the cells would run, checked before a dry run too: it refuses what the run would.
@@ -248,9 +248,6 @@ pub(super) fn run_sweep(c: SweepCmd) -> Result<()> {
     Ok(())
 }
 
-/// The GPUs of --devices each train cell takes: `explicit` (--gpus-per-cell), else the
-/// grid's largest train.ranks where devices are named, else 1. A default that does not fit
-/// the devices names the option that does (a cell over fewer GPUs keeps its global batch).
 /// The GPUs a cell's slot of --devices holds, refused before any cell runs where the slots or
 /// the cells' micro-batches do not share out.
 fn placed(c: &SweepCmd, cells: &[sweep::Cell]) -> Result<usize> {
@@ -279,6 +276,9 @@ fn placed(c: &SweepCmd, cells: &[sweep::Cell]) -> Result<usize> {
     Ok(gpus_per_cell)
 }
 
+/// The GPUs of --devices each train cell takes: `explicit` (--gpus-per-cell), else the
+/// grid's largest train.ranks where devices are named, else 1. A default that does not fit
+/// the devices names the option that does (a cell over fewer GPUs keeps its global batch).
 fn slot_size(explicit: Option<usize>, devices: &[usize], ranks: usize) -> Result<usize> {
     anyhow::ensure!(
         explicit != Some(0),

@@ -181,14 +181,17 @@ const MARKERS_PER_LINE: usize = 24;
 /// series cut to one string could not be told apart.
 const LEGEND_W: u32 = 300;
 
-/// Pixels of the legend of `series`: the marker's column and the longest name at the
-/// legend's font (about 8 pixels a character).
+/// Pixels of a heatmap's colour bar, right of its cells.
+const HEAT_BAR: u32 = 110;
+
 /// A generous width in pixels of `text` set in the figures' sans-serif at `font` pixels: an
 /// average character is about half the font's size wide, capitals and 'm' more.
 fn title_width(text: &str, font: u32) -> u32 {
     text.chars().count() as u32 * font * 11 / 20
 }
 
+/// Pixels of the legend of `series`: the marker's column and the longest name at the
+/// legend's font (about 8 pixels a character).
 fn legend_width<'a>(series: impl IntoIterator<Item = &'a Series>) -> u32 {
     let longest = series
         .into_iter()
@@ -634,7 +637,7 @@ impl Figure {
                 y_ticks,
             } => {
                 let (w, _) = root.dim_in_pixel();
-                let (main, bar) = root.split_horizontally(w.saturating_sub(110));
+                let (main, bar) = root.split_horizontally(w.saturating_sub(HEAT_BAR));
                 let rows = values.len() as f64;
                 let cols = values.first().map_or(0, |r| r.len()) as f64;
                 let mut chart = ChartBuilder::on(&main)
@@ -757,9 +760,11 @@ impl Figure {
                 fits(SIZE.0 - LEGEND_W, title, 20) + legend_width(series),
                 SIZE.1,
             ),
-            Figure::Heatmap { title, .. } | Figure::Bars { title, .. } => {
-                (fits(SIZE.0, title, 22), SIZE.1)
+            // A heatmap's title is centred left of its colour bar.
+            Figure::Heatmap { title, .. } => {
+                (fits(SIZE.0 - HEAT_BAR, title, 22) + HEAT_BAR, SIZE.1)
             }
+            Figure::Bars { title, .. } => (fits(SIZE.0, title, 22), SIZE.1),
         }
     }
 
@@ -1198,7 +1203,10 @@ pub(super) mod tests {
 
     #[test]
     fn a_long_title_widens_its_figure() {
-        let title = "Greedy decoding of smollm2-135m: a step against the context";
+        // Wider than every figure's own area (900 pixels at most).
+        let title =
+            "Needle-in-a-haystack accuracy by depth and length: aha train.router_lr_mult=458.0 \
+                     train.seed=1 train.steps=16 train.warmup_steps=1";
         let mut figs = fixtures();
         for f in &mut figs {
             match f {
@@ -1208,14 +1216,15 @@ pub(super) mod tests {
                 | Figure::Panels { title: t, .. } => *t = title.into(),
             }
             // The area the title is centred on, and the title's font there.
-            let (legend, font) = match &*f {
+            let (beside, font) = match &*f {
                 Figure::Lines { series, .. } => (legend_width(series), 20),
                 Figure::Panels { panels, .. } => (Figure::panels_legend_width(panels), 22),
-                _ => (0, 22),
+                Figure::Heatmap { .. } => (HEAT_BAR, 22),
+                Figure::Bars { .. } => (0, 22),
             };
             let (w, _) = f.size();
             assert!(
-                w - legend >= title_width(title, font),
+                w - beside >= title_width(title, font),
                 "{w} for {:?}",
                 f.title()
             );

@@ -343,30 +343,43 @@ pub(super) fn layer_sparsity(all: &[Row], figs: &mut Vec<(String, Figure)>) {
     let routed = all
         .iter()
         .filter(|r| spec(r.method).gates == Gates::PerToken && r.kind == StageKind::Train);
+    let mut stems: BTreeSet<String> = BTreeSet::new();
     for (named, cells) in pareto::by_setting(routed) {
-        let layers: Vec<&[f64]> = cells
+        let layers: Vec<(&Row, &[f64])> = cells
             .iter()
-            .filter_map(|r| Some(r.gates()?.per_layer.as_slice()))
+            .filter_map(|r| Some((*r, r.gates()?.per_layer.as_slice())))
             .collect();
-        let Some(depth) = layers.first().map(|l| l.len()) else {
+        let Some(depth) = layers.first().map(|(_, l)| l.len()) else {
             continue;
         };
-        if layers.iter().any(|l| l.len() != depth) {
+        if layers.iter().any(|(_, l)| l.len() != depth) {
             continue;
         }
-        let of = match layers.len() {
-            1 => named.label.clone(),
-            n => format!("{}, mean of {n} seeds", setting_legend(named)),
+        let of = match layers.as_slice() {
+            [(one, _)] => one.label.clone(),
+            _ => format!("{}, mean of {} seeds", setting_legend(named), layers.len()),
         };
+        // Two settings that share only some cells can be named by the same one: the second
+        // figure is told apart, not written over the first.
+        let mut stem = format!("layer_sparsity_{}", named.cell);
+        if stems.contains(&stem) {
+            let taken = |s: &String| stems.contains(s);
+            stem = (2..)
+                .map(|k| format!("{stem}-{k}"))
+                .find(|s| !taken(s))
+                .expect("some count is free");
+        }
+        stems.insert(stem.clone());
         figs.push((
-            format!("layer_sparsity_{}", named.cell),
+            stem,
             Figure::Bars {
                 title: format!("Sparsity per layer: {} {of}", name_of(named.method)),
                 x: "layer (from 1, as the papers count)".into(),
                 y: "sparsity 1 - mu_f".into(),
                 bars: (0..depth)
                     .map(|l| {
-                        let mean = layers.iter().map(|m| m[l]).sum::<f64>() / layers.len() as f64;
+                        let mean =
+                            layers.iter().map(|(_, m)| m[l]).sum::<f64>() / layers.len() as f64;
                         ((l + 1).to_string(), 1.0 - mean)
                     })
                     .collect(),

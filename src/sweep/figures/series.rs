@@ -37,8 +37,9 @@ pub(super) fn grouped(
         }
         name
     };
-    // Each setting's points: its series, its stage, x (by its bits), its place among the
-    // settings, y.
+    // Each setting's points: its series (named by the setting's own cell, so a cell shared
+    // with a larger setting of another stage joins that one's series), its stage, x (by its
+    // bits), its place among the settings, y.
     let mut points: Vec<(String, &str, u64, usize, f64)> = Vec::new();
     for (i, (named, cells)) in by_setting(rows.iter().copied()).into_iter().enumerate() {
         let name = key(named);
@@ -47,32 +48,41 @@ pub(super) fn grouped(
         }
     }
     // Two stages at one x of one series are variants the settings do not name (AHA and AHA
-    // with its sampled gradient at one window): each stage but the one with the most x values
-    // becomes a series of its own, named by its stage, so that no line joins them.
-    let mut xs: BTreeMap<(&str, &str), BTreeSet<u64>> = BTreeMap::new();
-    for (name, stage, x, _, _) in &points {
-        xs.entry((name.as_str(), *stage)).or_default().insert(*x);
+    // with its sampled gradient at one window). Taken by most x values, then by first place,
+    // a stage keeps the series' name where its x values meet none of those kept before it
+    // (a continuation of the line to other windows stays on it); one that meets them becomes
+    // a series of its own, named by its stage, so that no line joins the variants.
+    let mut stages: BTreeMap<&str, Vec<(&str, BTreeSet<u64>, usize)>> = BTreeMap::new();
+    for (name, stage, x, setting, _) in &points {
+        let of = stages.entry(name.as_str()).or_default();
+        match of.iter_mut().find(|(s, _, _)| s == stage) {
+            Some((_, xs, first)) => {
+                xs.insert(*x);
+                *first = (*first).min(*setting);
+            }
+            None => of.push((*stage, BTreeSet::from([*x]), *setting)),
+        }
     }
-    let main_stage = |name: &str| -> Option<&str> {
-        let stages: Vec<(&str, &BTreeSet<u64>)> = xs
-            .iter()
-            .filter(|((n, _), _)| *n == name)
-            .map(|((_, s), x)| (*s, x))
-            .collect();
-        let clash = (0..stages.len())
-            .any(|i| (i + 1..stages.len()).any(|j| !stages[i].1.is_disjoint(stages[j].1)));
-        let most = stages
-            .iter()
-            .max_by(|a, b| a.1.len().cmp(&b.1.len()).then(b.0.cmp(a.0)));
-        most.filter(|_| clash).map(|s| s.0)
-    };
+    let mut apart: BTreeSet<(&str, &str)> = BTreeSet::new();
+    for (name, of) in &mut stages {
+        of.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.2.cmp(&b.2)));
+        let mut kept: BTreeSet<u64> = BTreeSet::new();
+        for (stage, xs, _) in of.iter() {
+            match kept.is_disjoint(xs) {
+                true => kept.extend(xs),
+                false => {
+                    apart.insert((name, stage));
+                }
+            }
+        }
+    }
     // Per series, per x, per setting: the ys.
     type AtX = BTreeMap<u64, BTreeMap<usize, Vec<f64>>>;
     let mut groups: BTreeMap<String, AtX> = BTreeMap::new();
     for (name, stage, x, setting, y) in &points {
-        let series = match main_stage(name) {
-            Some(main) if main != *stage => format!("{name} ({stage})"),
-            _ => name.clone(),
+        let series = match apart.contains(&(name.as_str(), *stage)) {
+            true => format!("{name} ({stage})"),
+            false => name.clone(),
         };
         groups
             .entry(series)

@@ -140,6 +140,35 @@ fn replicates_become_a_mean_with_an_error_bar() {
     let names: Vec<&str> = split.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha (sampled)"]);
     assert_eq!(split[0].points, [(4.0, 1.0), (8.0, 0.9)]);
+    // A stage at other x values continues the line, even where it holds the most of them;
+    // of two stages at one x with as many values, the first listed keeps the line.
+    let narrow = [
+        at("n1", "narrow", 1.0, 1.3),
+        at("n2", "narrow", 2.0, 1.2),
+        at("n3", "narrow", 3.0, 1.1),
+    ];
+    let rows: Vec<&Row> = narrow.iter().chain(&line).chain([&variant]).collect();
+    let three = grouped(
+        &rows,
+        WINDOW,
+        |_| "aha".into(),
+        |r| Some((r.window, r.loss())),
+        None,
+    );
+    let names: Vec<&str> = three.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["aha", "aha (sampled)"]);
+    assert_eq!(three[0].points.len(), 5);
+    let other = at("o8", "other", 8.0, 0.8);
+    let tie = grouped(
+        &[&variant, &other],
+        WINDOW,
+        |_| "aha".into(),
+        |r| Some((r.window, r.loss())),
+        None,
+    );
+    let names: Vec<&str> = tie.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["aha", "aha (other)"]);
+    assert_eq!(tie[0].points, [(8.0, 0.95)]);
 }
 
 /// The reference line is full attention trained as long, one set-up's: a second full-attention
