@@ -180,9 +180,12 @@ pub(crate) fn by_setting<'a>(
 }
 
 /// For each (cost, loss) point, whether no other point is at least as good on both and better
-/// on one. Points with a missing or non-finite value are never on the front.
+/// on one. Points with a missing or non-finite value are never on the front. Values apart only
+/// by rounding are equal (two means of the same scores, summed in another order, differ in
+/// their last bits): such a tie dominates nothing.
 pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
     let ok = |p: &Option<(f64, f64)>| p.filter(|(x, y)| x.is_finite() && y.is_finite());
+    let below = |a: f64, b: f64| b - a > 1e-9 * a.abs().max(b.abs());
     points
         .iter()
         .map(|p| {
@@ -190,7 +193,7 @@ pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
             !points
                 .iter()
                 .filter_map(ok)
-                .any(|(a, b)| a <= x && b <= y && (a < x || b < y))
+                .any(|(a, b)| !below(x, a) && !below(y, b) && (below(a, x) || below(b, y)))
         })
         .collect()
 }
@@ -425,5 +428,11 @@ mod tests {
             on_front(&pts),
             [true, true, false, false, true, false, false, true]
         );
+        // A score apart only by rounding is the same score: the point paying more for it is
+        // off the front, and the two tied points both stay on it.
+        let rounded = [Some((0.98, -0.4075)), Some((1.0, -0.40750000000000003))];
+        assert_eq!(on_front(&rounded), [true, false]);
+        let tied = [Some((0.5, 1.0)), Some((0.5, 1.0 + 1e-15))];
+        assert_eq!(on_front(&tied), [true, true]);
     }
 }
