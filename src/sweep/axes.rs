@@ -2,6 +2,7 @@
 //! (`Swept`), and tick labels that print every value exactly and no more digits than its
 //! neighbours need.
 
+use crate::util::stats::below;
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 
 pub(super) fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
@@ -13,9 +14,8 @@ pub(super) fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    // Values apart only by rounding (two means of the same scores summed in another order)
-    // are one value: an axis a few ulps tall has no ticks to label.
-    if hi - lo > 1e-9 * lo.abs().max(hi.abs()) {
+    // Values apart only by rounding are one value: an axis a few ulps tall has no ticks.
+    if below(lo, hi) {
         let pad = (hi - lo) * 0.06;
         return (lo - pad, hi + pad);
     }

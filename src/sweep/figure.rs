@@ -184,6 +184,10 @@ const LEGEND_W: u32 = 300;
 /// Pixels of a heatmap's colour bar, right of its cells.
 const HEAT_BAR: u32 = 110;
 
+/// Pixels of a figure's title, and of a single chart's (which sits above its legend's column).
+const TITLE_FONT: u32 = 22;
+const CHART_TITLE_FONT: u32 = 20;
+
 /// A generous width in pixels of `text` set in the figures' sans-serif at `font` pixels: an
 /// average character is about half the font's size wide, capitals and 'm' more.
 fn title_width(text: &str, font: u32) -> u32 {
@@ -425,7 +429,7 @@ fn draw_lines<DB: DrawingBackend>(
     } = line_axes(series, x_axis);
     let mut builder = ChartBuilder::on(root);
     builder
-        .caption(title, text(20))
+        .caption(title, text(CHART_TITLE_FONT))
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(72);
@@ -617,7 +621,7 @@ impl Figure {
                 let (w, _) = root.dim_in_pixel();
                 let width = Self::panels_legend_width(panels);
                 let (body, legend) = root.split_horizontally(w.saturating_sub(width));
-                let body = body.titled(title, text(22)).map_err(err)?;
+                let body = body.titled(title, text(TITLE_FONT)).map_err(err)?;
                 let areas = body.split_evenly((1, panels.len().max(1)));
                 for (area, p) in areas.iter().zip(panels) {
                     let series = looks_of_legend(&p.series, &listed);
@@ -641,7 +645,7 @@ impl Figure {
                 let rows = values.len() as f64;
                 let cols = values.first().map_or(0, |r| r.len()) as f64;
                 let mut chart = ChartBuilder::on(&main)
-                    .caption(title, text(22))
+                    .caption(title, text(TITLE_FONT))
                     .margin(16)
                     .x_label_area_size(48)
                     .y_label_area_size(60)
@@ -701,7 +705,7 @@ impl Figure {
                 let (_, y1) = bounds(bars.iter().map(|b| b.1).chain([0.0]));
                 let n = bars.len() as f64;
                 let mut chart = ChartBuilder::on(root)
-                    .caption(title, text(22))
+                    .caption(title, text(TITLE_FONT))
                     .margin(16)
                     .x_label_area_size(48)
                     .y_label_area_size(72)
@@ -746,25 +750,26 @@ impl Figure {
         Ok(rgb)
     }
 
-    /// Pixels of the figure: panels side by side and long legend names widen it.
-    /// Wide enough for its panels, its legend and its title (a title wider than the area it
-    /// is centred on would be cut at both edges).
+    /// Pixels of the figure: wide enough for its panels side by side, its legend's longest
+    /// name and its title (a title wider than the area it is centred on is cut at both edges).
     pub(crate) fn size(&self) -> (u32, u32) {
         let fits = |width: u32, title: &str, font: u32| width.max(title_width(title, font) + 48);
         match self {
             Figure::Panels { panels, title } => (
-                Self::panels_legend_width(panels) + fits(560 * panels.len() as u32, title, 22),
+                Self::panels_legend_width(panels)
+                    + fits(560 * panels.len() as u32, title, TITLE_FONT),
                 SIZE.1,
             ),
             Figure::Lines { series, title, .. } => (
-                fits(SIZE.0 - LEGEND_W, title, 20) + legend_width(series),
+                fits(SIZE.0 - LEGEND_W, title, CHART_TITLE_FONT) + legend_width(series),
                 SIZE.1,
             ),
             // A heatmap's title is centred left of its colour bar.
-            Figure::Heatmap { title, .. } => {
-                (fits(SIZE.0 - HEAT_BAR, title, 22) + HEAT_BAR, SIZE.1)
-            }
-            Figure::Bars { title, .. } => (fits(SIZE.0, title, 22), SIZE.1),
+            Figure::Heatmap { title, .. } => (
+                fits(SIZE.0 - HEAT_BAR, title, TITLE_FONT) + HEAT_BAR,
+                SIZE.1,
+            ),
+            Figure::Bars { title, .. } => (fits(SIZE.0, title, TITLE_FONT), SIZE.1),
         }
     }
 
@@ -1217,10 +1222,10 @@ pub(super) mod tests {
             }
             // The area the title is centred on, and the title's font there.
             let (beside, font) = match &*f {
-                Figure::Lines { series, .. } => (legend_width(series), 20),
-                Figure::Panels { panels, .. } => (Figure::panels_legend_width(panels), 22),
-                Figure::Heatmap { .. } => (HEAT_BAR, 22),
-                Figure::Bars { .. } => (0, 22),
+                Figure::Lines { series, .. } => (legend_width(series), CHART_TITLE_FONT),
+                Figure::Panels { panels, .. } => (Figure::panels_legend_width(panels), TITLE_FONT),
+                Figure::Heatmap { .. } => (HEAT_BAR, TITLE_FONT),
+                Figure::Bars { .. } => (0, TITLE_FONT),
             };
             let (w, _) = f.size();
             assert!(

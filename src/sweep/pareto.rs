@@ -9,6 +9,7 @@ use crate::config::{name_of, AttentionConfig, Router};
 use crate::model::attention::{spec, Gates};
 use crate::run::report::{PrecisionRecall, Timing};
 use crate::sweep::StageKind;
+use crate::util::stats::below;
 use anyhow::Result;
 use polars::prelude::*;
 use std::collections::BTreeMap;
@@ -181,11 +182,9 @@ pub(crate) fn by_setting<'a>(
 
 /// For each (cost, loss) point, whether no other point is at least as good on both and better
 /// on one. Points with a missing or non-finite value are never on the front. Values apart only
-/// by rounding are equal (two means of the same scores, summed in another order, differ in
-/// their last bits): such a tie dominates nothing.
+/// by rounding are equal (`stats::below`): such a tie dominates nothing.
 pub(crate) fn on_front(points: &[Option<(f64, f64)>]) -> Vec<bool> {
     let ok = |p: &Option<(f64, f64)>| p.filter(|(x, y)| x.is_finite() && y.is_finite());
-    let below = |a: f64, b: f64| b - a > 1e-9 * a.abs().max(b.abs());
     points
         .iter()
         .map(|p| {

@@ -12,6 +12,12 @@ pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// Whether `a` lies below `b` by more than rounding: two means of the same values, summed in
+/// another order, differ in their last bits and are one value.
+pub(crate) fn below(a: f64, b: f64) -> bool {
+    b - a > 1e-9 * a.abs().max(b.abs())
+}
+
 /// Student's t 97.5 % quantile for `df` degrees of freedom (two-sided 95 %): the table's
 /// value at the largest tabulated df not above `df` (conservative between rows), 1.960 for
 /// large df.

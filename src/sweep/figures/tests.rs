@@ -13,6 +13,17 @@ use crate::sweep::fixture;
 
 const WINDOW: &str = "attention.window";
 
+/// `grouped` of `rows` as one line over the window: each cell's loss at its window.
+fn along_window(rows: &[&Row]) -> Vec<crate::sweep::figure::Series> {
+    grouped(
+        rows,
+        WINDOW,
+        |_| "aha".into(),
+        |r| Some((r.window, r.loss())),
+        None,
+    )
+}
+
 /// The settings a label names, as a row holds them.
 fn varied(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
     pairs
@@ -130,13 +141,7 @@ fn replicates_become_a_mean_with_an_error_bar() {
     };
     let line = [at("l4", "aha", 4.0, 1.0), at("l8", "aha", 8.0, 0.9)];
     let variant = at("v8", "sampled", 8.0, 0.95);
-    let split = grouped(
-        &[&line[0], &line[1], &variant],
-        WINDOW,
-        |_| "aha".into(),
-        |r| Some((r.window, r.loss())),
-        None,
-    );
+    let split = along_window(&[&line[0], &line[1], &variant]);
     let names: Vec<&str> = split.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha (sampled)"]);
     assert_eq!(split[0].points, [(4.0, 1.0), (8.0, 0.9)]);
@@ -148,24 +153,12 @@ fn replicates_become_a_mean_with_an_error_bar() {
         at("n3", "narrow", 3.0, 1.1),
     ];
     let rows: Vec<&Row> = narrow.iter().chain(&line).chain([&variant]).collect();
-    let three = grouped(
-        &rows,
-        WINDOW,
-        |_| "aha".into(),
-        |r| Some((r.window, r.loss())),
-        None,
-    );
+    let three = along_window(&rows);
     let names: Vec<&str> = three.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha (sampled)"]);
     assert_eq!(three[0].points.len(), 5);
     let other = at("o8", "other", 8.0, 0.8);
-    let tie = grouped(
-        &[&variant, &other],
-        WINDOW,
-        |_| "aha".into(),
-        |r| Some((r.window, r.loss())),
-        None,
-    );
+    let tie = along_window(&[&variant, &other]);
     let names: Vec<&str> = tie.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha (other)"]);
     assert_eq!(tie[0].points, [(8.0, 0.95)]);
@@ -282,13 +275,7 @@ fn a_control_at_one_window_is_its_own_series_and_legends_keep_whole_names() {
         ),
     ];
     let refs: Vec<&Row> = cells.iter().collect();
-    let s = grouped(
-        &refs,
-        WINDOW,
-        |_| "aha".into(),
-        |r| Some((r.window, r.loss())),
-        None,
-    );
+    let s = along_window(&refs);
     let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aha", "aha router_init_bias=1.0"]);
     assert_eq!(s[0].points, [(8.0, 1.0), (16.0, 0.9)]);
